@@ -1,0 +1,146 @@
+"""Hardware profiles and clusters: what the cost model prices against.
+
+Where it sits: shared data (no torch). `Cluster.parse("h100:128x8")` is what the CLI's
+`--cluster` and `autopar.compile(model, "cpu:4")` accept. Hardware numbers are public
+facts (sources in ../shared/notes/cost-model-facts.md, section 2); the efficiency factors
+that turn peaks into achievable rates live in cost_model/, not here.
+
+Terms: a *node* is a host; *devices* are the accelerators of all nodes; the intra-node
+link is NVLink/NVSwitch (per device, one direction), the inter-node link the NIC
+bandwidth per device (InfiniBand/RoCE).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hardware:
+    name: str
+    peak_flops_per_s: tuple[tuple[str, float], ...]
+    """Dense peak per dtype (bf16/fp16 tensor cores; fp32 for the non-tensor rate)."""
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    intra_node_bandwidth_bytes_per_s: float
+    """Line rate per device, one direction (NVLink)."""
+    intra_node_latency_s: float
+    inter_node_bandwidth_bytes_per_s: float
+    """NIC line rate per device, one direction."""
+    inter_node_latency_s: float
+    default_gpus_per_node: int = 8
+
+    def peak_flops(self, dtype: str) -> float:
+        table = dict(self.peak_flops_per_s)
+        if dtype in table:
+            return table[dtype]
+        if dtype in ("float16", "bfloat16"):
+            return table["bfloat16"]
+        return table["float32"]
+
+
+_TB = 1e12
+_GB = 1e9
+
+HARDWARE: dict[str, Hardware] = {
+    # A100 SXM4: 312 TFLOP/s bf16 dense, 19.5 fp32 (156 TF32); NVLink3 300 GB/s per
+    # direction; one 200 Gb/s HDR NIC per GPU (DGX A100).
+    "a100-40gb": Hardware(
+        name="a100-40gb", peak_flops_per_s=(("bfloat16", 312 * _TB), ("float32", 156 * _TB)),
+        memory_bytes=40 * 10**9, memory_bandwidth_bytes_per_s=1.555 * _TB,
+        intra_node_bandwidth_bytes_per_s=300 * _GB, intra_node_latency_s=5e-6,
+        inter_node_bandwidth_bytes_per_s=25 * _GB, inter_node_latency_s=10e-6,
+    ),
+    "a100-80gb": Hardware(
+        name="a100-80gb", peak_flops_per_s=(("bfloat16", 312 * _TB), ("float32", 156 * _TB)),
+        memory_bytes=80 * 10**9, memory_bandwidth_bytes_per_s=2.039 * _TB,
+        intra_node_bandwidth_bytes_per_s=300 * _GB, intra_node_latency_s=5e-6,
+        inter_node_bandwidth_bytes_per_s=25 * _GB, inter_node_latency_s=10e-6,
+    ),
+    # H100 SXM5: 989 TFLOP/s bf16 dense; NVLink4 450 GB/s per direction; 400 Gb/s NDR per GPU.
+    "h100": Hardware(
+        name="h100", peak_flops_per_s=(("bfloat16", 989 * _TB), ("float32", 494.7 * _TB)),
+        memory_bytes=80 * 10**9, memory_bandwidth_bytes_per_s=3.35 * _TB,
+        intra_node_bandwidth_bytes_per_s=450 * _GB, intra_node_latency_s=4e-6,
+        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=8e-6,
+    ),
+    "h200": Hardware(
+        name="h200", peak_flops_per_s=(("bfloat16", 989 * _TB), ("float32", 494.7 * _TB)),
+        memory_bytes=141 * 10**9, memory_bandwidth_bytes_per_s=4.8 * _TB,
+        intra_node_bandwidth_bytes_per_s=450 * _GB, intra_node_latency_s=4e-6,
+        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=8e-6,
+    ),
+    # B200 (HGX, 1000 W): 2250 TFLOP/s bf16 dense, ~180 GB usable, NVLink5 900 GB/s per direction.
+    "b200": Hardware(
+        name="b200", peak_flops_per_s=(("bfloat16", 2250 * _TB), ("float32", 1100 * _TB)),
+        memory_bytes=180 * 10**9, memory_bandwidth_bytes_per_s=8 * _TB,
+        intra_node_bandwidth_bytes_per_s=900 * _GB, intra_node_latency_s=4e-6,
+        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=8e-6,
+    ),
+    # This machine class (2 cores, gloo over loopback). Rough defaults; `autopar calibrate`
+    # measures the real numbers.
+    "cpu": Hardware(
+        name="cpu", peak_flops_per_s=(("bfloat16", 50e9), ("float32", 50e9)),
+        memory_bytes=24 * GIB, memory_bandwidth_bytes_per_s=10 * _GB,
+        intra_node_bandwidth_bytes_per_s=1 * _GB, intra_node_latency_s=1e-3,
+        inter_node_bandwidth_bytes_per_s=1 * _GB, inter_node_latency_s=1e-3,
+        default_gpus_per_node=1,
+    ),
+}
+
+_CLUSTER_RE = re.compile(r"^(?P<hw>[a-z0-9-]+):(?:(?P<nodes>\d+)x)?(?P<per>\d+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    hardware: Hardware
+    num_nodes: int
+    devices_per_node: int
+    memory_limit_bytes: int | None = None
+    """Per-device memory budget if the user set one (`--memory-gb`), else the hardware's."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes <= 0 or self.devices_per_node <= 0:
+            raise ValueError(
+                f"cluster needs at least one node and one device per node, got "
+                f"{self.num_nodes} x {self.devices_per_node}"
+            )
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError(f"memory limit must be positive, got {self.memory_limit_bytes} bytes")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return self.memory_limit_bytes if self.memory_limit_bytes is not None else self.hardware.memory_bytes
+
+    @property
+    def spec(self) -> str:
+        return f"{self.hardware.name}:{self.num_nodes}x{self.devices_per_node}"
+
+    def with_memory_gb(self, memory_gb: float | None) -> "Cluster":
+        if memory_gb is None:
+            return self
+        if memory_gb <= 0:
+            raise ValueError(f"--memory-gb must be positive, got {memory_gb}")
+        return replace(self, memory_limit_bytes=int(memory_gb * GIB))
+
+    @classmethod
+    def parse(cls, spec: str) -> "Cluster":
+        """`h100:128x8` (nodes x devices per node), `cpu:4` (one node of 4), `a100-80gb:1x8`."""
+        match = _CLUSTER_RE.match(spec.strip().lower()) if isinstance(spec, str) else None
+        if match is None:
+            raise ValueError(
+                f"malformed cluster {spec!r}; expected HW:NODESxDEVICES such as 'h100:16x8' or "
+                f"'cpu:4', with HW one of {', '.join(HARDWARE)}"
+            )
+        hw_name = match["hw"]
+        if hw_name not in HARDWARE:
+            raise ValueError(f"unknown hardware {hw_name!r} in cluster {spec!r}; known: {', '.join(HARDWARE)}")
+        nodes = int(match["nodes"]) if match["nodes"] else 1
+        return cls(hardware=HARDWARE[hw_name], num_nodes=nodes, devices_per_node=int(match["per"]))

@@ -1,0 +1,109 @@
+"""One parallel configuration: the knobs `autopar price` and `autopar train` share.
+
+Where it sits: shared data. The whole-plan search produces one of these (plus per-op
+choices) inside a Plan; the CLI's configuration flags map 1:1 onto its fields.
+
+Terms: dp/tp/pp are the data-, tensor- and pipeline-parallel degrees (dp * tp * pp =
+devices); `micro_batch` is sequences per microbatch per data-parallel rank;
+`num_microbatches` = global_batch / (dp * micro_batch) (gradient accumulation steps
+without pipelining); `interleave` is the number of model chunks per pipeline rank for
+the interleaved 1F1B schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Recompute = Literal["none", "selective", "full"]
+Attention = Literal["flash", "math"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+ATTENTION: tuple[str, ...] = ("flash", "math")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
+    micro_batch: int = 1
+    schedule: Schedule = "1f1b"
+    interleave: int = 1
+    recompute: Recompute = "none"
+    attention: Attention = "flash"
+    sequence_parallel: bool = True
+    """With tp > 1, shard norms/dropout activations over the sequence (Korthikanti et al.)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch", "interleave"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.schedule != "interleaved" and self.interleave != 1:
+            raise ValueError(f"--interleave {self.interleave} needs --schedule interleaved")
+        if self.schedule == "interleaved" and self.pp == 1:
+            raise ValueError("--schedule interleaved needs --pp > 1")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def num_microbatches(self, global_batch: int) -> int:
+        per_step = self.dp * self.micro_batch
+        if global_batch <= 0:
+            raise ValueError(f"--global-batch must be a positive integer, got {global_batch}")
+        if global_batch % per_step:
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by dp * micro-batch = "
+                f"{self.dp} * {self.micro_batch} = {per_step}; pick a global batch that is a multiple "
+                f"of {per_step} or change --dp / --micro-batch"
+            )
+        return global_batch // per_step
+
+    def check(self, *, global_batch: int, num_devices: int, heads: int = 0, kv_heads: int = 0,
+              num_layers: int = 0) -> int:
+        """Validate against a job; returns num_microbatches. ValueError says what to change."""
+        if self.num_devices != num_devices:
+            raise ValueError(
+                f"dp * tp * pp = {self.dp} * {self.tp} * {self.pp} = {self.num_devices} but the cluster "
+                f"has {num_devices} devices; choose degrees whose product is {num_devices}"
+            )
+        if heads and heads % self.tp:
+            raise ValueError(f"--tp {self.tp} does not divide the model's {heads} attention heads")
+        if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
+            raise ValueError(f"--tp {self.tp} and the model's {kv_heads} key/value heads do not divide")
+        chunks = self.pp * self.interleave
+        if num_layers and num_layers < chunks:
+            raise ValueError(
+                f"pp * interleave = {chunks} pipeline chunks but the model has only {num_layers} layers"
+            )
+        m = self.num_microbatches(global_batch)
+        if self.schedule == "interleaved" and m % self.pp:
+            raise ValueError(
+                f"interleaved 1F1B needs the number of microbatches ({m}) to be a multiple of pp ({self.pp})"
+            )
+        return m
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ParallelConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)

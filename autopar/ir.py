@@ -1,0 +1,243 @@
+"""The autopar IR: a frozen, torch-free picture of one traced training step.
+
+Where it sits: `autopar.trace.lower(gm)` builds a `Graph` from the joint forward+backward
+FX graph; every later stage (strategies, costs, solvers, plan) reads it and nothing
+writes it. FX stops at the tracer: from here on a node is a `NodeId` (an int, its
+position in `Graph.nodes`), never an `fx.Node`.
+
+Terms:
+- node: one ATen op (or placeholder) of the joint graph, with its output tensors' metadata.
+- role: what a node's value is to the training step (parameter, input, activation,
+  gradient, loss, ...). Gradients are the values the step returns for parameters.
+- phase: forward or backward, as the tracer's partitioner tags say.
+- layer: index of the repeated block (`layers.<i>`) a node came from, or None.
+- layer group: layers with the same structure (same ops, shapes and wiring). A group's
+  `multiplicity` is how many layers of the real model it stands for: a trace of 2
+  layers of a 126-layer model has one group with multiplicity 126, so a cost computed
+  for one representative layer scales to the whole model.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+NodeId = int
+
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
+}
+
+
+class Role(str, enum.Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    TANGENT = "tangent"
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    LOSS = "loss"
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A reference to another node's value inside `Node.args`."""
+
+    node: NodeId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def size_bytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Node:
+    id: NodeId
+    name: str
+    """The FX node name, for people reading explain output."""
+    op: str
+    """`aten.mm.default`, `placeholder`, `getitem`, ..."""
+    inputs: tuple[NodeId, ...]
+    """Tensor-valued inputs in argument order (duplicates kept)."""
+    args: tuple[Any, ...]
+    """All positional arguments, tensors as `Ref`, lists as tuples, dtypes as strings."""
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    outputs: tuple[TensorMeta, ...]
+    """Output tensors; a multi-output op has several, read through `getitem` nodes."""
+    role: Role
+    phase: Phase
+    flops: int = 0
+    bytes_moved: int = 0
+    """Bytes read plus written if the op ran alone (views and getitem move nothing)."""
+    is_view: bool = False
+    module_path: str = ""
+    layer: int | None = None
+    param_name: str | None = None
+    """For parameters and buffers their state-dict name; for gradients the parameter's."""
+
+    @property
+    def output(self) -> TensorMeta:
+        assert len(self.outputs) == 1, f"node {self.id} ({self.op}) has {len(self.outputs)} outputs"
+        return self.outputs[0]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.size_bytes for t in self.outputs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerGroup:
+    index: int
+    signature: str
+    """Structural hash shared by every layer of the group."""
+    layers: tuple[int, ...]
+    """Traced layer indices in this group."""
+    nodes: tuple[tuple[NodeId, ...], ...]
+    """Per traced layer, its nodes in graph order; position k means the same op in every layer."""
+    multiplicity: int
+    """Number of layers of the real model this group stands for."""
+
+    @property
+    def scale(self) -> float:
+        """Weight of each traced layer: multiplicity / traced layers."""
+        return self.multiplicity / len(self.layers)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInfo:
+    name: str
+    num_parameters: int
+    """Parameters of the real model (after layer scaling, tied weights counted once)."""
+    num_layers: int
+    """Repeated layers of the real model."""
+    batch: int
+    seq: int
+    dtype: str
+    family: str = ""
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    vocab: int = 0
+    ffn: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Graph:
+    model: ModelInfo
+    nodes: tuple[Node, ...]
+    loss: NodeId
+    param_grads: tuple[tuple[NodeId, NodeId], ...]
+    """(parameter node, gradient node) for every parameter that receives a gradient."""
+    layer_groups: tuple[LayerGroup, ...]
+    trace_time_s: float = 0.0
+    _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
+    _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for i, node in enumerate(self.nodes):
+            assert node.id == i, f"node ids must be positions: node {node.id} at {i}"
+        users: list[list[NodeId]] = [[] for _ in self.nodes]
+        for node in self.nodes:
+            for src in dict.fromkeys(node.inputs):
+                users[src].append(node.id)
+        object.__setattr__(self, "_users", tuple(tuple(u) for u in users))
+        weights = [1.0] * len(self.nodes)
+        for group in self.layer_groups:
+            for layer_nodes in group.nodes:
+                for nid in layer_nodes:
+                    weights[nid] = group.scale
+        object.__setattr__(self, "_weights", tuple(weights))
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __getitem__(self, node_id: NodeId) -> Node:
+        return self.nodes[node_id]
+
+    def users(self, node_id: NodeId) -> tuple[NodeId, ...]:
+        return self._users[node_id]
+
+    def by_role(self, role: Role) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.role is role)
+
+    def weight(self, node_id: NodeId) -> float:
+        """How many real-model copies this traced node stands for (1 outside layers)."""
+        return self._weights[node_id]
+
+    @property
+    def flops_per_step(self) -> int:
+        """Forward+backward FLOPs of the real model for one step of `model.batch` sequences."""
+        w = self._weights
+        return int(round(sum(n.flops * w[n.id] for n in self.nodes)))
+
+    @property
+    def ops(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def fingerprint(self) -> str:
+        """sha256 of the structure (ops, wiring, shapes, dtypes, multiplicities)."""
+        h = hashlib.sha256()
+        for n in self.nodes:
+            h.update(
+                json.dumps(
+                    [n.op, n.inputs, [[t.shape, t.dtype] for t in n.outputs], n.role.value],
+                    separators=(",", ":"),
+                ).encode()
+            )
+        h.update(json.dumps([[g.layers, g.multiplicity] for g in self.layer_groups]).encode())
+        return h.hexdigest()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name,
+            "num_parameters": self.model.num_parameters,
+            "num_layers": self.model.num_layers,
+            "batch": self.model.batch,
+            "seq": self.model.seq,
+            "dtype": self.model.dtype,
+            "flops_per_step": self.flops_per_step,
+            "num_nodes": len(self.nodes),
+            "num_ops": len(self.ops),
+            "ops": self.ops,
+            "layer_groups": [
+                {
+                    "index": g.index,
+                    "signature": g.signature[:12],
+                    "traced_layers": list(g.layers),
+                    "multiplicity": g.multiplicity,
+                    "nodes_per_layer": len(g.nodes[0]),
+                }
+                for g in self.layer_groups
+            ],
+            "trace_time_s": round(self.trace_time_s, 3),
+            "fingerprint": self.fingerprint(),
+        }

@@ -1,0 +1,499 @@
+"""Tracer: capture one training step (forward + backward) on fake tensors and lower it.
+
+Where it sits: first stage of the flow. `trace(model, example_inputs)` returns the joint
+forward+backward `torch.fx.GraphModule` of model + loss, captured with
+`aot_export_joint_with_descriptors` under a `FakeTensorMode` on the CPU fake device (never
+the meta device: the backward silently vanishes there). `lower(gm)` turns it into the
+frozen, torch-free `autopar.ir.Graph` that every later stage reads. `trace_model(...)` does
+both for a zoo model, building it under the fake mode so a 405B model costs no memory.
+
+Terms: a *layer* is a child of the model's largest `nn.ModuleList` (`layers.<i>`); module
+paths are recorded per node with `torch.fx.traceback.annotate` from module hooks, and
+backward nodes inherit them through autograd's sequence numbers.
+
+The optimizer is not traced: its memory and time are priced per parameter downstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.ir import Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role, TensorMeta
+from autopar.models.zoo import ModelSource
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class TraceError(ValueError):
+    """The model cannot be traced into a training graph; the message says where and why."""
+
+
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default",
+    "aten.transpose.int", "aten.permute.default", "aten.expand.default", "aten.slice.Tensor",
+    "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.alias.default",
+    "aten.detach.default", "aten.unbind.int", "aten.chunk.default", "aten.as_strided.default",
+    "aten.diagonal.default", "aten.view_as_real.default", "aten.view_as_complex.default",
+    "getitem", "placeholder",
+})
+
+_ATTENTION_FWD = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+})
+_ATTENTION_BWD = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten._scaled_dot_product_flash_attention_backward.default",
+    "aten._scaled_dot_product_efficient_attention_backward.default",
+    "aten._scaled_dot_product_cudnn_attention_backward.default",
+})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Traced:
+    """What `trace` returns: the joint graph plus what lowering needs to know about it."""
+
+    gm: fx.GraphModule
+    layer_prefix: str
+    """Module path of the repeated-layer container (`layers`), '' if none."""
+    num_layers: int
+    trace_time_s: float
+
+
+# ---------------------------------------------------------------------------------------
+# capture
+
+
+class _LossStep(nn.Module):
+    """model + loss as one module whose forward returns the scalar loss.
+
+    With `loss_fn`, the model gets all example inputs but the last and the loss is
+    `loss_fn(output, last_input)`. Without it, the model's own output must be the loss
+    (or carry it as `.loss`, as Hugging Face models do when given labels).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            if not args:
+                raise TraceError("loss_fn given but no example inputs: pass (inputs..., target)")
+            out = self.loss_fn(self.model(*args[:-1], **kwargs), args[-1])
+        else:
+            out = self.model(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+            out = out.loss
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
+            what = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
+            raise TraceError(
+                f"{type(self.model).__name__}.forward returned {what}, not a scalar loss. autopar "
+                "traces a training step: make forward return the loss, or pass "
+                "loss_fn=lambda output, target: ... (the last example input is the target)"
+            )
+        return out
+
+
+def _find_layer_container(model: nn.Module) -> tuple[str, int]:
+    best = ("", 0)
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > best[1]:
+            best = (name, len(mod))
+    return best if best[1] >= 1 else ("", 0)
+
+
+@contextlib.contextmanager
+def _module_annotations(model: nn.Module, active: list[str]) -> Iterator[None]:
+    """Tag every node created inside a submodule's forward with its module path."""
+    contexts: list[Any] = []
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any) -> None:
+            cm = fx_traceback.annotate({"module": name})
+            cm.__enter__()
+            contexts.append(cm)
+            active.append(name)
+        return hook
+
+    def post(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        contexts.pop().__exit__(None, None, None)
+        active.pop()
+
+    handles = []
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_pre_hook(pre(name)))
+            handles.append(mod.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        while contexts:  # a failed forward leaves its contexts open
+            contexts.pop().__exit__(None, None, None)
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _hf_compiling_patch(model: nn.Module) -> Iterator[None]:
+    """Hugging Face mask helpers branch on data unless they believe they are compiling."""
+    if not type(model).__module__.startswith("transformers"):
+        yield
+        return
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = original  # type: ignore[assignment]
+
+
+_DATA_DEPENDENT = re.compile(r"data.dependent|_local_scalar_dense|GuardOnDataDependent|item\(\)", re.I)
+_OP_NAME = re.compile(r"aten\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?")
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    loss_fn: LossFn | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> Traced:
+    """Capture the joint forward+backward graph of `model` (+ `loss_fn`) on the inputs.
+
+    Real inputs and parameters are fine for small models; for large ones build the model
+    and inputs under a `FakeTensorMode` first (see `trace_model`). Raises TraceError naming
+    the module and op when the model cannot be captured.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace needs an nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise TraceError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
+    step = _LossStep(model, loss_fn)
+    layer_prefix, num_layers = _find_layer_container(model)
+    active: list[str] = []
+    start = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
+                _module_annotations(model, active), _hf_compiling_patch(model), \
+                torch.nn.attention.sdpa_kernel(_sdpa_backends()):
+            from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+            joint = aot_export_joint_with_descriptors(stack, step, tuple(example_inputs), example_kwargs or {})
+            gm = joint.graph_module
+    except TraceError:
+        raise
+    except Exception as exc:  # torch raises many types here; we add the where and what
+        where = active[-1] if active else "<top level>"
+        text = f"{type(exc).__name__}: {exc}"
+        op = _OP_NAME.search(text)
+        op_name = op.group(0) if op else "unknown op"
+        if _DATA_DEPENDENT.search(text):
+            raise TraceError(
+                f"cannot trace {type(model).__name__}: data-dependent control flow in module "
+                f"{where!r} (op {op_name}). autopar traces on fake tensors, so Python branches "
+                "on tensor values (if x.sum() > 0, .item(), .tolist()) cannot be captured; "
+                "use torch.where / torch.cond, or move the branch out of forward"
+            ) from exc
+        raise TraceError(
+            f"cannot trace {type(model).__name__}: {op_name} in module {where!r} failed: "
+            f"{text.splitlines()[0][:500]}"
+        ) from exc
+    elapsed = time.perf_counter() - start
+    log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
+    return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed)
+
+
+def _sdpa_backends() -> list[Any]:
+    from torch.nn.attention import SDPBackend
+
+    # SDPA stays one op (flash on the CPU fake device); MATH is allowed as a fallback for
+    # shapes flash refuses, in which case attention appears decomposed.
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def trace_model(
+    source: ModelSource,
+    *,
+    batch: int,
+    dtype: str = "float32",
+    layers_traced: int | None = None,
+) -> Graph:
+    """Trace a zoo model on fake tensors and lower it.
+
+    `layers_traced` traces only that many layers and scales the layer group to the real
+    depth (costs of a uniform model are per-layer sums, so this is exact for them).
+    """
+    if source.config is None:
+        assert source.factory is not None
+        model, inputs = source.factory()
+        traced = trace(model, inputs)
+        return lower(traced, name=source.name, batch=_batch_of(inputs), seq=_seq_of(inputs))
+    if batch <= 0:
+        raise ValueError(f"global batch must be a positive integer, got {batch}")
+    cfg = source.config
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
+    depth = cfg.layers if layers_traced is None else max(1, min(layers_traced, cfg.layers))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)  # build in the target dtype: .to() cannot swap fakes
+    try:
+        with FakeTensorMode():
+            model = source.build(layers=depth)
+            tokens, labels = source.example_inputs(batch)
+    finally:
+        torch.set_default_dtype(previous)
+    traced = trace(model, (tokens, labels))
+    return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
+
+
+def _batch_of(inputs: Sequence[Any]) -> int:
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    return int(first.shape[0]) if first is not None else 1
+
+
+def _seq_of(inputs: Sequence[Any]) -> int:
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 1), None)
+    return int(first.shape[1]) if first is not None else 1
+
+
+# ---------------------------------------------------------------------------------------
+# lowering
+
+
+def _meta(value: Any) -> tuple[TensorMeta, ...]:
+    if isinstance(value, torch.Tensor):
+        return (TensorMeta(shape=tuple(int(d) for d in value.shape), dtype=str(value.dtype).removeprefix("torch.")),)
+    if isinstance(value, (list, tuple)):
+        return tuple(m for v in value for m in _meta(v) if isinstance(v, torch.Tensor))
+    return ()
+
+
+def _convert_arg(arg: Any, ids: dict[fx.Node, NodeId]) -> Any:
+    if isinstance(arg, fx.Node):
+        return Ref(ids[arg])
+    if isinstance(arg, (list, tuple)):
+        return tuple(_convert_arg(a, ids) for a in arg)
+    if isinstance(arg, (int, float, bool, str)) or arg is None:
+        return arg
+    return str(arg).removeprefix("torch.")
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "placeholder"
+    if node.target is getattr(__import__("operator"), "getitem"):
+        return "getitem"
+    return str(node.target)
+
+
+def _flops(op: str, inputs: list[TensorMeta], outputs: tuple[TensorMeta, ...]) -> int:
+    """Tensor-core FLOPs (matmuls and attention). Pointwise work is priced by bytes moved."""
+    if op == "aten.mm.default":
+        (m, k), (_, n) = inputs[0].shape, inputs[1].shape
+        return 2 * m * k * n
+    if op == "aten.addmm.default":
+        (m, k), (_, n) = inputs[1].shape, inputs[2].shape
+        return 2 * m * k * n
+    if op in ("aten.bmm.default", "aten.baddbmm.default"):
+        a, b = (inputs[0], inputs[1]) if op == "aten.bmm.default" else (inputs[1], inputs[2])
+        bs, m, k = a.shape
+        return 2 * bs * m * k * b.shape[2]
+    if op in _ATTENTION_FWD or op in _ATTENTION_BWD:
+        q, k = (inputs[0], inputs[1]) if op in _ATTENTION_FWD else (inputs[1], inputs[2])
+        b, h, sq, d = q.shape
+        sk = k.shape[2]
+        fwd = 4 * b * h * sq * sk * d
+        return fwd if op in _ATTENTION_FWD else 2 * fwd
+    return 0
+
+
+def lower(
+    traced: Traced,
+    *,
+    name: str,
+    batch: int,
+    seq: int,
+    real_layers: int | None = None,
+    config: Any = None,
+) -> Graph:
+    """Lower a traced joint graph to the frozen IR (see autopar/ir.py)."""
+    gm = traced.gm
+    fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    ids = {n: i for i, n in enumerate(fx_nodes)}
+
+    roles: dict[fx.Node, Role] = {}
+    names: dict[fx.Node, str] = {}
+    for n in fx_nodes:
+        if n.op != "placeholder":
+            continue
+        desc = type(n.meta.get("desc")).__name__
+        target = getattr(n.meta.get("desc"), "target", None)
+        roles[n] = {"ParamAOTInput": Role.PARAMETER, "BufferAOTInput": Role.BUFFER,
+                    "TangentAOTInput": Role.TANGENT}.get(desc, Role.INPUT)
+        if target is not None:
+            names[n] = target.removeprefix("model.")
+    loss_fx: fx.Node | None = None
+    param_of_grad: dict[fx.Node, str] = {}
+    for value, desc in zip(output_node.args[0], output_node.meta.get("desc", ())):
+        kind = type(desc).__name__
+        if kind == "PlainAOTOutput" and getattr(desc, "idx", None) == 0:
+            loss_fx = value
+        elif kind == "GradAOTOutput" and isinstance(value, fx.Node):
+            param_of_grad[value] = desc.grad_of.target.removeprefix("model.")
+    if loss_fx is None:
+        raise TraceError("traced graph has no loss output; the model must return a scalar loss")
+
+    # module path per node: forward nodes carry it; unannotated backward nodes take it
+    # from their users (which come later), then from their inputs.
+    paths: dict[fx.Node, str] = {}
+    for n in fx_nodes:
+        custom = n.meta.get("custom") or {}
+        path = custom.get("module", "")
+        paths[n] = path.removeprefix("model.").removeprefix("model") if path else ""
+    for n, pname in names.items():
+        paths[n] = pname.rpartition(".")[0]
+    for n, pname in param_of_grad.items():
+        paths[n] = pname.rpartition(".")[0]
+
+    layer_re = re.compile(rf"^{re.escape(traced.layer_prefix)}\.(\d+)(?:\.|$)") if traced.layer_prefix else None
+
+    def layer_of(path: str) -> int | None:
+        match = layer_re.match(path) if layer_re is not None else None
+        return int(match.group(1)) if match else None
+
+    # Gradient accumulation adds carry no module: autograd's engine makes them. Each adds
+    # a running gradient from later layers to a contribution of its own layer, so it
+    # belongs to the lowest layer among its inputs (in backward order, the current one).
+    for n in fx_nodes:
+        if paths[n] or n.target is not torch.ops.aten.add.Tensor or n.meta.get("partitioner_tag") != "is_backward":
+            continue
+        known = [(layer_of(paths[a]), paths[a]) for a in n.all_input_nodes if paths.get(a)]
+        known = [(layer, path) for layer, path in known if layer is not None]
+        if known:
+            paths[n] = min(known)[1]
+
+    nodes: list[Node] = []
+    param_grads: list[tuple[NodeId, NodeId]] = []
+    param_ids = {names[n]: ids[n] for n in fx_nodes if roles.get(n) is Role.PARAMETER}
+    for n in fx_nodes:
+        op = _op_name(n)
+        outputs = _meta(n.meta.get("val"))
+        input_ids = tuple(ids[a] for a in _flat_nodes(n.args) + _flat_nodes(tuple(n.kwargs.values())))
+        in_meta = [nodes[i].outputs[0] if len(nodes[i].outputs) == 1 else None for i in input_ids]
+        tensor_in = [m for m in in_meta if m is not None]
+        phase = Phase.BACKWARD if n.meta.get("partitioner_tag") == "is_backward" else Phase.FORWARD
+        if n.op == "placeholder":
+            role = roles[n]
+            phase = Phase.BACKWARD if role is Role.TANGENT else Phase.FORWARD
+        elif n is loss_fx:
+            role = Role.LOSS
+        elif n in param_of_grad:
+            role = Role.GRADIENT
+        else:
+            role = Role.ACTIVATION
+        is_view = op in VIEW_OPS
+        flops = _flops(op, tensor_in, outputs) if len(tensor_in) == len(input_ids) else 0
+        moved = 0 if is_view else sum(m.size_bytes for m in {id(x): x for x in tensor_in}.values()) + sum(
+            t.size_bytes for t in outputs)
+        path = paths.get(n, "")
+        layer = layer_of(path)
+        nodes.append(Node(
+            id=ids[n], name=n.name, op=op, inputs=input_ids,
+            args=tuple(_convert_arg(a, ids) for a in n.args),
+            kwargs=tuple(sorted((k, _convert_arg(v, ids)) for k, v in n.kwargs.items())),
+            outputs=outputs, role=role, phase=phase, flops=flops, bytes_moved=moved,
+            is_view=is_view, module_path=path, layer=layer,
+            param_name=names.get(n) or param_of_grad.get(n),
+        ))
+        if n in param_of_grad and param_of_grad[n] in param_ids:
+            param_grads.append((param_ids[param_of_grad[n]], ids[n]))
+
+    traced_layers = sorted({nd.layer for nd in nodes if nd.layer is not None})
+    real = real_layers if real_layers is not None else traced.num_layers
+    groups = _group_layers(nodes, traced_layers, real)
+    info = _model_info(name, nodes, groups, batch, seq, real, config)
+    graph = Graph(model=info, nodes=tuple(nodes), loss=ids[loss_fx], param_grads=tuple(param_grads),
+                  layer_groups=groups, trace_time_s=traced.trace_time_s)
+    log.info("lowered %s: %d nodes, %d layer groups, %.3g FLOPs/step",
+             name, len(nodes), len(groups), graph.flops_per_step)
+    return graph
+
+
+def _flat_nodes(args: Any) -> tuple[fx.Node, ...]:
+    out: list[fx.Node] = []
+    for a in args:
+        if isinstance(a, fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_flat_nodes(a))
+    return tuple(out)
+
+
+def _layer_signature(nodes: list[Node], members: list[NodeId]) -> str:
+    """Structural hash of one layer: ops, shapes, dtypes, and wiring relative to the layer."""
+    pos = {nid: k for k, nid in enumerate(members)}
+    h = hashlib.sha256()
+    for nid in members:
+        nd = nodes[nid]
+        wiring = [pos[i] if i in pos else f"ext:{nodes[i].role.value}" for i in nd.inputs]
+        h.update(repr((nd.op, nd.phase.value, [(t.shape, t.dtype) for t in nd.outputs], wiring,
+                       _scalar_args(nd.args))).encode())
+    return h.hexdigest()
+
+
+def _scalar_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a for a in args if not isinstance(a, Ref) and not (isinstance(a, tuple) and any(isinstance(x, Ref) for x in a)))
+
+
+def _group_layers(nodes: list[Node], traced_layers: list[int], real_layers: int) -> tuple[LayerGroup, ...]:
+    if not traced_layers:
+        return ()
+    members: dict[int, list[NodeId]] = {layer: [] for layer in traced_layers}
+    for nd in nodes:
+        if nd.layer is not None:
+            members[nd.layer].append(nd.id)
+    by_sig: dict[str, list[int]] = {}
+    for layer in traced_layers:
+        by_sig.setdefault(_layer_signature(nodes, members[layer]), []).append(layer)
+    scale = real_layers / len(traced_layers) if real_layers else 1.0
+    groups = []
+    for index, (sig, layers) in enumerate(sorted(by_sig.items(), key=lambda kv: kv[1][0])):
+        multiplicity = int(round(len(layers) * scale))
+        groups.append(LayerGroup(index=index, signature=sig, layers=tuple(layers),
+                                 nodes=tuple(tuple(members[layer]) for layer in layers),
+                                 multiplicity=max(multiplicity, len(layers))))
+    return tuple(groups)
+
+
+def _model_info(name: str, nodes: list[Node], groups: tuple[LayerGroup, ...], batch: int, seq: int,
+                real_layers: int, config: Any) -> ModelInfo:
+    weights = {nid: g.scale for g in groups for layer_nodes in g.nodes for nid in layer_nodes}
+    num_params = sum(nd.output.numel * weights.get(nd.id, 1.0) for nd in nodes if nd.role is Role.PARAMETER)
+    dtype = next((nd.output.dtype for nd in nodes if nd.role is Role.PARAMETER), "float32")
+    extra: dict[str, Any] = {}
+    if config is not None:
+        extra = dict(family="gpt" if hasattr(config, "bias") else "llama", hidden=config.hidden,
+                     heads=config.heads, kv_heads=getattr(config, "num_kv_heads", config.heads),
+                     vocab=config.vocab, ffn=config.ffn_hidden)
+    return ModelInfo(name=name, num_parameters=int(round(num_params)), num_layers=real_layers,
+                     batch=batch, seq=seq, dtype=dtype, **extra)
