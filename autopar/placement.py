@@ -1,0 +1,95 @@
+"""Placements: how one tensor is laid out over a device mesh, torch-free.
+
+Where it sits: shared data for strategies (solver/), costs (cost_model/), plans and
+codegen. Mirrors DTensor: one entry per mesh axis, `Shard(dim)`, `Replicate()` or
+`Partial()` (a pending sum). Text form, as in plan files and explain output: `S(0)`,
+`R`, `P`; a tuple of them for an N-D mesh, e.g. `(S(0), R)` = batch-sharded over axis 0,
+replicated over axis 1.
+
+Terms: an *axis* is a mesh axis, a *dim* a tensor dimension.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Each device holds a partial sum; a reduction over the axis makes the value."""
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Shard | Replicate | Partial
+Placements = tuple[Placement, ...]
+
+_SHARD = re.compile(r"^S\((\d+)\)$")
+
+
+def parse_placement(text: str) -> Placement:
+    text = text.strip()
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    match = _SHARD.match(text)
+    if match:
+        return Shard(int(match.group(1)))
+    raise ValueError(f"unknown placement {text!r}; expected R, P or S(<dim>)")
+
+
+def format_placements(placements: Placements) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def parse_placements(text: str) -> Placements:
+    body = text.strip().removeprefix("(").removesuffix(")")
+    return tuple(parse_placement(part) for part in re.split(r",\s*(?![^()]*\))", body) if part.strip())
+
+
+def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-device shape (ceil division, as DTensor pads the last shard)."""
+    if len(placements) != len(mesh_shape):
+        raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-axis mesh {mesh_shape}")
+    out = list(shape)
+    for p, size in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            out[p.dim] = -(-out[p.dim] // size)
+    return tuple(out)
+
+
+def shard_factor(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """How many ways the tensor's elements are split (product of sharded axis sizes)."""
+    factor = 1
+    for p, size in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            factor *= size
+    return factor
+
+
+def evenly_divisible(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """True when every sharded dim divides evenly (strategies only emit those)."""
+    sizes = list(shape)
+    for p, size in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(sizes) or sizes[p.dim] % size:
+                return False
+            sizes[p.dim] //= size
+    return True
