@@ -1,0 +1,55 @@
+"""Cost model: predicted time and memory of a traced training step on a cluster.
+
+Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
+- efficiency.py  every achievable-efficiency factor (one place)
+- compute.py     per-op roofline `compute_time_s`
+- collectives.py mesh axes -> link tiers, alpha-beta collectives, `reshard_time_s`
+- profile.py     `profile_graph`: one-time per-graph precompute (liveness, op items)
+- memory.py      ZeRO model state, activations from liveness, in-flight microbatches
+- step.py        `price_profile`: step time, throughput, MFU, peak memory of a config
+- estimate.py    `Estimate`, the JSON contract of `autopar price`
+
+The graph may be traced at any batch (with the job's seq): per-microbatch quantities are
+scaled by micro_batch / graph.model.batch, exact for these models (linear in batch).
+"""
+
+from __future__ import annotations
+
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.ir import Graph
+from cost_model.collectives import (
+    AxisLink,
+    all_gather_time_s,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    mesh_axis_links,
+    reduce_scatter_time_s,
+    reshard_time_s,
+    send_recv_time_s,
+)
+from cost_model.compute import compute_time_s
+from cost_model.estimate import Estimate
+from cost_model.memory import model_state_bytes
+from cost_model.profile import GraphProfile, profile_graph
+from cost_model.step import default_stage_layers, price_profile
+
+
+def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batch: int,
+          stage_layers: tuple[int, ...] | None = None) -> Estimate:
+    """Price one configuration of `graph` on `cluster` (profiles the graph each call;
+    for many calls build `profile_graph(graph)` once and use `price_profile`).
+
+    `stage_layers` optionally gives layers per pipeline stage (sums to the model's
+    layers; embedding on stage 0, head and loss on the last). The graph may be traced at
+    any batch: per-microbatch costs scale by micro_batch / graph.model.batch.
+    """
+    return price_profile(profile_graph(graph), config, cluster, global_batch=global_batch,
+                         stage_layers=stage_layers)
+
+
+__all__ = [
+    "AxisLink", "Estimate", "GraphProfile", "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
+    "compute_time_s", "default_stage_layers", "mesh_axis_links", "model_state_bytes", "price",
+    "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
+]

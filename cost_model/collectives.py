@@ -1,0 +1,153 @@
+"""Collective and resharding times on a device mesh: alpha-beta per mesh axis.
+
+Where it sits: cost_model/, read by the strategy pricer, the intra-op ILP and the step
+model. Torch-free.
+
+Math (nccl-tests conventions, S = bytes of the full tensor, n = devices on the axis,
+B = achievable bus bandwidth per device, alpha = per-step latency):
+
+    all-reduce      t = 2 (n-1)/n * S / B + steps_ar * alpha
+    all-gather      t =   (n-1)/n * S / B + (n-1) * alpha      (S = gathered tensor)
+    reduce-scatter  t =   (n-1)/n * S / B + (n-1) * alpha      (S = full input)
+    all-to-all      t =   (n-1)/n * S / B_a2a + (n-1) * alpha
+    send/recv       t = S / B_p2p + alpha
+
+steps_ar is 2 (n-1) (ring) inside a node and min(2 (n-1), 2 ceil(log2 n)) across nodes
+(NCCL switches to trees at scale). All are 0 when n == 1.
+
+Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
+axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
+(stride * n) fits in a node is "intra" (NVLink); one whose stride is >= G puts every
+member on a different node, "inter" (one NIC per member); otherwise it is "mixed":
+`inner` = G / stride members share a node, so a hierarchical collective drives `inner`
+NICs per node and the bus bandwidth is min(NVLink, inner * NIC) (that is how 8x200G
+DGX-A100 nodes reach 192 GB/s all-reduce busBW, NVIDIA/nccl#812).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.placement import Partial, Placements, Replicate, Shard
+from cost_model.efficiency import (
+    NIC_BUS_EFFICIENCY,
+    NVLINK_BUS_EFFICIENCY,
+    NVLINK_BUS_EFFICIENCY_DEFAULT,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AxisLink:
+    size: int
+    """Devices along the mesh axis."""
+    bandwidth_bytes_per_s: float
+    """Achievable bus bandwidth per device for ring collectives on this axis."""
+    latency_s: float
+    tier: str
+    """"intra", "inter" or "mixed"."""
+    p2p_bandwidth_bytes_per_s: float = 0.0
+    """Point-to-point / all-to-all bandwidth per device (one link or one NIC); 0 = bandwidth."""
+
+    @property
+    def p2p_bandwidth(self) -> float:
+        return self.p2p_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+
+
+def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> tuple[AxisLink, ...]:
+    """One AxisLink per mesh axis (outermost first, last axis fastest over device ids)."""
+    total = math.prod(mesh_shape)
+    if total != cluster.num_devices:
+        raise ValueError(
+            f"mesh {mesh_shape} has {total} devices but cluster {cluster.spec} has "
+            f"{cluster.num_devices}; choose axis sizes whose product is {cluster.num_devices}"
+        )
+    hw = cluster.hardware
+    per_node = cluster.devices_per_node
+    nvlink = hw.intra_node_bandwidth_bytes_per_s * NVLINK_BUS_EFFICIENCY.get(hw.name, NVLINK_BUS_EFFICIENCY_DEFAULT)
+    nic = hw.inter_node_bandwidth_bytes_per_s * NIC_BUS_EFFICIENCY
+    links = []
+    for k, n in enumerate(mesh_shape):
+        stride = math.prod(mesh_shape[k + 1:])
+        if n == 1 or stride * n <= per_node:
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=hw.intra_node_latency_s,
+                                  tier="intra", p2p_bandwidth_bytes_per_s=nvlink))
+        elif stride >= per_node:
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=hw.inter_node_latency_s,
+                                  tier="inter", p2p_bandwidth_bytes_per_s=nic))
+        else:
+            inner = per_node // stride
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
+                                  latency_s=hw.inter_node_latency_s, tier="mixed",
+                                  p2p_bandwidth_bytes_per_s=nic))
+    return tuple(links)
+
+
+def all_reduce_time_s(size_bytes: float, link: AxisLink) -> float:
+    n = link.size
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    steps = 2 * (n - 1) if link.tier == "intra" else min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    return 2 * (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + steps * link.latency_s
+
+
+def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
+    """`size_bytes` is the gathered (full) tensor."""
+    n = link.size
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+
+
+def reduce_scatter_time_s(size_bytes: float, link: AxisLink) -> float:
+    """`size_bytes` is the full input tensor (each device keeps 1/n of the sum)."""
+    return all_gather_time_s(size_bytes, link)
+
+
+def all_to_all_time_s(size_bytes: float, link: AxisLink) -> float:
+    """`size_bytes` is each device's local tensor; (n-1)/n of it leaves the device.
+    Across nodes all-to-all cannot aggregate NICs (nccl-tests#267), hence p2p bandwidth."""
+    n = link.size
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return (n - 1) / n * size_bytes / link.p2p_bandwidth + (n - 1) * link.latency_s
+
+
+def send_recv_time_s(size_bytes: float, link: AxisLink) -> float:
+    if size_bytes <= 0:
+        return 0.0
+    return size_bytes / link.p2p_bandwidth + link.latency_s
+
+
+def reshard_time_s(shape: tuple[int, ...], dtype_bytes: int, src: Placements, dst: Placements,
+                   links: tuple[AxisLink, ...]) -> float:
+    """Time to redistribute a tensor from `src` to `dst` placements, axis by axis.
+
+    Per axis (DTensor's redistribute): P->R all-reduce, P->S reduce-scatter, S->R
+    all-gather, S(i)->S(j) all-to-all, R->S / R->P / S->P local (0). The bytes an axis
+    moves are the tensor's bytes divided by the sharding of the other axes at that point.
+    """
+    if len(src) != len(links) or len(dst) != len(links):
+        raise ValueError(f"placements {src} -> {dst} do not match a {len(links)}-axis mesh")
+    if src == dst:
+        return 0.0
+    numel = math.prod(shape)
+    current = list(src)
+    total = 0.0
+    for axis, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        others = math.prod(links[k].size for k, p in enumerate(current) if k != axis and isinstance(p, Shard))
+        size = numel * dtype_bytes / others  # this axis's full tensor (unsharded along it)
+        link = links[axis]
+        if isinstance(a, Partial) and isinstance(b, Replicate):
+            total += all_reduce_time_s(size, link)
+        elif isinstance(a, Partial) and isinstance(b, Shard):
+            total += reduce_scatter_time_s(size, link)
+        elif isinstance(a, Shard) and isinstance(b, Replicate):
+            total += all_gather_time_s(size, link)
+        elif isinstance(a, Shard) and isinstance(b, Shard):
+            total += all_to_all_time_s(size / link.size, link)
+        current[axis] = b
+    return total
