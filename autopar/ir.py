@@ -152,6 +152,10 @@ class Graph:
     param_grads: tuple[tuple[NodeId, NodeId], ...]
     """(parameter node, gradient node) for every parameter that receives a gradient."""
     layer_groups: tuple[LayerGroup, ...]
+    tied_params: tuple[tuple[NodeId, NodeId], ...] = ()
+    """(alias, canonical) parameter nodes that are one tensor (tied embeddings): the joint
+    graph has an input and a gradient per name; memory and the optimizer count it once and
+    the two gradients are summed."""
     trace_time_s: float = 0.0
     _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
     _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)

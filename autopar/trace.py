@@ -48,7 +48,7 @@ VIEW_OPS = frozenset({
     "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.alias.default",
     "aten.detach.default", "aten.unbind.int", "aten.chunk.default", "aten.as_strided.default",
     "aten.diagonal.default", "aten.view_as_real.default", "aten.view_as_complex.default",
-    "getitem", "placeholder",
+    "getitem", "placeholder", "constant",
 })
 
 _ATTENTION_FWD = frozenset({
@@ -74,6 +74,8 @@ class Traced:
     """Module path of the repeated-layer container (`layers`), '' if none."""
     num_layers: int
     trace_time_s: float
+    tied: tuple[tuple[str, str], ...] = ()
+    """(alias, canonical) parameter names that share one tensor (tied embeddings)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,7 +220,20 @@ def trace(
         ) from exc
     elapsed = time.perf_counter() - start
     log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
-    return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed)
+    return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed,
+                  tied=_tied_parameters(model))
+
+
+def _tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """Parameters registered under several names; the joint graph has one input per name."""
+    first: dict[int, str] = {}
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return tuple(tied)
 
 
 def _sdpa_backends() -> list[Any]:
@@ -300,6 +315,8 @@ def _convert_arg(arg: Any, ids: dict[fx.Node, NodeId]) -> Any:
 def _op_name(node: fx.Node) -> str:
     if node.op == "placeholder":
         return "placeholder"
+    if node.op == "get_attr":
+        return "constant"
     if node.target is getattr(__import__("operator"), "getitem"):
         return "getitem"
     return str(node.target)
@@ -405,6 +422,8 @@ def lower(
         if n.op == "placeholder":
             role = roles[n]
             phase = Phase.BACKWARD if role is Role.TANGENT else Phase.FORWARD
+        elif n.op == "get_attr":
+            role = Role.BUFFER
         elif n is loss_fx:
             role = Role.LOSS
         elif n in param_of_grad:
@@ -431,9 +450,11 @@ def lower(
     traced_layers = sorted({nd.layer for nd in nodes if nd.layer is not None})
     real = real_layers if real_layers is not None else traced.num_layers
     groups = _group_layers(nodes, traced_layers, real)
-    info = _model_info(name, nodes, groups, batch, seq, real, config)
+    tied = tuple((param_ids[alias], param_ids[canon]) for alias, canon in traced.tied
+                 if alias in param_ids and canon in param_ids)
+    info = _model_info(name, nodes, groups, batch, seq, real, config, {a for a, _ in tied})
     graph = Graph(model=info, nodes=tuple(nodes), loss=ids[loss_fx], param_grads=tuple(param_grads),
-                  layer_groups=groups, trace_time_s=traced.trace_time_s)
+                  layer_groups=groups, tied_params=tied, trace_time_s=traced.trace_time_s)
     log.info("lowered %s: %d nodes, %d layer groups, %.3g FLOPs/step",
              name, len(nodes), len(groups), graph.flops_per_step)
     return graph
@@ -486,9 +507,10 @@ def _group_layers(nodes: list[Node], traced_layers: list[int], real_layers: int)
 
 
 def _model_info(name: str, nodes: list[Node], groups: tuple[LayerGroup, ...], batch: int, seq: int,
-                real_layers: int, config: Any) -> ModelInfo:
+                real_layers: int, config: Any, aliases: set[NodeId]) -> ModelInfo:
     weights = {nid: g.scale for g in groups for layer_nodes in g.nodes for nid in layer_nodes}
-    num_params = sum(nd.output.numel * weights.get(nd.id, 1.0) for nd in nodes if nd.role is Role.PARAMETER)
+    num_params = sum(nd.output.numel * weights.get(nd.id, 1.0) for nd in nodes
+                     if nd.role is Role.PARAMETER and nd.id not in aliases)
     dtype = next((nd.output.dtype for nd in nodes if nd.role is Role.PARAMETER), "float32")
     extra: dict[str, Any] = {}
     if config is not None:

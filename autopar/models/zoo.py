@@ -149,7 +149,7 @@ def resolve(name: str) -> ModelSource:
         raise ValueError(f"model must be a preset name, spec or factory path, got {name!r}")
     if name in PRESETS:
         return ModelSource(name=name, config=PRESETS[name])
-    if name.startswith(("gpt:", "llama:")):
+    if name.startswith(("gpt:", "llama:")) or ("=" in name and ":" in name):
         return ModelSource(name=name, config=parse_spec(name))
     if ":" in name and "=" not in name:
         return ModelSource(name=name, factory=_load_factory(name))

@@ -1,0 +1,181 @@
+"""Tracer and IR: FLOPs against the analytic transformer formulas, layer groups, roles,
+Hugging Face models, and the errors a user sees for models that cannot be traced."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.ir import Phase, Role
+from autopar.models import resolve
+from autopar.trace import TraceError, lower, trace, trace_model
+
+
+def gpt_model_flops(b, s, l, h, v):
+    """Korthikanti et al. App. A eq. 7: model FLOPs per step, ffn = 4h, no recompute."""
+    return 72 * b * l * s * h * h * (1 + s / (6 * h) + v / (12 * h * l))
+
+
+def llama_model_flops(b, s, l, h, heads, kv_heads, ffn, v):
+    """Megatron-Core's per-layer terms (GQA q/k/v/o, SwiGLU x3/2, logits), forward x3, with
+    full (not causal-discounted) attention scores, as torchtitan counts 12*l*h*s per token."""
+    t = b * s
+    attn_linear = 4 * t * h * (h + h * kv_heads / heads)
+    attn_core = 4 * t * s * h
+    mlp = 6 * t * h * ffn
+    logits = 2 * t * h * v
+    return 3 * (l * (attn_linear + attn_core + mlp) + logits)
+
+
+@pytest.mark.parametrize("name, batch", [("gpt3-1.3b", 2), ("gpt3-175b", 1), ("gpt2", 4)])
+def test_gpt_flops_match_analytic(name, batch):
+    source = resolve(name)
+    c = source.config
+    graph = trace_model(source, batch=batch, dtype="bfloat16", layers_traced=2)
+    expected = gpt_model_flops(batch, c.seq, c.layers, c.hidden, c.vocab)
+    assert abs(graph.flops_per_step - expected) / expected < 0.02
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "llama3-405b"])
+def test_llama_flops_match_analytic(name):
+    source = resolve(name).with_overrides(seq=4096)
+    c = source.config
+    graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=2)
+    expected = llama_model_flops(1, c.seq, c.layers, c.hidden, c.heads, c.num_kv_heads, c.ffn_hidden, c.vocab)
+    assert abs(graph.flops_per_step - expected) / expected < 0.02
+    # and the 6*N*T rule of thumb is within the attention share of it
+    six_nt = 6 * graph.model.num_parameters * c.seq
+    assert 0.6 < six_nt / graph.flops_per_step < 1.0
+
+
+@pytest.mark.parametrize("name", ["gpt-small", "llama-small"])
+def test_uniform_model_is_one_layer_group(name):
+    graph = trace_model(resolve(name), batch=2)
+    layers = resolve(name).config.layers
+    assert len(graph.layer_groups) == 1
+    group = graph.layer_groups[0]
+    assert group.multiplicity == layers and group.layers == tuple(range(layers))
+    assert len({len(nodes) for nodes in group.nodes}) == 1
+    # aligned positions hold the same op in every layer
+    for pos in range(len(group.nodes[0])):
+        assert len({graph[nodes[pos]].op for nodes in group.nodes}) == 1
+
+
+def test_roles_phases_and_gradients():
+    graph = trace_model(resolve("llama-tiny"), batch=2)
+    params = graph.by_role(Role.PARAMETER)
+    assert len(params) == len(graph.param_grads) == 2 * 9 + 3
+    loss = graph[graph.loss]
+    assert loss.output.shape == () and loss.phase is Phase.FORWARD
+    for pid, gid in graph.param_grads:
+        assert graph[pid].output.shape == graph[gid].output.shape
+        assert graph[gid].phase is Phase.BACKWARD and graph[gid].role is Role.GRADIENT
+        assert graph[gid].param_name == graph[pid].param_name
+    mm = [n for n in graph if n.op == "aten.mm.default"]
+    assert all(n.flops > 0 and n.bytes_moved > 0 for n in mm)
+    assert all(n.bytes_moved == 0 for n in graph if n.is_view)
+    assert {n.layer for n in graph if n.module_path.startswith("layers.1")} == {1}
+
+
+def test_graph_is_frozen_and_fingerprint_is_stable():
+    a = trace_model(resolve("gpt-tiny"), batch=2)
+    b = trace_model(resolve("gpt-tiny"), batch=2)
+    c = trace_model(resolve("gpt-tiny"), batch=4)
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    with pytest.raises(AttributeError):
+        a.nodes[0].op = "x"  # type: ignore[misc]
+    # tied embedding: one tensor, two names; counted once
+    assert len(a.tied_params) == 1
+
+
+def test_fake_trace_allocates_nothing_for_a_huge_model():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    graph = trace_model(resolve("llama3-405b").with_overrides(seq=2048), batch=1, layers_traced=2)
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    assert graph.model.num_parameters > 400e9
+    assert grown_gib < 2.0
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x, y):
+        return ((self.gate(self.inner(x)) - y) ** 2).mean()
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent branch: cannot be traced on fake tensors
+            return x * 2
+        return x
+
+
+def test_data_dependent_control_flow_names_module_and_op():
+    with pytest.raises(TraceError) as info:
+        trace(Branchy(), (torch.randn(2, 4), torch.randn(2, 4)))
+    msg = str(info.value)
+    assert "data-dependent control flow" in msg and "'gate'" in msg and "aten." in msg
+
+
+def test_model_without_loss_is_refused():
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(TraceError, match="not a scalar loss.*loss_fn"):
+        trace(model, (torch.randn(2, 4),))
+    # with a loss_fn it traces; the last example input is the target
+    traced = trace(model, (torch.randn(2, 4), torch.randn(2, 3)), loss_fn=nn.functional.mse_loss)
+    graph = lower(traced, name="mlp", batch=2, seq=1)
+    assert len(graph.param_grads) == 2
+
+
+def test_model_without_parameters_is_refused():
+    class Empty(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    with pytest.raises(TraceError, match="no parameters"):
+        trace(Empty(), (torch.randn(2),))
+
+
+def test_hf_models_trace_through_the_same_entry_point():
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (extra 'hf')")
+    torch.manual_seed(0)
+    models = [
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64)),
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=128, max_position_embeddings=64)),
+    ]
+    for model in models:
+        ids = torch.randint(0, 128, (2, 16))
+        graph = lower(trace(model, (), example_kwargs={"input_ids": ids, "labels": ids}),
+                      name=type(model).__name__, batch=2, seq=16)
+        assert graph.model.num_parameters == sum(p.numel() for p in model.parameters())
+        assert len(graph.layer_groups) == 1 and graph.layer_groups[0].multiplicity == 3
+        assert graph[graph.loss].output.shape == ()
+
+
+def test_cli_trace_json_and_bad_input():
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "trace", "gpt-tiny", "--json"],
+                         capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    for key in ("num_parameters", "flops_per_step", "num_nodes", "layer_groups", "trace_time_s"):
+        assert key in data
+    assert data["layer_groups"][0]["multiplicity"] == 2
+    bad = subprocess.run([sys.executable, "-m", "autopar.cli", "trace", "gpt:layers=2,hidden=64,heads=5,vocab=8,seq=4"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not divisible by heads=5" in bad.stderr
+    flag = subprocess.run([sys.executable, "-m", "autopar.cli", "trace", "gpt-tiny", "--seq", "-3"],
+                          capture_output=True, text=True)
+    assert flag.returncode == 2 and "positive integer" in flag.stderr
