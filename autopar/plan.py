@@ -1,0 +1,454 @@
+"""Plans: what the whole-plan search decided, saved as versioned JSON and explained.
+
+Where it sits: output of solver/search.py, input of codegen/ and the runtime. A plan is
+searched once and replayed many times (`autopar train --plan plan.json`), so it carries
+everything the runtime needs (`config`, `stage_layers`, the mesh) and everything a person
+needs to see why it was chosen (`explain()`): predicted metrics, per-stage work, the
+intra-op choices per layer group and the runner-up plans with their costs.
+
+Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
+embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
+number of layers of stage i. The logical mesh is (pp, dp, tp), tp innermost so tensor
+parallelism stays on a node's NVLink.
+
+Plans are JSON only (never pickled): sorted keys, validated on load, and byte-identical
+for identical inputs (no timings or dates are stored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+
+PLAN_VERSION = 1
+MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
+GIB = 1024**3
+
+PREDICTION_KEYS: tuple[str, ...] = (
+    "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device", "mfu",
+    "peak_memory_bytes", "fits", "bubble_fraction", "time_breakdown", "memory_breakdown",
+)
+
+
+class InfeasiblePlanError(ValueError):
+    """No plan of the search space fits the per-device memory; says the smallest need."""
+
+    def __init__(self, message: str, *, min_memory_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used: wrong version, bad keys or inconsistent numbers."""
+
+
+def model_fingerprint(named_param_shapes: Iterable[tuple[str, Sequence[int]]]) -> str:
+    """sha256 over the sorted (parameter name, shape) pairs of a model.
+
+    Call with `((n, tuple(p.shape)) for n, p in module.named_parameters())`. Names and
+    shapes (not values) identify the architecture, so a plan is never applied to a
+    different model, while retrained weights keep their plan.
+    """
+    pairs = sorted((str(name), [int(d) for d in shape]) for name, shape in named_param_shapes)
+    return hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()
+
+
+def fingerprint_source(source: Any) -> str:
+    """`model_fingerprint` of a zoo model (`autopar.models.ModelSource`), built on fake tensors.
+
+    The full-depth model is built under FakeTensorMode, so even llama3-405b costs ~2 s
+    and no memory. torch is imported here only: the rest of this module is torch-free.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if source.config is None:
+        model, _ = source.factory()
+    else:
+        with FakeTensorMode():
+            model = source.build()
+    return model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
+
+
+def _pairs(mapping: Mapping[str, Any], what: str) -> tuple[tuple[str, float], ...]:
+    """Flatten a (possibly nested) breakdown to sorted ("a.b", number) pairs."""
+    out: list[tuple[str, float]] = []
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            out.extend((f"{key}.{k}", v) for k, v in _pairs(value, what))
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PlanFileError(f"{what}[{key!r}] must be a number, got {value!r}")
+        else:
+            out.append((str(key), value))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    """The cost model's forecast for the plan (DESIGN.md price keys plus the bubble)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    model_tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: int
+    fits: bool
+    bubble_fraction: float
+    time_breakdown: tuple[tuple[str, float], ...] = ()
+    """Seconds per step by cause (compute, tp, dp, pp, bubble, optimizer, ...)."""
+    memory_breakdown: tuple[tuple[str, float], ...] = ()
+    """Bytes per device by cause on the most loaded stage."""
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {k: getattr(self, k) for k in PREDICTION_KEYS}
+        data["time_breakdown"] = dict(self.time_breakdown)
+        data["memory_breakdown"] = dict(self.memory_breakdown)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Prediction":
+        _check_keys(data, PREDICTION_KEYS, "predicted")
+        return cls(
+            step_time_s=float(data["step_time_s"]), tokens_per_s=float(data["tokens_per_s"]),
+            tokens_per_s_per_device=float(data["tokens_per_s_per_device"]),
+            model_tflops_per_device=float(data["model_tflops_per_device"]), mfu=float(data["mfu"]),
+            peak_memory_bytes=int(data["peak_memory_bytes"]), fits=bool(data["fits"]),
+            bubble_fraction=float(data["bubble_fraction"]),
+            time_breakdown=_pairs(data["time_breakdown"], "time_breakdown"),
+            memory_breakdown=_pairs(data["memory_breakdown"], "memory_breakdown"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageInfo:
+    """What one pipeline stage holds and does, from the traced graph (for explain)."""
+
+    index: int
+    first_layer: int
+    num_layers: int
+    has_embedding: bool
+    has_head: bool
+    flops_per_microbatch: float
+    """Forward+backward FLOPs of this stage for one microbatch, whole stage (before tp)."""
+    num_parameters: int
+    memory_bytes: int
+    """Per-device memory estimate the stage-cut search used for this stage."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "StageInfo":
+        _check_keys(data, cls.__slots__, "stages[]")
+        return cls(**{k: data[k] for k in cls.__slots__})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntraOpChoice:
+    """Per layer group: how its parameters are placed on the tp submesh, and by whom."""
+
+    layer_group: str
+    """'layers' for the repeated layers, 'embedding' and 'head' for the rest."""
+    submesh: tuple[int, ...]
+    source: str
+    """'template' (Megatron tp + dp rules) or 'ilp' (solver.intra_op)."""
+    placements: tuple[tuple[str, str], ...]
+    """(parameter name inside the group, placement on the tp axis and why)."""
+    cost_s: float = 0.0
+    """Intra-op objective of the group per step when solved by the ILP (0 for templates)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer_group": self.layer_group, "submesh": list(self.submesh), "source": self.source,
+                "placements": [list(p) for p in self.placements], "cost_s": self.cost_s}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "IntraOpChoice":
+        _check_keys(data, ("layer_group", "submesh", "source", "placements", "cost_s"), "intra_op[]")
+        return cls(layer_group=str(data["layer_group"]), submesh=tuple(int(x) for x in data["submesh"]),
+                   source=str(data["source"]), placements=tuple((str(a), str(b)) for a, b in data["placements"]),
+                   cost_s=float(data["cost_s"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alternative:
+    """A runner-up plan, kept so `explain` can say what the choice beat and by how much."""
+
+    config: ParallelConfig
+    stage_layers: tuple[int, ...]
+    step_time_s: float
+    peak_memory_bytes: int
+    fits: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config.to_json(), "stage_layers": list(self.stage_layers),
+                "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Alternative":
+        _check_keys(data, ("config", "stage_layers", "step_time_s", "peak_memory_bytes", "fits"), "alternatives[]")
+        return cls(config=_config_from_json(data["config"]), stage_layers=tuple(int(x) for x in data["stage_layers"]),
+                   step_time_s=float(data["step_time_s"]), peak_memory_bytes=int(data["peak_memory_bytes"]),
+                   fits=bool(data["fits"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchInfo:
+    """How the plan was found: the cost model, the space and what was pruned (no timings)."""
+
+    cost_model: str
+    num_candidates: int
+    """Configurations in the search space (mesh x cuts x zero x microbatch x schedule x recompute)."""
+    num_priced: int
+    num_pruned_memory: int
+    """Skipped before pricing: their memory lower bound exceeds the budget."""
+    num_pruned_dominated: int
+    """Skipped: a cheaper-or-equal option with the same knobs already fits (e.g. less recompute)."""
+    num_not_fitting: int
+    complete: bool = True
+    """False when --time-limit stopped pricing early (the plan is the best seen so far)."""
+    alternatives: tuple[Alternative, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__}
+        data["alternatives"] = [a.to_json() for a in self.alternatives]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "SearchInfo":
+        _check_keys(data, cls.__slots__, "search")
+        values = {k: data[k] for k in cls.__slots__}
+        values["alternatives"] = tuple(Alternative.from_json(a) for a in data["alternatives"])
+        return cls(**values)
+
+
+_PLAN_KEYS: tuple[str, ...] = (
+    "version", "model", "model_fingerprint", "num_layers", "seq", "global_batch", "cluster",
+    "memory_limit_bytes", "config", "stage_layers", "mesh_shape", "mesh_axis_names", "stages",
+    "intra_op", "predicted", "search",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """One whole training plan: mesh, stage cuts, ZeRO, microbatching, schedule, recompute."""
+
+    version: int = PLAN_VERSION
+    model: str
+    """Preset name, spec string or factory path, as given to `autopar search`."""
+    model_fingerprint: str
+    num_layers: int
+    seq: int
+    global_batch: int
+    cluster: str
+    memory_limit_bytes: int
+    config: ParallelConfig
+    stage_layers: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_axis_names: tuple[str, ...] = MESH_AXIS_NAMES
+    stages: tuple[StageInfo, ...] = ()
+    intra_op: tuple[IntraOpChoice, ...] = ()
+    predicted: Prediction
+    search: SearchInfo
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.config.dp * self.config.micro_batch)
+
+    def validate(self) -> None:
+        """Consistency of the numbers; raises PlanFileError saying what disagrees."""
+        c = self.config
+        if self.version != PLAN_VERSION:
+            raise PlanFileError(f"plan version {self.version!r} is not supported; this autopar reads "
+                                f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
+        try:
+            cluster = Cluster.parse(self.cluster)
+        except ValueError as exc:
+            raise PlanFileError(f"plan cluster: {exc}") from None
+        if c.num_devices != cluster.num_devices:
+            raise PlanFileError(f"plan config has dp*tp*pp = {c.dp}*{c.tp}*{c.pp} = {c.num_devices} devices "
+                                f"but its cluster {self.cluster} has {cluster.num_devices}")
+        if tuple(self.mesh_axis_names) != MESH_AXIS_NAMES:
+            raise PlanFileError(f"plan mesh_axis_names {list(self.mesh_axis_names)} must be {list(MESH_AXIS_NAMES)}")
+        if tuple(self.mesh_shape) != (c.pp, c.dp, c.tp):
+            raise PlanFileError(f"plan mesh_shape {list(self.mesh_shape)} disagrees with its config "
+                                f"(pp, dp, tp) = ({c.pp}, {c.dp}, {c.tp})")
+        if len(self.stage_layers) != c.pp or any(n < 1 for n in self.stage_layers):
+            raise PlanFileError(f"plan stage_layers {list(self.stage_layers)} must be {c.pp} positive counts "
+                                f"(one per pipeline stage, pp={c.pp})")
+        if sum(self.stage_layers) != self.num_layers:
+            raise PlanFileError(f"plan stage_layers {list(self.stage_layers)} sum to {sum(self.stage_layers)} "
+                                f"but the model has {self.num_layers} layers")
+        if self.stages and [s.num_layers for s in self.stages] != list(self.stage_layers):
+            raise PlanFileError("plan stages[].num_layers disagree with stage_layers")
+        if self.global_batch <= 0 or self.global_batch % (c.dp * c.micro_batch):
+            raise PlanFileError(f"plan global_batch {self.global_batch} is not a multiple of dp * micro_batch "
+                                f"= {c.dp} * {c.micro_batch}")
+        if self.memory_limit_bytes <= 0 or self.seq <= 0:
+            raise PlanFileError("plan memory_limit_bytes and seq must be positive")
+
+    # -- JSON ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "model": self.model, "model_fingerprint": self.model_fingerprint,
+            "num_layers": self.num_layers, "seq": self.seq, "global_batch": self.global_batch,
+            "cluster": self.cluster, "memory_limit_bytes": self.memory_limit_bytes,
+            "config": self.config.to_json(), "stage_layers": list(self.stage_layers),
+            "mesh_shape": list(self.mesh_shape), "mesh_axis_names": list(self.mesh_axis_names),
+            "stages": [s.to_json() for s in self.stages], "intra_op": [c.to_json() for c in self.intra_op],
+            "predicted": self.predicted.to_json(), "search": self.search.to_json(),
+        }
+
+    def dumps(self) -> str:
+        """The canonical file text: sorted keys, 2-space indent, trailing newline."""
+        return json.dumps(self.to_json(), sort_keys=True, indent=2, ensure_ascii=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps(), encoding="ascii")
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
+        if "version" in data and data["version"] != PLAN_VERSION:
+            raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
+                                f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
+        _check_keys(data, _PLAN_KEYS, "plan")
+        try:
+            return cls(
+                version=int(data["version"]), model=str(data["model"]),
+                model_fingerprint=str(data["model_fingerprint"]), num_layers=int(data["num_layers"]),
+                seq=int(data["seq"]), global_batch=int(data["global_batch"]), cluster=str(data["cluster"]),
+                memory_limit_bytes=int(data["memory_limit_bytes"]), config=_config_from_json(data["config"]),
+                stage_layers=tuple(int(x) for x in data["stage_layers"]),
+                mesh_shape=tuple(int(x) for x in data["mesh_shape"]),
+                mesh_axis_names=tuple(str(x) for x in data["mesh_axis_names"]),
+                stages=tuple(StageInfo.from_json(s) for s in data["stages"]),
+                intra_op=tuple(IntraOpChoice.from_json(c) for c in data["intra_op"]),
+                predicted=Prediction.from_json(data["predicted"]), search=SearchInfo.from_json(data["search"]),
+            )
+        except PlanFileError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise PlanFileError(f"plan has a malformed value: {exc}") from None
+
+    @classmethod
+    def loads(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_json(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise PlanFileError(f"plan file {str(p)!r} does not exist; write one with `autopar search ... --out {p}`")
+        try:
+            return cls.loads(p.read_text(encoding="ascii"))
+        except PlanFileError as exc:
+            raise PlanFileError(f"{p}: {exc}") from None
+
+    def check_model(self, fingerprint: str) -> None:
+        """Refuse to apply this plan to a different model (the runtime calls this)."""
+        if fingerprint != self.model_fingerprint:
+            raise PlanFileError(
+                f"plan was searched for model {self.model!r} (fingerprint {self.model_fingerprint[:12]}) but the "
+                f"model given has fingerprint {fingerprint[:12]}: its parameter names or shapes differ. "
+                f"Re-run `autopar search` for this model")
+
+    # -- explain ---------------------------------------------------------------------------
+
+    def explain(self) -> str:
+        """Per stage and layer group: what was chosen and why (costs), from the plan alone."""
+        c, p = self.config, self.predicted
+        m = self.num_microbatches
+        lines = [
+            f"plan for {self.model} on {self.cluster} (global batch {self.global_batch} x seq {self.seq}, "
+            f"{self.memory_limit_bytes / GIB:.1f} GiB/device budget)",
+            f"mesh (pp, dp, tp) = ({c.pp}, {c.dp}, {c.tp}); tp inside a node, dp then pp across nodes",
+            f"config: zero {c.zero}, micro-batch {c.micro_batch} x {m} microbatches, schedule {c.schedule}"
+            + (f" (v={c.interleave})" if c.schedule == "interleaved" else "")
+            + f", recompute {c.recompute}, attention {c.attention}, sequence parallel {c.sequence_parallel}",
+            f"predicted: step {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s "
+            f"({p.tokens_per_s_per_device:,.0f}/device), MFU {p.mfu:.1%}, peak {p.peak_memory_bytes / GIB:.2f} GiB "
+            f"({'fits' if p.fits else 'DOES NOT FIT'}), bubble {p.bubble_fraction:.1%}",
+        ]
+        if p.time_breakdown:
+            total = sum(v for _, v in p.time_breakdown) or 1.0
+            lines.append("  time:   " + ", ".join(f"{k} {v:.4g} s ({v / total:.0%})" for k, v in p.time_breakdown))
+        if p.memory_breakdown:
+            lines.append("  memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory_breakdown))
+        lines.append("stages:")
+        for s in self.stages:
+            holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})"]
+            if s.has_embedding:
+                holds.insert(0, "embedding")
+            if s.has_head:
+                holds.append("final norm + head + loss")
+            lines.append(f"  stage {s.index}: {', '.join(holds)}; {s.flops_per_microbatch / 1e12:.2f} TFLOP/microbatch, "
+                         f"{s.num_parameters / 1e9:.3f}B params, ~{s.memory_bytes / GIB:.2f} GiB/device")
+        if len(set(self.stage_layers)) > 1:
+            lines.append("  why non-uniform: the cut balances per-stage time (embedding and head are extra work "
+                         "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")
+        lines.append("layer groups (intra-op):")
+        for choice in self.intra_op:
+            cost = f", ILP cost {choice.cost_s:.4g} s" if choice.source == "ilp" else ""
+            lines.append(f"  {choice.layer_group} on tp submesh {list(choice.submesh)} [{choice.source}{cost}]")
+            for name, placement in choice.placements:
+                lines.append(f"    {name}: {placement}")
+        s = self.search
+        lines.append(
+            f"search ({s.cost_model}): {s.num_candidates} candidates, {s.num_priced} priced, "
+            f"{s.num_pruned_memory} pruned by memory bound, {s.num_pruned_dominated} dominated, "
+            f"{s.num_not_fitting} priced but over the memory budget"
+            + ("" if s.complete else "; STOPPED by the time limit, the space was not fully searched"))
+        if s.alternatives:
+            lines.append("runners-up (why not these):")
+            for a in s.alternatives:
+                rel = a.step_time_s / p.step_time_s - 1 if p.step_time_s else 0.0
+                lines.append(f"  {describe_config(a.config, a.stage_layers, self.global_batch)}: step "
+                             f"{a.step_time_s:.4g} s ({rel:+.1%}), peak {a.peak_memory_bytes / GIB:.2f} GiB")
+        return "\n".join(lines)
+
+
+def describe_config(config: ParallelConfig, stage_layers: Sequence[int], global_batch: int) -> str:
+    """One-line summary used in tables and explain output."""
+    c = config
+    m = global_batch // (c.dp * c.micro_batch)
+    sched = f"{c.schedule}" + (f"/v{c.interleave}" if c.schedule == "interleaved" else "")
+    cuts = "" if len(set(stage_layers)) <= 1 else " cuts " + "/".join(str(n) for n in stage_layers)
+    return (f"tp{c.tp} pp{c.pp} dp{c.dp} z{c.zero} mb{c.micro_batch}x{m} "
+            f"{sched if c.pp > 1 else 'no-pp'} rc-{c.recompute}{cuts}")
+
+
+def _config_from_json(data: Any) -> ParallelConfig:
+    if not isinstance(data, Mapping):
+        raise PlanFileError(f"plan config must be an object, got {type(data).__name__}")
+    _check_keys(data, tuple(ParallelConfig.__dataclass_fields__), "config")
+    return ParallelConfig.from_json(dict(data))
+
+
+def _check_keys(data: Any, expected: Iterable[str], what: str) -> None:
+    if not isinstance(data, Mapping):
+        raise PlanFileError(f"plan {what} must be a JSON object, got {type(data).__name__}")
+    expected = tuple(expected)
+    missing = sorted(set(expected) - set(data))
+    unknown = sorted(set(data) - set(expected))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unknown:
+            parts.append(f"unknown keys {unknown}")
+        raise PlanFileError(f"plan {what}: {' and '.join(parts)}; expected exactly {sorted(expected)}")
