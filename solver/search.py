@@ -248,11 +248,17 @@ def run_search(graph: Graph, cluster: Cluster, *, global_batch: int, price: Pric
     return fitting, info, candidates
 
 
-def smallest_memory(candidates: Sequence[Candidate], price: PriceFn, probe: int = 16) -> tuple[Candidate, int] | None:
-    """The candidate needing the least memory, pricing the `probe` smallest memory bounds."""
+def smallest_memory(candidates: Sequence[Candidate], price: PriceFn) -> tuple[Candidate, int] | None:
+    """The candidate with the least predicted peak memory, exactly, pricing few.
+
+    A candidate's peak is at least its memory bound, so candidates are priced in order
+    of bound and the scan stops once the next bound exceeds the smallest peak found.
+    """
     best: tuple[Candidate, int] | None = None
-    frugal = [c for c in candidates if c.config.recompute == "full"] or list(candidates)
-    for cand in sorted(frugal, key=lambda c: (c.memory_bound_bytes, c.config.micro_batch))[:probe]:
+    for cand in sorted(candidates, key=lambda c: (c.memory_bound_bytes, RECOMPUTE.index(c.config.recompute) * -1,
+                                                  c.config.micro_batch)):
+        if best is not None and cand.memory_bound_bytes >= best[1]:
+            break
         peak = int(price(cand.config, cand.stage_layers).peak_memory_bytes)
         if best is None or peak < best[1]:
             best = (cand, peak)
@@ -274,7 +280,9 @@ def infeasible_error(graph: Graph, cluster: Cluster, global_batch: int, candidat
     return InfeasiblePlanError(
         f"{what}; the smallest needs {peak / GIB:.1f} GiB per device "
         f"({describe_config(cand.config, cand.stage_layers, global_batch)}), even with ZeRO-3 and full "
-        f"recomputation tried. Add devices, raise --memory-gb (use larger-memory hardware), or shorten --seq",
+        f"recomputation tried. Add devices (model state alone suggests at least "
+        f"{-(-cluster.num_devices * peak // limit)} of this memory), use larger-memory hardware or raise "
+        f"--memory-gb, or shorten --seq",
         min_memory_bytes=peak)
 
 
