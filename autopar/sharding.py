@@ -1,0 +1,188 @@
+"""Intra-op sharding: the strategy space and the solved per-node layouts, torch-free.
+
+Where it sits: `solver.strategies.enumerate_strategies(graph, mesh_shape)` returns a
+`StrategySpace`; `solver.intra_op.solve_intra_op(...)` returns an `IntraOpSolution`,
+which the whole-plan search and codegen read. Both are frozen, hashable data.
+
+Terms:
+- strategy: for one node, a placement (one entry per mesh axis) for each output tensor
+  and the placement each tensor input must arrive in (`NodeStrategy.inputs` is aligned
+  with `Node.inputs`). Infeasible strategies (non-divisible shards) are absent.
+- reshard: the collective that turns a producer's output placement into the placement a
+  consumer's strategy wants (priced on graph edges; Partial outputs are reduced there).
+- Partial semantics: the per-device values sum to the true value. Ops that reduce over a
+  sharded dim with a mean (mean.dim, nll_loss with mean reduction) produce Partial values
+  scaled by the global count, so codegen divides by the global, not the local, count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.ir import NodeId
+from autopar.placement import Placements, format_placements, parse_placements
+
+
+class InfeasiblePlanError(ValueError):
+    """No sharding plan fits the memory budget; `min_memory_bytes` is the smallest any plan needs."""
+
+    def __init__(self, message: str, *, min_memory_bytes: float) -> None:
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeStrategy:
+    outputs: tuple[Placements, ...]
+    """Placement of each output tensor (one entry per mesh axis)."""
+    inputs: tuple[Placements, ...]
+    """Placement each tensor input must have, aligned with `Node.inputs`."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StrategySpace:
+    mesh_shape: tuple[int, ...]
+    strategies: tuple[tuple[NodeStrategy, ...], ...]
+    """Per node id, its feasible strategies (at least one: all-replicated is always there)."""
+    fallback_ops: tuple[str, ...] = ()
+    """Ops with no rule, replicated everywhere (logged as a warning)."""
+
+    def __getitem__(self, node_id: NodeId) -> tuple[NodeStrategy, ...]:
+        return self.strategies[node_id]
+
+    @property
+    def num_strategies(self) -> int:
+        return sum(len(s) for s in self.strategies)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeChoice:
+    node: NodeId
+    name: str
+    op: str
+    outputs: tuple[Placements, ...]
+    inputs: tuple[Placements, ...]
+    compute_s: float
+    """Time of the local shard of this op (one traced copy, unweighted)."""
+    comm_s: float
+    """Collectives inside the op's strategy (0 for the project rules: reductions are resharding)."""
+    reshard_s: float
+    """Resharding on this node's input edges (and, for a parameter, its gradient's reshard)."""
+    memory_bytes: float
+    """Per-device bytes of this node's outputs (parameters: param + grad + optimizer state)."""
+    weight: float = 1.0
+    """How many real-model copies this traced node stands for."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostBreakdown:
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    total_s: float
+    """compute + comm + reshard, weighted by multiplicity: the ILP objective."""
+    peak_memory_bytes: float
+    """Largest per-device memory over the checked liveness points (params+grads+optimizer+activations)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntraOpSolution:
+    graph_fingerprint: str
+    cluster: str
+    mesh_shape: tuple[int, ...]
+    choices: tuple[NodeChoice, ...]
+    cost: CostBreakdown
+    memory_budget_bytes: float | None
+    status: str
+    """"optimal", or "time_limit" when the solver stopped with a feasible, unproven plan."""
+    solver: str
+    num_variables: int
+    num_constraints: int
+    solve_time_s: float = field(default=0.0, compare=False)
+    """Wall time; not part of the JSON so that the same inputs give byte-identical files."""
+
+    def choice(self, node_id: NodeId) -> NodeChoice:
+        for c in self.choices:
+            if c.node == node_id:
+                return c
+        raise KeyError(f"node {node_id} is not in this solution")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph_fingerprint": self.graph_fingerprint,
+            "cluster": self.cluster,
+            "mesh_shape": list(self.mesh_shape),
+            "status": self.status,
+            "solver": self.solver,
+            "num_variables": self.num_variables,
+            "num_constraints": self.num_constraints,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "cost": {
+                "compute_s": self.cost.compute_s, "comm_s": self.cost.comm_s,
+                "reshard_s": self.cost.reshard_s, "total_s": self.cost.total_s,
+                "peak_memory_bytes": self.cost.peak_memory_bytes,
+            },
+            "choices": [
+                {
+                    "node": c.node, "name": c.name, "op": c.op,
+                    "outputs": [format_placements(p) for p in c.outputs],
+                    "inputs": [format_placements(p) for p in c.inputs],
+                    "compute_s": c.compute_s, "comm_s": c.comm_s, "reshard_s": c.reshard_s,
+                    "memory_bytes": c.memory_bytes, "weight": c.weight,
+                }
+                for c in self.choices
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "IntraOpSolution":
+        d = json.loads(text)
+        cost = CostBreakdown(**d["cost"])
+        choices = tuple(
+            NodeChoice(
+                node=c["node"], name=c["name"], op=c["op"],
+                outputs=tuple(parse_placements(p) for p in c["outputs"]),
+                inputs=tuple(parse_placements(p) for p in c["inputs"]),
+                compute_s=c["compute_s"], comm_s=c["comm_s"], reshard_s=c["reshard_s"],
+                memory_bytes=c["memory_bytes"], weight=c["weight"],
+            )
+            for c in d["choices"]
+        )
+        return cls(graph_fingerprint=d["graph_fingerprint"], cluster=d["cluster"],
+                   mesh_shape=tuple(d["mesh_shape"]), choices=choices, cost=cost,
+                   memory_budget_bytes=d["memory_budget_bytes"], status=d["status"],
+                   solver=d["solver"], num_variables=d["num_variables"],
+                   num_constraints=d["num_constraints"])
+
+    def explain(self, *, all_nodes: bool = False) -> str:
+        """One line per node: op, placements, compute, communication and memory.
+
+        By default views and getitems are left out (they cost nothing and follow their producer).
+        """
+        c = self.cost
+        lines = [
+            f"intra-op plan on {self.cluster} mesh {self.mesh_shape}: {self.status} ({self.solver})",
+            f"  total {c.total_s * 1e3:.4f} ms = compute {c.compute_s * 1e3:.4f} + comm "
+            f"{c.comm_s * 1e3:.4f} + reshard {c.reshard_s * 1e3:.4f}; peak memory "
+            f"{c.peak_memory_bytes / 2**30:.3f} GiB"
+            + (f" of {self.memory_budget_bytes / 2**30:.3f} GiB" if self.memory_budget_bytes else ""),
+            f"  {'node':>5} {'op':<44} {'x':>6} {'outputs':<24} {'inputs':<40} "
+            f"{'compute_ms':>10} {'reshard_ms':>10} {'mem_MiB':>9}",
+        ]
+        for ch in self.choices:
+            trivial = ch.compute_s == 0 and ch.reshard_s == 0 and not ch.op == "placeholder"
+            if trivial and not all_nodes:
+                continue
+            outs = " ".join(format_placements(p) for p in ch.outputs)
+            ins = " ".join(format_placements(p) for p in ch.inputs)
+            lines.append(
+                f"  {ch.node:>5} {(ch.op + ' ' + ch.name)[:44]:<44} {ch.weight:>6.3g} {outs:<24} "
+                f"{ins:<40} {ch.compute_s * 1e3:>10.4f} {ch.reshard_s * 1e3:>10.4f} "
+                f"{ch.memory_bytes / 2**20:>9.3f}"
+            )
+        return "\n".join(lines)

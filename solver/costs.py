@@ -1,0 +1,129 @@
+"""Per-strategy cost tables for the intra-op ILP: compute, communication, memory, resharding.
+
+Where it sits: `price(graph, space, cluster) -> CostTable` after
+`solver.strategies.enumerate_strategies` and before `solver.intra_op`; it calls the
+formulas of cost_model/ (roofline compute, alpha-beta collectives per mesh axis) and
+returns new frozen tables (the strategy space is not touched).
+
+Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
+    local(t, pl)   = bytes of tensor t on one device: sharded dims divided by the axis
+                     sizes sharding them; Replicate and Partial keep the full size
+    work(n, s)     = max over n's tensors of their shard factor (the share of the op's
+                     FLOPs one device does: every device computes only its shard)
+    compute(n, s)  = compute_time_s(flops_n / work, sum of distinct local input bytes +
+                     local output bytes, hardware, dtype)        (0 for views)
+    comm(n, s)     = 0: every project rule leaves reductions pending as Partial outputs,
+                     priced as resharding on the consumer's edge
+    memory(n, s)   = sum of local output bytes; for a parameter instead
+                     STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state)
+    reshard(u->v)  = reshard_time_s(shape_u, dtype_u, out(u, s_u), in(v, s_v), axis links)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
+from autopar.placement import Placements, shard_factor
+from autopar.sharding import NodeStrategy, StrategySpace
+from cost_model.collectives import AxisLink, mesh_axis_links, reshard_time_s
+from cost_model.compute import compute_time_s
+
+STATE_BYTES_PER_PARAM = 16
+"""Mixed-precision AdamW baseline (ZeRO paper, sec. 3.1): 2 (16-bit param) + 2 (16-bit
+grad) + 12 (fp32 master, momentum, variance) bytes per parameter element, divided by the
+parameter's shard factor. The gradient shares its parameter's layout, so this covers it."""
+
+_GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
+_ATTENTION_OPS = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_backward.default",
+})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StrategyCost:
+    compute_s: float
+    comm_s: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostTable:
+    mesh_shape: tuple[int, ...]
+    links: tuple[AxisLink, ...]
+    nodes: tuple[tuple[StrategyCost, ...], ...]
+    """Per node id, aligned with `StrategySpace.strategies[node]`."""
+
+
+def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> float:
+    return meta.numel * DTYPE_BYTES.get(meta.dtype, 4) / shard_factor(placements, mesh_shape)
+
+
+def _is_causal(node: Node) -> bool:
+    # forward: (q, k, v, dropout_p, is_causal, ...); backward: (grad, q, k, v, out, lse, dropout_p, is_causal, ...)
+    idx = 4 if not node.op.endswith("_backward.default") else 7
+    return len(node.args) > idx and node.args[idx] is True
+
+
+def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Cluster,
+                  mesh_shape: tuple[int, ...], dtype: str) -> StrategyCost:
+    """Compute time, communication time and per-device memory of one node under one strategy."""
+    if node.role is Role.PARAMETER:
+        mem = STATE_BYTES_PER_PARAM * node.output.numel / shard_factor(strategy.outputs[0], mesh_shape)
+        return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
+    out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
+    if node.is_view or node.bytes_moved == 0 and node.flops == 0:
+        return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=out_bytes)
+    seen: dict[int, float] = {}
+    for src, pl in zip(node.inputs, strategy.inputs):
+        producer = graph[src]
+        if len(producer.outputs) == 1:
+            seen.setdefault(src, local_bytes(producer.output, pl, mesh_shape))
+    work = max([shard_factor(pl, mesh_shape) for pl in strategy.inputs + strategy.outputs] + [1])
+    op_class = "gemm" if node.op in _GEMM_OPS else "attention" if node.op in _ATTENTION_OPS else "memory"
+    t = compute_time_s(node.flops / work, sum(seen.values()) + out_bytes, cluster.hardware, dtype,
+                       op_class=op_class, causal=op_class == "attention" and _is_causal(node))
+    return StrategyCost(compute_s=t, comm_s=0.0, memory_bytes=out_bytes)
+
+
+def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
+    """Cost of every strategy of every node (nodes with identical structure priced once)."""
+    mesh_shape = space.mesh_shape
+    links = mesh_axis_links(cluster, mesh_shape)
+    dtype = graph.model.dtype
+    cache: dict[tuple, tuple[StrategyCost, ...]] = {}
+    table = []
+    for node, strategies in zip(graph.nodes, space.strategies):
+        key = (node.op, node.role, node.outputs, tuple(graph[i].outputs for i in node.inputs),
+               node.flops, node.bytes_moved, node.is_view, _is_causal(node), strategies)
+        if key not in cache:
+            cache[key] = tuple(strategy_cost(graph, node, s, cluster, mesh_shape, dtype) for s in strategies)
+        table.append(cache[key])
+    return CostTable(mesh_shape=mesh_shape, links=links, nodes=tuple(table))
+
+
+class ReshardPricer:
+    """reshard_time_s with a per-solve memo (many edges share shapes and placements)."""
+
+    def __init__(self, links: tuple[AxisLink, ...]) -> None:
+        self.links = links
+        self._memo: dict[tuple, float] = {}
+
+    def __call__(self, meta: TensorMeta, src: Placements, dst: Placements) -> float:
+        if src == dst:
+            return 0.0
+        key = (meta.shape, meta.dtype, src, dst)
+        cost = self._memo.get(key)
+        if cost is None:
+            cost = reshard_time_s(meta.shape, DTYPE_BYTES.get(meta.dtype, 4), src, dst, self.links)
+            self._memo[key] = cost
+        return cost
+
+
+def mesh_size(mesh_shape: tuple[int, ...]) -> int:
+    return math.prod(mesh_shape)

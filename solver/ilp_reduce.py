@@ -1,0 +1,99 @@
+"""Graph simplification for the intra-op ILP: layer sharing and strategy following.
+
+Where it sits: inside `solver.intra_op.solve_intra_op`, between pricing and the ILP.
+It decides which nodes own a decision variable and expresses every other node's choice
+as a function of an owner's choice, so the ILP grows with one layer, not with depth.
+
+Terms:
+- owner: a node that has ILP variables x[o, j], one per strategy j of o.
+- smap[n][j]: the strategy of node n when its owner picks j (identity for owners).
+- layer sharing: the k-th node of every traced layer of a layer group uses the owner of
+  the k-th node of the group's first (active) traced layer; its costs are added to that
+  owner with the node's multiplicity weight `graph.weight(n)`.
+- following: a getitem, or a single-input node in the same layer as its producer whose
+  strategies accept every placement the producer can output (views, unary elementwise,
+  reductions), takes the producer's owner; each producer choice maps to the cheapest
+  follower strategy consuming it unchanged (no resharding between them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.ir import Graph, NodeId
+from autopar.sharding import StrategySpace
+from solver.costs import CostTable
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reduction:
+    active: tuple[NodeId, ...]
+    owner: tuple[NodeId, ...]
+    """Per node id (inactive nodes: -1)."""
+    smap: tuple[tuple[int, ...], ...]
+    """Per node id, strategy index of the node for each strategy index of its owner."""
+    owners: tuple[NodeId, ...]
+
+
+def _layer_positions(graph: Graph, active: set[NodeId]) -> tuple[dict[NodeId, NodeId], dict[NodeId, tuple[int, int]]]:
+    """rep[n] (shared-variable representative) and the (group, traced layer) of layer nodes."""
+    rep: dict[NodeId, NodeId] = {}
+    where: dict[NodeId, tuple[int, int]] = {}
+    for group in graph.layer_groups:
+        for ell, layer_nodes in enumerate(group.nodes):
+            for nid in layer_nodes:
+                where[nid] = (group.index, ell)
+        for k in range(len(group.nodes[0])):
+            members = [layer_nodes[k] for layer_nodes in group.nodes if layer_nodes[k] in active]
+            for nid in members:
+                rep[nid] = members[0]
+    return rep, where
+
+
+def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
+                 active_nodes: tuple[NodeId, ...] | None) -> Reduction:
+    active = set(range(len(graph))) if active_nodes is None else set(active_nodes)
+    rep, where = _layer_positions(graph, active)
+    owner = [-1] * len(graph)
+    smap: list[tuple[int, ...]] = [()] * len(graph)
+
+    def copy_rep(nid: NodeId) -> bool:
+        r = rep[nid]
+        if owner[r] < 0:
+            return False
+        assert space[r] == space[nid], f"layer-shared nodes {r} and {nid} differ in strategies"
+        owner[nid], smap[nid] = owner[r], smap[r]
+        return True
+
+    # representatives first (a backward node of a later layer precedes its layer-0 twin)
+    order = [n for n in sorted(active) if rep.get(n, n) == n] + [n for n in sorted(active) if rep.get(n, n) != n]
+    for nid in order:
+        node = graph[nid]
+        strategies = space[nid]
+        if rep.get(nid, nid) != nid:
+            if owner[nid] < 0:
+                assert copy_rep(nid), f"representative of node {nid} unresolved"
+            continue
+        srcs = tuple(dict.fromkeys(node.inputs))
+        followed = False
+        if len(srcs) == 1 and srcs[0] in active and owner[srcs[0]] < 0 and rep.get(srcs[0], srcs[0]) != srcs[0]:
+            copy_rep(srcs[0])  # a non-layer node after a later layer's node
+        if len(srcs) == 1 and node.op != "placeholder" and srcs[0] in active and owner[srcs[0]] >= 0 and \
+                (where.get(nid) is None or where.get(srcs[0]) == where.get(nid)):
+            u = srcs[0]
+            idx = node.args[1] if node.op == "getitem" else 0
+            costs = table.nodes[nid]
+            mapping = []
+            for j in smap[u]:
+                produced = space[u][j].outputs[idx]
+                matches = [i for i, s in enumerate(strategies) if all(pl == produced for pl in s.inputs)]
+                if not matches:
+                    break
+                mapping.append(min(matches, key=lambda i: (costs[i].compute_s + costs[i].comm_s, i)))
+            else:
+                owner[nid], smap[nid] = owner[u], tuple(mapping)
+                followed = True
+        if not followed:
+            owner[nid], smap[nid] = nid, tuple(range(len(strategies)))
+    owners = tuple(sorted({owner[n] for n in active}))
+    return Reduction(active=tuple(sorted(active)), owner=tuple(owner), smap=tuple(smap), owners=owners)
