@@ -1,0 +1,375 @@
+"""Run one parallel configuration on torch.distributed: the per-rank training program.
+
+Where it sits: the last stage of the flow (DESIGN.md). `build_program(model, config, ...)`
+runs on every rank of an initialised process group (torchrun or autopar's spawner, see
+autopar/runtime_launch.py) and returns a `RankProgram` whose `step(batch)` trains once.
+
+How each knob is realised (all with torch.distributed's own pieces):
+- mesh: `init_device_mesh` with axes ("pp", "dp", "tp"), tp innermost (fastest links).
+- pp: the model is cut into pp * interleave chunks (codegen/stages.py); rank r on the pp
+  axis owns chunks r, r + pp, ... and runs them with `torch.distributed.pipelining`
+  (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B). The schedule splits the local
+  batch into microbatches and scales gradients by 1/num_microbatches.
+- tp: codegen/tp.py (DTensor, `parallelize_module`), optional sequence parallelism.
+- dp and ZeRO, over the "dp" axis:
+  zero 0: gradients all-reduced (one flat bucket per step) after the last microbatch;
+  zero 1: the same all-reduce, then `ZeroRedundancyOptimizer`: each dp rank keeps the
+          optimizer state of its parameter partition, steps it and broadcasts the result;
+  zero 2: FSDP2 `fully_shard(reshard_after_forward=False)`: gradients reduce-scattered,
+          optimizer state sharded; parameters are sharded at rest and gathered once per
+          step (kept from forward through backward, no regather: ZeRO-2's traffic);
+  zero 3: FSDP2 `fully_shard(reshard_after_forward=True)`: parameters also freed after
+          forward and regathered in backward.
+- gradient accumulation without pp: a loop over microbatches, each loss scaled by 1/M;
+  FSDP's gradient sync is switched off for all but the last microbatch.
+- tied embeddings with pp > 1: the first and last chunks hold separate copies of the tied
+  weight (same init); their gradients are summed over a (first, last) process group
+  before the optimizer, so both copies stay equal (Megatron's embedding group).
+- fusion: with `compile_stages`, each layer goes through `torch.compile` (inductor).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from autopar.config import ParallelConfig
+from codegen.rules import FamilyRules, permutation_for, rules_for
+from codegen.stages import build_chunks
+from codegen.tp import apply_tp, check_tp
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+DEFAULT_LR = 1e-3
+
+
+def default_optimizer() -> OptimizerFactory:
+    return functools.partial(torch.optim.AdamW, lr=DEFAULT_LR)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStats:
+    """What one rank measured; bytes are this rank's local (sharded) tensors."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    peak_rss_bytes: int
+
+
+def model_dims(model: nn.Module) -> dict[str, int]:
+    """Heads, key/value heads and layers of a zoo model (0 where unknown), for config.check."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or rules_for(model) is None:
+        return {"heads": 0, "kv_heads": 0, "num_layers": 0}
+    kv = getattr(cfg, "num_kv_heads", cfg.heads)
+    return {"heads": cfg.heads, "kv_heads": kv, "num_layers": cfg.layers}
+
+
+def _split_optimizer(factory: OptimizerFactory) -> tuple[type, dict[str, Any]]:
+    if isinstance(factory, functools.partial) and isinstance(factory.func, type) and not factory.args:
+        return factory.func, dict(factory.keywords)
+    if isinstance(factory, type):
+        return factory, {}
+    raise ValueError(
+        f"--zero 1 needs the optimizer as a class or functools.partial(torch.optim.X, **kwargs), got "
+        f"{factory!r}; pass functools.partial(torch.optim.AdamW, lr=...) or use --zero 2"
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class RankProgram:
+    """One rank's share of the parallel training step. Build with `build_program`."""
+
+    def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, chunks: list[nn.Module],
+                 chunk_ids: tuple[int, ...], num_chunks: int, rules: FamilyRules | None,
+                 loss_fn: Callable[..., torch.Tensor] | None, optimizer: torch.optim.Optimizer,
+                 tie_group: dist.ProcessGroup | None, tied_fqns: tuple[str, ...]) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.chunks = chunks
+        self.chunk_ids = chunk_ids
+        self.num_chunks = num_chunks
+        self.rules = rules
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.tie_group = tie_group
+        self.tied_fqns = tied_fqns
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.dp_rank = mesh.get_local_rank("dp")
+        self.tp_rank = mesh.get_local_rank("tp")
+        self.schedule = None
+        self.last_stats: StepStats | None = None
+        if config.pp > 1:
+            self.schedule = self._build_schedule()
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.chunk_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_chunks - 1 in self.chunk_ids
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                seen.setdefault(id(p), (name, p))
+        return list(seen.values())
+
+    # ---- the step -------------------------------------------------------------------
+    def _build_schedule(self) -> Any:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        group = self.mesh.get_group("pp")
+        device = torch.device(self.mesh.device_type)
+        stages = [PipelineStage(chunk, cid, self.num_chunks, device, group=group)
+                  for chunk, cid in zip(self.chunks, self.chunk_ids)]
+        self._pp_losses_fn = self.rules.loss_fn
+        self._stages = stages
+        return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[
+            self.config.schedule]
+
+    def _local_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        dp = self.config.dp
+        size = batch[0].shape[0]
+        per_step = dp * self.config.micro_batch
+        if size % per_step:
+            raise ValueError(
+                f"batch of {size} sequences does not split into dp * micro-batch = {dp} * "
+                f"{self.config.micro_batch}; use a global batch that is a multiple of {per_step}"
+            )
+        return tuple(t.chunk(dp, dim=0)[self.dp_rank] if isinstance(t, torch.Tensor) else t for t in batch)
+
+    def _forward_loss(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        chunk = self.chunks[0]
+        if self.rules is not None:
+            return self.rules.loss_fn(chunk(inputs[0]), inputs[1])
+        if self.loss_fn is not None:
+            return self.loss_fn(chunk(*inputs[:-1]), inputs[-1])
+        return chunk(*inputs)
+
+    def step(self, batch: Sequence[torch.Tensor]) -> float:
+        """One optimizer step on the global `batch` (identical on every rank); returns the
+        mean loss over the whole global batch, on every rank."""
+        local = self._local_batch(batch)
+        num_mb = local[0].shape[0] // self.config.micro_batch
+        if self.config.pp > 1:
+            loss_sum = self._pipeline_step(local, num_mb)
+        else:
+            loss_sum = self._accumulate_step(local, num_mb)
+        self._finalize_grads()
+        stats_grad = sum(_local(p.grad).numel() * _local(p.grad).element_size()
+                         for _, p in self.named_parameters() if p.grad is not None)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_stats = self._stats(stats_grad)
+        return self._global_loss(loss_sum)
+
+    def _accumulate_step(self, local: tuple[torch.Tensor, ...], num_mb: int) -> torch.Tensor:
+        chunk = self.chunks[0]
+        fsdp = self._fsdp_active()
+        total = torch.zeros(())
+        for i in range(num_mb):
+            mb = tuple(t.chunk(num_mb, dim=0)[i] if isinstance(t, torch.Tensor) else t for t in local)
+            if fsdp:
+                chunk.set_requires_gradient_sync(i == num_mb - 1)
+            loss = self._forward_loss(mb)
+            (loss / num_mb).backward()
+            total += loss.detach().float() / num_mb
+        return total
+
+    def _pipeline_step(self, local: tuple[torch.Tensor, ...], num_mb: int) -> torch.Tensor:
+        tokens, labels = local[0], local[1]
+        if self.config.schedule == "interleaved":
+            schedule = self.schedule(self._stages, n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
+        else:
+            schedule = self.schedule(self._stages[0], n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        schedule.step(*args, target=labels if self.has_last else None, losses=losses)
+        if self.has_last:
+            return torch.stack([l.detach().float() for l in losses]).mean()
+        return torch.zeros(())
+
+    def _fsdp_active(self) -> bool:
+        return self.config.zero >= 2 and self.config.dp > 1
+
+    def _finalize_grads(self) -> None:
+        params = [p for _, p in self.named_parameters() if p.grad is not None]
+        for p in params:
+            # Sequence-parallel norms leave Partial (pending-sum) grads on the tp axis;
+            # the optimizer must see them in the parameter's own layout.
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        if self.config.dp > 1 and not self._fsdp_active():
+            grads = [_local(p.grad) for p in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+            flat /= self.config.dp
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        if self.tie_group is not None:
+            for name, p in self.named_parameters():
+                if name in self.tied_fqns and p.grad is not None:
+                    dist.all_reduce(_local(p.grad), group=self.tie_group)
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+        counts = self.has_last and self.tp_rank == 0
+        value = loss_sum.clone() if counts else torch.zeros(())
+        dist.all_reduce(value)
+        return float(value) / self.config.dp
+
+    def _stats(self, grad_bytes: int) -> StepStats:
+        params = self.named_parameters()
+        opt = self.optimizer.optim if hasattr(self.optimizer, "optim") else self.optimizer
+        state_bytes = sum(_local(v).numel() * _local(v).element_size()
+                          for s in opt.state.values() for v in s.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return StepStats(
+            parameter_bytes=sum(_local(p).numel() * _local(p).element_size() for _, p in params),
+            gradient_bytes=grad_bytes,
+            optimizer_state_bytes=state_bytes,
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
+
+    # ---- inspection and state ---------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Unsharded copies of this rank's parameters, named as in the unsplit model.
+        Collective over this rank's stage (dp x tp) peers: call it on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            perm = permutation_for(name, self.rules)
+            if perm is not None and self.config.tp > 1:
+                full = perm.from_tp(full, self.config.tp)
+            out[name] = full.detach().clone()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded model and optimizer state (DTensor values stay sharded), in the form
+        `torch.distributed.checkpoint.save` takes. GPT's qkv rows are stored in TP order."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_state: dict[str, Any] = {}
+        for chunk in self.chunks:
+            model_state.update(get_model_state_dict(chunk))
+        if hasattr(self.optimizer, "consolidate_state_dict"):
+            raise ValueError("state_dict() with --zero 1 (ZeroRedundancyOptimizer) is not supported; use --zero 2")
+        container = nn.ModuleList(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        optim_state = get_optimizer_state_dict(container, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        for chunk in self.chunks:
+            names = {n for n, _ in chunk.state_dict().items()}
+            set_model_state_dict(chunk, {k: v for k, v in state["model"].items() if k in names})
+        container = nn.ModuleList(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        set_optimizer_state_dict(container, self.optimizer, state["optimizer"])
+
+
+def make_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
+    world = dist.get_world_size()
+    if config.num_devices != world:
+        raise ValueError(
+            f"dp * tp * pp = {config.dp} * {config.tp} * {config.pp} = {config.num_devices} but the "
+            f"process group has {world} ranks; choose degrees whose product is {world}"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    return init_device_mesh(device_type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def _tie_group(mesh: DeviceMesh, config: ParallelConfig) -> dist.ProcessGroup | None:
+    """The process group joining this rank with its (first, last) chunk partner, if any."""
+    grid = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    mine = None
+    for d in range(config.dp):
+        for t in range(config.tp):
+            ranks = sorted({int(grid[0, d, t]), int(grid[config.pp - 1, d, t])})
+            group = dist.new_group(ranks)  # every rank takes part in every new_group call
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
+
+
+def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable[..., torch.Tensor] | None = None,
+                  optimizer: OptimizerFactory | None = None, stage_layers: tuple[int, ...] | None = None,
+                  compile_stages: bool | None = None, mesh: DeviceMesh | None = None) -> RankProgram:
+    """Shard `model` (built identically on every rank) as `config` says; collective."""
+    rules = rules_for(model)
+    check_tp(rules, model, config.tp)
+    if config.pp > 1 and rules is None:
+        raise ValueError(
+            f"--pp {config.pp} needs a model of known structure (the zoo's GPT or Llama) so it can be cut "
+            f"into stages; {type(model).__name__} supports data parallel and ZeRO only. Use --pp 1"
+        )
+    mesh = mesh if mesh is not None else make_mesh(config)
+    optimizer = optimizer or default_optimizer()
+    pp_rank = mesh.get_local_rank("pp")
+    num_chunks = config.pp * config.interleave
+    chunk_ids = tuple(pp_rank + v * config.pp for v in range(config.interleave))
+    tied_fqns: tuple[str, ...] = ()
+    if rules is not None:
+        if rules.tied and model.get_parameter(rules.tied[0]) is model.get_parameter(rules.tied[1]):
+            tied_fqns = rules.tied
+        chunks: list[nn.Module] = list(build_chunks(model, rules, num_chunks, chunk_ids,
+                                                    stage_layers=stage_layers, recompute=config.recompute))
+    else:
+        if config.recompute != "none":
+            log.warning("recompute %s ignored: %s has no known layer structure", config.recompute,
+                        type(model).__name__)
+        chunks = [model]
+    tie_group = _tie_group(mesh, config) if tied_fqns and config.pp > 1 else None
+    if config.tp > 1:
+        for chunk in chunks:
+            apply_tp(chunk, rules, mesh["tp"], sequence_parallel=config.sequence_parallel)
+    if compile_stages is None:
+        compile_stages = torch.cuda.is_available()
+    if compile_stages:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/autopar/inductor"))
+        for chunk in chunks:
+            for layer in getattr(chunk, "layers", {}).values() if rules is not None else [chunk]:
+                layer.compile()
+    dp_mesh = mesh["dp"]
+    if config.zero >= 2 and config.dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = config.zero == 3
+        for chunk in chunks:
+            for layer in (chunk.layers.values() if rules is not None else ()):
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard)
+    params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+    if config.zero == 1 and config.dp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if config.tp > 1:
+            raise ValueError(
+                "--zero 1 with --tp > 1 is not supported (ZeroRedundancyOptimizer takes plain tensors, "
+                "TP parameters are DTensors); use --zero 2, which also shards the optimizer state"
+            )
+        cls, kwargs = _split_optimizer(optimizer)
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.get_group("dp"), **kwargs)
+    else:
+        opt = optimizer(params)
+    log.info("rank %d: chunks %s of %d, %d parameters local", dist.get_rank(), chunk_ids, num_chunks, len(params))
+    return RankProgram(config=config, mesh=mesh, chunks=chunks, chunk_ids=chunk_ids, num_chunks=num_chunks,
+                       rules=rules, loss_fn=loss_fn, optimizer=opt, tie_group=tie_group, tied_fqns=tied_fqns)

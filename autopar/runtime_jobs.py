@@ -1,0 +1,110 @@
+"""Training jobs on synthetic data, and the single-process reference they are checked against.
+
+Where it sits: runtime, used by `autopar train` and the dist tests. A `TrainJob` is plain
+data (picklable, sent to spawned ranks); `train_worker(rank, job)` runs every config of the
+job in turn inside one process group (ranks start once, several configs run), and
+`reference_run(job)` trains the same model on one process with the same seed, data and
+optimizer: the oracle of every numerics check.
+
+Same init everywhere: the model is built under `torch.manual_seed(job.seed)` on every rank
+and in the reference before any sharding. Same data: batch k is
+`source.example_inputs(global_batch, generator=seed + 1 + k)` for presets and specs, and
+the factory's example inputs (every step) for factories.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.config import ParallelConfig
+from autopar.models import resolve
+from autopar.runtime import build_program
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainJob:
+    model: str
+    """Preset, spec or factory path (resolved on each rank)."""
+    configs: tuple[ParallelConfig, ...]
+    steps: int = 3
+    global_batch: int = 8
+    lr: float = 1e-3
+    seed: int = 0
+    seq: int | None = None
+    stage_layers: tuple[tuple[int, ...] | None, ...] = ()
+    """Per config: the plan's layers per pipeline chunk, or None for an even split."""
+    return_parameters: bool = False
+    """Return unsharded parameters (from the ranks with dp = tp = 0) for comparisons."""
+    compile_stages: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    config: ParallelConfig
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    peak_rss_bytes: int
+    parameters: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def build_model_and_batches(job: TrainJob) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]], Any]:
+    source = resolve(job.model).with_overrides(seq=job.seq)
+    torch.manual_seed(job.seed)
+    if source.factory is not None:
+        model, example = source.factory()
+        batches = [tuple(example) for _ in range(job.steps)]
+        return model, batches, source
+    model = source.build()
+    batches = [source.example_inputs(job.global_batch, generator=torch.Generator().manual_seed(job.seed + 1 + k))
+               for k in range(job.steps)]
+    return model, batches, source
+
+
+def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training: losses per step and the final state dict (tied weights
+    appear under both names, as `state_dict()` gives them)."""
+    model, batches, _ = build_model_and_batches(job)
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
+    losses = []
+    for batch in batches:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
+    """Run on every rank of an initialised process group; one RunResult per config."""
+    results = []
+    for i, config in enumerate(job.configs):
+        model, batches, _ = build_model_and_batches(job)
+        stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
+        program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
+                                stage_layers=stage_layers, compile_stages=job.compile_stages)
+        losses, times = [], []
+        for batch in batches:
+            start = time.perf_counter()
+            losses.append(program.step(batch))
+            times.append(time.perf_counter() - start)
+        params = program.full_parameters() if job.return_parameters else {}
+        keep = job.return_parameters and program.dp_rank == 0 and program.tp_rank == 0
+        stats = program.last_stats
+        results.append(RunResult(
+            config=config, losses=tuple(losses), step_times_s=tuple(times),
+            parameter_bytes=stats.parameter_bytes, gradient_bytes=stats.gradient_bytes,
+            optimizer_state_bytes=stats.optimizer_state_bytes, peak_rss_bytes=stats.peak_rss_bytes,
+            parameters=params if keep else {},
+        ))
+        dist.barrier()
+    return results

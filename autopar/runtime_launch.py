@@ -1,0 +1,135 @@
+"""Start ranks: local gloo processes (spawn) or the world torchrun already made.
+
+Where it sits: runtime, under autopar/commands/train.py, autopar/api.py and the dist
+tests. `spawn(fn, world_size, args)` starts `world_size` processes (spawn context, a
+file:// store in a temp dir, `torch.set_num_threads(1)`), runs `fn(rank, *args)` in each
+inside an initialised gloo process group, and returns every rank's result.
+
+Failure policy (no hangs): each process group gets a collective timeout
+(`collective_timeout_s`), and the parent polls its children; as soon as one exits with
+an error, the others get `grace_s` to finish and are then terminated (SIGTERM, then
+SIGKILL). The parent raises `RankFailure` naming the rank and its traceback's tail.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+"""Long enough for a first step with lazy DTensor init on 8 ranks sharing 2 cores."""
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised or died; carries the rank and its error text."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed: {detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
+    """Join the torchrun world (env:// rendezvous) unless a process group already exists."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
+
+
+def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable[..., Any],
+            args: tuple[Any, ...], collective_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        result = fn(rank, *args)
+        with open(Path(result_dir) / f"{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report any failure to the parent, then die without cleanup
+        Path(result_dir, f"{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
+          collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, timeout_s: float = 900.0,
+          grace_s: float = 2.0) -> list[Any]:
+    """Run `fn(rank, *args)` on `world_size` local gloo ranks; returns results by rank.
+
+    `fn` must be importable (a module-level function) and its result picklable."""
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"--devices must be a positive integer, got {world_size}")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="autopar-") as tmp:
+        store = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, store, tmp, fn, args, collective_timeout_s),
+                             daemon=False) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                codes = [p.exitcode for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    _stop(procs, grace_s)
+                    rank = failed[0]
+                    err = Path(tmp, f"{rank}.err")
+                    detail = err.read_text().strip().splitlines()[-1] if err.exists() else (
+                        f"exit code {codes[rank]} (killed or crashed without a Python error)")
+                    full = err.read_text() if err.exists() else detail
+                    log.error("rank %d failed:\n%s", rank, full)
+                    raise RankFailure(rank, detail)
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    _stop(procs, 0.0)
+                    raise RankFailure(-1, f"job did not finish within {timeout_s:.0f} s; all ranks stopped")
+                time.sleep(0.05)
+        except BaseException:
+            _stop(procs, 0.0)
+            raise
+        results = []
+        for r in range(world_size):
+            with open(Path(tmp) / f"{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results
