@@ -105,6 +105,11 @@ class Prediction:
     memory_breakdown: tuple[tuple[str, float], ...] = ()
     """Bytes per device by cause on the most loaded stage."""
 
+    def __post_init__(self) -> None:
+        # sorted so that equal predictions compare equal however they were built
+        object.__setattr__(self, "time_breakdown", tuple(sorted(self.time_breakdown)))
+        object.__setattr__(self, "memory_breakdown", tuple(sorted(self.memory_breakdown)))
+
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: getattr(self, k) for k in PREDICTION_KEYS}
         data["time_breakdown"] = dict(self.time_breakdown)

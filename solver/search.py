@@ -268,7 +268,7 @@ def smallest_memory(candidates: Sequence[Candidate], price: PriceFn) -> tuple[Ca
 def infeasible_error(graph: Graph, cluster: Cluster, global_batch: int, candidates: Sequence[Candidate],
                      price: PriceFn) -> InfeasiblePlanError:
     limit = cluster.device_memory_bytes
-    what = (f"No plan fits {limit / GIB:.1f} GiB/device for {graph.model.name} on {cluster.spec} "
+    what = (f"No plan fits {limit / GIB:.3g} GiB/device for {graph.model.name} on {cluster.spec} "
             f"(global batch {global_batch}, seq {graph.model.seq})")
     smallest = smallest_memory(candidates, price)
     if smallest is None:
@@ -278,11 +278,11 @@ def infeasible_error(graph: Graph, cluster: Cluster, global_batch: int, candidat
             f"multiple of the device count, or another cluster size")
     cand, peak = smallest
     return InfeasiblePlanError(
-        f"{what}; the smallest needs {peak / GIB:.1f} GiB per device "
+        f"{what}; the smallest needs {peak / GIB:.3g} GiB per device "
         f"({describe_config(cand.config, cand.stage_layers, global_batch)}), even with ZeRO-3 and full "
-        f"recomputation tried. Add devices (model state alone suggests at least "
-        f"{-(-cluster.num_devices * peak // limit)} of this memory), use larger-memory hardware or raise "
-        f"--memory-gb, or shorten --seq",
+        f"recomputation tried. That is {peak / limit:.1f}x the budget: add devices (about "
+        f"{-(-cluster.num_devices * peak // limit)} if the need divided evenly), use larger-memory hardware or "
+        f"raise --memory-gb, or shorten --seq",
         min_memory_bytes=peak)
 
 

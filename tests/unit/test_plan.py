@@ -1,0 +1,126 @@
+"""Plan files: JSON round trip, validation with clear errors, fingerprints, explain."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autopar.config import ParallelConfig
+from autopar.models import resolve
+from autopar.plan import (
+    Alternative,
+    IntraOpChoice,
+    Plan,
+    PlanFileError,
+    Prediction,
+    SearchInfo,
+    StageInfo,
+    fingerprint_source,
+    model_fingerprint,
+)
+
+
+def _plan(**overrides) -> Plan:
+    cfg = ParallelConfig(tp=2, pp=2, dp=2, zero=1, micro_batch=2, schedule="1f1b", recompute="selective")
+    values = dict(
+        model="llama-small", model_fingerprint="ab" * 32, num_layers=4, seq=64, global_batch=16,
+        cluster="h100:1x8", memory_limit_bytes=80 * 10**9, config=cfg, stage_layers=(1, 3), mesh_shape=(2, 2, 2),
+        stages=(StageInfo(index=0, first_layer=0, num_layers=1, has_embedding=True, has_head=False,
+                          flops_per_microbatch=1.5e9, num_parameters=1000, memory_bytes=9000),
+                StageInfo(index=1, first_layer=1, num_layers=3, has_embedding=False, has_head=True,
+                          flops_per_microbatch=3.5e9, num_parameters=3000, memory_bytes=27000)),
+        intra_op=(IntraOpChoice(layer_group="layers", submesh=(2,), source="template",
+                                placements=(("attention.wq.weight", "Shard(0) column-parallel"),)),),
+        predicted=Prediction(step_time_s=0.5, tokens_per_s=2048.0, tokens_per_s_per_device=256.0,
+                             model_tflops_per_device=1.5, mfu=0.25, peak_memory_bytes=12345, fits=True,
+                             bubble_fraction=0.25, time_breakdown=(("compute_s", 0.4), ("bubble_s", 0.1)),
+                             memory_breakdown=(("params_bytes", 12000),)),
+        search=SearchInfo(cost_model="toy", num_candidates=10, num_priced=6, num_pruned_memory=3,
+                          num_pruned_dominated=1, num_not_fitting=2,
+                          alternatives=(Alternative(config=ParallelConfig(tp=8, dp=1), stage_layers=(4,),
+                                                    step_time_s=0.6, peak_memory_bytes=100, fits=True),)),
+    )
+    values.update(overrides)
+    return Plan(**values)
+
+
+def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    text = path.read_text()
+    assert Plan.load(path) == plan
+    assert Plan.load(path).dumps() == text
+    data = json.loads(text)
+    assert data["version"] == 1
+    assert list(data) == sorted(data)
+    assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
+    text.encode("ascii")
+
+
+def _mutated(change) -> str:
+    data = _plan().to_json()
+    change(data)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(version=2), "version 2 is not supported"),
+    (lambda d: d.pop("stage_layers"), r"missing keys \['stage_layers'\]"),
+    (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
+    (lambda d: d["config"].update(dp=4), "dp\\*tp\\*pp = 4\\*2\\*2 = 16 devices but its cluster h100:1x8 has 8"),
+    (lambda d: d.update(stage_layers=[2, 3], stages=[]), "sum to 5 but the model has 4 layers"),
+    (lambda d: d.update(stage_layers=[4], stages=[]), "must be 2 positive counts"),
+    (lambda d: d.update(mesh_shape=[1, 4, 2]), "disagrees with its config"),
+    (lambda d: d.update(global_batch=6), "not a multiple of dp \\* micro_batch"),
+    (lambda d: d["config"].pop("zero"), r"config: missing keys \['zero'\]"),
+    (lambda d: d["predicted"].update(time_breakdown={"x": "fast"}), "must be a number"),
+    (lambda d: d["config"].update(schedule="zigzag"), "--schedule must be one of"),
+])
+def test_load_rejects_bad_plans_with_clear_errors(change, message) -> None:
+    with pytest.raises(PlanFileError, match=message):
+        Plan.loads(_mutated(change))
+
+
+def test_load_reports_missing_file_and_bad_json(tmp_path) -> None:
+    with pytest.raises(PlanFileError, match="does not exist"):
+        Plan.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PlanFileError, match="not valid JSON"):
+        Plan.load(tmp_path / "bad.json")
+    assert issubclass(PlanFileError, ValueError)
+
+
+def test_fingerprint_depends_on_names_and_shapes_only() -> None:
+    a = model_fingerprint([("w", (2, 3)), ("b", (3,))])
+    assert a == model_fingerprint([("b", [3]), ("w", (2, 3))])  # order-free
+    assert a != model_fingerprint([("w", (3, 2)), ("b", (3,))])
+    assert a != model_fingerprint([("v", (2, 3)), ("b", (3,))])
+    assert len(a) == 64
+
+
+def test_fake_built_fingerprint_equals_real_module_fingerprint() -> None:
+    source = resolve("gpt-tiny")
+    real = source.build()
+    assert isinstance(next(real.parameters()), torch.nn.Parameter)
+    assert fingerprint_source(source) == model_fingerprint((n, tuple(p.shape)) for n, p in real.named_parameters())
+    assert fingerprint_source(resolve("gpt-small")) != fingerprint_source(source)
+
+
+def test_check_model_refuses_another_model() -> None:
+    plan = _plan()
+    plan.check_model("ab" * 32)
+    with pytest.raises(PlanFileError, match="Re-run `autopar search`"):
+        plan.check_model("cd" * 32)
+
+
+def test_explain_names_every_stage_group_and_runner_up() -> None:
+    text = _plan().explain()
+    assert "stage 0: embedding, layers 0-0 (1)" in text
+    assert "stage 1: layers 1-3 (3), final norm + head + loss" in text
+    assert "attention.wq.weight: Shard(0) column-parallel" in text
+    assert "why non-uniform" in text
+    assert "tp8 pp1 dp1" in text and "(+20.0%)" in text
+    text.encode("ascii")
