@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from autopar.ir import Graph, NodeId
 from autopar.sharding import StrategySpace
 from solver.costs import CostTable
+from solver.strategies import output_index
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,7 +82,7 @@ def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
         if len(srcs) == 1 and node.op != "placeholder" and srcs[0] in active and owner[srcs[0]] >= 0 and \
                 (where.get(nid) is None or where.get(srcs[0]) == where.get(nid)):
             u = srcs[0]
-            idx = node.args[1] if node.op == "getitem" else 0
+            idx = output_index(graph[u], node.args[1]) if node.op == "getitem" else 0
             costs = table.nodes[nid]
             mapping = []
             for j in smap[u]:

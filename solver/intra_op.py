@@ -46,6 +46,7 @@ import pulp
 
 from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Role
+from autopar.placement import Partial, Placements, Replicate
 from autopar.sharding import CostBreakdown, InfeasiblePlanError, IntraOpSolution, NodeChoice
 from solver.costs import CostTable, ReshardPricer, price
 from solver.ilp_reduce import Reduction, reduce_graph
@@ -63,11 +64,20 @@ MEMORY_SCALE = 1.0 / 2**20
 MEMORY_POINTS = 4
 """Liveness points checked by memory rows (largest replicated live bytes first)."""
 
+TIE_BREAK_S = 1e-10
+"""Added to the objective (not to reported costs) per collective an edge needs: among
+equal-time plans prefer fewer collectives (an all-reduce over reduce-scatter + all-gather)."""
+
 SOLVER_SEED = 0
 REL_GAP = 1e-9
 """Solve to proven optimality (default MIP gaps of 1e-4 would let the oracle tests drift)."""
 
 SOLVERS = ("highs", "cbc")
+
+
+def _num_collectives(src: Placements, dst: Placements) -> int:
+    """Axes whose change needs communication (R->anything and S->P are local)."""
+    return sum(1 for a, b in zip(src, dst) if a != b and not isinstance(a, Replicate) and not isinstance(b, Partial))
 
 
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
@@ -81,7 +91,8 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                coef[j] += weight * pricer(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]))
+                src, dst = src_of(red.smap[u][j]), dst_of(red.smap[v][j])
+                coef[j] += weight * (pricer(meta, src, dst) + TIE_BREAK_S * _num_collectives(src, dst))
             return
         src = [src_of(j) for j in red.smap[u]]
         dst = [dst_of(j) for j in red.smap[v]]
@@ -92,7 +103,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             row = matrix[ja]
             for jb, d in enumerate(dst):
                 if s != d:
-                    row[jb] += weight * pricer(meta, s, d)
+                    row[jb] += weight * (pricer(meta, s, d) + TIE_BREAK_S * _num_collectives(s, d))
 
     for v in red.active:
         node = graph[v]

@@ -9,7 +9,7 @@ The space (each axis independent, all under the per-device memory limit):
 - mesh (pp, dp, tp): tp divides the devices of a node (tensor parallelism needs NVLink;
   `SearchSpace.tp_within_node=False` lifts this) and the attention heads; pp <= layers;
   dp = devices / (tp * pp) divides the global batch.
-- micro-batch b dividing global_batch / dp (b <= max_micro_batch), m = B / (dp b).
+- micro-batch b dividing global_batch / dp (optionally b <= max_micro_batch), m = B / (dp b).
 - schedule: none for pp = 1; gpipe, 1f1b, interleaved with v chunks (v | L/pp, m % pp = 0).
 - stage cuts (solver/inter_op.py): the even split and the exact min-max balanced cut.
 - ZeRO 0-3 and recompute none/selective/full.
@@ -81,7 +81,8 @@ class SearchSpace:
     """Which knobs the search may turn; the defaults are the full space."""
 
     tp_within_node: bool = True
-    max_micro_batch: int = 16
+    max_micro_batch: int | None = None
+    """Largest micro-batch tried; None means any divisor of global_batch / dp."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
     max_interleave: int = 8
@@ -174,7 +175,7 @@ def enumerate_candidates(graph: Graph, work: StageWork, cluster: Cluster, global
     for tp, pp, dp in mesh_shapes(graph, cluster, global_batch, space):
         per_rank = global_batch // dp
         for b in _divisors(per_rank):
-            if b > space.max_micro_batch:
+            if space.max_micro_batch is not None and b > space.max_micro_batch:
                 break
             m = per_rank // b
             schedules: list[tuple[str, int]] = [("1f1b", 1)] if pp == 1 else []

@@ -285,9 +285,22 @@ def _layer_norm_backward(node: Node, ins: list[Shape], outs: list[Shape]) -> lis
     opts = [_replicated(node, ins, outs)]
     for d in range(batch_dims):
         in_pl = tuple(Shard(d) if s in (0, 1, 3, 4) else R for s in slots)
-        out_pl = (Shard(d),) + (P,) * (len(outs) - 1)  # weight/bias grads sum over the batch
+        # weight/bias grads sum over the batch; absent outputs (output_mask False) are skipped
+        out_pl = tuple(pl for pl, on in zip((Shard(d), P, P), _output_mask(node)) if on)
         opts.append(AxisOption(out_pl, in_pl))
     return opts
+
+
+def _output_mask(node: Node) -> tuple[bool, ...]:
+    mask = node.args[7] if len(node.args) > 7 and isinstance(node.args[7], tuple) else (True, True, True)
+    return tuple(bool(m) for m in mask)
+
+
+def output_index(producer: Node, idx: int) -> int:
+    """Position in `producer.outputs` of tuple element `idx` (outputs skip None results)."""
+    if producer.op == "aten.native_layer_norm_backward.default":
+        return sum(_output_mask(producer)[:idx])
+    return idx
 
 
 def _attention(node: Node, ins: list[Shape], outs: list[Shape]) -> list[AxisOption]:
@@ -378,8 +391,8 @@ def _expand_to_mesh(options: list[AxisOption], ins: list[Shape], outs: list[Shap
     return tuple(seen)
 
 
-def _getitem_strategies(node: Node, producer: tuple[NodeStrategy, ...]) -> tuple[NodeStrategy, ...]:
-    idx = node.args[1]
+def _getitem_strategies(node: Node, producer_node: Node, producer: tuple[NodeStrategy, ...]) -> tuple[NodeStrategy, ...]:
+    idx = output_index(producer_node, node.args[1])
     seen: dict[NodeStrategy, None] = {}
     for s in producer:
         pl: Placements = s.outputs[idx]
@@ -396,7 +409,7 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple[int, ...]) -> StrategyS
     cache: dict[tuple, tuple[NodeStrategy, ...]] = {}
     for node in graph.nodes:
         if node.op == "getitem":
-            strategies.append(_getitem_strategies(node, strategies[node.inputs[0]]))
+            strategies.append(_getitem_strategies(node, graph[node.inputs[0]], strategies[node.inputs[0]]))
             continue
         ins = [graph[i].outputs[0].shape if graph[i].outputs else () for i in node.inputs]
         outs = [t.shape for t in node.outputs]

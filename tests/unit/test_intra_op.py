@@ -1,0 +1,255 @@
+"""Intra-op ILP oracles: data parallel, FSDP, Megatron, DP x TP, determinism, infeasibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.cluster import Cluster
+from autopar.ir import DTYPE_BYTES, Graph, Phase, Role
+from autopar.placement import Partial, Replicate, Shard, local_shape
+from autopar.sharding import InfeasiblePlanError, IntraOpSolution
+from autopar.trace import lower, trace
+from cost_model.collectives import (all_gather_time_s, all_reduce_time_s, mesh_axis_links,
+                                    reduce_scatter_time_s)
+from cost_model.compute import compute_time_s
+from solver.intra_op import solve_intra_op
+
+H100x8 = Cluster.parse("h100:1x8")
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, h, bias=False)
+        self.fc2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.fc2(F.gelu(self.fc1(x))) - y) ** 2).sum()
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (proj(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, d))
+
+
+class AttentionLoss(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.attn = Attention(d, heads)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.attn(x) - y) ** 2).sum()
+
+
+class Layer(nn.Module):
+    """A GPT layer (pre-norm attention + GELU MLP) with separate q/k/v projections."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return ((x - y) ** 2).sum()
+
+
+def _graph(module_fn, *shapes: tuple[int, ...]) -> Graph:
+    with FakeTensorMode():
+        model = module_fn()
+        inputs = tuple(torch.randn(*s) for s in shapes)
+    return lower(trace(model, inputs), name=type(model).__name__, batch=shapes[0][0], seq=1)
+
+
+@pytest.fixture(scope="module")
+def big_mlp() -> Graph:
+    return _graph(lambda: MLP(1024, 4096), (65536, 1024), (65536, 1024))
+
+
+def _dp_closed_form(graph: Graph, cluster: Cluster, n: int) -> float:
+    """Compute of every op on 1/n of the batch + one all-reduce per parameter gradient.
+
+    Written independently of the ILP: a tensor is batch-sharded iff one of its dims is the
+    (unique) batch size; an op's FLOPs split n ways iff it touches such a tensor."""
+    batch = graph.model.batch
+    (link,) = mesh_axis_links(cluster, (n,))
+
+    def local(meta) -> float:
+        div = n if batch in meta.shape else 1
+        return meta.numel * DTYPE_BYTES[meta.dtype] / div
+
+    total = 0.0
+    for node in graph.nodes:
+        if node.is_view or node.op == "placeholder" or (node.flops == 0 and node.bytes_moved == 0):
+            continue
+        metas = [graph[i].output for i in dict.fromkeys(node.inputs)] + list(node.outputs)
+        split = n if any(batch in m.shape for m in metas) else 1
+        total += compute_time_s(node.flops / split, sum(local(m) for m in metas), cluster.hardware,
+                                graph.model.dtype, op_class="gemm" if node.flops else "memory")
+    for param, _grad in graph.param_grads:
+        total += all_reduce_time_s(graph[param].output.size_bytes, link)
+    return total
+
+
+def test_mlp_is_data_parallel_and_matches_closed_form(big_mlp: Graph) -> None:
+    sol = solve_intra_op(big_mlp, H100x8, (8,))
+    assert sol.status == "optimal"
+    for param, grad in big_mlp.param_grads:
+        assert sol.choice(param).outputs == ((Replicate(),),)
+    for node in big_mlp.by_role(Role.INPUT):
+        assert sol.choice(node.id).outputs == ((Shard(0),),)
+    expected = _dp_closed_form(big_mlp, H100x8, 8)
+    assert sol.cost.total_s == pytest.approx(expected, rel=1e-6)
+    # the reshard part is exactly the gradient all-reduces
+    (link,) = mesh_axis_links(H100x8, (8,))
+    grads = sum(all_reduce_time_s(big_mlp[p].output.size_bytes, link) for p, _ in big_mlp.param_grads)
+    assert sol.cost.reshard_s == pytest.approx(grads, rel=1e-9)
+
+
+def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
+    dp = solve_intra_op(big_mlp, H100x8, (8,))
+    replicated_state = sum(16 * big_mlp[p].output.numel for p, _ in big_mlp.param_grads)
+    budget = dp.cost.peak_memory_bytes - replicated_state / 2
+    sol = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget)
+    assert sol.cost.peak_memory_bytes <= budget
+    (link,) = mesh_axis_links(H100x8, (8,))
+    expected_comm = 0.0
+    for param, _grad in big_mlp.param_grads:
+        (placement,) = sol.choice(param).outputs[0]
+        assert isinstance(placement, Shard), f"parameter {param} not sharded: {placement}"
+        size = big_mlp[param].output.size_bytes
+        # one reduce-scatter of the gradient, one all-gather per matmul reading the weight
+        readers = [c for c in sol.choices if c.op == "aten.mm.default" and c.reshard_s > 0
+                   and _reads_param(big_mlp, c.node, param)]
+        assert readers, "the sharded weight must be all-gathered before its matmuls"
+        expected_comm += reduce_scatter_time_s(size, link) + len(readers) * all_gather_time_s(size, link)
+    assert sol.cost.reshard_s == pytest.approx(expected_comm, rel=1e-9)
+    assert sol.cost.total_s > dp.cost.total_s
+
+
+def _reads_param(graph: Graph, node_id: int, param: int) -> bool:
+    """True if `node_id` consumes `param` through a chain of views."""
+    for src in graph[node_id].inputs:
+        while graph[src].is_view and graph[src].op != "placeholder":
+            src = graph[src].inputs[0]
+        if src == param:
+            return True
+    return False
+
+
+def _forward_reductions(graph: Graph, sol: IntraOpSolution) -> list[int]:
+    """Forward nodes that read a Partial input as non-Partial (a reduction collective)."""
+    found = []
+    for c in sol.choices:
+        node = graph[c.node]
+        if node.phase is not Phase.FORWARD:
+            continue
+        for src, want in zip(node.inputs, c.inputs):
+            have = sol.choice(src).outputs[0] if len(graph[src].outputs) == 1 else None
+            if have is not None and any(isinstance(a, Partial) and not isinstance(b, Partial)
+                                        for a, b in zip(have, want)):
+                found.append(c.node)
+    return found
+
+
+def _param(graph: Graph, name: str) -> int:
+    return next(n.id for n in graph.by_role(Role.PARAMETER) if n.param_name == name)
+
+
+def test_transformer_mlp_is_megatron_on_tp_axis() -> None:
+    # few tokens, wide layers: the weights are much bigger than the activations
+    graph = _graph(lambda: MLP(4096, 16384), (256, 4096), (256, 4096))
+    sol = solve_intra_op(graph, H100x8, (8,))
+    assert sol.choice(_param(graph, "fc1.weight")).outputs[0] == (Shard(0),)  # column parallel
+    assert sol.choice(_param(graph, "fc2.weight")).outputs[0] == (Shard(1),)  # row parallel
+    assert len(_forward_reductions(graph, sol)) == 1
+
+
+def test_attention_shards_heads_on_tp_axis() -> None:
+    graph = _graph(lambda: AttentionLoss(4096, 32), (1, 256, 4096), (1, 256, 4096))
+    sol = solve_intra_op(graph, H100x8, (8,))
+    for name in ("attn.q.weight", "attn.k.weight", "attn.v.weight"):
+        assert sol.choice(_param(graph, name)).outputs[0] == (Shard(0),), name
+    assert sol.choice(_param(graph, "attn.o.weight")).outputs[0] == (Shard(1),)
+    sdpa = [c for c in sol.choices if "scaled_dot_product" in c.op and "backward" not in c.op]
+    assert sdpa and all(p == (Shard(1),) for p in sdpa[0].inputs)  # heads
+    assert len(_forward_reductions(graph, sol)) == 1
+
+
+def test_gpt_layer_on_2d_mesh_is_dp_times_tp() -> None:
+    # axis 0 crosses nodes (slow NICs), axis 1 is NVLink inside a node
+    cluster = Cluster.parse("h100:2x8")
+    graph = _graph(lambda: Layer(4096, 32), (8, 512, 4096), (8, 512, 4096))
+    sol = solve_intra_op(graph, cluster, (2, 8))
+    x = next(n.id for n in graph.by_role(Role.INPUT))
+    assert sol.choice(x).outputs[0][0] == Shard(0)  # batch over the data-parallel axis
+    assert sol.choice(_param(graph, "fc1.weight")).outputs[0] == (Replicate(), Shard(0))
+    assert sol.choice(_param(graph, "fc2.weight")).outputs[0] == (Replicate(), Shard(1))
+    assert sol.choice(_param(graph, "attn.q.weight")).outputs[0] == (Replicate(), Shard(0))
+    assert sol.choice(_param(graph, "attn.o.weight")).outputs[0] == (Replicate(), Shard(1))
+
+
+def test_same_inputs_give_byte_identical_json() -> None:
+    graph = _graph(lambda: MLP(256, 1024), (4096, 256), (4096, 256))
+    first = solve_intra_op(graph, H100x8, (2, 4))
+    second = solve_intra_op(graph, H100x8, (2, 4))
+    assert first.to_json() == second.to_json()
+    again = IntraOpSolution.from_json(first.to_json())
+    assert again == first and again.to_json() == first.to_json()
+    assert "aten.mm.default" in first.explain()
+
+
+def test_cbc_agrees_with_highs() -> None:
+    graph = _graph(lambda: MLP(256, 1024), (4096, 256), (4096, 256))
+    highs = solve_intra_op(graph, H100x8, (8,), solver="highs")
+    cbc = solve_intra_op(graph, H100x8, (8,), solver="cbc")
+    assert cbc.cost.total_s == pytest.approx(highs.cost.total_s, rel=1e-6)
+
+
+def test_infeasible_budget_names_the_smallest_memory(big_mlp: Graph) -> None:
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=1e6)
+    need = info.value.min_memory_bytes
+    assert isinstance(info.value, ValueError) and "smallest needs" in str(info.value)
+    # the smallest plan shards every tensor 8 ways; a budget just above it is feasible
+    sol = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=need * 1.001)
+    assert sol.cost.peak_memory_bytes <= need * 1.001
+    with pytest.raises(InfeasiblePlanError):
+        solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=need * 0.99)
+    params = sum(16 * big_mlp[p].output.numel for p, _ in big_mlp.param_grads)
+    assert need >= params / 8
+
+
+def test_unknown_solver_is_a_value_error(big_mlp: Graph) -> None:
+    with pytest.raises(ValueError, match="unknown solver"):
+        solve_intra_op(big_mlp, H100x8, (8,), solver="gurobi")
+
+
+def test_subgraph_restriction_only_reports_those_nodes(big_mlp: Graph) -> None:
+    nodes = tuple(range(0, len(big_mlp) // 2))
+    sol = solve_intra_op(big_mlp, H100x8, (8,), nodes=nodes)
+    assert tuple(c.node for c in sol.choices) == nodes
+    assert math.isfinite(sol.cost.total_s)
+    assert local_shape((8, 8), (Shard(0),), (8,)) == (1, 8)
