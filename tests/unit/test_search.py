@@ -41,7 +41,7 @@ def _compositions(total, parts):
         yield tuple(edges[i + 1] - edges[i] for i in range(parts))
 
 
-def brute_force(graph, cluster, global_batch, price, *, max_micro_batch=16, all_cuts=True):
+def brute_force(graph, cluster, global_batch, price, *, max_micro_batch=10**9, all_cuts=True):
     """Every (tp, pp, dp, zero, b, schedule, v, recompute, cut) written out independently;
     with all_cuts, every composition of the layers (a superset of the planner's cuts)."""
     m_info, n = graph.model, cluster.num_devices
