@@ -1,0 +1,168 @@
+"""`autopar train MODEL --devices N`: run a configuration (or a saved plan) on real ranks.
+
+Spawns N local gloo processes (autopar/runtime_launch.py) unless started by torchrun,
+trains `--steps` AdamW steps on synthetic data (autopar/runtime_jobs.py) and prints the
+loss per step and tokens/s. `--check` also trains the single-process reference (same
+init, data and optimizer) and compares the loss curves; a mismatch beyond rtol 1e-4
+exits 1. `--json` prints `losses`, `reference_losses` (with --check), `config`,
+`tokens_per_s`, `peak_memory_bytes` and per-rank state bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from autopar.config import ParallelConfig
+from autopar.models import resolve
+from autopar.runtime import model_dims
+from autopar.runtime_jobs import RunResult, TrainJob, reference_run, train_worker
+from autopar.runtime_launch import init_from_env, launched_by_torchrun, spawn
+
+LOSS_RTOL = 1e-4
+_CONFIG_FLAGS = ("tp", "pp", "dp", "zero", "micro_batch", "schedule", "interleave", "recompute", "attention")
+
+
+def config_from_flags(args: argparse.Namespace, devices: int) -> ParallelConfig:
+    """DESIGN defaults: tp = pp = 1, dp = devices / (tp * pp), zero 0, micro-batch 1, 1f1b."""
+    tp, pp = args.tp or 1, args.pp or 1
+    if args.dp is None and devices % (tp * pp):
+        raise ValueError(f"--devices {devices} is not divisible by tp * pp = {tp * pp}; pick degrees that divide it")
+    dp = args.dp or devices // (tp * pp)
+    return ParallelConfig(
+        tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
+        schedule=args.schedule or "1f1b", interleave=args.interleave or 1,
+        recompute=args.recompute or "none", attention=args.attention or "flash",
+    )
+
+
+def _plan_config(args: argparse.Namespace) -> tuple[ParallelConfig, tuple[int, ...] | None, Any]:
+    given = [f"--{f.replace('_', '-')}" for f in _CONFIG_FLAGS if getattr(args, f, None) is not None]
+    if given:
+        raise ValueError(f"--plan replays a saved plan; drop the configuration flags {', '.join(given)}")
+    try:
+        from autopar.plan import Plan
+    except ImportError as exc:
+        raise ValueError(f"--plan needs autopar.plan, which this version lacks ({exc}); use configuration flags")
+    plan = Plan.load(args.plan)
+    layers = getattr(plan, "stage_layers", None)
+    return plan.config, (tuple(layers) if layers else None), plan
+
+
+def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None:
+    expected = getattr(plan, "model_fingerprint", None)
+    try:
+        from autopar.plan import model_fingerprint
+    except ImportError:
+        return
+    if not expected:
+        return
+    import torch
+
+    source = resolve(model_name).with_overrides(seq=seq)
+    with torch.device("meta"):
+        model = source.build() if source.factory is None else source.factory()[0]
+    actual = model_fingerprint(tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    if actual != expected:
+        raise ValueError(
+            f"plan {getattr(plan, 'path', '')!r} was made for another model (fingerprint {expected[:12]}..., "
+            f"{model_name!r} has {actual[:12]}...); re-run `autopar search` for this model"
+        )
+
+
+def _tokens_per_step(job: TrainJob) -> int:
+    source = resolve(job.model).with_overrides(seq=job.seq)
+    if source.config is not None:
+        return job.global_batch * source.config.seq
+    return int(source.factory()[1][0].numel())
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.checkpoint_dir or args.save_every or args.resume:
+        raise ValueError("--checkpoint-dir/--save-every/--resume are not implemented by `train` yet; "
+                         "use autopar.compile(...).state_dict() with torch.distributed.checkpoint")
+    torchrun = launched_by_torchrun()
+    if torchrun:
+        import torch.distributed as dist
+
+        init_from_env()
+        devices = dist.get_world_size()
+        if args.devices != devices:
+            raise ValueError(f"--devices {args.devices} but torchrun started {devices} ranks; make them equal")
+    else:
+        devices = args.devices
+    plan = None
+    if args.plan:
+        config, stage_layers, plan = _plan_config(args)
+        _check_plan_fingerprint(plan, args.model, args.seq)
+    else:
+        config, stage_layers = config_from_flags(args, devices), None
+    source = resolve(args.model).with_overrides(seq=args.seq)
+    if source.factory is not None:
+        model, example = source.factory()
+        global_batch = int(example[0].shape[0])
+        if args.global_batch not in (None, global_batch):
+            raise ValueError(f"--global-batch {args.global_batch} but factory {args.model!r} gives batches of "
+                             f"{global_batch}; drop --global-batch")
+    else:
+        model = source.build()
+        global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
+    dims = model_dims(model)
+    num_microbatches = config.check(global_batch=global_batch, num_devices=devices, **dims)
+    job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
+                   seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile)
+    if torchrun:
+        import torch.distributed as dist
+
+        results = [train_worker(dist.get_rank(), job)]
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        results = spawn(train_worker, devices, (job,))
+    per_rank: list[RunResult] = [r[0] for r in results]
+    ref_losses = reference_run(job)[0] if args.check else None
+    return _report(args, job, config, num_microbatches, per_rank, ref_losses)
+
+
+def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num_microbatches: int,
+            per_rank: list[RunResult], ref_losses: list[float] | None) -> int:
+    first = per_rank[0]
+    tokens = _tokens_per_step(job)
+    timed = first.step_times_s[1:] or first.step_times_s  # the first step pays lazy init
+    tokens_per_s = tokens * len(timed) / sum(timed)
+    ok = ref_losses is None or all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(first.losses, ref_losses))
+    out = {
+        "losses": list(first.losses),
+        "config": {**config.to_json(), "num_microbatches": num_microbatches},
+        "tokens_per_s": tokens_per_s,
+        "step_times_s": list(first.step_times_s),
+        "peak_memory_bytes": max(r.peak_rss_bytes for r in per_rank),
+        "peak_memory_kind": "max resident set size over ranks (CPU)",
+        "state_bytes_per_rank": [
+            {"parameters": r.parameter_bytes, "gradients": r.gradient_bytes, "optimizer": r.optimizer_state_bytes}
+            for r in per_rank
+        ],
+        "devices": len(per_rank),
+        "global_batch": job.global_batch,
+    }
+    if ref_losses is not None:
+        out["reference_losses"] = ref_losses
+        out["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(first.losses, ref_losses))
+        out["match"] = ok
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        c = config
+        print(f"{job.model}: dp {c.dp} x tp {c.tp} x pp {c.pp}, zero {c.zero}, micro-batch {c.micro_batch} "
+              f"({num_microbatches} microbatches), schedule {c.schedule}, recompute {c.recompute}")
+        for k, loss in enumerate(first.losses):
+            ref = f"   reference {ref_losses[k]:.6f}" if ref_losses is not None else ""
+            print(f"step {k + 1}: loss {loss:.6f}{ref}   {tokens / first.step_times_s[k]:,.0f} tokens/s")
+        print(f"throughput {tokens_per_s:,.0f} tokens/s (steps after the first), peak RSS "
+              f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
+        if ref_losses is not None:
+            verdict = "match" if ok else "MISMATCH"
+            print(f"check: {verdict} (max relative loss difference {out['max_rel_loss_diff']:.2e}, rtol {LOSS_RTOL})")
+    return 0 if ok else 1
