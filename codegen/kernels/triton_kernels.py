@@ -214,18 +214,14 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
 
 
 @triton.jit
-def _tanh(u):
-    # tl has no tanh that also runs in the interpreter; this identity is exact in fp32.
-    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
-
-
-@triton.jit
 def _bias_gelu_fwd_kernel(X, BIAS, Y, numel, N, K: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + \
         tl.load(BIAS + offs % N, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(K * (z + C * z * z * z))
+    # tanh(u) = 2 sigmoid(2u) - 1: tl has no tanh that also runs in the interpreter, and a
+    # nested @triton.jit helper breaks when triton was imported before TRITON_INTERPRET was set.
+    t = 2.0 * tl.sigmoid(2.0 * K * (z + C * z * z * z)) - 1.0
     tl.store(Y + offs, (0.5 * z * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -236,7 +232,7 @@ def _bias_gelu_bwd_kernel(DY, X, BIAS, DX, numel, N, K: tl.constexpr, C: tl.cons
     mask = offs < numel
     z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + \
         tl.load(BIAS + offs % N, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(K * (z + C * z * z * z))
+    t = 2.0 * tl.sigmoid(2.0 * K * (z + C * z * z * z)) - 1.0
     dgelu = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * K * (1.0 + 3.0 * C * z * z)
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + offs, (dy * dgelu).to(DX.dtype.element_ty), mask=mask)

@@ -1,9 +1,9 @@
 """Fused kernels vs eager PyTorch: forward and backward, Triton (interpreter) and reference paths.
 
-Triton runs here only in its interpreter (`TRITON_INTERPRET=1`, ~1000x slower than eager),
-so shapes are tiny but deliberately awkward: row lengths that are not powers of two and row
-counts that do not divide evenly over the backward's programs. The env var is set per test
-(monkeypatch), and triton is imported lazily on first use, so other tests are unaffected.
+Triton runs here only in its interpreter (`TRITON_INTERPRET=1`, ~1000x slower than eager;
+see conftest.py for how it is switched on), so shapes are tiny but deliberately awkward:
+row lengths that are not powers of two and row counts that do not divide evenly over the
+backward's programs.
 
 Oracles: fp32 kernels against eager fp32 with tight tolerances; bf16 kernels against eager
 fp32 on the same (upcast) bf16 inputs with bf16-level tolerances, and never worse than
@@ -12,7 +12,6 @@ eager bf16's own error plus one bf16 step.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable
 
 import pytest
@@ -23,9 +22,7 @@ from autopar.models.llama import RMSNorm
 from codegen.kernels import ops
 from codegen.kernels.cross_entropy import vocab_parallel_cross_entropy
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-BACKENDS = [pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")),
-            "reference"]
+BACKENDS = ["triton", "reference"]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=2e-2)}
 ROWS, HIDDEN = (2, 35), 48  # 70 rows > the 64 backward programs; 48 is not a power of two
 
@@ -33,7 +30,7 @@ ROWS, HIDDEN = (2, 35), 48  # 70 rows > the 64 backward programs; 48 is not a po
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "triton":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        request.getfixturevalue("triton_interpret")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return request.param
