@@ -199,16 +199,17 @@ def test_attention_shards_heads_on_tp_axis() -> None:
 
 
 def test_gpt_layer_on_2d_mesh_is_dp_times_tp() -> None:
-    # axis 0 crosses nodes (slow NICs), axis 1 is NVLink inside a node
-    cluster = Cluster.parse("h100:2x8")
-    graph = _graph(lambda: Layer(4096, 32), (8, 512, 4096), (8, 512, 4096))
+    cluster = Cluster.parse("h100:1x16")
+    graph = _graph(lambda: Layer(4096, 32), (16, 512, 4096), (16, 512, 4096))
     sol = solve_intra_op(graph, cluster, (2, 8))
-    x = next(n.id for n in graph.by_role(Role.INPUT))
-    assert sol.choice(x).outputs[0][0] == Shard(0)  # batch over the data-parallel axis
-    assert sol.choice(_param(graph, "fc1.weight")).outputs[0] == (Replicate(), Shard(0))
-    assert sol.choice(_param(graph, "fc2.weight")).outputs[0] == (Replicate(), Shard(1))
-    assert sol.choice(_param(graph, "attn.q.weight")).outputs[0] == (Replicate(), Shard(0))
-    assert sol.choice(_param(graph, "attn.o.weight")).outputs[0] == (Replicate(), Shard(1))
+    norm = next(c for c in sol.choices if c.op == "aten.native_layer_norm.default")
+    assert norm.inputs[0] == (Shard(0), Replicate())  # batch over the data-parallel axis
+    for name in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "fc1.weight"):
+        assert sol.choice(_param(graph, name)).outputs[0] == (Replicate(), Shard(0)), name  # column parallel
+    for name in ("attn.o.weight", "fc2.weight"):
+        assert sol.choice(_param(graph, name)).outputs[0] == (Replicate(), Shard(1)), name  # row parallel
+    sdpa = next(c for c in sol.choices if "scaled_dot_product" in c.op)
+    assert all(p == (Shard(0), Shard(1)) for p in sdpa.inputs)  # batch x heads
 
 
 def test_same_inputs_give_byte_identical_json() -> None:
