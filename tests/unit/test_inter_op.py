@@ -52,9 +52,13 @@ def test_uniform_cuts_give_remainder_to_middle_stages() -> None:
         uniform_cuts(3, 4)
 
 
-def test_stage_work_adds_up_to_the_traced_graph() -> None:
+@pytest.fixture(scope="module")
+def graph():
+    return trace_model(resolve("llama-small"), batch=2, dtype="float32")
+
+
+def test_stage_work_adds_up_to_the_traced_graph(graph) -> None:
     batch = 2
-    graph = trace_model(resolve("llama-small"), batch=batch, dtype="float32")
     work = stage_work(graph)
     total = work.num_layers * work.layer_flops + work.pre_flops + work.post_flops
     assert total * batch == pytest.approx(graph.flops_per_step, rel=1e-9)
@@ -65,8 +69,7 @@ def test_stage_work_adds_up_to_the_traced_graph() -> None:
     assert work.pre_params == m.vocab * m.hidden  # the embedding table
 
 
-def test_cut_candidates_interleaved_needs_divisible_layers() -> None:
-    graph = trace_model(resolve("llama-small"), batch=1, dtype="float32")
+def test_cut_candidates_interleaved_needs_divisible_layers(graph) -> None:
     work = stage_work(graph)
     assert cut_candidates(work, 2, recompute="none", interleave=2) == ((2, 2),)
     assert cut_candidates(work, 2, recompute="none", interleave=3) == ()
