@@ -226,16 +226,25 @@ def _bias_gelu_fwd_kernel(X, BIAS, Y, numel, N, K: tl.constexpr, C: tl.constexpr
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, X, BIAS, DX, numel, N, K: tl.constexpr, C: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + \
-        tl.load(BIAS + offs % N, mask=mask, other=0.0).to(tl.float32)
-    t = 2.0 * tl.sigmoid(2.0 * K * (z + C * z * z * z)) - 1.0
-    dgelu = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * K * (1.0 + 3.0 * C * z * z)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + offs, (dy * dgelu).to(DX.dtype.element_ty), mask=mask)
+def _bias_gelu_bwd_kernel(DY, X, BIAS, DX, DBIAS_PARTIAL, M, N, rows_per_program, K: tl.constexpr,
+                          C: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Row-blocked like the norm backwards: dbias is reduced in registers, so dx is written
+    # once and never read back for the bias gradient.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(0, rows_per_program):
+        row = pid * rows_per_program + i
+        mask = cols < tl.where(row < M, N, 0)  # vector mask (see _rms_norm_bwd_kernel)
+        z = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32) + bias
+        t = 2.0 * tl.sigmoid(2.0 * K * (z + C * z * z * z)) - 1.0
+        dgelu = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * K * (1.0 + 3.0 * C * z * z)
+        dx = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32) * dgelu
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dbias += tl.where(mask, dx, 0.0)
+    tl.store(DBIAS_PARTIAL + pid * N + cols, dbias, mask=col_mask)
 
 
 def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -247,12 +256,14 @@ def bias_gelu_fwd(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def bias_gelu_bwd(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # dx is kept in float32 until the bias reduction so dbias does not sum rounded values.
-    dx32 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    numel = x.numel()
-    _bias_gelu_bwd_kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
-        dy, x, bias, dx32, numel, bias.numel(), K=_GELU_K, C=_GELU_C, BLOCK=ELEMENTWISE_BLOCK)
-    return dx32.to(x.dtype), dx32.reshape(-1, bias.numel()).sum(0).to(bias.dtype)
+    n = bias.numel()
+    m = x.numel() // n
+    programs, rows = _row_split(m)
+    dx = torch.empty_like(x)
+    dbias_partial = torch.empty(programs, n, dtype=torch.float32, device=x.device)
+    _bias_gelu_bwd_kernel[(programs,)](dy, x, bias, dx, dbias_partial, m, n, rows, K=_GELU_K, C=_GELU_C,
+                                       BLOCK_N=triton.next_power_of_2(n))
+    return dx, dbias_partial.sum(0).to(bias.dtype)
 
 
 # ---------------------------------------------------------------------------------------
