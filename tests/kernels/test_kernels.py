@@ -172,3 +172,26 @@ def test_fused_ops_trace_as_single_nodes_under_fake_mode() -> None:
     # the traced graph runs on real tensors and gives eager's gradients
     for got, want in zip(gm(x, w, gate), step(x, w, gate)):
         torch.testing.assert_close(got, want)
+
+
+def test_fused_ops_compile_with_fullgraph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo + AOTAutograd see each op as one node (fake impl) and differentiate it (autograd impl)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch._dynamo.reset()
+
+    def block(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, head: torch.Tensor,
+              labels: torch.Tensor) -> torch.Tensor:
+        h = ops.layer_norm(ops.rms_norm(x, w, 1e-5), w, b, 1e-5)
+        h = ops.bias_gelu(ops.swiglu(h, h * 0.5), b)
+        return vocab_parallel_cross_entropy(h, head, labels, chunk_tokens=4)
+
+    torch.manual_seed(0)
+    leaves = [torch.randn(6, 8), torch.randn(8), torch.randn(8), torch.randn(20, 8)]
+    labels = torch.randint(0, 20, (6,))
+    eager_in = [t.clone().requires_grad_() for t in leaves]
+    compiled_in = [t.clone().requires_grad_() for t in leaves]
+    want = block(*eager_in, labels)
+    got = torch.compile(block, backend="aot_eager", fullgraph=True)(*compiled_in, labels)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(torch.autograd.grad(got, compiled_in), torch.autograd.grad(want, eager_in)):
+        torch.testing.assert_close(g, w)
