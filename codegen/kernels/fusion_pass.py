@@ -34,8 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-import codegen.kernels.cross_entropy  # noqa: F401  (registers autopar::vocab_parallel_ce)
-import codegen.kernels.ops  # noqa: F401  (registers the autopar:: ops)
+# importing cross_entropy (which imports ops) registers every autopar:: op used below
 from codegen.kernels.cross_entropy import DEFAULT_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ def _last_dim(node: fx.Node, dims: Any) -> bool:
     return list(dims) == [-1] or (ndim is not None and list(dims) == [ndim - 1])
 
 
-def _match_rms_norm(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
+def _match_rms_norm(out: fx.Node) -> list[Any] | None:
     if not _is(out, aten.mul.Tensor):
         return None
     for normed, w in (out.args, out.args[::-1]):
@@ -93,11 +92,11 @@ def _match_rms_norm(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
                 continue
             chain = [(normed, out), (r, normed), (add, r), (mean, add), (sq, mean)]
             if all(_only_used_by(n, user) for n, user in chain):
-                return x, [x, w, eps]
+                return [x, w, eps]
     return None
 
 
-def _match_layer_norm(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
+def _match_layer_norm(out: fx.Node) -> list[Any] | None:
     if not (out.op == "call_function" and out.target is operator.getitem and out.args[1] == 0):
         return None
     ln = out.args[0]
@@ -106,17 +105,17 @@ def _match_layer_norm(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
     x, shape, w, b, eps = ln.args
     if len(shape) != 1 or w is None:
         return None
-    return x, [x, w, b, eps]
+    return [x, w, b, eps]
 
 
-def _match_swiglu(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
+def _match_swiglu(out: fx.Node) -> list[Any] | None:
     if not _is(out, aten.mul.Tensor):
         return None
     for act, up in (out.args, out.args[::-1]):
         if _is(act, aten.silu.default) and _only_used_by(act, out) and isinstance(up, fx.Node):
             gate = act.args[0]
             if _same_shape(gate, up):
-                return gate, [gate, up]
+                return [gate, up]
     return None
 
 
@@ -125,7 +124,8 @@ def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
 
 
-def _match_bias_gelu(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
+def _match_bias_gelu(out: fx.Node) -> list[Any] | None:
+    """On a match, also inserts the bias-free mm (and view) whose output the fused op takes."""
     if not _is(out, aten.gelu.default) or out.kwargs.get("approximate") != "tanh":
         return None
     view = out.args[0]
@@ -142,10 +142,10 @@ def _match_bias_gelu(out: fx.Node) -> tuple[fx.Node, list[Any]] | None:
     with graph.inserting_before(out):
         mm = graph.call_function(aten.mm.default, (x, w))
         pre = mm if view is addmm else graph.call_function(view.target, (mm, *view.args[1:]))
-    return pre, [pre, bias]
+    return [pre, bias]
 
 
-def _match_cross_entropy(out: fx.Node, chunk_tokens: int) -> tuple[fx.Node, list[Any]] | None:
+def _match_cross_entropy(out: fx.Node, chunk_tokens: int) -> list[Any] | None:
     if not (out.op == "call_function" and out.target is operator.getitem and out.args[1] == 0):
         return None
     nll = out.args[0]
@@ -169,7 +169,7 @@ def _match_cross_entropy(out: fx.Node, chunk_tokens: int) -> tuple[fx.Node, list
         return None
     if not _only_used_by(weight_t, node) or out.meta.get("val", torch.empty(())).dtype != torch.float32:
         return None
-    return hidden, [hidden, weight_t.args[0], target, 0, chunk_tokens, ignore_index, ""]
+    return [hidden, weight_t.args[0], target, 0, chunk_tokens, ignore_index, ""]
 
 
 def _fake_val(target: Any, args: list[Any]) -> Any:
@@ -204,10 +204,9 @@ def fuse_graph(gm: fx.GraphModule, *, target: str, force: bool = False,
     counts: Counter[str] = Counter()
     for node in list(graph.nodes):
         for name, match, op in patterns:
-            found = match(node)
-            if found is None:
+            args = match(node)
+            if args is None:
                 continue
-            _anchor, args = found
             with graph.inserting_before(node):
                 fused = graph.call_function(op, tuple(args))
                 fused.meta["val"] = _fake_val(op, args)
