@@ -7,7 +7,8 @@ Math, for an op of `flops` tensor-core FLOPs moving `bytes_moved` bytes:
 
     t_compute = flops / (peak(dtype) * eff_class)
     t_memory  = bytes_moved / (HBM bandwidth * MEMORY_EFFICIENCY)
-    t         = max(t_compute, t_memory) + overhead_class
+    t         = max(t_compute, t_memory) + overhead_class                 (memory, attention)
+    t         = max(t_c, t_m) + (1 - GEMM_MEMORY_OVERLAP) min(t_c, t_m) + overhead  (gemm)
 
 `Node.flops` counts only matmul/attention FLOPs; a node with no FLOPs is memory-bound
 and priced by bytes alone. Classes: "gemm" (mm/addmm/bmm), "attention" (fused SDPA:
@@ -23,6 +24,7 @@ from cost_model.efficiency import (
     CAUSAL_WORK_FRACTION,
     FLASH_ATTENTION_EFFICIENCY,
     GEMM_EFFICIENCY,
+    GEMM_MEMORY_OVERLAP,
     GEMM_OVERHEAD_S,
     MEMORY_EFFICIENCY,
     MEMORY_OVERHEAD_S,
@@ -46,4 +48,6 @@ def compute_time_s(flops: float, bytes_moved: float, hardware: Hardware, dtype: 
         return max(work / (peak * FLASH_ATTENTION_EFFICIENCY), t_mem) + GEMM_OVERHEAD_S
     if cls != "gemm":
         raise ValueError(f"unknown op class {cls!r}; expected one of {', '.join(OP_CLASSES)}")
-    return max(flops / (peak * GEMM_EFFICIENCY), t_mem) + GEMM_OVERHEAD_S
+    t_flops = flops / (peak * GEMM_EFFICIENCY)
+    # near the ridge point a GEMM's operand traffic is only partly hidden behind its math
+    return max(t_flops, t_mem) + (1 - GEMM_MEMORY_OVERLAP) * min(t_flops, t_mem) + GEMM_OVERHEAD_S

@@ -98,6 +98,8 @@ def stage_params(profile: GraphProfile, config: ParallelConfig, layers: int, fir
         params += profile.pre.params_split / t + profile.pre.params_replicated
     if last:
         params += profile.post.params_split / t + profile.post.params_replicated
+    if first and last:
+        params -= profile.tied_params / t
     return params
 
 

@@ -83,6 +83,8 @@ class SegmentProfile:
     """Parameter counts (elements): sharded over tp, or replicated (norm weights)."""
     largest_backward_bytes: float
     """Biggest single backward output (gradient workspace; e.g. logits grad)."""
+    param_tensors: float = 0.0
+    """Parameter tensors per unit (ZeRO-3 gathers and reduces each with its own collective)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +106,9 @@ class GraphProfile:
     pre: SegmentProfile
     layer: SegmentProfile
     post: SegmentProfile
+    tied_params: float = 0.0
+    """Head weights tied to the embedding: one storage when one stage holds both (pp = 1);
+    with pp > 1 the last stage keeps its own copy (Megatron does the same)."""
 
     def segment(self, name: str) -> SegmentProfile:
         return {"pre": self.pre, "layer": self.layer, "post": self.post}[name]
@@ -204,7 +209,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
             recomputable.add(pid)
 
     seg_data = {s: dict(items=[], rec=[], ss=0.0, sp=0.0, ks=0.0, kp=0.0, inp=0.0, scores=0.0,
-                        pspl=0.0, prep=0.0, bwd=0.0) for s in SEGMENTS}
+                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0) for s in SEGMENTS}
     for key in saved:
         pid = key[0]
         seg = seg_data[segment[pid]]
@@ -222,6 +227,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
             numel = n.outputs[0].numel
             replicated = len(n.outputs[0].shape) == 1 and n.outputs[0].shape[0] == m.hidden
             seg["prep" if replicated else "pspl"] += numel * w
+            seg["ntens"] += w
             continue
         if n.is_view or n.op == "placeholder" or (n.flops == 0 and n.bytes_moved == 0):
             continue
@@ -262,12 +268,16 @@ def profile_graph(graph: Graph) -> GraphProfile:
         return SegmentProfile(items=tuple(d["items"]), recompute_items=tuple(d["rec"]), saved_stream_bytes=d["ss"],
                               saved_split_bytes=d["sp"], selective_stream_bytes=d["ks"],
                               selective_split_bytes=d["kp"], input_bytes=d["inp"], score_elems=d["scores"],
-                              params_split=d["pspl"], params_replicated=d["prep"], largest_backward_bytes=d["bwd"])
+                              params_split=d["pspl"], params_replicated=d["prep"], largest_backward_bytes=d["bwd"],
+                              param_tensors=d["ntens"])
 
+    pre, layer, post = seg_profile("pre"), seg_profile("layer"), seg_profile("post")
+    counted = sum(x.params_split + x.params_replicated for x in (pre, post)) + num_layers * (
+        layer.params_split + layer.params_replicated)
+    tied = min(post.params_split, max(0.0, counted - m.num_parameters))
     return GraphProfile(
         name=m.name, batch=m.batch, seq=m.seq, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         num_layers=num_layers, num_parameters=m.num_parameters, dtype=m.dtype,
         dtype_bytes=DTYPE_BYTES.get(m.dtype, 4), model_flops_per_step=float(graph.flops_per_step),
-        layer_forward_flops=layer_fwd_flops, pre=seg_profile("pre"), layer=seg_profile("layer"),
-        post=seg_profile("post"),
+        layer_forward_flops=layer_fwd_flops, pre=pre, layer=layer, post=post, tied_params=round(tied),
     )

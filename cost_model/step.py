@@ -147,8 +147,11 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     layer_params = profile.layer.params_split / t + profile.layer.params_replicated
     z3_fwd = z3_bwd = 0.0
     if config.zero >= 3 and d > 1:
-        gather = all_gather_time_s(layer_params * BYTES_WEIGHT, dp_link)
-        scatter = reduce_scatter_time_s(layer_params * BYTES_GRAD, dp_link)
+        # one collective per parameter tensor (DeepSpeed ZeRO-3 granularity): at large dp
+        # the ring latency (n-1) alpha per collective dominates, as SC'21 Table 2 shows
+        tensors = max(1.0, profile.layer.param_tensors)
+        gather = tensors * all_gather_time_s(layer_params * BYTES_WEIGHT / tensors, dp_link)
+        scatter = tensors * reduce_scatter_time_s(layer_params * BYTES_GRAD / tensors, dp_link)
         z3_fwd = max(0.0, gather - OVERLAP_EFFICIENCY * layer.forward_s)
         z3_bwd = max(0.0, gather + scatter - OVERLAP_EFFICIENCY * (layer.backward_s + layer.recompute_s))
 
@@ -188,7 +191,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
         if config.zero in (1, 2):
             dp_sync += all_gather_time_s(psi * BYTES_WEIGHT, dp_link)
         if config.zero >= 3:  # the first layer's gather before each forward cannot hide
-            dp_sync = m * all_gather_time_s(layer_params * BYTES_WEIGHT, dp_link)
+            tensors = max(1.0, profile.layer.param_tensors)
+            dp_sync = m * tensors * all_gather_time_s(layer_params * BYTES_WEIGHT / tensors, dp_link)
     local = psi / (d if config.zero >= 1 else 1)
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
     step = m * t_max + bubble + dp_sync + optimizer

@@ -1,0 +1,43 @@
+"""`autopar price`: bad flags exit 2 with a message; --json carries the DESIGN.md keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli import main
+
+BASE = ["price", "gpt-tiny", "--cluster", "cpu:4", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tp", "3"], "does not divide"),                  # tp*pp does not divide 4 devices
+    (["--tp", "2", "--dp", "3"], "devices"),             # dp*tp*pp != devices
+    (["--cluster", "cpu:8", "--tp", "8"], "attention heads"),  # gpt-tiny has 4 heads
+    (["--micro-batch", "3"], "not divisible"),           # 8 sequences, dp 4 * mb 3
+    (["--interleave", "2"], "--pp > 1"),                 # interleaved needs pipelining
+])
+def test_bad_flags_exit_2_with_a_message(capsys, extra, needle) -> None:
+    assert main(BASE + extra) == 2
+    err = capsys.readouterr().err
+    assert "autopar price: error:" in err and needle in err
+
+
+def test_json_has_the_contract_keys(capsys) -> None:
+    assert main(BASE + ["--pp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device", "mfu",
+                "peak_memory_bytes", "fits", "time_breakdown", "memory_breakdown", "config"):
+        assert key in out
+    cfg = out["config"]
+    assert (cfg["tp"], cfg["pp"], cfg["dp"], cfg["zero"], cfg["micro_batch"]) == (1, 2, 2, 0, 1)
+    assert (cfg["num_microbatches"], cfg["schedule"], cfg["interleave"], cfg["recompute"]) == (4, "1f1b", 1, "none")
+    assert out["tokens_per_s"] == pytest.approx(8 * 32 / out["step_time_s"])
+    assert sum(out["time_breakdown"].values()) == pytest.approx(out["step_time_s"])
+
+
+def test_config_that_does_not_fit_is_priced_and_flagged(capsys) -> None:
+    assert main(BASE + ["--memory-gb", "0.0001", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["over_memory_bytes"] > 0 and out["step_time_s"] > 0
