@@ -37,11 +37,15 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def _backend(t: torch.Tensor) -> ModuleType:
-    if _use_triton(t):
+    if not _use_triton(t):
+        return reference
+    try:
         from codegen.kernels import triton_kernels  # lazy: imports triton
-
-        return triton_kernels
-    return reference
+    except ImportError as exc:
+        raise RuntimeError(
+            f"fused kernels on {t.device.type} tensors need triton, which is not installed ({exc}); "
+            "install it (pip install 'autopar[triton]') or run without the fusion pass") from exc
+    return triton_kernels
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Each rank holds half of the output layer's rows (its vocab slice); hidden states and labels
 are replicated. The loss on every rank, the hidden-state gradient (all-reduced inside the
 op's backward) and each rank's weight-slice gradient must equal `F.cross_entropy` over the
-full logits computed in one process.
+full logits computed in one process. Each worker checks the reference (CPU) path and then
+the Triton kernels in the interpreter; a spawned worker is a fresh process, so setting
+TRITON_INTERPRET=1 before its first `import triton` is enough.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ TOKENS, HIDDEN, VOCAB = 37, 16, 90  # 37 tokens over chunks of 8: ragged last ch
 
 
 def _worker(rank: int, init_file: str) -> None:
-    os.environ.pop("TRITON_INTERPRET", None)  # reference path: the CPU one
+    # triton must first be imported with the interpreter on (see tests/kernels/conftest.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+    from codegen.kernels import ops, triton_kernels
+
+    del os.environ["TRITON_INTERPRET"]  # reference path first
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -41,15 +47,22 @@ def _worker(rank: int, init_file: str) -> None:
         loss_ref.backward()
 
         local = VOCAB // WORLD
-        h = hidden.clone().requires_grad_()
-        w_local = weight[rank * local:(rank + 1) * local].clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(h, w_local, labels, chunk_tokens=8, group=dist.group.WORLD)
-        loss.backward()
+        for backend in ("reference", "triton"):
+            if backend == "reference":
+                assert ops._backend(hidden).__name__.endswith("reference")
+            else:
+                os.environ["TRITON_INTERPRET"] = "1"  # read per call by codegen.kernels.ops
+                assert ops._backend(hidden) is triton_kernels
+            h = hidden.clone().requires_grad_()
+            w_local = weight[rank * local:(rank + 1) * local].clone().requires_grad_()
+            loss = vocab_parallel_cross_entropy(h, w_local, labels, chunk_tokens=8, group=dist.group.WORLD)
+            loss.backward()
 
-        torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(w_local.grad, w_ref.grad[rank * local:(rank + 1) * local], atol=1e-6, rtol=1e-5)
-        assert h.grad[5].abs().max().item() == 0.0
+            torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(w_local.grad, w_ref.grad[rank * local:(rank + 1) * local],
+                                       atol=1e-6, rtol=1e-5)
+            assert h.grad[5].abs().max().item() == 0.0
     finally:
         dist.destroy_process_group()
 
