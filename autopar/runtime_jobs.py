@@ -80,7 +80,7 @@ def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
