@@ -23,10 +23,10 @@ GEMM_OVERHEAD_S = 6e-6
 """Per-GEMM fixed time (launch, wave-quantisation tail): makes a 1 GFLOP A100 GEMM ~60%
 efficient and a 100 GFLOP one ~80%."""
 
-GEMM_MEMORY_OVERLAP = 0.5
-"""Share of a GEMM's operand traffic hidden behind its math. Thin GEMMs (hidden 768-2048)
-sit near the A100 ridge point (~150 FLOP/byte) and lose efficiency; a pure max() roofline
-would call them fully compute-bound."""
+GEMM_MEMORY_OVERLAP = 0.0
+"""Share of a GEMM's operand traffic (as the op-by-op graph counts it) hidden behind its
+math: 0 = additive. Thin GEMMs (hidden 768-2048) sit near the A100 ridge point (~150
+FLOP/byte) and lose efficiency; a pure max() roofline would call them compute-bound."""
 
 FLASH_ATTENTION_EFFICIENCY = 0.30
 """Fused attention forward+backward as training stacks run it, on the causal work (half

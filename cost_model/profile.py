@@ -23,7 +23,8 @@ Terms:
 - full recompute keeps only each layer's input (the residual stream entering it).
 All byte and FLOP figures are at the traced batch `graph.model.batch`; the pricer scales
 per-microbatch quantities linearly by micro_batch / traced batch, which is exact for
-these models (every activation and FLOP count is linear in the batch at fixed seq).
+these models (activations, FLOPs and activation traffic are linear in the batch at fixed
+seq; weight reads and weight-gradient writes are kept apart as `fixed_bytes`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class OpItem:
     bytes_moved: float
     stream: bool
     causal: bool = False
+    fixed_bytes: float = 0.0
+    """Part of bytes_moved that does not grow with the batch: weights read, weight
+    gradients written. The rest scales with micro_batch / traced batch."""
     score_elems: float = 0.0
     """For attention: batch * heads * seq_q * seq_k (the s x s scores math attention makes)."""
     weight: float = 1.0
@@ -208,6 +212,19 @@ def profile_graph(graph: Graph) -> GraphProfile:
         if ok:
             recomputable.add(pid)
 
+    # weight traffic: inputs whose storage is a parameter, outputs that become gradients
+    grad_roots = {_storage(graph, n.id)[0] for n in graph.nodes if n.role is Role.GRADIENT}
+
+    def fixed_bytes(n: Node) -> float:
+        moved = 0.0
+        for src in dict.fromkeys(n.inputs):
+            root = graph[_storage(graph, src)[0]]
+            if root.role in (Role.PARAMETER, Role.BUFFER) and len(graph[src].outputs) == 1:
+                moved += graph[src].outputs[0].size_bytes
+        if n.id in grad_roots:
+            moved += n.output_bytes
+        return min(moved, float(n.bytes_moved))
+
     seg_data = {s: dict(items=[], rec=[], ss=0.0, sp=0.0, ks=0.0, kp=0.0, inp=0.0, scores=0.0,
                         pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0) for s in SEGMENTS}
     for key in saved:
@@ -233,6 +250,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
             continue
         cls = _op_class(n)
         item = OpItem(phase=n.phase.value, op_class=cls, flops=float(n.flops), bytes_moved=float(n.bytes_moved),
+                      fixed_bytes=fixed_bytes(n),
                       stream=is_stream(n) and cls == "memory", causal=cls == "attention" and _is_causal(n),
                       score_elems=_score_elems(graph, n) if cls == "attention" else 0.0, weight=w)
         seg["items"].append(item)

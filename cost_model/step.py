@@ -79,7 +79,7 @@ def _items_time(items: tuple[OpItem, ...], config: ParallelConfig, cluster: Clus
             continue
         div = t if (not it.stream or config.sequence_parallel) else 1
         flops = it.flops * ratio / div
-        moved = it.bytes_moved * ratio / div
+        moved = ((it.bytes_moved - it.fixed_bytes) * ratio + it.fixed_bytes) / div
         if it.op_class == "memory":
             # fused stacks move a fraction of the op-by-op bytes in a fraction of the kernels
             total += it.weight * POINTWISE_FUSION_FACTOR * compute_time_s(0.0, moved, hw, dtype)
