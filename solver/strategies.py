@@ -348,6 +348,7 @@ _ELEMENTWISE = (
     "tanh_backward.default", "sigmoid_backward.default", "fill.Scalar", "zeros_like.default",
     "ones_like.default", "masked_fill.Scalar", "reciprocal.default",
 )
+ELEMENTWISE_OPS = frozenset(f"aten.{op}" for op in _ELEMENTWISE)
 RULES: dict[str, Rule] = {
     **_VIEWS,
     **{f"aten.{op}": _elementwise for op in _ELEMENTWISE},
