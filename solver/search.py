@@ -155,7 +155,7 @@ def mesh_shapes(graph: Graph, cluster: Cluster, global_batch: int, space: Search
     tp_limit = cluster.devices_per_node if space.tp_within_node else n
     shapes = []
     for tp in _divisors(n):
-        if tp > tp_limit or (info.heads and info.heads % tp):
+        if tp_limit % tp or (info.heads and info.heads % tp):
             continue
         kv = info.kv_heads
         if kv and kv % tp and tp % kv:
