@@ -178,3 +178,31 @@ def test_plan_json_is_byte_identical_across_processes() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == here
     assert Plan.loads(here).dumps() == here
+
+
+def test_ilp_intra_op_choices_are_recorded_and_memoised() -> None:
+    from solver.intra_ilp import ilp_intra_op
+
+    graph = trace_model(resolve("gpt-tiny"), batch=2, dtype="float32")
+    cluster = Cluster.parse("h100:1x4")
+    price = _pricers(graph, cluster, 8)["cost_model"]
+    cache: dict = {}
+    calls = []
+
+    def intra(cfg):
+        calls.append(cfg)
+        return ilp_intra_op(graph, cluster, cfg, cache=cache)
+
+    result = search(graph, cluster, global_batch=8, price=price, model="gpt-tiny", fingerprint="f",
+                    cost_model_name="c", intra_op_fn=intra)
+    c = result.plan.config
+    ilp = [ch for ch in result.plan.intra_op if ch.source == "ilp"]
+    assert len(ilp) == len(graph.layer_groups) and ilp[0].submesh == (c.dp, c.tp)
+    names = {n for n, _ in ilp[0].placements}
+    assert "attn.qkv.weight" in names and len(names) == sum(
+        1 for nid in graph.layer_groups[0].nodes[0] if graph[nid].role.value == "parameter")
+    assert ilp[0].cost_s > 0
+    assert Plan.loads(result.plan.dumps()) == result.plan
+    assert "[ilp, ILP cost" in result.plan.explain()
+    again = ilp_intra_op(graph, cluster, c, cache=cache)
+    assert again == tuple(ilp) and len(cache) == len(graph.layer_groups)
