@@ -21,7 +21,6 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
@@ -123,7 +122,3 @@ class ReshardPricer:
             cost = reshard_time_s(meta.shape, DTYPE_BYTES.get(meta.dtype, 4), src, dst, self.links)
             self._memo[key] = cost
         return cost
-
-
-def mesh_size(mesh_shape: tuple[int, ...]) -> int:
-    return math.prod(mesh_shape)
