@@ -199,6 +199,12 @@ class RankProgram:
         tokens, labels = local[0], local[1]
         if self.config.schedule == "interleaved":
             schedule = self.schedule(self._stages, n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
+        elif self.config.schedule == "1f1b" and num_mb < self.config.pp:
+            # torch's 1F1B refuses fewer microbatches than stages; with so few, its warm-up
+            # already runs every forward first, i.e. it is GPipe: same order, same memory.
+            from torch.distributed.pipelining.schedules import ScheduleGPipe
+
+            schedule = ScheduleGPipe(self._stages[0], n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
         else:
             schedule = self.schedule(self._stages[0], n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
         losses: list[torch.Tensor] = []
@@ -326,6 +332,13 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     pp_rank = mesh.get_local_rank("pp")
     num_chunks = config.pp * config.interleave
     chunk_ids = tuple(pp_rank + v * config.pp for v in range(config.interleave))
+    if stage_layers is not None and len(stage_layers) != num_chunks and config.interleave > 1 \
+            and len(stage_layers) == config.pp:
+        # Plans count layers per pipeline rank; interleaving splits each rank's share into
+        # non-contiguous chunks, so fall back to an even split over all chunks.
+        log.info("stage_layers %s are per pp rank; interleave %d uses an even split", stage_layers,
+                 config.interleave)
+        stage_layers = None
     tied_fqns: tuple[str, ...] = ()
     if rules is not None:
         if rules.tied and model.get_parameter(rules.tied[0]) is model.get_parameter(rules.tied[1]):

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.runtime import model_dims
 from autopar.runtime_jobs import RunResult, TrainJob, reference_run, train_worker
-from autopar.runtime_launch import init_from_env, launched_by_torchrun, spawn
+from autopar.runtime_launch import RankFailure, init_from_env, launched_by_torchrun, spawn
 
 LOSS_RTOL = 1e-4
 _CONFIG_FLAGS = ("tp", "pp", "dp", "zero", "micro_batch", "schedule", "interleave", "recompute", "attention")
@@ -96,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     plan = None
     if args.plan:
         config, stage_layers, plan = _plan_config(args)
+        args.seq = args.seq or getattr(plan, "seq", None)
+        args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
         _check_plan_fingerprint(plan, args.model, args.seq)
     else:
         config, stage_layers = config_from_flags(args, devices), None
@@ -120,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
         if dist.get_rank() != 0:
             return 0
     else:
-        results = spawn(train_worker, devices, (job,))
+        try:
+            results = spawn(train_worker, devices, (job,))
+        except RankFailure as exc:
+            print(f"autopar train: error: {exc} (all ranks stopped)", file=sys.stderr)
+            return 1
     per_rank: list[RunResult] = [r[0] for r in results]
     ref_losses = reference_run(job)[0] if args.check else None
     return _report(args, job, config, num_microbatches, per_rank, ref_losses)
