@@ -408,8 +408,11 @@ class Plan:
                          "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")
         lines.append("layer groups (intra-op):")
         for choice in self.intra_op:
-            cost = f", ILP cost {choice.cost_s:.4g} s" if choice.source == "ilp" else ""
-            lines.append(f"  {choice.layer_group} on tp submesh {list(choice.submesh)} [{choice.source}{cost}]")
+            if choice.source == "ilp":
+                note = f"ilp, ILP cost {choice.cost_s:.4g} s per step; recorded beside the template, not priced"
+            else:
+                note = f"{choice.source}, priced by the cost model"
+            lines.append(f"  {choice.layer_group} on submesh {list(choice.submesh)} [{note}]")
             for name, placement in choice.placements:
                 lines.append(f"    {name}: {placement}")
         s = self.search

@@ -2,8 +2,9 @@
 
 Wires the stages (as cli.py may): trace a few layers on fake tensors, fingerprint the
 full model, profile the graph for the cost model once, run solver/search.py with
-`cost_model.price_profile` as the pricing callable, then print a ranked table (or JSON)
-and write the best plan. Progress goes to stderr so `--json` stdout stays clean.
+`cost_model.price_profile` as the pricing callable, solve the intra-op ILP for the
+chosen plan's layer groups (recorded beside the priced template), then print a ranked
+table (or JSON) and write the best plan. Progress goes to stderr so `--json` stdout stays clean.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 import time
 from typing import Any, Callable
@@ -20,7 +22,10 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import GIB, describe_config, fingerprint_source
 from autopar.trace import trace_model
+from solver.intra_ilp import ilp_intra_op
 from solver.search import ProgressFn, SearchResult, SearchSpace, search
+
+log = logging.getLogger(__name__)
 
 LAYERS_TRACED = 2
 """Zoo models repeat one layer structure: two traced layers scale exactly to the depth."""
@@ -28,8 +33,12 @@ LAYERS_TRACED = 2
 
 def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | None = None,
                 memory_gb: float | None = None, top: int = 5, time_limit_s: float | None = None,
-                space: SearchSpace = SearchSpace(), progress: ProgressFn | None = None) -> SearchResult:
-    """Trace, fingerprint, profile and search; phases (seconds) cover the whole pipeline."""
+                space: SearchSpace = SearchSpace(), progress: ProgressFn | None = None,
+                with_ilp: bool = True) -> SearchResult:
+    """Trace, fingerprint, profile and search; phases (seconds) cover the whole pipeline.
+
+    With `with_ilp`, the intra-op ILP is solved for the chosen plan's layer groups and
+    recorded in the plan beside the template (solver/intra_ilp.py)."""
     import cost_model
 
     phases: list[tuple[str, float]] = []
@@ -50,9 +59,18 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
     def price(config: ParallelConfig, stage_layers: tuple[int, ...]) -> Any:
         return cost_model.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
 
+    ilp_cache: dict[Any, Any] = {}
+
+    def intra_op(config: ParallelConfig) -> tuple[Any, ...]:
+        try:
+            return ilp_intra_op(graph, cluster, config, cache=ilp_cache, time_limit_s=time_limit_s or 60.0)
+        except ValueError as exc:  # the template stays the plan's intra-op choice
+            log.warning("intra-op ILP skipped: %s", exc)
+            return ()
+
     result = search(graph, cluster, global_batch=global_batch, price=price, model=model, fingerprint=fingerprint,
                     cost_model_name="cost_model.price_profile", space=space, top=top, time_limit_s=time_limit_s,
-                    progress=progress)
+                    progress=progress, intra_op_fn=intra_op if with_ilp else None)
     return SearchResult(ranked=result.ranked, plan=result.plan, phases=tuple(phases) + result.phases,
                         search_time_s=time.perf_counter() - t0)
 

@@ -203,6 +203,6 @@ def test_ilp_intra_op_choices_are_recorded_and_memoised() -> None:
         1 for nid in graph.layer_groups[0].nodes[0] if graph[nid].role.value == "parameter")
     assert ilp[0].cost_s > 0
     assert Plan.loads(result.plan.dumps()) == result.plan
-    assert "[ilp, ILP cost" in result.plan.explain()
+    assert "[ilp, ILP cost" in result.plan.explain() and "not priced" in result.plan.explain()
     again = ilp_intra_op(graph, cluster, c, cache=cache)
     assert again == tuple(ilp) and len(cache) == len(graph.layer_groups)
