@@ -102,6 +102,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.register_buffer("pos", torch.arange(cfg.seq), persistent=False)
+        self.apply(_init_weights)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
@@ -110,3 +111,11 @@ class GPT(nn.Module):
             x = layer(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases (loss starts near log(vocab))."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

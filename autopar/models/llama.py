@@ -137,6 +137,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.apply(_init_weights)
         head_dim = cfg.hidden // cfg.heads
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
         angles = torch.outer(torch.arange(cfg.seq).float(), inv_freq)
@@ -153,3 +154,11 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         logits = self.output(self.norm(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases (loss starts near log(vocab))."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
