@@ -181,14 +181,36 @@ def _make_solver(solver: str, time_limit_s: float | None, *, msg: bool = False) 
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
+def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float]]],
+                    node_coef: dict[NodeId, list[float]]) -> dict[tuple[NodeId, NodeId], tuple]:
+    """Edges whose matrix has one row class (cost depends on b only) or one column class
+    (on a only) are added to node costs; the rest come back as (matrix, row classes,
+    column classes) for edge variables. `node_coef` is this solve's own table (updated)."""
+    kept = {}
+    for (a, b), matrix in sorted(edges.items()):
+        rows = _classes([tuple(r) for r in matrix])
+        cols = _classes([tuple(c) for c in zip(*matrix)])
+        if len(rows) == 1:
+            for k, c in enumerate(matrix[0]):
+                node_coef[b][k] += c
+        elif len(cols) == 1:
+            for j, row in enumerate(matrix):
+                node_coef[a][j] += row[0]
+        else:
+            kept[(a, b)] = (matrix, rows, cols)
+    return kept
+
+
 class _Model:
     """The PuLP problem, built one constraint family at a time."""
 
     def __init__(self, name: str, red: Reduction) -> None:
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
-        self.x = {o: [pulp.LpVariable(f"x_{o}_{j}", cat=pulp.LpBinary) for j in range(len(red.smap[o]))]
+        self.x = {o: [self.prob.add_variable(f"x_{o}_{j}", cat=pulp.LpBinary) for j in range(len(red.smap[o]))]
                   for o in red.owners}
-        self.objective: list = []
+        self.objective: dict[pulp.LpVariable, float] = {}
+        """One coefficient per variable (LpAffineExpression(list) keeps only the LAST
+        coefficient of a repeated variable, so terms are summed here first)."""
 
     def add_one_choice_constraints(self) -> None:
         for o, xs in self.x.items():
@@ -196,24 +218,16 @@ class _Model:
 
     def add_node_costs(self, node_coef: dict[NodeId, list[float]]) -> None:
         for o, coef in node_coef.items():
-            self.objective += [(self.x[o][j], c * OBJECTIVE_SCALE) for j, c in enumerate(coef) if c]
+            for j, c in enumerate(coef):
+                if c:
+                    var = self.x[o][j]
+                    self.objective[var] = self.objective.get(var, 0.0) + c * OBJECTIVE_SCALE
 
-    def add_edge_constraints(self, edges: dict[tuple[NodeId, NodeId], list[list[float]]],
-                             node_coef: dict[NodeId, list[float]]) -> int:
-        """Returns the number of edge variables; separable edges fold into node costs instead."""
+    def add_edge_constraints(self, edges: dict[tuple[NodeId, NodeId], tuple]) -> int:
+        """Edge variables and their row/column rows; returns the number of edge variables."""
         count = 0
-        for (a, b), matrix in sorted(edges.items()):
-            rows = _classes([tuple(r) for r in matrix])
-            cols = _classes([tuple(c) for c in zip(*matrix)])
-            if len(rows) == 1 or len(cols) == 1:
-                if len(rows) == 1:
-                    self.objective += [(self.x[b][k], matrix[0][k] * OBJECTIVE_SCALE)
-                                       for k in range(len(matrix[0])) if matrix[0][k]]
-                else:
-                    self.objective += [(self.x[a][j], matrix[j][0] * OBJECTIVE_SCALE)
-                                       for j in range(len(matrix)) if matrix[j][0]]
-                continue
-            e = [[pulp.LpVariable(f"e_{a}_{b}_{r}_{k}", lowBound=0) for k in range(len(cols))]
+        for (a, b), (matrix, rows, cols) in edges.items():
+            e = [[self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0) for k in range(len(cols))]
                  for r in range(len(rows))]
             count += len(rows) * len(cols)
             for r, members in enumerate(rows):
@@ -225,7 +239,7 @@ class _Model:
                 for k, cmembers in enumerate(cols):
                     c = matrix[rmembers[0]][cmembers[0]]
                     if c:
-                        self.objective.append((e[r][k], c * OBJECTIVE_SCALE))
+                        self.objective[e[r][k]] = c * OBJECTIVE_SCALE
         return count
 
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
@@ -241,7 +255,7 @@ def _min_memory_bytes(red: Reduction, terms, solver: str, time_limit_s: float | 
     """Smallest peak memory any plan reaches at the checked points (for error messages)."""
     m = _Model("min_memory", red)
     m.add_one_choice_constraints()
-    peak = pulp.LpVariable("peak_mib", lowBound=0)
+    peak = m.prob.add_variable("peak_mib", lowBound=0)
     m.prob += peak
     for t, coef in terms:
         m.prob += m.memory_expr(coef) <= peak, f"memory/t={t}"
@@ -273,14 +287,14 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         coef, costs = node_coef[red.owner[n]], table.nodes[n]
         for j, s in enumerate(red.smap[n]):
             coef[j] += w * (costs[s].compute_s + costs[s].comm_s)
-    edges = _edge_matrices(graph, space, red, pricer, node_coef)
+    edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef), node_coef)
     terms = _memory_terms(graph, space, table, red)
     built = time.perf_counter()
 
     model = _Model("intra_op", red)
     model.add_one_choice_constraints()
     model.add_node_costs(node_coef)
-    num_edge_vars = model.add_edge_constraints(edges, node_coef)
+    num_edge_vars = model.add_edge_constraints(edges)
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
@@ -307,7 +321,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     solution = _extract(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape, memory_budget_bytes,
                         status=status, solver=solver,
                         num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
-                        num_constraints=len(model.prob.constraints),
+                        num_constraints=model.prob.numConstraints(),
                         solve_time_s=time.perf_counter() - start)
     objective_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
     log.info("intra-op %s on %s: %d owners of %d nodes, %d vars, %d rows; build %.2f s, total %.2f s; "
