@@ -12,8 +12,11 @@ bandwidth per device (InfiniBand/RoCE).
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 GIB = 1024**3
 
@@ -40,6 +43,22 @@ class Hardware:
         if dtype in ("float16", "bfloat16"):
             return table["bfloat16"]
         return table["float32"]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["peak_flops_per_s"] = dict(self.peak_flops_per_s)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Hardware":
+        known = {f.name for f in fields(cls)}
+        unknown, missing = set(data) - known, {f.name for f in fields(cls) if f.name != "default_gpus_per_node"} - set(data)
+        if unknown or missing:
+            raise ValueError(f"hardware profile: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}; "
+                             f"expected {sorted(known)} (as `autopar calibrate --out` writes them)")
+        peaks = data["peak_flops_per_s"]
+        peaks = peaks.items() if isinstance(peaks, dict) else peaks
+        return cls(**{**data, "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks))})
 
 
 _TB = 1e12
@@ -131,8 +150,11 @@ class Cluster:
         return replace(self, memory_limit_bytes=int(memory_gb * GIB))
 
     @classmethod
-    def parse(cls, spec: str) -> "Cluster":
-        """`h100:128x8` (nodes x devices per node), `cpu:4` (one node of 4), `a100-80gb:1x8`."""
+    def parse(cls, spec: str, hardware: Hardware | None = None) -> "Cluster":
+        """`h100:128x8` (nodes x devices per node), `cpu:4` (one node of 4), `a100-80gb:1x8`.
+
+        `hardware` (e.g. `load_hardware("profile.json")` from `autopar calibrate`) replaces
+        the built-in profile of the same name."""
         match = _CLUSTER_RE.match(spec.strip().lower()) if isinstance(spec, str) else None
         if match is None:
             raise ValueError(
@@ -140,7 +162,24 @@ class Cluster:
                 f"'cpu:4', with HW one of {', '.join(HARDWARE)}"
             )
         hw_name = match["hw"]
+        if hardware is not None:
+            if hardware.name != hw_name:
+                raise ValueError(f"cluster {spec!r} names hardware {hw_name!r} but the given profile is "
+                                 f"{hardware.name!r}; use '{hardware.name}:...' with this profile")
+            nodes = int(match["nodes"]) if match["nodes"] else 1
+            return cls(hardware=hardware, num_nodes=nodes, devices_per_node=int(match["per"]))
         if hw_name not in HARDWARE:
             raise ValueError(f"unknown hardware {hw_name!r} in cluster {spec!r}; known: {', '.join(HARDWARE)}")
         nodes = int(match["nodes"]) if match["nodes"] else 1
         return cls(hardware=HARDWARE[hw_name], num_nodes=nodes, devices_per_node=int(match["per"]))
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """A Hardware profile from JSON: a bare profile, or `autopar calibrate --out`'s file
+    (whose "hardware" key holds it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read hardware profile {str(path)!r}: {exc}; write one with "
+                         "`autopar calibrate --out profile.json`") from exc
+    return Hardware.from_json(data["hardware"] if isinstance(data, dict) and "hardware" in data else data)

@@ -1,0 +1,346 @@
+"""autopar vs the hand-tuned 3D baseline, measured on this machine (gloo, CPU), and how
+well the calibrated cost model ranks the same configurations.
+
+    .venv/bin/python benchmarks/measure_cpu.py [--profile4 p4.json] [--profile8 p8.json]
+        [--quick] [--json out.json]
+
+For each configuration (4 processes: dp4, zero3 dp4, dp2xtp2, dp2xpp2, tp2xpp2, plus the
+plan `autopar search` finds for cpu:4 with the calibrated profile; 8 processes:
+dp2xtp2xpp2) the same spawned ranks run, on the same model, seed and global batch:
+  A  autopar's program (autopar.runtime.build_program with the ParallelConfig, as
+     `autopar train` / `autopar.compile` build it), and
+  H  the hand-tuned torchtitan-style baseline (benchmarks/handtuned.py),
+in two rounds (A,H then H,A) so slow phases of the shared machine hit both.
+
+Figures (the machine has 2 cores shared with other users: noisy):
+- step time: barrier; step; barrier, timed on rank 0; median over the timed steps of both
+  rounds after WARMUP_STEPS untimed steps per build. tokens/s = global batch x seq / that.
+- peak memory per rank: the growth of the resident set while building and stepping,
+  VmHWM after the steps minus VmRSS before the build (VmHWM reset through
+  /proc/self/clear_refs, glibc's mmap threshold fixed at 64 KiB so freed tensors go back
+  to the OS between builds); max over ranks; first round only.
+- losses: the first step's global loss of A and H (same init and data: they must agree).
+- predicted: `cost_model.price` of each configuration (float32 trace) on `cpu:N` with the
+  calibrated profile (`autopar calibrate --devices N --out ...`); Spearman rank
+  correlation of predicted vs measured step time over the measured configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+MODEL = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024,seq=64"
+"""A slightly larger llama-small (4 layers, hidden 256, GQA 4/2 heads): big enough that
+GEMMs, not Python overhead, are a visible share of a step; small enough for world 8."""
+GLOBAL_BATCH = 16
+WARMUP_STEPS = 2
+TIMED_STEPS = 4
+ROUNDS = 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    label: str
+    world: int
+    config: Any  # ParallelConfig
+    hand: Any | None  # HandConfig, None for autopar's searched plan
+    stage_layers: tuple[int, ...] | None = None
+
+
+def cases(world: int, searched: Any | None = None) -> list[Case]:
+    from autopar.config import ParallelConfig
+    from handtuned import HandConfig
+
+    def both(label: str, **kw: Any) -> Case:
+        hand = {k: v for k, v in kw.items() if k in ("dp", "tp", "pp", "zero", "micro_batch", "schedule")}
+        return Case(label=label, world=world, config=ParallelConfig(sequence_parallel=True, **kw),
+                    hand=HandConfig(sequence_parallel=True, **hand))
+
+    if world == 8:
+        return [both("dp2xtp2xpp2", dp=2, tp=2, pp=2, micro_batch=2)]
+    out = [
+        both("dp4", dp=4, micro_batch=4),
+        both("zero3 dp4", dp=4, zero=3, micro_batch=4),
+        both("dp2xtp2", dp=2, tp=2, micro_batch=8),
+        both("dp2xpp2", dp=2, pp=2, micro_batch=2),
+        both("tp2xpp2", tp=2, pp=2, micro_batch=4),
+    ]
+    if searched is not None:
+        config, stage_layers = searched
+        out.append(Case(label="autopar search", world=world, config=config, hand=None, stage_layers=stage_layers))
+    return out
+
+
+# ---- on the ranks ----------------------------------------------------------------------
+
+def _mem_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _global_loss(value: float | None) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value if value is not None else 0.0, 1.0 if value is not None else 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -> dict[str, Any]:
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from autopar.models import resolve
+    from autopar.runtime import build_program
+    from handtuned import build
+
+    source = resolve(MODEL)
+    gc.collect()
+    rss0 = _mem_kib("VmRSS")
+    _reset_peak()
+    if which == "autopar":
+        torch.manual_seed(0)
+        model = source.build()
+        program = build_program(model, case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                                stage_layers=case.stage_layers)
+        step = lambda b: program.step(b)  # noqa: E731
+    else:
+        m = case.config.num_microbatches(GLOBAL_BATCH)
+        hand = build(source.build, case.hand, num_microbatches=m)
+        dp_rank = hand.mesh.get_local_rank("dp")
+
+        def step(b: Any) -> float:
+            tokens, labels = (t.chunk(case.hand.dp)[dp_rank] for t in b)
+            return _global_loss(hand.step(tokens, labels))
+    times, losses = [], []
+    for k, batch in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        losses.append(step(batch))
+        dist.barrier()
+        if k >= WARMUP_STEPS:
+            times.append(time.perf_counter() - start)
+    peak_kib = _mem_kib("VmHWM") - rss0
+    out = {"times": times, "first_loss": losses[0], "peak_rss_delta_bytes": peak_kib * 1024 if measure_memory else None}
+    del step
+    gc.collect()
+    return out
+
+
+def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
+    import torch
+
+    from autopar.models import resolve
+
+    source = resolve(MODEL)
+    batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
+               for k in range(WARMUP_STEPS + TIMED_STEPS)]
+    results: dict[str, Any] = {}
+    for case in world_cases:
+        kinds = ["autopar"] + (["hand"] if case.hand is not None else [])
+        rec = {k: {"times": [], "first_loss": None, "peak_rss_delta_bytes": None} for k in kinds}
+        for r in range(ROUNDS):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                got = _run_one(case, kind, batches, measure_memory=(r == 0))
+                rec[kind]["times"] += got["times"]
+                if r == 0:
+                    rec[kind]["first_loss"] = got["first_loss"]
+                    rec[kind]["peak_rss_delta_bytes"] = got["peak_rss_delta_bytes"]
+        results[case.label] = rec
+    return results
+
+
+# ---- in the parent ---------------------------------------------------------------------
+
+def run_world(world: int, world_cases: list[Case]) -> dict[str, Any]:
+    from autopar.runtime_launch import spawn
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' glibc at start
+    os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
+    per_rank = spawn(measure_worker, world, (world_cases,), collective_timeout_s=180.0)
+    out = {}
+    for case in world_cases:
+        rank0 = per_rank[0][case.label]
+        out[case.label] = {}
+        for kind, rec in rank0.items():
+            mem = [r[case.label][kind]["peak_rss_delta_bytes"] for r in per_rank]
+            out[case.label][kind] = {
+                "step_time_s": statistics.median(rec["times"]),
+                "step_times_s": rec["times"],
+                "first_loss": rec["first_loss"],
+                "peak_rss_delta_bytes": max(mem),
+            }
+    return out
+
+
+def _profile(dtype: str = "float32") -> Any:
+    import cost_model
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+
+    graph = trace_model(resolve(MODEL), batch=1, dtype=dtype, layers_traced=2)
+    return graph, cost_model.profile_graph(graph)
+
+
+def searched_plan(hardware: Any, world: int, graph: Any, profile: Any) -> tuple[Any, tuple[int, ...], Any]:
+    """autopar's own plan for cpu:world (calibrated profile, float32 trace: what runs here)."""
+    import cost_model
+    from autopar.cluster import Cluster
+    from autopar.models import resolve
+    from autopar.plan import fingerprint_source
+    from solver.search import search
+
+    cluster = Cluster.parse(f"cpu:{world}", hardware=hardware)
+
+    def price(config: Any, stage_layers: tuple[int, ...]) -> Any:
+        return cost_model.price_profile(profile, config, cluster, global_batch=GLOBAL_BATCH, stage_layers=stage_layers)
+
+    result = search(graph, cluster, global_batch=GLOBAL_BATCH, price=price, model=MODEL,
+                    fingerprint=fingerprint_source(resolve(MODEL)), cost_model_name="cost_model.price_profile")
+    return result.plan.config, tuple(result.plan.stage_layers), result.plan
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def _row_text(r: dict[str, Any]) -> str:
+    def fmt(value: Any, spec: str, scale: float = 1.0) -> str:
+        return "-" if value is None else format(value * scale, spec)
+
+    return (f"{r['label']:<16}{r['world']:>3}{fmt(r['autopar_tokens_per_s'], ',.0f'):>15}"
+            f"{fmt(r['hand_tokens_per_s'], ',.0f'):>12}{fmt(r['ratio'], '.3f'):>7}"
+            f"{fmt(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20):>13}"
+            f"{fmt(r['hand_peak_rss_delta_bytes'], '.0f', 2**-20):>10}"
+            f"{fmt(r['autopar_first_loss'], '.5f'):>10}{fmt(r['hand_first_loss'], '.5f'):>10}"
+            f"{fmt(r['predicted_step_time_s'], '.1f', 1e3):>9}{fmt(r['autopar_step_time_s'], '.1f', 1e3):>9}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile4", default=None, help="calibrated profile for 4 ranks (autopar calibrate --out)")
+    parser.add_argument("--profile8", default=None, help="calibrated profile for 8 ranks")
+    parser.add_argument("--no-world8", action="store_true", help="skip the 8-process configuration")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+
+    import cost_model
+    from autopar.cluster import HARDWARE, Cluster, load_hardware
+    from autopar.plan import describe_config
+
+    t0 = time.perf_counter()
+    graph, profile = _profile()
+    hw = {4: load_hardware(args.profile4) if args.profile4 else HARDWARE["cpu"],
+          8: load_hardware(args.profile8) if args.profile8 else None}
+    config, stage_layers, plan = searched_plan(hw[4], 4, graph, profile)
+    print(f"model {MODEL}, global batch {GLOBAL_BATCH} x seq 64; profile cpu:4 "
+          f"{'calibrated ' + args.profile4 if args.profile4 else 'built-in (uncalibrated)'}")
+    print(f"autopar search (cpu:4): {describe_config(config, stage_layers, GLOBAL_BATCH)}, predicted "
+          f"{plan.predicted.step_time_s * 1e3:.1f} ms/step")
+    all_cases = cases(4, (config, stage_layers)) + ([] if args.no_world8 else cases(8))
+    measured: dict[str, Any] = {}
+    for world in (4, 8):
+        world_cases = [c for c in all_cases if c.world == world]
+        if not world_cases:
+            continue
+        t = time.perf_counter()
+        measured.update(run_world(world, world_cases))
+        print(f"[world {world}: {len(world_cases)} configurations measured in {time.perf_counter() - t:.0f} s]")
+
+    tokens = GLOBAL_BATCH * 64
+    rows = []
+    for case in all_cases:
+        m = measured[case.label]
+        a = m["autopar"]
+        h = m.get("hand")
+        pred = None
+        if hw[case.world] is not None:
+            cluster = Cluster.parse(f"cpu:{case.world}", hardware=hw[case.world])
+            pred = cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH,
+                                            stage_layers=case.stage_layers).step_time_s
+        rows.append({
+            "label": case.label, "world": case.world, "config": case.config.to_json(),
+            "stage_layers": list(case.stage_layers) if case.stage_layers else None,
+            "autopar_tokens_per_s": tokens / a["step_time_s"], "autopar_step_time_s": a["step_time_s"],
+            "autopar_step_times_s": a["step_times_s"], "autopar_peak_rss_delta_bytes": a["peak_rss_delta_bytes"],
+            "autopar_first_loss": a["first_loss"],
+            "hand_tokens_per_s": tokens / h["step_time_s"] if h else None,
+            "hand_step_time_s": h["step_time_s"] if h else None,
+            "hand_step_times_s": h["step_times_s"] if h else None,
+            "hand_peak_rss_delta_bytes": h["peak_rss_delta_bytes"] if h else None,
+            "hand_first_loss": h["first_loss"] if h else None,
+            "ratio": (h["step_time_s"] / a["step_time_s"]) if h else None,
+            "predicted_step_time_s": pred,
+        })
+
+    print(f"\n{'config':<16}{'N':>3}{'autopar tok/s':>15}{'hand tok/s':>12}{'ratio':>7}"
+          f"{'autopar MiB':>13}{'hand MiB':>10}{'loss A':>10}{'loss H':>10}{'pred ms':>9}{'meas ms':>9}")
+    for r in rows:
+        print(_row_text(r))
+    ratios = [r["ratio"] for r in rows if r["ratio"]]
+    best_hand = max((r for r in rows if r["hand_tokens_per_s"] and r["world"] == 4), key=lambda r: r["hand_tokens_per_s"])
+    searched = next(r for r in rows if r["label"] == "autopar search")
+    priced = [r for r in rows if r["predicted_step_time_s"] is not None]
+    rho = spearman([r["predicted_step_time_s"] for r in priced], [r["autopar_step_time_s"] for r in priced])
+    priced4 = [r for r in priced if r["world"] == 4]
+    rho4 = spearman([r["predicted_step_time_s"] for r in priced4], [r["autopar_step_time_s"] for r in priced4])
+    print(f"\nratio autopar/hand-tuned (tokens/s): min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
+          f"over {len(ratios)} configurations (medians of {ROUNDS * TIMED_STEPS} timed steps after {WARMUP_STEPS} "
+          "warm-up steps per build)")
+    print(f"autopar searched plan {searched['autopar_tokens_per_s']:,.0f} tokens/s vs best hand-tuned on 4 processes "
+          f"({best_hand['label']}) {best_hand['hand_tokens_per_s']:,.0f}: "
+          f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x")
+    print(f"Spearman(predicted, measured step time): {rho:.3f} over {len(priced)} configurations "
+          f"({rho4:.3f} over the {len(priced4)} on 4 processes)")
+    print(f"[measure_cpu total {time.perf_counter() - t0:.0f} s]")
+    out = {"model": MODEL, "global_batch": GLOBAL_BATCH, "seq": 64, "rows": rows, "spearman": rho,
+           "spearman_world4": rho4, "warmup_steps": WARMUP_STEPS, "timed_steps": ROUNDS * TIMED_STEPS,
+           "searched_plan": plan.to_json(), "memory_kind": "peak RSS growth per rank (VmHWM - VmRSS before build)"}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))
+    return out
+
+
+if __name__ == "__main__":
+    main()
