@@ -15,7 +15,8 @@ work too (on 2 cores and 4 ranks, about half a core each): the per-device rate a
 From measured rates to a profile: the cost model multiplies each peak by a global
 efficiency (cost_model/efficiency.py); the profile stores measured / efficiency, so the
 model's achievable rate equals the measured one. Latency: a ring all-reduce of n ranks
-takes 2 (n-1) steps, so alpha = t(small all-reduce) / (2 (n-1)).
+takes 2 (n-1) steps and an all-gather n-1, so alpha is fitted (least squares) to the small
+collectives on all N ranks and inside 2-rank groups (see `Calibration.latency_s`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ class Calibration:
     all_reduce_small_s: float
     all_gather_small_s: float
     send_recv_small_s: float
+    pair_all_reduce_small_s: float = 0.0
+    """The small all-reduce / all-gather inside 2-rank groups (0 = not measured)."""
+    pair_all_gather_small_s: float = 0.0
+
+    @property
+    def latency_s(self) -> float:
+        """Per ring step alpha: least squares through the origin of the small collectives'
+        times against their ring steps (all-reduce 2 (n-1), all-gather n-1, n = N and 2)."""
+        n = self.devices
+        points = [(self.all_reduce_small_s, 2 * (n - 1)), (self.all_gather_small_s, n - 1)]
+        if self.pair_all_reduce_small_s:
+            points += [(self.pair_all_reduce_small_s, 2), (self.pair_all_gather_small_s, 1)]
+        return sum(t * k for t, k in points) / sum(k * k for _, k in points)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,6 +79,9 @@ class Calibration:
             "all_reduce_small_s": self.all_reduce_small_s,
             "all_gather_small_s": self.all_gather_small_s,
             "send_recv_small_s": self.send_recv_small_s,
+            "pair_all_reduce_small_s": self.pair_all_reduce_small_s,
+            "pair_all_gather_small_s": self.pair_all_gather_small_s,
+            "latency_s": self.latency_s,
             "small_bytes": COLLECTIVE_SMALL_BYTES,
         }
 
@@ -113,6 +130,18 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     barrier()
     out["copy"] = 2 * COPY_BYTES / _repeat(lambda: dst.copy_(src), barrier)
     peer = rank ^ 1
+    # small collectives inside 2-rank groups (pairs 2k, 2k+1, all pairs at once): most
+    # tp/pp/dp groups of a few-process job have 2 members
+    pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(n // 2)]
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    small = torch.ones(COLLECTIVE_SMALL_BYTES // 4)
+    if mine is not None:
+        half = torch.ones(small.numel() // 2)
+        count = COLLECTIVE_REPEATS[COLLECTIVE_SMALL_BYTES]
+        sync = lambda: dist.barrier(group=mine)  # noqa: E731
+        out["ar2"] = _repeat(lambda: dist.all_reduce(small, group=mine), sync, count)
+        out["ag2"] = _repeat(lambda: dist.all_gather_into_tensor(small, half, group=mine), sync, count)
+    barrier()
     for nbytes in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES):
         x = torch.ones(nbytes // 4)
         shard = torch.ones(nbytes // 4 // n)
@@ -163,6 +192,8 @@ def calibrate(devices: int) -> Calibration:
         all_reduce_small_s=ar[COLLECTIVE_SMALL_BYTES],
         all_gather_small_s=ag[COLLECTIVE_SMALL_BYTES],
         send_recv_small_s=p2p[COLLECTIVE_SMALL_BYTES],
+        pair_all_reduce_small_s=statistics.median(r["ar2"] for r in results if "ar2" in r),
+        pair_all_gather_small_s=statistics.median(r["ag2"] for r in results if "ag2" in r),
     )
 
 
@@ -173,7 +204,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
 
     gemm = max(r for _, r in cal.gemm_flops_per_s)
     bus = statistics.median([r for _, r in cal.all_reduce_bus_bytes_per_s + cal.all_gather_bus_bytes_per_s])
-    alpha = cal.all_reduce_small_s / (2 * (cal.devices - 1))
+    alpha = cal.latency_s
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     base = HARDWARE["cpu"]
     return Hardware(

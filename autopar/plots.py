@@ -130,17 +130,24 @@ def pipeline_timeline(schedule: str, pp: int, num_microbatches: int, forward_s: 
     return Timeline(boxes=tuple(sorted(boxes, key=lambda b: (b.stage, b.start_s))), pp=pp)
 
 
-def plan_stage_times(plan: Any) -> tuple[list[float], list[float]]:
-    """Per-stage forward / backward seconds per microbatch from a Plan (module docstring)."""
-    tb = dict(plan.predicted.time_breakdown)
-    m = plan.num_microbatches
-    crit_total = sum(tb.get(k, 0.0) for k in ("compute_s", "comm_tp_s", "comm_pp_s", "comm_zero3_s")) / m
-    recompute = tb.get("recompute_s", 0.0) / m
-    flops = [s.flops_per_microbatch for s in plan.stages] or [1.0] * plan.config.pp
-    crit = max(flops)
-    fwd = [crit_total * FORWARD_SHARE * f / crit for f in flops]
-    bwd = [(crit_total * (1 - FORWARD_SHARE) + recompute) * f / crit for f in flops]
+def stage_times(time_breakdown: dict[str, float], num_microbatches: int,
+                stage_weights: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per-stage forward / backward seconds per microbatch from an Estimate's (or Plan's)
+    time_breakdown of the critical stage (module docstring); `stage_weights` are each
+    stage's work (FLOPs or layers), the largest being the critical stage."""
+    m = num_microbatches
+    crit_total = sum(time_breakdown.get(k, 0.0) for k in ("compute_s", "comm_tp_s", "comm_pp_s", "comm_zero3_s")) / m
+    recompute = time_breakdown.get("recompute_s", 0.0) / m
+    crit = max(stage_weights)
+    fwd = [crit_total * FORWARD_SHARE * w / crit for w in stage_weights]
+    bwd = [(crit_total * (1 - FORWARD_SHARE) + recompute) * w / crit for w in stage_weights]
     return fwd, bwd
+
+
+def plan_stage_times(plan: Any) -> tuple[list[float], list[float]]:
+    """`stage_times` from a Plan file: its prediction and its stages' FLOPs."""
+    flops = [s.flops_per_microbatch for s in plan.stages] or [1.0] * plan.config.pp
+    return stage_times(dict(plan.predicted.time_breakdown), plan.num_microbatches, flops)
 
 
 def draw_timeline(ax: Any, timeline: Timeline, *, title: str = "") -> None:
@@ -220,4 +227,4 @@ def plot_plan(plan: Any, path: str) -> Timeline | None:
 
 
 __all__ = ["Box", "Timeline", "draw_memory", "draw_timeline", "pipeline_timeline", "plan_stage_times",
-           "plot_plan", "stage_order"]
+           "plot_plan", "stage_order", "stage_times"]

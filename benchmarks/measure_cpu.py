@@ -85,6 +85,17 @@ def cases(world: int, searched: Any | None = None) -> list[Case]:
     return out
 
 
+def same_program(a: Case, b: Case) -> bool:
+    """Whether two cases run the same autopar program (then it is measured once)."""
+    even = lambda c: c.stage_layers in (None, tuple(default_stage_layers(4, c.config.pp)))  # noqa: E731
+    return a.world == b.world and a.config == b.config and even(a) and even(b)
+
+
+def default_stage_layers(layers: int, pp: int) -> tuple[int, ...]:
+    base, extra = divmod(layers, pp)
+    return tuple(base + (1 if i < extra else 0) for i in range(pp))
+
+
 # ---- on the ranks ----------------------------------------------------------------------
 
 def _mem_kib(field: str) -> int:
@@ -170,6 +181,11 @@ def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
                     rec[kind]["first_loss"] = got["first_loss"]
                     rec[kind]["peak_rss_delta_bytes"] = got["peak_rss_delta_bytes"]
         results[case.label] = rec
+        if rank == 0:
+            a = statistics.median(rec["autopar"]["times"])
+            h = statistics.median(rec["hand"]["times"]) if "hand" in rec else None
+            print(f"  measured {case.label} (world {case.world}): autopar {a * 1e3:.0f} ms/step"
+                  + (f", hand-tuned {h * 1e3:.0f} ms/step, ratio {h / a:.3f}" if h else ""), flush=True)
     return results
 
 
@@ -263,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profile8", default=None, help="calibrated profile for 8 ranks")
     parser.add_argument("--no-world8", action="store_true", help="skip the 8-process configuration")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--only", default="", help="comma-separated configuration labels (e.g. 'tp2xpp2')")
     args = parser.parse_args(argv)
 
     import cost_model
@@ -279,15 +296,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"autopar search (cpu:4): {describe_config(config, stage_layers, GLOBAL_BATCH)}, predicted "
           f"{plan.predicted.step_time_s * 1e3:.1f} ms/step")
     all_cases = cases(4, (config, stage_layers)) + ([] if args.no_world8 else cases(8))
+    if args.only:
+        all_cases = [c for c in all_cases if c.label in args.only.split(",")]
+    searched_case = next((c for c in all_cases if c.hand is None), None)
+    twin = next((c for c in all_cases if c.hand is not None and searched_case and same_program(c, searched_case)), None)
+    if twin is not None:
+        print(f"the searched plan is the {twin.label!r} configuration: its autopar run is reused")
     measured: dict[str, Any] = {}
     for world in (4, 8):
-        world_cases = [c for c in all_cases if c.world == world]
+        world_cases = [c for c in all_cases if c.world == world and not (twin is not None and c is searched_case)]
         if not world_cases:
             continue
         t = time.perf_counter()
         measured.update(run_world(world, world_cases))
         print(f"[world {world}: {len(world_cases)} configurations measured in {time.perf_counter() - t:.0f} s]")
 
+    if twin is not None:
+        measured[searched_case.label] = {"autopar": measured[twin.label]["autopar"]}
     tokens = GLOBAL_BATCH * 64
     rows = []
     for case in all_cases:
@@ -319,18 +344,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         print(_row_text(r))
     ratios = [r["ratio"] for r in rows if r["ratio"]]
-    best_hand = max((r for r in rows if r["hand_tokens_per_s"] and r["world"] == 4), key=lambda r: r["hand_tokens_per_s"])
-    searched = next(r for r in rows if r["label"] == "autopar search")
+    hands4 = [r for r in rows if r["hand_tokens_per_s"] and r["world"] == 4]
+    best_hand = max(hands4, key=lambda r: r["hand_tokens_per_s"]) if hands4 else None
+    searched = next((r for r in rows if r["label"] == "autopar search"), None)
     priced = [r for r in rows if r["predicted_step_time_s"] is not None]
     rho = spearman([r["predicted_step_time_s"] for r in priced], [r["autopar_step_time_s"] for r in priced])
     priced4 = [r for r in priced if r["world"] == 4]
     rho4 = spearman([r["predicted_step_time_s"] for r in priced4], [r["autopar_step_time_s"] for r in priced4])
+    ratios = ratios or [float("nan")]
     print(f"\nratio autopar/hand-tuned (tokens/s): min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
           f"over {len(ratios)} configurations (medians of {ROUNDS * TIMED_STEPS} timed steps after {WARMUP_STEPS} "
           "warm-up steps per build)")
-    print(f"autopar searched plan {searched['autopar_tokens_per_s']:,.0f} tokens/s vs best hand-tuned on 4 processes "
-          f"({best_hand['label']}) {best_hand['hand_tokens_per_s']:,.0f}: "
-          f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x")
+    if searched and best_hand:
+        print(f"autopar searched plan {searched['autopar_tokens_per_s']:,.0f} tokens/s vs best hand-tuned on 4 "
+              f"processes ({best_hand['label']}) {best_hand['hand_tokens_per_s']:,.0f}: "
+              f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x")
     print(f"Spearman(predicted, measured step time): {rho:.3f} over {len(priced)} configurations "
           f"({rho4:.3f} over the {len(priced4)} on 4 processes)")
     print(f"[measure_cpu total {time.perf_counter() - t0:.0f} s]")

@@ -33,8 +33,10 @@ def run(args: argparse.Namespace) -> int:
                        ("all-gather busBW", m.all_gather_bus_bytes_per_s), ("send/recv", m.send_recv_bytes_per_s)):
         for n, r in rows:
             print(f"  {name} {n / 2**20:.0f} MiB: {r / 1e9:8.3f} GB/s")
-    print(f"  latency ({4} KiB): all-reduce {m.all_reduce_small_s * 1e3:.3f} ms, all-gather "
+    print(f"  4 KiB on {m.devices} ranks: all-reduce {m.all_reduce_small_s * 1e3:.3f} ms, all-gather "
           f"{m.all_gather_small_s * 1e3:.3f} ms, send/recv {m.send_recv_small_s * 1e3:.3f} ms")
+    print(f"  4 KiB in 2-rank groups: all-reduce {m.pair_all_reduce_small_s * 1e3:.3f} ms, all-gather "
+          f"{m.pair_all_gather_small_s * 1e3:.3f} ms; fitted alpha per ring step {m.latency_s * 1e3:.3f} ms")
     print(f"profile '{hw.name}': peak {hw.peak_flops('float32') / 1e9:.2f} GFLOP/s, memory bandwidth "
           f"{hw.memory_bandwidth_bytes_per_s / 1e9:.2f} GB/s, link {hw.intra_node_bandwidth_bytes_per_s / 1e9:.3f} "
           f"GB/s, alpha {hw.intra_node_latency_s * 1e6:.0f} us (peaks = measured / cost-model efficiency)")

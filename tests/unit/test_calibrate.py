@@ -18,9 +18,9 @@ def _cal(devices: int = 4) -> Calibration:
         devices=devices, gemm_flops_per_s=((128, 8e9), (256, 10e9)), copy_bandwidth_bytes_per_s=2e9,
         all_reduce_bus_bytes_per_s=((2**21, 0.2e9), (2**23, 0.4e9)),
         all_gather_bus_bytes_per_s=((2**21, 0.2e9), (2**23, 0.4e9)),
-        send_recv_bytes_per_s=((2**21, 0.9e9),), all_reduce_small_s=6e-3, all_gather_small_s=4e-3,
-        send_recv_small_s=4e-4,
-    )
+        send_recv_bytes_per_s=((2**21, 0.9e9),), all_reduce_small_s=6e-3, all_gather_small_s=3e-3,
+        send_recv_small_s=4e-4, pair_all_reduce_small_s=2e-3, pair_all_gather_small_s=1e-3,
+    )  # small collectives exactly 1 ms per ring step
 
 
 @pytest.mark.parametrize("name", sorted(HARDWARE))
@@ -48,6 +48,7 @@ def test_profile_reproduces_measured_rates() -> None:
     cluster = Cluster.parse("cpu:4", hardware=hw)
     (link,) = mesh_axis_links(cluster, (4,))
     assert link.bandwidth_bytes_per_s == pytest.approx(0.3e9)  # median of the bus bandwidths
+    assert _cal().latency_s == pytest.approx(1e-3)
     small = all_reduce_time_s(4096, link)
     assert small == pytest.approx(6e-3, rel=0.01)  # latency-dominated: the measured small all-reduce
 
