@@ -204,7 +204,7 @@ def enumerate_candidates(graph: Graph, work: StageWork, cluster: Cluster, global
 
 
 def run_search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
-               space: SearchSpace = SearchSpace(), top: int = 5, time_limit_s: float | None = None,
+               space: SearchSpace = SearchSpace(), time_limit_s: float | None = None,
                progress: ProgressFn | None = None) -> tuple[list[Ranked], SearchInfo, list[Candidate]]:
     """Enumerate, prune, price. Returns (fitting candidates best first, stats, the space)."""
     limit = cluster.device_memory_bytes
@@ -343,7 +343,7 @@ def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
     t0 = time.perf_counter()
     phases: list[tuple[str, float]] = []
     ranked, info, candidates = run_search(graph, cluster, global_batch=global_batch, price=price, space=space,
-                                          top=top, time_limit_s=time_limit_s, progress=progress)
+                                          time_limit_s=time_limit_s, progress=progress)
     phases.append(("price", time.perf_counter() - t0))
     if not ranked:
         raise infeasible_error(graph, cluster, global_batch, candidates, price)
