@@ -15,11 +15,14 @@ Row -> configuration rules (global, never per row):
   assumes it and 175B+ does not fit otherwise);
 - interleaved 1F1B when the row says so and pp > 1, with v = the smallest divisor > 1 of
   the layers per stage (v is not stated), falling back to 1F1B when m % pp != 0;
+- runtime options (`row_options`): ZeRO-3 "via DeepSpeed" in SC'21 is the 2021 DeepSpeed
+  runtime, other ZeRO-3 rows FSDP; torchtitan "selective (per-layer)" is full recompute
+  on every 2nd layer, "selective (per-op)" its every-second-mm op policy;
 - blank micro-batch -> 1; blank tp/pp with a stated model-parallel size -> tp 8 and
   pp = size / 8 (the SC'21 Table 2 note); zero stage from the leading digit.
 Each distinct model shape is traced once (2 layers, scaled to the real depth).
 
-Usage: .venv/bin/python benchmarks/validate_cost_model.py [CSV] [--out MD]
+Usage: .venv/bin/python benchmarks/validate_cost_model.py [CSV] [--out MD] [--rows 10-15,22]
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ def row_config(row: dict[str, str]) -> tuple[ParallelConfig, Cluster, int]:
     dp = _int(row["dp"]) or gpus // (tp * pp)
     mb = _int(row["micro_batch"], 1)
     rec_text = row["recompute"].lower()
-    recompute = ("full" if rec_text.startswith("full") else "selective" if rec_text.startswith("selective")
+    recompute = ("full" if rec_text.startswith("full") or "per-layer" in rec_text
+                 else "selective" if rec_text.startswith("selective")
                  else "none" if rec_text.startswith("none") else ("full" if "sc'21" in text else "none"))
     sp_text = row["cp_or_sp"].lower()
     sequence_parallel = ("sp" in sp_text or "sequence" in sp_text) or (flash_era and sp_text != "none")
@@ -108,6 +112,27 @@ def row_config(row: dict[str, str]) -> tuple[ParallelConfig, Cluster, int]:
     return config, cluster, gb
 
 
+def row_options(row: dict[str, str]) -> dict[str, object]:
+    """What the row's runtime did where ParallelConfig leaves it open (price_profile options).
+
+    - ZeRO-3 "via DeepSpeed" in a 2021 source ran DeepSpeed's per-tensor runtime
+      ("deepspeed-2021", cost_model/zero3.py); every other ZeRO-3 row is FSDP;
+    - torchtitan "selective (per-layer)" is `selective_ac_option = '2'` (its train
+      configs' preset): full recompute on every 2nd layer;
+    - torchtitan "selective (per-op)" is its op policy: pointwise ops and every second mm.
+    """
+    text = (row["source"] + " " + row["notes"] + " " + row["zero_stage"]).lower()
+    rec = row["recompute"].lower()
+    options: dict[str, object] = {}
+    if "deepspeed" in text and "sc'21" in text:
+        options["zero3"] = "deepspeed-2021"
+    if "torchtitan" in text and "per-layer" in rec:
+        options["checkpoint_every"] = 2
+    if "torchtitan" in text and "per-op" in rec:
+        options["selective_policy"] = "alternate-mm"
+    return options
+
+
 def reported_tokens_per_gpu(row: dict[str, str]) -> float:
     """Reported tokens/s per GPU, derived with the source's own FLOP formula if needed."""
     if row["reported_tokens_per_sec_per_gpu"]:
@@ -121,36 +146,53 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="?", default=DEFAULT_CSV)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--rows", default="", help="only these row numbers, e.g. 10-15,22 (for iterating; "
+                    "does not write --out unless given explicitly)")
     args = ap.parse_args(argv)
     rows = list(csv.DictReader(open(args.csv, newline="")))
+    wanted = _row_filter(args.rows, len(rows))
     start = time.perf_counter()
     profiles: dict[str, object] = {}
     results = []
     for i, row in enumerate(rows):
+        if i not in wanted:
+            continue
         spec = model_spec(row)
         if spec not in profiles:
             graph = trace_model(resolve(spec), batch=1, dtype="bfloat16", layers_traced=2)
             profiles[spec] = profile_graph(graph)
         try:
             config, cluster, gb = row_config(row)
-            est = price_profile(profiles[spec], config, cluster, global_batch=gb)
+            est = price_profile(profiles[spec], config, cluster, global_batch=gb, **row_options(row))
         except ValueError as exc:
             print(f"row {i}: skipped: {exc}", file=sys.stderr)
             continue
         rep = reported_tokens_per_gpu(row)
         pred = est.tokens_per_s_per_device
         rep_tflops = float(row["reported_tflops_per_gpu"]) if row["reported_tflops_per_gpu"] else None
-        results.append(dict(i=i, source=row["source"].split(" ")[0].split("/")[-1][:22], model=row["model"],
+        results.append(dict(i=i, opts=_opts_text(row_options(row)), source=row["source"].split(" ")[0].split("/")[-1][:22], model=row["model"],
                             gpus=row["gpus"], cfg=config, est=est, rep=rep, pred=pred, err=pred / rep - 1,
                             rep_tflops=rep_tflops, pred_tflops=rep_tflops * pred / rep if rep_tflops else None,
                             rep_mfu=row["reported_mfu_pct"], flags=_flags(row, est)))
     elapsed = time.perf_counter() - start
     lines = _report(results, elapsed, len(profiles), args.csv)
     print("\n".join(lines))
+    if args.rows and args.out == str(DEFAULT_OUT):
+        return 0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return 0
+
+
+def _row_filter(text: str, count: int) -> set[int]:
+    if not text:
+        return set(range(count))
+    wanted: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        wanted.update(range(int(lo), int(hi or lo) + 1))
+    return wanted
 
 
 def _flags(row: dict[str, str], est: object) -> str:
@@ -163,6 +205,11 @@ def _flags(row: dict[str, str], est: object) -> str:
     if not est.fits:  # type: ignore[attr-defined]
         flags.append("predicted not to fit")
     return "; ".join(flags)
+
+
+def _opts_text(options: dict[str, object]) -> str:
+    short = {"zero3": "", "checkpoint_every": "ckpt every ", "selective_policy": ""}
+    return ", ".join(f"{short[k]}{v}" for k, v in sorted(options.items()))
 
 
 def _fmt(value: float | None) -> str:
@@ -182,16 +229,16 @@ def _report(results: list[dict], elapsed: float, traces: int, path: str) -> list
         f"{elapsed:.1f} s). Each row is priced with its own configuration; error = predicted / reported "
         "tokens per second per GPU - 1 (for TFLOP/s-only sources, tokens/s is derived with the "
         "source's own FLOP formula, and predicted TFLOP/s is shown in that same convention).", "",
-        "| # | source | model | GPUs | tp/pp/dp/zero/mb/m | sched/v | recompute | attn | reported tok/s/GPU | "
+        "| # | source | model | GPUs | tp/pp/dp/zero/mb/m | sched/v | recompute | runtime | attn | reported tok/s/GPU | "
         "predicted | error | rep TFLOP/s | pred TFLOP/s | pred MFU | rep MFU% | flags |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c, e = r["cfg"], r["est"]
         m = dict(e.config)["num_microbatches"]
         lines.append(
             f"| {r['i']} | {r['source']} | {r['model']} | {r['gpus']} | {c.tp}/{c.pp}/{c.dp}/{c.zero}/{c.micro_batch}/{m} "
-            f"| {c.schedule if c.pp > 1 else '-'}/{c.interleave} | {c.recompute} | {c.attention} | {r['rep']:.0f} | "
+            f"| {c.schedule if c.pp > 1 else '-'}/{c.interleave} | {c.recompute} | {r['opts']} | {c.attention} | {r['rep']:.0f} | "
             f"{r['pred']:.0f} | {r['err']:+.1%} | {r['rep_tflops'] or ''} | "
             f"{_fmt(r['pred_tflops'])} | {e.mfu:.1%} | {r['rep_mfu']} | {r['flags']} |")
     errs = [abs(r["err"]) for r in results]

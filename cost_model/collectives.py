@@ -7,13 +7,15 @@ Math (nccl-tests conventions, S = bytes of the full tensor, n = devices on the a
 B = achievable bus bandwidth per device, alpha = per-step latency):
 
     all-reduce      t = 2 (n-1)/n * S / B + steps_ar * alpha
-    all-gather      t =   (n-1)/n * S / B + (n-1) * alpha      (S = gathered tensor)
-    reduce-scatter  t =   (n-1)/n * S / B + (n-1) * alpha      (S = full input)
+    all-gather      t =   (n-1)/n * S / B + (n-1) * alpha_ring  (S = gathered tensor)
+    reduce-scatter  t =   (n-1)/n * S / B + (n-1) * alpha_ring  (S = full input)
     all-to-all      t =   (n-1)/n * S / B_a2a + (n-1) * alpha
     send/recv       t = S / B_p2p + alpha
 
-steps_ar is 2 (n-1) (ring) inside a node and min(2 (n-1), 2 ceil(log2 n)) across nodes
-(NCCL switches to trees at scale). All are 0 when n == 1.
+steps_ar * alpha is 2 (n-1) alpha_ring (ring) inside a node and min(2 (n-1) alpha_ring,
+2 ceil(log2 n) alpha) across nodes (NCCL switches to trees at scale). alpha_ring is the
+mean ring step latency: alpha, except on a mixed axis where a ring laid out node by node
+crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n == 1.
 
 Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
 axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
@@ -49,6 +51,14 @@ class AxisLink:
     """"intra", "inter" or "mixed"."""
     p2p_bandwidth_bytes_per_s: float = 0.0
     """Point-to-point / all-to-all bandwidth per device (one link or one NIC); 0 = bandwidth."""
+    ring_hop_latency_s: float = 0.0
+    """Mean latency of one ring step; 0 = latency_s. A ring laid out node by node on a
+    mixed axis crosses a NIC on 1 hop in `inner` and NVLink on the rest (NCCL's own
+    latency model counts intra- and inter-node ring steps apart the same way)."""
+
+    @property
+    def ring_latency_s(self) -> float:
+        return self.ring_hop_latency_s or self.latency_s
 
     @property
     def p2p_bandwidth(self) -> float:
@@ -78,9 +88,10 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> tuple[Axis
                                   tier="inter", p2p_bandwidth_bytes_per_s=nic))
         else:
             inner = per_node // stride
+            hop = (hw.inter_node_latency_s + (inner - 1) * hw.intra_node_latency_s) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
                                   latency_s=hw.inter_node_latency_s, tier="mixed",
-                                  p2p_bandwidth_bytes_per_s=nic))
+                                  p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop))
     return tuple(links)
 
 
@@ -88,8 +99,11 @@ def all_reduce_time_s(size_bytes: float, link: AxisLink) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    steps = 2 * (n - 1) if link.tier == "intra" else min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
-    return 2 * (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + steps * link.latency_s
+    if link.tier == "intra":
+        latency = 2 * (n - 1) * link.ring_latency_s
+    else:
+        latency = min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s)
+    return 2 * (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + latency
 
 
 def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
@@ -97,7 +111,7 @@ def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + (n - 1) * link.latency_s
+    return (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + (n - 1) * link.ring_latency_s
 
 
 def reduce_scatter_time_s(size_bytes: float, link: AxisLink) -> float:

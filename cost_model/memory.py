@@ -104,13 +104,16 @@ def stage_params(profile: GraphProfile, config: ParallelConfig, layers: int, fir
 
 
 def stage_memory(profile: GraphProfile, config: ParallelConfig, *, stage: int, layers: int,
-                 num_microbatches: int) -> StageMemory:
+                 num_microbatches: int, checkpoint_every: int = 1) -> StageMemory:
     first, last = stage == 0, stage == config.pp - 1
     psi = stage_params(profile, config, layers, first, last)
     weights, grads, optimizer = model_state_bytes(psi, config.zero, config.dp)
     ratio = config.micro_batch / profile.batch
     db = profile.dtype_bytes
     per_layer = segment_activation_bytes(profile.layer, config, ratio, db)
+    if config.recompute == "full" and checkpoint_every > 1:  # 1 in k layers checkpointed, the rest keep all
+        kept = segment_activation_bytes(profile.layer, config, ratio, db, recompute="none")
+        per_layer = (per_layer + (checkpoint_every - 1) * kept) / checkpoint_every
     inflight = inflight_microbatches(config, stage, num_microbatches)
     acts = per_layer * layers * inflight
     # a stage holds 1f1b's in-flight count for its own segments too

@@ -88,7 +88,10 @@ class SegmentProfile:
     largest_backward_bytes: float
     """Biggest single backward output (gradient workspace; e.g. logits grad)."""
     param_tensors: float = 0.0
-    """Parameter tensors per unit (ZeRO-3 gathers and reduces each with its own collective)."""
+    """Parameter tensors per unit (a per-tensor ZeRO-3 runtime issues one collective each)."""
+    alternate_gemm_items: tuple[OpItem, ...] = ()
+    """Every second forward GEMM of each layer in execution order (2nd, 4th, ...): what
+    torchtitan's per-op selective policy re-runs besides the pointwise ops."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -226,7 +229,8 @@ def profile_graph(graph: Graph) -> GraphProfile:
         return min(moved, float(n.bytes_moved))
 
     seg_data = {s: dict(items=[], rec=[], ss=0.0, sp=0.0, ks=0.0, kp=0.0, inp=0.0, scores=0.0,
-                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0) for s in SEGMENTS}
+                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0, alt=[]) for s in SEGMENTS}
+    gemms_in_layer: dict[int, int] = {}
     for key in saved:
         pid = key[0]
         seg = seg_data[segment[pid]]
@@ -259,6 +263,10 @@ def profile_graph(graph: Graph) -> GraphProfile:
                 layer_fwd_flops += n.flops * w
             if n.id in recomputable:
                 seg["rec"].append(item)
+            if cls == "gemm" and n.layer is not None:
+                count = gemms_in_layer[n.layer] = gemms_in_layer.get(n.layer, 0) + 1
+                if count % 2 == 0:
+                    seg["alt"].append(item)
             if cls == "attention":
                 seg["scores"] += item.score_elems * w
         else:
@@ -287,7 +295,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
                               saved_split_bytes=d["sp"], selective_stream_bytes=d["ks"],
                               selective_split_bytes=d["kp"], input_bytes=d["inp"], score_elems=d["scores"],
                               params_split=d["pspl"], params_replicated=d["prep"], largest_backward_bytes=d["bwd"],
-                              param_tensors=d["ntens"])
+                              param_tensors=d["ntens"], alternate_gemm_items=tuple(d["alt"]))
 
     pre, layer, post = seg_profile("pre"), seg_profile("layer"), seg_profile("post")
     counted = sum(x.params_split + x.params_replicated for x in (pre, post)) + num_layers * (

@@ -9,12 +9,14 @@ and per layer, with t = tp:
     compute  F, B   = sum over the layer's forward / backward ops of compute_time_s at
                       r/t of their FLOPs and bytes (residual-stream ops r/1 without
                       sequence parallelism); pointwise bytes times POINTWISE_FUSION_FACTOR
-    recompute R     = F (full) | the recomputable ops' forward time (selective) | 0
+    recompute R     = F / k (full; k = checkpoint_every, 1 by default) | the recomputable
+                      ops' forward time, plus every second GEMM under "alternate-mm"
+                      (selective) | 0
     tp comm         2 all-reduces (or reduce-scatter + all-gather with SP) of b*s*h in
                     the forward, 2 in the backward, 2 more when the forward is recomputed
     zero-3          all-gather the layer's weights before forward and backward, reduce-
-                    scatter its gradients after backward; hidden behind that layer's
-                    compute up to OVERLAP_EFFICIENCY
+                    scatter its gradients after backward, as the runtime issues them
+                    (granularity, prefetch window, overlap: cost_model/zero3.py)
 A stage i of n_i layers (plus embedding on the first, head+loss on the last, and the
 pipeline send/recv of b*s*h/t per chunk boundary, v per stage when interleaved) takes
 T_i per microbatch. With m microbatches and v chunks per stage:
@@ -57,6 +59,9 @@ from cost_model.efficiency import (
 from cost_model.estimate import Estimate
 from cost_model.memory import BYTES_GRAD, BYTES_WEIGHT, stage_memory, stage_params
 from cost_model.profile import GraphProfile, OpItem, SegmentProfile
+from cost_model.zero3 import Zero3Runtime, zero3_layer_times, zero3_runtime
+
+SELECTIVE_POLICIES = ("pointwise", "alternate-mm")
 
 MATH_FORWARD_PASSES = 4.0
 """Of MATH_ATTENTION_PASSES, the forward's share (write, softmax read+write, read)."""
@@ -94,15 +99,18 @@ def _items_time(items: tuple[OpItem, ...], config: ParallelConfig, cluster: Clus
 
 
 def _segment_times(seg: SegmentProfile, config: ParallelConfig, cluster: Cluster, ratio: float,
-                   profile: GraphProfile, recompute: bool) -> _SegTimes:
+                   profile: GraphProfile, recompute: bool, checkpoint_every: int = 1,
+                   selective_policy: str = "pointwise") -> _SegTimes:
     args = (config, cluster, ratio, profile.dtype, profile.dtype_bytes)
     fwd = _items_time(seg.items, *args, "forward")
     bwd = _items_time(seg.items, *args, "backward")
     rec = 0.0
     if recompute and config.recompute == "full":
-        rec = fwd
+        rec = fwd / checkpoint_every  # the average layer: 1 in k re-runs its forward
     elif recompute and config.recompute == "selective":
         rec = _items_time(seg.recompute_items, *args, "forward")
+        if selective_policy == "alternate-mm":
+            rec += _items_time(seg.alternate_gemm_items, *args, "forward")
         if config.attention == "math":  # Korthikanti's selective recompute: the attention core
             rec += _items_time(tuple(i for i in seg.items if i.op_class == "attention"), *args, "forward")
     return _SegTimes(forward_s=fwd, backward_s=bwd, recompute_s=rec)
@@ -114,8 +122,23 @@ def default_stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
 
 
 def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluster, *, global_batch: int,
-                  stage_layers: tuple[int, ...] | None = None) -> Estimate:
-    """Price one configuration from a precomputed profile (see module docstring)."""
+                  stage_layers: tuple[int, ...] | None = None, zero3: str | Zero3Runtime = "fsdp",
+                  checkpoint_every: int = 1, selective_policy: str = "pointwise") -> Estimate:
+    """Price one configuration from a precomputed profile (see module docstring).
+
+    Keyword options describe what the runtime does where ParallelConfig leaves it open:
+    `zero3` names the sharded-parameter runtime ("fsdp" or "deepspeed-2021", zero3.py);
+    `checkpoint_every` = k with recompute "full" checkpoints only every k-th layer
+    (torchtitan's per-layer selective AC, `selective_ac_option = k`), the others keep
+    all their activations; `selective_policy` with recompute "selective" is "pointwise"
+    (re-run memory-bound ops: norms, activation functions) or "alternate-mm" (torchtitan's
+    per-op policy: also re-run every second matmul of each layer).
+    """
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer (checkpoint every k-th layer), "
+                         f"got {checkpoint_every}")
+    if selective_policy not in SELECTIVE_POLICIES:
+        raise ValueError(f"unknown selective_policy {selective_policy!r}; known: {', '.join(SELECTIVE_POLICIES)}")
     m = config.check(global_batch=global_batch, num_devices=cluster.num_devices, heads=profile.heads,
                      kv_heads=profile.kv_heads, num_layers=profile.num_layers)
     p, t, d, v = config.pp, config.tp, config.dp, config.interleave
@@ -129,7 +152,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     pp_link, dp_link, tp_link = mesh_axis_links(cluster, (p, d, t))
     ratio = config.micro_batch / profile.batch
     hw = cluster.hardware
-    layer = _segment_times(profile.layer, config, cluster, ratio, profile, recompute=True)
+    layer = _segment_times(profile.layer, config, cluster, ratio, profile, recompute=True,
+                           checkpoint_every=checkpoint_every, selective_policy=selective_policy)
     pre = _segment_times(profile.pre, config, cluster, ratio, profile, recompute=False)
     post = _segment_times(profile.post, config, cluster, ratio, profile, recompute=False)
 
@@ -140,20 +164,19 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     else:
         one = all_reduce_time_s(stream_bytes, tp_link)
     tp_fwd = 2 * one * (1 - TP_COMM_OVERLAP)
-    tp_bwd = 2 * one * (1 - TP_COMM_OVERLAP) + (tp_fwd if config.recompute == "full" else 0.0)
+    tp_bwd = 2 * one * (1 - TP_COMM_OVERLAP) + (tp_fwd / checkpoint_every if config.recompute == "full" else 0.0)
     tp_edge = one if t > 1 else 0.0  # vocab-parallel embedding / head reductions, per pass
 
-    # ZeRO-3: per layer gathers and gradient reduce-scatters, overlapped with its compute
+    # ZeRO-3: per layer gathers and gradient reduce-scatters as the runtime issues them (zero3.py)
     layer_params = profile.layer.params_split / t + profile.layer.params_replicated
-    z3_fwd = z3_bwd = 0.0
-    if config.zero >= 3 and d > 1:
-        # one collective per parameter tensor (DeepSpeed ZeRO-3 granularity): at large dp
-        # the ring latency (n-1) alpha per collective dominates, as SC'21 Table 2 shows
-        tensors = max(1.0, profile.layer.param_tensors)
-        gather = tensors * all_gather_time_s(layer_params * BYTES_WEIGHT / tensors, dp_link)
-        scatter = tensors * reduce_scatter_time_s(layer_params * BYTES_GRAD / tensors, dp_link)
-        z3_fwd = max(0.0, gather - OVERLAP_EFFICIENCY * layer.forward_s)
-        z3_bwd = max(0.0, gather + scatter - OVERLAP_EFFICIENCY * (layer.backward_s + layer.recompute_s))
+    z3_layer = zero3_layer_times(zero3_runtime(zero3), layer_params=layer_params,
+                                 param_tensors=profile.layer.param_tensors, link=dp_link,
+                                 forward_s=layer.forward_s, backward_s=layer.backward_s + layer.recompute_s,
+                                 weight_bytes=BYTES_WEIGHT,
+                                 recompute_share=1 / checkpoint_every if config.recompute == "full" else 0.0,
+                                 ) if config.zero >= 3 else None
+    z3_fwd = z3_layer.forward_exposed_s if z3_layer else 0.0
+    z3_bwd = z3_layer.backward_exposed_s if z3_layer else 0.0
 
     p2p = send_recv_time_s(stream_bytes / t, pp_link) if p > 1 else 0.0
     stage_totals, parts = [], []
@@ -190,9 +213,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
             dp_sync = m * max(0.0, sync - OVERLAP_EFFICIENCY * last_bwd)
         if config.zero in (1, 2):
             dp_sync += all_gather_time_s(psi * BYTES_WEIGHT, dp_link)
-        if config.zero >= 3:  # the first layer's gather before each forward cannot hide
-            tensors = max(1.0, profile.layer.param_tensors)
-            dp_sync = m * tensors * all_gather_time_s(layer_params * BYTES_WEIGHT / tensors, dp_link)
+        if z3_layer is not None:  # the first layer's gather before each forward cannot hide
+            dp_sync = m * z3_layer.gather_s
     local = psi / (d if config.zero >= 1 else 1)
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (hw.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
     step = m * t_max + bubble + dp_sync + optimizer
@@ -201,12 +223,13 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     model_flops = profile.model_flops_per_step * global_batch / profile.batch
     rec_flops = 0.0
     if config.recompute == "full":
-        rec_flops = profile.layer_forward_flops * profile.num_layers * global_batch / profile.batch
+        rec_flops = profile.layer_forward_flops * profile.num_layers * global_batch / profile.batch / checkpoint_every
     devices = cluster.num_devices
     model_tflops = model_flops / step / devices / 1e12
     peak = hw.peak_flops(profile.dtype)
 
-    mems = [stage_memory(profile, config, stage=i, layers=n, num_microbatches=m) for i, n in enumerate(stage_layers)]
+    mems = [stage_memory(profile, config, stage=i, layers=n, num_microbatches=m, checkpoint_every=checkpoint_every)
+            for i, n in enumerate(stage_layers)]
     peak_stage = max(range(p), key=lambda i: mems[i].total_bytes)
     mem = mems[peak_stage]
     limit = cluster.device_memory_bytes
