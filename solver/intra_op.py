@@ -14,6 +14,8 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
 
     c[o,j]   = sum_{n: o(n)=o} w_n (compute(n, smap_n(j)) + comm(n, smap_n(j)))
                + resharding on edges inside one owner (a follower chain) at j
+               (the objective also carries TIE_BREAK_S per collective and
+               MEMORY_TIE_BREAK_S_PER_BYTE per activation byte; reported costs do not)
     C_ab     = sum over graph edges u->v with o(u)=a, o(v)=b of w_v reshard(u->v), plus
                for each (parameter p, gradient g) the edge g->p, priced as resharding the
                gradient into its parameter's layout (all-reduce from Partial = data
@@ -68,11 +70,20 @@ TIE_BREAK_S = 1e-10
 """Added to the objective (not to reported costs) per collective an edge needs: among
 equal-time plans prefer fewer collectives (an all-reduce over reduce-scatter + all-gather)."""
 
+MEMORY_TIE_BREAK_S_PER_BYTE = 1e-19
+"""Added to the objective (not to reported costs) per byte of a non-parameter tensor:
+among equal-time plans prefer sharded activations and inputs (an input placeholder is
+free to arrive replicated or sharded; 1 GiB weighs 1e-10 s). Parameters have none, so
+that TIE_BREAK_S alone decides between data parallel and ZeRO when their times tie."""
+
 SOLVER_SEED = 0
 REL_GAP = 1e-9
 """Solve to proven optimality (default MIP gaps of 1e-4 would let the oracle tests drift)."""
 
 SOLVERS = ("highs", "cbc")
+
+INTEGRALITY_TOL = 1e-6
+"""An LP-relaxation value this close to 0 or 1 counts as integral."""
 
 
 def _num_collectives(src: Placements, dst: Placements) -> int:
@@ -85,25 +96,44 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b); folds same-owner edges."""
     active = set(red.active)
     edges: dict[tuple[NodeId, NodeId], list[list[float]]] = {}
+    # Layer-shared edges repeat the same (tensor, placements) matrix, and placements repeat
+    # within one: price each distinct pair once, keyed by small ints (hashing placement
+    # dataclasses dominated the build).
+    intern: dict[Placements, int] = {}
+    pair_cost: dict[tuple, float] = {}
+    matrices: dict[tuple, list[list[float]]] = {}
+
+    def priced(meta, s: Placements, d: Placements) -> float:
+        i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
+        if i == k:
+            return 0.0
+        key = (meta.shape, meta.dtype, i, k)
+        c = pair_cost.get(key)
+        if c is None:
+            c = pair_cost[key] = pricer(meta, s, d) + TIE_BREAK_S * _num_collectives(s, d)
+        return c
 
     def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float) -> None:
         a, b = red.owner[u], red.owner[v]
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                src, dst = src_of(red.smap[u][j]), dst_of(red.smap[v][j])
-                coef[j] += weight * (pricer(meta, src, dst) + TIE_BREAK_S * _num_collectives(src, dst))
+                coef[j] += weight * priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]))
             return
-        src = [src_of(j) for j in red.smap[u]]
-        dst = [dst_of(j) for j in red.smap[v]]
+        src = tuple(src_of(j) for j in red.smap[u])
+        dst = tuple(dst_of(j) for j in red.smap[v])
+        key = (meta.shape, meta.dtype, src, dst)
+        unit = matrices.get(key)
+        if unit is None:
+            unit = matrices[key] = [[priced(meta, s, d) for d in dst] for s in src]
         matrix = edges.get((a, b))
         if matrix is None:
-            matrix = edges[(a, b)] = [[0.0] * len(dst) for _ in src]
-        for ja, s in enumerate(src):
-            row = matrix[ja]
-            for jb, d in enumerate(dst):
-                if s != d:
-                    row[jb] += weight * (pricer(meta, s, d) + TIE_BREAK_S * _num_collectives(s, d))
+            edges[(a, b)] = [[weight * c for c in row] for row in unit]
+            return
+        for row, unit_row in zip(matrix, unit):
+            for jb, c in enumerate(unit_row):
+                if c:
+                    row[jb] += weight * c
 
     for v in red.active:
         node = graph[v]
@@ -179,6 +209,26 @@ def _make_solver(solver: str, time_limit_s: float | None, *, msg: bool = False) 
         return pulp.PULP_CBC_CMD(msg=msg, threads=1, timeLimit=time_limit_s, gapRel=REL_GAP,
                                  options=[f"randomSeed {SOLVER_SEED + 1}", f"randomCbcSeed {SOLVER_SEED + 1}"])
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+
+
+def _solve(model: "_Model", solver: str, time_limit_s: float | None) -> int:
+    """Solve `model`, returning PuLP's solution status.
+
+    HiGHS first solves the LP relaxation: the Alpa-style edge rows make it tight, and on
+    the zoo models its optimum is usually integral, which proves it optimal for the ILP
+    without MIP presolve and heuristics (about half the time on llama3-8b). Otherwise
+    (or with CBC) the ILP is solved with branch and bound."""
+    start = time.perf_counter()
+    if solver == "highs":
+        model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=time_limit_s,
+                                    random_seed=SOLVER_SEED))
+        if model.prob.sol_status == pulp.LpSolutionOptimal and all(
+                abs(v.varValue - round(v.varValue)) <= INTEGRALITY_TOL for xs in model.x.values() for v in xs):
+            return pulp.LpSolutionOptimal
+        if time_limit_s is not None:
+            time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - start))
+    model.prob.solve(_make_solver(solver, time_limit_s))
+    return model.prob.sol_status
 
 
 def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float]]],
@@ -285,8 +335,9 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     for n in red.active:
         w = graph.weight(n)
         coef, costs = node_coef[red.owner[n]], table.nodes[n]
+        tie = 0.0 if graph[n].role is Role.PARAMETER else MEMORY_TIE_BREAK_S_PER_BYTE
         for j, s in enumerate(red.smap[n]):
-            coef[j] += w * (costs[s].compute_s + costs[s].comm_s)
+            coef[j] += w * (costs[s].compute_s + costs[s].comm_s + tie * costs[s].memory_bytes)
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef), node_coef)
     terms = _memory_terms(graph, space, table, red)
     built = time.perf_counter()
@@ -298,8 +349,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
-    model.prob.solve(_make_solver(solver, time_limit_s))
-    sol_status = model.prob.sol_status
+    sol_status = _solve(model, solver, time_limit_s)
     if sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound) and memory_budget_bytes is not None \
             and pulp.LpStatus[model.prob.status] != "Not Solved":
         need = _min_memory_bytes(red, terms, solver, time_limit_s)
