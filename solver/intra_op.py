@@ -222,8 +222,11 @@ def _solve(model: "_Model", solver: str, time_limit_s: float | None) -> int:
     if solver == "highs":
         model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=time_limit_s,
                                     random_seed=SOLVER_SEED))
-        if model.prob.sol_status == pulp.LpSolutionOptimal and all(
-                abs(v.varValue - round(v.varValue)) <= INTEGRALITY_TOL for xs in model.x.values() for v in xs):
+        fractional = sum(1 for xs in model.x.values() for v in xs
+                         if abs((v.varValue or 0.0) - round(v.varValue or 0.0)) > INTEGRALITY_TOL)
+        log.info("LP relaxation: %s in %.2f s, %d fractional choice variables",
+                 pulp.LpStatus[model.prob.status], time.perf_counter() - start, fractional)
+        if model.prob.sol_status == pulp.LpSolutionOptimal and not fractional:
             return pulp.LpSolutionOptimal
         if time_limit_s is not None:
             time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - start))
