@@ -212,3 +212,35 @@ def count_collectives(source: str) -> dict[tuple[str, str], int]:
         if op != "wait_tensor":
             counts[(op, group)] = counts.get((op, group), 0) + 1
     return counts
+
+
+def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9) -> list[Path]:
+    """`autopar search --emit DIR`: write each stage's per-rank program for a saved plan.
+
+    The model is rebuilt from the plan's model string with real weights (tracing converts
+    them to fake tensors itself), so this is for models up to `max_parameters`; the source
+    of a large model's stage has the same shape as that of a shallower spec."""
+    from autopar.models import resolve
+
+    source = resolve(plan.model).with_overrides(seq=plan.seq)
+    if source.config is None:
+        raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
+                         "call codegen.emit.emit(model, config, example_inputs=...) from Python")
+    num_parameters = plan.prediction.num_parameters if hasattr(plan, "prediction") and hasattr(
+        plan.prediction, "num_parameters") else None
+    if num_parameters is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            num_parameters = sum(p.numel() for p in source.build().parameters())
+    if num_parameters > max_parameters:
+        raise ValueError(
+            f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
+            f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
+            "to read the per-stage program, or call codegen.emit.emit from Python on a machine with the memory"
+        )
+    torch.manual_seed(0)
+    model = source.build()
+    example = source.example_inputs(plan.config.micro_batch)
+    sources = emit(model, plan.config, example_inputs=example, stage_layers=plan.stage_layers)
+    return write(sources, directory)
