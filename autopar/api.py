@@ -4,8 +4,8 @@ Where it sits: with autopar/cli.py, the only place that wires stages together. I
 resolves the mesh to a world size, joins or checks the process group (torchrun's env://
 world, ranks started by `autopar.runtime_launch.spawn`, or a one-rank world it creates),
 takes the configuration from `plan=` (replayed after a fingerprint check), `config=`, or
-the default (pure data parallel over every device, until the searcher is wired in), and
-builds the per-rank program (autopar/runtime.py).
+else searches one (trace on the example inputs, price with the cost model, solver/search.py),
+and builds the per-rank program (autopar/runtime.py).
 
 Batches: `step(batch)` takes the *global* batch, identical on every rank (as synthetic
 data or a seeded loader gives it); each rank takes its data-parallel slice. Weight init:
@@ -84,6 +84,51 @@ def _check_fingerprint(plan: Any, model: nn.Module) -> None:
         )
 
 
+def _cluster_of(mesh: MeshLike) -> Cluster:
+    if isinstance(mesh, Cluster):
+        return mesh
+    if isinstance(mesh, str):
+        return Cluster.parse(mesh)
+    device = mesh.device_type if isinstance(mesh, DeviceMesh) else "cpu"
+    hardware = "cpu" if device == "cpu" else "h100"  # a real GPU mesh without a profile: assume H100
+    return Cluster.parse(f"{hardware}:1x{_num_devices(mesh)}")
+
+
+def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
+                loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
+    """Trace `model` on its example inputs, search the whole plan for `mesh`, return the Plan.
+
+    Deterministic (no time limit), so every rank that calls it gets the same plan. Models
+    the runtime cannot split by tensor (unknown structure) or pipeline (no layer list) are
+    searched over the knobs the runtime can execute for them."""
+    import copy
+
+    import cost_model
+    from autopar.plan import model_fingerprint
+    from autopar.trace import lower, trace
+    from codegen.rules import rules_for
+    from solver.search import SearchSpace, search
+
+    cluster = _cluster_of(mesh)
+    traced = trace(copy.deepcopy(model), tuple(example_inputs), loss_fn=loss_fn)
+    first = example_inputs[0]
+    graph = lower(traced, name=type(model).__name__, batch=int(first.shape[0]),
+                  seq=int(first.shape[1]) if first.dim() > 1 else 1)
+    known = rules_for(model) is not None
+    space = SearchSpace(max_tp=None if known else 1, max_pp=None if known else 1)
+    profile = cost_model.profile_graph(graph)
+    global_batch = int(first.shape[0])
+
+    def price(config: ParallelConfig, stage_layers: tuple[int, ...]) -> Any:
+        return cost_model.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
+
+    fingerprint = model_fingerprint(tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    result = search(graph, cluster, global_batch=global_batch, price=price, model=type(model).__name__,
+                    fingerprint=fingerprint, cost_model_name="cost_model.price_profile", space=space, top=1)
+    log.info("searched plan: %s", result.plan.config)
+    return result.plan
+
+
 class Compiled:
     """A model compiled for this rank: `.step(batch)`, `.plan`, `.config`, `.code`, state dicts."""
 
@@ -136,7 +181,12 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
     if plan is not None:
         _check_fingerprint(plan, model)
         config = plan.config
-    config = config or ParallelConfig(dp=num_devices)
+    if plan is None and config is None:
+        if example_inputs is None:
+            raise ValueError("autopar.compile needs example_inputs= (one global batch) to search a plan, "
+                             "or plan= / config= to run one without searching")
+        plan = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn)
+        config = plan.config
     if example_inputs is not None:
         config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model))
     pristine = copy.deepcopy(model)  # codegen.emit traces an unsharded copy

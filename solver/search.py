@@ -82,6 +82,10 @@ class SearchSpace:
     """Which knobs the search may turn; the defaults are the full space."""
 
     tp_within_node: bool = True
+    max_tp: int | None = None
+    """Largest tensor-parallel degree; 1 for models whose structure the runtime cannot split."""
+    max_pp: int | None = None
+    """Largest pipeline degree; 1 for models without a repeated-layer container."""
     max_micro_batch: int | None = None
     """Largest micro-batch tried; None means any divisor of global_batch / dp."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -156,14 +160,15 @@ def mesh_shapes(graph: Graph, cluster: Cluster, global_batch: int, space: Search
     tp_limit = cluster.devices_per_node if space.tp_within_node else n
     shapes = []
     for tp in _divisors(n):
-        if tp_limit % tp or (info.heads and info.heads % tp):
+        if tp_limit % tp or (info.heads and info.heads % tp) or (space.max_tp and tp > space.max_tp):
             continue
         kv = info.kv_heads
         if kv and kv % tp and tp % kv:
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if pp <= info.num_layers and global_batch % dp == 0:
+            if (pp == 1 or pp <= info.num_layers) and global_batch % dp == 0 and not (
+                    space.max_pp and pp > space.max_pp):
                 shapes.append((tp, pp, dp))
     return shapes
 
