@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from autopar.sharding import InfeasiblePlanError  # one error type for "nothing fits", intra-op or whole plan
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 
@@ -34,14 +35,6 @@ PREDICTION_KEYS: tuple[str, ...] = (
     "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device", "mfu",
     "peak_memory_bytes", "fits", "bubble_fraction", "time_breakdown", "memory_breakdown",
 )
-
-
-class InfeasiblePlanError(ValueError):
-    """No plan of the search space fits the per-device memory; says the smallest need."""
-
-    def __init__(self, message: str, *, min_memory_bytes: int | None = None) -> None:
-        super().__init__(message)
-        self.min_memory_bytes = min_memory_bytes
 
 
 class PlanFileError(ValueError):

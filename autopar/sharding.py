@@ -28,7 +28,7 @@ from autopar.placement import Placements, format_placements, parse_placements
 class InfeasiblePlanError(ValueError):
     """No sharding plan fits the memory budget; `min_memory_bytes` is the smallest any plan needs."""
 
-    def __init__(self, message: str, *, min_memory_bytes: float) -> None:
+    def __init__(self, message: str, *, min_memory_bytes: float | None = None) -> None:
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
 
