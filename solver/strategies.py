@@ -240,8 +240,10 @@ def _mm(node: Node, ins: list[Shape], outs: list[Shape]) -> list[AxisOption]:
 def _addmm(node: Node, ins: list[Shape], outs: list[Shape]) -> list[AxisOption]:
     bias_s1 = Shard(0) if len(ins[0]) == 1 else Shard(1)
     bias_s0 = R if len(ins[0]) == 1 else Shard(0)
+    # row parallel: the bias arrives Partial (Replicate -> Partial is local: one device
+    # keeps it, the others add zero), so the pending sum includes it exactly once
     return [AxisOption((R,), (R, R, R)), AxisOption((Shard(0),), (bias_s0, Shard(0), R)),
-            AxisOption((Shard(1),), (bias_s1, R, Shard(1)))]
+            AxisOption((Shard(1),), (bias_s1, R, Shard(1))), AxisOption((P,), (P, Shard(1), Shard(0)))]
 
 
 def _bmm(node: Node, ins: list[Shape], outs: list[Shape]) -> list[AxisOption]:
