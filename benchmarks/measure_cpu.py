@@ -254,6 +254,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
             i = j + 1
         return r
 
+    if len(xs) < 2:
+        return float("nan")
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
@@ -283,9 +285,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--only", default="", help="comma-separated configuration labels (e.g. 'tp2xpp2')")
     args = parser.parse_args(argv)
 
-    import cost_model
-    from autopar.cluster import HARDWARE, Cluster, load_hardware
+    from autopar.cluster import HARDWARE, Cluster, load_hardware  # autopar before cost_model (import cycle)
     from autopar.plan import describe_config
+    import cost_model  # noqa: I001
 
     t0 = time.perf_counter()
     graph, profile = _profile()

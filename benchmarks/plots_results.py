@@ -127,8 +127,8 @@ def pipeline_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h
                     global_batch: int = 32) -> dict[str, Any]:
     """Timelines of one plan under 1F1B and interleaved 1F1B (tp 8, pp 4, dp 2, m 16) with
     per-stage times from the cost model, and its predicted per-stage memory."""
-    import cost_model
-    from autopar.cluster import Cluster
+    from autopar.cluster import Cluster  # autopar before cost_model (import cycle)
+    import cost_model  # noqa: I001
     from autopar.config import ParallelConfig
     from autopar.models import resolve
     from autopar.plots import draw_memory, draw_timeline, pipeline_timeline, stage_times
