@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: search a plan for a built-in model on a 4-device CPU mesh (gloo), then
+# train it for a few steps on 4 local processes beside a single-process reference.
 demo: $(STAMP)
-	$(BIN)/autopar trace llama-small --global-batch 4 --dtype float32
+	mkdir -p out
+	$(BIN)/autopar search llama-small --cluster cpu:4 --global-batch 8 --out out/demo-plan.json
+	$(BIN)/autopar explain out/demo-plan.json
+	$(BIN)/autopar train llama-small --devices 4 --plan out/demo-plan.json --steps 10 --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -90,13 +90,19 @@ class ModelSource:
         return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
 
     def example_inputs(self, batch: int, *, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Synthetic (tokens, labels) of shape (batch, seq): labels are tokens shifted by one."""
+        """Synthetic (tokens, labels) of shape (batch, seq): labels are tokens shifted by one.
+
+        Each sequence counts from a random start with a random stride (1, 2 or 3) modulo the
+        vocabulary, so there is something to learn: the loss falls from log(vocab) as a
+        model picks up the stride from context, which makes a training run easy to judge."""
         if self.config is None:
             raise ValueError(f"{self.name!r} is a factory: its example inputs come from the factory")
         if batch <= 0:
             raise ValueError(f"batch must be a positive integer, got {batch}")
         cfg = self.config
-        data = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=generator)
+        start = torch.randint(0, cfg.vocab, (batch, 1), generator=generator)
+        stride = torch.randint(1, 4, (batch, 1), generator=generator)
+        data = (start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
