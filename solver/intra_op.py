@@ -41,6 +41,7 @@ unevenly, so this is a heuristic for the true peak, exact at the checked points.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections import defaultdict
 
@@ -206,8 +207,10 @@ def _make_solver(solver: str, time_limit_s: float | None, *, msg: bool = False) 
     if solver == "highs":
         return pulp.HiGHS(msg=msg, threads=1, timeLimit=time_limit_s, gapRel=REL_GAP, random_seed=SOLVER_SEED)
     if solver == "cbc":
-        return pulp.PULP_CBC_CMD(msg=msg, threads=1, timeLimit=time_limit_s, gapRel=REL_GAP,
-                                 options=[f"randomSeed {SOLVER_SEED + 1}", f"randomCbcSeed {SOLVER_SEED + 1}"])
+        # COIN_CMD (PULP_CBC_CMD is deprecated in PuLP 3.3): a cbc on PATH, else PuLP's bundled one
+        path = shutil.which("cbc") or pulp.apis.coin_api.pulp_cbc_path
+        return pulp.COIN_CMD(path=path, msg=msg, threads=1, timeLimit=time_limit_s, gapRel=REL_GAP,
+                             options=[f"randomSeed {SOLVER_SEED + 1}", f"randomCbcSeed {SOLVER_SEED + 1}"])
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
