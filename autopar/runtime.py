@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import resource
 from dataclasses import dataclass
@@ -92,6 +93,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class NonFiniteLossError(ValueError):
+    """The global loss of a step is NaN or infinite: training stops instead of applying it."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(
+            f"loss is {loss} at step {step}; the optimizer step was not applied and training stopped. "
+            "Lower the learning rate (--lr), check the data and the loss for NaN/inf, or resume from "
+            "the last checkpoint with a smaller learning rate")
+        self.step = step
+        self.loss = loss
+
+
 class RankProgram:
     """One rank's share of the parallel training step. Build with `build_program`."""
 
@@ -114,6 +127,8 @@ class RankProgram:
         self.tp_rank = mesh.get_local_rank("tp")
         self.schedule = None
         self.last_stats: StepStats | None = None
+        self.steps_done = 0
+        """Optimizer steps applied so far (restored by autopar.checkpoint.load)."""
         if config.pp > 1:
             self.schedule = self._build_schedule()
 
@@ -177,10 +192,15 @@ class RankProgram:
         self._finalize_grads()
         stats_grad = sum(_local(p.grad).numel() * _local(p.grad).element_size()
                          for _, p in self.named_parameters() if p.grad is not None)
+        loss = self._global_loss(loss_sum)  # the same value on every rank: all stop together
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(self.steps_done + 1, loss)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
         self.last_stats = self._stats(stats_grad)
-        return self._global_loss(loss_sum)
+        return loss
 
     def _accumulate_step(self, local: tuple[torch.Tensor, ...], num_mb: int) -> torch.Tensor:
         chunk = self.chunks[0]
@@ -300,7 +320,26 @@ def make_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceM
             f"process group has {world} ranks; choose degrees whose product is {world}"
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
-    return init_device_mesh(device_type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"))
+    override = None
+    timeout = _default_group_timeout()
+    if timeout is not None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        override = {axis: ("gloo", options) for axis in ("pp", "dp", "tp")}
+    return init_device_mesh(device_type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"),
+                            backend_override=override)
+
+
+def _default_group_timeout() -> Any:
+    """The default gloo group's collective timeout, for the subgroups made from it.
+
+    torch gives `new_group`/DeviceMesh subgroups the 30-minute library default, not the
+    world's timeout: a hung rank would stall its dp/tp/pp peers for 30 minutes. None when
+    the world is not gloo (NCCL has its own watchdog)."""
+    if dist.get_backend() != "gloo":
+        return None
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout
 
 
 def _tie_group(mesh: DeviceMesh, config: ParallelConfig) -> dist.ProcessGroup | None:
@@ -310,7 +349,7 @@ def _tie_group(mesh: DeviceMesh, config: ParallelConfig) -> dist.ProcessGroup | 
     for d in range(config.dp):
         for t in range(config.tp):
             ranks = sorted({int(grid[0, d, t]), int(grid[config.pp - 1, d, t])})
-            group = dist.new_group(ranks)  # every rank takes part in every new_group call
+            group = dist.new_group(ranks, timeout=_default_group_timeout())  # every rank calls every new_group
             if dist.get_rank() in ranks:
                 mine = group
     return mine

@@ -9,7 +9,9 @@ optimizer: the oracle of every numerics check.
 Same init everywhere: the model is built under `torch.manual_seed(job.seed)` on every rank
 and in the reference before any sharding. Same data: batch k is
 `source.example_inputs(global_batch, generator=seed + 1 + k)` for presets and specs, and
-the factory's example inputs (every step) for factories.
+the factory's example inputs (every step) for factories. Batch k depends on k alone, so
+a run resumed from a checkpoint after step s (`resume`) sees exactly the batches s+1, ...
+that an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar import checkpoint
 from autopar.config import ParallelConfig
 from autopar.models import resolve
+from autopar.plan import model_fingerprint
 from autopar.runtime import build_program
 
 
@@ -42,6 +46,12 @@ class TrainJob:
     return_parameters: bool = False
     """Return unsharded parameters (from the ranks with dp = tp = 0) for comparisons."""
     compile_stages: bool = False
+    checkpoint_dir: str | None = None
+    """Where `save_every` writes sharded checkpoints (autopar/checkpoint.py) and `resume` reads."""
+    save_every: int = 0
+    """Save after every K-th step (0: never)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `checkpoint_dir` (start fresh if none)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +64,8 @@ class RunResult:
     optimizer_state_bytes: int
     peak_rss_bytes: int
     parameters: dict[str, torch.Tensor] = field(default_factory=dict)
+    first_step: int = 1
+    """The global (1-based) step of `losses[0]`: > 1 when the run resumed from a checkpoint."""
 
 
 def build_model_and_batches(job: TrainJob) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]], Any]:
@@ -89,14 +101,21 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
     results = []
     for i, config in enumerate(job.configs):
         model, batches, _ = build_model_and_batches(job)
+        fingerprint = model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
         stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
         program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
                                 stage_layers=stage_layers, compile_stages=job.compile_stages)
+        done = 0
+        if job.resume and job.checkpoint_dir and checkpoint.latest(job.checkpoint_dir) is not None:
+            done = checkpoint.load(program, job.checkpoint_dir, model_fingerprint=fingerprint).step
         losses, times = [], []
-        for batch in batches:
+        for k in range(done, len(batches)):
             start = time.perf_counter()
-            losses.append(program.step(batch))
+            losses.append(program.step(batches[k]))
             times.append(time.perf_counter() - start)
+            if job.save_every and job.checkpoint_dir and (k + 1) % job.save_every == 0:
+                checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * job.global_batch,
+                                model=job.model, model_fingerprint=fingerprint)
         params = program.full_parameters() if job.return_parameters else {}
         keep = job.return_parameters and program.dp_rank == 0 and program.tp_rank == 0
         stats = program.last_stats
@@ -104,7 +123,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
             config=config, losses=tuple(losses), step_times_s=tuple(times),
             parameter_bytes=stats.parameter_bytes, gradient_bytes=stats.gradient_bytes,
             optimizer_state_bytes=stats.optimizer_state_bytes, peak_rss_bytes=stats.peak_rss_bytes,
-            parameters=params if keep else {},
+            parameters=params if keep else {}, first_step=done + 1,
         ))
         dist.barrier()
     return results

@@ -30,12 +30,21 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 
 
 class RankFailure(RuntimeError):
-    """A spawned rank raised or died; carries the rank and its error text."""
+    """A spawned rank raised, died or hung; carries the rank and its error text.
 
-    def __init__(self, rank: int, detail: str) -> None:
-        super().__init__(f"rank {rank} failed: {detail}")
+    `user_error` is True when the rank raised a ValueError (a bad input or setting, such as
+    a NaN loss from too high a learning rate), False for crashes, hangs and timeouts."""
+
+    def __init__(self, rank: int, detail: str, *, user_error: bool = False, what: str = "failed") -> None:
+        super().__init__(f"rank {rank} {what}: {detail}")
         self.rank = rank
         self.detail = detail
+        self.user_error = user_error
+
+
+_PEER_ERRORS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
+                "Socket Timeout", "Broken pipe")
+"""Errors a healthy rank raises because a peer died or hung: not the cause of a failure."""
 
 
 def launched_by_torchrun() -> bool:
@@ -69,15 +78,19 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
             pickle.dump(result, f)
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # report any failure to the parent, then die without cleanup
+    except BaseException as exc:  # report any failure to the parent, then die without cleanup
+        if isinstance(exc, ValueError):
+            Path(result_dir, f"{rank}.user").write_text("")
         Path(result_dir, f"{rank}.err").write_text(traceback.format_exc())
         os._exit(1)
 
 
-def _stop(procs: list[Any], grace_s: float) -> None:
+def _stop(procs: list[Any], grace_s: float) -> list[int]:
+    """Let every process end within `grace_s`, then terminate; returns the ranks still running."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -86,6 +99,29 @@ def _stop(procs: list[Any], grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    return alive
+
+
+def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[int],
+             collective_timeout_s: float) -> RankFailure:
+    """Name the rank that caused a failure: one with its own error or crash, else a hung one."""
+
+    def detail(rank: int) -> str:
+        err = Path(tmp, f"{rank}.err")
+        if err.exists():
+            return err.read_text().strip().splitlines()[-1]
+        return f"exit code {codes[rank]} (killed or crashed without a Python error)"
+
+    causes = [r for r in failed if not any(e in detail(r) for e in _PEER_ERRORS)]
+    if causes:
+        rank = causes[0]
+        return RankFailure(rank, detail(rank), user_error=Path(tmp, f"{rank}.user").exists())
+    if alive:  # every failed rank gave up waiting for a peer; the peer still running is hung
+        others = ", ".join(str(r) for r in failed)
+        return RankFailure(alive[0], f"stopped responding (still running, not in the collective) while rank(s) "
+                           f"{others} waited for it {collective_timeout_s:.0f} s and gave up: {detail(failed[0])}",
+                           what="hung")
+    return RankFailure(failed[0], detail(failed[0]))
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
@@ -111,14 +147,13 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *
                 codes = [p.exitcode for p in procs]
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    _stop(procs, grace_s)
-                    rank = failed[0]
-                    err = Path(tmp, f"{rank}.err")
-                    detail = err.read_text().strip().splitlines()[-1] if err.exists() else (
-                        f"exit code {codes[rank]} (killed or crashed without a Python error)")
-                    full = err.read_text() if err.exists() else detail
-                    log.error("rank %d failed:\n%s", rank, full)
-                    raise RankFailure(rank, detail)
+                    alive = _stop(procs, grace_s)
+                    codes = [p.exitcode for p in procs]
+                    failed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in alive]
+                    failure = _failure(tmp, codes, failed, alive, collective_timeout_s)
+                    err = Path(tmp, f"{failure.rank}.err")
+                    log.error("rank %d failed:\n%s", failure.rank, err.read_text() if err.exists() else failure.detail)
+                    raise failure
                 if all(c == 0 for c in codes):
                     break
                 if time.monotonic() > deadline:

@@ -6,6 +6,13 @@ loss per step and tokens/s. `--check` also trains the single-process reference (
 init, data and optimizer) and compares the loss curves; a mismatch beyond rtol 1e-4
 exits 1. `--json` prints `losses`, `reference_losses` (with --check), `config`,
 `tokens_per_s`, `peak_memory_bytes` and per-rank state bytes.
+
+Checkpoints: `--checkpoint-dir D --save-every K` writes a sharded checkpoint after every
+K-th step (autopar/checkpoint.py: plan-independent, atomic); `--resume` continues from the
+newest complete one in D, under this run's plan and device count (resharded on load),
+up to `--steps` in total; `losses` then start at step `first_step`. A rank that fails,
+crashes or hangs stops the job with exit 1 (exit 2 when a rank raised a user error, such
+as a NaN loss), naming the rank.
 """
 
 from __future__ import annotations
@@ -73,6 +80,26 @@ def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None
         )
 
 
+def _check_resume(args: argparse.Namespace, model: Any) -> None:
+    """Refuse a resume that cannot work before any rank starts (files only, no process group)."""
+    from autopar import checkpoint
+    from autopar.plan import model_fingerprint
+
+    info = checkpoint.latest(args.checkpoint_dir)
+    if info is None:
+        print(f"autopar train: no complete checkpoint in {args.checkpoint_dir}; starting from step 1",
+              file=sys.stderr)
+        return
+    if info.step >= args.steps:
+        raise ValueError(f"the checkpoint in {args.checkpoint_dir} is at step {info.step}, so --steps {args.steps} "
+                         f"leaves nothing to train; pass --steps greater than {info.step} (--steps counts all steps, "
+                         "including those before the checkpoint)")
+    actual = model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
+    if info.model_fingerprint and info.model_fingerprint != actual:
+        raise ValueError(f"the checkpoint in {info.path} was written for model {info.model!r}, not {args.model!r} "
+                         "(parameter names or shapes differ); resume with that model or use another --checkpoint-dir")
+
+
 def _tokens_per_step(job: TrainJob) -> int:
     source = resolve(job.model).with_overrides(seq=job.seq)
     if source.config is not None:
@@ -81,9 +108,12 @@ def _tokens_per_step(job: TrainJob) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.checkpoint_dir or args.save_every or args.resume:
-        raise ValueError("--checkpoint-dir/--save-every/--resume are not implemented by `train` yet; "
-                         "use autopar.compile(...).state_dict() with torch.distributed.checkpoint")
+    if (args.save_every or args.resume) and not args.checkpoint_dir:
+        flag = "--save-every" if args.save_every else "--resume"
+        raise ValueError(f"{flag} needs --checkpoint-dir D (where checkpoints are written and read); add it")
+    if args.checkpoint_dir and not (args.save_every or args.resume):
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} given without --save-every K or --resume; add "
+                         "--save-every K to write checkpoints, --resume to continue from one")
     torchrun = launched_by_torchrun()
     if torchrun:
         import torch.distributed as dist
@@ -114,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
         global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
     dims = model_dims(model)
     num_microbatches = config.check(global_batch=global_batch, num_devices=devices, **dims)
+    if args.resume:
+        _check_resume(args, model)
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
-                   seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile)
+                   seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile,
+                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=args.resume)
     if torchrun:
         import torch.distributed as dist
 
@@ -127,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             results = spawn(train_worker, devices, (job,))
         except RankFailure as exc:
             print(f"autopar train: error: {exc} (all ranks stopped)", file=sys.stderr)
-            return 1
+            return 2 if exc.user_error else 1
     per_rank: list[RunResult] = [r[0] for r in results]
     ref_losses = reference_run(job)[0] if args.check else None
     return _report(args, job, config, num_microbatches, per_rank, ref_losses)
@@ -139,9 +172,12 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
     tokens = _tokens_per_step(job)
     timed = first.step_times_s[1:] or first.step_times_s  # the first step pays lazy init
     tokens_per_s = tokens * len(timed) / sum(timed)
+    if ref_losses is not None:  # a resumed run reports (and is checked on) its own steps only
+        ref_losses = ref_losses[first.first_step - 1:]
     ok = ref_losses is None or all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(first.losses, ref_losses))
     out = {
         "losses": list(first.losses),
+        "first_step": first.first_step,
         "config": {**config.to_json(), "num_microbatches": num_microbatches},
         "tokens_per_s": tokens_per_s,
         "step_times_s": list(first.step_times_s),
@@ -164,9 +200,11 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         c = config
         print(f"{job.model}: dp {c.dp} x tp {c.tp} x pp {c.pp}, zero {c.zero}, micro-batch {c.micro_batch} "
               f"({num_microbatches} microbatches), schedule {c.schedule}, recompute {c.recompute}")
+        if first.first_step > 1:
+            print(f"resumed from the checkpoint after step {first.first_step - 1} in {job.checkpoint_dir}")
         for k, loss in enumerate(first.losses):
             ref = f"   reference {ref_losses[k]:.6f}" if ref_losses is not None else ""
-            print(f"step {k + 1}: loss {loss:.6f}{ref}   {tokens / first.step_times_s[k]:,.0f} tokens/s")
+            print(f"step {first.first_step + k}: loss {loss:.6f}{ref}   {tokens / first.step_times_s[k]:,.0f} tokens/s")
         print(f"throughput {tokens_per_s:,.0f} tokens/s (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
         if ref_losses is not None:
