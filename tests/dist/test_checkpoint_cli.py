@@ -1,0 +1,45 @@
+"""`autopar train --checkpoint-dir D --save-every K --resume`, end to end through the CLI.
+
+Run 1 trains steps 1-4 under DP2 and saves at steps 2 and 4; run 2 resumes under TP2 (a
+different plan: GPT's qkv rows regrouped, parameters DTensors) and trains steps 5-6. The
+oracle is the single-process reference of all six steps (`--check` on run 2): run 2's
+losses must equal its steps 5-6, i.e. the resumed job continues exactly where an uninterrupted one is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar import checkpoint, cli
+
+pytestmark = pytest.mark.dist
+
+MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
+
+
+def _train(capsys, *flags: str) -> tuple[int, dict, str]:
+    code = cli.main(["train", MODEL, "--devices", "2", "--global-batch", "4", "--json", *flags])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out) if captured.out.strip() else {}, captured.err
+
+
+def test_train_resume_on_another_plan(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    code, first, _ = _train(capsys, "--steps", "4", "--checkpoint-dir", ckpt, "--save-every", "2")
+    assert code == 0 and first["first_step"] == 1 and len(first["losses"]) == 4
+    assert checkpoint.latest(ckpt).step == 4
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_000002", "step_000004"]
+
+    code, resumed, _ = _train(capsys, "--steps", "6", "--tp", "2", "--checkpoint-dir", ckpt, "--save-every", "2",
+                           "--resume", "--check")
+    assert code == 0, resumed
+    assert resumed["first_step"] == 5 and len(resumed["losses"]) == 2
+    assert resumed["config"]["tp"] == 2 and resumed["match"], resumed
+    assert resumed["max_rel_loss_diff"] < 1e-4
+    assert checkpoint.latest(ckpt).step == 6 and checkpoint.latest(ckpt).config["tp"] == 2
+
+    # nothing left to train: refused before any rank starts
+    code, _, err = _train(capsys, "--steps", "6", "--checkpoint-dir", ckpt, "--resume")
+    assert code == 2 and "is at step 6" in err and "pass --steps greater than 6" in err
