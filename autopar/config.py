@@ -55,7 +55,8 @@ class ParallelConfig:
         if self.schedule != "interleaved" and self.interleave != 1:
             raise ValueError(f"--interleave {self.interleave} needs --schedule interleaved")
         if self.schedule == "interleaved" and self.pp == 1:
-            raise ValueError("--schedule interleaved needs --pp > 1")
+            raise ValueError("--schedule interleaved needs --pp > 1 (it interleaves pipeline stages); "
+                             "add --pp 2 or more, or use --schedule 1f1b")
 
     @property
     def num_devices(self) -> int:
@@ -82,18 +83,23 @@ class ParallelConfig:
                 f"has {num_devices} devices; choose degrees whose product is {num_devices}"
             )
         if heads and heads % self.tp:
-            raise ValueError(f"--tp {self.tp} does not divide the model's {heads} attention heads")
+            divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+            raise ValueError(f"--tp {self.tp} does not divide the model's {heads} attention heads (each tp rank "
+                             f"takes whole heads); pick --tp from {divisors}")
         if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
-            raise ValueError(f"--tp {self.tp} and the model's {kv_heads} key/value heads do not divide")
+            raise ValueError(f"--tp {self.tp} and the model's {kv_heads} key/value heads do not divide (one must "
+                             f"divide the other); pick --tp that divides {kv_heads} or a multiple of it")
         chunks = self.pp * self.interleave
         if num_layers and num_layers < chunks:
             raise ValueError(
-                f"pp * interleave = {chunks} pipeline chunks but the model has only {num_layers} layers"
+                f"pp * interleave = {chunks} pipeline chunks but the model has only {num_layers} layers; "
+                f"lower --pp / --interleave so that pp * interleave <= {num_layers}"
             )
         m = self.num_microbatches(global_batch)
         if self.schedule == "interleaved" and m % self.pp:
             raise ValueError(
-                f"interleaved 1F1B needs the number of microbatches ({m}) to be a multiple of pp ({self.pp})"
+                f"interleaved 1F1B needs the number of microbatches ({m}) to be a multiple of pp ({self.pp}); "
+                f"change --global-batch or --micro-batch, or use --schedule 1f1b"
             )
         return m
 

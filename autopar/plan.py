@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -292,6 +293,9 @@ class Plan:
                                 f"= {c.dp} * {c.micro_batch}")
         if self.memory_limit_bytes <= 0 or self.seq <= 0:
             raise PlanFileError("plan memory_limit_bytes and seq must be positive")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.model_fingerprint):
+            raise PlanFileError(f"plan model_fingerprint {self.model_fingerprint[:80]!r} is not a sha256 hex digest; "
+                                "the file was edited or truncated. Re-run `autopar search` to write a new plan")
 
     # -- JSON ------------------------------------------------------------------------------
 
@@ -342,7 +346,7 @@ class Plan:
     @classmethod
     def loads(cls, text: str) -> "Plan":
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_refuse_constant)
         except json.JSONDecodeError as exc:
             raise PlanFileError(f"plan is not valid JSON: {exc}") from None
         return cls.from_json(data)
@@ -353,7 +357,12 @@ class Plan:
         if not p.is_file():
             raise PlanFileError(f"plan file {str(p)!r} does not exist; write one with `autopar search ... --out {p}`")
         try:
-            return cls.loads(p.read_text(encoding="ascii"))
+            text = p.read_text(encoding="ascii")
+        except UnicodeDecodeError as exc:  # e.g. a pickle: plans are never unpickled
+            raise PlanFileError(f"{p} is not a plan: byte {exc.start} is not ASCII text. Plans are the JSON "
+                                "files `autopar search --out` writes (never pickles); write one with it") from None
+        try:
+            return cls.loads(text)
         except PlanFileError as exc:
             raise PlanFileError(f"{p}: {exc}") from None
 
@@ -431,6 +440,11 @@ def describe_config(config: ParallelConfig, stage_layers: Sequence[int], global_
     cuts = "" if len(set(stage_layers)) <= 1 else " cuts " + "/".join(str(n) for n in stage_layers)
     return (f"tp{c.tp} pp{c.pp} dp{c.dp} z{c.zero} mb{c.micro_batch}x{m} "
             f"{sched if c.pp > 1 else 'no-pp'} rc-{c.recompute}{cuts}")
+
+
+def _refuse_constant(name: str) -> float:
+    raise PlanFileError(f"plan contains {name}, which is not a number a plan can hold (its numbers are finite); "
+                        "the file was edited or corrupted. Re-run `autopar search` to write a new plan")
 
 
 def _config_from_json(data: Any) -> ParallelConfig:

@@ -127,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
     plan = None
     if args.plan:
         config, stage_layers, plan = _plan_config(args)
+        if config.num_devices != devices:
+            raise ValueError(
+                f"plan {args.plan} was searched for {config.num_devices} devices ({getattr(plan, 'cluster', '?')}, "
+                f"mesh (pp, dp, tp) = ({config.pp}, {config.dp}, {config.tp})) but this run has {devices}; run "
+                f"with --devices {config.num_devices}, or search a plan for these devices (--cluster cpu:{devices})")
         args.seq = args.seq or getattr(plan, "seq", None)
         args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
         _check_plan_fingerprint(plan, args.model, args.seq)

@@ -145,7 +145,8 @@ def _load_factory(path: str) -> Callable[[], tuple[nn.Module, tuple[Any, ...]]]:
         ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"model factory {path!r}: module {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"model factory {path!r}: module {module_name!r} has no callable {attr!r}; name a "
+                         "function that returns (model, example_inputs), as 'package.module:function'")
     return fn
 
 
