@@ -168,6 +168,22 @@ class Compiled:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self.program.full_parameters()
 
+    def save_checkpoint(self, directory: str, *, step: int | None = None) -> str:
+        """Write a sharded, plan-independent checkpoint (autopar/checkpoint.py) under
+        `directory`; collective. `step` defaults to the steps done so far. Unlike
+        `state_dict()` (this plan's layout, GPT qkv rows in TP order), it loads under any plan."""
+        from autopar import checkpoint
+
+        done = self.program.steps_done if step is None else step
+        return str(checkpoint.save(self.program, directory, step=done))
+
+    def load_checkpoint(self, path: str) -> Any:
+        """Load the newest complete checkpoint under `path` (or that `step_<N>` directory),
+        resharding it to this plan; collective. Returns its `CheckpointInfo`."""
+        from autopar import checkpoint
+
+        return checkpoint.load(self.program, path)
+
 
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,

@@ -25,8 +25,8 @@ Crash safety. A checkpoint is written to `step_000006.tmp/`; after every rank's 
 returned (DCP writes its `.metadata` last, on the coordinator), rank 0 writes
 `autopar.json`, renames the directory to `step_000006/` and then replaces the `latest`
 pointer (write + fsync + os.replace). A reader accepts only a directory with both
-`.metadata` and `autopar.json` and never a `.tmp` one, so a run killed mid-save loses at
-most the steps since the last complete checkpoint. The directory must be visible to every
+`.metadata` and `autopar.json` and never a `.tmp` one (the highest complete step wins), so
+a run killed mid-save loses at most the steps since the last complete checkpoint. The directory must be visible to every
 rank (one machine, or a shared file system).
 
 Not stored: the optimizer's hyperparameters (lr, betas, ...), which come from the
@@ -219,7 +219,8 @@ def _write_durably(path: Path, text: str) -> None:
 # ---- find and load ----------------------------------------------------------------------------
 
 def _complete(path: Path) -> bool:
-    return path.is_dir() and (path / ".metadata").is_file() and (path / META_FILE).is_file()
+    return (path.is_dir() and not path.name.endswith(".tmp") and (path / ".metadata").is_file()
+            and (path / META_FILE).is_file())
 
 
 def read_info(path: str | Path) -> CheckpointInfo:
@@ -244,16 +245,15 @@ def read_info(path: str | Path) -> CheckpointInfo:
 
 
 def latest(directory: str | Path) -> CheckpointInfo | None:
-    """The newest complete checkpoint under `directory` (the `latest` pointer, else the highest
-    complete `step_<N>`), or None when there is none. Reads files only: no process group."""
+    """The newest complete checkpoint under `directory` (or `directory` itself when it is one),
+    or None when there is none. Reads files only: no process group.
+
+    The highest complete `step_<N>` wins, not the `latest` pointer: a run killed between the
+    rename and the pointer update has a complete newer checkpoint the pointer does not name
+    yet (the pointer is for people and tools; `.tmp` directories are never complete)."""
     root = Path(directory)
     if _complete(root):
         return read_info(root)
-    pointer = root / LATEST_FILE
-    if pointer.is_file():
-        named = root / pointer.read_text(encoding="ascii").strip()
-        if _STEP_DIR.match(named.name) and _complete(named):
-            return read_info(named)
     steps = sorted((int(m.group(1)), d) for d in root.glob("step_*") if (m := _STEP_DIR.match(d.name))
                    and _complete(d))
     return read_info(steps[-1][1]) if steps else None

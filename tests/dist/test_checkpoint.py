@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+import autopar
 from autopar import checkpoint
 from autopar.config import ParallelConfig
 from autopar.models import resolve
@@ -70,8 +71,14 @@ def _run_b(rank: int, ckpt: str) -> list[dict]:
     batches = _batches()
     results = []
     for config in (SAVED, *OTHER_PLANS):
-        program = _program(config, seed=123)  # another init: the checkpoint must overwrite all of it
-        info = checkpoint.load(program, ckpt)
+        if config is OTHER_PLANS[0]:  # through the public API
+            torch.manual_seed(123)
+            compiled = autopar.compile(resolve(MODEL).build(), 4, config=config,
+                                       optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+            program, info = compiled.program, compiled.load_checkpoint(ckpt)
+        else:
+            program = _program(config, seed=123)  # another init: the checkpoint must overwrite all of it
+            info = checkpoint.load(program, ckpt)
         state = checkpoint.full_state(program)
         losses = [program.step(b) for b in batches[info.step:]]
         results.append({"config": config, "step": info.step, "steps_done": program.steps_done,
@@ -112,3 +119,31 @@ def test_resume_reshard_and_crash_safety(tmp_path):
     for i in range(len(results[0])):
         covered = set().union(*(set(per_rank[i]["state"]) for per_rank in results))
         assert covered == set(saved_state), (results[0][i]["config"], set(saved_state) ^ covered)
+
+
+def _fake_checkpoint(root, name: str, *, metadata: bool = True, meta: bool = True) -> None:
+    """The files `latest` looks at (DCP's .metadata, autopar.json), as a save leaves them."""
+    d = root / name
+    d.mkdir(parents=True)
+    step = int(name.split("_")[1].split(".")[0])
+    if metadata:
+        (d / ".metadata").write_bytes(b"")
+    if meta:
+        (d / "autopar.json").write_text(
+            '{"version": 1, "step": %d, "samples_seen": 0, "world_size": 1, "config": {}, "model": "", '
+            '"model_fingerprint": "", "qkv_order": "canonical"}' % step)
+
+
+def test_latest_takes_only_complete_checkpoints(tmp_path):
+    assert checkpoint.latest(tmp_path) is None
+    _fake_checkpoint(tmp_path, "step_000003")
+    _fake_checkpoint(tmp_path, "step_000009.tmp")  # killed after its metadata, before the rename
+    _fake_checkpoint(tmp_path, "step_000012", meta=False)  # not possible from save(), still refused
+    _fake_checkpoint(tmp_path, "step_000015", metadata=False)
+    (tmp_path / "latest").write_text("step_000003\n")
+    assert checkpoint.latest(tmp_path).step == 3
+    _fake_checkpoint(tmp_path, "step_000006")  # killed after the rename, before the pointer update
+    assert checkpoint.latest(tmp_path).step == 6
+    assert checkpoint.latest(tmp_path / "step_000003").step == 3
+    with pytest.raises(checkpoint.CheckpointError, match="is not a complete checkpoint"):
+        checkpoint.read_info(tmp_path / "step_000009.tmp")
