@@ -93,8 +93,8 @@ def _inner_optimizer(program: RankProgram) -> torch.optim.Optimizer:
 
 
 def _canonical_name(program: RankProgram, fqn: str) -> str:
-    if program.rules is not None and program.rules.tied and fqn in program.rules.tied:
-        return program.rules.tied[0]  # the embedding's name, whichever copy this is
+    if fqn in program.tied_fqns:  # the model really ties them (GPT; Llama only when asked)
+        return program.tied_fqns[0]  # the embedding's name, whichever copy this is
     return fqn
 
 
