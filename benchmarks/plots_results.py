@@ -93,7 +93,7 @@ def measured_bars(data: dict[str, Any], out: Path) -> None:
     hm = [(r["hand_peak_rss_delta_bytes"] or 0) / 2**20 for r in rows]
     ax_mem.bar([i - w / 2 for i in x], am, w, label="autopar", color="#4c72b0")
     ax_mem.bar([i + w / 2 for i in x], hm, w, label="hand-tuned", color="#dd8452")
-    ax_mem.set_xticks(list(x), labels, fontsize=7)
+    ax_mem.set_xticks(list(x), labels, fontsize=7, rotation=30, ha="right")
     ax_mem.set_ylabel("MiB per rank (max over ranks)")
     ax_mem.set_title("peak resident-set growth per rank (build + steps)", fontsize=9)
     ax_mem.legend(fontsize=8)
@@ -104,8 +104,17 @@ def measured_bars(data: dict[str, Any], out: Path) -> None:
 
 
 def predicted_vs_measured(data: dict[str, Any], out: Path) -> None:
-    rows = [r for r in data["rows"] if r["predicted_step_time_s"]]
-    fig, ax = plt.subplots(figsize=(6, 5))
+    rows, seen = [], {}
+    for r in data["rows"]:  # a searched plan identical to a measured configuration: one point, both names
+        if not r["predicted_step_time_s"]:
+            continue
+        key = (r["world"], json.dumps(r["config"], sort_keys=True), r["autopar_step_time_s"])
+        if key in seen:
+            seen[key]["label"] += f" = {r['label']}"
+            continue
+        seen[key] = dict(r)
+        rows.append(seen[key])
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
     for r in rows:
         ax.scatter(r["predicted_step_time_s"] * 1e3, r["autopar_step_time_s"] * 1e3, s=30,
                    color="#4c72b0" if r["world"] == 4 else "#c44e52")

@@ -59,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     vs_cmd = [PY, "benchmarks/vs_hand_tuned.py"] + (
         [] if args.full else ["--limit", str(QUICK_GROUPS), "--out", str(RESULTS / "vs_hand_tuned_quick.md")])
     print(f"$ {' '.join(vs_cmd)}   (in the background)", flush=True)
+    vs_out = RESULTS / ("vs_hand_tuned.md" if args.full else "vs_hand_tuned_quick.md")
+    written_before = vs_out.stat().st_mtime if vs_out.exists() else 0.0
     vs = subprocess.Popen(vs_cmd, cwd=ROOT)
     _run([PY, "benchmarks/validate_cost_model.py"])
-    if vs.wait() not in (0, 1):  # 1: a row below 1.0 (reported in the table), not a crash
-        raise SystemExit(f"vs_hand_tuned.py failed with exit code {vs.returncode}")
+    vs.wait()  # exit 1 may mean a row below 1.0 (reported in its table): judge by the table written
+    if not vs_out.exists() or vs_out.stat().st_mtime <= written_before:
+        print(f"WARNING: vs_hand_tuned.py (exit {vs.returncode}) did not write {vs_out.name}; the table there "
+              "(if any) is from an earlier run", flush=True)
     phases.append(("validate_cost_model + vs_hand_tuned", time.perf_counter() - t))
 
     t = time.perf_counter()
