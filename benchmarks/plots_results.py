@@ -179,6 +179,34 @@ def pipeline_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h
     return info
 
 
+def explain_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h100:8x8",
+                   global_batch: int = 32) -> str:
+    """What `autopar explain plan.json --plot` draws, for a searched plan with pipelining
+    (search restricted to ZeRO 0, so that the plan pipelines)."""
+    from autopar.cluster import Cluster  # autopar before cost_model (import cycle)
+    from autopar.models import resolve
+    from autopar.plan import describe_config, fingerprint_source
+    from autopar.plots import plot_plan
+    from autopar.trace import trace_model
+    import cost_model  # noqa: I001
+    from solver.search import SearchSpace, search
+
+    source = resolve(model)
+    graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=2)
+    profile = cost_model.profile_graph(graph)
+    cluster = Cluster.parse(cluster_spec)
+
+    def price(config: Any, stage_layers: tuple[int, ...]) -> Any:
+        return cost_model.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
+
+    result = search(graph, cluster, global_batch=global_batch, price=price, model=model,
+                    fingerprint=fingerprint_source(source), cost_model_name="cost_model.price_profile",
+                    space=SearchSpace(zero_stages=(0,)))
+    plan = result.plan
+    plot_plan(plan, str(out))
+    return describe_config(plan.config, plan.stage_layers, global_batch)
+
+
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     md = RESULTS / "cost_model_validation.md"
@@ -190,6 +218,7 @@ def main() -> None:
         measured_bars(data, RESULTS / "measured_cpu.png")
         predicted_vs_measured(data, RESULTS / "predicted_vs_measured_cpu.png")
     print("pipeline timeline:", pipeline_figure(RESULTS / "pipeline_timeline.png"))
+    print("explain --plot of a searched plan (ZeRO 0):", explain_figure(RESULTS / "explain_plan.png"))
 
 
 if __name__ == "__main__":
