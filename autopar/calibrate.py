@@ -177,7 +177,9 @@ def calibrate(devices: int) -> Calibration:
 
     if devices < 2:
         raise ValueError(f"--devices must be at least 2 to measure collectives, got {devices}")
+    start = time.perf_counter()
     results = spawn(_rank_measure, devices, ())
+    log.info("calibrate: %d ranks measured in %.1f s", devices, time.perf_counter() - start)
     n = devices
     ar = {s: _median_over_ranks(results, "ar", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
     ag = {s: _median_over_ranks(results, "ag", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
