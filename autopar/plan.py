@@ -293,9 +293,6 @@ class Plan:
                                 f"= {c.dp} * {c.micro_batch}")
         if self.memory_limit_bytes <= 0 or self.seq <= 0:
             raise PlanFileError("plan memory_limit_bytes and seq must be positive")
-        if not re.fullmatch(r"[0-9a-f]{64}", self.model_fingerprint):
-            raise PlanFileError(f"plan model_fingerprint {self.model_fingerprint[:80]!r} is not a sha256 hex digest; "
-                                "the file was edited or truncated. Re-run `autopar search` to write a new plan")
 
     # -- JSON ------------------------------------------------------------------------------
 
@@ -325,6 +322,9 @@ class Plan:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
                                 f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
         _check_keys(data, _PLAN_KEYS, "plan")
+        if not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
+            raise PlanFileError(f"plan model_fingerprint {str(data['model_fingerprint'])[:80]!r} is not a (sha256) hex "
+                                "digest; the file was edited or truncated. Re-run `autopar search` to write a new plan")
         try:
             return cls(
                 version=int(data["version"]), model=str(data["model"]),

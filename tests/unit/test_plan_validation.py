@@ -77,7 +77,7 @@ def test_config_flags_with_a_plan_are_refused(plan_path, capsys):
     (lambda d: d.update(num_layers=d["num_layers"] + 1), "but the model has 3 layers"),
     (lambda d: d.update(global_batch=3), "is not a multiple of dp * micro_batch"),
     (lambda d: d.update(seq=-16), "memory_limit_bytes and seq must be positive"),
-    (lambda d: d.update(model_fingerprint="0" * 12), "is not a sha256 hex digest"),
+    (lambda d: d.update(model_fingerprint="sha256:not-a-digest"), "is not a (sha256) hex digest"),
     (lambda d: d["config"].update(zero=7), "--zero must be 0, 1, 2 or 3"),
     (lambda d: d["config"].update(tp="2"), "--tp must be a positive integer, got '2'"),
     (lambda d: d.update(stage_layers=["one"]), "malformed value"),
