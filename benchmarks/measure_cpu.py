@@ -23,6 +23,10 @@ Figures (the machine has 2 cores shared with other users: noisy):
 - predicted: `cost_model.price` of each configuration (float32 trace) on `cpu:N` with the
   calibrated profile (`autopar calibrate --devices N --out ...`); Spearman rank
   correlation of predicted vs measured step time over the measured configurations.
+
+Diagnostic (not part of run_all): `--diagnose-pp tp2xpp2` runs autopar's program as is and
+with its pipeline schedule object built once (patched in the benchmark's ranks only), to
+show what rebuilding the schedule every step costs.
 """
 
 from __future__ import annotations
@@ -138,16 +142,22 @@ def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -
         program = build_program(model, case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                                 stage_layers=case.stage_layers)
         step = lambda b: program.step(b)  # noqa: E731
+        modules = program.chunks
     else:
         m = case.config.num_microbatches(GLOBAL_BATCH)
         hand = build(source.build, case.hand, num_microbatches=m)
         dp_rank = hand.mesh.get_local_rank("dp")
+        modules = hand.stages
 
         def step(b: Any) -> float:
             tokens, labels = (t.chunk(case.hand.dp)[dp_rank] for t in b)
             return _global_loss(hand.step(tokens, labels))
+    forwards = [0]  # pipeline-chunk forward calls in the current step (oracle: microbatches x chunks)
+    for module in modules:
+        module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     times, losses = [], []
     for k, batch in enumerate(batches):
+        forwards[0] = 0
         dist.barrier()
         start = time.perf_counter()
         losses.append(step(batch))
@@ -155,7 +165,8 @@ def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -
         if k >= WARMUP_STEPS:
             times.append(time.perf_counter() - start)
     peak_kib = _mem_kib("VmHWM") - rss0
-    out = {"times": times, "first_loss": losses[0], "peak_rss_delta_bytes": peak_kib * 1024 if measure_memory else None}
+    out = {"times": times, "first_loss": losses[0], "peak_rss_delta_bytes": peak_kib * 1024 if measure_memory else None,
+           "chunk_forwards_last_step": forwards[0]}
     del step
     gc.collect()
     return out
@@ -180,6 +191,7 @@ def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
                 if r == 0:
                     rec[kind]["first_loss"] = got["first_loss"]
                     rec[kind]["peak_rss_delta_bytes"] = got["peak_rss_delta_bytes"]
+                    rec[kind]["chunk_forwards"] = got["chunk_forwards_last_step"]
         results[case.label] = rec
         if rank == 0:
             a = statistics.median(rec["autopar"]["times"])
@@ -187,6 +199,63 @@ def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
             print(f"  measured {case.label} (world {case.world}): autopar {a * 1e3:.0f} ms/step"
                   + (f", hand-tuned {h * 1e3:.0f} ms/step, ratio {h / a:.3f}" if h else ""), flush=True)
     return results
+
+
+# ---- diagnostic: autopar's pipeline schedule rebuilt every step ----------------------------
+
+def _cached_pipeline_step(self: Any, local: tuple[Any, ...], num_mb: int) -> Any:
+    """autopar.runtime.RankProgram._pipeline_step, but the schedule object is built once and
+    reused, so torch.distributed.pipelining's per-schedule stage initialisation (p2p warm-up,
+    forward/backward metadata inference) runs on the first step only, as in handtuned.py."""
+    import torch
+
+    if getattr(self, "_diag_schedule", None) is None or self._diag_num_mb != num_mb:
+        stages = self._stages if self.config.schedule == "interleaved" else self._stages[0]
+        self._diag_schedule = self.schedule(stages, n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
+        self._diag_num_mb = num_mb
+    losses: list[Any] = []
+    args = (local[0],) if self.has_first else ()
+    self._diag_schedule.step(*args, target=local[1] if self.has_last else None, losses=losses)
+    if self.has_last:
+        return torch.stack([x.detach().float() for x in losses]).mean()
+    return torch.zeros(())
+
+
+def diagnose_worker(rank: int, case: Case) -> dict[str, Any]:
+    """autopar as is vs with the schedule cached (patched in this process only), alternating."""
+    import torch
+
+    from autopar import runtime
+    from autopar.models import resolve
+
+    original = runtime.RankProgram._pipeline_step
+    source = resolve(MODEL)
+    batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
+               for k in range(WARMUP_STEPS + TIMED_STEPS)]
+    out: dict[str, Any] = {"as is": {"times": []}, "schedule cached": {"times": []}}
+    for r in range(ROUNDS):
+        for variant in (("as is", "schedule cached") if r % 2 == 0 else ("schedule cached", "as is")):
+            runtime.RankProgram._pipeline_step = original if variant == "as is" else _cached_pipeline_step
+            got = _run_one(case, "autopar", batches, measure_memory=False)
+            out[variant]["times"] += got["times"]
+            out[variant]["first_loss"] = got["first_loss"]
+            out[variant]["chunk_forwards"] = got["chunk_forwards_last_step"]
+    runtime.RankProgram._pipeline_step = original
+    return out
+
+
+def diagnose(label: str) -> None:
+    from autopar.runtime_launch import spawn
+
+    case = next(c for c in cases(4) + cases(8) if c.label == label)
+    if case.config.pp == 1:
+        raise SystemExit(f"--diagnose-pp needs a pipelined configuration, {label!r} has pp 1")
+    res = spawn(diagnose_worker, case.world, (case,), collective_timeout_s=180.0)[0]
+    for variant, rec in res.items():
+        print(f"{label}: autopar {variant}: median {statistics.median(rec['times']) * 1e3:.0f} ms/step over "
+              f"{len(rec['times'])} steps {[round(t * 1e3) for t in rec['times']]}, first loss {rec['first_loss']:.5f}, "
+              f"chunk forward calls on rank 0 in the last step: {rec['chunk_forwards']} "
+              f"(microbatches: {case.config.num_microbatches(GLOBAL_BATCH)})")
 
 
 # ---- in the parent ---------------------------------------------------------------------
@@ -208,6 +277,7 @@ def run_world(world: int, world_cases: list[Case]) -> dict[str, Any]:
                 "step_times_s": rec["times"],
                 "first_loss": rec["first_loss"],
                 "peak_rss_delta_bytes": max(mem),
+                "chunk_forwards_last_step": rec.get("chunk_forwards"),
             }
     return out
 
@@ -283,7 +353,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--md", default=None, help="also write a markdown table here")
     parser.add_argument("--only", default="", help="comma-separated configuration labels (e.g. 'tp2xpp2')")
+    parser.add_argument("--diagnose-pp", default=None, metavar="LABEL",
+                        help="only the diagnostic: autopar as is vs with its pipeline schedule built once")
     args = parser.parse_args(argv)
+    if args.diagnose_pp:
+        diagnose(args.diagnose_pp)
+        return {}
 
     from autopar.cluster import HARDWARE, Cluster, load_hardware  # autopar before cost_model (import cycle)
     from autopar.plan import describe_config
@@ -333,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "autopar_tokens_per_s": tokens / a["step_time_s"], "autopar_step_time_s": a["step_time_s"],
             "autopar_step_times_s": a["step_times_s"], "autopar_peak_rss_delta_bytes": a["peak_rss_delta_bytes"],
             "autopar_first_loss": a["first_loss"],
+            "autopar_chunk_forwards_last_step": a["chunk_forwards_last_step"],
+            "hand_chunk_forwards_last_step": h["chunk_forwards_last_step"] if h else None,
             "hand_tokens_per_s": tokens / h["step_time_s"] if h else None,
             "hand_step_time_s": h["step_time_s"] if h else None,
             "hand_step_times_s": h["step_times_s"] if h else None,
