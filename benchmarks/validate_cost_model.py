@@ -41,7 +41,7 @@ from autopar.models import resolve
 from autopar.trace import trace_model
 from cost_model import price_profile, profile_graph
 
-DEFAULT_CSV = "/work/shared/validation/published_runs_dev.csv"
+DEFAULT_CSV = str(Path(__file__).resolve().parents[2] / "shared" / "validation" / "published_runs_dev.csv")  # ../shared beside the repo
 DEFAULT_OUT = Path(__file__).parent / "results" / "cost_model_validation.md"
 
 # Published Llama shapes (kv heads, SwiGLU inner size): Meta model cards / torchtitan configs.

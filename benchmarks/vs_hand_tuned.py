@@ -36,7 +36,7 @@ from autopar.plan import InfeasiblePlanError, describe_config
 from autopar.trace import trace_model
 from solver.search import SearchSpace, search
 
-CSV = Path("/work/shared/validation/published_runs_dev.csv")
+CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published_runs_dev.csv"  # ../shared beside the repo
 LLAMA_SPECS = {
     "Llama 3 8B": "llama3-8b", "Llama 3 70B": "llama3-70b", "Llama 3.1 405B": "llama3-405b",
     "Llama 2 13B": "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000,seq=4096",
