@@ -25,7 +25,8 @@ How each knob is realised (all with torch.distributed's own pieces):
 - tied embeddings with pp > 1: the first and last chunks hold separate copies of the tied
   weight (same init); their gradients are summed over a (first, last) process group
   before the optimizer, so both copies stay equal (Megatron's embedding group).
-- fusion: with `compile_stages`, each layer goes through `torch.compile` (inductor).
+- fusion: with `compile_stages`, each layer goes through `torch.compile` (inductor); with
+  `fused_kernels`, norms and MLP activations are the fused ops of codegen/kernels.
 """
 
 from __future__ import annotations
@@ -357,8 +358,25 @@ def _tie_group(mesh: DeviceMesh, config: ParallelConfig) -> dist.ProcessGroup | 
 
 def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                   optimizer: OptimizerFactory | None = None, stage_layers: tuple[int, ...] | None = None,
-                  compile_stages: bool | None = None, mesh: DeviceMesh | None = None) -> RankProgram:
-    """Shard `model` (built identically on every rank) as `config` says; collective."""
+                  compile_stages: bool | None = None, mesh: DeviceMesh | None = None,
+                  fused_kernels: bool | None = None) -> RankProgram:
+    """Shard `model` (built identically on every rank) as `config` says; collective.
+
+    `fused_kernels` (default: on where CUDA is present) swaps the zoo's norms and MLP
+    activations for the fused Triton ops of codegen/kernels before sharding; parameter
+    names and values are unchanged, so plans and checkpoints do not notice. Not with
+    tp > 1 (the fused ops have no DTensor sharding rules yet)."""
+    if fused_kernels is None:
+        fused_kernels = torch.cuda.is_available()
+    if fused_kernels and config.tp > 1:
+        # the fused ops have no DTensor sharding rules yet: tensor-parallel layers keep ATen ops
+        log.info("fused kernels skipped: tp=%d layers run DTensor ops, which the fused ops do not support",
+                 config.tp)
+        fused_kernels = False
+    if fused_kernels:
+        from codegen.kernels.modules import swap_fused_modules
+
+        model = swap_fused_modules(model)
     rules = rules_for(model)
     check_tp(rules, model, config.tp)
     if config.pp > 1 and rules is None:

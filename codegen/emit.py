@@ -164,11 +164,20 @@ def _clear_dtensor_caches() -> None:
 
 def emit(model: nn.Module, config: ParallelConfig, *, example_inputs: Sequence[Any],
          mesh: DeviceMesh | None = None, stage_layers: tuple[int, ...] | None = None,
-         loss_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, str]:
+         loss_fn: Callable[..., torch.Tensor] | None = None, fused_kernels: bool = False) -> dict[str, str]:
     """Source of every pipeline chunk's per-rank program, by stage name (`stage0`, ...).
 
     With `mesh` (a running job's ("pp", "dp", "tp") mesh) only this rank's chunks are
-    traced; without, a fake process group stands in for the whole world."""
+    traced; without, a fake process group stands in for the whole world. With
+    `fused_kernels` the program is the one the runtime runs on GPU: norms and MLP
+    activations are `torch.ops.autopar.*` fused ops (codegen/kernels)."""
+    if fused_kernels:
+        if config.tp > 1:
+            raise ValueError(f"fused kernels run with tp=1 only (tp={config.tp} given): the fused ops have no "
+                             "DTensor sharding rules yet; emit with fused_kernels=False for tensor parallelism")
+        from codegen.kernels.modules import swap_fused_modules
+
+        model = swap_fused_modules(model)
     check_tp(rules_for(model), model, config.tp)
     num_chunks = config.pp * config.interleave
     if mesh is not None:
