@@ -10,15 +10,17 @@ dp2xtp2xpp2) the same spawned ranks run, on the same model, seed and global batc
   A  autopar's program (autopar.runtime.build_program with the ParallelConfig, as
      `autopar train` / `autopar.compile` build it), and
   H  the hand-tuned torchtitan-style baseline (benchmarks/handtuned.py),
-in two rounds (A,H then H,A) so slow phases of the shared machine hit both.
+with both programs built side by side and their steps alternating A,H / H,A, so slow phases
+of the shared machine hit both alike.
 
 Figures (the machine has 2 cores shared with other users: noisy):
-- step time: barrier; step; barrier, timed on rank 0; median over the timed steps of both
-  rounds after WARMUP_STEPS untimed steps per build. tokens/s = global batch x seq / that.
+- step time: barrier; step; barrier, timed on rank 0; median over TIMED_STEPS steps after
+  WARMUP_STEPS untimed steps per build. tokens/s = global batch x seq / that. The ratio
+  autopar / hand-tuned is the median over the adjacent step pairs of t_H / t_A.
 - peak memory per rank: the growth of the resident set while building and stepping,
   VmHWM after the steps minus VmRSS before the build (VmHWM reset through
   /proc/self/clear_refs, glibc's mmap threshold fixed at 64 KiB so freed tensors go back
-  to the OS between builds); max over ranks; first round only.
+  to the OS between builds); max over ranks; each program built alone for this.
 - losses: the first step's global loss of A and H (same init and data: they must agree).
 - predicted: `cost_model.price` of each configuration (float32 trace) on `cpu:N` with the
   calibrated profile (`autopar calibrate --devices N --out ...`); Spearman rank
@@ -41,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -52,8 +54,8 @@ MODEL = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024,seq=64"
 GEMMs, not Python overhead, are a visible share of a step; small enough for world 8."""
 GLOBAL_BATCH = 16
 WARMUP_STEPS = 2
-TIMED_STEPS = 4
-ROUNDS = 2
+TIMED_STEPS = 8
+"""Timed steps per program (in A,H / H,A pairs) after WARMUP_STEPS per build."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,54 +124,86 @@ def _global_loss(value: float | None) -> float:
     return float(t[0] / t[1])
 
 
-def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -> dict[str, Any]:
+def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
+    """This rank's step function (global batch -> global loss) and its pipeline chunks."""
     import functools
 
     import torch
-    import torch.distributed as dist
 
     from autopar.models import resolve
     from autopar.runtime import build_program
     from handtuned import build
 
     source = resolve(MODEL)
+    if which == "autopar":
+        torch.manual_seed(0)
+        program = build_program(source.build(), case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                                stage_layers=case.stage_layers)
+        return program.step, list(program.chunks)
+    hand = build(source.build, case.hand, num_microbatches=case.config.num_microbatches(GLOBAL_BATCH))
+    dp_rank = hand.mesh.get_local_rank("dp")
+
+    def step(b: Any) -> float:
+        tokens, labels = (t.chunk(case.hand.dp)[dp_rank] for t in b)
+        return _global_loss(hand.step(tokens, labels))
+
+    return step, list(hand.stages)
+
+
+def _timed(step: Callable[[Any], float], batch: Any) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    loss = step(batch)
+    dist.barrier()
+    return time.perf_counter() - start, loss
+
+
+def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -> dict[str, Any]:
+    """Build one program alone and run `batches`: times after the warm-up, first loss, peak
+    RSS growth, and pipeline-chunk forward calls in the last step."""
     gc.collect()
     rss0 = _mem_kib("VmRSS")
     _reset_peak()
-    if which == "autopar":
-        torch.manual_seed(0)
-        model = source.build()
-        program = build_program(model, case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                stage_layers=case.stage_layers)
-        step = lambda b: program.step(b)  # noqa: E731
-        modules = program.chunks
-    else:
-        m = case.config.num_microbatches(GLOBAL_BATCH)
-        hand = build(source.build, case.hand, num_microbatches=m)
-        dp_rank = hand.mesh.get_local_rank("dp")
-        modules = hand.stages
-
-        def step(b: Any) -> float:
-            tokens, labels = (t.chunk(case.hand.dp)[dp_rank] for t in b)
-            return _global_loss(hand.step(tokens, labels))
-    forwards = [0]  # pipeline-chunk forward calls in the current step (oracle: microbatches x chunks)
+    step, modules = _build(case, which)
+    forwards = [0]  # oracle: one call per microbatch and chunk
     for module in modules:
         module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     times, losses = [], []
     for k, batch in enumerate(batches):
         forwards[0] = 0
-        dist.barrier()
-        start = time.perf_counter()
-        losses.append(step(batch))
-        dist.barrier()
+        seconds, loss = _timed(step, batch)
+        losses.append(loss)
         if k >= WARMUP_STEPS:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     peak_kib = _mem_kib("VmHWM") - rss0
     out = {"times": times, "first_loss": losses[0], "peak_rss_delta_bytes": peak_kib * 1024 if measure_memory else None,
            "chunk_forwards_last_step": forwards[0]}
-    del step
+    del step, modules
     gc.collect()
     return out
+
+
+def _run_paired(case: Case, batches: list[Any]) -> dict[str, list[float]]:
+    """Both programs alive on the same ranks, steps alternating A,H / H,A: each pair of
+    adjacent steps sees the same machine load, so the per-pair ratio cancels slow drifts."""
+    step_a, _ = _build(case, "autopar")
+    step_h, _ = _build(case, "hand")
+    for batch in batches[:WARMUP_STEPS]:
+        _timed(step_a, batch)
+        _timed(step_h, batch)
+    times_a, times_h = [], []
+    for k, batch in enumerate(batches[WARMUP_STEPS:]):
+        if k % 2 == 0:
+            times_a.append(_timed(step_a, batch)[0])
+            times_h.append(_timed(step_h, batch)[0])
+        else:
+            times_h.append(_timed(step_h, batch)[0])
+            times_a.append(_timed(step_a, batch)[0])
+    del step_a, step_h
+    gc.collect()
+    return {"autopar": times_a, "hand": times_h}
 
 
 def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
@@ -183,21 +217,26 @@ def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for case in world_cases:
         kinds = ["autopar"] + (["hand"] if case.hand is not None else [])
-        rec = {k: {"times": [], "first_loss": None, "peak_rss_delta_bytes": None} for k in kinds}
-        for r in range(ROUNDS):
-            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                got = _run_one(case, kind, batches, measure_memory=(r == 0))
-                rec[kind]["times"] += got["times"]
-                if r == 0:
-                    rec[kind]["first_loss"] = got["first_loss"]
-                    rec[kind]["peak_rss_delta_bytes"] = got["peak_rss_delta_bytes"]
-                    rec[kind]["chunk_forwards"] = got["chunk_forwards_last_step"]
+        rec: dict[str, Any] = {}
+        for kind in kinds:  # alone: memory, first loss, forward calls (one steady-state step)
+            got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
+            rec[kind] = {"first_loss": got["first_loss"], "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
+                         "chunk_forwards": got["chunk_forwards_last_step"]}
+        if case.hand is not None:  # timing: paired steps
+            paired = _run_paired(case, batches)
+            for kind in kinds:
+                rec[kind]["times"] = paired[kind]
+        else:
+            rec["autopar"]["times"] = _run_one(case, "autopar", batches, measure_memory=False)["times"]
         results[case.label] = rec
         if rank == 0:
             a = statistics.median(rec["autopar"]["times"])
-            h = statistics.median(rec["hand"]["times"]) if "hand" in rec else None
-            print(f"  measured {case.label} (world {case.world}): autopar {a * 1e3:.0f} ms/step"
-                  + (f", hand-tuned {h * 1e3:.0f} ms/step, ratio {h / a:.3f}" if h else ""), flush=True)
+            line = f"  measured {case.label} (world {case.world}): autopar {a * 1e3:.0f} ms/step"
+            if "hand" in rec:
+                pairs = [h / x for h, x in zip(rec["hand"]["times"], rec["autopar"]["times"])]
+                line += (f", hand-tuned {statistics.median(rec['hand']['times']) * 1e3:.0f} ms/step, "
+                         f"ratio (median over step pairs) {statistics.median(pairs):.3f}")
+            print(line, flush=True)
     return results
 
 
@@ -231,9 +270,9 @@ def diagnose_worker(rank: int, case: Case) -> dict[str, Any]:
     original = runtime.RankProgram._pipeline_step
     source = resolve(MODEL)
     batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
-               for k in range(WARMUP_STEPS + TIMED_STEPS)]
+               for k in range(WARMUP_STEPS + TIMED_STEPS // 2)]
     out: dict[str, Any] = {"as is": {"times": []}, "schedule cached": {"times": []}}
-    for r in range(ROUNDS):
+    for r in range(2):
         for variant in (("as is", "schedule cached") if r % 2 == 0 else ("schedule cached", "as is")):
             runtime.RankProgram._pipeline_step = original if variant == "as is" else _cached_pipeline_step
             got = _run_one(case, "autopar", batches, measure_memory=False)
@@ -415,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "hand_step_times_s": h["step_times_s"] if h else None,
             "hand_peak_rss_delta_bytes": h["peak_rss_delta_bytes"] if h else None,
             "hand_first_loss": h["first_loss"] if h else None,
-            "ratio": (h["step_time_s"] / a["step_time_s"]) if h else None,
+            "ratio": statistics.median(th / ta for th, ta in zip(h["step_times_s"], a["step_times_s"])) if h else None,
             "predicted_step_time_s": pred,
         })
 
@@ -435,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rho4 = spearman([r["predicted_step_time_s"] for r in priced4], [r["autopar_step_time_s"] for r in priced4])
     ratios = ratios or [float("nan")]
     summary = [f"ratio autopar/hand-tuned (tokens/s): min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
-               f"over {len(ratios)} configurations (medians of {ROUNDS * TIMED_STEPS} timed steps after "
+               f"over {len(ratios)} configurations (median over {TIMED_STEPS} adjacent A/H step pairs after "
                f"{WARMUP_STEPS} warm-up steps per build)"]
     summary.append(f"autopar search (cpu:4, calibrated): {describe_config(config, stage_layers, GLOBAL_BATCH)}"
                    + (f", the same program as {twin.label!r}" if twin is not None else ""))
@@ -449,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n".join(summary))
     print(f"[measure_cpu total {time.perf_counter() - t0:.0f} s]")
     out = {"model": MODEL, "global_batch": GLOBAL_BATCH, "seq": 64, "rows": rows, "spearman": rho,
-           "spearman_world4": rho4, "warmup_steps": WARMUP_STEPS, "timed_steps": ROUNDS * TIMED_STEPS,
+           "spearman_world4": rho4, "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS,
            "searched_plan": plan.to_json(), "memory_kind": "peak RSS growth per rank (VmHWM - VmRSS before build)"}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))
@@ -465,9 +504,10 @@ def write_markdown(out: dict[str, Any], path: Path, *, summary: list[str]) -> No
         f"Generated by `.venv/bin/python benchmarks/measure_cpu.py` (via `benchmarks/run_all.py`). Model "
         f"`{out['model']}`, global batch {out['global_batch']} x seq {out['seq']}, AdamW, fp32. Every configuration "
         "runs autopar's compiled program and the torchtitan-style hand-tuned baseline (benchmarks/handtuned.py) "
-        "on the same spawned ranks, same init and data (first-step losses must agree), in two rounds (A,H then "
-        f"H,A). Step time: median over {out['timed_steps']} timed steps after {out['warmup_steps']} warm-up steps "
-        "per build (barrier before and after each step). Memory: peak resident-set growth per rank over build + "
+        "on the same spawned ranks, same init and data (first-step losses must agree). Timing: both programs "
+        f"built side by side, {out['warmup_steps']} warm-up steps each, then {out['timed_steps']} steps each, "
+        "alternating A,H / H,A (barrier before and after each step); step time = median, autopar/hand = median "
+        "of the per-pair ratios t_H / t_A (adjacent steps share the machine's load). Memory: peak resident-set growth per rank over build + "
         "steps (VmHWM reset via /proc/self/clear_refs), max over ranks. Predicted: `cost_model.price` with the "
         "calibrated cpu profile (`autopar calibrate`). The machine has 2 cores shared with other users: "
         "figures are noisy (see the per-step times in measured_cpu.json).",
