@@ -113,7 +113,7 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
     traced = trace(copy.deepcopy(model), tuple(example_inputs), loss_fn=loss_fn)
     first = example_inputs[0]
     graph = lower(traced, name=type(model).__name__, batch=int(first.shape[0]),
-                  seq=int(first.shape[1]) if first.dim() > 1 else 1)
+                  seq=int(first.shape[1]) if first.dim() > 1 else 1, config=getattr(model, "cfg", None))
     known = rules_for(model) is not None
     space = SearchSpace(max_tp=None if known else 1, max_pp=None if known else 1)
     profile = cost_model.profile_graph(graph)

@@ -86,9 +86,9 @@ class ParallelConfig:
             divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
             raise ValueError(f"--tp {self.tp} does not divide the model's {heads} attention heads (each tp rank "
                              f"takes whole heads); pick --tp from {divisors}")
-        if kv_heads and kv_heads % self.tp and self.tp % kv_heads:
-            raise ValueError(f"--tp {self.tp} and the model's {kv_heads} key/value heads do not divide (one must "
-                             f"divide the other); pick --tp that divides {kv_heads} or a multiple of it")
+        if kv_heads and kv_heads % self.tp:  # the runtime splits key/value heads, it does not replicate them
+            raise ValueError(f"--tp {self.tp} does not divide the model's {kv_heads} key/value heads; "
+                             f"pick a --tp that divides {kv_heads}")
         chunks = self.pp * self.interleave
         if num_layers and num_layers < chunks:
             raise ValueError(

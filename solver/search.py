@@ -163,7 +163,7 @@ def mesh_shapes(graph: Graph, cluster: Cluster, global_batch: int, space: Search
         if tp_limit % tp or (info.heads and info.heads % tp) or (space.max_tp and tp > space.max_tp):
             continue
         kv = info.kv_heads
-        if kv and kv % tp and tp % kv:
+        if kv and kv % tp:  # the runtime splits key/value heads; it does not replicate them
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)

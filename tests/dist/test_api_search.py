@@ -39,16 +39,16 @@ def _worker(rank: int) -> dict:
     torch.manual_seed(0)
     model = resolve(LLAMA).build()
     batch = _batch()
-    compiled = ap_compile(model, "cpu:2", example_inputs=batch)
+    compiled = ap_compile(model, "cpu:4", example_inputs=batch)
     losses = [compiled.step(batch) for _ in range(STEPS)]
     return {"losses": losses, "config": compiled.config.to_json(), "plan": compiled.plan.dumps()}
 
 
 def test_compile_without_plan_searches_and_matches_reference():
-    results = spawn(_worker, 2)
-    assert results[0]["plan"] == results[1]["plan"]  # every rank searched the same plan
+    results = spawn(_worker, 4)
+    assert len({r["plan"] for r in results}) == 1  # every rank searched the same plan
     config = results[0]["config"]
-    assert config["dp"] * config["tp"] * config["pp"] == 2
+    assert config["dp"] * config["tp"] * config["pp"] == 4
     expected = _reference()
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-4)

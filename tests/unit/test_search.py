@@ -49,7 +49,7 @@ def brute_force(graph, cluster, global_batch, price, *, max_micro_batch=10**9, a
     for tp, pp in itertools.product(_divisors(n), repeat=2):
         if n % (tp * pp) or cluster.devices_per_node % tp or m_info.heads % tp or pp > m_info.num_layers:
             continue
-        if m_info.kv_heads % tp and tp % m_info.kv_heads:
+        if m_info.kv_heads % tp:  # key/value heads are split, never replicated
             continue
         dp = n // (tp * pp)
         if global_batch % dp:
