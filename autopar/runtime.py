@@ -127,6 +127,7 @@ class RankProgram:
         self.dp_rank = mesh.get_local_rank("dp")
         self.tp_rank = mesh.get_local_rank("tp")
         self.schedule = None
+        self._schedules: dict[int, Any] = {}
         self.last_stats: StepStats | None = None
         self.steps_done = 0
         """Optimizer steps applied so far (restored by autopar.checkpoint.load)."""
@@ -216,8 +217,24 @@ class RankProgram:
             total += loss.detach().float() / num_mb
         return total
 
+    def _pipeline_schedule(self, num_mb: int) -> Any:
+        """The schedule for `num_mb` microbatches, built once: a new schedule object re-runs
+        the stages' shape inference, one extra chunk forward per step."""
+        if num_mb not in self._schedules:
+            self._schedules[num_mb] = self._make_schedule(num_mb)
+        return self._schedules[num_mb]
+
     def _pipeline_step(self, local: tuple[torch.Tensor, ...], num_mb: int) -> torch.Tensor:
         tokens, labels = local[0], local[1]
+        schedule = self._pipeline_schedule(num_mb)
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        schedule.step(*args, target=labels if self.has_last else None, losses=losses)
+        if self.has_last:
+            return torch.stack([l.detach().float() for l in losses]).mean()
+        return torch.zeros(())
+
+    def _make_schedule(self, num_mb: int) -> Any:
         if self.config.schedule == "interleaved":
             schedule = self.schedule(self._stages, n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
         elif self.config.schedule == "1f1b" and num_mb < self.config.pp:
@@ -228,12 +245,7 @@ class RankProgram:
             schedule = ScheduleGPipe(self._stages[0], n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
         else:
             schedule = self.schedule(self._stages[0], n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
-        losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first else ()
-        schedule.step(*args, target=labels if self.has_last else None, losses=losses)
-        if self.has_last:
-            return torch.stack([l.detach().float() for l in losses]).mean()
-        return torch.zeros(())
+        return schedule
 
     def _fsdp_active(self) -> bool:
         return self.config.zero >= 2 and self.config.dp > 1
