@@ -219,6 +219,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
         inter_node_bandwidth_bytes_per_s=bus / NVLINK_BUS_EFFICIENCY_DEFAULT,
         inter_node_latency_s=alpha,
         default_gpus_per_node=base.default_gpus_per_node,
+        comm_overlap=base.comm_overlap,
     )
 
 

@@ -35,6 +35,10 @@ class Hardware:
     """NIC line rate per device, one direction."""
     inter_node_latency_s: float
     default_gpus_per_node: int = 8
+    comm_overlap: float = 1.0
+    """Share of the cost model's compute/communication overlap this hardware achieves: 1 on
+    GPUs (NCCL runs on its own streams beside the kernels); 0 on the cpu profile, where a
+    gloo collective blocks the calling thread and 2 cores leave none spare to hide it."""
 
     def peak_flops(self, dtype: str) -> float:
         table = dict(self.peak_flops_per_s)
@@ -52,13 +56,16 @@ class Hardware:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Hardware":
         known = {f.name for f in fields(cls)}
-        unknown, missing = set(data) - known, {f.name for f in fields(cls) if f.name != "default_gpus_per_node"} - set(data)
+        unknown, missing = set(data) - known, {f.name for f in fields(cls) if f.name not in ("default_gpus_per_node", "comm_overlap")} - set(data)
         if unknown or missing:
             raise ValueError(f"hardware profile: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}; "
                              f"expected {sorted(known)} (as `autopar calibrate --out` writes them)")
         peaks = data["peak_flops_per_s"]
         peaks = peaks.items() if isinstance(peaks, dict) else peaks
-        return cls(**{**data, "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks))})
+        # profiles written before comm_overlap existed: CPU ones are gloo on a CPU (no overlap)
+        overlap = data.get("comm_overlap", 0.0 if str(data["name"]).startswith("cpu") else 1.0)
+        return cls(**{**data, "comm_overlap": float(overlap),
+                      "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks))})
 
 
 _TB = 1e12
@@ -106,7 +113,7 @@ HARDWARE: dict[str, Hardware] = {
         memory_bytes=24 * GIB, memory_bandwidth_bytes_per_s=10 * _GB,
         intra_node_bandwidth_bytes_per_s=1 * _GB, intra_node_latency_s=1e-3,
         inter_node_bandwidth_bytes_per_s=1 * _GB, inter_node_latency_s=1e-3,
-        default_gpus_per_node=1,
+        default_gpus_per_node=1, comm_overlap=0.0,
     ),
 }
 

@@ -174,7 +174,7 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
                                  forward_s=layer.forward_s, backward_s=layer.backward_s + layer.recompute_s,
                                  weight_bytes=BYTES_WEIGHT,
                                  recompute_share=1 / checkpoint_every if config.recompute == "full" else 0.0,
-                                 ) if config.zero >= 3 else None
+                                 comm_overlap=hw.comm_overlap) if config.zero >= 3 else None
     z3_fwd = z3_layer.forward_exposed_s if z3_layer else 0.0
     z3_bwd = z3_layer.backward_exposed_s if z3_layer else 0.0
 
@@ -207,10 +207,10 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
         if config.zero <= 1:
             grads = psi * BYTES_GRAD
             sync = all_reduce_time_s(grads, dp_link)
-            dp_sync = max(0.0, sync - OVERLAP_EFFICIENCY * last_bwd)
+            dp_sync = max(0.0, sync - OVERLAP_EFFICIENCY * hw.comm_overlap * last_bwd)
         elif config.zero == 2:
             sync = reduce_scatter_time_s(psi * BYTES_GRAD, dp_link)
-            dp_sync = m * max(0.0, sync - OVERLAP_EFFICIENCY * last_bwd)
+            dp_sync = m * max(0.0, sync - OVERLAP_EFFICIENCY * hw.comm_overlap * last_bwd)
         if config.zero in (1, 2):
             dp_sync += all_gather_time_s(psi * BYTES_WEIGHT, dp_link)
         if z3_layer is not None:  # the first layer's gather before each forward cannot hide

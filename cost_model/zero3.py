@@ -106,7 +106,7 @@ class Zero3LayerTimes:
 
 def zero3_layer_times(runtime: Zero3Runtime, *, layer_params: float, param_tensors: float, link: AxisLink,
                       forward_s: float, backward_s: float, weight_bytes: int,
-                      recompute_share: float = 0.0) -> Zero3LayerTimes:
+                      recompute_share: float = 0.0, comm_overlap: float = 1.0) -> Zero3LayerTimes:
     """Exposed ZeRO-3 communication per layer and microbatch (module docstring)."""
     if link.size <= 1 or layer_params <= 0:
         return Zero3LayerTimes(gather_s=0.0, forward_exposed_s=0.0, backward_exposed_s=0.0)
@@ -118,7 +118,8 @@ def zero3_layer_times(runtime: Zero3Runtime, *, layer_params: float, param_tenso
     hideable = min(1.0, runtime.prefetch_params / layer_params)
     bwd_gathers = 1.0 + (recompute_share if runtime.regather_for_recompute else 0.0)
     hidden_scatter = scatter if runtime.overlap_grad_reduce else 0.0
-    fwd = gather - min(hideable * gather, OVERLAP_EFFICIENCY * forward_s)
+    overlap = OVERLAP_EFFICIENCY * comm_overlap  # comm_overlap: the hardware's share (cluster.Hardware)
+    fwd = gather - min(hideable * gather, overlap * forward_s)
     bwd = bwd_gathers * gather + scatter - min(bwd_gathers * hideable * gather + hidden_scatter,
-                                               OVERLAP_EFFICIENCY * backward_s)
+                                               overlap * backward_s)
     return Zero3LayerTimes(gather_s=gather, forward_exposed_s=fwd, backward_exposed_s=bwd)
