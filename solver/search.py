@@ -61,7 +61,7 @@ MAX_ALTERNATIVES = 8
 
 
 class Priced(Protocol):
-    """What a pricing callable returns (cost_model.Estimate or solver.toy_price.ToyEstimate)."""
+    """What a pricing callable returns (cost_model.Estimate, also what solver.toy_price returns)."""
 
     step_time_s: float
     peak_memory_bytes: int

@@ -26,40 +26,15 @@ t/p/d the tp/pp/dp degrees, m microbatches, v interleave, P parameters):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph
+from cost_model.estimate import Estimate
 from solver.inter_op import StageWork, stage_work
 
 EFFICIENCY = 0.5
 """Fraction of dense peak that layer compute reaches in the toy (one global factor)."""
 BF16_BYTES = 2
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ToyEstimate:
-    """Same fields as cost_model's Estimate, so the search treats both alike."""
-
-    step_time_s: float
-    tokens_per_s: float
-    tokens_per_s_per_device: float
-    model_tflops_per_device: float
-    mfu: float
-    peak_memory_bytes: int
-    fits: bool
-    time_breakdown: tuple[tuple[str, float], ...]
-    memory_breakdown: tuple[tuple[str, int], ...]
-    config: tuple[tuple[str, Any], ...]
-
-    def to_json(self) -> dict[str, Any]:
-        data = {k: getattr(self, k) for k in self.__slots__}
-        data["time_breakdown"] = dict(self.time_breakdown)
-        data["memory_breakdown"] = dict(self.memory_breakdown)
-        data["config"] = dict(self.config)
-        return data
 
 
 def _inflight(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
@@ -71,7 +46,7 @@ def _inflight(schedule: str, pp: int, stage: int, m: int, v: int) -> float:
 
 
 def toy_price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batch: int,
-              stage_layers: tuple[int, ...] | None = None, work: StageWork | None = None) -> ToyEstimate:
+              stage_layers: tuple[int, ...] | None = None, work: StageWork | None = None) -> Estimate:
     """Price one configuration with the closed forms of the module docstring."""
     c = config
     info = graph.model
@@ -122,10 +97,10 @@ def toy_price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_
     tokens = global_batch * s
     model_flops = (work.num_layers * work.layer_flops + work.pre_flops + work.post_flops) * global_batch
     tflops = model_flops / step / cluster.num_devices / 1e12
-    return ToyEstimate(
+    return Estimate(  # the real model's result type, so the search treats both alike
         step_time_s=step, tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / cluster.num_devices,
         model_tflops_per_device=tflops, mfu=tflops * 1e12 / peak, peak_memory_bytes=int(peak_mem),
-        fits=peak_mem <= cluster.device_memory_bytes,
+        fits=peak_mem <= cluster.device_memory_bytes, memory_limit_bytes=cluster.device_memory_bytes,
         time_breakdown=(("bubble", bubble), ("compute", compute), ("dp", dp_sync), ("optimizer", optimizer)),
         memory_breakdown=(("activations", int(act)), ("logits", int(logits)), ("model_state", int(state))),
         config=tuple(sorted({**c.to_json(), "num_microbatches": m}.items())),
