@@ -209,9 +209,13 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
             sync = all_reduce_time_s(grads, dp_link)
             dp_sync = max(0.0, sync - OVERLAP_EFFICIENCY * hw.comm_overlap * last_bwd)
         elif config.zero == 2:
-            sync = reduce_scatter_time_s(psi * BYTES_GRAD, dp_link)
+            # ZeRO-2 runs as FSDP2 without resharding after forward: one reduce-scatter and one
+            # all-gather per module (each layer and the stage's root), each paying the ring latency
+            modules = stage_layers[crit] + 1
+            sync = modules * reduce_scatter_time_s(psi * BYTES_GRAD / modules, dp_link)
             dp_sync = m * max(0.0, sync - OVERLAP_EFFICIENCY * hw.comm_overlap * last_bwd)
-        if config.zero in (1, 2):
+            dp_sync += modules * all_gather_time_s(psi * BYTES_WEIGHT / modules, dp_link)
+        if config.zero == 1:
             dp_sync += all_gather_time_s(psi * BYTES_WEIGHT, dp_link)
         if z3_layer is not None:  # the first layer's gather before each forward cannot hide
             dp_sync = m * z3_layer.gather_s

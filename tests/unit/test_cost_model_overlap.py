@@ -39,3 +39,17 @@ def test_cpu_profile_does_not_overlap_and_old_profiles_load():
     data = HARDWARE["cpu"].to_json()
     del data["comm_overlap"]  # a profile written before the field existed
     assert type(HARDWARE["cpu"]).from_json(data).comm_overlap == 0.0
+
+
+def test_zero2_pays_one_collective_pair_per_module(graph):
+    """ZeRO-2 is FSDP2 (one all-gather and reduce-scatter per layer and the root): on a
+    high-latency link it costs the latency of every module's collectives, where ZeRO-1's
+    single flat collectives pay it once."""
+    hw = replace(HARDWARE["cpu"], intra_node_latency_s=5e-3, inter_node_latency_s=5e-3)
+    cluster = Cluster(hardware=hw, num_nodes=1, devices_per_node=4)
+    z1 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=1), cluster, global_batch=4).time_breakdown)
+    z2 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=2), cluster, global_batch=4).time_breakdown)
+    layers = graph.model.num_layers
+    # ring over 4 ranks: 3 hops per all-gather or reduce-scatter; (layers + 1) modules vs 1
+    extra_latency = 2 * 3 * 5e-3 * layers
+    assert z2["comm_dp_s"] - z1["comm_dp_s"] == pytest.approx(extra_latency, rel=0.25)
