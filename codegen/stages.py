@@ -99,11 +99,13 @@ class Chunk(nn.Module):
         if self.sp_mesh is not None:
             # Chunk boundaries carry plain full activations (pipeline send/recv); inside, the
             # residual stream is sequence-sharded. Replicate -> Shard(1) is a local slice.
-            x = DTensor.from_local(x, self.sp_mesh, [Replicate()]).redistribute(self.sp_mesh, [Shard(1)])
+            # Between layers the residual stream is this rank's plain sequence shard (DTensor
+            # only inside the norms and regions): residual adds run as plain ATen ops.
+            x = DTensor.from_local(x, self.sp_mesh, [Replicate()]).redistribute(self.sp_mesh, [Shard(1)]).to_local()
         for layer in self.layers.values():
             x = self._run_layer(layer, x, extra)
-        if isinstance(x, DTensor):
-            x = x.redistribute(x.device_mesh, [Replicate()]).to_local()
+        if self.sp_mesh is not None:
+            x = DTensor.from_local(x, self.sp_mesh, [Shard(1)]).full_tensor()
         if self.is_last:
             x = self.rules.head_fn(self, x)
         return x

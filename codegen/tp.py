@@ -38,7 +38,7 @@ def _style(rule: TPRule, sequence_parallel: bool) -> ParallelStyle | None:
         return ColwiseParallel()
     if rule.style == "rowwise":
         if sequence_parallel:
-            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+            return RowwiseParallel(output_layouts=Shard(1))
         return RowwiseParallel()
     if rule.style == "norm":
         return SequenceParallel() if sequence_parallel else None
@@ -46,8 +46,11 @@ def _style(rule: TPRule, sequence_parallel: bool) -> ParallelStyle | None:
         if not sequence_parallel:
             return None
         rest = (None,) * (rule.num_inputs - 1)
-        return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
-                                  use_local_output=True)
+        # The region's input stays a (replicated) DTensor inside the region: its column-
+        # parallel linears then hand back partial input gradients that add up as DTensors
+        # and are reduce-scattered once, at the region's entry (Megatron's single
+        # collective), not all-reduced once per linear (5 per Llama layer).
+        return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
     raise AssertionError(f"unknown TP style {rule.style!r} in the rule table")
 
 

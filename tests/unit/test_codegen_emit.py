@@ -33,7 +33,6 @@ def test_tp2_dp2_stage_collectives(name):
     counts = count_collectives(code)
     layers = 2
     norm_params_per_layer = 4 if name == GPT else 2  # LayerNorm weight+bias x 2 / RMSNorm weight x 2
-    colwise_per_layer = sum(r.style == "colwise" for r in rules_for(model).tp_rules)  # GPT 2, Llama 5
     num_params = sum(1 for _ in model.parameters())  # named_parameters dedups the tied head
     tp, dp = groups["tp"], groups["dp"]
     expected = {
@@ -41,12 +40,13 @@ def test_tp2_dp2_stage_collectives(name):
         # the chunk exit; backward: the same for each row-parallel reduce-scatter and for
         # the chunk entry's sequence split
         ("all_gather_into_tensor", tp): 4 * layers + 2,
-        # forward: each row-parallel output is reduce-scattered over the sequence
-        ("reduce_scatter_tensor", tp): 2 * layers,
-        # backward: each column-parallel input grad is a partial sum, all-reduced by its own
-        # DTensor.from_local (Llama's wq/wk/wv and w1/w3 do it separately), plus the
-        # sequence-sharded norm parameters' grads
-        ("all_reduce", tp): colwise_per_layer * layers + norm_params_per_layer * layers,
+        # forward: each row-parallel output is reduce-scattered over the sequence; backward:
+        # the column-parallel input grads of a region (Llama: wq+wk+wv, w1+w3) add up as one
+        # partial sum, reduce-scattered once at the region's entry (Megatron's count, not
+        # one all-reduce per linear)
+        ("reduce_scatter_tensor", tp): 2 * layers + 2 * layers,
+        # backward: only the sequence-sharded norm parameters' grads are all-reduced
+        ("all_reduce", tp): norm_params_per_layer * layers,
         # data parallel (zero 0): one mean all-reduce per parameter gradient
         ("all_reduce", dp): num_params,
     }
