@@ -455,7 +455,11 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
                 "TP parameters are DTensors); use --zero 2, which also shards the optimizer state"
             )
         cls, kwargs = _split_optimizer(optimizer)
-        opt = ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.get_group("dp"), **kwargs)
+        # parameters_as_bucket_view: each rank's partition lives in one flat bucket, so the
+        # post-step parameter sync is one broadcast per rank, not one per parameter
+        # (measured on 4 gloo ranks: dp4 ZeRO-1 step 244 -> 221 ms; z0 242 ms).
+        opt = ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=mesh.get_group("dp"),
+                                      parameters_as_bucket_view=True, **kwargs)
     else:
         opt = optimizer(params)
     log.info("rank %d: chunks %s of %d, %d parameters local", dist.get_rank(), chunk_ids, num_chunks, len(params))

@@ -112,6 +112,8 @@ def test_compile_in_spawned_ranks(tmp_path):
     torch.testing.assert_close(torch.tensor(r0["user_losses"]), torch.tensor(_reference_user_losses(3)),
                                rtol=1e-4, atol=0)
     dp, tp = r0["groups"]["dp"], r0["groups"]["tp"]
-    assert r0["counts"][("reduce_scatter_tensor", tp)] == 2 * 2  # 2 layers x 2 row-parallel outputs
+    # 2 layers x 2 regions: the row-parallel output (forward) and the region's summed
+    # column-parallel input grads (backward) are each reduce-scattered once
+    assert r0["counts"][("reduce_scatter_tensor", tp)] == 2 * 2 * 2
     assert r0["counts"][("all_reduce", dp)] == sum(1 for _ in model.parameters())
     assert "--tp 2 needs a model of known structure" in r0["tp_error"]
