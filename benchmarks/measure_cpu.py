@@ -20,7 +20,8 @@ Figures (the machine has 2 cores shared with other users: noisy):
 - peak memory per rank: the growth of the resident set while building and stepping,
   VmHWM after the steps minus VmRSS before the build (VmHWM reset through
   /proc/self/clear_refs, glibc's mmap threshold fixed at 64 KiB so freed tensors go back
-  to the OS between builds); max over ranks; each program built alone for this.
+  to the OS between builds); max over ranks; each program built alone for this, in a
+  separate set of ranks: the timed ranks keep glibc's default allocator settings.
 - losses: the first step's global loss of A and H (same init and data: they must agree).
 - predicted: `cost_model.price` of each configuration (float32 trace) on `cpu:N` with the
   calibrated profile (`autopar calibrate --devices N --out ...`); Spearman rank
@@ -54,7 +55,7 @@ MODEL = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024,seq=64"
 GEMMs, not Python overhead, are a visible share of a step; small enough for world 8."""
 GLOBAL_BATCH = 16
 WARMUP_STEPS = 2
-TIMED_STEPS = 8
+TIMED_STEPS = 12
 """Timed steps per program (in A,H / H,A pairs) after WARMUP_STEPS per build."""
 
 
@@ -188,8 +189,14 @@ def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -
 def _run_paired(case: Case, batches: list[Any]) -> dict[str, list[float]]:
     """Both programs alive on the same ranks, steps alternating A,H / H,A: each pair of
     adjacent steps sees the same machine load, so the per-pair ratio cancels slow drifts."""
-    step_a, _ = _build(case, "autopar")
-    step_h, _ = _build(case, "hand")
+    return _run_pair((case, "autopar"), (case, "hand"), batches)
+
+
+def _run_pair(a: tuple[Case, str], b: tuple[Case, str], batches: list[Any]) -> dict[str, list[float]]:
+    """Programs `a` and `b` (case, "autopar" | "hand") built side by side, WARMUP_STEPS each,
+    then alternating a,b / b,a; returns {"autopar": a's times, "hand": b's times}."""
+    step_a, _ = _build(*a)
+    step_h, _ = _build(*b)
     for batch in batches[:WARMUP_STEPS]:
         _timed(step_a, batch)
         _timed(step_h, batch)
@@ -206,8 +213,15 @@ def _run_paired(case: Case, batches: list[Any]) -> dict[str, list[float]]:
     return {"autopar": times_a, "hand": times_h}
 
 
-def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
+def measure_worker(rank: int, world_cases: list[Case], searched_label: str | None = None,
+                   phase: str = "timing") -> dict[str, Any]:
+    """phase "memory": each program alone, a few steps: peak RSS growth, first loss, chunk
+    forward calls. phase "timing": every case of this world size paired, then (if `searched_label` names the case whose autopar
+    program is autopar's searched plan) that program paired step by step with the
+    hand-tuned configuration that measured fastest: the search-vs-best comparison gets the
+    same load-cancelling pairing as the per-configuration ratios."""
     import torch
+    import torch.distributed as dist
 
     from autopar.models import resolve
 
@@ -217,18 +231,20 @@ def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for case in world_cases:
         kinds = ["autopar"] + (["hand"] if case.hand is not None else [])
-        rec: dict[str, Any] = {}
-        for kind in kinds:  # alone: memory, first loss, forward calls (one steady-state step)
-            got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
-            rec[kind] = {"first_loss": got["first_loss"], "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
-                         "chunk_forwards": got["chunk_forwards_last_step"]}
+        rec: dict[str, Any] = {kind: {} for kind in kinds}
+        results[case.label] = rec
+        if phase == "memory":
+            for kind in kinds:  # alone: memory, first loss, forward calls (one steady-state step)
+                got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
+                rec[kind] = {"first_loss": got["first_loss"], "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
+                             "chunk_forwards": got["chunk_forwards_last_step"]}
+            continue
         if case.hand is not None:  # timing: paired steps
             paired = _run_paired(case, batches)
             for kind in kinds:
                 rec[kind]["times"] = paired[kind]
         else:
             rec["autopar"]["times"] = _run_one(case, "autopar", batches, measure_memory=False)["times"]
-        results[case.label] = rec
         if rank == 0:
             a = statistics.median(rec["autopar"]["times"])
             line = f"  measured {case.label} (world {case.world}): autopar {a * 1e3:.0f} ms/step"
@@ -237,6 +253,20 @@ def measure_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
                 line += (f", hand-tuned {statistics.median(rec['hand']['times']) * 1e3:.0f} ms/step, "
                          f"ratio (median over step pairs) {statistics.median(pairs):.3f}")
             print(line, flush=True)
+    hands = [c for c in world_cases if c.hand is not None]
+    searched = next((c for c in world_cases if c.label == searched_label and phase == "timing"), None)
+    if searched is not None and hands:
+        best = [min(hands, key=lambda c: statistics.median(results[c.label]["hand"]["times"])).label]
+        dist.broadcast_object_list(best, src=0)  # every rank pairs with rank 0's choice
+        best_case = next(c for c in hands if c.label == best[0])
+        paired = _run_pair((searched, "autopar"), (best_case, "hand"), batches)
+        results["__searched_vs_best__"] = {"best": best_case.label, "searched": searched.label, **paired}
+        if rank == 0:
+            pairs = [h / x for h, x in zip(paired["hand"], paired["autopar"])]
+            print(f"  paired: autopar's searched plan {statistics.median(paired['autopar']) * 1e3:.0f} ms/step vs "
+                  f"the fastest hand-tuned configuration ({best_case.label}) "
+                  f"{statistics.median(paired['hand']) * 1e3:.0f} ms/step, ratio {statistics.median(pairs):.3f}",
+                  flush=True)
     return results
 
 
@@ -299,13 +329,31 @@ def diagnose(label: str) -> None:
 
 # ---- in the parent ---------------------------------------------------------------------
 
-def run_world(world: int, world_cases: list[Case]) -> dict[str, Any]:
+def run_world(world: int, world_cases: list[Case], searched_label: str | None = None) -> dict[str, Any]:
     from autopar.runtime_launch import spawn
 
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned ranks' glibc at start
-    os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"
-    per_rank = spawn(measure_worker, world, (world_cases,), collective_timeout_s=180.0)
-    out = {}
+    # Memory and timing in separate process sets: the memory phase makes glibc return freed
+    # tensors to the OS (mmap threshold 64 KiB, read by the ranks' glibc at start) so
+    # VmHWM tracks live tensors; timed that way, every allocation would be an mmap +
+    # page faults (steps ~1.6x slower, more so for allocation-heavy programs).
+    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    os.environ.update({k: "65536" for k in saved})
+    try:
+        memory = spawn(measure_worker, world, (world_cases, None, "memory"), collective_timeout_s=180.0)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    per_rank = spawn(measure_worker, world, (world_cases, searched_label, "timing"), collective_timeout_s=180.0)
+    for mem_rank, time_rank in zip(memory, per_rank):
+        for case in world_cases:
+            for kind, rec in mem_rank[case.label].items():
+                time_rank[case.label][kind].update(rec)
+    out: dict[str, Any] = {}
+    if "__searched_vs_best__" in per_rank[0]:
+        out["__searched_vs_best__"] = per_rank[0]["__searched_vs_best__"]
     for case in world_cases:
         rank0 = per_rank[0][case.label]
         out[case.label] = {}
@@ -425,7 +473,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not world_cases:
             continue
         t = time.perf_counter()
-        measured.update(run_world(world, world_cases))
+        searched_label = None
+        if searched_case is not None and searched_case.world == world:
+            searched_label = twin.label if twin is not None else searched_case.label
+        measured.update(run_world(world, world_cases, searched_label))
         print(f"[world {world}: {len(world_cases)} configurations measured in {time.perf_counter() - t:.0f} s]")
 
     if twin is not None:
@@ -481,13 +532,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if searched and best_hand:
         summary.append(f"autopar searched plan {searched['autopar_tokens_per_s']:,.0f} tokens/s vs best hand-tuned on "
                        f"4 processes ({best_hand['label']}) {best_hand['hand_tokens_per_s']:,.0f}: "
-                       f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x")
+                       f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x (separate runs)")
+    vs_best = measured.get("__searched_vs_best__")
+    if vs_best:
+        pair_ratio = statistics.median(h / x for h, x in zip(vs_best["hand"], vs_best["autopar"]))
+        summary.append(
+            f"paired run, autopar searched plan vs the fastest hand-tuned configuration ({vs_best['best']}): "
+            f"{tokens / statistics.median(vs_best['autopar']):,.0f} vs {tokens / statistics.median(vs_best['hand']):,.0f} "
+            f"tokens/s, ratio {pair_ratio:.3f} (median over {len(vs_best['autopar'])} adjacent step pairs)")
     summary.append(f"Spearman(predicted, measured step time): {rho:.3f} over {len(priced)} configurations "
                    f"({rho4:.3f} over the {len(priced4)} on 4 processes)")
     print()
     print("\n".join(summary))
     print(f"[measure_cpu total {time.perf_counter() - t0:.0f} s]")
     out = {"model": MODEL, "global_batch": GLOBAL_BATCH, "seq": 64, "rows": rows, "spearman": rho,
+           "searched_vs_best_hand_paired": vs_best,
            "spearman_world4": rho4, "warmup_steps": WARMUP_STEPS, "timed_steps": TIMED_STEPS,
            "searched_plan": plan.to_json(), "memory_kind": "peak RSS growth per rank (VmHWM - VmRSS before build)"}
     if args.json:
