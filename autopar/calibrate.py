@@ -7,10 +7,16 @@ each, exactly as `autopar train --devices N` runs them) and, on every rank at on
 - memory bandwidth: copies of a large tensor, bytes = 2 x size (read + write);
 - gloo collectives: all-reduce, all-gather and send/recv (pairs 2k <-> 2k+1) at a small
   size (latency) and large sizes (bandwidth), nccl-tests bus-bandwidth conventions:
-  all-reduce busBW = 2 (n-1)/n S / t, all-gather busBW = (n-1)/n S / t, p2p S / t.
+  all-reduce busBW = 2 (n-1)/n S / t, all-gather and reduce-scatter busBW = (n-1)/n S / t,
+  p2p S / t.
 Because the ranks run concurrently, every rate is what one rank gets while the others
 work too (on 2 cores and 4 ranks, about half a core each): the per-device rate a plan on
 `cpu:N` sees. Medians over repeats are used everywhere (the machine is shared and noisy).
+
+Collective bandwidth per kind: gloo's all-gather and reduce-scatter run at a fraction of
+its all-reduce busBW (measured here: about half), and FSDP / sequence-parallel steps are
+made of them, so the profile keeps the all-reduce busBW (median over the large sizes) as
+the link's and the other two as `collective_bandwidth_scale` ratios of their busBW to it.
 
 From measured rates to a profile: the cost model multiplies each peak by a global
 efficiency (cost_model/efficiency.py); the profile stores measured / efficiency, so the
@@ -50,6 +56,7 @@ class Calibration:
     copy_bandwidth_bytes_per_s: float
     all_reduce_bus_bytes_per_s: tuple[tuple[int, float], ...]
     all_gather_bus_bytes_per_s: tuple[tuple[int, float], ...]
+    reduce_scatter_bus_bytes_per_s: tuple[tuple[int, float], ...]
     send_recv_bytes_per_s: tuple[tuple[int, float], ...]
     all_reduce_small_s: float
     all_gather_small_s: float
@@ -75,6 +82,7 @@ class Calibration:
             "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
             "all_reduce_bus_bytes_per_s": {str(n): r for n, r in self.all_reduce_bus_bytes_per_s},
             "all_gather_bus_bytes_per_s": {str(n): r for n, r in self.all_gather_bus_bytes_per_s},
+            "reduce_scatter_bus_bytes_per_s": {str(n): r for n, r in self.reduce_scatter_bus_bytes_per_s},
             "send_recv_bytes_per_s": {str(n): r for n, r in self.send_recv_bytes_per_s},
             "all_reduce_small_s": self.all_reduce_small_s,
             "all_gather_small_s": self.all_gather_small_s,
@@ -119,7 +127,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename
     n = dist.get_world_size()
     barrier = dist.barrier
-    out: dict[str, Any] = {"gemm": {}, "ar": {}, "ag": {}, "p2p": {}}
+    out: dict[str, Any] = {"gemm": {}, "ar": {}, "ag": {}, "rs": {}, "p2p": {}}
     for size in GEMM_SIZES:
         a, b = torch.randn(size, size), torch.randn(size, size)
         barrier()
@@ -151,6 +159,8 @@ def _rank_measure(rank: int) -> dict[str, Any]:
         out["ar"][nbytes] = _repeat(lambda: dist.all_reduce(x), barrier, count)
         barrier()
         out["ag"][nbytes] = _repeat(lambda: dist.all_gather_into_tensor(gathered, shard), barrier, count)
+        barrier()
+        out["rs"][nbytes] = _repeat(lambda: dist.reduce_scatter_tensor(shard, gathered), barrier, count)
         if peer < n:
             def pingpong() -> None:  # one message each way; time per message = half
                 if rank % 2 == 0:
@@ -183,6 +193,7 @@ def calibrate(devices: int) -> Calibration:
     n = devices
     ar = {s: _median_over_ranks(results, "ar", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
     ag = {s: _median_over_ranks(results, "ag", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
+    rs = {s: _median_over_ranks(results, "rs", s) for s in COLLECTIVE_LARGE_BYTES}
     p2p = {s: _median_over_ranks(results, "p2p", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
     return Calibration(
         devices=n,
@@ -190,6 +201,7 @@ def calibrate(devices: int) -> Calibration:
         copy_bandwidth_bytes_per_s=_median_over_ranks(results, "copy"),
         all_reduce_bus_bytes_per_s=tuple((s, 2 * (n - 1) / n * s / ar[s]) for s in COLLECTIVE_LARGE_BYTES),
         all_gather_bus_bytes_per_s=tuple((s, (n - 1) / n * s / ag[s]) for s in COLLECTIVE_LARGE_BYTES),
+        reduce_scatter_bus_bytes_per_s=tuple((s, (n - 1) / n * s / rs[s]) for s in COLLECTIVE_LARGE_BYTES),
         send_recv_bytes_per_s=tuple((s, s / p2p[s]) for s in COLLECTIVE_LARGE_BYTES),
         all_reduce_small_s=ar[COLLECTIVE_SMALL_BYTES],
         all_gather_small_s=ag[COLLECTIVE_SMALL_BYTES],
@@ -205,8 +217,12 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     from cost_model.efficiency import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, NVLINK_BUS_EFFICIENCY_DEFAULT
 
     gemm = max(r for _, r in cal.gemm_flops_per_s)
-    bus = statistics.median([r for _, r in cal.all_reduce_bus_bytes_per_s + cal.all_gather_bus_bytes_per_s])
     alpha = cal.latency_s
+    bw = {kind: statistics.median(r for _, r in rows)
+          for kind, rows in (("all_reduce", cal.all_reduce_bus_bytes_per_s),
+                             ("all_gather", cal.all_gather_bus_bytes_per_s),
+                             ("reduce_scatter", cal.reduce_scatter_bus_bytes_per_s))}
+    bus = bw["all_reduce"]
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     base = HARDWARE["cpu"]
     return Hardware(
@@ -220,6 +236,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
         inter_node_latency_s=alpha,
         default_gpus_per_node=base.default_gpus_per_node,
         comm_overlap=base.comm_overlap,
+        collective_bandwidth_scale=tuple((kind, bw[kind] / bus) for kind in ("all_gather", "reduce_scatter")),
     )
 
 

@@ -21,6 +21,10 @@ from typing import Any
 GIB = 1024**3
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+OPTIONAL_KEYS = ("default_gpus_per_node", "comm_overlap", "collective_bandwidth_scale")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hardware:
     name: str
@@ -39,6 +43,14 @@ class Hardware:
     """Share of the cost model's compute/communication overlap this hardware achieves: 1 on
     GPUs (NCCL runs on its own streams beside the kernels); 0 on the cpu profile, where a
     gloo collective blocks the calling thread and 2 cores leave none spare to hide it."""
+    collective_bandwidth_scale: tuple[tuple[str, float], ...] = ()
+    """Per collective kind ("all_reduce", "all_gather", "reduce_scatter"), its achievable
+    bus bandwidth relative to the link's (missing kinds: 1.0). Empty for the GPU profiles
+    (NCCL's ring kinds run at the same busBW); `autopar calibrate` measures it on gloo,
+    whose all-gather and reduce-scatter are markedly slower than its all-reduce."""
+
+    def bandwidth_scale(self, kind: str) -> float:
+        return dict(self.collective_bandwidth_scale).get(kind, 1.0)
 
     def peak_flops(self, dtype: str) -> float:
         table = dict(self.peak_flops_per_s)
@@ -51,12 +63,13 @@ class Hardware:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["peak_flops_per_s"] = dict(self.peak_flops_per_s)
+        data["collective_bandwidth_scale"] = dict(self.collective_bandwidth_scale)
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Hardware":
         known = {f.name for f in fields(cls)}
-        unknown, missing = set(data) - known, {f.name for f in fields(cls) if f.name not in ("default_gpus_per_node", "comm_overlap")} - set(data)
+        unknown, missing = set(data) - known, {f.name for f in fields(cls) if f.name not in OPTIONAL_KEYS} - set(data)
         if unknown or missing:
             raise ValueError(f"hardware profile: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}; "
                              f"expected {sorted(known)} (as `autopar calibrate --out` writes them)")
@@ -64,8 +77,15 @@ class Hardware:
         peaks = peaks.items() if isinstance(peaks, dict) else peaks
         # profiles written before comm_overlap existed: CPU ones are gloo on a CPU (no overlap)
         overlap = data.get("comm_overlap", 0.0 if str(data["name"]).startswith("cpu") else 1.0)
+        scale = data.get("collective_bandwidth_scale", {})
+        scale = scale.items() if isinstance(scale, dict) else scale
+        unknown_kinds = {str(k) for k, _ in scale} - set(COLLECTIVE_KINDS)
+        if unknown_kinds:
+            raise ValueError(f"hardware profile: unknown collective kinds {sorted(unknown_kinds)} in "
+                             f"collective_bandwidth_scale; expected some of {list(COLLECTIVE_KINDS)}")
         return cls(**{**data, "comm_overlap": float(overlap),
-                      "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks))})
+                      "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks)),
+                      "collective_bandwidth_scale": tuple(sorted((str(k), float(v)) for k, v in scale))})
 
 
 _TB = 1e12

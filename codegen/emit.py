@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -61,6 +62,18 @@ def _stage_step(chunk: nn.Module, rules: FamilyRules | None, config: ParallelCon
         local = [t.chunk(dp, dim=0)[0].clone() if s else t for t, s in zip(local, zero_sharded)]
 
     def step(params: list[torch.Tensor], buffer_values: list[torch.Tensor], *io: torch.Tensor) -> Any:
+        # torch.fx.traceback's global node metadata is restored afterwards: tracing a
+        # selective-recompute chunk leaves {'recompute': ..., 'ac_graph_id': None} in it
+        # (torch 2.13), which later graph captures in the process stamp on their nodes and
+        # the min-cut partitioner then rejects (seen: fused-op opchecks after an emit).
+        saved_meta = dict(fx_traceback.current_meta)
+        try:
+            return _step(params, buffer_values, *io)
+        finally:
+            fx_traceback.current_meta.clear()
+            fx_traceback.current_meta.update(saved_meta)
+
+    def _step(params: list[torch.Tensor], buffer_values: list[torch.Tensor], *io: torch.Tensor) -> Any:
         leaves = [t.detach().requires_grad_() for t in params]
         full = [funcol.all_gather_single_autograd(t, 0, dp_group) if config.zero == 3 and s else t
                 for t, s in zip(leaves, zero_sharded)]

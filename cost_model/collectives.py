@@ -12,6 +12,9 @@ B = achievable bus bandwidth per device, alpha = per-step latency):
     all-to-all      t =   (n-1)/n * S / B_a2a + (n-1) * alpha
     send/recv       t = S / B_p2p + alpha
 
+B is per collective kind where the hardware says so (`collective_bandwidth_scale`, the
+calibrated gloo profiles); the GPU profiles use one B for all ring collectives.
+
 steps_ar * alpha is 2 (n-1) alpha_ring (ring) inside a node and min(2 (n-1) alpha_ring,
 2 ceil(log2 n) alpha) across nodes (NCCL switches to trees at scale). alpha_ring is the
 mean ring step latency: alpha, except on a mixed axis where a ring laid out node by node
@@ -56,6 +59,13 @@ class AxisLink:
     mixed axis crosses a NIC on 1 hop in `inner` and NVLink on the rest (NCCL's own
     latency model counts intra- and inter-node ring steps apart the same way)."""
 
+    bandwidth_scale: tuple[tuple[str, float], ...] = ()
+    """Per collective kind, its busBW relative to `bandwidth_bytes_per_s` (Hardware's
+    `collective_bandwidth_scale`; missing kinds 1.0)."""
+
+    def kind_bandwidth(self, kind: str) -> float:
+        return self.bandwidth_bytes_per_s * dict(self.bandwidth_scale).get(kind, 1.0)
+
     @property
     def ring_latency_s(self) -> float:
         return self.ring_hop_latency_s or self.latency_s
@@ -77,21 +87,23 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> tuple[Axis
     per_node = cluster.devices_per_node
     nvlink = hw.intra_node_bandwidth_bytes_per_s * NVLINK_BUS_EFFICIENCY.get(hw.name, NVLINK_BUS_EFFICIENCY_DEFAULT)
     nic = hw.inter_node_bandwidth_bytes_per_s * NIC_BUS_EFFICIENCY
+    scale = hw.collective_bandwidth_scale
     links = []
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
         if n == 1 or stride * n <= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=hw.intra_node_latency_s,
-                                  tier="intra", p2p_bandwidth_bytes_per_s=nvlink))
+                                  tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale))
         elif stride >= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=hw.inter_node_latency_s,
-                                  tier="inter", p2p_bandwidth_bytes_per_s=nic))
+                                  tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale))
         else:
             inner = per_node // stride
             hop = (hw.inter_node_latency_s + (inner - 1) * hw.intra_node_latency_s) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
                                   latency_s=hw.inter_node_latency_s, tier="mixed",
-                                  p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop))
+                                  p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop,
+                                  bandwidth_scale=scale))
     return tuple(links)
 
 
@@ -103,20 +115,24 @@ def all_reduce_time_s(size_bytes: float, link: AxisLink) -> float:
         latency = 2 * (n - 1) * link.ring_latency_s
     else:
         latency = min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s)
-    return 2 * (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + latency
+    return 2 * (n - 1) / n * size_bytes / link.kind_bandwidth("all_reduce") + latency
+
+
+def _ring_half_time_s(size_bytes: float, link: AxisLink, kind: str) -> float:
+    n = link.size
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return (n - 1) / n * size_bytes / link.kind_bandwidth(kind) + (n - 1) * link.ring_latency_s
 
 
 def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
     """`size_bytes` is the gathered (full) tensor."""
-    n = link.size
-    if n <= 1 or size_bytes <= 0:
-        return 0.0
-    return (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s + (n - 1) * link.ring_latency_s
+    return _ring_half_time_s(size_bytes, link, "all_gather")
 
 
 def reduce_scatter_time_s(size_bytes: float, link: AxisLink) -> float:
     """`size_bytes` is the full input tensor (each device keeps 1/n of the sum)."""
-    return all_gather_time_s(size_bytes, link)
+    return _ring_half_time_s(size_bytes, link, "reduce_scatter")
 
 
 def all_to_all_time_s(size_bytes: float, link: AxisLink) -> float:
