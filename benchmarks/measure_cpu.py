@@ -10,13 +10,15 @@ dp2xtp2xpp2) the same spawned ranks run, on the same model, seed and global batc
   A  autopar's program (autopar.runtime.build_program with the ParallelConfig, as
      `autopar train` / `autopar.compile` build it), and
   H  the hand-tuned torchtitan-style baseline (benchmarks/handtuned.py),
-with both programs built side by side and their steps alternating A,H / H,A, so slow phases
-of the shared machine hit both alike.
+with every program of one world size built side by side and timed in rounds (one step of
+each program per round, the order reversed every other round; a configuration's A and H
+are adjacent in every round), so slow phases of the shared machine hit all figures alike.
 
 Figures (the machine has 2 cores shared with other users: noisy):
-- step time: barrier; step; barrier, timed on rank 0; median over TIMED_STEPS steps after
-  WARMUP_STEPS untimed steps per build. tokens/s = global batch x seq / that. The ratio
-  autopar / hand-tuned is the median over the adjacent step pairs of t_H / t_A.
+- step time: barrier; step; barrier, timed on rank 0; median over TIMED_STEPS rounds after
+  WARMUP_STEPS untimed rounds. tokens/s = global batch x seq / that. The ratio
+  autopar / hand-tuned is the median over the rounds of t_H / t_A (adjacent steps); the
+  searched plan vs the fastest hand-tuned program, the median over rounds of their ratio.
 - peak memory per rank: the growth of the resident set while building and stepping,
   VmHWM after the steps minus VmRSS before the build (VmHWM reset through
   /proc/self/clear_refs, glibc's mmap threshold fixed at 64 KiB so freed tensors go back
@@ -56,7 +58,7 @@ GEMMs, not Python overhead, are a visible share of a step; small enough for worl
 GLOBAL_BATCH = 16
 WARMUP_STEPS = 2
 TIMED_STEPS = 12
-"""Timed steps per program (in A,H / H,A pairs) after WARMUP_STEPS per build."""
+"""Timed rounds (one step of every program each) after WARMUP_STEPS untimed rounds."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,65 +188,33 @@ def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -
     return out
 
 
-def _run_paired(case: Case, batches: list[Any]) -> dict[str, list[float]]:
-    """Both programs alive on the same ranks, steps alternating A,H / H,A: each pair of
-    adjacent steps sees the same machine load, so the per-pair ratio cancels slow drifts."""
-    return _run_pair((case, "autopar"), (case, "hand"), batches)
-
-
-def _run_pair(a: tuple[Case, str], b: tuple[Case, str], batches: list[Any]) -> dict[str, list[float]]:
-    """Programs `a` and `b` (case, "autopar" | "hand") built side by side, WARMUP_STEPS each,
-    then alternating a,b / b,a; returns {"autopar": a's times, "hand": b's times}."""
-    step_a, _ = _build(*a)
-    step_h, _ = _build(*b)
-    for batch in batches[:WARMUP_STEPS]:
-        _timed(step_a, batch)
-        _timed(step_h, batch)
-    times_a, times_h = [], []
-    for k, batch in enumerate(batches[WARMUP_STEPS:]):
-        if k % 2 == 0:
-            times_a.append(_timed(step_a, batch)[0])
-            times_h.append(_timed(step_h, batch)[0])
-        else:
-            times_h.append(_timed(step_h, batch)[0])
-            times_a.append(_timed(step_a, batch)[0])
-    del step_a, step_h
-    gc.collect()
-    return {"autopar": times_a, "hand": times_h}
-
-
-def measure_worker(rank: int, world_cases: list[Case], searched_label: str | None = None,
-                   phase: str = "timing") -> dict[str, Any]:
-    """phase "memory": each program alone, a few steps: peak RSS growth, first loss, chunk
-    forward calls. phase "timing": every case of this world size paired, then (if `searched_label` names the case whose autopar
-    program is autopar's searched plan) that program paired step by step with the
-    hand-tuned configuration that measured fastest: the search-vs-best comparison gets the
-    same load-cancelling pairing as the per-configuration ratios."""
-    import torch
-    import torch.distributed as dist
-
-    from autopar.models import resolve
-
-    source = resolve(MODEL)
-    batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
-               for k in range(WARMUP_STEPS + TIMED_STEPS)]
-    results: dict[str, Any] = {}
+def _time_round_robin(rank: int, world_cases: list[Case], searched_label: str | None,
+                      batches: list[Any]) -> dict[str, Any]:
+    """Every program of this world size (autopar's and the hand-tuned one per configuration,
+    and autopar's searched plan) built side by side on the same ranks; WARMUP_STEPS rounds,
+    then TIMED_STEPS timed rounds, each one step of every program, in order on even rounds
+    and reversed on odd ones. A configuration's two programs are adjacent in every round
+    (A,H then H,A), and all configurations share each round, so slow drifts of the shared
+    machine's load hit every figure alike: per-configuration ratios, the ranking the cost
+    model is compared with, and the searched plan vs the fastest hand-tuned program."""
+    programs: list[tuple[str, str, Callable[[Any], float]]] = []
     for case in world_cases:
-        kinds = ["autopar"] + (["hand"] if case.hand is not None else [])
-        rec: dict[str, Any] = {kind: {} for kind in kinds}
-        results[case.label] = rec
-        if phase == "memory":
-            for kind in kinds:  # alone: memory, first loss, forward calls (one steady-state step)
-                got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
-                rec[kind] = {"first_loss": got["first_loss"], "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
-                             "chunk_forwards": got["chunk_forwards_last_step"]}
-            continue
-        if case.hand is not None:  # timing: paired steps
-            paired = _run_paired(case, batches)
-            for kind in kinds:
-                rec[kind]["times"] = paired[kind]
-        else:
-            rec["autopar"]["times"] = _run_one(case, "autopar", batches, measure_memory=False)["times"]
+        for kind in ["autopar"] + (["hand"] if case.hand is not None else []):
+            programs.append((case.label, kind, _build(case, kind)[0]))
+    for batch in batches[:WARMUP_STEPS]:
+        for _, _, step in programs:
+            _timed(step, batch)
+    times: dict[tuple[str, str], list[float]] = {(label, kind): [] for label, kind, _ in programs}
+    for k, batch in enumerate(batches[WARMUP_STEPS:]):
+        for label, kind, step in programs if k % 2 == 0 else programs[::-1]:
+            times[(label, kind)].append(_timed(step, batch)[0])
+    del programs
+    gc.collect()
+    results: dict[str, Any] = {case.label: {} for case in world_cases}
+    for (label, kind), values in times.items():
+        results[label][kind] = {"times": values}
+    for case in world_cases:
+        rec = results[case.label]
         if rank == 0:
             a = statistics.median(rec["autopar"]["times"])
             line = f"  measured {case.label} (world {case.world}): autopar {a * 1e3:.0f} ms/step"
@@ -253,20 +223,47 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
                 line += (f", hand-tuned {statistics.median(rec['hand']['times']) * 1e3:.0f} ms/step, "
                          f"ratio (median over step pairs) {statistics.median(pairs):.3f}")
             print(line, flush=True)
-    hands = [c for c in world_cases if c.hand is not None]
-    searched = next((c for c in world_cases if c.label == searched_label and phase == "timing"), None)
-    if searched is not None and hands:
-        best = [min(hands, key=lambda c: statistics.median(results[c.label]["hand"]["times"])).label]
-        dist.broadcast_object_list(best, src=0)  # every rank pairs with rank 0's choice
-        best_case = next(c for c in hands if c.label == best[0])
-        paired = _run_pair((searched, "autopar"), (best_case, "hand"), batches)
-        results["__searched_vs_best__"] = {"best": best_case.label, "searched": searched.label, **paired}
+    hands = [c.label for c in world_cases if c.hand is not None]
+    if searched_label in results and hands:
+        best = min(hands, key=lambda label: statistics.median(results[label]["hand"]["times"]))
+        mine, theirs = results[searched_label]["autopar"]["times"], results[best]["hand"]["times"]
+        results["__searched_vs_best__"] = {"best": best, "searched": searched_label, "autopar": mine, "hand": theirs}
         if rank == 0:
-            pairs = [h / x for h, x in zip(paired["hand"], paired["autopar"])]
-            print(f"  paired: autopar's searched plan {statistics.median(paired['autopar']) * 1e3:.0f} ms/step vs "
-                  f"the fastest hand-tuned configuration ({best_case.label}) "
-                  f"{statistics.median(paired['hand']) * 1e3:.0f} ms/step, ratio {statistics.median(pairs):.3f}",
-                  flush=True)
+            print(f"  autopar's searched plan {statistics.median(mine) * 1e3:.0f} ms/step vs the fastest hand-tuned "
+                  f"program ({best}) {statistics.median(theirs) * 1e3:.0f} ms/step in the same rounds, ratio "
+                  f"{statistics.median(h / x for h, x in zip(theirs, mine)):.3f}", flush=True)
+    return results
+
+
+def measure_worker(rank: int, world_cases: list[Case], searched_label: str | None = None,
+                   phase: str = "timing") -> dict[str, Any]:
+    """phase "memory": each program alone, a few steps: peak RSS growth, first loss, chunk
+    forward calls. phase "timing": `_time_round_robin` over every case of this world size
+    (`searched_label`: the case whose autopar program is autopar's searched plan)."""
+    import torch
+
+    from autopar.models import resolve
+
+    source = resolve(MODEL)
+    batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
+               for k in range(WARMUP_STEPS + TIMED_STEPS)]
+    results: dict[str, Any] = {}
+    if phase == "memory" and world_cases:
+        # one throwaway build + step of each program first: the process's one-time set-up
+        # (lazy imports, gloo and mesh state, allocator arenas) must not be charged to
+        # whichever program happens to be measured first
+        first = world_cases[0]
+        for kind in ["autopar"] + (["hand"] if first.hand is not None else []):
+            _run_one(first, kind, batches[:1], measure_memory=False)
+    if phase == "timing":
+        return _time_round_robin(rank, world_cases, searched_label, batches)
+    for case in world_cases:  # alone: memory, first loss, forward calls (one steady-state step)
+        results[case.label] = {}
+        for kind in ["autopar"] + (["hand"] if case.hand is not None else []):
+            got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
+            results[case.label][kind] = {"first_loss": got["first_loss"],
+                                         "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
+                                         "chunk_forwards": got["chunk_forwards_last_step"]}
     return results
 
 
@@ -525,21 +522,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rho4 = spearman([r["predicted_step_time_s"] for r in priced4], [r["autopar_step_time_s"] for r in priced4])
     ratios = ratios or [float("nan")]
     summary = [f"ratio autopar/hand-tuned (tokens/s): min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
-               f"over {len(ratios)} configurations (median over {TIMED_STEPS} adjacent A/H step pairs after "
-               f"{WARMUP_STEPS} warm-up steps per build)"]
+               f"over {len(ratios)} configurations (median over {TIMED_STEPS} rounds of adjacent A/H steps after "
+               f"{WARMUP_STEPS} warm-up rounds)"]
     summary.append(f"autopar search (cpu:4, calibrated): {describe_config(config, stage_layers, GLOBAL_BATCH)}"
                    + (f", the same program as {twin.label!r}" if twin is not None else ""))
     if searched and best_hand:
         summary.append(f"autopar searched plan {searched['autopar_tokens_per_s']:,.0f} tokens/s vs best hand-tuned on "
                        f"4 processes ({best_hand['label']}) {best_hand['hand_tokens_per_s']:,.0f}: "
-                       f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x (separate runs)")
+                       f"{searched['autopar_tokens_per_s'] / best_hand['hand_tokens_per_s']:.3f}x (ratio of medians)")
     vs_best = measured.get("__searched_vs_best__")
     if vs_best:
-        pair_ratio = statistics.median(h / x for h, x in zip(vs_best["hand"], vs_best["autopar"]))
-        summary.append(
-            f"paired run, autopar searched plan vs the fastest hand-tuned configuration ({vs_best['best']}): "
-            f"{tokens / statistics.median(vs_best['autopar']):,.0f} vs {tokens / statistics.median(vs_best['hand']):,.0f} "
-            f"tokens/s, ratio {pair_ratio:.3f} (median over {len(vs_best['autopar'])} adjacent step pairs)")
+        round_ratio = statistics.median(h / x for h, x in zip(vs_best["hand"], vs_best["autopar"]))
+        summary.append(f"autopar searched plan / fastest hand-tuned program ({vs_best['best']}), median over "
+                       f"{len(vs_best['autopar'])} rounds of the per-round ratio: {round_ratio:.3f}")
     summary.append(f"Spearman(predicted, measured step time): {rho:.3f} over {len(priced)} configurations "
                    f"({rho4:.3f} over the {len(priced4)} on 4 processes)")
     print()
@@ -563,10 +558,12 @@ def write_markdown(out: dict[str, Any], path: Path, *, summary: list[str]) -> No
         f"Generated by `.venv/bin/python benchmarks/measure_cpu.py` (via `benchmarks/run_all.py`). Model "
         f"`{out['model']}`, global batch {out['global_batch']} x seq {out['seq']}, AdamW, fp32. Every configuration "
         "runs autopar's compiled program and the torchtitan-style hand-tuned baseline (benchmarks/handtuned.py) "
-        "on the same spawned ranks, same init and data (first-step losses must agree). Timing: both programs "
-        f"built side by side, {out['warmup_steps']} warm-up steps each, then {out['timed_steps']} steps each, "
-        "alternating A,H / H,A (barrier before and after each step); step time = median, autopar/hand = median "
-        "of the per-pair ratios t_H / t_A (adjacent steps share the machine's load). Memory: peak resident-set growth per rank over build + "
+        "on the same spawned ranks, same init and data (first-step losses must agree). Timing: all programs of "
+        f"one world size built side by side, {out['warmup_steps']} warm-up rounds, then {out['timed_steps']} timed "
+        "rounds of one step of every program (order reversed every other round; a configuration's A and H "
+        "adjacent; barrier before and after each step); step time = median over rounds, autopar/hand = median "
+        "of the per-round ratios t_H / t_A (adjacent steps share the machine's load). Memory (separate ranks, "
+        "each program alone): peak resident-set growth per rank over build + "
         "steps (VmHWM reset via /proc/self/clear_refs), max over ranks. Predicted: `cost_model.price` with the "
         "calibrated cpu profile (`autopar calibrate`). The machine has 2 cores shared with other users: "
         "figures are noisy (see the per-step times in measured_cpu.json).",
