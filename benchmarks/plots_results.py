@@ -21,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -116,15 +117,25 @@ def predicted_vs_measured(data: dict[str, Any], out: Path) -> None:
         seen[key] = dict(r)
         rows.append(seen[key])
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
-    for r in rows:
-        ax.scatter(r["predicted_step_time_s"] * 1e3, r["autopar_step_time_s"] * 1e3, s=30,
-                   color="#4c72b0" if r["world"] == 4 else "#c44e52")
-        ax.annotate(r["label"], (r["predicted_step_time_s"] * 1e3, r["autopar_step_time_s"] * 1e3), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
-    hi = max(max(r["predicted_step_time_s"], r["autopar_step_time_s"]) for r in rows) * 1e3 * 1.15
-    ax.plot([0, hi], [0, hi], color="black", linewidth=1, label="y = x")
-    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="predicted step time (ms), calibrated cpu profile",
-           ylabel="measured step time (ms), autopar program")
+    # labels of nearby points go to alternating sides, in measured order, so they do not overlap
+    for k, r in enumerate(sorted(rows, key=lambda r: r["autopar_step_time_s"])):
+        x, y = r["predicted_step_time_s"] * 1e3, r["autopar_step_time_s"] * 1e3
+        ax.scatter(x, y, s=30, color="#4c72b0" if r["world"] == 4 else "#c44e52", zorder=3)
+        left = k % 2 == 1
+        ax.annotate(r["label"], (x, y), fontsize=7, xytext=(-6 if left else 6, -3 if left else 3),
+                    textcoords="offset points", ha="right" if left else "left")
+    lo = min(min(r["predicted_step_time_s"], r["autopar_step_time_s"]) for r in rows) * 1e3 / 1.6
+    hi = max(max(r["predicted_step_time_s"], r["autopar_step_time_s"]) for r in rows) * 1e3 * 1.6
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="y = x")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
+           xlabel="predicted step time (ms, log), calibrated cpu profile",
+           ylabel="measured step time (ms, log), autopar program")
+    ticks = [t for t in (50, 100, 200, 300, 500, 1000, 2000, 3000, 5000, 10000) if lo <= t <= hi]
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.0f}"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.grid(True, which="both", alpha=0.2)
     ax.set_title(f"calibrated cost model on this machine: Spearman {data['spearman']:.2f}\n"
                  "(blue: 4 processes, red: 8)", fontsize=9)
     ax.legend(fontsize=8)
