@@ -134,6 +134,10 @@ HARDWARE: dict[str, Hardware] = {
         intra_node_bandwidth_bytes_per_s=1 * _GB, intra_node_latency_s=1e-3,
         inter_node_bandwidth_bytes_per_s=1 * _GB, inter_node_latency_s=1e-3,
         default_gpus_per_node=1, comm_overlap=0.0,
+        # gloo's all-gather / reduce-scatter busBW relative to its all-reduce, as `autopar
+        # calibrate` measured them on the 2-core development machines (4 ranks: x0.53-0.64
+        # and x0.34-0.37; 8 ranks: x0.63-0.66 and x0.37-0.41)
+        collective_bandwidth_scale=(("all_gather", 0.6), ("reduce_scatter", 0.37)),
     ),
 }
 
