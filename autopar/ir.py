@@ -60,6 +60,23 @@ class Ref:
 class TensorMeta:
     shape: tuple[int, ...]
     dtype: str
+    stride: tuple[int, ...] = ()
+    """Element strides as traced; empty means contiguous."""
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """`stride`, or the contiguous strides of `shape` when none were recorded."""
+        if self.stride:
+            return self.stride
+        out, step = [], 1
+        for d in reversed(self.shape):
+            out.append(step)
+            step *= max(d, 1)
+        return tuple(reversed(out))
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
 
     @property
     def numel(self) -> int:
@@ -87,6 +104,9 @@ class Node:
     kwargs: tuple[tuple[str, Any], ...] = ()
     outputs: tuple[TensorMeta, ...]
     """Output tensors; a multi-output op has several, read through `getitem` nodes."""
+    output_slots: tuple[int, ...] = ()
+    """For a multi-output op: the position in the op's result tuple of each entry of
+    `outputs` (results that are None, e.g. masked gradients, have none). Empty: 0, 1, ..."""
     role: Role
     phase: Phase
     flops: int = 0
@@ -97,6 +117,10 @@ class Node:
     layer: int | None = None
     param_name: str | None = None
     """For parameters and buffers their state-dict name; for gradients the parameter's."""
+
+    def output_position(self, slot: int) -> int:
+        """Index into `outputs` of result-tuple position `slot` (what a getitem reads)."""
+        return self.output_slots.index(slot) if self.output_slots else slot
 
     @property
     def output(self) -> TensorMeta:

@@ -2,9 +2,11 @@
 
 Where it sits: shared data for strategies (solver/), costs (cost_model/), plans and
 codegen. Mirrors DTensor: one entry per mesh axis, `Shard(dim)`, `Replicate()` or
-`Partial()` (a pending sum). Text form, as in plan files and explain output: `S(0)`,
-`R`, `P`; a tuple of them for an N-D mesh, e.g. `(S(0), R)` = batch-sharded over axis 0,
-replicated over axis 1.
+`Partial(reduce_op)` (a pending reduction: "sum" or "avg"; a vocabulary-sharded
+embedding lookup is a pending sum too, its rows outside a device's shard zeroed).
+Text form, as in plan files and explain output: `S(0)`, `R`, `P` (sum), `P(avg)`; a
+tuple of them for an N-D mesh, e.g. `(S(0), R)` = batch-sharded over axis 0, replicated
+over axis 1.
 
 Terms: an *axis* is a mesh axis, a *dim* a tensor dimension.
 """
@@ -29,18 +31,35 @@ class Replicate:
         return "R"
 
 
+PARTIAL_REDUCE_OPS = ("sum", "avg")
+"""Pending reductions a placement may carry (DTensor also has max/min; autopar's strategy
+space leaves those out: no op of a training step needs them across devices)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Partial:
-    """Each device holds a partial sum; a reduction over the axis makes the value."""
+    """Each device holds a partial value; a reduction (`reduce_op`) over the axis makes it."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in PARTIAL_REDUCE_OPS:
+            raise ValueError(f"Partial reduce_op must be one of {PARTIAL_REDUCE_OPS}, got {self.reduce_op!r}")
 
     def __str__(self) -> str:
-        return "P"
+        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
 
 
 Placement = Shard | Replicate | Partial
 Placements = tuple[Placement, ...]
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
+_PARTIAL = re.compile(r"^P\((\w+)\)$")
+
+
+def is_partial(p: Placement) -> bool:
+    """A pending reduction of any kind."""
+    return isinstance(p, Partial)
 
 
 def parse_placement(text: str) -> Placement:
@@ -52,7 +71,10 @@ def parse_placement(text: str) -> Placement:
     match = _SHARD.match(text)
     if match:
         return Shard(int(match.group(1)))
-    raise ValueError(f"unknown placement {text!r}; expected R, P or S(<dim>)")
+    match = _PARTIAL.match(text)
+    if match and match.group(1) in PARTIAL_REDUCE_OPS:
+        return Partial(match.group(1))
+    raise ValueError(f"unknown placement {text!r}; expected R, P, P(avg) or S(<dim>)")
 
 
 def format_placements(placements: Placements) -> str:

@@ -48,6 +48,9 @@ class StrategySpace:
     """Per node id, its feasible strategies (at least one: all-replicated is always there)."""
     fallback_ops: tuple[str, ...] = ()
     """Ops with no rule, replicated everywhere (logged as a warning)."""
+    follows: tuple[int | None, ...] = ()
+    """Per node id: for a pointwise op, the position (in Node.inputs) of the operand whose
+    layout it follows (solver/ilp_reduce.py); None otherwise. Empty: no hints."""
 
     def __getitem__(self, node_id: NodeId) -> tuple[NodeStrategy, ...]:
         return self.strategies[node_id]
@@ -77,6 +80,22 @@ class NodeChoice:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PricedCollective:
+    """One collective the solution pays for: on the edge src -> dst (for a gradient sync,
+    gradient -> parameter), its kind, mesh axis and bytes per device (solver/costs.py
+    `Collective`). `weight` is how many real-model copies the traced edge stands for."""
+
+    src: NodeId
+    dst: NodeId
+    kind: str
+    axis: int
+    bytes: int
+    weight: float = 1.0
+    gradient_sync: bool = False
+    """Once per step (after gradient accumulation) rather than once per microbatch."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CostBreakdown:
     compute_s: float
     comm_s: float
@@ -100,6 +119,10 @@ class IntraOpSolution:
     solver: str
     num_variables: int
     num_constraints: int
+    collectives: tuple[PricedCollective, ...] = ()
+    """Every collective the chosen placements imply (the per-rank program runs these)."""
+    grad_sync_weight: float = 1.0
+    """Weight of the gradient syncs in `cost` (1/m for m microbatches per step)."""
     solve_time_s: float = field(default=0.0, compare=False)
     """Wall time; not part of the JSON so that the same inputs give byte-identical files."""
 

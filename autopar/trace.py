@@ -218,10 +218,47 @@ def trace(
             f"cannot trace {type(model).__name__}: {op_name} in module {where!r} failed: "
             f"{text.splitlines()[0][:500]}"
         ) from exc
+    tied = _tied_parameters(model)
+    if tied:
+        _merge_tied(gm, tied)
     elapsed = time.perf_counter() - start
     log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
-    return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed,
-                  tied=_tied_parameters(model))
+    return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed, tied=tied)
+
+
+def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
+    """Make each tied parameter one graph input with one gradient (in place).
+
+    The joint graph has an input and a gradient per parameter *name*; a tied embedding is
+    one tensor under two names. The alias input is replaced by the canonical one and the
+    canonical gradient becomes the sum of both, so every later stage (strategies, memory,
+    the optimizer, the per-rank program) sees one parameter with one placement."""
+    graph = gm.graph
+    inputs = {getattr(n.meta.get("desc"), "target", "").removeprefix("model."): n
+              for n in graph.nodes if n.op == "placeholder"}
+    output = next(n for n in graph.nodes if n.op == "output")
+    values, descs = list(output.args[0]), list(output.meta.get("desc", ()))
+    grad_pos = {d.grad_of.target.removeprefix("model."): i for i, d in enumerate(descs)
+                if type(d).__name__ == "GradAOTOutput"}
+    drop = []
+    for alias, canon in tied:
+        if alias not in inputs or canon not in inputs:
+            continue
+        inputs[alias].replace_all_uses_with(inputs[canon])
+        ga, gc = grad_pos.get(alias), grad_pos.get(canon)
+        if ga is not None and gc is not None and values[ga] is not None and values[gc] is not None:
+            with graph.inserting_before(output):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (values[gc], values[ga]))
+            total.meta["val"] = values[gc].meta["val"] + values[ga].meta["val"]
+            total.meta["partitioner_tag"] = "is_backward"
+            values[gc] = total
+        if ga is not None:
+            drop.append(ga)
+        graph.erase_node(inputs[alias])
+    keep = [i for i in range(len(values)) if i not in set(drop)]
+    output.args = ([values[i] for i in keep],) + tuple(output.args[1:])
+    output.meta["desc"] = [descs[i] for i in keep]
+    graph.lint()
 
 
 def _tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
@@ -296,9 +333,20 @@ def _seq_of(inputs: Sequence[Any]) -> int:
 
 def _meta(value: Any) -> tuple[TensorMeta, ...]:
     if isinstance(value, torch.Tensor):
-        return (TensorMeta(shape=tuple(int(d) for d in value.shape), dtype=str(value.dtype).removeprefix("torch.")),)
+        shape = tuple(int(d) for d in value.shape)
+        stride = tuple(int(s) for s in value.stride())
+        contiguous = TensorMeta(shape=shape, dtype="").strides
+        return (TensorMeta(shape=shape, dtype=str(value.dtype).removeprefix("torch."),
+                           stride=() if stride == contiguous else stride),)
     if isinstance(value, (list, tuple)):
         return tuple(m for v in value for m in _meta(v) if isinstance(v, torch.Tensor))
+    return ()
+
+
+def _output_slots(value: Any) -> tuple[int, ...]:
+    """Result positions of the tensors of a multi-output value (see Node.output_slots)."""
+    if isinstance(value, (list, tuple)) and any(not isinstance(v, torch.Tensor) for v in value):
+        return tuple(i for i, v in enumerate(value) if isinstance(v, torch.Tensor))
     return ()
 
 
@@ -440,7 +488,8 @@ def lower(
             id=ids[n], name=n.name, op=op, inputs=input_ids,
             args=tuple(_convert_arg(a, ids) for a in n.args),
             kwargs=tuple(sorted((k, _convert_arg(v, ids)) for k, v in n.kwargs.items())),
-            outputs=outputs, role=role, phase=phase, flops=flops, bytes_moved=moved,
+            outputs=outputs, output_slots=_output_slots(n.meta.get("val")), role=role, phase=phase,
+            flops=flops, bytes_moved=moved,
             is_view=is_view, module_path=path, layer=layer,
             param_name=names.get(n) or param_of_grad.get(n),
         ))
@@ -451,7 +500,7 @@ def lower(
     real = real_layers if real_layers is not None else traced.num_layers
     groups = _group_layers(nodes, traced_layers, real)
     tied = tuple((param_ids[alias], param_ids[canon]) for alias, canon in traced.tied
-                 if alias in param_ids and canon in param_ids)
+                 if alias in param_ids and canon in param_ids)  # empty once trace() merged them
     info = _model_info(name, nodes, groups, batch, seq, real, config, {a for a, _ in tied})
     graph = Graph(model=info, nodes=tuple(nodes), loss=ids[loss_fx], param_grads=tuple(param_grads),
                   layer_groups=groups, tied_params=tied, trace_time_s=traced.trace_time_s)

@@ -12,22 +12,38 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
                      FLOPs one device does: every device computes only its shard)
     compute(n, s)  = compute_time_s(flops_n / work, sum of distinct local input bytes +
                      local output bytes, hardware, dtype)        (0 for views)
-    comm(n, s)     = 0: every project rule leaves reductions pending as Partial outputs,
+    comm(n, s)     = 0: DTensor's strategies leave reductions pending (Partial outputs),
                      priced as resharding on the consumer's edge
     memory(n, s)   = sum of local output bytes; for a parameter instead
                      STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state)
-    reshard(u->v)  = reshard_time_s(shape_u, dtype_u, out(u, s_u), in(v, s_v), axis links)
+    reshard(u->v)  = sum over the steps DTensor's redistribute takes from out(u, s_u) to
+                     in(v, s_v) (autopar/dtensor_bridge.py `transforms`) of the alpha-beta
+                     time of that step's collective on its mesh axis; None where DTensor
+                     cannot redistribute (a shard to a pending sum, one pending reduction
+                     to another): such pairs are absent from the ILP.
+    collectives    = the same steps as (kind, axis, bytes): what the per-rank program runs
+                     on that edge (price = run). On gloo (the cpu profile) DTensor's
+                     shard-to-shard all-to-all is an all-gather and a local chunk.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
 from autopar.placement import Placements, shard_factor
 from autopar.sharding import NodeStrategy, StrategySpace
-from cost_model.collectives import AxisLink, mesh_axis_links, reshard_time_s
+from cost_model.collectives import (
+    AxisLink,
+    all_gather_time_s,
+    all_reduce_time_s,
+    all_to_all_time_s,
+    mesh_axis_links,
+    reduce_scatter_time_s,
+)
 from cost_model.compute import compute_time_s
 
 STATE_BYTES_PER_PARAM = 16
@@ -41,7 +57,23 @@ _ATTENTION_OPS = frozenset({
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_flash_attention_backward.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_efficient_attention_backward.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_cudnn_attention_backward.default",
 })
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collective:
+    """One collective of the per-rank program: its kind, mesh axis and bytes.
+
+    bytes: all_gather the gathered (output) tensor, reduce_scatter the full input,
+    all_reduce the tensor, all_to_all the local input; per device."""
+
+    kind: str
+    axis: int
+    bytes: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,19 +138,81 @@ def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
     return CostTable(mesh_shape=mesh_shape, links=links, nodes=tuple(table))
 
 
+def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], *,
+                        gloo: bool) -> tuple[Collective, ...] | None:
+    """The collectives DTensor runs to take `meta` from `src` to `dst` (None: it cannot)."""
+    from autopar import dtensor_bridge
+
+    if src == dst:
+        return ()
+    if not dtensor_bridge.redistribute_supported(src, dst):
+        return None
+    size = DTYPE_BYTES.get(meta.dtype, 4)
+    out = []
+    for kind, axis, ratio in _transform_plan(len(meta.shape), src, dst, mesh_shape):
+        if kind == "local":
+            continue
+        nbytes = math.prod(d // r for d, r in zip(meta.shape, ratio)) * size
+        if kind == "all_to_all":
+            if gloo:  # DTensor on a CPU mesh: all-gather the whole axis, keep a chunk
+                kind = "all_gather"
+            else:
+                nbytes //= mesh_shape[axis]
+        out.append(Collective(kind=kind, axis=axis, bytes=int(nbytes)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _transform_plan(rank: int, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+                    ) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """DTensor's steps for a rank-`rank` tensor, each with the divisor of every dim in its
+    logical shape (the plan depends on placements, not sizes: it is computed once on a
+    shape every divisor divides and reused for all tensors of that rank)."""
+    from autopar import dtensor_bridge
+
+    base = math.prod(mesh_shape) ** 2
+    shape = (base,) * rank
+    steps = dtensor_bridge.transforms(shape, (), "float32", src, dst, mesh_shape)
+    return tuple((kind, axis, tuple(base // d for d in logical)) for kind, axis, logical in steps)
+
+
+def collective_time_s(c: Collective, links: tuple[AxisLink, ...]) -> float:
+    link = links[c.axis]
+    if c.kind == "all_reduce":
+        return all_reduce_time_s(c.bytes, link)
+    if c.kind == "all_gather":
+        return all_gather_time_s(c.bytes, link)
+    if c.kind == "reduce_scatter":
+        return reduce_scatter_time_s(c.bytes, link)
+    if c.kind == "all_to_all":
+        return all_to_all_time_s(c.bytes, link)
+    raise ValueError(f"unknown collective kind {c.kind!r}")
+
+
 class ReshardPricer:
-    """reshard_time_s with a per-solve memo (many edges share shapes and placements)."""
+    """Resharding time (None where DTensor cannot reshard) with a per-solve memo: many
+    edges share shapes and placements."""
 
-    def __init__(self, links: tuple[AxisLink, ...]) -> None:
+    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False) -> None:
         self.links = links
-        self._memo: dict[tuple, float] = {}
+        self.mesh_shape = tuple(link.size for link in links)
+        self.gloo = gloo
+        self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {}
 
-    def __call__(self, meta: TensorMeta, src: Placements, dst: Placements) -> float:
+    def collectives(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[Collective, ...] | None:
+        found = self._lookup(meta, src, dst)
+        return None if found is None else found[1]
+
+    def __call__(self, meta: TensorMeta, src: Placements, dst: Placements) -> float | None:
         if src == dst:
             return 0.0
-        key = (meta.shape, meta.dtype, src, dst)
-        cost = self._memo.get(key)
-        if cost is None:
-            cost = reshard_time_s(meta.shape, DTYPE_BYTES.get(meta.dtype, 4), src, dst, self.links)
-            self._memo[key] = cost
-        return cost
+        found = self._lookup(meta, src, dst)
+        return None if found is None else found[0]
+
+    def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:
+        key = (meta.shape, meta.strides, meta.dtype, src, dst)
+        if key not in self._memo:
+            steps = reshard_collectives(meta, src, dst, self.mesh_shape, gloo=self.gloo)
+            self._memo[key] = None if steps is None else (
+                sum(collective_time_s(c, self.links) for c in steps), steps)
+        return self._memo[key]

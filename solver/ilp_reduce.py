@@ -10,10 +10,14 @@ Terms:
 - layer sharing: the k-th node of every traced layer of a layer group uses the owner of
   the k-th node of the group's first (active) traced layer; its costs are added to that
   owner with the node's multiplicity weight `graph.weight(n)`.
-- following: a getitem, or a single-input node in the same layer as its producer whose
-  strategies accept every placement the producer can output (views, unary elementwise,
-  reductions), takes the producer's owner; each producer choice maps to the cheapest
-  follower strategy consuming it unchanged (no resharding between them).
+- following: a getitem, a single-input node, or a pointwise op (through the operand the
+  strategy space names in `StrategySpace.follows`), in the same layer as its producer
+  and whose strategies accept every placement the producer can output (views, unary and
+  binary elementwise, reductions), takes the producer's owner; each producer choice maps
+  to the cheapest follower strategy consuming it unchanged (no resharding between
+  them). A pointwise op's other operands reshard on their own edges as priced. This is
+  Alpa's "follow" merging: an elementwise op rarely gains from a layout its main operand
+  does not have, and sharing the variable removes most edge variables.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from dataclasses import dataclass
 from autopar.ir import Graph, NodeId
 from autopar.sharding import StrategySpace
 from solver.costs import CostTable
-from solver.strategies import output_index
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,23 +80,27 @@ def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
             continue
         srcs = tuple(dict.fromkeys(node.inputs))
         followed = False
-        if len(srcs) == 1 and srcs[0] in active and owner[srcs[0]] < 0 and rep.get(srcs[0], srcs[0]) != srcs[0]:
-            copy_rep(srcs[0])  # a non-layer node after a later layer's node
-        if len(srcs) == 1 and node.op != "placeholder" and srcs[0] in active and owner[srcs[0]] >= 0 and \
-                (where.get(nid) is None or where.get(srcs[0]) == where.get(nid)):
-            u = srcs[0]
-            idx = output_index(graph[u], node.args[1]) if node.op == "getitem" else 0
-            costs = table.nodes[nid]
-            mapping = []
-            for j in smap[u]:
-                produced = space[u][j].outputs[idx]
-                matches = [i for i, s in enumerate(strategies) if all(pl == produced for pl in s.inputs)]
-                if not matches:
-                    break
-                mapping.append(min(matches, key=lambda i: (costs[i].compute_s + costs[i].comm_s, i)))
-            else:
-                owner[nid], smap[nid] = owner[u], tuple(mapping)
-                followed = True
+        lead = space.follows[nid] if space.follows else None
+        if len(srcs) == 1:
+            lead = 0
+        if lead is not None and node.op != "placeholder":
+            u = node.inputs[lead]
+            positions = [p for p, src in enumerate(node.inputs) if src == u]
+            if u in active and owner[u] < 0 and rep.get(u, u) != u:
+                copy_rep(u)  # a non-layer node after a later layer's node
+            if u in active and owner[u] >= 0 and (where.get(nid) is None or where.get(u) == where.get(nid)):
+                idx = graph[u].output_position(node.args[1]) if node.op == "getitem" else 0
+                costs = table.nodes[nid]
+                mapping = []
+                for j in smap[u]:
+                    produced = space[u][j].outputs[idx]
+                    matches = [i for i, s in enumerate(strategies) if all(s.inputs[p] == produced for p in positions)]
+                    if not matches:
+                        break
+                    mapping.append(min(matches, key=lambda i: (costs[i].compute_s + costs[i].comm_s, i)))
+                else:
+                    owner[nid], smap[nid] = owner[u], tuple(mapping)
+                    followed = True
         if not followed:
             owner[nid], smap[nid] = nid, tuple(range(len(strategies)))
     owners = tuple(sorted({owner[n] for n in active}))

@@ -28,6 +28,16 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
     edge/a->b/col=k:  sum_r e_ab[r,k] = sum_{j in class k} x[b,j]        e continuous >= 0)
     memory/t=T:       sum_{n live at T} w_n mem(n, smap_n(j)) x[o(n),j] <= budget
 
+    forbid/o/j:       x[o,j] = 0 where a strategy needs a reshard DTensor cannot do
+                      (a shard into a pending sum) on an edge inside one owner or on a
+                      separable edge; on other edges the pair's e variable is absent.
+
+Gradient edges are weighted by `grad_sync_weight` (1/m with m microbatches: the program
+reduces accumulated gradients once per step, the rest of the graph runs m times; the
+objective is per microbatch). Placeholder restrictions (`restrict_placeholders`) express
+a forced configuration (data parallel over an axis, ZeRO, no tensor parallelism) by
+removing placeholder strategies: infeasible options are absent, not expensive.
+
 The row/column sums force e_ab to the outer product of the two one-hot rows, so the
 edge term is exact without McCormick rows. An edge whose matrix has one row class (or
 one column class) is separable and folds into c. Memory: parameters count
@@ -47,13 +57,25 @@ from collections import defaultdict
 
 import pulp
 
+from typing import Callable
+
 from autopar.cluster import Cluster
-from autopar.ir import Graph, NodeId, Role
-from autopar.placement import Partial, Placements, Replicate
-from autopar.sharding import CostBreakdown, InfeasiblePlanError, IntraOpSolution, NodeChoice
+from autopar.ir import Graph, Node, NodeId, Role
+from autopar.placement import Placements, Replicate, is_partial
+from autopar.sharding import (
+    CostBreakdown,
+    InfeasiblePlanError,
+    IntraOpSolution,
+    NodeChoice,
+    PricedCollective,
+    StrategySpace,
+)
 from solver.costs import CostTable, ReshardPricer, price
 from solver.ilp_reduce import Reduction, reduce_graph
 from solver.strategies import enumerate_strategies
+
+PlaceholderFilter = Callable[[Node, Placements], bool]
+"""keep(placeholder node, its placements): which layouts a forced configuration allows."""
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +110,34 @@ INTEGRALITY_TOL = 1e-6
 
 
 def _num_collectives(src: Placements, dst: Placements) -> int:
-    """Axes whose change needs communication (R->anything and S->P are local)."""
-    return sum(1 for a, b in zip(src, dst) if a != b and not isinstance(a, Replicate) and not isinstance(b, Partial))
+    """Axes whose change needs communication (R->anything is local)."""
+    return sum(1 for a, b in zip(src, dst) if a != b and not isinstance(a, Replicate) and not is_partial(b))
+
+
+def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderFilter) -> StrategySpace:
+    """A new space whose placeholders keep only the layouts `keep` allows (at least one
+    must remain per placeholder: the caller's filter must allow some layout)."""
+    strategies = []
+    for node, options in zip(graph.nodes, space.strategies):
+        if node.op == "placeholder":
+            kept = tuple(s for s in options if keep(node, s.outputs[0]))
+            if not kept:
+                raise ValueError(f"the forced configuration leaves no layout for {node.role.value} "
+                                 f"{node.param_name or node.name} of shape {node.output.shape} on mesh "
+                                 f"{space.mesh_shape}; choose degrees that divide its dims")
+            options = kept
+        strategies.append(options)
+    return StrategySpace(mesh_shape=space.mesh_shape, strategies=tuple(strategies),
+                         fallback_ops=space.fallback_ops, follows=space.follows)
 
 
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
-                   node_coef: dict[NodeId, list[float]]) -> dict[tuple[NodeId, NodeId], list[list[float]]]:
-    """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b); folds same-owner edges."""
+                   node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], *,
+                   grad_sync_weight: float = 1.0) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
+    """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
+    cannot reshard); folds same-owner edges into node costs or `forbidden` choices."""
     active = set(red.active)
-    edges: dict[tuple[NodeId, NodeId], list[list[float]]] = {}
+    edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
     # Layer-shared edges repeat the same (tensor, placements) matrix, and placements repeat
     # within one: price each distinct pair once, keyed by small ints (hashing placement
     # dataclasses dominated the build).
@@ -104,36 +145,44 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     pair_cost: dict[tuple, float] = {}
     matrices: dict[tuple, list[list[float]]] = {}
 
-    def priced(meta, s: Placements, d: Placements) -> float:
+    def priced(meta, s: Placements, d: Placements) -> float | None:
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
             return 0.0
-        key = (meta.shape, meta.dtype, i, k)
-        c = pair_cost.get(key)
-        if c is None:
-            c = pair_cost[key] = pricer(meta, s, d) + TIE_BREAK_S * _num_collectives(s, d)
-        return c
+        key = (meta.shape, meta.strides, meta.dtype, i, k)
+        if key not in pair_cost:
+            t = pricer(meta, s, d)
+            pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
+        return pair_cost[key]
 
     def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float) -> None:
         a, b = red.owner[u], red.owner[v]
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                coef[j] += weight * priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]))
+                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]))
+                if c is None:
+                    forbidden.setdefault(a, set()).add(j)
+                else:
+                    coef[j] += weight * c
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.dtype, src, dst)
+        key = (meta.shape, meta.strides, meta.dtype, src, dst)
         unit = matrices.get(key)
-        if unit is None:
-            unit = matrices[key] = [[priced(meta, s, d) for d in dst] for s in src]
+        if unit is None:  # price each distinct (source, target) layout pair once
+            us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
+            distinct = {(a, b): priced(meta, a, b) for a in us for b in ud}
+            unit = matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         matrix = edges.get((a, b))
         if matrix is None:
-            edges[(a, b)] = [[weight * c for c in row] for row in unit]
+            edges[(a, b)] = [[None if c is None else weight * c for c in row] for row in unit]
             return
         for row, unit_row in zip(matrix, unit):
             for jb, c in enumerate(unit_row):
-                if c:
+                if c is None or row[jb] is None:
+                    row[jb] = None
+                elif c:
                     row[jb] += weight * c
 
     for v in red.active:
@@ -146,7 +195,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     for param, grad in graph.param_grads:
         if param in active and grad in active:
             add(grad, param, graph[grad].output, lambda j, g=grad: space[g][j].outputs[0],
-                lambda j, q=param: space[q][j].outputs[0], graph.weight(grad))
+                lambda j, q=param: space[q][j].outputs[0], graph.weight(grad) * grad_sync_weight)
     return edges
 
 
@@ -237,21 +286,29 @@ def _solve(model: "_Model", solver: str, time_limit_s: float | None) -> int:
     return model.prob.sol_status
 
 
-def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float]]],
-                    node_coef: dict[NodeId, list[float]]) -> dict[tuple[NodeId, NodeId], tuple]:
+def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]],
+                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]]
+                    ) -> dict[tuple[NodeId, NodeId], tuple]:
     """Edges whose matrix has one row class (cost depends on b only) or one column class
-    (on a only) are added to node costs; the rest come back as (matrix, row classes,
-    column classes) for edge variables. `node_coef` is this solve's own table (updated)."""
+    (on a only) are added to node costs (an infeasible entry forbids that choice); the
+    rest come back as (matrix, row classes, column classes) for edge variables.
+    `node_coef` and `forbidden` are this solve's own tables (updated)."""
     kept = {}
     for (a, b), matrix in sorted(edges.items()):
         rows = _classes([tuple(r) for r in matrix])
         cols = _classes([tuple(c) for c in zip(*matrix)])
         if len(rows) == 1:
             for k, c in enumerate(matrix[0]):
-                node_coef[b][k] += c
+                if c is None:
+                    forbidden.setdefault(b, set()).add(k)
+                else:
+                    node_coef[b][k] += c
         elif len(cols) == 1:
             for j, row in enumerate(matrix):
-                node_coef[a][j] += row[0]
+                if row[0] is None:
+                    forbidden.setdefault(a, set()).add(j)
+                else:
+                    node_coef[a][j] += row[0]
         else:
             kept[(a, b)] = (matrix, rows, cols)
     return kept
@@ -279,23 +336,32 @@ class _Model:
                     var = self.x[o][j]
                     self.objective[var] = self.objective.get(var, 0.0) + c * OBJECTIVE_SCALE
 
+    def add_forbidden_constraints(self, forbidden: dict[NodeId, set[int]]) -> None:
+        for o, choices in sorted(forbidden.items()):
+            for j in sorted(choices):
+                self.prob += self.x[o][j] == 0, f"forbid/{o}/{j}"
+
     def add_edge_constraints(self, edges: dict[tuple[NodeId, NodeId], tuple]) -> int:
-        """Edge variables and their row/column rows; returns the number of edge variables."""
+        """Edge variables and their row/column rows; returns the number of edge variables.
+        Pairs DTensor cannot reshard (None) get no variable, so the sums exclude them."""
         count = 0
         for (a, b), (matrix, rows, cols) in edges.items():
-            e = [[self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0) for k in range(len(cols))]
-                 for r in range(len(rows))]
-            count += len(rows) * len(cols)
-            for r, members in enumerate(rows):
-                self.prob += pulp.lpSum(e[r]) == pulp.lpSum(self.x[a][j] for j in members), f"edge/{a}->{b}/row={r}"
-            for k, members in enumerate(cols):
-                self.prob += pulp.lpSum(e[r][k] for r in range(len(rows))) == pulp.lpSum(
-                    self.x[b][j] for j in members), f"edge/{a}->{b}/col={k}"
+            e: dict[tuple[int, int], pulp.LpVariable] = {}
             for r, rmembers in enumerate(rows):
                 for k, cmembers in enumerate(cols):
                     c = matrix[rmembers[0]][cmembers[0]]
+                    if c is None:
+                        continue
+                    var = e[(r, k)] = self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0)
                     if c:
-                        self.objective[e[r][k]] = c * OBJECTIVE_SCALE
+                        self.objective[var] = c * OBJECTIVE_SCALE
+            count += len(e)
+            for r, members in enumerate(rows):
+                self.prob += pulp.lpSum(v for (rr, _k), v in e.items() if rr == r) == pulp.lpSum(
+                    self.x[a][j] for j in members), f"edge/{a}->{b}/row={r}"
+            for k, members in enumerate(cols):
+                self.prob += pulp.lpSum(v for (_r, kk), v in e.items() if kk == k) == pulp.lpSum(
+                    self.x[b][j] for j in members), f"edge/{a}->{b}/col={k}"
         return count
 
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
@@ -307,10 +373,12 @@ class _Model:
             self.prob += self.memory_expr(coef) <= budget_bytes * MEMORY_SCALE, f"memory/t={t}"
 
 
-def _min_memory_bytes(red: Reduction, terms, solver: str, time_limit_s: float | None) -> float:
+def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], solver: str,
+                      time_limit_s: float | None) -> float:
     """Smallest peak memory any plan reaches at the checked points (for error messages)."""
     m = _Model("min_memory", red)
     m.add_one_choice_constraints()
+    m.add_forbidden_constraints(forbidden)
     peak = m.prob.add_variable("peak_mib", lowBound=0)
     m.prob += peak
     for t, coef in terms:
@@ -321,21 +389,27 @@ def _min_memory_bytes(red: Reduction, terms, solver: str, time_limit_s: float | 
 
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], *,
                    memory_budget_bytes: float | None = None, solver: str = "highs",
-                   time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None
-                   ) -> IntraOpSolution:
+                   time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
+                   keep_placeholder: PlaceholderFilter | None = None, grad_sync_weight: float = 1.0,
+                   space: StrategySpace | None = None) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
-    Raises InfeasiblePlanError (a ValueError) when no plan fits `memory_budget_bytes`,
-    with the smallest memory any plan needs.
+    `keep_placeholder` restricts placeholder layouts (a forced configuration);
+    `grad_sync_weight` weighs the gradient reshards per microbatch (1/m). `space` reuses
+    an enumeration of the same graph and mesh. Raises InfeasiblePlanError (a ValueError)
+    when no plan fits `memory_budget_bytes`, with the smallest memory any plan needs.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     start = time.perf_counter()
     mesh_shape = tuple(int(s) for s in mesh_shape)
-    space = enumerate_strategies(graph, mesh_shape)
+    if space is None:
+        space = enumerate_strategies(graph, mesh_shape)
+    if keep_placeholder is not None:
+        space = restrict_placeholders(graph, space, keep_placeholder)
     table = price(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
-    pricer = ReshardPricer(table.links)
+    pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu")
 
     node_coef: dict[NodeId, list[float]] = {o: [0.0] * len(red.smap[o]) for o in red.owners}
     for n in red.active:
@@ -344,12 +418,15 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         tie = 0.0 if graph[n].role is Role.PARAMETER else MEMORY_TIE_BREAK_S_PER_BYTE
         for j, s in enumerate(red.smap[n]):
             coef[j] += w * (costs[s].compute_s + costs[s].comm_s + tie * costs[s].memory_bytes)
-    edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef), node_coef)
+    forbidden: dict[NodeId, set[int]] = {}
+    edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
+                                           grad_sync_weight=grad_sync_weight), node_coef, forbidden)
     terms = _memory_terms(graph, space, table, red)
     built = time.perf_counter()
 
     model = _Model("intra_op", red)
     model.add_one_choice_constraints()
+    model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
     num_edge_vars = model.add_edge_constraints(edges)
     if memory_budget_bytes is not None:
@@ -358,7 +435,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     sol_status = _solve(model, solver, time_limit_s)
     if sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound) and memory_budget_bytes is not None \
             and pulp.LpStatus[model.prob.status] != "Not Solved":
-        need = _min_memory_bytes(red, terms, solver, time_limit_s)
+        need = _min_memory_bytes(red, terms, forbidden, solver, time_limit_s)
         raise InfeasiblePlanError(
             f"No intra-op plan fits {memory_budget_bytes / 2**30:.3f} GiB/device for {graph.model.name} on "
             f"{cluster.spec} with mesh {mesh_shape}; the smallest needs {need / 2**30:.3f} GiB "
@@ -375,7 +452,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                            f"time limit {time_limit_s} s. Raise --time-limit or check the log.")
     chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
     solution = _extract(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape, memory_budget_bytes,
-                        status=status, solver=solver,
+                        grad_sync_weight=grad_sync_weight, status=status, solver=solver,
                         num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
                         num_constraints=model.prob.numConstraints(),
                         solve_time_s=time.perf_counter() - start)
@@ -390,19 +467,31 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
 
 def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
-             budget: float | None, **meta) -> IntraOpSolution:
-    """Per-node choices and costs recomputed from the chosen strategies (not from the solver)."""
+             budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
+    """Per-node choices, costs and collectives recomputed from the chosen strategies (not
+    from the solver's objective)."""
     active = set(red.active)
     pick = {n: red.smap[n][chosen[red.owner[n]]] for n in red.active}
     reshard: dict[NodeId, float] = defaultdict(float)
+    collectives: list[PricedCollective] = []
+
+    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, grad: bool) -> float:
+        steps = pricer.collectives(graph[u].output, src, dst)
+        assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
+        weight = graph.weight(v if not grad else u)
+        for c in steps:
+            collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
+                                                weight=weight, gradient_sync=grad))
+        return pricer(graph[u].output, src, dst) or 0.0
+
     for v in red.active:
         for p, u in enumerate(graph[v].inputs):
             if u in active and len(graph[u].outputs) == 1:
-                reshard[v] += pricer(graph[u].output, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p])
+                reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p], False)
     for param, grad in graph.param_grads:
         if param in active and grad in active:
-            reshard[param] += pricer(graph[grad].output, space[grad][pick[grad]].outputs[0],
-                                     space[param][pick[param]].outputs[0]) * graph.weight(grad) / graph.weight(param)
+            t = edge(grad, param, space[grad][pick[grad]].outputs[0], space[param][pick[param]].outputs[0], True)
+            reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
     choices = []
     compute = comm = resh = 0.0
     for n in red.active:
@@ -420,4 +509,5 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
     cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh,
                          peak_memory_bytes=peak)
     return IntraOpSolution(graph_fingerprint=graph.fingerprint(), cluster=cluster.spec, mesh_shape=mesh_shape,
-                           choices=tuple(choices), cost=cost, memory_budget_bytes=budget, **meta)
+                           choices=tuple(choices), cost=cost, memory_budget_bytes=budget,
+                           collectives=tuple(collectives), grad_sync_weight=grad_sync_weight, **meta)

@@ -1,0 +1,253 @@
+"""The torch side of placements: DTensor's sharding registry and redistribution planner.
+
+Where it sits: shared by the strategy enumeration (solver/strategies.py), the pricing of
+resharding (solver/costs.py) and the apply step (codegen/apply.py), so that the three
+agree by construction: the strategies the ILP chooses from are DTensor's own, the
+collectives an edge is priced for are the ones DTensor's redistribute performs, and the
+program runs the chosen strategies through DTensor's dispatcher.
+
+What it holds:
+- conversions between autopar's torch-free placements (autopar/placement.py) and
+  DTensor's (`to_dtensor`, `from_dtensor`);
+- `spec_mesh(mesh_shape)`: a DeviceMesh with no process group behind it, enough for
+  strategy functions and the redistribution planner (they read only its shape);
+- `resolve_op`, `op_args`: an IR node's ATen overload and its arguments rebuilt with
+  torch types (dtype, device, layout, memory format from their text form);
+- `register_project_rules()`: strategies for the ops DTensor has no rule for that the
+  traced graphs contain (CPU flash attention, forward and backward), registered into
+  DTensor's own registry so enumeration and dispatch both see them;
+- `transforms(...)`: the per-axis collectives DTensor's planner uses for a reshard.
+
+Terms: "axis" is a mesh axis, "dim" a tensor dimension.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as DPartial
+from torch.distributed.tensor import Replicate as DReplicate
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
+
+from autopar.placement import Partial, Placement, Placements, Replicate, Shard
+
+aten = torch.ops.aten
+PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
+
+
+class UnsupportedPlacement(ValueError):
+    """A DTensor placement autopar's strategy space leaves out (strided shards, max/min partials)."""
+
+
+# ---------------------------------------------------------------------------------------
+# placements
+
+
+def to_dtensor(p: Placement) -> Any:
+    if isinstance(p, Replicate):
+        return DReplicate()
+    if isinstance(p, Shard):
+        return DShard(p.dim)
+    if isinstance(p, Partial):
+        return DPartial(p.reduce_op)
+    raise TypeError(f"not a placement: {p!r}")
+
+
+def from_dtensor(p: Any) -> Placement:
+    if isinstance(p, _StridedShard):
+        raise UnsupportedPlacement(f"strided shard {p}")
+    if isinstance(p, DReplicate):
+        return Replicate()
+    if isinstance(p, DShard):
+        return Shard(p.dim)
+    if isinstance(p, _MaskPartial):
+        # a vocabulary-sharded embedding's pending sum: codegen/apply.py zeroes the rows
+        # outside each shard right after the lookup, so it is a plain pending sum
+        return Partial("sum")
+    if isinstance(p, DPartial):
+        if p.reduce_op not in ("sum", "avg"):
+            raise UnsupportedPlacement(f"partial {p.reduce_op}")
+        return Partial(p.reduce_op)
+    raise UnsupportedPlacement(f"placement {p!r}")
+
+
+def to_dtensor_placements(placements: Placements) -> tuple[Any, ...]:
+    return tuple(to_dtensor(p) for p in placements)
+
+
+def from_dtensor_placements(placements: Any) -> Placements:
+    return tuple(from_dtensor(p) for p in placements)
+
+
+# ---------------------------------------------------------------------------------------
+# meshes, ops, arguments
+
+
+@functools.lru_cache(maxsize=None)
+def spec_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
+    """A DeviceMesh of this shape with no process group (rank 0's view): strategy
+    functions and the redistribution planner read only its shape."""
+    ranks = torch.arange(max(1, int(torch.tensor(mesh_shape).prod().item()))).view(*mesh_shape)
+    return DeviceMesh("cpu", ranks, _init_backend=False, _rank=0)
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_op(name: str) -> Any:
+    """`aten.mm.default` -> torch.ops.aten.mm.default (None for non-op nodes)."""
+    parts = name.split(".")
+    if len(parts) < 3:
+        return None
+    namespace, op, overload = parts[0], ".".join(parts[1:-1]), parts[-1]
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except AttributeError:
+        return None
+
+
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
+                   "channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d}
+
+
+def _torch_scalar(value: Any, type_text: str) -> Any:
+    """Undo the IR's text form of a non-tensor argument, by its schema type."""
+    if not isinstance(value, str):
+        return value
+    if "ScalarType" in type_text:
+        return getattr(torch, value)
+    if "Layout" in type_text:
+        return getattr(torch, value)
+    if "MemoryFormat" in type_text:
+        return _MEMORY_FORMATS[value]
+    if "Device" in type_text:
+        return torch.device(value)
+    return value
+
+
+def op_args(op: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...],
+            tensor: Callable[[Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Rebuild an IR node's (args, kwargs) for `op`: tensor references become `tensor(ref)`,
+    tuples become lists where the schema takes a list, text becomes torch types."""
+    from autopar.ir import Ref
+
+    schema_args = {a.name: a for a in op._schema.arguments}
+    positional = list(op._schema.arguments)
+
+    def conv(value: Any, type_text: str) -> Any:
+        if isinstance(value, Ref):
+            return tensor(value)
+        if isinstance(value, tuple):
+            items = [conv(v, type_text) for v in value]
+            return items if ("[]" in type_text or "List" in type_text) else tuple(items)
+        return _torch_scalar(value, type_text)
+
+    out_args = tuple(conv(v, str(positional[i].type) if i < len(positional) else "")
+                     for i, v in enumerate(args))
+    out_kwargs = {k: conv(v, str(schema_args[k].type) if k in schema_args else "") for k, v in kwargs}
+    return out_args, out_kwargs
+
+
+def tensor_meta(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str) -> TensorMeta:
+    """DTensor's TensorMeta; empty `stride` means contiguous."""
+    if not stride:
+        stride = torch.empty(shape, device="meta").stride() if shape else ()
+    return TensorMeta(torch.Size(shape), tuple(stride), getattr(torch, dtype))
+
+
+def spec(mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensorSpec:
+    return DTensorSpec(mesh, to_dtensor_placements(placements), tensor_meta=meta)
+
+
+# ---------------------------------------------------------------------------------------
+# project rules: ops the registry lacks
+
+
+def _expand(op_schema: OpSchema, single: list[list[Any]], num_outputs: int) -> Any:
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, single, input_index=num_outputs)
+
+
+def _cpu_flash_attention(op_schema: OpSchema) -> Any:
+    # (q, k, v) -> (out, logsumexp); as DTensor's rule for the CUDA kernels: replicated,
+    # batch-sharded or head-sharded, every tensor alike
+    r, b, h = DReplicate(), DShard(0), DShard(1)
+    return _expand(op_schema, [[r] * 5, [b] * 5, [h] * 5], num_outputs=2)
+
+
+def _cpu_flash_attention_backward(op_schema: OpSchema) -> Any:
+    # (grad_out, q, k, v, out, logsumexp) -> (grad_q, grad_k, grad_v)
+    tensors = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
+    r, b, h = DReplicate(), DShard(0), DShard(1)
+    return _expand(op_schema, [[r] * (3 + tensors), [b] * (3 + tensors), [h] * (3 + tensors)], num_outputs=3)
+
+
+PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (_cpu_flash_attention, 3),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (_cpu_flash_attention_backward, 6),
+}
+"""op -> (strategy function, index of the first non-tensor argument that keys the cache)."""
+
+
+@functools.lru_cache(maxsize=1)
+def register_project_rules() -> None:
+    """Register PROJECT_RULES into DTensor's registry (once per process; ops DTensor
+    already covers are left alone)."""
+    from torch.distributed.tensor._ops.utils import register_op_strategy
+
+    for op, (fn, static_from) in PROJECT_RULES.items():
+        if op not in PROPAGATOR.op_strategy_funcs and op not in PROPAGATOR.op_single_dim_strategy_funcs:
+            register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_from))(fn)
+
+
+# ---------------------------------------------------------------------------------------
+# redistribution
+
+
+def comm_kind(src: Any, dst: Any) -> str:
+    """What one per-axis transform of DTensor's planner does: all_reduce, reduce_scatter,
+    all_gather, all_to_all, or local (chunking, partitioning: no communication)."""
+    if src.is_partial() and dst.is_replicate():
+        return "all_reduce"
+    if src.is_partial() and (dst.is_shard() or isinstance(dst, _StridedShard)):
+        return "reduce_scatter"
+    if (src.is_shard() or isinstance(src, _StridedShard)) and dst.is_replicate():
+        return "all_gather"
+    if (src.is_shard() or isinstance(src, _StridedShard)) and (dst.is_shard() or isinstance(dst, _StridedShard)):
+        return "all_to_all"
+    return "local"
+
+
+def redistribute_supported(src: Placements, dst: Placements) -> bool:
+    """Whether DTensor can redistribute `src` to `dst` at all: it cannot turn a shard into
+    a pending sum, nor one kind of pending reduction into another."""
+    for a, b in zip(src, dst):
+        if a != b and isinstance(b, Partial) and not isinstance(a, Replicate):
+            return False
+    return True
+
+
+def transforms(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str, src: Placements,
+               dst: Placements, mesh_shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(kind, mesh axis, logical shape on that axis) per step DTensor's redistribute takes
+    from `src` to `dst`; the logical shape is the tensor as that axis sees it (already
+    divided by the shards of the other axes at that step). Raises ValueError where DTensor
+    cannot redistribute (see `redistribute_supported`)."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    if not redistribute_supported(src, dst):
+        raise ValueError(f"DTensor cannot redistribute {src} to {dst}")
+    if src == dst:
+        return []
+    mesh = spec_mesh(tuple(mesh_shape))
+    meta = tensor_meta(shape, stride, dtype)
+    infos = _gen_transform_infos_non_cached(spec(mesh, src, meta), spec(mesh, dst, meta))
+    return [(comm_kind(*t.src_dst_placements), t.mesh_dim, tuple(int(d) for d in t.logical_shape))
+            for t in infos]

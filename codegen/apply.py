@@ -1,0 +1,310 @@
+"""Apply a solved plan to the traced joint graph: the per-rank SPMD program.
+
+Where it sits: codegen, between the intra-op solution (per-node strategies, solver/) and
+the runtime (autopar/runtime.py). `apply(traced, graph, choices, mesh)` interprets the
+traced joint forward+backward graph on DTensors whose placements are the ILP's: before
+each op, every tensor argument is redistributed from its producer's placement to the one
+the op's chosen strategy takes (the collectives of `_c10d_functional`, plus local
+chunking), and the op runs through DTensor's dispatcher, which executes that strategy on
+the local shards (shape arguments of views and factories rewritten to local shapes, an
+embedding's indices masked for a vocabulary-sharded table). `make_fx` records the
+interpretation as one per-rank graph of ATen ops and collectives: that graph is the
+program (what `autopar train`, `compile(...).step` and `--emit` use, and what
+`compiled.code` prints).
+
+Two graphs come out:
+- `step`: (parameters, buffers, inputs, loss tangent), all local shards -> (loss, raw
+  gradients), each gradient in the placement its producing op left it in (typically a
+  pending sum over the data-parallel axis);
+- `grad_sync`: raw gradients -> gradients in their parameter's placement (all-reduce for
+  replicated parameters, reduce-scatter for sharded ones: data parallelism and ZeRO are
+  this one edge). The runtime runs it once per step, after the last microbatch, so
+  gradient accumulation does not communicate (the cost model weighs these edges 1/m).
+
+Every collective in the two graphs is one the ILP priced on an edge (price = run; the
+test counts them). The dispatcher's output placement is checked against the chosen one
+at every node: a mismatch is a bug in the strategy space and raises.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar import dtensor_bridge as bridge
+from autopar.ir import Graph, NodeId, Role
+from autopar.placement import Placements, local_shape
+from autopar.sharding import NodeStrategy
+
+
+class ApplyError(RuntimeError):
+    """The dispatcher did not run the strategy the plan chose (a strategy-space bug)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Slot:
+    """One input of the per-rank step: which graph input, its name and layout."""
+
+    node: NodeId
+    role: Role
+    name: str
+    """Parameter/buffer state-dict name, or the input's position ("input_0", ...)."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    dtype: str
+    placements: Placements
+
+
+@dataclass(slots=True, kw_only=True)
+class RankProgram:
+    """The per-rank program of one plan on one mesh (torch objects: not plan data)."""
+
+    step: fx.GraphModule
+    grad_sync: fx.GraphModule
+    slots: tuple[Slot, ...]
+    """Inputs of `step`, in order (parameters, buffers, data inputs, loss tangent)."""
+    loss_placements: Placements
+    grads: tuple[tuple[str, Placements, Placements], ...]
+    """(parameter name, raw gradient placement, parameter placement), outputs of `step`
+    after the loss and inputs/outputs of `grad_sync`, in order."""
+    mesh_shape: tuple[int, ...]
+    source: str = field(default="")
+
+    def local_shape(self, slot: Slot) -> tuple[int, ...]:
+        return local_shape(slot.shape, slot.placements, self.mesh_shape)
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int],
+             stride: Sequence[int]) -> DTensor:
+    return DTensor.from_local(local, mesh, bridge.to_dtensor_placements(placements), run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
+
+
+def _redistribute(t: DTensor, placements: Placements, contiguous: bool) -> DTensor:
+    """`t` in `placements` (DTensor's own redistribute, which may also make pending sums:
+    the public `.redistribute` refuses those)."""
+    target = DTensorSpec(t.device_mesh, bridge.to_dtensor_placements(placements), tensor_meta=t._spec.tensor_meta)
+    local = redistribute_local_tensor(t._local_tensor, t._spec, target)
+    if contiguous and not local.is_contiguous():
+        local = local.contiguous()  # a local chunk of a non-leading dim; views need contiguity
+    return DTensor(local, target, requires_grad=False)
+
+
+def _same(got: Any, want: Placements) -> bool:
+    try:
+        return bridge.from_dtensor_placements(got) == tuple(want)
+    except bridge.UnsupportedPlacement:
+        return False
+
+
+def _settle_masks(out: Any) -> Any:
+    """A vocabulary-sharded embedding leaves a masked pending sum whose mask lives in the
+    placement object until the first reduction; zero the masked rows now and make it a
+    plain pending sum, so every consumer edge can reduce it (as priced) independently."""
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    if not isinstance(out, DTensor) or not any(isinstance(p, _MaskPartial) for p in out.placements):
+        return out
+    local = out._local_tensor
+    placements = []
+    for p in out.placements:
+        if isinstance(p, _MaskPartial):
+            p.mask_buffer.apply_mask(local)
+            p.mask_buffer.release_mask()
+            p = DPartial(p.reduce_op)
+        placements.append(p)
+    spec = DTensorSpec(out.device_mesh, tuple(placements), tensor_meta=out._spec.tensor_meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+class _Interpreter:
+    """Runs the joint graph on DTensors laid out as `choices` say."""
+
+    def __init__(self, gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh) -> None:
+        self.gm = gm
+        self.graph = graph
+        self.choices = choices
+        self.mesh = mesh
+        self.fx_nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        assert len(self.fx_nodes) == len(graph.nodes), "graph and traced module disagree"
+        self.ids = {n: i for i, n in enumerate(self.fx_nodes)}
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.fx_nodes if n.op == "placeholder"]
+
+    def run(self, *locals_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        env: dict[fx.Node, Any] = {}
+        for node, local in zip(self.placeholders(), locals_):
+            nid = self.ids[node]
+            meta = self.graph[nid].output
+            env[node] = _dtensor(local, self.mesh, self.choices[nid].outputs[0], meta.shape, meta.strides)
+        for node in self.fx_nodes:
+            if node.op == "placeholder":
+                continue
+            nid = self.ids[node]
+            env[node] = self._run_node(node, nid, env)
+        loss = env[self.output.args[0][0]]
+        grads = [env[g] for g in self._grad_outputs()]
+        return (loss._local_tensor, *[g._local_tensor for g in grads])
+
+    def _grad_outputs(self) -> list[fx.Node]:
+        grad_ids = {g for _, g in self.graph.param_grads}
+        return [n for n in self.output.args[0][1:] if isinstance(n, fx.Node) and self.ids[n] in grad_ids]
+
+    def _run_node(self, node: fx.Node, nid: NodeId, env: dict[fx.Node, Any]) -> Any:
+        choice = self.choices[nid]
+        if node.op == "get_attr":
+            value = getattr(self.gm, node.target)
+            return _dtensor(value, self.mesh, choice.outputs[0], value.shape, value.stride())
+        if node.target is operator.getitem:
+            return env[node.args[0]][node.args[1]]
+        ir = self.graph[nid]
+        if not ir.inputs:  # a factory: made whole on every device (replicated)
+            value = node.target(*node.args, **node.kwargs)
+            return _dtensor(value, self.mesh, choice.outputs[0], value.shape, value.stride())
+        positions = iter(range(len(ir.inputs)))
+
+        def arg(a: Any) -> Any:
+            # every edge reshards on its own, as the ILP priced it (no sharing between consumers)
+            if isinstance(a, fx.Node):
+                want = choice.inputs[next(positions)]
+                t = env[a]
+                contiguous = self.graph[self.ids[a]].output.stride == ()
+                if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
+                    t = _redistribute(t, want, contiguous)
+                elif contiguous and not t._local_tensor.is_contiguous():
+                    # a kernel laid its local output out differently from the trace (e.g.
+                    # SDPA's): views that follow need the traced (contiguous) layout
+                    t = DTensor(t._local_tensor.contiguous(), t._spec, requires_grad=False)
+                return t
+            if isinstance(a, (list, tuple)):
+                return type(a)(arg(x) for x in a)
+            return a
+
+        args = tuple(arg(a) for a in node.args)
+        kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+        try:
+            out = node.target(*args, **kwargs)
+        except Exception as exc:
+            raise ApplyError(f"node {node.name} ({node.target}) failed under placements "
+                             f"{[str(p) for p in choice.inputs]}: {type(exc).__name__}: {exc}") from exc
+        self._check(node, ir, choice, out)
+        return _settle_masks(out)
+
+    def _check(self, node: fx.Node, ir: Any, choice: NodeStrategy, out: Any) -> None:
+        made = [out] if isinstance(out, DTensor) else [o for o in out if isinstance(o, DTensor)]
+        if len(made) != len(choice.outputs) or not all(_same(m.placements, want)
+                                                       for m, want in zip(made, choice.outputs)):
+            raise ApplyError(
+                f"node {node.name} ({ir.op}): DTensor ran it with outputs "
+                f"{[tuple(str(p) for p in m.placements) for m in made]} but the plan chose "
+                f"{[tuple(str(p) for p in o) for o in choice.outputs]} (inputs {[str(p) for p in choice.inputs]})")
+
+
+def _example(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
+    for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
+        node._rename(re.sub(r"\W", "_", name))
+        node.target = node.name
+    gm.recompile()
+
+
+def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh) -> RankProgram:
+    """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`."""
+    bridge.register_project_rules()
+    mesh_shape = tuple(mesh.shape)
+    interp = _Interpreter(gm, graph, choices, mesh)
+    slots = []
+    for node in interp.placeholders():
+        nid = interp.ids[node]
+        ir = graph[nid]
+        name = ir.param_name or ("tangent" if ir.role is Role.TANGENT else f"input_{len(slots)}")
+        slots.append(Slot(node=nid, role=ir.role, name=name, shape=ir.output.shape, dtype=ir.output.dtype,
+                          placements=choices[nid].outputs[0]))
+    examples = [_example(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots]
+    step = make_fx(interp.run, tracing_mode="fake")(*examples)
+    _name_placeholders(step, [_slot_name(s) for s in slots])
+
+    by_grad = {g: p for p, g in graph.param_grads}
+    grads = []
+    for g in interp._grad_outputs():
+        gid = interp.ids[g]
+        pid = by_grad[gid]
+        grads.append((graph[pid].param_name or graph[pid].name, choices[gid].outputs[0], choices[pid].outputs[0],
+                      graph[gid].output))
+    sync = make_fx(_grad_sync_fn(grads, mesh), tracing_mode="fake")(
+        *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads])
+    _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
+    loss_id = interp.ids[interp.output.args[0][0]]
+    program = RankProgram(step=step, grad_sync=sync, slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
+                          grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape)
+    program.source = _source(program)
+    return program
+
+
+def _slot_name(slot: Slot) -> str:
+    prefix = {Role.PARAMETER: "p_", Role.BUFFER: "b_"}.get(slot.role, "")
+    return prefix + slot.name
+
+
+def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: DeviceMesh) -> Any:
+    def sync(*raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = []
+        for local, (_, src, dst, meta) in zip(raw, grads):
+            t = _dtensor(local, mesh, src, meta.shape, meta.strides)
+            out.append(_redistribute(t, dst, True)._local_tensor if src != dst else local)
+        return tuple(out)
+
+    return sync
+
+
+def _source(program: RankProgram) -> str:
+    header = [
+        f"# autopar per-rank program on a mesh {list(program.mesh_shape)}: ATen ops on this rank's local shards",
+        "# plus the _c10d_functional collectives the plan's placements imply (one per resharded edge).",
+        "# inputs: " + ", ".join(f"{_slot_name(s)}{s.placements and ' ' + '(' + ', '.join(map(str, s.placements)) + ')'}"
+                                 for s in program.slots),
+        f"# returns (loss {tuple(map(str, program.loss_placements))}, raw gradients); grad_sync below brings each "
+        "gradient to its parameter's placement once per step.",
+    ]
+    return "\n".join(header) + "\n" + program.step.code + "\n\n# grad_sync\n" + program.grad_sync.code
+
+
+def count_collectives(gm: fx.GraphModule) -> dict[tuple[str, str], list[int]]:
+    """{(kind, process group name): [bytes per call, ...]} over a per-rank graph, bytes as
+    solver/costs.py `Collective` defines them (all_gather: gathered output)."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional."):
+            continue
+        kind = str(node.target).split(".")[1]
+        if kind == "wait_tensor":
+            continue
+        value = node.meta.get("val")
+        source = node.args[0].meta.get("val")
+        if kind.startswith("all_gather"):
+            kind, nbytes = "all_gather", value.numel() * value.element_size()
+        elif kind.startswith("reduce_scatter"):
+            kind, nbytes = "reduce_scatter", source.numel() * source.element_size()
+        elif kind.startswith("all_reduce"):
+            kind, nbytes = "all_reduce", source.numel() * source.element_size()
+        else:
+            nbytes = source.numel() * source.element_size()
+        group = node.args[-1]
+        out.setdefault((kind, str(group)), []).append(int(nbytes))
+    return out
