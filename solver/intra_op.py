@@ -131,12 +131,26 @@ def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderF
                          fallback_ops=space.fallback_ops, follows=space.follows)
 
 
+def parameter_derived(graph: Graph) -> frozenset[NodeId]:
+    """Nodes computed from parameters alone (a weight, its transpose, a cast of it): on a
+    data-parallel axis these may be gathered (ZeRO), activations may not."""
+    derived: set[NodeId] = set()
+    for node in graph.nodes:
+        if node.role is Role.PARAMETER or (node.inputs and node.op != "placeholder"
+                                           and all(i in derived for i in node.inputs)):
+            derived.add(node.id)
+    return frozenset(derived)
+
+
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], *,
-                   grad_sync_weight: float = 1.0) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
+                   grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = ()
+                   ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
-    cannot reshard); folds same-owner edges into node costs or `forbidden` choices."""
+    cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
+    same-owner edges into node costs or `forbidden` choices."""
     active = set(red.active)
+    from_params = parameter_derived(graph) if gather_free_axes else frozenset()
     edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
     # Layer-shared edges repeat the same (tensor, placements) matrix, and placements repeat
     # within one: price each distinct pair once, keyed by small ints (hashing placement
@@ -145,22 +159,27 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     pair_cost: dict[tuple, float] = {}
     matrices: dict[tuple, list[list[float]]] = {}
 
-    def priced(meta, s: Placements, d: Placements) -> float | None:
+    def priced(meta, s: Placements, d: Placements, activation: bool) -> float | None:
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
             return 0.0
-        key = (meta.shape, meta.strides, meta.dtype, i, k)
+        key = (meta.shape, meta.strides, meta.dtype, i, k, activation)
         if key not in pair_cost:
             t = pricer(meta, s, d)
+            if t is not None and activation and any(
+                    c.axis in gather_free_axes and c.kind in ("all_gather", "all_to_all")
+                    for c in pricer.collectives(meta, s, d) or ()):
+                t = None
             pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
         return pair_cost[key]
 
     def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float) -> None:
+        activation = bool(gather_free_axes) and u not in from_params
         a, b = red.owner[u], red.owner[v]
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]))
+                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation)
                 if c is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
@@ -168,11 +187,11 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.strides, meta.dtype, src, dst)
+        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation)
         unit = matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-            distinct = {(a, b): priced(meta, a, b) for a in us for b in ud}
+            distinct = {(a, b): priced(meta, a, b, activation) for a in us for b in ud}
             unit = matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         matrix = edges.get((a, b))
         if matrix is None:
@@ -391,11 +410,13 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    memory_budget_bytes: float | None = None, solver: str = "highs",
                    time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
                    keep_placeholder: PlaceholderFilter | None = None, grad_sync_weight: float = 1.0,
-                   space: StrategySpace | None = None) -> IntraOpSolution:
+                   gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration);
-    `grad_sync_weight` weighs the gradient reshards per microbatch (1/m). `space` reuses
+    `grad_sync_weight` weighs the gradient reshards per microbatch (1/m);
+    `gather_free_axes` are data-parallel axes on which activations are never gathered
+    (so the batch stays split there). `space` reuses
     an enumeration of the same graph and mesh. Raises InfeasiblePlanError (a ValueError)
     when no plan fits `memory_budget_bytes`, with the smallest memory any plan needs.
     """
@@ -420,7 +441,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
             coef[j] += w * (costs[s].compute_s + costs[s].comm_s + tie * costs[s].memory_bytes)
     forbidden: dict[NodeId, set[int]] = {}
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
-                                           grad_sync_weight=grad_sync_weight), node_coef, forbidden)
+                                           grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes),
+                            node_coef, forbidden)
     terms = _memory_terms(graph, space, table, red)
     built = time.perf_counter()
 

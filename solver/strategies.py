@@ -139,15 +139,23 @@ class _Enumerator:
         args, kwargs = bridge.op_args(op, node.args, node.kwargs, tensor)
         return OpSchema(op, args, kwargs, schema_info=bridge.PROPAGATOR.op_to_schema_info.get(op))
 
-    def _leading(self, node: Node) -> set[int]:
-        """Positions (in node.inputs) of the leading tensor argument, or of every tensor in
-        a leading list argument (cat, stack): the ones op-strategy functions follow."""
-        first = node.args[0] if node.args else None
-        if isinstance(first, Ref):
-            return {0}
-        if isinstance(first, tuple):
-            return set(range(sum(1 for a in first if isinstance(a, Ref))))
-        return {0}
+    def _drivers(self, node: Node) -> list[set[int]]:
+        """Groups of positions (in node.inputs) to lay out together when probing an
+        op-strategy function: each tensor argument alone, and all tensors of a list
+        argument (cat, stack) at once. Functions follow one argument (view follows its
+        input, nll_loss_backward its logits, not its scalar grad_output); which one is
+        op-specific, so every argument takes the lead in turn."""
+        groups, k = [], 0
+        for a in tuple(node.args) + tuple(v for _, v in node.kwargs):
+            if isinstance(a, Ref):
+                groups.append({k})
+                k += 1
+            elif isinstance(a, tuple):
+                refs = sum(1 for x in a if isinstance(x, Ref))
+                if refs:
+                    groups.append(set(range(k, k + refs)))
+                k += refs
+        return groups
 
     def _convert(self, node: Node, outs: Any, ins: Any) -> NodeStrategy | None:
         """A DTensor (outputs, inputs) pair as a NodeStrategy aligned with the IR node, or
@@ -219,26 +227,28 @@ class _Enumerator:
 
         bridge = self.bridge
         metas = self._in_metas(node)
-        leading = self._leading(node)
         replicated = (R,) * len(self.mesh_shape)
         pairs = []
-        for layout in _layouts(metas[min(leading)], self.mesh_shape, partial=True):
-            schema = self._schema(op, node, lambda k: layout if k in leading else replicated)
-            try:
-                strategy = strategy_fn(bridge.PROPAGATOR._wrap_with_op_strategy(schema))
-            except Exception:  # a strategy function refusing this layout: not a candidate
-                continue
-            for spec in getattr(strategy, "strategies", ()):
-                outs = spec.output_specs
-                outs = [outs.placements] if isinstance(outs, DTensorSpec) else [
-                    None if o is None else o.placements for o in outs]
-                if spec.input_specs is None:
-                    if len(outs) != 1:
-                        continue
-                    ins = [outs[0]] * len(node.inputs)
-                else:
-                    ins = [s.placements for s in spec.input_specs if s is not None]
-                pairs.append((outs, ins))
+        for g, group in enumerate(self._drivers(node)):
+            for layout in _layouts(metas[min(group)], self.mesh_shape, partial=True):
+                if layout == replicated and g:
+                    continue  # all-replicated probed once
+                schema = self._schema(op, node, lambda k: layout if k in group else replicated)
+                try:
+                    strategy = strategy_fn(bridge.PROPAGATOR._wrap_with_op_strategy(schema))
+                except Exception:  # a strategy function refusing this layout: not a candidate
+                    continue
+                for spec in getattr(strategy, "strategies", ()):
+                    outs = spec.output_specs
+                    outs = [outs.placements] if isinstance(outs, DTensorSpec) else [
+                        None if o is None else o.placements for o in outs]
+                    if spec.input_specs is None:
+                        if len(outs) != 1:
+                            continue
+                        ins = [outs[0]] * len(node.inputs)
+                    else:
+                        ins = [s.placements for s in spec.input_specs if s is not None]
+                    pairs.append((outs, ins))
         return pairs
 
     def _decomposition(self, op: Any, node: Node) -> list[tuple[Any, Any]]:

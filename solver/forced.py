@@ -1,0 +1,63 @@
+"""A forced configuration (`--dp --tp --zero`) as constraints on the intra-op ILP.
+
+Where it sits: solver/, read by the ILP's callers (solver/search.py, the runtime when it
+solves a configuration given by flags). The per-op compiler has no templates: a
+configuration does not say how each op is split, only what each mesh axis is for; the
+ILP still chooses every placement within these rules.
+
+The mesh of a configuration is (dp, tp) (pp stages each get one). On the axes:
+- dp (data parallel): the data inputs are split by batch (Shard(0)); activations are
+  never gathered over the axis (edges that would all-gather one are absent), so every
+  rank computes on its own samples; parameters are replicated (zero 0: their gradients
+  are all-reduced) or sharded over the axis (zero >= 1: gradients reduce-scattered,
+  parameters gathered for use; ZeRO-1/2/3 are one layout here, the ILP placing the
+  gathers).
+- tp (tensor parallel): the data inputs are whole on every rank of the axis (Replicate);
+  every parameter of two or more dims is sharded over the axis (on a dim the ILP picks;
+  vectors such as norm weights may stay whole), so the axis splits the model.
+The loss tangent is replicated.
+"""
+
+from __future__ import annotations
+
+from autopar.config import ParallelConfig
+from autopar.ir import Node, Role
+from autopar.placement import Placements, Replicate, Shard
+
+DP_AXIS, TP_AXIS = 0, 1
+"""Mesh axes of a configuration's (dp, tp) mesh."""
+
+
+def mesh_shape(config: ParallelConfig) -> tuple[int, int]:
+    return (config.dp, config.tp)
+
+
+def _shardable(shape: tuple[int, ...], size: int) -> bool:
+    return any(d % size == 0 and d >= size for d in shape)
+
+
+def keep_placeholder(config: ParallelConfig):
+    """The placeholder filter for `solve_intra_op(keep_placeholder=...)`."""
+
+    def keep(node: Node, placements: Placements) -> bool:
+        shape = node.output.shape
+        dp, tp = placements[DP_AXIS], placements[TP_AXIS]
+        if node.role is Role.TANGENT:
+            return all(isinstance(p, Replicate) for p in placements)
+        if node.role is Role.INPUT:
+            batch_split = config.dp > 1 and bool(shape) and shape[0] % config.dp == 0
+            return (dp == Shard(0) if batch_split else isinstance(dp, Replicate)) and isinstance(tp, Replicate)
+        if node.role is Role.PARAMETER:
+            if config.dp > 1:
+                sharded_dp = config.zero >= 1 and _shardable(shape, config.dp)
+                if sharded_dp != isinstance(dp, Shard):
+                    return False
+            if config.tp > 1 and len(shape) >= 2 and _shardable(shape, config.tp):
+                return isinstance(tp, Shard)
+        return True
+
+    return keep
+
+
+def gather_free_axes(config: ParallelConfig) -> tuple[int, ...]:
+    return (DP_AXIS,) if config.dp > 1 else ()
