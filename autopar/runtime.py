@@ -374,13 +374,28 @@ def _tie_group(mesh: DeviceMesh, config: ParallelConfig) -> dist.ProcessGroup | 
 def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                   optimizer: OptimizerFactory | None = None, stage_layers: tuple[int, ...] | None = None,
                   compile_stages: bool | None = None, mesh: DeviceMesh | None = None,
-                  fused_kernels: bool | None = None) -> RankProgram:
-    """Shard `model` (built identically on every rank) as `config` says; collective.
+                  fused_kernels: bool | None = None, example_inputs: Sequence[Any] | None = None,
+                  plan: Any = None, cluster: Any = None) -> Any:
+    """Shard `model` (built identically on every rank) as `config` (or `plan`) says; collective.
+
+    pp = 1: the per-op program (autopar/runtime_spmd.py): the plan's per-op placements, or
+    the ILP's for `config`, applied to the traced graph of one global microbatch of
+    `example_inputs` (needed). pp > 1: the pipeline stage builder below (stages cut by the
+    family rule tables until the pipelined per-op path lands).
 
     `fused_kernels` (default: on where CUDA is present) swaps the zoo's norms and MLP
     activations for the fused Triton ops of codegen/kernels before sharding; parameter
     names and values are unchanged, so plans and checkpoints do not notice. Not with
     tp > 1 (the fused ops have no DTensor sharding rules yet)."""
+    if config.pp == 1:
+        from autopar.runtime_spmd import build_spmd_program
+
+        if example_inputs is None:
+            raise ValueError("a pp = 1 program is compiled from the traced training step: pass example_inputs= "
+                             "(one global batch)")
+        placements_of = plan.placements_for if plan is not None and getattr(plan, "placements", None) else None
+        return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
+                                  placements_of=placements_of, cluster=cluster)
     if fused_kernels is None:
         fused_kernels = torch.cuda.is_available()
     if fused_kernels and config.tp > 1:

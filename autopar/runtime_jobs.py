@@ -104,7 +104,8 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
         fingerprint = model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
         stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
         program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
-                                stage_layers=stage_layers, compile_stages=job.compile_stages)
+                                stage_layers=stage_layers, compile_stages=job.compile_stages,
+                                example_inputs=batches[0])
         done = 0
         if job.resume and job.checkpoint_dir and checkpoint.latest(job.checkpoint_dir) is not None:
             done = checkpoint.load(program, job.checkpoint_dir, model_fingerprint=fingerprint).step

@@ -66,7 +66,7 @@ class Slot:
 
 
 @dataclass(slots=True, kw_only=True)
-class RankProgram:
+class RankGraphs:
     """The per-rank program of one plan on one mesh (torch objects: not plan data)."""
 
     step: fx.GraphModule
@@ -224,7 +224,7 @@ def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
     gm.recompile()
 
 
-def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh) -> RankProgram:
+def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh) -> RankGraphs:
     """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`."""
     bridge.register_project_rules()
     mesh_shape = tuple(mesh.shape)
@@ -251,7 +251,7 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
         *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads])
     _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
     loss_id = interp.ids[interp.output.args[0][0]]
-    program = RankProgram(step=step, grad_sync=sync, slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
+    program = RankGraphs(step=step, grad_sync=sync, slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
                           grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape)
     program.source = _source(program)
     return program
@@ -273,7 +273,7 @@ def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: De
     return sync
 
 
-def _source(program: RankProgram) -> str:
+def _source(program: RankGraphs) -> str:
     header = [
         f"# autopar per-rank program on a mesh {list(program.mesh_shape)}: ATen ops on this rank's local shards",
         "# plus the _c10d_functional collectives the plan's placements imply (one per resharded edge).",

@@ -1,0 +1,296 @@
+"""Run the per-op (SPMD) program of a plan: the ILP's placements, applied to the traced graph.
+
+Where it sits: runtime, behind `autopar.runtime.build_program` for plans without pipeline
+stages (pp = 1). On every rank of an initialised process group:
+1. trace the model's training step (forward + backward + loss) on fake tensors at the
+   global microbatch the plan runs (dp * micro_batch sequences), and lower it;
+2. take each op's placements from the plan (matched by node key, autopar/plan.py), or
+   solve the intra-op ILP for a configuration given by flags (rank 0 solves, every rank
+   receives the choice: one solve, identical programs);
+3. apply them (codegen/apply.py): the per-rank graph of ATen ops and collectives;
+4. hold the parameters as DTensors with the chosen placements (in the model's own
+   modules, so `named_parameters()`, checkpoints and `full_tensor()` see them) and step
+   them with a stock `torch.optim` optimizer.
+
+A step: the global batch is cut into m microbatches of dp * micro_batch rows; for each,
+this rank's input shards are taken per the plan's input placements, the per-rank graph
+runs (no autograd: the graph is the joint forward+backward) with the loss tangent 1/m,
+and the raw gradients accumulate locally; after the last one, the gradient-sync graph
+brings each gradient to its parameter's placement once (all-reduce / reduce-scatter) and
+the optimizer steps. The loss is reduced for reporting outside the priced program.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar import dtensor_bridge as bridge
+from autopar.config import ParallelConfig
+from autopar.ir import Graph, Role
+from autopar.placement import Placements, Replicate, Shard
+from autopar.sharding import NodeStrategy
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+def local_shard(t: torch.Tensor, placements: Placements, coords: Sequence[int], mesh_shape: Sequence[int]) -> torch.Tensor:
+    """This rank's piece of a whole tensor `t` laid out as `placements` (no communication)."""
+    out = t
+    for p, c, n in zip(placements, coords, mesh_shape):
+        if isinstance(p, Shard) and n > 1:
+            out = out.chunk(n, dim=p.dim)[c]
+    return out if out.is_contiguous() else out.contiguous()
+
+
+class SpmdProgram:
+    """One rank's share of a per-op plan. Build with `build_spmd_program`."""
+
+    def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, model: nn.Module, graphs: Any,
+                 graph: Graph, optimizer_factory: OptimizerFactory, choices: Sequence[NodeStrategy]) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.model = model
+        self.graphs = graphs
+        self.graph = graph
+        self.choices = tuple(choices)
+        self.coords = tuple(mesh.get_coordinate())
+        self.mesh_shape = tuple(mesh.shape)
+        self.rules = None
+        self.tied_fqns: tuple[str, ...] = ()
+        self.chunks = [model]
+        self.steps_done = 0
+        self.last_stats: Any = None
+        self.pp_rank = 0
+        self.dp_rank = self.coords[0]
+        self.tp_rank = self.coords[1] if len(self.coords) > 1 else 0
+        self._params = self._distribute_parameters()
+        self._buffers = self._buffer_shards()
+        self.optimizer = optimizer_factory(list(self._params.values()))
+
+    # -- state ------------------------------------------------------------------------
+
+    def _distribute_parameters(self) -> dict[str, nn.Parameter]:
+        """Replace each parameter the graph uses by a DTensor parameter in its placement
+        (tied names share one), inside the model's own modules."""
+        placements = {s.name: s.placements for s in self.graphs.slots if s.role is Role.PARAMETER}
+        made: dict[int, nn.Parameter] = {}
+        out: dict[str, nn.Parameter] = {}
+        for fqn, param in list(self.model.named_parameters(remove_duplicate=False)):
+            if id(param) not in made:
+                if fqn not in placements:
+                    raise ValueError(f"parameter {fqn} is not in the traced graph (unused in the loss?); "
+                                     "every trained parameter must reach the loss")
+                d = distribute_tensor(param.detach(), self.mesh, bridge.to_dtensor_placements(placements[fqn]),
+                                      src_data_rank=None)
+                made[id(param)] = nn.Parameter(d, requires_grad=param.requires_grad)
+                out[fqn] = made[id(param)]
+            module_name, _, leaf = fqn.rpartition(".")
+            setattr(self.model.get_submodule(module_name), leaf, made[id(param)])
+        return out
+
+    def _buffer_shards(self) -> dict[str, torch.Tensor]:
+        buffers = dict(self.model.named_buffers())
+        return {s.name: local_shard(buffers[s.name], s.placements, self.coords, self.mesh_shape)
+                for s in self.graphs.slots if s.role is Role.BUFFER}
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self._params.items())
+
+    # -- the step ---------------------------------------------------------------------
+
+    def _inputs(self, microbatch: Sequence[torch.Tensor], tangent: float) -> list[torch.Tensor]:
+        values: list[torch.Tensor] = []
+        data = iter(microbatch)
+        for slot in self.graphs.slots:
+            if slot.role is Role.PARAMETER:
+                values.append(self._params[slot.name]._local_tensor)
+            elif slot.role is Role.BUFFER:
+                values.append(self._buffers[slot.name])
+            elif slot.role is Role.TANGENT:
+                values.append(torch.full((), tangent, dtype=getattr(torch, slot.dtype)))
+            else:
+                x = next(data)
+                if tuple(x.shape) != slot.shape:
+                    raise ValueError(f"input {slot.name} has shape {tuple(x.shape)} but the program was compiled "
+                                     f"for {slot.shape}; feed batches of the compiled shape")
+                values.append(local_shard(x, slot.placements, self.coords, self.mesh_shape))
+        return values
+
+    def step(self, batch: Sequence[torch.Tensor]) -> float:
+        """One optimizer step on the global `batch` (identical on every rank); returns the
+        mean loss over the whole batch, on every rank."""
+        batch = [t for t in batch if isinstance(t, torch.Tensor)]
+        rows = self.config.dp * self.config.micro_batch
+        size = batch[0].shape[0]
+        if size % rows:
+            raise ValueError(f"batch of {size} sequences does not split into microbatches of dp * micro-batch = "
+                             f"{self.config.dp} * {self.config.micro_batch}; use a multiple of {rows}")
+        m = size // rows
+        raw: list[torch.Tensor] | None = None
+        loss_sum = torch.zeros(())
+        with torch.no_grad():
+            for i in range(m):
+                micro = [t[i * rows:(i + 1) * rows] if t.dim() and t.shape[0] == size else t for t in batch]
+                outs = self.graphs.step(*self._inputs(micro, 1.0 / m))
+                loss_sum += outs[0].detach().float()
+                grads = list(outs[1:])
+                raw = grads if raw is None else [a + b for a, b in zip(raw, grads)]
+            synced = self.graphs.grad_sync(*raw)
+        by_name = dict(zip((name for name, _, _ in self.graphs.grads), synced))
+        grad_bytes = 0
+        for name, param in self._params.items():
+            g = by_name[name]
+            grad_bytes += g.numel() * g.element_size()
+            param.grad = DTensor.from_local(g, self.mesh, param.placements, run_check=False, shape=param.shape,
+                                            stride=param.stride())
+        loss = self._global_loss(loss_sum / m)
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            from autopar.runtime import NonFiniteLossError
+
+            raise NonFiniteLossError(self.steps_done + 1, loss)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        self.last_stats = self._stats(grad_bytes)
+        return loss
+
+    def _global_loss(self, local: torch.Tensor) -> float:
+        d = DTensor.from_local(local, self.mesh, bridge.to_dtensor_placements(self.graphs.loss_placements),
+                               run_check=False, shape=torch.Size(()), stride=())
+        return float(d.full_tensor())
+
+    def _stats(self, grad_bytes: int) -> Any:
+        from autopar.runtime import StepStats
+
+        state_bytes = sum(v._local_tensor.numel() * v._local_tensor.element_size() if isinstance(v, DTensor)
+                          else v.numel() * v.element_size()
+                          for s in self.optimizer.state.values() for v in s.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return StepStats(parameter_bytes=sum(p._local_tensor.numel() * p._local_tensor.element_size()
+                                             for p in self._params.values()),
+                         gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
+                         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    # -- inspection and state -----------------------------------------------------------
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Unsharded copies of the parameters (collective: call on every rank)."""
+        return {name: p.full_tensor().detach().clone() for name, p in self._params.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+    @property
+    def code(self) -> str:
+        return self.graphs.source
+
+
+def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
+    """The (dp, tp) mesh of a pp = 1 plan over the whole world, with the job's timeout."""
+    from autopar.runtime import _default_group_timeout
+
+    world = dist.get_world_size()
+    if config.dp * config.tp != world:
+        raise ValueError(f"dp * tp = {config.dp} * {config.tp} = {config.dp * config.tp} but the process group "
+                         f"has {world} ranks; choose degrees whose product is {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    override = None
+    timeout = _default_group_timeout()
+    if timeout is not None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        override = {axis: ("gloo", options) for axis in ("dp", "tp")}
+    return init_device_mesh(device_type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"),
+                            backend_override=override)
+
+
+def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None
+               ) -> tuple[Any, Graph]:
+    """Trace and lower the training step of `model` on one global microbatch."""
+    from autopar.trace import lower, trace
+
+    traced = trace(model, tuple(microbatch), loss_fn=loss_fn)
+    first = next((t for t in microbatch if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    batch = int(first.shape[0]) if first is not None else 1
+    seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
+    graph = lower(traced, name=type(model).__name__, batch=batch, seq=seq, config=getattr(model, "cfg", None))
+    return traced, graph
+
+
+def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> tuple[NodeStrategy, ...]:
+    """The ILP's placements for a configuration given by flags (solver/forced.py rules)."""
+    from solver import forced
+    from solver.intra_op import solve_intra_op
+
+    solution = solve_intra_op(graph, cluster, forced.mesh_shape(config),
+                              keep_placeholder=forced.keep_placeholder(config),
+                              gather_free_axes=forced.gather_free_axes(config),
+                              grad_sync_weight=1.0 / num_microbatches)
+    return solution_choices(graph, solution)
+
+
+def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
+    by_node = {c.node: c for c in solution.choices}
+    return tuple(NodeStrategy(outputs=by_node[i].outputs, inputs=by_node[i].inputs) for i in range(len(graph)))
+
+
+def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
+                       loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
+                       mesh: DeviceMesh | None = None, choices: Sequence[NodeStrategy] | None = None,
+                       placements_of: Callable[[Graph], Sequence[NodeStrategy]] | None = None,
+                       cluster: Any = None) -> SpmdProgram:
+    """Compile `model` for this rank under `config` (pp = 1); collective.
+
+    `example` is one global batch (its first dp * micro_batch rows are traced).
+    Placements come from `choices`, else `placements_of(graph)` (a saved plan), else
+    the ILP solves `config` on rank 0 for `cluster`."""
+    from codegen.apply import apply
+
+    if config.pp != 1:
+        raise ValueError("build_spmd_program runs pp = 1 plans; pipelines use autopar.runtime.build_program")
+    rows = config.dp * config.micro_batch
+    tensors = [t for t in example if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0]
+    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
+    mesh = mesh if mesh is not None else make_spmd_mesh(config)
+    traced, graph = trace_step(model, micro, loss_fn=loss_fn)
+    if choices is None and placements_of is not None:
+        choices = tuple(placements_of(graph))
+    if choices is None:
+        if cluster is None:
+            from autopar.cluster import Cluster
+
+            cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            box[0] = solve_config(graph, config, cluster, num_microbatches=max(1, size // rows))
+        dist.broadcast_object_list(box, src=0)
+        choices = box[0]
+    graphs = apply(traced.gm, graph, choices, mesh)
+    log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
+             dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),
+             sum(1 for n in graphs.step.graph.nodes if str(n.target).startswith("_c10d_functional.")
+                 and "wait" not in str(n.target)))
+    return SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph, optimizer_factory=optimizer,
+                       choices=choices)
