@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.runtime import OptimizerFactory, RankProgram, build_program, model_dims
+from autopar.runtime import OptimizerFactory, build_program, model_dims
 from autopar.runtime_launch import init_from_env, launched_by_torchrun
 
 log = logging.getLogger(__name__)
@@ -98,65 +98,90 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
                 loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
     """Trace `model` on its example inputs, search the whole plan for `mesh`, return the Plan.
 
-    Deterministic (no time limit), so every rank that calls it gets the same plan. Models
-    the runtime cannot split by tensor (unknown structure) or pipeline (no layer list) are
-    searched over the knobs the runtime can execute for them."""
+    The search (solver/spmd_search.py) prices every mesh shape and microbatch by the
+    intra-op ILP on the traced step at that microbatch; the plan carries the per-op
+    placements that then run. Deterministic (no time limit)."""
     import copy
 
-    import cost_model
     from autopar.plan import model_fingerprint
-    from autopar.trace import lower, trace
-    from codegen.rules import rules_for
-    from solver.search import SearchSpace, search
+    from autopar.runtime_spmd import trace_step
+    from solver.spmd_search import search_spmd
 
     cluster = _cluster_of(mesh)
-    traced = trace(copy.deepcopy(model), tuple(example_inputs), loss_fn=loss_fn)
-    first = example_inputs[0]
-    graph = lower(traced, name=type(model).__name__, batch=int(first.shape[0]),
-                  seq=int(first.shape[1]) if first.dim() > 1 else 1, config=getattr(model, "cfg", None))
-    known = rules_for(model) is not None
-    space = SearchSpace(max_tp=None if known else 1, max_pp=None if known else 1)
-    profile = cost_model.profile_graph(graph)
-    global_batch = int(first.shape[0])
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    global_batch = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
 
-    def price(config: ParallelConfig, stage_layers: tuple[int, ...]) -> Any:
-        return cost_model.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
+    def trace_at(rows: int) -> Any:
+        micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == global_batch else t
+                 for t in example_inputs]
+        return trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn)[1]
 
     fingerprint = model_fingerprint(tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
-    result = search(graph, cluster, global_batch=global_batch, price=price, model=type(model).__name__,
-                    fingerprint=fingerprint, cost_model_name="cost_model.price_profile", space=space, top=1)
+    result = search_spmd(trace_at, cluster, global_batch=global_batch, model=type(model).__name__,
+                         fingerprint=fingerprint, top=1)
     log.info("searched plan: %s", result.plan.config)
     return result.plan
 
 
-class Compiled:
-    """A model compiled for this rank: `.step(batch)`, `.plan`, `.config`, `.code`, state dicts."""
+def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
+                     loss_fn: Callable[..., torch.Tensor] | None) -> Any:
+    """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
+    from autopar.plan import Plan
 
-    def __init__(self, program: RankProgram, *, plan: Any, pristine: nn.Module,
-                 example_inputs: tuple[Any, ...] | None) -> None:
-        self.program = program
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn).dumps()
+    dist.broadcast_object_list(box, src=0)
+    return Plan.loads(box[0])
+
+
+class Compiled:
+    """A model compiled for this rank: `.step(batch)`, `.plan`, `.config`, `.code`, state dicts.
+
+    Without example inputs a one-stage program is compiled at the first `step` (the
+    traced step needs a batch's shapes)."""
+
+    def __init__(self, build: Callable[[Sequence[Any]], Any], *, config: ParallelConfig, plan: Any,
+                 pristine: nn.Module, example_inputs: tuple[Any, ...] | None) -> None:
+        self._build = build
         self.plan = plan
-        """The Plan replayed (when `plan=` was given), else None; `.config` is always set."""
-        self.config: ParallelConfig = program.config
+        """The Plan replayed or searched, else None (a configuration given by config=)."""
+        self.config: ParallelConfig = config
         self._pristine = pristine
         self._example_inputs = example_inputs
+        self._program: Any = build(example_inputs) if example_inputs is not None else None
         self._code: dict[str, str] | None = None
+
+    @property
+    def program(self) -> Any:
+        if self._program is None:
+            raise ValueError("this model is compiled at its first step (no example_inputs were given); "
+                             "call .step(batch) first, or pass example_inputs= to autopar.compile")
+        return self._program
 
     def step(self, batch: torch.Tensor | Sequence[torch.Tensor]) -> float:
         """One optimizer step on the global batch; returns the global mean loss (every rank)."""
-        return self.program.step((batch,) if isinstance(batch, torch.Tensor) else tuple(batch))
+        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        if self._program is None:
+            self._program = self._build(batch)
+        return self._program.step(batch)
 
     @property
     def code(self) -> dict[str, str]:
-        """Readable source of this rank's stage program(s) (codegen.emit), traced locally with
-        fake tensors on this rank's mesh: no communication, no collective call needed."""
+        """Source of this rank's program: for a one-stage plan, the per-rank graph that
+        runs (ATen ops and collectives, codegen/apply.py); for a pipeline, each stage's
+        program traced by codegen.emit."""
         if self._code is None:
-            from codegen.emit import emit
+            program = self.program
+            if hasattr(program, "code"):
+                self._code = {"stage0": program.code}
+            else:
+                from codegen.emit import emit
 
-            if self._example_inputs is None:
-                raise ValueError("compiled.code needs example_inputs= at compile time (a global batch)")
-            self._code = emit(self._pristine, self.config, example_inputs=self._example_inputs,
-                              mesh=self.program.mesh, stage_layers=getattr(self.plan, "stage_layers", None))
+                if self._example_inputs is None:
+                    raise ValueError("compiled.code needs example_inputs= at compile time (a global batch)")
+                self._code = emit(self._pristine, self.config, example_inputs=self._example_inputs,
+                                  mesh=program.mesh, stage_layers=getattr(self.plan, "stage_layers", None))
         return self._code
 
     def state_dict(self) -> dict[str, Any]:
@@ -201,16 +226,20 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         if example_inputs is None:
             raise ValueError("autopar.compile needs example_inputs= (one global batch) to search a plan, "
                              "or plan= / config= to run one without searching")
-        plan = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn)
+        plan = _search_on_rank0(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn)
         config = plan.config
     if example_inputs is not None:
-        config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model))
+        config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model, config))
     pristine = copy.deepcopy(model)  # codegen.emit traces an unsharded copy
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
-    program = build_program(model, config, loss_fn=loss_fn, optimizer=optimizer, compile_stages=compile_stages,
-                            stage_layers=tuple(plan.stage_layers) if getattr(plan, "stage_layers", None) else None,
-                            mesh=device_mesh)
-    return Compiled(program, plan=plan, pristine=pristine,
+    cluster = _cluster_of(mesh)
+
+    def build(example: Sequence[Any] | None) -> Any:
+        return build_program(model, config, loss_fn=loss_fn, optimizer=optimizer, compile_stages=compile_stages,
+                             stage_layers=tuple(plan.stage_layers) if getattr(plan, "stage_layers", None) else None,
+                             mesh=device_mesh, example_inputs=example, plan=plan, cluster=cluster)
+
+    return Compiled(build, config=config, plan=plan, pristine=pristine,
                     example_inputs=tuple(example_inputs) if example_inputs is not None else None)
 
 

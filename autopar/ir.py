@@ -244,6 +244,26 @@ class Graph:
         h.update(json.dumps([[g.layers, g.multiplicity] for g in self.layer_groups]).encode())
         return h.hexdigest()
 
+    def node_keys(self) -> tuple[str, ...]:
+        """A name per node that does not depend on how many layers were traced: `L<sig>.<k>`
+        for the k-th node of a layer of the group with structural signature <sig> (every
+        layer of a group shares it: layer sharing gives them one placement), `N<i>` for
+        the i-th node outside the repeated layers. A plan searched on a two-layer trace
+        names the same ops as the full model's trace."""
+        keys: dict[NodeId, str] = {}
+        for group in self.layer_groups:
+            for layer_nodes in group.nodes:
+                for k, nid in enumerate(layer_nodes):
+                    keys[nid] = f"L{group.signature[:16]}.{k}"
+        out, i = [], 0
+        for node in self.nodes:
+            if node.id in keys:
+                out.append(keys[node.id])
+            else:
+                out.append(f"N{i}")
+                i += 1
+        return tuple(out)
+
     def summary(self) -> dict[str, Any]:
         return {
             "model": self.model.name,

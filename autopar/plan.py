@@ -27,8 +27,10 @@ from typing import Any, Iterable, Mapping, Sequence
 from autopar.sharding import InfeasiblePlanError  # one error type for "nothing fits", intra-op or whole plan
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.placement import parse_placements
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2: plans carry the ILP's per-op placements (`placements`), which is what runs."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 GIB = 1024**3
 
@@ -175,6 +177,64 @@ class IntraOpChoice:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OpPlacement:
+    """The ILP's choice for one op of the traced step: the layout of each output and the
+    layout each input must arrive in (one placement per mesh axis, autopar/placement.py
+    text). `key` names the op independently of the traced depth (Graph.node_keys)."""
+
+    key: str
+    op: str
+    outputs: tuple[str, ...]
+    inputs: tuple[str, ...]
+
+    def to_json(self) -> list[Any]:
+        return [self.key, self.op, list(self.outputs), list(self.inputs)]
+
+    @classmethod
+    def from_json(cls, data: Any) -> "OpPlacement":
+        if not (isinstance(data, list) and len(data) == 4 and all(isinstance(x, list) for x in data[2:])):
+            raise PlanFileError(f"plan placements[] entries are [key, op, outputs, inputs], got {str(data)[:120]}")
+        key, op, outs, ins = data
+        for text in outs + ins:
+            try:
+                parse_placements(str(text))
+            except ValueError as exc:
+                raise PlanFileError(f"plan placements[{key!r}]: {exc}") from None
+        return cls(key=str(key), op=str(op), outputs=tuple(str(x) for x in outs), inputs=tuple(str(x) for x in ins))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntraOpInfo:
+    """How the per-op placements were found, for `explain` (from the plan alone)."""
+
+    status: str
+    """"optimal", or "time_limit" when the solver stopped with a feasible, unproven plan."""
+    coverage: float
+    """Share of the step's FLOPs whose op had a sharded strategy (not only replicated)."""
+    fallback_ops: tuple[str, ...]
+    """Ops with no strategy in DTensor's registry nor from their decomposition (replicated)."""
+    num_variables: int
+    collectives: tuple[tuple[str, str, int, int], ...]
+    """(kind, mesh axis name, calls per step, bytes per step) of the priced program."""
+    time_s: tuple[tuple[str, float], ...]
+    """The ILP's per-step seconds by term (compute, reshard, gradient sync)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "coverage": self.coverage, "fallback_ops": list(self.fallback_ops),
+                "num_variables": self.num_variables, "collectives": [list(c) for c in self.collectives],
+                "time_s": dict(self.time_s)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "IntraOpInfo":
+        _check_keys(data, ("status", "coverage", "fallback_ops", "num_variables", "collectives", "time_s"),
+                    "intra_op_info")
+        return cls(status=str(data["status"]), coverage=float(data["coverage"]),
+                   fallback_ops=tuple(str(x) for x in data["fallback_ops"]), num_variables=int(data["num_variables"]),
+                   collectives=tuple((str(k), str(a), int(n), int(b)) for k, a, n, b in data["collectives"]),
+                   time_s=_pairs(data["time_s"], "intra_op_info.time_s"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Alternative:
     """A runner-up plan, kept so `explain` can say what the choice beat and by how much."""
 
@@ -229,7 +289,7 @@ class SearchInfo:
 _PLAN_KEYS: tuple[str, ...] = (
     "version", "model", "model_fingerprint", "num_layers", "seq", "global_batch", "cluster",
     "memory_limit_bytes", "config", "stage_layers", "mesh_shape", "mesh_axis_names", "stages",
-    "intra_op", "predicted", "search",
+    "intra_op", "predicted", "search", "placements", "intra_op_info",
 )
 
 
@@ -254,6 +314,9 @@ class Plan:
     intra_op: tuple[IntraOpChoice, ...] = ()
     predicted: Prediction
     search: SearchInfo
+    placements: tuple[OpPlacement, ...] = ()
+    """The ILP's per-op placements: the program that runs (pp = 1 plans)."""
+    intra_op_info: IntraOpInfo | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -293,6 +356,14 @@ class Plan:
                                 f"= {c.dp} * {c.micro_batch}")
         if self.memory_limit_bytes <= 0 or self.seq <= 0:
             raise PlanFileError("plan memory_limit_bytes and seq must be positive")
+        keys = [p.key for p in self.placements]
+        if len(set(keys)) != len(keys):
+            raise PlanFileError("plan placements name an op twice; the file was edited. Re-run `autopar search`")
+        mesh_axes = 2
+        for p in self.placements:
+            for text in p.outputs + p.inputs:
+                if len(parse_placements(text)) != mesh_axes:
+                    raise PlanFileError(f"plan placements[{p.key!r}] {text} do not match the (dp, tp) mesh")
 
     # -- JSON ------------------------------------------------------------------------------
 
@@ -305,6 +376,8 @@ class Plan:
             "mesh_shape": list(self.mesh_shape), "mesh_axis_names": list(self.mesh_axis_names),
             "stages": [s.to_json() for s in self.stages], "intra_op": [c.to_json() for c in self.intra_op],
             "predicted": self.predicted.to_json(), "search": self.search.to_json(),
+            "placements": [p.to_json() for p in self.placements],
+            "intra_op_info": None if self.intra_op_info is None else self.intra_op_info.to_json(),
         }
 
     def dumps(self) -> str:
@@ -337,6 +410,8 @@ class Plan:
                 stages=tuple(StageInfo.from_json(s) for s in data["stages"]),
                 intra_op=tuple(IntraOpChoice.from_json(c) for c in data["intra_op"]),
                 predicted=Prediction.from_json(data["predicted"]), search=SearchInfo.from_json(data["search"]),
+                placements=tuple(OpPlacement.from_json(p) for p in data["placements"]),
+                intra_op_info=None if data["intra_op_info"] is None else IntraOpInfo.from_json(data["intra_op_info"]),
             )
         except PlanFileError:
             raise
@@ -365,6 +440,26 @@ class Plan:
             return cls.loads(text)
         except PlanFileError as exc:
             raise PlanFileError(f"{p}: {exc}") from None
+
+    def placements_for(self, graph: Any) -> tuple[Any, ...]:
+        """The plan's per-op placements as one NodeStrategy per node of `graph` (the traced
+        step of the model it runs on, at the plan's microbatch; any traced depth)."""
+        from autopar.sharding import NodeStrategy
+
+        by_key = {p.key: p for p in self.placements}
+        out = []
+        for node, key in zip(graph.nodes, graph.node_keys()):
+            p = by_key.get(key)
+            if p is None or p.op != node.op:
+                raise PlanFileError(
+                    f"plan {self.model!r} does not match this model's traced step: op {node.op} "
+                    f"({node.name}, {node.module_path or 'top level'}) "
+                    + ("is not in the plan" if p is None else f"is {p.op} in the plan")
+                    + "; the model or its input shapes differ from the search's. Re-run `autopar search` for "
+                      "this model and batch")
+            out.append(NodeStrategy(outputs=tuple(parse_placements(t) for t in p.outputs),
+                                    inputs=tuple(parse_placements(t) for t in p.inputs)))
+        return tuple(out)
 
     def check_model(self, fingerprint: str) -> None:
         """Refuse to apply this plan to a different model (the runtime calls this)."""

@@ -70,10 +70,14 @@ class StepStats:
     peak_rss_bytes: int
 
 
-def model_dims(model: nn.Module) -> dict[str, int]:
-    """Heads, key/value heads and layers of a zoo model (0 where unknown), for config.check."""
+def model_dims(model: nn.Module, config: ParallelConfig | None = None) -> dict[str, int]:
+    """Heads, key/value heads and layers of a zoo model (0 where unknown), for config.check.
+
+    One-stage plans (pp = 1) run the per-op program, which splits any op the ILP can
+    shard, so no head count constrains tp there: only pipelines (built from the family
+    tables until they are per-op too) need them."""
     cfg = getattr(model, "cfg", None)
-    if cfg is None or rules_for(model) is None:
+    if cfg is None or rules_for(model) is None or (config is not None and config.pp == 1):
         return {"heads": 0, "kv_heads": 0, "num_layers": 0}
     kv = getattr(cfg, "num_kv_heads", cfg.heads)
     return {"heads": cfg.heads, "kv_heads": kv, "num_layers": cfg.layers}

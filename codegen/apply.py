@@ -241,13 +241,16 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     _name_placeholders(step, [_slot_name(s) for s in slots])
 
     by_grad = {g: p for p, g in graph.param_grads}
-    grads = []
+    grads, grad_ids = [], []
     for g in interp._grad_outputs():
         gid = interp.ids[g]
         pid = by_grad[gid]
+        grad_ids.append(gid)
         grads.append((graph[pid].param_name or graph[pid].name, choices[gid].outputs[0], choices[pid].outputs[0],
                       graph[gid].output))
-    sync = make_fx(_grad_sync_fn(grads, mesh), tracing_mode="fake")(
+    position = {gid: k for k, gid in enumerate(grad_ids)}
+    order = [position[g] for _, g in graph.param_grads if g in position]
+    sync = make_fx(_grad_sync_fn(grads, mesh, order, [graph.weight(g) for g in grad_ids]), tracing_mode="fake")(
         *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads])
     _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
     loss_id = interp.ids[interp.output.args[0][0]]
@@ -262,12 +265,66 @@ def _slot_name(slot: Slot) -> str:
     return prefix + slot.name
 
 
-def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: DeviceMesh) -> Any:
+def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple | None:
+    """(kind, axis, reduce op, dtype) when `src -> dst` is one all-reduce or reduce-scatter
+    on one axis (the rest unchanged): such gradients share buckets (autopar/buckets.py)."""
+    steps = [t for t in bridge.transforms(meta.shape, meta.strides, meta.dtype, src, dst, mesh_shape)
+             if t[0] != "local"]
+    if len(steps) != 1 or steps[0][0] not in ("all_reduce", "reduce_scatter"):
+        return None
+    kind, axis, _ = steps[0]
+    if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k != axis):
+        return None
+    reduce_op = getattr(src[axis], "reduce_op", None)
+    return None if reduce_op is None else (kind, axis, reduce_op, meta.dtype)
+
+
+def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: DeviceMesh,
+                  order: list[int], weights: list[float]) -> Any:
+    """Bring raw gradients to their parameters' placements, bucketed: one flat all-reduce
+    or reduce-scatter per bucket (autopar/buckets.py, in `order`: graph order of the
+    gradients, as the pricing takes them), other gradients through DTensor one by one."""
+    import torch.distributed._functional_collectives as funcol
+
+    from autopar.buckets import plan_buckets
+
+    mesh_shape = tuple(mesh.shape)
+    keys = {i: _bucket_key(grads[i][3], grads[i][1], grads[i][2], mesh_shape) if grads[i][1] != grads[i][2] else None
+            for i in order}
+    sizes = {i: grads[i][3].size_bytes for i in order}
+    items = [(keys[i], sizes[i]) for i in order]
+    buckets = [[order[k] for k in bucket] for bucket in plan_buckets(items)]
+
     def sync(*raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = []
-        for local, (_, src, dst, meta) in zip(raw, grads):
-            t = _dtensor(local, mesh, src, meta.shape, meta.strides)
-            out.append(_redistribute(t, dst, True)._local_tensor if src != dst else local)
+        out: list[torch.Tensor | None] = [None] * len(raw)
+        for bucket in buckets:
+            key = keys[bucket[0]]
+            if key is None:
+                for i in bucket:
+                    _, src, dst, meta = grads[i]
+                    out[i] = raw[i] if src == dst else _redistribute(
+                        _dtensor(raw[i], mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
+                continue
+            kind, axis, reduce_op, _ = key
+            if kind == "all_reduce":
+                flat = torch.cat([raw[i].reshape(-1) for i in bucket])
+                reduced = funcol.all_reduce(flat, reduce_op, (mesh, axis))
+                offset = 0
+                for i in bucket:
+                    n = raw[i].numel()
+                    out[i] = reduced[offset:offset + n].view(raw[i].shape)
+                    offset += n
+                continue
+            n = mesh_shape[axis]
+            pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
+            flat = torch.cat([pieces[i][r].reshape(-1) for r in range(n) for i in bucket])
+            reduced = funcol.reduce_scatter_tensor(flat, reduce_op, 0, (mesh, axis))
+            offset = 0
+            for i in bucket:
+                shape = pieces[i][0].shape
+                size = pieces[i][0].numel()
+                out[i] = reduced[offset:offset + size].view(shape)
+                offset += size
         return tuple(out)
 
     return sync

@@ -29,7 +29,7 @@ from cost_model.collectives import (
     reshard_time_s,
     send_recv_time_s,
 )
-from cost_model.compute import compute_time_s
+from cost_model.compute import compute_time_s, optimizer_time_s
 from cost_model.estimate import Estimate
 from cost_model.memory import model_state_bytes
 from cost_model.profile import GraphProfile, profile_graph
@@ -56,7 +56,7 @@ def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batc
 
 __all__ = [
     "AxisLink", "Estimate", "GraphProfile", "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
-    "compute_time_s", "default_stage_layers", "mesh_axis_links", "model_state_bytes", "price",
+    "compute_time_s", "default_stage_layers", "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
     "ZERO3_RUNTIMES", "Zero3Runtime",
 ]

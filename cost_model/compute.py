@@ -51,3 +51,12 @@ def compute_time_s(flops: float, bytes_moved: float, hardware: Hardware, dtype: 
     t_flops = flops / (peak * GEMM_EFFICIENCY)
     # near the ridge point a GEMM's operand traffic is only partly hidden behind its math
     return max(t_flops, t_mem) + (1 - GEMM_MEMORY_OVERLAP) * min(t_flops, t_mem) + GEMM_OVERHEAD_S
+
+
+def optimizer_time_s(local_parameters: float, hardware: Hardware) -> float:
+    """The optimizer step over `local_parameters` elements: a memory-bound pass reading and
+    writing OPTIMIZER_BYTES_PER_PARAM bytes per element (efficiency.py) at achievable HBM
+    bandwidth."""
+    from cost_model.efficiency import OPTIMIZER_BYTES_PER_PARAM
+
+    return local_parameters * OPTIMIZER_BYTES_PER_PARAM / (hardware.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)

@@ -24,6 +24,10 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     collectives    = the same steps as (kind, axis, bytes): what the per-rank program runs
                      on that edge (price = run). On gloo (the cpu profile) DTensor's
                      shard-to-shard all-to-all is an all-gather and a local chunk.
+    grad_sync(g->p) = reshard(g->p), except for a bucketable gradient (one all-reduce or
+                     reduce-scatter, autopar/buckets.py): its bandwidth term plus its share
+                     bytes / BUCKET_BYTES of the bucket's latency (the program sends it in a
+                     bucket; the report counts the real buckets).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from autopar.cluster import Cluster
 from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
 from autopar.placement import Placements, shard_factor
 from autopar.sharding import NodeStrategy, StrategySpace
+from autopar.buckets import BUCKET_BYTES
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
+    collective_latency_s,
     all_reduce_time_s,
     all_to_all_time_s,
     mesh_axis_links,
@@ -208,6 +214,27 @@ class ReshardPricer:
             return 0.0
         found = self._lookup(meta, src, dst)
         return None if found is None else found[0]
+
+    def bucket_key(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple | None:
+        """The bucket a gradient reduction `src -> dst` can share (autopar/buckets.py), or None."""
+        steps = self.collectives(meta, src, dst)
+        if not steps or len(steps) != 1 or steps[0].kind not in ("all_reduce", "reduce_scatter"):
+            return None
+        step = steps[0]
+        if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k != step.axis):
+            return None  # a local chunk on another axis too: resharded on its own
+        reduce_op = getattr(src[step.axis], "reduce_op", None)
+        return None if reduce_op is None else (step.kind, step.axis, reduce_op, meta.dtype)
+
+    def grad_sync_time(self, meta: TensorMeta, src: Placements, dst: Placements) -> float | None:
+        if src == dst:
+            return 0.0
+        if self.bucket_key(meta, src, dst) is None:
+            return self(meta, src, dst)
+        (step,) = self.collectives(meta, src, dst)
+        link = self.links[step.axis]
+        latency = collective_latency_s(step.kind, link)
+        return collective_time_s(step, self.links) - latency + latency * min(1.0, step.bytes / BUCKET_BYTES)
 
     def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:
         key = (meta.shape, meta.strides, meta.dtype, src, dst)

@@ -70,6 +70,7 @@ from autopar.sharding import (
     PricedCollective,
     StrategySpace,
 )
+from autopar.buckets import plan_buckets
 from solver.costs import CostTable, ReshardPricer, price
 from solver.ilp_reduce import Reduction, reduce_graph
 from solver.strategies import enumerate_strategies
@@ -159,13 +160,13 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     pair_cost: dict[tuple, float] = {}
     matrices: dict[tuple, list[list[float]]] = {}
 
-    def priced(meta, s: Placements, d: Placements, activation: bool) -> float | None:
+    def priced(meta, s: Placements, d: Placements, activation: bool, grad: bool) -> float | None:
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
             return 0.0
-        key = (meta.shape, meta.strides, meta.dtype, i, k, activation)
+        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad)
         if key not in pair_cost:
-            t = pricer(meta, s, d)
+            t = pricer.grad_sync_time(meta, s, d) if grad else pricer(meta, s, d)
             if t is not None and activation and any(
                     c.axis in gather_free_axes and c.kind in ("all_gather", "all_to_all")
                     for c in pricer.collectives(meta, s, d) or ()):
@@ -173,13 +174,13 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
         return pair_cost[key]
 
-    def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float) -> None:
-        activation = bool(gather_free_axes) and u not in from_params
+    def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float, grad: bool = False) -> None:
+        activation = bool(gather_free_axes) and u not in from_params and not grad
         a, b = red.owner[u], red.owner[v]
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation)
+                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad)
                 if c is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
@@ -187,11 +188,11 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation)
+        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad)
         unit = matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-            distinct = {(a, b): priced(meta, a, b, activation) for a in us for b in ud}
+            distinct = {(a, b): priced(meta, a, b, activation, grad) for a in us for b in ud}
             unit = matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         matrix = edges.get((a, b))
         if matrix is None:
@@ -214,7 +215,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     for param, grad in graph.param_grads:
         if param in active and grad in active:
             add(grad, param, graph[grad].output, lambda j, g=grad: space[g][j].outputs[0],
-                lambda j, q=param: space[q][j].outputs[0], graph.weight(grad) * grad_sync_weight)
+                lambda j, q=param: space[q][j].outputs[0], graph.weight(grad) * grad_sync_weight, grad=True)
     return edges
 
 
@@ -487,6 +488,33 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     return solution
 
 
+def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements, Placements]],
+                              pricer: ReshardPricer) -> list[PricedCollective]:
+    """The collectives of the once-per-step gradient sync, bucketed as the program does it
+    (autopar/buckets.py); `syncs` are (gradient node, its placement, its parameter's) in
+    graph order. A traced layer's gradient stands for `weight` real layers: its bucket
+    share counts that many times."""
+    items = []
+    for g, src, dst in syncs:
+        steps = pricer.collectives(graph[g].output, src, dst) or ()
+        key = pricer.bucket_key(graph[g].output, src, dst) if steps else None
+        items.append((key, sum(c.bytes for c in steps) * graph.weight(g)))
+    out = []
+    for bucket in plan_buckets(items):
+        first_g, src, dst = syncs[bucket[0]]
+        steps = pricer.collectives(graph[first_g].output, src, dst) or ()
+        if not steps:
+            continue
+        if len(bucket) == 1 and items[bucket[0]][0] is None:
+            out.extend(PricedCollective(src=first_g, dst=first_g, kind=c.kind, axis=c.axis, bytes=c.bytes,
+                                        weight=graph.weight(first_g), gradient_sync=True) for c in steps)
+            continue
+        (step,) = steps
+        out.append(PricedCollective(src=first_g, dst=first_g, kind=step.kind, axis=step.axis,
+                                    bytes=int(sum(items[i][1] for i in bucket)), weight=1.0, gradient_sync=True))
+    return out
+
+
 def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
              budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
@@ -497,23 +525,25 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
     reshard: dict[NodeId, float] = defaultdict(float)
     collectives: list[PricedCollective] = []
 
-    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, grad: bool) -> float:
+    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements) -> float:
         steps = pricer.collectives(graph[u].output, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
-        weight = graph.weight(v if not grad else u)
         for c in steps:
             collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
-                                                weight=weight, gradient_sync=grad))
+                                                weight=graph.weight(v)))
         return pricer(graph[u].output, src, dst) or 0.0
 
     for v in red.active:
         for p, u in enumerate(graph[v].inputs):
             if u in active and len(graph[u].outputs) == 1:
-                reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p], False)
-    for param, grad in graph.param_grads:
-        if param in active and grad in active:
-            t = edge(grad, param, space[grad][pick[grad]].outputs[0], space[param][pick[param]].outputs[0], True)
-            reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
+                reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p])
+    syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
+    for param, grad in syncs:
+        t = pricer.grad_sync_time(graph[grad].output, space[grad][pick[grad]].outputs[0],
+                                  space[param][pick[param]].outputs[0]) or 0.0
+        reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
+    collectives.extend(gradient_sync_collectives(graph, [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].outputs[0])
+                                                         for p, g in syncs], pricer))
     choices = []
     compute = comm = resh = 0.0
     for n in red.active:

@@ -22,7 +22,6 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import GIB, describe_config, fingerprint_source
 from autopar.trace import trace_model
-from solver.intra_ilp import ilp_intra_op
 from solver.search import ProgressFn, SearchResult, SearchSpace, search
 
 log = logging.getLogger(__name__)
@@ -35,42 +34,45 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
                 memory_gb: float | None = None, top: int = 5, time_limit_s: float | None = None,
                 space: SearchSpace = SearchSpace(), progress: ProgressFn | None = None,
                 with_ilp: bool = True) -> SearchResult:
-    """Trace, fingerprint, profile and search; phases (seconds) cover the whole pipeline.
+    """Trace, fingerprint and search; phases (seconds) cover the whole pipeline.
 
-    With `with_ilp`, the intra-op ILP is solved for the chosen plan's layer groups and
-    recorded in the plan beside the template (solver/intra_ilp.py)."""
-    import cost_model
+    Every candidate (mesh x microbatch) is traced at its microbatch and priced by the
+    intra-op ILP (solver/spmd_search.py): the plan's per-op placements are the program
+    `autopar train --plan` runs. Zoo presets and specs trace LAYERS_TRACED layers (a
+    group of identical layers stands for all of them); factories trace whole."""
+    from solver.spmd_search import search_spmd
 
     phases: list[tuple[str, float]] = []
     t0 = time.perf_counter()
     source = resolve(model).with_overrides(seq=seq)
     cluster = Cluster.parse(cluster_spec).with_memory_gb(memory_gb)
+    dtype = "float32" if cluster.hardware.name == "cpu" else "bfloat16"
     if progress:
         progress("trace", 0, 1)
-    graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=LAYERS_TRACED)
-    phases.append(("trace", time.perf_counter() - t0))
+    if source.config is None:
+        from autopar.runtime_spmd import trace_step
+
+        factory_model, example = source.factory()
+        tensors = [t for t in example if hasattr(t, "shape") and len(t.shape)]
+        batch = int(tensors[0].shape[0]) if tensors else 1
+        if global_batch != batch:
+            raise ValueError(f"factory {model!r} gives batches of {batch}; search it with --global-batch {batch}")
+
+        def trace_at(rows: int) -> Any:
+            import copy
+
+            micro = [t[:rows] if hasattr(t, "shape") and len(t.shape) and t.shape[0] == batch else t for t in example]
+            return trace_step(copy.deepcopy(factory_model), micro)[1]
+        num_layers = None
+    else:
+        def trace_at(rows: int) -> Any:
+            return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED)
+        num_layers = source.config.layers
     t = time.perf_counter()
     fingerprint = fingerprint_source(source)
     phases.append(("fingerprint", time.perf_counter() - t))
-    t = time.perf_counter()
-    profile = cost_model.profile_graph(graph)
-    phases.append(("profile", time.perf_counter() - t))
-
-    def price(config: ParallelConfig, stage_layers: tuple[int, ...]) -> Any:
-        return cost_model.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
-
-    ilp_cache: dict[Any, Any] = {}
-
-    def intra_op(config: ParallelConfig) -> tuple[Any, ...]:
-        try:
-            return ilp_intra_op(graph, cluster, config, cache=ilp_cache, time_limit_s=time_limit_s or 60.0)
-        except ValueError as exc:  # the template stays the plan's intra-op choice
-            log.warning("intra-op ILP skipped: %s", exc)
-            return ()
-
-    result = search(graph, cluster, global_batch=global_batch, price=price, model=model, fingerprint=fingerprint,
-                    cost_model_name="cost_model.price_profile", space=space, top=top, time_limit_s=time_limit_s,
-                    progress=progress, intra_op_fn=intra_op if with_ilp else None)
+    result = search_spmd(trace_at, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
+                         top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers)
     return SearchResult(ranked=result.ranked, plan=result.plan, phases=tuple(phases) + result.phases,
                         search_time_s=time.perf_counter() - t0)
 

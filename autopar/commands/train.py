@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = source.build()
         global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
-    dims = model_dims(model)
+    dims = model_dims(model, config)
     num_microbatches = config.check(global_batch=global_batch, num_devices=devices, **dims)
     if args.resume:
         _check_resume(args, model)

@@ -1,0 +1,41 @@
+"""Gradient buckets: which gradient reductions travel in one collective.
+
+Where it sits: shared by the pricing of a plan (solver/intra_op.py reports the bucketed
+collectives; solver/costs.py prices a gradient's share of a bucket's latency) and the
+program (codegen/apply.py flattens each bucket into one all-reduce or reduce-scatter),
+so both count the same collectives. Torch-free.
+
+A gradient is bucketable when bringing it to its parameter's placement is one collective
+on one mesh axis: an all-reduce (pending sum -> replicated) or a reduce-scatter (pending
+sum -> shard). Buckets group gradients of the same (kind, axis, reduce op, dtype) in
+graph order, up to BUCKET_BYTES each (DDP's default bucket size, 25 MiB); any other
+gradient reshards on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+BUCKET_BYTES = 25 * 2**20
+"""Largest bucket (torch DDP's `bucket_cap_mb` default)."""
+
+
+def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Group `items` [(bucket key or None if not bucketable, bytes), ...] into buckets of
+    item indices: same key, in order, a new bucket when the next item would pass
+    `cap_bytes` (an item larger than the cap gets its own); unbucketable items alone."""
+    open_: dict[Hashable, tuple[list[int], int]] = {}
+    buckets: list[list[int]] = []
+    for i, (key, nbytes) in enumerate(items):
+        if key is None:
+            buckets.append([i])
+            continue
+        current = open_.get(key)
+        if current is not None and current[1] + nbytes <= cap_bytes:
+            current[0].append(i)
+            open_[key] = (current[0], current[1] + nbytes)
+            continue
+        bucket = [i]
+        buckets.append(bucket)
+        open_[key] = (bucket, nbytes)
+    return buckets

@@ -1,0 +1,275 @@
+"""Whole-plan search for one-stage (pp = 1) plans, priced by the intra-op ILP that runs.
+
+Where it sits: solver/, called by `autopar search` and `autopar.compile` (through
+autopar/api.py and autopar/commands/search.py, which supply how to trace the model at a
+given microbatch). Output: ranked candidates and the best `Plan`, whose per-op placements
+(`Plan.placements`) are exactly the program the runtime builds.
+
+The space: every 2-D mesh (a, b) with a * b = devices (axes of one node are
+interchangeable, so (a, b) and (b, a) are one candidate there) x every global
+microbatch g (a multiple of a dividing the global batch B; m = B / g microbatches,
+at most MAX_MICROBATCH_CHOICES of the largest g). For each, the graph is traced at g
+sequences and the intra-op ILP solves every op's placements jointly over both axes,
+under the per-device memory limit, with no template: data, tensor, sequence and
+ZeRO-style parallelism are whatever minimises
+
+    step_time = m * (per-microbatch compute + resharding)  +  gradient sync (once)
+                + optimizer step over the local parameters (cost_model)
+
+which is the ILP objective times m (gradient edges weighted 1/m) plus the optimizer.
+Candidates are ranked by (step time, peak memory, mesh, m): a total order, so the plan
+is deterministic. Infeasible ones (nothing fits) are reported with the smallest memory
+any of them needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import cost_model
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.ir import Graph, Role
+from autopar.placement import Shard, format_placements, shard_factor
+from autopar.plan import (
+    Alternative,
+    GIB,
+    InfeasiblePlanError,
+    IntraOpInfo,
+    OpPlacement,
+    Plan,
+    Prediction,
+    SearchInfo,
+)
+from autopar.sharding import IntraOpSolution
+from solver.intra_op import solve_intra_op
+from solver.search import ProgressFn, Ranked, SearchResult
+from solver.strategies import coverage, enumerate_strategies
+
+log = logging.getLogger(__name__)
+
+MAX_MICROBATCH_CHOICES = 3
+"""Microbatch counts tried per mesh (the largest global microbatches first): more
+microbatches only save activation memory, so beyond a few the ILP re-solves for nothing."""
+
+AXIS_NAMES = ("dp", "tp")
+
+TraceAt = Callable[[int], Graph]
+"""trace_at(global microbatch sequences) -> the lowered training step at that batch."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpmdCandidate:
+    mesh: tuple[int, int]
+    microbatch: int
+    """Sequences per global microbatch (over the whole mesh)."""
+    num_microbatches: int
+
+    @property
+    def config(self) -> ParallelConfig:
+        return ParallelConfig(dp=self.mesh[0], tp=self.mesh[1], micro_batch=self.microbatch // self.mesh[0],
+                              zero=0)
+
+
+def mesh_candidates(cluster: Cluster) -> list[tuple[int, int]]:
+    """2-D meshes over all devices; on one node the axes are interchangeable."""
+    n = cluster.num_devices
+    out = []
+    for a in range(n, 0, -1):
+        if n % a:
+            continue
+        b = n // a
+        if cluster.num_nodes == 1 and b > a:
+            continue
+        out.append((a, b))
+    return out
+
+
+def candidates(cluster: Cluster, global_batch: int) -> list[SpmdCandidate]:
+    out = []
+    for mesh in mesh_candidates(cluster):
+        sizes = [g for g in range(global_batch, 0, -1) if global_batch % g == 0 and g % mesh[0] == 0]
+        for g in sizes[:MAX_MICROBATCH_CHOICES]:
+            out.append(SpmdCandidate(mesh=mesh, microbatch=g, num_microbatches=global_batch // g))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Solved:
+    candidate: SpmdCandidate
+    graph: Graph
+    solution: IntraOpSolution
+    estimate: cost_model.Estimate
+    coverage: float
+    fallback_ops: tuple[str, ...]
+
+
+def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
+    by_node = {c.node: c for c in solution.choices}
+    total = 0.0
+    for node in graph.by_role(Role.PARAMETER):
+        c = by_node.get(node.id)
+        if c is not None:
+            total += node.output.numel * graph.weight(node.id) / shard_factor(c.outputs[0], solution.mesh_shape)
+    return total
+
+
+def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
+    """3 when most parameter bytes are sharded over the first (dp) axis, else 0: a label
+    for tables; the placements are the plan."""
+    by_node = {c.node: c for c in solution.choices}
+    sharded = whole = 0.0
+    for node in graph.by_role(Role.PARAMETER):
+        c = by_node.get(node.id)
+        size = node.output.size_bytes * graph.weight(node.id)
+        whole += size
+        if c is not None and isinstance(c.outputs[0][0], Shard) and solution.mesh_shape[0] > 1:
+            sharded += size
+    return 3 if whole and sharded / whole > 0.5 else 0
+
+
+def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, cluster: Cluster,
+             global_batch: int) -> cost_model.Estimate:
+    """Step time, throughput and memory of a solved candidate (the ILP's own costs)."""
+    m = cand.num_microbatches
+    per_micro = solution.cost.total_s  # gradient-sync edges already weighted 1/m
+    optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware)
+    step = m * per_micro + optimizer
+    devices = cluster.num_devices
+    tokens = global_batch * graph.model.seq
+    flops = graph.flops_per_step * m
+    peak_flops = cluster.hardware.peak_flops(graph.model.dtype)
+    tflops = flops / step / devices / 1e12 if step else 0.0
+    budget = cluster.device_memory_bytes
+    peak = int(solution.cost.peak_memory_bytes)
+    config = replace(cand.config, zero=_derived_zero(graph, solution))
+    cfg = dict(config.to_json(), num_microbatches=m)
+    return cost_model.Estimate(
+        step_time_s=step, tokens_per_s=tokens / step if step else 0.0,
+        tokens_per_s_per_device=tokens / step / devices if step else 0.0, model_tflops_per_device=tflops,
+        mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0, peak_memory_bytes=peak, fits=peak <= budget,
+        memory_limit_bytes=int(budget),
+        time_breakdown=(("compute_s", m * solution.cost.compute_s), ("reshard_s", m * solution.cost.reshard_s),
+                        ("optimizer_s", optimizer)),
+        memory_breakdown=(("peak_bytes", peak),), config=tuple(sorted(cfg.items())), hardware_tflops_per_device=tflops)
+
+
+def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,
+                    graphs: dict[int, Graph], time_limit_s: float | None) -> Solved | None:
+    """The ILP for one candidate (None when nothing fits its memory)."""
+    graph = graphs.get(cand.microbatch)
+    if graph is None:
+        graph = graphs[cand.microbatch] = trace_at(cand.microbatch)
+    space = enumerate_strategies(graph, cand.mesh)
+    try:
+        solution = solve_intra_op(graph, cluster, cand.mesh, memory_budget_bytes=cluster.device_memory_bytes,
+                                  grad_sync_weight=1.0 / cand.num_microbatches, time_limit_s=time_limit_s,
+                                  space=space)
+    except InfeasiblePlanError:
+        return None
+    return Solved(candidate=cand, graph=graph, solution=solution,
+                  estimate=estimate(graph, solution, cand, cluster, global_batch),
+                  coverage=coverage(graph, space), fallback_ops=space.fallback_ops)
+
+
+def _sort_key(s: Solved) -> tuple[Any, ...]:
+    c = s.candidate
+    return (s.estimate.step_time_s, s.estimate.peak_memory_bytes, c.mesh, c.num_microbatches)
+
+
+def op_placements(graph: Graph, solution: IntraOpSolution) -> tuple[OpPlacement, ...]:
+    """One entry per distinct node key (layer-shared nodes have one choice)."""
+    by_node = {c.node: c for c in solution.choices}
+    seen: dict[str, OpPlacement] = {}
+    for node, key in zip(graph.nodes, graph.node_keys()):
+        c = by_node[node.id]
+        seen.setdefault(key, OpPlacement(key=key, op=node.op, outputs=tuple(format_placements(p) for p in c.outputs),
+                                         inputs=tuple(format_placements(p) for p in c.inputs)))
+    return tuple(seen.values())
+
+
+def intra_op_info(graph: Graph, solved: Solved) -> IntraOpInfo:
+    sol = solved.solution
+    m = solved.candidate.num_microbatches
+    calls: Counter = Counter()
+    volume: Counter = Counter()
+    for c in sol.collectives:
+        times = c.weight * (1 if c.gradient_sync else m)
+        key = (c.kind, AXIS_NAMES[c.axis])
+        calls[key] += times
+        volume[key] += times * c.bytes
+    collectives = tuple((k, a, int(round(calls[(k, a)])), int(round(volume[(k, a)]))) for k, a in sorted(calls))
+    grad_sync = sum(c.weight for c in sol.collectives if c.gradient_sync)
+    return IntraOpInfo(status=sol.status, coverage=solved.coverage, fallback_ops=solved.fallback_ops,
+                       num_variables=sol.num_variables, collectives=collectives,
+                       time_s=(("compute_s", m * sol.cost.compute_s), ("reshard_s", m * sol.cost.reshard_s),
+                               ("gradient_sync_collectives", float(grad_sync))))
+
+
+def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
+                top: int = 5, time_limit_s: float | None = None, progress: ProgressFn | None = None,
+                num_layers: int | None = None) -> SearchResult:
+    """Rank every (mesh, microbatch) candidate by its ILP-priced step; the best as a Plan."""
+    t0 = time.perf_counter()
+    cands = candidates(cluster, global_batch)
+    if not cands:
+        raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
+                                  f"use a global batch that is a multiple of the device count")
+    graphs: dict[int, Graph] = {}
+    solved: list[Solved] = []
+    not_fit = 0
+    per_solve_limit = None if time_limit_s is None else max(1.0, time_limit_s / len(cands))
+    for i, cand in enumerate(cands):
+        if progress:
+            progress("solve", i, len(cands))
+        s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=per_solve_limit)
+        if s is None or not s.estimate.fits:
+            not_fit += 1
+            continue
+        solved.append(s)
+    if progress:
+        progress("solve", len(cands), len(cands))
+    if not solved:
+        raise InfeasiblePlanError(
+            f"No plan fits {cluster.device_memory_bytes / GIB:.3g} GiB/device for {model} on {cluster.spec} "
+            f"(global batch {global_batch}): the ILP found no placement within memory on any mesh and microbatch. "
+            "Add devices, raise --memory-gb, or use a smaller global batch")
+    solved.sort(key=_sort_key)
+    best = solved[0]
+    phases = (("solve", time.perf_counter() - t0),)
+    ranked = tuple(Ranked(config=replace(s.candidate.config, zero=dict(s.estimate.config)["zero"]),
+                          stage_layers=(num_layers if num_layers is not None else s.graph.model.num_layers,),
+                          estimate=s.estimate, bubble_fraction=0.0) for s in solved)
+    plan = _plan(best, ranked, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
+                 num_candidates=len(cands), not_fit=not_fit)
+    log.info("per-op search: %d candidates, %d fit; best mesh %s, %d microbatches, step %.4g s",
+             len(cands), len(solved), best.candidate.mesh, best.candidate.num_microbatches,
+             best.estimate.step_time_s)
+    return SearchResult(ranked=ranked[:top], plan=plan, phases=phases, search_time_s=time.perf_counter() - t0)
+
+
+def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,
+          fingerprint: str, num_candidates: int, not_fit: int) -> Plan:
+    graph, est = best.graph, best.estimate
+    first = ranked[0]
+    pred = Prediction.from_json({
+        **{k: est.to_json()[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device",
+                                         "model_tflops_per_device", "mfu", "peak_memory_bytes", "fits",
+                                         "time_breakdown", "memory_breakdown")},
+        "bubble_fraction": 0.0})
+    alternatives = tuple(Alternative(config=r.config, stage_layers=r.stage_layers, step_time_s=r.estimate.step_time_s,
+                                     peak_memory_bytes=int(r.estimate.peak_memory_bytes), fits=bool(r.estimate.fits))
+                         for r in ranked[1:9])
+    info = SearchInfo(cost_model="solver.intra_op (per-op ILP)", num_candidates=num_candidates,
+                      num_priced=num_candidates, num_pruned_memory=0, num_pruned_dominated=0,
+                      num_not_fitting=not_fit, complete=True, alternatives=alternatives)
+    config = first.config
+    return Plan(model=model, model_fingerprint=fingerprint, num_layers=first.stage_layers[0], seq=graph.model.seq,
+                global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes),
+                config=config, stage_layers=first.stage_layers, mesh_shape=(1, config.dp, config.tp), stages=(),
+                intra_op=(), predicted=pred, search=info, placements=op_placements(graph, best.solution),
+                intra_op_info=intra_op_info(graph, best))
