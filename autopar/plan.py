@@ -218,20 +218,24 @@ class IntraOpInfo:
     """(kind, mesh axis name, calls per step, bytes per step) of the priced program."""
     time_s: tuple[tuple[str, float], ...]
     """The ILP's per-step seconds by term (compute, reshard, gradient sync)."""
+    parameters: tuple[tuple[str, str], ...] = ()
+    """(parameter, its placement on the (dp, tp) mesh), layers as `layers.*` (one per
+    layer group: layer sharing gives every layer of a group the same choice)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "coverage": self.coverage, "fallback_ops": list(self.fallback_ops),
                 "num_variables": self.num_variables, "collectives": [list(c) for c in self.collectives],
-                "time_s": dict(self.time_s)}
+                "time_s": dict(self.time_s), "parameters": [list(p) for p in self.parameters]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "IntraOpInfo":
-        _check_keys(data, ("status", "coverage", "fallback_ops", "num_variables", "collectives", "time_s"),
-                    "intra_op_info")
+        _check_keys(data, ("status", "coverage", "fallback_ops", "num_variables", "collectives", "time_s",
+                           "parameters"), "intra_op_info")
         return cls(status=str(data["status"]), coverage=float(data["coverage"]),
                    fallback_ops=tuple(str(x) for x in data["fallback_ops"]), num_variables=int(data["num_variables"]),
                    collectives=tuple((str(k), str(a), int(n), int(b)) for k, a, n, b in data["collectives"]),
-                   time_s=_pairs(data["time_s"], "intra_op_info.time_s"))
+                   time_s=_pairs(data["time_s"], "intra_op_info.time_s"),
+                   parameters=tuple((str(a), str(b)) for a, b in data["parameters"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -461,6 +465,9 @@ class Plan:
                                     inputs=tuple(parse_placements(t) for t in p.inputs)))
         return tuple(out)
 
+    def _explain_per_op(self) -> list[str]:
+        return _per_op_lines(self)
+
     def check_model(self, fingerprint: str) -> None:
         """Refuse to apply this plan to a different model (the runtime calls this)."""
         if fingerprint != self.model_fingerprint:
@@ -491,7 +498,11 @@ class Plan:
             lines.append("  time:   " + ", ".join(f"{k} {v:.4g} s ({v / total:.0%})" for k, v in p.time_breakdown))
         if p.memory_breakdown:
             lines.append("  memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory_breakdown))
+        if self.placements:
+            lines.extend(self._explain_per_op())
         lines.append("stages:")
+        if not self.stages:
+            lines.append(f"  one stage: the whole model ({self.num_layers} repeated layers) on the (dp, tp) mesh")
         for s in self.stages:
             holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})"]
             if s.has_embedding:
@@ -525,6 +536,28 @@ class Plan:
                 lines.append(f"  {describe_config(a.config, a.stage_layers, self.global_batch)}: step "
                              f"{a.step_time_s:.4g} s ({rel:+.1%}), peak {a.peak_memory_bytes / GIB:.2f} GiB")
         return "\n".join(lines)
+
+
+def _per_op_lines(plan: "Plan") -> list[str]:
+    info = plan.intra_op_info
+    lines = [f"per-op placements (the program that runs): {len(plan.placements)} ops chosen by the intra-op ILP"]
+    if info is None:
+        return lines
+    lines[0] += (f", {info.status}" + (" (STOPPED by the time limit: feasible, not proven optimal)"
+                                      if info.status == "time_limit" else ""))
+    lines.append(f"  coverage: {info.coverage:.1%} of the step's FLOPs in ops with a sharded strategy"
+                 + (f"; replicated for lack of a strategy: {', '.join(info.fallback_ops)}" if info.fallback_ops else ""))
+    if info.time_s:
+        lines.append("  ILP per step: " + ", ".join(f"{k} {v:.4g}" for k, v in info.time_s))
+    if info.collectives:
+        lines.append("  collectives per step: " + ", ".join(
+            f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)" for kind, axis, n, b in info.collectives))
+    else:
+        lines.append("  collectives per step: none (every rank computes the whole step)")
+    if info.parameters:
+        lines.append("  parameters (dp, tp):")
+        lines.extend(f"    {name}: {placement}" for name, placement in info.parameters)
+    return lines
 
 
 def describe_config(config: ParallelConfig, stage_layers: Sequence[int], global_batch: int) -> str:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from autopar import checkpoint
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.plan import model_fingerprint
+from autopar.plan import Plan, model_fingerprint
 from autopar.runtime import build_program
 
 
@@ -43,6 +43,9 @@ class TrainJob:
     seq: int | None = None
     stage_layers: tuple[tuple[int, ...] | None, ...] = ()
     """Per config: the plan's layers per pipeline chunk, or None for an even split."""
+    plans: tuple[str | None, ...] = ()
+    """Per config: a saved plan's JSON text (its per-op placements run), or None to solve
+    the configuration's placements."""
     return_parameters: bool = False
     """Return unsharded parameters (from the ranks with dp = tp = 0) for comparisons."""
     compile_stages: bool = False
@@ -103,9 +106,10 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
         model, batches, _ = build_model_and_batches(job)
         fingerprint = model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
         stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
+        plan = Plan.loads(job.plans[i]) if i < len(job.plans) and job.plans[i] else None
         program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
                                 stage_layers=stage_layers, compile_stages=job.compile_stages,
-                                example_inputs=batches[0])
+                                example_inputs=batches[0], plan=plan)
         done = 0
         if job.resume and job.checkpoint_dir and checkpoint.latest(job.checkpoint_dir) is not None:
             done = checkpoint.load(program, job.checkpoint_dir, model_fingerprint=fingerprint).step

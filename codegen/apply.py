@@ -266,17 +266,21 @@ def _slot_name(slot: Slot) -> str:
 
 
 def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple | None:
-    """(kind, axis, reduce op, dtype) when `src -> dst` is one all-reduce or reduce-scatter
-    on one axis (the rest unchanged): such gradients share buckets (autopar/buckets.py)."""
+    """The key solver/costs.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
+    from the same DTensor plan): all-reduces over one or more axes, or one reduce-scatter,
+    every other axis unchanged; None for any other reshard."""
     steps = [t for t in bridge.transforms(meta.shape, meta.strides, meta.dtype, src, dst, mesh_shape)
              if t[0] != "local"]
-    if len(steps) != 1 or steps[0][0] not in ("all_reduce", "reduce_scatter"):
+    kinds = {t[0] for t in steps}
+    if not steps or not (kinds == {"all_reduce"} or (kinds == {"reduce_scatter"} and len(steps) == 1)):
         return None
-    kind, axis, _ = steps[0]
-    if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k != axis):
+    axes = {t[1] for t in steps}
+    if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k not in axes):
         return None
-    reduce_op = getattr(src[axis], "reduce_op", None)
-    return None if reduce_op is None else (kind, axis, reduce_op, meta.dtype)
+    ops = tuple(getattr(src[t[1]], "reduce_op", None) for t in steps)
+    if None in ops:
+        return None
+    return (tuple((t[0], t[1], op) for t, op in zip(steps, ops)), meta.dtype)
 
 
 def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: DeviceMesh,
@@ -291,7 +295,7 @@ def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: De
     mesh_shape = tuple(mesh.shape)
     keys = {i: _bucket_key(grads[i][3], grads[i][1], grads[i][2], mesh_shape) if grads[i][1] != grads[i][2] else None
             for i in order}
-    sizes = {i: grads[i][3].size_bytes for i in order}
+    sizes = {i: grads[i][3].size_bytes for i in order}  # as the pricing sizes them
     items = [(keys[i], sizes[i]) for i in order]
     buckets = [[order[k] for k in bucket] for bucket in plan_buckets(items)]
 
@@ -305,16 +309,18 @@ def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: De
                     out[i] = raw[i] if src == dst else _redistribute(
                         _dtensor(raw[i], mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
                 continue
-            kind, axis, reduce_op, _ = key
-            if kind == "all_reduce":
-                flat = torch.cat([raw[i].reshape(-1) for i in bucket])
-                reduced = funcol.all_reduce(flat, reduce_op, (mesh, axis))
+            steps, _ = key
+            if steps[0][0] == "all_reduce":
+                reduced = torch.cat([raw[i].reshape(-1) for i in bucket])
+                for _, axis, reduce_op in steps:
+                    reduced = funcol.all_reduce(reduced, reduce_op, (mesh, axis))
                 offset = 0
                 for i in bucket:
                     n = raw[i].numel()
                     out[i] = reduced[offset:offset + n].view(raw[i].shape)
                     offset += n
                 continue
+            ((_, axis, reduce_op),) = steps
             n = mesh_shape[axis]
             pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
             flat = torch.cat([pieces[i][r].reshape(-1) for r in range(n) for i in bucket])

@@ -216,25 +216,33 @@ class ReshardPricer:
         return None if found is None else found[0]
 
     def bucket_key(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple | None:
-        """The bucket a gradient reduction `src -> dst` can share (autopar/buckets.py), or None."""
+        """The bucket a gradient reduction `src -> dst` can share (autopar/buckets.py), or
+        None: bucketable are all-reduces over one or more axes (data parallel over a 2-D
+        mesh is two) and one reduce-scatter, with every other axis unchanged."""
         steps = self.collectives(meta, src, dst)
-        if not steps or len(steps) != 1 or steps[0].kind not in ("all_reduce", "reduce_scatter"):
+        if not steps:
             return None
-        step = steps[0]
-        if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k != step.axis):
+        kinds = {c.kind for c in steps}
+        if not (kinds == {"all_reduce"} or (kinds == {"reduce_scatter"} and len(steps) == 1)):
+            return None
+        axes = {c.axis for c in steps}
+        if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k not in axes):
             return None  # a local chunk on another axis too: resharded on its own
-        reduce_op = getattr(src[step.axis], "reduce_op", None)
-        return None if reduce_op is None else (step.kind, step.axis, reduce_op, meta.dtype)
+        ops = tuple(getattr(src[c.axis], "reduce_op", None) for c in steps)
+        if None in ops:
+            return None
+        return (tuple((c.kind, c.axis, op) for c, op in zip(steps, ops)), meta.dtype)
 
     def grad_sync_time(self, meta: TensorMeta, src: Placements, dst: Placements) -> float | None:
         if src == dst:
             return 0.0
         if self.bucket_key(meta, src, dst) is None:
             return self(meta, src, dst)
-        (step,) = self.collectives(meta, src, dst)
-        link = self.links[step.axis]
-        latency = collective_latency_s(step.kind, link)
-        return collective_time_s(step, self.links) - latency + latency * min(1.0, step.bytes / BUCKET_BYTES)
+        total = 0.0
+        for step in self.collectives(meta, src, dst):
+            latency = collective_latency_s(step.kind, self.links[step.axis])
+            total += collective_time_s(step, self.links) - latency + latency * min(1.0, step.bytes / BUCKET_BYTES)
+        return total
 
     def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:
         key = (meta.shape, meta.strides, meta.dtype, src, dst)

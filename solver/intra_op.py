@@ -498,7 +498,7 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
     for g, src, dst in syncs:
         steps = pricer.collectives(graph[g].output, src, dst) or ()
         key = pricer.bucket_key(graph[g].output, src, dst) if steps else None
-        items.append((key, sum(c.bytes for c in steps) * graph.weight(g)))
+        items.append((key, graph[g].output.size_bytes * graph.weight(g)))
     out = []
     for bucket in plan_buckets(items):
         first_g, src, dst = syncs[bucket[0]]
@@ -509,9 +509,11 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
             out.extend(PricedCollective(src=first_g, dst=first_g, kind=c.kind, axis=c.axis, bytes=c.bytes,
                                         weight=graph.weight(first_g), gradient_sync=True) for c in steps)
             continue
-        (step,) = steps
-        out.append(PricedCollective(src=first_g, dst=first_g, kind=step.kind, axis=step.axis,
-                                    bytes=int(sum(items[i][1] for i in bucket)), weight=1.0, gradient_sync=True))
+        for k, step in enumerate(steps):  # one collective per step, over the whole bucket
+            size = sum(pricer.collectives(graph[syncs[i][0]].output, syncs[i][1], syncs[i][2])[k].bytes
+                       * graph.weight(syncs[i][0]) for i in bucket)
+            out.append(PricedCollective(src=first_g, dst=first_g, kind=step.kind, axis=step.axis,
+                                        bytes=int(size), weight=1.0, gradient_sync=True))
     return out
 
 

@@ -203,11 +203,24 @@ def intra_op_info(graph: Graph, solved: Solved) -> IntraOpInfo:
         calls[key] += times
         volume[key] += times * c.bytes
     collectives = tuple((k, a, int(round(calls[(k, a)])), int(round(volume[(k, a)]))) for k, a in sorted(calls))
-    grad_sync = sum(c.weight for c in sol.collectives if c.gradient_sync)
     return IntraOpInfo(status=sol.status, coverage=solved.coverage, fallback_ops=solved.fallback_ops,
                        num_variables=sol.num_variables, collectives=collectives,
-                       time_s=(("compute_s", m * sol.cost.compute_s), ("reshard_s", m * sol.cost.reshard_s),
-                               ("gradient_sync_collectives", float(grad_sync))))
+                       time_s=(("compute_s", m * sol.cost.compute_s), ("reshard_s", m * sol.cost.reshard_s)),
+                       parameters=parameter_placements(graph, sol))
+
+
+def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[str, str], ...]:
+    """(name, placement) per parameter, the layers' under `layers.*` once per layer group."""
+    import re
+
+    by_node = {c.node: c for c in solution.choices}
+    out: dict[str, str] = {}
+    for node in graph.by_role(Role.PARAMETER):
+        name = node.param_name or node.name
+        if node.layer is not None:
+            name = re.sub(r"\.\d+\.", ".*.", name, count=1)
+        out.setdefault(name, format_placements(by_node[node.id].outputs[0]))
+    return tuple(out.items())
 
 
 def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,

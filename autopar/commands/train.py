@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         _check_resume(args, model)
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
                    seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile,
+                   plans=(plan.dumps() if plan is not None else None,),
                    checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=args.resume)
     if torchrun:
         import torch.distributed as dist
