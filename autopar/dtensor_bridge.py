@@ -36,7 +36,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
-from autopar.placement import Partial, Placement, Placements, Replicate, Shard
+from autopar.placement import Partial, Placement, Placements, Replicate, Shard, redistribute_supported
 
 aten = torch.ops.aten
 PROPAGATOR = DTensor._op_dispatcher.sharding_propagator
@@ -223,15 +223,6 @@ def comm_kind(src: Any, dst: Any) -> str:
     if (src.is_shard() or isinstance(src, _StridedShard)) and (dst.is_shard() or isinstance(dst, _StridedShard)):
         return "all_to_all"
     return "local"
-
-
-def redistribute_supported(src: Placements, dst: Placements) -> bool:
-    """Whether DTensor can redistribute `src` to `dst` at all: it cannot turn a shard into
-    a pending sum, nor one kind of pending reduction into another."""
-    for a, b in zip(src, dst):
-        if a != b and isinstance(b, Partial) and not isinstance(a, Replicate):
-            return False
-    return True
 
 
 def transforms(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str, src: Placements,

@@ -115,3 +115,64 @@ def evenly_divisible(shape: tuple[int, ...], placements: Placements, mesh_shape:
                 return False
             sizes[p.dim] //= size
     return True
+
+
+def redistribute_plan(shape: tuple[int, ...], src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+                      ) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
+    """The steps DTensor's redistribute takes from `src` to `dst` (its greedy planner for
+    default shard order: torch 2.13 `DTensorRedistributePlanner.generate_greedy_transform_infos`,
+    restated torch-free so pricing needs no DTensor objects; tests check it step for step
+    against DTensor's own). Each step is (mesh axis, from, to, logical shape on that axis:
+    the tensor as the axis sees it, divided by the shards of the axes before it)."""
+    if len(mesh_shape) == 1:
+        return [(0, src[0], dst[0], tuple(shape))] if src[0] != dst[0] else []
+    logical = [list(shape)]
+    for i, p in enumerate(src):
+        current = logical[i]
+        if isinstance(p, Shard) and i < len(mesh_shape) - 1:
+            nxt = list(current)
+            nxt[p.dim] = -(-current[p.dim] // mesh_shape[i])
+            logical.append(nxt)
+        else:
+            logical.append(current)
+    current_pl, target_pl = list(src), list(dst)
+    steps: list[tuple[int, Placement, Placement, tuple[int, ...]]] = []
+    if any(isinstance(p, Shard) and n > 1 for p, n in zip(src, mesh_shape)):
+        for axis in reversed(range(len(current_pl))):
+            current, target = current_pl[axis], target_pl[axis]
+            if isinstance(target, Shard):
+                before_now = [i for i in range(axis) if current_pl[i] == Shard(target.dim)]
+                before_target = [i for i in range(axis) if target_pl[i] == Shard(target.dim)]
+                if before_now != before_target:
+                    target = Replicate()  # clear a nested shard before resharding
+            if current != target:
+                steps.append((axis, current, target, tuple(logical[axis])))
+                current_pl[axis] = target
+    for axis, (current, target) in enumerate(zip(current_pl, target_pl)):
+        if current != target:
+            steps.append((axis, current, target, tuple(logical[axis])))
+            current_pl[axis] = target
+    return steps
+
+
+def transfer_kind(src: Placement, dst: Placement) -> str:
+    """The collective one redistribute step runs: all_reduce, reduce_scatter, all_gather,
+    all_to_all, or local (chunking or partitioning: no communication)."""
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return "all_reduce"
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return "reduce_scatter"
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return "all_gather"
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        return "all_to_all"
+    return "local"
+
+
+def redistribute_supported(src: Placements, dst: Placements) -> bool:
+    """Whether DTensor can redistribute `src` to `dst` at all: it cannot turn a shard into
+    a pending sum, nor one kind of pending reduction into another."""
+    for a, b in zip(src, dst):
+        if a != b and isinstance(b, Partial) and not isinstance(a, Replicate):
+            return False
+    return True

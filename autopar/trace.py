@@ -156,7 +156,7 @@ def _module_annotations(model: nn.Module, active: list[str]) -> Iterator[None]:
 @contextlib.contextmanager
 def _hf_compiling_patch(model: nn.Module) -> Iterator[None]:
     """Hugging Face mask helpers branch on data unless they believe they are compiling."""
-    if not type(model).__module__.startswith("transformers"):
+    if not any(type(m).__module__.startswith("transformers") for m in model.modules()):
         yield
         return
     original = torch.compiler.is_compiling

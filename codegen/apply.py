@@ -43,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import dtensor_bridge as bridge
 from autopar.ir import Graph, NodeId, Role
-from autopar.placement import Placements, local_shape
+from autopar.placement import Placements, local_shape, redistribute_plan, transfer_kind
 from autopar.sharding import NodeStrategy
 
 
@@ -269,8 +269,8 @@ def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[i
     """The key solver/costs.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
     from the same DTensor plan): all-reduces over one or more axes, or one reduce-scatter,
     every other axis unchanged; None for any other reshard."""
-    steps = [t for t in bridge.transforms(meta.shape, meta.strides, meta.dtype, src, dst, mesh_shape)
-             if t[0] != "local"]
+    steps = [(transfer_kind(a, b), axis, logical) for axis, a, b, logical in
+             redistribute_plan(meta.shape, src, dst, mesh_shape) if transfer_kind(a, b) != "local"]
     kinds = {t[0] for t in steps}
     if not steps or not (kinds == {"all_reduce"} or (kinds == {"reduce_scatter"} and len(steps) == 1)):
         return None

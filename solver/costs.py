@@ -17,7 +17,7 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     memory(n, s)   = sum of local output bytes; for a parameter instead
                      STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state)
     reshard(u->v)  = sum over the steps DTensor's redistribute takes from out(u, s_u) to
-                     in(v, s_v) (autopar/dtensor_bridge.py `transforms`) of the alpha-beta
+                     in(v, s_v) (autopar/placement.py `redistribute_plan`) of the alpha-beta
                      time of that step's collective on its mesh axis; None where DTensor
                      cannot redistribute (a shard to a pending sum, one pending reduction
                      to another): such pairs are absent from the ILP.
@@ -32,13 +32,18 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
-from autopar.placement import Placements, shard_factor
+from autopar.placement import (
+    Placements,
+    redistribute_plan,
+    redistribute_supported,
+    shard_factor,
+    transfer_kind,
+)
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
 from cost_model.collectives import (
@@ -146,19 +151,19 @@ def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
 
 def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], *,
                         gloo: bool) -> tuple[Collective, ...] | None:
-    """The collectives DTensor runs to take `meta` from `src` to `dst` (None: it cannot)."""
-    from autopar import dtensor_bridge
-
+    """The collectives DTensor runs to take `meta` from `src` to `dst` (None: it cannot),
+    from its planner's steps (autopar/placement.py `redistribute_plan`)."""
     if src == dst:
         return ()
-    if not dtensor_bridge.redistribute_supported(src, dst):
+    if not redistribute_supported(src, dst):
         return None
     size = DTYPE_BYTES.get(meta.dtype, 4)
     out = []
-    for kind, axis, ratio in _transform_plan(len(meta.shape), src, dst, mesh_shape):
+    for axis, a, b, logical in redistribute_plan(meta.shape, src, dst, mesh_shape):
+        kind = transfer_kind(a, b)
         if kind == "local":
             continue
-        nbytes = math.prod(d // r for d, r in zip(meta.shape, ratio)) * size
+        nbytes = math.prod(logical) * size
         if kind == "all_to_all":
             if gloo:  # DTensor on a CPU mesh: all-gather the whole axis, keep a chunk
                 kind = "all_gather"
@@ -166,20 +171,6 @@ def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh
                 nbytes //= mesh_shape[axis]
         out.append(Collective(kind=kind, axis=axis, bytes=int(nbytes)))
     return tuple(out)
-
-
-@functools.lru_cache(maxsize=None)
-def _transform_plan(rank: int, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
-                    ) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
-    """DTensor's steps for a rank-`rank` tensor, each with the divisor of every dim in its
-    logical shape (the plan depends on placements, not sizes: it is computed once on a
-    shape every divisor divides and reused for all tensors of that rank)."""
-    from autopar import dtensor_bridge
-
-    base = math.prod(mesh_shape) ** 2
-    shape = (base,) * rank
-    steps = dtensor_bridge.transforms(shape, (), "float32", src, dst, mesh_shape)
-    return tuple((kind, axis, tuple(base // d for d in logical)) for kind, axis, logical in steps)
 
 
 def collective_time_s(c: Collective, links: tuple[AxisLink, ...]) -> float:

@@ -366,22 +366,26 @@ class _Model:
         Pairs DTensor cannot reshard (None) get no variable, so the sums exclude them."""
         count = 0
         for (a, b), (matrix, rows, cols) in edges.items():
-            e: dict[tuple[int, int], pulp.LpVariable] = {}
+            by_row: list[list[pulp.LpVariable]] = [[] for _ in rows]
+            by_col: list[list[pulp.LpVariable]] = [[] for _ in cols]
             for r, rmembers in enumerate(rows):
                 for k, cmembers in enumerate(cols):
                     c = matrix[rmembers[0]][cmembers[0]]
                     if c is None:
                         continue
-                    var = e[(r, k)] = self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0)
+                    var = self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0)
+                    by_row[r].append(var)
+                    by_col[k].append(var)
+                    count += 1
                     if c:
                         self.objective[var] = c * OBJECTIVE_SCALE
-            count += len(e)
+            xa, xb = self.x[a], self.x[b]
             for r, members in enumerate(rows):
-                self.prob += pulp.lpSum(v for (rr, _k), v in e.items() if rr == r) == pulp.lpSum(
-                    self.x[a][j] for j in members), f"edge/{a}->{b}/row={r}"
+                expr = pulp.LpAffineExpression([(v, 1.0) for v in by_row[r]] + [(xa[j], -1.0) for j in members])
+                self.prob += expr == 0, f"edge/{a}->{b}/row={r}"
             for k, members in enumerate(cols):
-                self.prob += pulp.lpSum(v for (_r, kk), v in e.items() if kk == k) == pulp.lpSum(
-                    self.x[b][j] for j in members), f"edge/{a}->{b}/col={k}"
+                expr = pulp.LpAffineExpression([(v, 1.0) for v in by_col[k]] + [(xb[j], -1.0) for j in members])
+                self.prob += expr == 0, f"edge/{a}->{b}/col={k}"
         return count
 
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:

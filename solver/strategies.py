@@ -229,8 +229,11 @@ class _Enumerator:
         metas = self._in_metas(node)
         replicated = (R,) * len(self.mesh_shape)
         pairs = []
-        for g, group in enumerate(self._drivers(node)):
-            for layout in _layouts(metas[min(group)], self.mesh_shape, partial=True):
+        # the project's rules list their strategies whatever the inputs: one probe
+        drivers = [set()] if op in bridge.PROJECT_RULES else self._drivers(node)
+        for g, group in enumerate(drivers):
+            layouts = _layouts(metas[min(group)], self.mesh_shape, partial=True) if group else [replicated]
+            for layout in layouts:
                 if layout == replicated and g:
                     continue  # all-replicated probed once
                 schema = self._schema(op, node, lambda k: layout if k in group else replicated)

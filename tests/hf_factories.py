@@ -1,0 +1,60 @@
+"""Hugging Face models built from small configs (no downloads), as autopar factories.
+
+Each function returns `(model, example_inputs)` with a forward that returns the scalar
+loss, the form `autopar train package.module:function` and `autopar.compile` take.
+Dropout is 0 unless a test asks otherwise; weights come from `torch.manual_seed` set by
+the caller (autopar.runtime_jobs builds every rank's copy under the job's seed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BATCH, SEQ, VOCAB = 8, 16, 128
+
+
+class LossOf(nn.Module):
+    """A Hugging Face model whose forward(input_ids, labels) returns the loss tensor."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, labels=labels).loss
+
+
+def _tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    ids, _ = _tokens()
+    return LossOf(GPT2LMHeadModel(cfg)), (ids, ids)
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      attention_dropout=0.0)
+    ids, _ = _tokens()
+    return LossOf(LlamaForCausalLM(cfg)), (ids, ids)
+
+
+def distilbert():
+    """Encoder-only: masked-language-model loss on every position."""
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+    cfg = DistilBertConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, dim=64, n_layers=2, n_heads=4,
+                           hidden_dim=128, dropout=0.0, attention_dropout=0.0)
+    ids, labels = _tokens()
+    return LossOf(DistilBertForMaskedLM(cfg)), (ids, labels)
