@@ -142,6 +142,9 @@ class IntraOpSolution:
             "num_variables": self.num_variables,
             "num_constraints": self.num_constraints,
             "memory_budget_bytes": self.memory_budget_bytes,
+            "grad_sync_weight": self.grad_sync_weight,
+            "collectives": [[c.src, c.dst, c.kind, c.axis, c.bytes, c.weight, c.gradient_sync]
+                            for c in self.collectives],
             "cost": {
                 "compute_s": self.cost.compute_s, "comm_s": self.cost.comm_s,
                 "reshard_s": self.cost.reshard_s, "total_s": self.cost.total_s,
@@ -180,7 +183,9 @@ class IntraOpSolution:
                    mesh_shape=tuple(d["mesh_shape"]), choices=choices, cost=cost,
                    memory_budget_bytes=d["memory_budget_bytes"], status=d["status"],
                    solver=d["solver"], num_variables=d["num_variables"],
-                   num_constraints=d["num_constraints"])
+                   num_constraints=d["num_constraints"], grad_sync_weight=d["grad_sync_weight"],
+                   collectives=tuple(PricedCollective(src=a, dst=b, kind=k, axis=x, bytes=n, weight=w, gradient_sync=g)
+                                     for a, b, k, x, n, w, g in d["collectives"]))
 
     def explain(self, *, all_nodes: bool = False) -> str:
         """One line per node: op, placements, compute, communication and memory.

@@ -39,6 +39,7 @@ from autopar.cluster import Cluster
 from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
 from autopar.placement import (
     Placements,
+    Shard,
     redistribute_plan,
     redistribute_supported,
     shard_factor,
@@ -158,12 +159,17 @@ def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh
     if not redistribute_supported(src, dst):
         return None
     size = DTYPE_BYTES.get(meta.dtype, 4)
+    numel = math.prod(meta.shape)
+    current = list(src)
     out = []
-    for axis, a, b, logical in redistribute_plan(meta.shape, src, dst, mesh_shape):
+    for axis, a, b, _logical in redistribute_plan(meta.shape, src, dst, mesh_shape):
         kind = transfer_kind(a, b)
+        # the tensor as this axis holds it: divided by every other axis's shards right now
+        others = math.prod(n for k, (p, n) in enumerate(zip(current, mesh_shape)) if k != axis and isinstance(p, Shard))
+        current[axis] = b
         if kind == "local":
             continue
-        nbytes = math.prod(logical) * size
+        nbytes = numel * size // others
         if kind == "all_to_all":
             if gloo:  # DTensor on a CPU mesh: all-gather the whole axis, keep a chunk
                 kind = "all_gather"

@@ -343,7 +343,6 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple[int, ...]) -> StrategyS
     enumerator = _Enumerator(graph, mesh_shape)
     strategies: list[tuple[NodeStrategy, ...]] = []
     fallback: dict[str, str] = {}
-    follows = tuple(_pointwise_lead(graph, node) for node in graph.nodes)
     for node in graph.nodes:
         if node.op in SOURCE_OPS:
             strategies.append(_source_strategies(node, mesh_shape))
@@ -356,6 +355,7 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple[int, ...]) -> StrategyS
             if found.derived == "replicated" and math.prod(mesh_shape) > 1:
                 fallback.setdefault(node.op, node.module_path or "<top level>")
             strategies.append(found.strategies)
+    follows = tuple(_pointwise_lead(graph, node, strategies) for node in graph.nodes)
     for op, module in sorted(fallback.items()):
         log.warning("no sharding strategy for %s (module %s) in DTensor's registry or from its decomposition: "
                     "replicated on every device", op, module)
@@ -363,9 +363,11 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple[int, ...]) -> StrategyS
                          fallback_ops=tuple(sorted(fallback)), follows=follows)
 
 
-def _pointwise_lead(graph: Graph, node: Node) -> int | None:
-    """For a pointwise op with several tensor operands: the first operand shaped like the
-    output (the one a follower shares its layout with); None for other ops."""
+def _pointwise_lead(graph: Graph, node: Node, strategies: list[tuple[NodeStrategy, ...]]) -> int | None:
+    """For a pointwise op with several tensor operands: the operand whose layout it follows
+    (solver/ilp_reduce.py): of the operands shaped like the output, the one whose producer
+    offers the most layouts (not a broadcast scalar's single replicated one); None for
+    other ops."""
     import torch
 
     from autopar import dtensor_bridge
@@ -376,22 +378,12 @@ def _pointwise_lead(graph: Graph, node: Node) -> int | None:
     if op is None or torch.Tag.pointwise not in op.tags:
         return None
     shape = node.outputs[0].shape
-    return next((p for p, i in enumerate(node.inputs) if graph[i].outputs and graph[i].outputs[0].shape == shape), None)
-
-
-def coverage(graph: Graph, space: StrategySpace) -> float:
-    """Share of the step's FLOPs done by ops with more than the replicated choice: how much
-    of the graph the ILP can shard (bytes moved stand in for a graph with no FLOPs)."""
-    use_flops = graph.flops_per_step > 0
-    total = covered = 0.0
-    for node in graph.nodes:
-        if node.op in SOURCE_OPS or node.op == "getitem" or node.is_view:
-            continue
-        work = graph.weight(node.id) * (node.flops if use_flops else node.bytes_moved)
-        total += work
-        if len(space[node.id]) > 1:
-            covered += work
-    return covered / total if total else 1.0
+    options = [(len({s.outputs[0] for s in strategies[i]}), -p) for p, i in enumerate(node.inputs)
+               if graph[i].outputs and len(graph[i].outputs) == 1 and graph[i].outputs[0].shape == shape]
+    if not options:
+        return None
+    count, neg_pos = max(options)
+    return -neg_pos if count > 1 else None
 
 
 def _scalar_args(node: Node) -> tuple:

@@ -17,7 +17,8 @@ from autopar.ir import DTYPE_BYTES, Graph, Phase, Role
 from autopar.placement import Partial, Replicate, Shard, local_shape
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution
 from autopar.trace import lower, trace
-from cost_model.collectives import (all_gather_time_s, all_reduce_time_s, mesh_axis_links,
+from autopar.buckets import BUCKET_BYTES
+from cost_model.collectives import (all_gather_time_s, all_reduce_time_s, collective_latency_s, mesh_axis_links,
                                     reduce_scatter_time_s)
 from cost_model.compute import compute_time_s
 from solver.intra_op import solve_intra_op
@@ -111,8 +112,15 @@ def _dp_closed_form(graph: Graph, cluster: Cluster, n: int) -> float:
         total += compute_time_s(node.flops / split, sum(local(m) for m in metas), cluster.hardware,
                                 graph.model.dtype, op_class="gemm" if node.flops else "memory")
     for param, _grad in graph.param_grads:
-        total += all_reduce_time_s(graph[param].output.size_bytes, link)
+        total += _bucketed(all_reduce_time_s, "all_reduce", graph[param].output.size_bytes, link)
     return total
+
+
+def _bucketed(time_fn, kind: str, size: int, link) -> float:
+    """A gradient's reduction as priced inside a bucket (autopar/buckets.py): its
+    bandwidth term plus its share size / BUCKET_BYTES of the collective's latency."""
+    latency = collective_latency_s(kind, link)
+    return time_fn(size, link) - latency + latency * min(1.0, size / BUCKET_BYTES)
 
 
 def test_mlp_is_data_parallel_and_matches_closed_form(big_mlp: Graph) -> None:
@@ -127,8 +135,12 @@ def test_mlp_is_data_parallel_and_matches_closed_form(big_mlp: Graph) -> None:
     assert sol.cost.total_s == pytest.approx(expected, rel=1e-6)
     # the reshard part is exactly the gradient all-reduces
     (link,) = mesh_axis_links(H100x8, (8,))
-    grads = sum(all_reduce_time_s(big_mlp[p].output.size_bytes, link) for p, _ in big_mlp.param_grads)
+    grads = sum(_bucketed(all_reduce_time_s, "all_reduce", big_mlp[p].output.size_bytes, link)
+                for p, _ in big_mlp.param_grads)
     assert sol.cost.reshard_s == pytest.approx(grads, rel=1e-9)
+    # the program's gradient sync: one all-reduce per bucket (two 16 MiB gradients: two buckets)
+    syncs = [c for c in sol.collectives if c.gradient_sync]
+    assert [(c.kind, c.bytes) for c in syncs] == [("all_reduce", 16 * 2**20)] * 2
 
 
 def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
@@ -147,7 +159,8 @@ def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
         readers = [c for c in sol.choices if c.op == "aten.mm.default" and c.reshard_s > 0
                    and _reads_param(big_mlp, c.node, param)]
         assert readers, "the sharded weight must be all-gathered before its matmuls"
-        expected_comm += reduce_scatter_time_s(size, link) + len(readers) * all_gather_time_s(size, link)
+        expected_comm += (_bucketed(reduce_scatter_time_s, "reduce_scatter", size, link)
+                          + len(readers) * all_gather_time_s(size, link))
     assert sol.cost.reshard_s == pytest.approx(expected_comm, rel=1e-9)
     assert sol.cost.total_s > dp.cost.total_s
 
@@ -195,10 +208,15 @@ def test_attention_shards_heads_on_tp_axis() -> None:
     sol = solve_intra_op(graph, H100x8, (8,))
     for name in ("attn.q.weight", "attn.k.weight", "attn.v.weight"):
         assert sol.choice(_param(graph, name)).outputs[0] == (Shard(0),), name
-    assert sol.choice(_param(graph, "attn.o.weight")).outputs[0] == (Shard(1),)
     sdpa = [c for c in sol.choices if "scaled_dot_product" in c.op and "backward" not in c.op]
     assert sdpa and all(p == (Shard(1),) for p in sdpa[0].inputs)  # heads
-    assert len(_forward_reductions(graph, sol)) == 1
+    # after attention the heads meet the out-projection: Megatron's row-parallel split
+    # (one all-reduce of the output) or, cheaper here where the elementwise loss keeps the
+    # hidden dim split, a column-parallel one after an all-gather of the heads (half the
+    # ring traffic). Either way one forward collective, and the weight stays sharded.
+    assert isinstance(sol.choice(_param(graph, "attn.o.weight")).outputs[0][0], Shard)
+    forward = [c for c in sol.collectives if graph[c.dst].phase is Phase.FORWARD and not c.gradient_sync]
+    assert len(forward) == 1 and forward[0].kind in ("all_reduce", "all_gather"), forward
 
 
 def test_gpt_layer_on_2d_mesh_is_dp_times_tp() -> None:
