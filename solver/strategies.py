@@ -395,3 +395,18 @@ def _scalar_args(node: Node) -> tuple:
             return tuple(strip(x) for x in a)
         return a
     return strip(node.args), strip(node.kwargs)
+
+
+def coverage(graph: Graph, space: StrategySpace) -> float:
+    """Share of the step's FLOPs done by ops with more than the replicated choice: how much
+    of the graph the ILP can shard (bytes moved stand in for a graph with no FLOPs)."""
+    use_flops = graph.flops_per_step > 0
+    total = covered = 0.0
+    for node in graph.nodes:
+        if node.op in SOURCE_OPS or node.op == "getitem" or node.is_view:
+            continue
+        work = graph.weight(node.id) * (node.flops if use_flops else node.bytes_moved)
+        total += work
+        if len(space[node.id]) > 1:
+            covered += work
+    return covered / total if total else 1.0

@@ -54,7 +54,7 @@ def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
     data = json.loads(text)
-    assert data["version"] == 1
+    assert data["version"] == 2
     assert list(data) == sorted(data)
     assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
     text.encode("ascii")
@@ -67,7 +67,7 @@ def _mutated(change) -> str:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(version=2), "version 2 is not supported"),
+    (lambda d: d.update(version=1), "version 1 is not supported"),
     (lambda d: d.pop("stage_layers"), r"missing keys \['stage_layers'\]"),
     (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
     (lambda d: d["config"].update(dp=4), "dp\\*tp\\*pp = 4\\*2\\*2 = 16 devices but its cluster h100:1x8 has 8"),

@@ -87,8 +87,12 @@ def test_graph_is_frozen_and_fingerprint_is_stable():
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
     with pytest.raises(AttributeError):
         a.nodes[0].op = "x"  # type: ignore[misc]
-    # tied embedding: one tensor, two names; counted once
-    assert len(a.tied_params) == 1
+    # tied embedding: one tensor, two names: one graph input whose gradient sums both uses
+    params = [n.param_name for n in a.by_role(Role.PARAMETER)]
+    assert "wte.weight" in params and "lm_head.weight" not in params and not a.tied_params
+    assert a.model.num_parameters == sum(p.numel() for p in resolve("gpt-tiny").build().parameters())
+    (grad,) = [g for p, g in a.param_grads if a[p].param_name == "wte.weight"]
+    assert a[grad].op == "aten.add.Tensor"
 
 
 def test_fake_trace_allocates_nothing_for_a_huge_model():
