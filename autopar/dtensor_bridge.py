@@ -147,9 +147,11 @@ def op_args(op: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...],
             return items if ("[]" in type_text or "List" in type_text) else tuple(items)
         return _torch_scalar(value, type_text)
 
-    out_args = tuple(conv(v, str(positional[i].type) if i < len(positional) else "")
-                     for i, v in enumerate(args))
-    out_kwargs = {k: conv(v, str(schema_args[k].type) if k in schema_args else "") for k, v in kwargs}
+    def type_of(arg: Any) -> str:  # real_type names ScalarType/Layout/MemoryFormat (type says int)
+        return str(getattr(arg, "real_type", arg.type))
+
+    out_args = tuple(conv(v, type_of(positional[i]) if i < len(positional) else "") for i, v in enumerate(args))
+    out_kwargs = {k: conv(v, type_of(schema_args[k]) if k in schema_args else "") for k, v in kwargs}
     return out_args, out_kwargs
 
 

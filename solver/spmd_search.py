@@ -159,8 +159,10 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
 
 
 def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,
-                    graphs: dict[int, Graph], time_limit_s: float | None) -> Solved | None:
-    """The ILP for one candidate (None when nothing fits its memory)."""
+                    graphs: dict[int, Graph], time_limit_s: float | None,
+                    smallest: list[float] | None = None) -> Solved | None:
+    """The ILP for one candidate (None when nothing fits its memory; the smallest memory it
+    needs is appended to `smallest`)."""
     graph = graphs.get(cand.microbatch)
     if graph is None:
         graph = graphs[cand.microbatch] = trace_at(cand.microbatch)
@@ -169,7 +171,9 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
         solution = solve_intra_op(graph, cluster, cand.mesh, memory_budget_bytes=cluster.device_memory_bytes,
                                   grad_sync_weight=1.0 / cand.num_microbatches, time_limit_s=time_limit_s,
                                   space=space)
-    except InfeasiblePlanError:
+    except InfeasiblePlanError as exc:
+        if smallest is not None and exc.min_memory_bytes is not None:
+            smallest.append(exc.min_memory_bytes)
         return None
     return Solved(candidate=cand, graph=graph, solution=solution,
                   estimate=estimate(graph, solution, cand, cluster, global_batch),
@@ -235,11 +239,13 @@ def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model
     graphs: dict[int, Graph] = {}
     solved: list[Solved] = []
     not_fit = 0
+    smallest: list[float] = []
     per_solve_limit = None if time_limit_s is None else max(1.0, time_limit_s / len(cands))
     for i, cand in enumerate(cands):
         if progress:
             progress("solve", i, len(cands))
-        s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=per_solve_limit)
+        s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=per_solve_limit,
+                            smallest=smallest)
         if s is None or not s.estimate.fits:
             not_fit += 1
             continue
@@ -247,10 +253,13 @@ def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model
     if progress:
         progress("solve", len(cands), len(cands))
     if not solved:
+        need = min(smallest) if smallest else None
         raise InfeasiblePlanError(
             f"No plan fits {cluster.device_memory_bytes / GIB:.3g} GiB/device for {model} on {cluster.spec} "
-            f"(global batch {global_batch}): the ILP found no placement within memory on any mesh and microbatch. "
-            "Add devices, raise --memory-gb, or use a smaller global batch")
+            f"(global batch {global_batch})" + (f"; the smallest needs {need / GIB:.3g} GiB per device (every "
+                                                f"mesh and microbatch tried, every tensor's placement free)"
+                                                if need is not None else "")
+            + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
     solved.sort(key=_sort_key)
     best = solved[0]
     phases = (("solve", time.perf_counter() - t0),)
