@@ -397,9 +397,9 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
         if example_inputs is None:
             raise ValueError("a pp = 1 program is compiled from the traced training step: pass example_inputs= "
                              "(one global batch)")
-        placements_of = plan.placements_for if plan is not None and getattr(plan, "placements", None) else None
+        plan = plan if plan is not None and getattr(plan, "placements", None) else None
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
-                                  placements_of=placements_of, cluster=cluster)
+                                  plan=plan, cluster=cluster)
     if fused_kernels is None:
         fused_kernels = torch.cuda.is_available()
     if fused_kernels and config.tp > 1:

@@ -69,6 +69,10 @@ class RunResult:
     parameters: dict[str, torch.Tensor] = field(default_factory=dict)
     first_step: int = 1
     """The global (1-based) step of `losses[0]`: > 1 when the run resumed from a checkpoint."""
+    collectives: dict = field(default_factory=dict)
+    """One-stage programs: the collectives per step the program runs, {(kind, axis): (calls, bytes)}."""
+    priced: dict | None = None
+    """... and those its plan (or the ILP for its configuration) priced, for price = run checks."""
 
 
 def build_model_and_batches(job: TrainJob) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]], Any]:
@@ -129,6 +133,9 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
             parameter_bytes=stats.parameter_bytes, gradient_bytes=stats.gradient_bytes,
             optimizer_state_bytes=stats.optimizer_state_bytes, peak_rss_bytes=stats.peak_rss_bytes,
             parameters=params if keep else {}, first_step=done + 1,
+            collectives=program.collectives_per_step(job.global_batch // (config.dp * config.micro_batch))
+            if hasattr(program, "collectives_per_step") else {},
+            priced=getattr(program, "priced", None),
         ))
         dist.barrier()
     return results

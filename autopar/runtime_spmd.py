@@ -57,8 +57,11 @@ class SpmdProgram:
     """One rank's share of a per-op plan. Build with `build_spmd_program`."""
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, model: nn.Module, graphs: Any,
-                 graph: Graph, optimizer_factory: OptimizerFactory, choices: Sequence[NodeStrategy]) -> None:
+                 graph: Graph, optimizer_factory: OptimizerFactory, choices: Sequence[NodeStrategy],
+                 priced: dict[tuple[str, str], tuple[int, int]] | None = None) -> None:
         self.config = config
+        self.priced = priced
+        """What the plan priced per step: {(kind, mesh axis name): (calls, bytes)}."""
         self.mesh = mesh
         self.model = model
         self.graphs = graphs
@@ -205,6 +208,26 @@ class SpmdProgram:
     def code(self) -> str:
         return self.graphs.source
 
+    def collectives_per_step(self, num_microbatches: int) -> dict[tuple[str, str], tuple[int, int]]:
+        """The collectives this rank's program runs per step, from its graphs: {(kind, mesh
+        axis name): (calls, bytes)}, the step graph m times and the gradient sync once."""
+        from codegen.apply import count_collectives
+
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        # by member ranks: DTensor may reuse an equal earlier mesh's groups (its caches key
+        # meshes by value), so group names alone need not be this mesh's
+        axis_of = {tuple(dist.get_process_group_ranks(self.mesh.get_group(i))): name
+                   for i, name in enumerate(self.mesh.mesh_dim_names)}
+        out: dict[tuple[str, str], list[int]] = {}
+        for gm, times in ((self.graphs.step, num_microbatches), (self.graphs.grad_sync, 1)):
+            for (kind, group), sizes in count_collectives(gm).items():
+                ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+                entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
+                entry[0] += times * len(sizes)
+                entry[1] += times * sum(sizes)
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
     """The (dp, tp) mesh of a pp = 1 plan over the whole world, with the job's timeout."""
@@ -225,12 +248,13 @@ def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> De
                             backend_override=override)
 
 
-def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None
-               ) -> tuple[Any, Graph]:
-    """Trace and lower the training step of `model` on one global microbatch."""
+def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None,
+               recompute: str = "none") -> tuple[Any, Graph]:
+    """Trace and lower the training step of `model` on one global microbatch, rewritten
+    for the recomputation policy (autopar/recompute.py)."""
     from autopar.trace import lower, trace
 
-    traced = trace(model, tuple(microbatch), loss_fn=loss_fn)
+    traced = trace(model, tuple(microbatch), loss_fn=loss_fn, recompute=recompute)
     first = next((t for t in microbatch if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1
     seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
@@ -238,16 +262,25 @@ def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: Callable
     return traced, graph
 
 
-def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> tuple[NodeStrategy, ...]:
-    """The ILP's placements for a configuration given by flags (solver/forced.py rules)."""
+def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
+    """The ILP's solution for a configuration given by flags (solver/forced.py rules)."""
     from solver import forced
     from solver.intra_op import solve_intra_op
 
-    solution = solve_intra_op(graph, cluster, forced.mesh_shape(config),
-                              keep_placeholder=forced.keep_placeholder(config),
-                              gather_free_axes=forced.gather_free_axes(config),
-                              grad_sync_weight=1.0 / num_microbatches)
-    return solution_choices(graph, solution)
+    return solve_intra_op(graph, cluster, forced.mesh_shape(config), keep_placeholder=forced.keep_placeholder(config),
+                          gather_free_axes=forced.gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches)
+
+
+def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:
+    """What a solution prices per step: {(kind, axis name): (calls, bytes)} (per-microbatch
+    edges m times, the bucketed gradient sync once; a traced layer counts `weight` times)."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for c in solution.collectives:
+        times = c.weight * (1 if c.gradient_sync else num_microbatches)
+        entry = out.setdefault((c.kind, axis_names[c.axis]), [0.0, 0.0])
+        entry[0] += times
+        entry[1] += times * c.bytes
+    return {k: (int(round(v[0])), int(round(v[1]))) for k, v in out.items()}
 
 
 def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
@@ -258,13 +291,13 @@ def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
 def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
                        loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
                        mesh: DeviceMesh | None = None, choices: Sequence[NodeStrategy] | None = None,
-                       placements_of: Callable[[Graph], Sequence[NodeStrategy]] | None = None,
-                       cluster: Any = None) -> SpmdProgram:
+                       plan: Any = None, cluster: Any = None) -> SpmdProgram:
     """Compile `model` for this rank under `config` (pp = 1); collective.
 
     `example` is one global batch (its first dp * micro_batch rows are traced).
-    Placements come from `choices`, else `placements_of(graph)` (a saved plan), else
-    the ILP solves `config` on rank 0 for `cluster`."""
+    Placements come from `choices`, else from `plan` (a saved plan's per-op placements,
+    matched to this trace by node key), else the ILP solves `config` on rank 0 for
+    `cluster` and every rank receives the solution."""
     from codegen.apply import apply
 
     if config.pp != 1:
@@ -274,9 +307,13 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     size = tensors[0].shape[0]
     micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
     mesh = mesh if mesh is not None else make_spmd_mesh(config)
-    traced, graph = trace_step(model, micro, loss_fn=loss_fn)
-    if choices is None and placements_of is not None:
-        choices = tuple(placements_of(graph))
+    traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute)
+    num_microbatches = max(1, size // rows)
+    priced = None
+    if choices is None and plan is not None:
+        choices = plan.placements_for(graph)
+        if plan.intra_op_info is not None:
+            priced = {(kind, axis): (calls, nbytes) for kind, axis, calls, nbytes in plan.intra_op_info.collectives}
     if choices is None:
         if cluster is None:
             from autopar.cluster import Cluster
@@ -284,13 +321,14 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            box[0] = solve_config(graph, config, cluster, num_microbatches=max(1, size // rows))
+            box[0] = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
         dist.broadcast_object_list(box, src=0)
-        choices = box[0]
+        choices = solution_choices(graph, box[0])
+        priced = priced_per_step(box[0], num_microbatches, ("dp", "tp"))
     graphs = apply(traced.gm, graph, choices, mesh)
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
              dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),
              sum(1 for n in graphs.step.graph.nodes if str(n.target).startswith("_c10d_functional.")
                  and "wait" not in str(n.target)))
     return SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph, optimizer_factory=optimizer,
-                       choices=choices)
+                       choices=choices, priced=priced)

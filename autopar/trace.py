@@ -177,8 +177,12 @@ def trace(
     *,
     loss_fn: LossFn | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    recompute: str = "none",
 ) -> Traced:
     """Capture the joint forward+backward graph of `model` (+ `loss_fn`) on the inputs.
+
+    `recompute` rewrites the graph for a recomputation policy (autopar/recompute.py), so
+    everything downstream prices and runs the recomputed ops.
 
     Real inputs and parameters are fine for small models; for large ones build the model
     and inputs under a `FakeTensorMode` first (see `trace_model`). Raises TraceError naming
@@ -221,6 +225,11 @@ def trace(
     tied = _tied_parameters(model)
     if tied:
         _merge_tied(gm, tied)
+    if recompute != "none":
+        from autopar.recompute import apply_recompute
+
+        copied = apply_recompute(gm, recompute, layer_prefix)
+        log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
     elapsed = time.perf_counter() - start
     log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
     return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed, tied=tied)
@@ -258,7 +267,9 @@ def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
     keep = [i for i in range(len(values)) if i not in set(drop)]
     output.args = ([values[i] for i in keep],) + tuple(output.args[1:])
     output.meta["desc"] = [descs[i] for i in keep]
+    graph._codegen = fx.graph.CodeGen()  # flat inputs and outputs: the export's pytree specs no longer fit
     graph.lint()
+    gm.recompile()
 
 
 def _tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:

@@ -89,11 +89,12 @@ def mesh_candidates(cluster: Cluster) -> list[tuple[int, int]]:
     return out
 
 
-def candidates(cluster: Cluster, global_batch: int) -> list[SpmdCandidate]:
+def candidates(cluster: Cluster, global_batch: int, microbatch_choices: int = MAX_MICROBATCH_CHOICES
+               ) -> list[SpmdCandidate]:
     out = []
     for mesh in mesh_candidates(cluster):
         sizes = [g for g in range(global_batch, 0, -1) if global_batch % g == 0 and g % mesh[0] == 0]
-        for g in sizes[:MAX_MICROBATCH_CHOICES]:
+        for g in sizes[:microbatch_choices]:
             out.append(SpmdCandidate(mesh=mesh, microbatch=g, num_microbatches=global_batch // g))
     return out
 
@@ -229,10 +230,11 @@ def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple
 
 def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
                 top: int = 5, time_limit_s: float | None = None, progress: ProgressFn | None = None,
-                num_layers: int | None = None) -> SearchResult:
-    """Rank every (mesh, microbatch) candidate by its ILP-priced step; the best as a Plan."""
+                num_layers: int | None = None, microbatch_choices: int = MAX_MICROBATCH_CHOICES) -> SearchResult:
+    """Rank every (mesh, microbatch) candidate by its ILP-priced step; the best as a Plan.
+    `microbatch_choices` caps the microbatch counts tried per mesh (largest microbatches first)."""
     t0 = time.perf_counter()
-    cands = candidates(cluster, global_batch)
+    cands = candidates(cluster, global_batch, microbatch_choices)
     if not cands:
         raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
                                   f"use a global batch that is a multiple of the device count")

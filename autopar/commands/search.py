@@ -33,7 +33,7 @@ LAYERS_TRACED = 2
 def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | None = None,
                 memory_gb: float | None = None, top: int = 5, time_limit_s: float | None = None,
                 space: SearchSpace = SearchSpace(), progress: ProgressFn | None = None,
-                with_ilp: bool = True) -> SearchResult:
+                with_ilp: bool = True, microbatch_choices: int | None = None) -> SearchResult:
     """Trace, fingerprint and search; phases (seconds) cover the whole pipeline.
 
     Every candidate (mesh x microbatch) is traced at its microbatch and priced by the
@@ -71,8 +71,9 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
     t = time.perf_counter()
     fingerprint = fingerprint_source(source)
     phases.append(("fingerprint", time.perf_counter() - t))
+    extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
     result = search_spmd(trace_at, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
-                         top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers)
+                         top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers, **extra)
     return SearchResult(ranked=result.ranked, plan=result.plan, phases=tuple(phases) + result.phases,
                         search_time_s=time.perf_counter() - t0)
 

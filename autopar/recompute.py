@@ -1,0 +1,126 @@
+"""Recomputation (activation checkpointing) as a rewrite of the traced joint graph.
+
+Where it sits: between tracing and lowering (autopar/trace.py `trace(..., recompute=)`).
+A policy names which forward values of each repeated layer the backward reads from
+memory; every other forward value the backward needs is recomputed: its forward op is
+copied (with the chain of recomputed values it depends on) just before the backward of
+that layer first needs it, and the backward reads the copy. The forward original then
+dies at its last forward use, which is the memory saved.
+
+Because the copies are ordinary nodes of the graph that is lowered, priced and solved,
+the cost model charges exactly what runs: the ILP prices the recomputed ops (at the
+placements it picks for them, resharding included) and the liveness memory rows see the
+shorter lifetimes; the per-rank program executes the same copies. One definition per
+policy, shared by pricing and runtime (DESIGN: price = run).
+
+Policies (per repeated layer, `layers.<i>`; the embedding, head and loss are never
+recomputed):
+- "none": nothing recomputed.
+- "full": only the layer's inputs are kept (what enters the layer from outside it,
+  parameters included); every activation produced inside the layer is recomputed.
+- "selective": the outputs of matmuls and attention (the expensive ops) are kept; the
+  norms, activations and other cheap elementwise and view ops are recomputed (the
+  memory-heavy, compute-light part, as in Korthikanti et al. 2022's selective scheme).
+Random ops (dropout masks) are never recomputed: a new draw would differ.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+from torch import fx
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+_EXPENSIVE = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+})
+"""Kept by "selective" (with the getitems that read their outputs)."""
+
+
+def _is_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _layer_of(node: fx.Node, pattern: re.Pattern[str] | None) -> int | None:
+    if pattern is None:
+        return None
+    path = (node.meta.get("custom") or {}).get("module", "")
+    match = pattern.match(path.removeprefix("model."))
+    return int(match.group(1)) if match else None
+
+
+def _recomputable(node: fx.Node, policy: str) -> bool:
+    if node.op != "call_function" or _is_random(node):
+        return False
+    if policy == "full":
+        return True
+    name = str(node.target)
+    if name in _EXPENSIVE:
+        return False
+    if node.target is operator.getitem and str(node.args[0].target) in _EXPENSIVE:
+        return False
+    return True
+
+
+def apply_recompute(gm: fx.GraphModule, policy: str, layer_prefix: str) -> int:
+    """Rewrite `gm` (in place) for `policy`; returns the number of ops copied."""
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {policy!r}")
+    if policy == "none" or not layer_prefix:
+        return 0
+    pattern = re.compile(rf"^{re.escape(layer_prefix)}\.(\d+)(?:\.|$)")
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    layer = {n: _layer_of(n, pattern) for n in nodes}
+    # a layer's boundary: forward values read by forward ops outside the layer (its output,
+    # the residual stream) stay in memory, as checkpointing keeps each layer's input
+    boundary = {n for n in nodes if not _is_backward(n) and any(
+        not _is_backward(u) and layer[u] != layer[n] for u in n.users)}
+    # forward values of a layer that its backward would otherwise read from memory
+    recompute = {n for n in nodes if not _is_backward(n) and layer[n] is not None and n not in boundary
+                 and _recomputable(n, policy)}
+    copies: dict[fx.Node, fx.Node] = {}
+    made = 0
+
+    def copy_of(node: fx.Node, before: fx.Node) -> fx.Node:
+        nonlocal made
+        if node not in recompute:
+            return node
+        if node in copies:
+            return copies[node]
+        args = fx.node.map_arg(node.args, lambda a: copy_of(a, before))
+        kwargs = fx.node.map_arg(node.kwargs, lambda a: copy_of(a, before))
+        with graph.inserting_before(before):
+            clone = graph.call_function(node.target, args, kwargs)
+        clone.meta = {**node.meta, "partitioner_tag": "is_backward", "recomputed": True}
+        copies[node] = clone
+        made += 1
+        return clone
+
+    for user in nodes:
+        if not _is_backward(user) or user.op != "call_function":
+            continue
+        reads = [a for a in user.all_input_nodes if a in recompute]
+        if not reads:
+            continue
+        user.args = fx.node.map_arg(user.args, lambda a: copy_of(a, user) if a in recompute else a)
+        user.kwargs = fx.node.map_arg(user.kwargs, lambda a: copy_of(a, user) if a in recompute else a)
+    graph.lint()
+    gm.recompile()
+    return made
+
+
+__all__ = ["RECOMPUTE_POLICIES", "apply_recompute"]
