@@ -104,7 +104,7 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
     import copy
 
     from autopar.plan import model_fingerprint
-    from autopar.runtime_spmd import trace_step
+    from autopar.trace import trace_step
     from solver.spmd_search import search_spmd
 
     cluster = _cluster_of(mesh)

@@ -248,20 +248,6 @@ def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> De
                             backend_override=override)
 
 
-def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: Callable[..., torch.Tensor] | None = None,
-               recompute: str = "none") -> tuple[Any, Graph]:
-    """Trace and lower the training step of `model` on one global microbatch, rewritten
-    for the recomputation policy (autopar/recompute.py)."""
-    from autopar.trace import lower, trace
-
-    traced = trace(model, tuple(microbatch), loss_fn=loss_fn, recompute=recompute)
-    first = next((t for t in microbatch if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    batch = int(first.shape[0]) if first is not None else 1
-    seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
-    graph = lower(traced, name=type(model).__name__, batch=batch, seq=seq, config=getattr(model, "cfg", None))
-    return traced, graph
-
-
 def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
     """The ILP's solution for a configuration given by flags (solver/forced.py rules)."""
     from solver import forced
@@ -307,6 +293,8 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     size = tensors[0].shape[0]
     micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
     mesh = mesh if mesh is not None else make_spmd_mesh(config)
+    from autopar.trace import trace_step
+
     traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute)
     num_microbatches = max(1, size // rows)
     priced = None

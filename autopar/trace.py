@@ -328,6 +328,19 @@ def trace_model(
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
 
 
+def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: LossFn | None = None,
+               recompute: str = "none") -> tuple[Any, Graph]:
+    """Trace and lower the training step of `model` on one global microbatch, rewritten
+    for the recomputation policy (autopar/recompute.py)."""
+    traced = trace(model, tuple(microbatch), loss_fn=loss_fn, recompute=recompute)
+    first = next((t for t in microbatch if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    batch = int(first.shape[0]) if first is not None else 1
+    seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
+    graph = lower(traced, name=type(model).__name__, batch=batch, seq=seq, config=getattr(model, "cfg", None))
+    return traced, graph
+
+
+
 def _batch_of(inputs: Sequence[Any]) -> int:
     first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     return int(first.shape[0]) if first is not None else 1

@@ -230,10 +230,12 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     mesh_shape = tuple(mesh.shape)
     interp = _Interpreter(gm, graph, choices, mesh)
     slots = []
+    inputs = 0
     for node in interp.placeholders():
         nid = interp.ids[node]
         ir = graph[nid]
-        name = ir.param_name or ("tangent" if ir.role is Role.TANGENT else f"input_{len(slots)}")
+        name = ir.param_name or ("tangent" if ir.role is Role.TANGENT else f"input_{inputs}")
+        inputs += ir.role is Role.INPUT
         slots.append(Slot(node=nid, role=ir.role, name=name, shape=ir.output.shape, dtype=ir.output.dtype,
                           placements=choices[nid].outputs[0]))
     examples = [_example(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots]

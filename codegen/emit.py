@@ -244,6 +244,8 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9) 
     of a large model's stage has the same shape as that of a shallower spec."""
     from autopar.models import resolve
 
+    if getattr(plan, "placements", None):
+        return write(emit_per_op(plan), directory)
     source = resolve(plan.model).with_overrides(seq=plan.seq)
     if source.config is None:
         raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
@@ -266,3 +268,40 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9) 
     example = source.example_inputs(plan.config.micro_batch)
     sources = emit(model, plan.config, example_inputs=example, stage_layers=plan.stage_layers)
     return write(sources, directory)
+
+
+def emit_per_op(plan: Any) -> dict[str, str]:
+    """The per-rank program of a one-stage plan, as rank 0 runs it: the model traced on
+    fake tensors at the plan's microbatch, the plan's per-op placements applied on a
+    `fake` process group of the plan's world (nothing runs, nothing is communicated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.models import resolve
+    from autopar.trace import trace_step
+    from codegen.apply import apply
+
+    if dist.is_initialized():
+        raise ValueError("emitting a plan needs no process group; call it outside a job")
+    source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
+    rows = plan.config.dp * plan.config.micro_batch
+    if source.config is None:
+        model, example = source.factory()
+        micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in example]
+    else:
+        with FakeTensorMode():
+            model = source.build(layers=min(source.config.layers, 2))
+            micro = list(source.example_inputs(rows))
+    traced, graph = trace_step(model, micro, recompute=plan.config.recompute)
+    choices = plan.placements_for(graph)
+    _clear_dtensor_caches()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.config.dp * plan.config.tp)
+    try:
+        mesh = init_device_mesh("cpu", (plan.config.dp, plan.config.tp), mesh_dim_names=("dp", "tp"))
+        graphs = apply(traced.gm, graph, choices, mesh)
+    finally:
+        dist.destroy_process_group()
+        _clear_dtensor_caches()
+    note = ("" if source.config is None or source.config.layers <= 2 else
+            f"# (the model's first 2 of {source.config.layers} layers: every further layer repeats the second's ops)\n")
+    return {"rank0": note + graphs.source}

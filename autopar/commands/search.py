@@ -50,7 +50,7 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
     if progress:
         progress("trace", 0, 1)
     if source.config is None:
-        from autopar.runtime_spmd import trace_step
+        from autopar.trace import trace_step
 
         factory_model, example = source.factory()
         tensors = [t for t in example if hasattr(t, "shape") and len(t.shape)]
