@@ -225,6 +225,7 @@ def trace(
     tied = _tied_parameters(model)
     if tied:
         _merge_tied(gm, tied)
+    _drop_empty_concat_inputs(gm)
     if recompute != "none":
         from autopar.recompute import apply_recompute
 
@@ -233,6 +234,35 @@ def trace(
     elapsed = time.perf_counter() - start
     log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
     return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed, tied=tied)
+
+
+def _drop_empty_concat_inputs(gm: fx.GraphModule) -> None:
+    """`cat([empty, x])` (Hugging Face caches start from an empty tensor) is `x`: drop empty
+    inputs of a concatenation, so its layout follows the real input's (an empty tensor
+    of another rank has no sharded layout and would pin the concatenation replicated)."""
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.cat.default or not isinstance(node.args[0], (list, tuple)):
+            continue
+        parts = list(node.args[0])
+        kept = [p for p in parts if not (isinstance(p, fx.Node) and p.meta.get("val") is not None
+                                         and p.meta["val"].numel() == 0)]
+        if len(kept) == len(parts) or not kept:
+            continue
+        changed = True
+        if len(kept) == 1:
+            with graph.inserting_before(node):
+                clone = graph.call_function(torch.ops.aten.clone.default, (kept[0],))
+            clone.meta = dict(node.meta)
+            node.replace_all_uses_with(clone)
+            graph.erase_node(node)
+        else:
+            node.args = (kept,) + tuple(node.args[1:])
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
 
 
 def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
