@@ -53,7 +53,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,8 +64,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from measure_cpu import _mem_kib, _reset_peak, _timed  # noqa: E402
 from torchtitan_baseline import TitanConfig, TitanShape  # noqa: E402
 
-SHAPE = TitanShape(layers=4, dim=256, heads=4, kv_heads=2, ffn=512, vocab=1024, seq=64)
-"""The model of measure_cpu.py (4 layers, hidden 256, GQA 4/2 heads, SwiGLU 512, vocab 1024)."""
+SHAPE = TitanShape(layers=4, dim=256, heads=4, kv_heads=2, ffn=512, vocab=1024, seq=64, fuse_qkv=False)
+"""The model of measure_cpu.py (4 layers, hidden 256, GQA 4/2 heads, SwiGLU 512, vocab 1024),
+with torchtitan's stock QKVLinear: q, k, v in three GEMMs, as autopar's zoo Llama computes
+them (`--fused-qkv`: torchtitan's fused wqkv, one GEMM, which the zoo Llama does not have)."""
 GLOBAL_BATCH = 16
 WARMUP_STEPS = 2
 TIMED_STEPS = 12
@@ -88,6 +90,7 @@ class Case:
     """None: autopar's searched plan (no torchtitan program of its own)."""
     zoo: bool = True
     """autopar compiles its zoo Llama (same weights); else torchtitan's module itself."""
+    shape: TitanShape = SHAPE
 
 
 def autopar_config(t: TitanConfig) -> Any:
@@ -105,7 +108,7 @@ def autopar_config(t: TitanConfig) -> Any:
                           recompute="full" if t.ac == "full" else "none", sequence_parallel=t.sequence_parallel)
 
 
-def cases(world: int) -> list[Case]:
+def cases(world: int, shape: TitanShape = SHAPE) -> list[Case]:
     """Every configuration both support at this world size (torchtitan's knobs), then the
     rows where autopar compiles torchtitan's module itself, then the searched plans."""
     g = GLOBAL_BATCH
@@ -130,11 +133,11 @@ def cases(world: int) -> list[Case]:
         }
     else:
         raise ValueError(f"configurations are listed for 4 and 8 processes, not {world}")
-    out = [Case(label=k, world=world, titan=v) for k, v in titan.items()]
-    out += [Case(label=f"{k} [tt]", world=world, titan=v, zoo=False) for k, v in titan.items()
+    out = [Case(label=k, world=world, titan=v, shape=shape) for k, v in titan.items()]
+    out += [Case(label=f"{k} [tt]", world=world, titan=v, zoo=False, shape=shape) for k, v in titan.items()
             if v.tp == 1 and v.pp == 1 and v.ac == "none"]
-    out += [Case(label="autopar search", world=world, titan=None),
-            Case(label="autopar search [tt]", world=world, titan=None, zoo=False)]
+    out += [Case(label=f"search cpu:{world}", world=world, titan=None, shape=shape),
+            Case(label=f"search cpu:{world} [tt]", world=world, titan=None, zoo=False, shape=shape)]
     return out
 
 
@@ -157,9 +160,9 @@ def _build(case: Case, kind: str, world: int) -> tuple[Callable[[Any], float], A
     import torchtitan_baseline as tb
 
     if kind == "titan":
-        program = tb.build(SHAPE, case.titan, global_batch=GLOBAL_BATCH, lr=LR)
+        program = tb.build(case.shape, case.titan, global_batch=GLOBAL_BATCH, lr=LR)
         return program.step, None
-    model = tb.zoo_model(SHAPE) if case.zoo else tb.reference_model(SHAPE)
+    model = tb.zoo_model(case.shape) if case.zoo else tb.reference_model(case.shape)
     example = _batches(1)[0]
     options: dict[str, Any] = dict(example_inputs=example, optimizer=functools.partial(torch.optim.AdamW, lr=LR))
     if not case.zoo:
@@ -443,7 +446,9 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
         "module-level runtime (DTensor parallelize_module / FSDP2 / pipelining per a rule table); re-run "
         "`make bench-torchtitan` once the per-op runtime lands.**",
         "",
-        f"Model: torchtitan's Llama3 (`{out['shape']}`), torchtitan's init (seed 0), global batch "
+        f"Model: torchtitan's Llama3 (`{out['shape']}`; q, k, v "
+        f"{'fused in one GEMM (wqkv, its flavors default)' if out['fuse_qkv'] else 'in three GEMMs, its stock QKVLinear, as the zoo Llama'}), "
+        "torchtitan's init (seed 0), global batch "
         f"{out['global_batch']} x seq {out['seq']}, fp32, AdamW lr {LR}, no gradient clipping on either side. "
         "torchtitan: its own `parallelize_llama` / `pipeline_llm` (benchmarks/torchtitan_baseline.py, CPU "
         "workarounds W1-W6 named there). autopar: `autopar.compile(..., config=ParallelConfig(...))` on its zoo "
@@ -515,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--only", default="", help="comma-separated configuration labels")
     parser.add_argument("--rounds", type=int, default=TIMED_STEPS, help="timed rounds")
+    parser.add_argument("--fused-qkv", action="store_true",
+                        help="torchtitan's fused wqkv (one GEMM) where the zoo Llama has three")
     parser.add_argument("--no-world8", action="store_true", help="skip the 8-process configurations")
     parser.add_argument("--profile", default=None, metavar="LABEL",
                         help="only profile one configuration's autopar and torchtitan programs")
@@ -533,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from autopar.runtime_launch import spawn
 
-    all_cases = cases(4) + ([] if args.no_world8 else cases(8))
+    shape = replace(SHAPE, fuse_qkv=True) if args.fused_qkv else SHAPE
+    all_cases = cases(4, shape) + ([] if args.no_world8 else cases(8, shape))
     if args.profile:
         case = next((c for c in all_cases if c.label == args.profile and c.titan is not None and c.zoo), None)
         if case is None:
@@ -553,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--only: unknown labels {sorted(unknown)}; known: {[c.label for c in all_cases]}")
         all_cases = [c for c in all_cases if c.label in wanted]
     t0 = time.perf_counter()
-    reference = tb.reference_losses(SHAPE, _batches(ORACLE_STEPS), lr=LR)
-    print(f"model {SHAPE.zoo_spec} (torchtitan Llama3), global batch {GLOBAL_BATCH}; single-process losses "
+    reference = tb.reference_losses(shape, _batches(ORACLE_STEPS), lr=LR)
+    print(f"model {shape.zoo_spec} (torchtitan Llama3, {'fused wqkv' if shape.fuse_qkv else 'wq, wk, wv'}), "
+          f"global batch {GLOBAL_BATCH}; single-process losses "
           f"{[round(x, 6) for x in reference]}", flush=True)
     measured: dict[str, Any] = {}
     for world in (4, 8):
@@ -564,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = rows_of(all_cases, measured)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    out = {"shape": SHAPE.zoo_spec, "global_batch": GLOBAL_BATCH, "seq": SHAPE.seq, "rows": rows,
+    out = {"shape": shape.zoo_spec, "fuse_qkv": shape.fuse_qkv, "global_batch": GLOBAL_BATCH, "seq": SHAPE.seq, "rows": rows,
            "warmup_steps": WARMUP_STEPS, "timed_steps": args.rounds, "oracle_steps": ORACLE_STEPS,
            "reference_losses": reference, "torch": torch.__version__, "torchtitan": tb.TORCHTITAN_VERSION,
            "commit": commit}

@@ -75,6 +75,9 @@ def available() -> str | None:
 class TitanShape:
     """A torchtitan Llama3 of this size (GQA, SwiGLU, untied head, RoPE without scaling)."""
 
+    fuse_qkv: bool = True
+    """torchtitan's registry flavors fuse q, k, v into one GEMM (FusedQKVLinear `wqkv`);
+    False builds its stock QKVLinear (`wq`, `wk`, `wv`: three GEMMs, as autopar's zoo Llama)."""
     layers: int = 4
     dim: int = 256
     heads: int = 4
@@ -176,7 +179,7 @@ def model_config(shape: TitanShape, *, sequence_parallel: bool = True) -> Any:
 
     layers = _build_llama3_layers(
         n_layers=shape.layers, dim=shape.dim, n_heads=shape.heads, n_kv_heads=shape.kv_heads,
-        hidden_dim=shape.ffn, attn_backend="flex", fuse_qkv=True,
+        hidden_dim=shape.ffn, attn_backend="flex", fuse_qkv=shape.fuse_qkv,
         rope=ComplexRoPE.Config(dim=shape.head_dim, max_seq_len=shape.seq, theta=shape.rope_theta, scaling="none"))
     for layer in layers:  # W4
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -204,7 +207,8 @@ def reference_model(shape: TitanShape, *, seed: int = 0) -> nn.Module:
 def zoo_state_dict(titan: nn.Module, shape: TitanShape) -> dict[str, torch.Tensor]:
     """torchtitan Llama3 parameters as autopar's zoo Llama (autopar/models/llama.py) names
     and lays them out, computing the same function:
-    - wqkv rows are (kv head, [its q heads..., k, v], head_dim): split into wq, wk, wv;
+    - fused wqkv rows are (kv head, [its q heads..., k, v], head_dim): split into wq, wk, wv
+      (the stock QKVLinear's wq, wk, wv are taken as they are);
     - torchtitan's complex RoPE rotates adjacent pairs (2i, 2i+1), the zoo's rotate-half
       pairs (i, i + head_dim/2) at the same frequency i: q and k rows are permuted within
       each head to match (attention scores are unchanged: both sides permuted alike);
@@ -219,10 +223,16 @@ def zoo_state_dict(titan: nn.Module, shape: TitanShape) -> dict[str, torch.Tenso
     out = {"tok_embeddings.weight": p["tok_embeddings.weight"], "norm.weight": p["norm.weight"],
            "output.weight": p["lm_head.weight"]}
     for i in range(shape.layers):
-        w = p[f"layers.{i}.attention.qkv_linear.wqkv.weight"].reshape(shape.kv_heads, hpk + 2, hd, shape.dim)
-        out[f"layers.{i}.attention.wq.weight"] = rope_rows(w[:, :hpk].reshape(-1, shape.dim), shape.heads)
-        out[f"layers.{i}.attention.wk.weight"] = rope_rows(w[:, hpk].reshape(-1, shape.dim), shape.kv_heads)
-        out[f"layers.{i}.attention.wv.weight"] = w[:, hpk + 1].reshape(-1, shape.dim)
+        qkv = f"layers.{i}.attention.qkv_linear"
+        if shape.fuse_qkv:
+            w = p[f"{qkv}.wqkv.weight"].reshape(shape.kv_heads, hpk + 2, hd, shape.dim)
+            wq, wk, wv = (w[:, :hpk].reshape(-1, shape.dim), w[:, hpk].reshape(-1, shape.dim),
+                          w[:, hpk + 1].reshape(-1, shape.dim))
+        else:
+            wq, wk, wv = p[f"{qkv}.wq.weight"], p[f"{qkv}.wk.weight"], p[f"{qkv}.wv.weight"]
+        out[f"layers.{i}.attention.wq.weight"] = rope_rows(wq, shape.heads)
+        out[f"layers.{i}.attention.wk.weight"] = rope_rows(wk, shape.kv_heads)
+        out[f"layers.{i}.attention.wv.weight"] = wv
         for name in ("attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
                      "attention_norm", "ffn_norm"):
             out[f"layers.{i}.{name}.weight"] = p[f"layers.{i}.{name}.weight"]

@@ -12,6 +12,7 @@ rtol 1e-4), and (2) both sides start from the same function: the zoo Llama holdi
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,9 +63,11 @@ def _zoo_logits(zoo: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return zoo.output(zoo.norm(x))
 
 
-def test_zoo_llama_with_mapped_weights_is_torchtitans_model():
-    titan = tb.reference_model(SHAPE, seed=5)
-    zoo = tb.zoo_model(SHAPE, seed=5)
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_zoo_llama_with_mapped_weights_is_torchtitans_model(fuse_qkv):
+    shape = replace(SHAPE, fuse_qkv=fuse_qkv)
+    titan = tb.reference_model(shape, seed=5)
+    zoo = tb.zoo_model(shape, seed=5)
     tokens, labels = _batches()[0]
     with torch.no_grad():
         expected = titan(tokens)
@@ -72,9 +75,12 @@ def test_zoo_llama_with_mapped_weights_is_torchtitans_model():
         torch.testing.assert_close(zoo(tokens, labels), tb.titan_loss(expected, labels), rtol=1e-6, atol=0)
         # the RoPE pair permutation matters: wq rows in torchtitan's order give other logits
         hd, hpk = SHAPE.head_dim, SHAPE.heads // SHAPE.kv_heads
-        wqkv = titan.get_parameter("layers.0.attention.qkv_linear.wqkv.weight")
-        zoo.layers[0].attention.wq.weight.copy_(
-            wqkv.reshape(SHAPE.kv_heads, hpk + 2, hd, SHAPE.dim)[:, :hpk].reshape(-1, SHAPE.dim))
+        if fuse_qkv:
+            wqkv = titan.get_parameter("layers.0.attention.qkv_linear.wqkv.weight")
+            wq = wqkv.reshape(SHAPE.kv_heads, hpk + 2, hd, SHAPE.dim)[:, :hpk].reshape(-1, SHAPE.dim)
+        else:
+            wq = titan.get_parameter("layers.0.attention.qkv_linear.wq.weight")
+        zoo.layers[0].attention.wq.weight.copy_(wq)
         assert (_zoo_logits(zoo, tokens) - expected).abs().max() > 5e-4  # 1.8e-3 here; mapped: 5e-7
 
 
