@@ -70,8 +70,10 @@ with torchtitan's stock QKVLinear: q, k, v in three GEMMs, as autopar's zoo Llam
 them (`--fused-qkv`: torchtitan's fused wqkv, one GEMM, which the zoo Llama does not have)."""
 GLOBAL_BATCH = 16
 WARMUP_STEPS = 2
-TIMED_STEPS = 12
+TIMED_STEPS = 16
 ORACLE_STEPS = 3
+PROFILE_ROUNDS = 6
+"""Profiled steps of each program in `--profile` (alternating)."""
 LR = 1e-3
 FIRST_RTOL = 1e-5
 LATER_RTOL = 2e-4
@@ -127,6 +129,7 @@ def cases(world: int, shape: TitanShape = SHAPE) -> list[Case]:
         }
     elif world == 8:
         titan = {
+            "ddp8": TitanConfig(dp_replicate=8, local_batch_size=g // 8),
             "fsdp8": TitanConfig(dp_shard=8, local_batch_size=g // 8),
             "fsdp4 x tp2": TitanConfig(dp_shard=4, tp=2, local_batch_size=g // 4),
             "pp2 x fsdp2 x tp2": TitanConfig(pp=2, dp_shard=2, tp=2, local_batch_size=g // 2, pp_microbatch_size=2),
@@ -238,32 +241,38 @@ def _ordered(world_cases: list[Case]) -> list[Case]:
     return out
 
 
-def profile_worker(rank: int, case: Case, steps: int = 3) -> dict[str, Any]:
-    """torch.profiler over `steps` steps of autopar's and torchtitan's program of one case."""
-    import torch
+def profile_worker(rank: int, case: Case, rounds: int = PROFILE_ROUNDS) -> dict[str, Any]:
+    """torch.profiler over single steps of autopar's and torchtitan's program of one case,
+    built side by side and profiled in alternation (A T, T A, ...), so the machine's load
+    drifts hit both alike; per-op calls and times are averaged per step."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     world = dist.get_world_size()
-    batches = _batches(WARMUP_STEPS + steps)
-    out: dict[str, Any] = {}
-    for kind in ("autopar", "titan"):
-        step, _ = _build(case, kind, world)
-        for b in batches[:WARMUP_STEPS]:
-            step(b)
-        dist.barrier()
-        start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for b in batches[WARMUP_STEPS:]:
-                step(b)
+    kinds = ("autopar", "titan")
+    steps = {kind: _build(case, kind, world)[0] for kind in kinds}
+    batches = _batches(WARMUP_STEPS + rounds)
+    for b in batches[:WARMUP_STEPS]:
+        for kind in kinds:
+            steps[kind](b)
+    totals: dict[str, dict[str, list[float]]] = {kind: {} for kind in kinds}
+    walls: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r, b in enumerate(batches[WARMUP_STEPS:]):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
             dist.barrier()
-        wall = (time.perf_counter() - start) / steps
-        rows = [{"name": e.key, "count": e.count / steps, "self_cpu_s": e.self_cpu_time_total / 1e6 / steps,
-                 "cpu_s": e.cpu_time_total / 1e6 / steps} for e in prof.key_averages()]
-        out[kind] = {"step_s": wall, "rows": rows}
-        del step
-        gc.collect()
-    return out
+            start = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                steps[kind](b)
+                dist.barrier()
+            walls[kind].append(time.perf_counter() - start)
+            for e in prof.key_averages():
+                acc = totals[kind].setdefault(e.key, [0.0, 0.0, 0.0])
+                acc[0] += e.count
+                acc[1] += e.self_cpu_time_total / 1e6
+                acc[2] += e.cpu_time_total / 1e6
+    return {kind: {"step_s": statistics.median(walls[kind]),
+                   "rows": [{"name": name, "count": c / rounds, "self_cpu_s": self_s / rounds, "cpu_s": cpu_s / rounds}
+                            for name, (c, self_s, cpu_s) in totals[kind].items()]} for kind in kinds}
 
 
 COLLECTIVE_KEYS = ("c10d", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
@@ -278,11 +287,12 @@ def _is_collective(name: str) -> bool:
 def profile_report(label: str, per_rank: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: per program, collective calls per step (rank 0 and summed over ranks)
     and the top self-CPU ops on rank 0, side by side."""
-    lines = [f"## `{label}`: where the time goes (torch.profiler, 3 steps, per step)", ""]
+    lines = [f"## `{label}`: where the time goes (torch.profiler, {PROFILE_ROUNDS} alternating steps of each, "
+             "per step)", ""]
     for kind in ("autopar", "titan"):
         steps = [r[kind]["step_s"] for r in per_rank]
-        lines.append(f"- {kind}: {statistics.median(steps) * 1e3:.0f} ms/step (median over ranks of the profiled "
-                     "wall time; the profiler adds overhead)")
+        lines.append(f"- {kind}: {statistics.median(steps) * 1e3:.0f} ms/step (median over steps and ranks of the "
+                     "profiled wall time; the profiler adds overhead)")
     lines += ["", "Collectives and communication ops (calls per step on rank 0 / self CPU ms per step, rank 0; "
               "calls summed over all ranks):", "",
               "| op | autopar calls r0 | autopar ms r0 | autopar calls all | torchtitan calls r0 | torchtitan ms r0 | "
@@ -364,6 +374,13 @@ def run_world(world: int, world_cases: list[Case], reference: list[float], round
     return out
 
 
+def _ratio_stats(titan_s: list[float], autopar_s: list[float]) -> dict[str, float]:
+    """Median and quartiles over rounds of t_torchtitan / t_autopar (same round, adjacent)."""
+    per_round = [x / y for x, y in zip(titan_s, autopar_s)]
+    q1, _, q3 = statistics.quantiles(per_round, n=4)
+    return {"ratio": statistics.median(per_round), "ratio_q1": q1, "ratio_q3": q3}
+
+
 def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str, Any]]:
     tokens = GLOBAL_BATCH * SHAPE.seq
     rows = []
@@ -381,7 +398,7 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
             "titan_step_time_s": t["step_time_s"] if t else None, "titan_step_times_s": t["step_times_s"] if t else None,
             "titan_tokens_per_s": tokens / t["step_time_s"] if t else None, "titan_losses": t["losses"] if t else None,
             "titan_peak_rss_delta_bytes": t["peak_rss_delta_bytes"] if t else None,
-            "ratio": statistics.median(x / y for x, y in zip(t["step_times_s"], a["step_times_s"])) if t else None,
+            **(_ratio_stats(t["step_times_s"], a["step_times_s"]) if t else {"ratio": None}),
         })
     for world in sorted({c.world for c in world_cases}):
         titans = [r for r in rows if r["world"] == world and r["titan_step_time_s"] is not None
@@ -392,8 +409,7 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
         for r in rows:
             if r["world"] == world and r["titan"] is None:
                 r["vs_best_titan"] = best["label"]
-                r["ratio"] = statistics.median(x / y for x, y in zip(best["titan_step_times_s"],
-                                                                        r["autopar_step_times_s"]))
+                r.update(_ratio_stats(best["titan_step_times_s"], r["autopar_step_times_s"]))
                 r["titan_step_time_s"] = best["titan_step_time_s"]
                 r["titan_tokens_per_s"] = best["titan_tokens_per_s"]
                 r["titan_peak_rss_delta_bytes"] = best["titan_peak_rss_delta_bytes"]
@@ -419,7 +435,8 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     if shared:
         ratios = [r["ratio"] for r in shared]
-        slow = [f"{r['label']} ({r['world']}p) {r['ratio']:.3f}" for r in shared if r["ratio"] < 0.95]
+        slow = [f"{r['label']} ({r['world']}p) {r['ratio']:.3f} (quartiles {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})"
+                for r in shared if r["ratio"] < 0.95]
         out.append(f"autopar / torchtitan over {len(shared)} shared configurations (zoo Llama, same weights): "
                    f"min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, max {max(ratios):.3f}; "
                    f"below 0.95: {', '.join(slow) if slow else 'none'}")
@@ -430,7 +447,8 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["titan"] is None:
             out.append(f"{r['label']} ({r['world']} processes): {_describe(r['autopar_config'])}; vs torchtitan's "
-                       f"fastest configuration ({r['vs_best_titan']}): {r['ratio']:.3f}x per round")
+                       f"fastest configuration ({r['vs_best_titan']}): {r['ratio']:.3f}x per round (quartiles "
+                       f"{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})")
     return out
 
 
@@ -465,7 +483,7 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
         "users: ratios are the figure to read; absolute times move with the load.",
         "",
         "| configuration (torchtitan) | procs | autopar runs | autopar config | autopar tok/s | torchtitan tok/s | "
-        "autopar/torchtitan | autopar MiB/rank | torchtitan MiB/rank | first loss A | first loss T |",
+        "autopar/torchtitan (quartiles) | autopar MiB/rank | torchtitan MiB/rank | first loss A | first loss T |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
@@ -473,7 +491,8 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
         lines.append(
             f"| {label} | {r['world']} | {r['autopar_model']} | {_describe(r['autopar_config'])} | "
             f"{f(r['autopar_tokens_per_s'], ',.0f')} | {f(r['titan_tokens_per_s'], ',.0f')} | "
-            f"{f(r['ratio'], '.3f')} | {f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
+            f"{f(r['ratio'], '.3f')} ({f(r.get('ratio_q1'), '.2f')}-{f(r.get('ratio_q3'), '.2f')}) | "
+            f"{f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
             f"{f(r['titan_peak_rss_delta_bytes'], '.0f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
             f"{f(r['titan_losses'][0] if r['titan_losses'] else None, '.5f')} |")
     path.write_text("\n".join(lines + [""] + [f"- {line}" for line in out["summary"]] + [""] + extra) + "\n")
@@ -526,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, metavar="LABEL",
                         help="only profile one configuration's autopar and torchtitan programs")
     parser.add_argument("--profile-md", default=None, help="append the profile report to this markdown file")
+    parser.add_argument("--profile-below", type=float, default=None, metavar="RATIO",
+                        help="after measuring, profile every shared configuration whose autopar/torchtitan "
+                             "ratio is below RATIO and add the report to --md")
     args = parser.parse_args(argv)
 
     import torchtitan_baseline as tb
@@ -590,8 +612,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[measure_torchtitan total {time.perf_counter() - t0:.0f} s]")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    extra: list[str] = []
+    if args.profile_below is not None:
+        slow = [c for c in all_cases if c.titan is not None and c.zoo
+                and next(r for r in rows if r["label"] == c.label)["ratio"] < args.profile_below]
+        extra = ["# Where autopar is slower", "",
+                 f"Every shared configuration below {args.profile_below:g} in this run, profiled again (autopar's "
+                 "and torchtitan's program side by side, alternating steps)." if slow else
+                 f"No shared configuration measured below {args.profile_below:g} in this run.", ""]
+        for case in slow:
+            per_rank = spawn(profile_worker, case.world, (case,), collective_timeout_s=300.0)
+            extra += profile_report(case.label, per_rank)
+            print("\n".join(profile_report(case.label, per_rank)), flush=True)
+        out["profiled"] = [c.label for c in slow]
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     if args.md:
-        write_markdown(out, Path(args.md), extra=[])
+        write_markdown(out, Path(args.md), extra=extra)
     if args.plot:
         plot(out, Path(args.plot))
     return 0
