@@ -291,9 +291,9 @@ def profile_report(label: str, per_rank: list[dict[str, Any]]) -> list[str]:
              "per step)", ""]
     for kind in ("autopar", "titan"):
         steps = [r[kind]["step_s"] for r in per_rank]
-        lines.append(f"- {kind}: {statistics.median(steps) * 1e3:.0f} ms/step (median over steps and ranks of the "
+        lines.append(f"- {'torchtitan' if kind == 'titan' else kind}: {statistics.median(steps) * 1e3:.0f} ms/step (median over steps and ranks of the "
                      "profiled wall time; the profiler adds overhead)")
-    lines += ["", "Collectives and communication ops (calls per step on rank 0 / self CPU ms per step, rank 0; "
+    lines += ["", "Collectives and communication ops (calls per step on rank 0 / CPU ms per step including the ops they call, rank 0; "
               "calls summed over all ranks):", "",
               "| op | autopar calls r0 | autopar ms r0 | autopar calls all | torchtitan calls r0 | torchtitan ms r0 | "
               "torchtitan calls all |", "|---|---|---|---|---|---|---|"]
@@ -505,8 +505,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in out["rows"] if r["titan_tokens_per_s"] is not None]
-    labels = [(r["label"] if r["titan"] is not None else f"{r['label']}\nvs {r['vs_best_titan']}") + f"\n({r['world']}p)"
-              for r in rows]
+    def short(label: str) -> str:
+        return label.replace(" x ", "x").replace(" [tt]", "\n[tt]").replace(" +AC", "\n+AC").replace(
+            " interleaved x2", "\ninterleaved")
+
+    labels = [(short(r["label"]) if r["titan"] is not None else f"{short(r['label'])}\nvs {short(r['vs_best_titan'])}")
+              + f"\n({r['world']}p)" for r in rows]
     fig, (ax, ax_mem) = plt.subplots(2, 1, figsize=(max(10, 0.85 * len(rows)), 8.5), sharex=True)
     x = range(len(rows))
     w = 0.38
@@ -525,7 +529,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax_mem.bar([i + w / 2 for i in x], [r["titan_peak_rss_delta_bytes"] / 2**20 for r in rows], w, color="tab:orange")
     ax_mem.set_ylabel("peak RSS growth per rank (MiB)")
     ax_mem.set_xticks(list(x))
-    ax_mem.set_xticklabels(labels, fontsize=7, rotation=0)
+    ax_mem.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
     ax_mem.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
