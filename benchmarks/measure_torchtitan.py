@@ -316,6 +316,20 @@ def profile_report(label: str, per_rank: list[dict[str, Any]]) -> list[str]:
     for a, t in zip(tops["autopar"], tops["titan"]):
         lines.append(f"| `{a['name']}` | {a['self_cpu_s'] * 1e3:.1f} | {a['count']:.0f} | `{t['name']}` | "
                      f"{t['self_cpu_s'] * 1e3:.1f} | {t['count']:.0f} |")
+    # aten ops (compute and memory) whose per-step counts differ: deterministic, unlike the times
+    by_kind = {k: {row["name"]: row for row in per_rank[0][k]["rows"] if row["name"].startswith("aten::")}
+               for k in ("autopar", "titan")}
+    differ = sorted((name for name in set(by_kind["autopar"]) | set(by_kind["titan"])
+                     if round(by_kind["autopar"].get(name, {}).get("count", 0.0), 1)
+                     != round(by_kind["titan"].get(name, {}).get("count", 0.0), 1)),
+                    key=lambda name: -abs(by_kind["autopar"].get(name, {}).get("self_cpu_s", 0.0)
+                                          - by_kind["titan"].get(name, {}).get("self_cpu_s", 0.0)))
+    lines += ["", "ATen ops whose calls per step differ on rank 0 (largest self-CPU difference first):", "",
+              "| op | autopar calls | autopar ms | torchtitan calls | torchtitan ms |", "|---|---|---|---|---|"]
+    for name in differ[:20]:
+        a, t = by_kind["autopar"].get(name, {}), by_kind["titan"].get(name, {})
+        lines.append(f"| `{name}` | {a.get('count', 0.0):.1f} | {a.get('self_cpu_s', 0.0) * 1e3:.1f} | "
+                     f"{t.get('count', 0.0):.1f} | {t.get('self_cpu_s', 0.0) * 1e3:.1f} |")
     return lines + [""]
 
 
