@@ -2,7 +2,8 @@
 both support on 4 and 8 processes, and autopar's searched plan vs torchtitan's fastest.
 
     python benchmarks/measure_torchtitan.py [--json out.json] [--md out.md] [--plot out.png]
-        [--only LABEL,...] [--no-world8] [--profile LABEL]
+        [--only LABEL,...] [--no-world8] [--rounds N] [--fused-qkv] [--profile-below RATIO]
+        [--profile LABEL [--profile-md out.md]]
 
 Needs the `bench` install (`make bench-install`); without torchtitan it prints one line and
 exits 0 (that is how `make bench` skips it). Re-run it whenever autopar's runtime changes:
@@ -39,8 +40,14 @@ Figures (the machine has 2 cores shared with other users: noisy; read ratios, no
 - memory: peak resident-set growth per rank (VmHWM after 3 steps minus VmRSS before the
   build; glibc mmap threshold 64 KiB so freed tensors go back to the OS), each program built
   alone in a separate set of ranks, max over ranks (as benchmarks/measure_cpu.py does).
-- `--profile LABEL`: torch.profiler over 3 steps of A and T of one configuration, every rank:
-  collective calls and time per kind, and the ops with the largest self CPU time.
+- `--profile LABEL`: torch.profiler over PROFILE_ROUNDS single steps of A and of T of one
+  configuration, built side by side and profiled in alternation, every rank: collective
+  calls and time per kind, the ops with the largest self CPU time, and the ATen ops whose
+  call counts differ. `--profile-below 0.95` does this after the measurement for every
+  shared configuration below 0.95 and adds it to the markdown.
+- `--fused-qkv`: torchtitan's fused wqkv (its flavors' layout) instead of its stock
+  QKVLinear; the zoo Llama then runs more, smaller GEMMs than torchtitan (a model
+  difference, shown by the profiler: 87 vs 63 matmuls per step).
 """
 
 from __future__ import annotations

@@ -271,7 +271,8 @@ class TitanProgram:
     has_first: bool = True
     has_last: bool = True
     grad_accum: int = 1
-    _loss: Any = field(default=None, repr=False)
+    loss_fn: Any = field(default=None, repr=False)
+    """pred, labels -> this rank's CE sum / global tokens (torchtitan's cross_entropy_loss)."""
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One optimizer step on the global batch (identical on every rank); returns the
@@ -288,7 +289,7 @@ class TitanProgram:
                 total = torch.stack([x.detach() for x in losses]).sum()
         else:
             for tok, lab in zip(tokens.chunk(self.grad_accum), labels.chunk(self.grad_accum)):
-                loss = self._loss(self.parts[0](tok), lab)
+                loss = self.loss_fn(self.parts[0](tok), lab)
                 loss.backward()
                 total += loss.detach()
         self.optimizer.step()
@@ -384,7 +385,7 @@ def build(shape: TitanShape, config: TitanConfig, *, global_batch: int, lr: floa
     return TitanProgram(config=config, parts=parts, optimizer=torch.optim.AdamW(params, lr=lr),
                         global_tokens=global_tokens, batch_rank=batch_rank, tp_rank=tp_rank, schedule=schedule,
                         has_first=has_first, has_last=has_last, grad_accum=grad_accum,
-                        _loss=lambda pred, labels: loss_fn(pred, labels)[0])
+                        loss_fn=lambda pred, labels: loss_fn(pred, labels)[0])
 
 
 def reference_losses(shape: TitanShape, batches: list[tuple[torch.Tensor, torch.Tensor]], *, lr: float = 1e-3,
