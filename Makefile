@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.autopar-installed
 
-.PHONY: demo test install bench
+.PHONY: demo test install bench bench-install bench-torchtitan
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,5 +27,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# `make bench` includes the torchtitan comparison when `make bench-install` was run, and
+# prints one line saying it was skipped otherwise.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+
+# The torchtitan baseline: the `bench` extra, then torchtitan 0.3.0 without its declared
+# dependencies (its trainer's datasets/tensorboard/wandb/tokenizers/torchdata, which the
+# benchmark never imports; pip cannot express --no-deps inside an extra). torch stays pinned.
+bench-install: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
+
+# Only the autopar-vs-torchtitan measurement (rewrites benchmarks/results/torchtitan_*):
+# re-run it whenever autopar's runtime changes.
+bench-torchtitan: $(STAMP)
+	$(BIN)/python benchmarks/measure_torchtitan.py --json benchmarks/results/torchtitan.json \
+		--md benchmarks/results/torchtitan.md --plot benchmarks/results/torchtitan.png --profile-below 0.95

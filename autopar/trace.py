@@ -117,7 +117,10 @@ class _LossStep(nn.Module):
 def _find_layer_container(model: nn.Module) -> tuple[str, int]:
     best = ("", 0)
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > best[1]:
+        # torchtitan keeps its blocks in a ModuleDict keyed "0", "1", ... (so pipeline
+        # splits can delete some and keep the others' names): a layer list too
+        numbered = isinstance(mod, nn.ModuleDict) and list(mod.keys()) == [str(i) for i in range(len(mod))]
+        if (isinstance(mod, (nn.ModuleList, nn.Sequential)) or numbered) and len(mod) > best[1]:
             best = (name, len(mod))
     return best if best[1] >= 1 else ("", 0)
 

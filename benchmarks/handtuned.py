@@ -1,5 +1,13 @@
-"""Hand-tuned 3D parallelism, written the way torchtitan writes it: the baseline autopar is
-measured against (benchmarks/measure_cpu.py).
+"""Hand-tuned 3D parallelism, written the way torchtitan writes it: the baseline of
+benchmarks/measure_cpu.py.
+
+torchtitan itself is the anchor (benchmarks/torchtitan_baseline.py, measure_torchtitan.py);
+this imitation is kept for what torchtitan does not give: it needs no extra install (the
+default `make test` checks it, tests/dist/test_handtuned_baseline.py, and measure_cpu.py
+measures against it where torchtitan is absent); it shards the zoo models as they are,
+including GPT (LayerNorm, GELU, learned positions, tied head; torchtitan 0.3.0 has no such
+model) over dp/pp/zero; and its ZeRO-0 is DDP's bucketed flat all-reduce, where torchtitan's
+data_parallel_replicate_degree is FSDP2 in replicate mode (one all-reduce per FSDP unit).
 
 Nothing here is planned or searched: the expert picks dp/tp/pp/zero by hand and applies
 - TP: `parallelize_module` with ColwiseParallel(wq, wk, wv, w1, w3) / RowwiseParallel(wo, w2),

@@ -170,6 +170,30 @@ def test_hf_models_trace_through_the_same_entry_point():
         assert graph[graph.loss].output.shape == ()
 
 
+def test_numbered_module_dict_is_the_layer_list():
+    """torchtitan keeps its blocks in a ModuleDict keyed "0", "1", ...: the tracer must find
+    them as the repeated layers (else a searched plan has stage_layers for 0 layers)."""
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for i in range(3)})
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens)
+            for layer in self.layers.values():
+                h = h + layer(h)
+            return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+    tokens = torch.randint(0, 32, (2, 8))
+    traced = trace(Blocks(), (tokens, tokens))
+    assert (traced.layer_prefix, traced.num_layers) == ("layers", 3)
+    graph = lower(traced, name="Blocks", batch=2, seq=8)
+    assert len(graph.layer_groups) == 1 and graph.layer_groups[0].multiplicity == 3
+
+
 def test_cli_trace_json_and_bad_input():
     out = subprocess.run([sys.executable, "-m", "autopar.cli", "trace", "gpt-tiny", "--json"],
                          capture_output=True, text=True, check=True)
