@@ -230,7 +230,9 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         config = plan.config
     if example_inputs is not None:
         config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model, config))
-    pristine = copy.deepcopy(model)  # codegen.emit traces an unsharded copy
+    # a pipeline's code is traced by codegen.emit from an unsharded copy; a one-stage
+    # program carries its own source, so no copy is kept (it would undo ZeRO's sharding)
+    pristine = copy.deepcopy(model) if config.pp > 1 else None
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
     cluster = _cluster_of(mesh)
 
