@@ -394,6 +394,12 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     if config.pp == 1:
         from autopar.runtime_spmd import build_spmd_program
 
+        if fused_kernels if fused_kernels is not None else torch.cuda.is_available():
+            # traced with the fused modules in: their ops (and backward ops) are in the
+            # joint graph, sharded by their own DTensor rules (codegen/kernels/sharding.py)
+            from codegen.kernels.modules import swap_fused_modules
+
+            model = swap_fused_modules(model)
         if example_inputs is None:
             raise ValueError("a pp = 1 program is compiled from the traced training step: pass example_inputs= "
                              "(one global batch)")

@@ -255,25 +255,33 @@ class _Enumerator:
         return pairs
 
     def _decomposition(self, op: Any, node: Node) -> list[tuple[Any, Any]]:
+        """DTensor's decomposition-derived strategies. It tries the placements present in
+        the inputs it is given (Shard on any dim once one input is sharded), so it is asked
+        twice: with the first non-scalar input sharded, and with it a pending sum."""
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
         bridge = self.bridge
         decomp = bridge.PROPAGATOR.decomp_strategy
         if not decomp.has_decomp(op):
             return []
         decomp.ensure_schema_info(op)
         replicated = (R,) * len(self.mesh_shape)
-        try:
-            strategy = decomp.propagate_strategy(self._schema(op, node, lambda k: replicated))
-        except Exception:  # decomposition not traceable for sharding: no candidates
-            return []
+        axis = next((i for i, n in enumerate(self.mesh_shape) if n > 1), 0)
+        metas = self._in_metas(node)
+        first = next((k for k, m in enumerate(metas) if m.shape), 0)  # the first non-scalar input
         pairs = []
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-        for spec in getattr(strategy, "strategies", ()):
-            outs = spec.output_specs
-            outs = [outs.placements] if isinstance(outs, DTensorSpec) else [
-                None if o is None else o.placements for o in outs]
-            ins = [s.placements for s in spec.input_specs if s is not None] if spec.input_specs else []
-            pairs.append((outs, ins))
+        for seed in (Shard(0), Partial("sum")):
+            lead = tuple(seed if i == axis else R for i in range(len(self.mesh_shape)))
+            try:
+                strategy = decomp.propagate_strategy(self._schema(op, node, lambda k: lead if k == first else replicated))
+            except Exception:  # decomposition not traceable for sharding: no candidates from it
+                continue
+            for spec in getattr(strategy, "strategies", ()):
+                outs = spec.output_specs
+                outs = [outs.placements] if isinstance(outs, DTensorSpec) else [
+                    None if o is None else o.placements for o in outs]
+                ins = [s.placements for s in spec.input_specs if s is not None] if spec.input_specs else []
+                pairs.append((outs, ins))
         return pairs
 
     def _resolve_ambiguous(self, op: Any, node: Node, inputs: Placements, choices: list[NodeStrategy]) -> NodeStrategy | None:

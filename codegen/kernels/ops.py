@@ -267,3 +267,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
             f"bias_gelu: bias must have shape ({x.shape[-1]},) to match x's last dim, given "
             f"{tuple(bias.shape)}; pass the linear layer's bias vector")
     return _bias_gelu(x, bias)
+
+
+# the ops' sharding strategies, for the per-op compiler (DTensor's registry)
+from codegen.kernels import sharding as _sharding  # noqa: E402
+
+_sharding.register()

@@ -45,7 +45,7 @@ def _batches() -> list[tuple[torch.Tensor, ...]]:
 
 def _program(config: ParallelConfig, seed: int = 0):
     torch.manual_seed(seed)
-    return build_program(resolve(MODEL).build(), config,
+    return build_program(resolve(MODEL).build(), config, example_inputs=_batches()[0],
                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
 
 
@@ -56,7 +56,8 @@ LLAMA_LOADED = ParallelConfig(tp=2, dp=2, zero=2)
 
 def _llama(config: ParallelConfig, seed: int):
     torch.manual_seed(seed)
-    return build_program(resolve(LLAMA).build(), config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    return build_program(resolve(LLAMA).build(), config, example_inputs=_llama_batches()[0],
+                         optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
 
 
 def _llama_batches() -> list[tuple[torch.Tensor, ...]]:
@@ -95,7 +96,7 @@ def _run_b(rank: int, ckpt: str) -> list[dict]:
     for config in (SAVED, *OTHER_PLANS):
         if config is OTHER_PLANS[0]:  # through the public API
             torch.manual_seed(123)
-            compiled = autopar.compile(resolve(MODEL).build(), 4, config=config,
+            compiled = autopar.compile(resolve(MODEL).build(), 4, config=config, example_inputs=batches[0],
                                        optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
             program, info = compiled.program, compiled.load_checkpoint(ckpt)
         else:

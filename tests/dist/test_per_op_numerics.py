@@ -32,6 +32,17 @@ MODELS = {
 FORCED = {"dp2xtp2": C(dp=2, tp=2), "tp4": C(dp=1, tp=4)}
 CONFIGS = (*FORCED, "searched")
 BATCH = 8
+BIG_VOCAB = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=4096,seq=16"
+"""Embedding and head are most of this model: under a tight memory budget the ILP shards
+them and not the rest, a per-parameter choice no template (uniform ZeRO stage, family
+TP rules) expresses."""
+
+
+def _budget_plan():
+    free = plan_search(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
+    budget_gb = 0.6 * free.predicted.peak_memory_bytes / 2**30
+    return plan_search(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1,
+                       memory_gb=budget_gb).plan, free
 
 
 def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
@@ -45,9 +56,14 @@ def runs():
         plan = plan_search(model, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
         jobs.append(TrainJob(model=model, configs=(*FORCED.values(), plan.config), plans=(None, None, plan.dumps()),
                              steps=3, global_batch=BATCH, return_parameters=True))
+    budget, free = _budget_plan()
+    jobs.append(TrainJob(model=BIG_VOCAB, configs=(budget.config,), plans=(budget.dumps(),), steps=3,
+                         global_batch=BATCH, return_parameters=True))
     results = spawn(_jobs_worker, 4, (tuple(jobs),))
-    return {name: ([results[r][j] for r in range(4)], reference_run(job))
-            for j, (name, job) in enumerate(zip(MODELS, jobs))}
+    out = {name: ([results[r][j] for r in range(4)], reference_run(job))
+           for j, (name, job) in enumerate(zip(MODELS, jobs))}
+    out["budget"] = ([results[r][-1] for r in range(4)], reference_run(jobs[-1]), budget, free)
+    return out
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -88,3 +104,23 @@ def test_forced_tp4_shards_the_model(runs, model):
     assert tp4.parameter_bytes < 0.5 * whole
     assert tp4.parameter_bytes < dp2tp2.parameter_bytes
     assert ("all_reduce", "tp") in tp4.collectives or ("all_gather", "tp") in tp4.collectives
+
+
+def test_memory_budget_plan_no_template_expresses_runs(runs):
+    """Under 60% of the unconstrained plan's memory the ILP shards some parameters over an
+    axis and keeps others replicated over it (per-parameter ZeRO): it fits, runs, and
+    trains like one process."""
+    per_rank, (ref_losses, ref_params), plan, free = runs["budget"]
+    assert plan.predicted.peak_memory_bytes <= plan.memory_limit_bytes < free.predicted.peak_memory_bytes
+    params = dict(plan.intra_op_info.parameters)
+    sharded = {name for name, pl in params.items() if "S(" in pl}
+    whole = {name for name, pl in params.items() if "S(" not in pl}
+    assert sharded and whole, params  # a mixed layout: neither data parallel nor a uniform ZeRO stage
+    results = [r[0] for r in per_rank]
+    torch.testing.assert_close(torch.tensor(results[0].losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    merged = {}
+    for r in results:
+        merged.update(r.parameters)
+    for name, value in merged.items():
+        torch.testing.assert_close(value, ref_params[name], atol=1e-3, rtol=0, msg=name)
+    assert all(r.collectives == r.priced for r in results)

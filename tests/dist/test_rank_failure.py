@@ -28,8 +28,8 @@ def _fail_mid_step(rank: int, failing_rank: int, how: str, stamp: str) -> float:
     source = resolve(MODEL)
     torch.manual_seed(0)
     world = torch.distributed.get_world_size()
-    program = build_program(source.build(), ParallelConfig(dp=world))
     batch = source.example_inputs(world, generator=torch.Generator().manual_seed(1))
+    program = build_program(source.build(), ParallelConfig(dp=world), example_inputs=batch)
     loss = program.step(batch)  # a healthy step first: the process group works
     if rank == failing_rank:
         with open(stamp, "w") as f:  # when the failure happens (start-up time excluded)
