@@ -211,11 +211,14 @@ def calibrate(devices: int) -> Calibration:
     )
 
 
+MEASURED_RATES = tuple(sorted((("gemm_efficiency", 1.0), ("memory_efficiency", 1.0), ("nvlink_bus_efficiency", 1.0),
+                               ("nic_bus_efficiency", 1.0), ("collective_base_latency_s", 0.0))))
+"""Efficiency overrides of a calibrated profile: its peaks ARE the measured rates."""
+
+
 def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     """The profile whose achievable rates (peak x the cost model's efficiencies) are the
     measured ones; see the module docstring."""
-    from cost_model.efficiency import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, NVLINK_BUS_EFFICIENCY_DEFAULT
-
     gemm = max(r for _, r in cal.gemm_flops_per_s)
     alpha = cal.latency_s
     bw = {kind: statistics.median(r for _, r in rows)
@@ -227,16 +230,17 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     base = HARDWARE["cpu"]
     return Hardware(
         name=name,
-        peak_flops_per_s=(("bfloat16", gemm / GEMM_EFFICIENCY), ("float32", gemm / GEMM_EFFICIENCY)),
+        peak_flops_per_s=(("bfloat16", gemm), ("float32", gemm)),
         memory_bytes=int(total_ram // cal.devices),
-        memory_bandwidth_bytes_per_s=cal.copy_bandwidth_bytes_per_s / MEMORY_EFFICIENCY,
-        intra_node_bandwidth_bytes_per_s=bus / NVLINK_BUS_EFFICIENCY_DEFAULT,
+        memory_bandwidth_bytes_per_s=cal.copy_bandwidth_bytes_per_s,
+        intra_node_bandwidth_bytes_per_s=bus,
         intra_node_latency_s=alpha,
-        inter_node_bandwidth_bytes_per_s=bus / NVLINK_BUS_EFFICIENCY_DEFAULT,
+        inter_node_bandwidth_bytes_per_s=bus,
         inter_node_latency_s=alpha,
         default_gpus_per_node=base.default_gpus_per_node,
         comm_overlap=base.comm_overlap,
         collective_bandwidth_scale=tuple((kind, bw[kind] / bus) for kind in ("all_gather", "reduce_scatter")),
+        efficiency=MEASURED_RATES,
     )
 
 

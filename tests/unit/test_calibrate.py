@@ -10,7 +10,7 @@ from autopar.calibrate import Calibration, to_hardware
 from autopar.cluster import HARDWARE, Cluster, Hardware, load_hardware
 from cost_model.collectives import all_gather_time_s, all_reduce_time_s, mesh_axis_links, reduce_scatter_time_s
 from cost_model.compute import compute_time_s
-from cost_model.efficiency import GEMM_OVERHEAD_S
+from cost_model.efficiency import efficiency_for
 
 
 def _cal(devices: int = 4) -> Calibration:
@@ -44,7 +44,8 @@ def test_profile_reproduces_measured_rates() -> None:
     """The cost model applied to the calibrated profile gives back what was measured."""
     hw = to_hardware(_cal())
     flops = 1e12  # large: the fixed per-GEMM overhead is negligible
-    assert flops / (compute_time_s(flops, 0.0, hw, "float32", op_class="gemm") - GEMM_OVERHEAD_S) == \
+    overhead = efficiency_for(hw).gemm_overhead_s
+    assert flops / (compute_time_s(flops, 0.0, hw, "float32", op_class="gemm") - overhead) == \
         pytest.approx(10e9, rel=1e-6)
     cluster = Cluster.parse("cpu:4", hardware=hw)
     (link,) = mesh_axis_links(cluster, (4,))
