@@ -23,7 +23,7 @@ GIB = 1024**3
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 OPTIONAL_KEYS = ("default_gpus_per_node", "comm_overlap", "collective_bandwidth_scale", "sm_count",
-                 "matmul_fraction", "attention_fraction", "efficiency")
+                 "matmul_fraction", "attention_fraction", "efficiency", "cores_per_node", "reference_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +61,14 @@ class Hardware:
     A100 (FlashAttention-2 paper, arXiv:2307.08691: 50-73%), 0.35 on H100 (FlashAttention-3
     paper, arXiv:2407.08608: "FlashAttention-2 achieves only 35% utilization on H100"); the
     published runs priced here ran FlashAttention-2-class kernels."""
+    cores_per_node: int = 0
+    """CPU cores the devices of one node share (the cpu profile: ranks are processes on the
+    same cores); 0 = every device has its own compute (GPUs). With more ranks than cores
+    the cost model slows compute, per-op costs and collectives by ranks / cores."""
+    reference_s: float = 0.0
+    """A calibrated profile's time of autopar.calibrate.reference_workload per dedicated core
+    when it was measured (0 = not calibrated): runs on a shared machine compare their own
+    reference time with it to know the load they ran under."""
     efficiency: tuple[tuple[str, float], ...] = ()
     """Overrides of cost_model.efficiency.Efficiency fields for this hardware (the calibrated
     cpu profile's measured kernel overheads and efficiencies); empty for the GPU profiles."""
@@ -111,16 +119,12 @@ class Hardware:
 _TB = 1e12
 _GB = 1e9
 
-CPU_PROFILE = Hardware(
-    name="cpu", peak_flops_per_s=(("bfloat16", 50e9), ("float32", 50e9)),
-    memory_bytes=24 * GIB, memory_bandwidth_bytes_per_s=10 * _GB,
-    intra_node_bandwidth_bytes_per_s=1 * _GB, intra_node_latency_s=1e-3,
-    inter_node_bandwidth_bytes_per_s=1 * _GB, inter_node_latency_s=1e-3,
-    default_gpus_per_node=1, comm_overlap=0.0,
-    collective_bandwidth_scale=(("all_gather", 0.6), ("reduce_scatter", 0.37)),
-)
-"""This machine class (2 cores, gloo over loopback); replaced below by what `autopar
-calibrate` measured."""
+CPU_PROFILE_PATH = Path(__file__).with_name("cpu_profile.json")
+"""The built-in `cpu` profile: `autopar calibrate --devices 4 --out autopar/cpu_profile.json`
+as run on this project's 2-core development machine (its measurements are kept in the file,
+beside the profile). Recalibrate for another machine and pass the file to the CLI or to
+`Cluster.parse(..., hardware=load_hardware(path))`."""
+CPU_PROFILE = Hardware.from_json(json.loads(CPU_PROFILE_PATH.read_text())["hardware"])
 
 _NCCL_NVLINK_HOP_S = 3.4e-6
 """NCCL's per-step latency of a ring over NVLink, Simple protocol (src/graph/tuning.cc

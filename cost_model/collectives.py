@@ -26,6 +26,9 @@ steps_ar * alpha is 2 (n-1) alpha_ring (ring) inside a node and min(2 (n-1) alph
 mean ring step latency: alpha, except on a mixed axis where a ring laid out node by node
 crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n == 1.
 
+Core sharing (the cpu profile's `cores_per_node`): with more ranks on a node than cores,
+latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the same cores).
+
 Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
 axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
 (stride * n) fits in a node is "intra" (NVLink); one whose stride is >= G puts every
@@ -96,23 +99,27 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     nvlink = hw.intra_node_bandwidth_bytes_per_s * nvlink_bus_efficiency(hw.name, eff)
     nic = hw.inter_node_bandwidth_bytes_per_s * eff.nic_bus_efficiency
     scale = hw.collective_bandwidth_scale
-    base = eff.collective_base_latency_s
+    # core sharing (the cpu profile): ranks time-slice the cores, gloo's steps wait their turn
+    share = max(1.0, per_node / hw.cores_per_node) if hw.cores_per_node else 1.0
+    nvlink, nic = nvlink / share, nic / share
+    base = eff.collective_base_latency_s * share
+    intra_lat, inter_lat = hw.intra_node_latency_s * share, hw.inter_node_latency_s * share
     links = []
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
         if n == 1 or stride * n <= per_node:
-            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=hw.intra_node_latency_s,
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
                                   tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,
                                   base_latency_s=base))
         elif stride >= per_node:
-            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=hw.inter_node_latency_s,
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=inter_lat,
                                   tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale,
                                   base_latency_s=base))
         else:
             inner = per_node // stride
-            hop = (hw.inter_node_latency_s + (inner - 1) * hw.intra_node_latency_s) / inner
+            hop = (inter_lat + (inner - 1) * intra_lat) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
-                                  latency_s=hw.inter_node_latency_s, tier="mixed",
+                                  latency_s=inter_lat, tier="mixed",
                                   p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop,
                                   bandwidth_scale=scale, base_latency_s=base))
     return tuple(links)

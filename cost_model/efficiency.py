@@ -62,6 +62,13 @@ class Efficiency:
     """Per-GEMM fixed time (launch and tail of one cuBLAS kernel)."""
     memory_overhead_s: float = 3e-6
     """Per memory-bound kernel fixed time (launch latency ~3-5 us on A100/H100)."""
+    view_overhead_s: float = 0.0
+    """Host time of one view op (t, view, transpose, ...): 0 on GPUs, where host work runs
+    ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile."""
+    dtensor_op_overhead_s: float = 0.0
+    """Extra host time of one op on DTensors (sharding propagation, wrapping): paid by every op
+    of a tensor-parallel layer with the `dtensor_tp` runtime option; 0 on GPUs (hidden behind
+    the kernels), measured by `autopar calibrate` on the cpu profile."""
     gemm_tile: int = 128
     """Output tile edge for wave/tile quantization (cuBLAS's common 128x128 CTA tile;
     the guide above, Sec 2.3)."""

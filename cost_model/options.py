@@ -23,6 +23,10 @@ Fields (each a documented property of a runtime, not a fitted number):
   matmuls; Efficiency.async_tp_overlap of them hidden).
 - dp_bucket_bytes: gradient bucket size of the zero 0-1 all-reduce (PyTorch DDP's
   bucket_cap_mb = 25 MiB); every bucket pays the collective latencies.
+- dtensor_tp: tensor-parallel layers run their ops on DTensors (autopar's module-level
+  runtime, torch's `parallelize_module`): each op pays Efficiency.dtensor_op_overhead_s
+  (measured on CPU; 0 on GPUs). False for a runtime that runs plain local tensors with
+  explicit collectives (a per-op compiled program, Megatron).
 - overlap_grad_reduce: the data-parallel gradient reduction (zero 0-2) starts during the
   last microbatch's backward (PyTorch DDP/FSDP buckets, Megatron-Core's
   --overlap-grad-reduce). False for runtimes that reduce after the whole backward or
@@ -49,6 +53,7 @@ class RuntimeOptions:
     async_tp: bool = False
     dp_bucket_bytes: float = 25 * 2**20
     overlap_grad_reduce: bool = True
+    dtensor_tp: bool = True
 
     def __post_init__(self) -> None:
         if self.zero3 not in ZERO3_RUNTIME_NAMES:

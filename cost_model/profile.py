@@ -97,6 +97,8 @@ class SegmentProfile:
     """Biggest single backward output (gradient workspace; e.g. logits grad)."""
     param_tensors: float = 0.0
     """Parameter tensors per unit (a per-tensor ZeRO-3 runtime issues one collective each)."""
+    view_ops: tuple[float, float] = (0.0, 0.0)
+    """View ops (forward, backward) per unit: free on a device, a host call in eager mode."""
     alternate_gemm_items: tuple[OpItem, ...] = ()
     """Every second forward GEMM of each layer in execution order (2nd, 4th, ...): what
     torchtitan's per-op selective policy re-runs besides the pointwise ops."""
@@ -277,7 +279,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
         return min(moved, float(n.bytes_moved))
 
     seg_data = {s: dict(items=[], rec=[], ss=0.0, sp=0.0, ks=0.0, kp=0.0, inp=0.0, scores=0.0,
-                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0, alt=[]) for s in SEGMENTS}
+                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0, alt=[], vf=0.0, vb=0.0) for s in SEGMENTS}
     gemms_in_layer: dict[int, int] = {}
     for key in saved:
         pid = key[0]
@@ -298,6 +300,8 @@ def profile_graph(graph: Graph) -> GraphProfile:
             seg["prep" if replicated else "pspl"] += numel * w
             seg["ntens"] += w
             continue
+        if n.is_view and n.op != "placeholder" and n.op != "getitem":
+            seg["vf" if n.phase is Phase.FORWARD else "vb"] += w
         if n.is_view or n.op == "placeholder" or (n.flops == 0 and n.bytes_moved == 0):
             continue
         cls = _op_class(n)
@@ -345,7 +349,8 @@ def profile_graph(graph: Graph) -> GraphProfile:
                               saved_split_bytes=d["sp"], selective_stream_bytes=d["ks"],
                               selective_split_bytes=d["kp"], input_bytes=d["inp"], score_elems=d["scores"],
                               params_split=d["pspl"], params_replicated=d["prep"], largest_backward_bytes=d["bwd"],
-                              param_tensors=d["ntens"], alternate_gemm_items=tuple(d["alt"]))
+                              param_tensors=d["ntens"], alternate_gemm_items=tuple(d["alt"]),
+                              view_ops=(d["vf"], d["vb"]))
 
     pre, layer, post = seg_profile("pre"), seg_profile("layer"), seg_profile("post")
     counted = sum(x.params_split + x.params_replicated for x in (pre, post)) + num_layers * (

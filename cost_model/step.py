@@ -22,6 +22,11 @@ and per layer, with t = tp:
     zero-3          all-gather the layer's weights before forward and backward, reduce-
                     scatter its gradients after backward, as the runtime issues them
                     (granularity, prefetch window, overlap: cost_model/zero3.py)
+Core sharing (the cpu profile, cores_per_node < ranks per node, share = ranks / cores): op
+times are at a dedicated core's speed; the step is the longer of the dedicated-core
+pipeline below and every rank's CPU work over the cores, m * mean stage work * share plus
+the critical stage's communication (a rank waiting in a bubble or a collective frees its
+core); the optimizer runs on all ranks at once (x share).
 A stage i of n_i layers (plus embedding on the first, head+loss on the last, and the
 pipeline send/recv of b*s*h/t per chunk boundary, v per stage when interleaved) takes
 T_i per microbatch. With m microbatches and v chunks per stage:
@@ -43,6 +48,7 @@ device per second by the dense peak.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
@@ -81,6 +87,8 @@ class _Ctx:
     dtype_bytes: int
     eff: Efficiency
     memory_scale: float
+    dtensor: bool
+    """Ops of tensor-parallel segments pay the DTensor overhead."""
 
 
 def _gemm_item_time(it: OpItem, ctx: _Ctx, div: int) -> float:
@@ -119,10 +127,21 @@ def _items_time(items: tuple[OpItem, ...], ctx: _Ctx, phase: str | None) -> floa
     return total
 
 
+def _host_time(seg: SegmentProfile, ctx: _Ctx, phase: str) -> float:
+    """Host costs beyond the ops' own: views (eager) and DTensor dispatch (tp > 1)."""
+    eff = ctx.eff
+    views = seg.view_ops[0 if phase == "forward" else 1]
+    total = views * eff.view_overhead_s
+    if ctx.dtensor and ctx.config.tp > 1 and eff.dtensor_op_overhead_s:
+        ops = sum(it.weight for it in seg.items if it.phase == phase)
+        total += (ops + views) * eff.dtensor_op_overhead_s
+    return total
+
+
 def _segment_times(seg: SegmentProfile, ctx: _Ctx, recompute: bool, options: RuntimeOptions) -> _SegTimes:
     config = ctx.config
-    fwd = _items_time(seg.items, ctx, "forward")
-    bwd = _items_time(seg.items, ctx, "backward")
+    fwd = _items_time(seg.items, ctx, "forward") + _host_time(seg, ctx, "forward")
+    bwd = _items_time(seg.items, ctx, "backward") + _host_time(seg, ctx, "backward")
     rec = 0.0
     if recompute and config.recompute == "full":
         rec = fwd / options.checkpoint_every  # the average layer: 1 in k re-runs its forward
@@ -183,9 +202,10 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     eff = efficiency_for(hw, efficiency)
     pp_link, dp_link, tp_link = mesh_axis_links(cluster, (p, d, t), eff)
     k_ckpt = opts.checkpoint_every
+    share = max(1.0, cluster.devices_per_node / hw.cores_per_node) if hw.cores_per_node else 1.0
     ctx = _Ctx(config=config, cluster=cluster, ratio=config.micro_batch / profile.batch, dtype=profile.dtype,
                dtype_bytes=profile.dtype_bytes, eff=eff,
-               memory_scale=eff.compiled_memory_factor if opts.compiled else 1.0)
+               memory_scale=eff.compiled_memory_factor if opts.compiled else 1.0, dtensor=opts.dtensor_tp)
     layer = _segment_times(profile.layer, ctx, True, opts)
     pre = _segment_times(profile.pre, ctx, False, opts)
     post = _segment_times(profile.post, ctx, False, opts)
@@ -235,6 +255,17 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     t_max = stage_totals[crit]
     bubble = (sum(stage_totals) - t_max) / v
     comp, rec, tp_comm, z3, pp_comm = (m * x for x in parts[crit])
+    pipeline = m * t_max + bubble
+    if share > 1:
+        # core sharing: ranks time-slice the cores, so the step is at least every rank's CPU
+        # work over the cores (m * mean stage work * share, the communication of the
+        # critical stage on top); a stage waiting in a pipeline bubble frees its core for
+        # the others, so the bubble only counts where the dedicated-core schedule is longer
+        mean_comp = statistics.fmean(x[0] for x in parts) * m * share
+        mean_rec = statistics.fmean(x[1] for x in parts) * m * share
+        shared = mean_comp + mean_rec + tp_comm + z3 + pp_comm
+        if shared >= pipeline:
+            comp, rec, bubble, pipeline = mean_comp, mean_rec, 0.0, shared
 
     # data-parallel gradient sync and optimizer on the critical stage
     psi = stage_params(profile, config, stage_layers[crit], crit == 0, crit == p - 1)
@@ -260,8 +291,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
         if z3_layer is not None:  # the first layer's gather before each forward cannot hide
             dp_sync = m * z3_layer.gather_s
     local = psi / (d if config.zero >= 1 else 1)
-    optimizer = local * eff.optimizer_bytes_per_param / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
-    step = m * t_max + bubble + dp_sync + optimizer
+    optimizer = share * local * eff.optimizer_bytes_per_param / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
+    step = pipeline + dp_sync + optimizer
 
     tokens = global_batch * profile.seq
     model_flops = profile.model_flops_per_step * global_batch / profile.batch
