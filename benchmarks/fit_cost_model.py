@@ -53,6 +53,13 @@ BOUNDS = {
 reaches 30-73% of A100 peak (its paper) and its backward no more than its forward; memory-bound
 kernels reach at most ~95% of HBM peak (STREAM copy); a K-ramp beyond a few tiles' depth (512)
 would contradict cuBLAS's near-peak rates at K = 1024-2048."""
+START = {
+    "gemm_efficiency": 0.85, "gemm_k_ramp": 64.0, "flash_attention_efficiency": 0.5, "memory_efficiency": 0.8,
+    "overlap_efficiency": 0.8, "compiled_memory_factor": 0.5,
+}
+"""Where every fit starts (so that a fit depends on its rows only, not on the constants
+committed before it): round physical guesses (large GEMMs near their best rate, STREAM-like
+memory efficiency, mostly hidden communication, inductor fusing half the traffic away)."""
 RANK_WEIGHT = 1.0
 """Weight of the ranking term against the absolute term."""
 
@@ -118,7 +125,7 @@ def fit(runs: list[Run], profiles: dict[str, Any], start: Any = None, *, restart
     """Efficiency with the FITTED fields minimising `objective` on `runs`."""
     from cost_model.efficiency import DEFAULT_EFFICIENCY, FITTED
 
-    base = start or DEFAULT_EFFICIENCY
+    base = start or replace(DEFAULT_EFFICIENCY, **START)
 
     def make(x: list[float]) -> Any:
         return replace(base, **{name: _clip(name, math.exp(v)) for name, v in zip(FITTED, x)})
