@@ -92,7 +92,8 @@ def ranking_groups(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]
     """Per group of 2+ runs: Spearman of predicted vs reported throughput and the top pick's regret."""
     groups: dict[Any, list[dict[str, Any]]] = {}
     for r in rows:
-        if r.get(key) is not None:
+        # a float8 run is priced as its bf16 twin: within a group it would only tie
+        if r.get(key) is not None and not any("fp8" in f for f in r["run"].flags):
             groups.setdefault(r["group"], []).append(r)
     out = []
     for name, rs in groups.items():
@@ -227,8 +228,8 @@ def _report(rows: list[dict[str, Any]], skipped: list[str], elapsed: float, trac
 def _ranking_section(rows: list[dict[str, Any]], sweep: dict[str, Any] | None) -> list[str]:
     lines = ["", "## Rankings: groups of one model on one cluster under 2+ configurations", "",
              "Spearman(predicted, reported throughput) and regret = 1 - reported throughput of the model's top pick / "
-             "the best reported in the group (0 = the model picks the fastest). Flagged rows are included: their unknown "
-             "peak is common to the group.", "",
+             "the best reported in the group (0 = the model picks the fastest). Rows of power-capped GPUs are included "
+             "(their unknown peak is common to the group); float8 rows are not (priced as their bf16 twins).", "",
              "| source | model | GPUs | seq | runs | Spearman (LOSO) | regret (LOSO) | Spearman (in-sample) | "
              "regret (in-sample) | model's pick (LOSO) | measured best |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ins = {g["group"]: g for g in ranking_groups(rows, "predicted")}
