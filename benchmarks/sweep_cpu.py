@@ -229,7 +229,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--summarize", default=None, metavar="JSON",
+                    help="no measuring: recompute the figures and tables of an earlier run's JSON")
     args = ap.parse_args(argv)
+    if args.summarize:
+        old = json.loads(Path(args.summarize).read_text())
+        out = {**old, **summarize(old["rows"])}
+        print("\n".join(out["summary"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        if args.md:
+            write_markdown(out, Path(args.md))
+        return out
     import autopar  # noqa: F401  (autopar before cost_model: import order)
     from autopar.cluster import HARDWARE, load_hardware
 
@@ -292,6 +303,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             f"{statistics.median(errors):.1%} over {len(rows)} runs; Spearman per group "
             + ", ".join(f"{g} {figures[g][key]['spearman']:.2f}" for g in figures)
             + f"; top-pick regret max {max(p['pick_regret'] for p in per):.1%}" if per else "")
+    for key in keys:
+        sizes = sorted({r["size"] for r in rows})
+        pooled = {z: spearman([r[key] for r in rows if r["size"] == z], [r["measured_s"] for r in rows if r["size"] == z])
+                  for z in sizes}
+        summary.append(f"{key.removeprefix('predicted_').removesuffix('_s')} profile: Spearman per model size (4 and 8 "
+                       "processes pooled) " + ", ".join(f"{z} {v:.2f}" for z, v in pooled.items()))
     if len(keys) == 2:
         same = [g for g in figures if figures[g][keys[0]]["pick"] == figures[g][keys[1]]["pick"]]
         summary.append(f"built-in profile picks the calibrated profile's configuration in {len(same)} of "
