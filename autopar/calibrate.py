@@ -290,7 +290,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
     peer = rank ^ 1
     for group, size, sync in ((None, n, barrier), (mine, 2, (lambda: dist.barrier(group=mine)) if mine else None)):
-        if size == 2 and n == 2:
+        if group is not None and n == 2:
             continue  # the pair is the whole world: already measured
         for nbytes in COLLECTIVE_BYTES:
             count = COLLECTIVE_REPEATS[nbytes]
