@@ -60,7 +60,8 @@ def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batc
 
 
 __all__ = [
-    "AxisLink", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile", "RuntimeOptions", "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
+    "AxisLink", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile", "RuntimeOptions",
+    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
     "compute_time_s", "default_stage_layers", "mesh_axis_links", "model_state_bytes", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
     "ZERO3_RUNTIMES", "Zero3Runtime",

@@ -115,7 +115,8 @@ def _items_time(items: tuple[OpItem, ...], ctx: _Ctx, phase: str | None) -> floa
             # a fused (compiled) stack moves a fraction of the op-by-op bytes in a fraction of the kernels
             total += it.weight * ctx.memory_scale * compute_time_s(0.0, moved, hw, ctx.dtype, efficiency=eff)
         elif it.op_class == "attention" and config.attention == "math":
-            share = eff.math_forward_passes if it.phase == "forward" else eff.math_attention_passes - eff.math_forward_passes
+            forward = it.phase == "forward"
+            share = eff.math_forward_passes if forward else eff.math_attention_passes - eff.math_forward_passes
             scores = it.score_elems * ratio / t * ctx.dtype_bytes * share
             total += it.weight * (compute_time_s(flops, 0.0, hw, ctx.dtype, op_class="gemm", efficiency=eff)
                                   + scores / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency))

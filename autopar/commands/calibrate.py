@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  eager op (autograd forward+backward): {f.eager_op_s * 1e6:.1f} us; view: {f.view_op_s * 1e6:.2f} us; "
           f"DTensor op extra: {f.dtensor_op_overhead_s * 1e6:.1f} us")
     print(f"  fused attention: {f.attention_efficiency:.2f} of the GEMM peak")
-    print(f"  gloo: launch + rank skew {f.base_latency_s * 1e6:.0f} us (skew {cal.sync_skew_s / cal.sharing * 1e6:.0f} us) + {f.hop_latency_s * 1e6:.0f} us per ring step; busBW "
+    skew_us = cal.sync_skew_s / cal.sharing * 1e6
+    print(f"  gloo: launch + rank skew {f.base_latency_s * 1e6:.0f} us (skew {skew_us:.0f} us) + "
+          f"{f.hop_latency_s * 1e6:.0f} us per ring step; busBW "
           + ", ".join(f"{k} {v / 1e9:.3f} GB/s" for k, v in f.bus_bytes_per_s.items())
           + f"; send/recv {f.p2p_bytes_per_s / 1e9:.3f} GB/s")
     print(f"profile '{hw.name}': cores_per_node {hw.cores_per_node}, busBW vs all-reduce: "
