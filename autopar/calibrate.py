@@ -1,28 +1,43 @@
 """Measure this machine and write a `cpu` Hardware profile the cost model can price against.
 
 Where it sits: beside autopar/cluster.py (which defines `Hardware` and loads profiles with
-`load_hardware`). `calibrate(devices)` spawns `devices` local gloo ranks (one thread
-each, exactly as `autopar train --devices N` runs them) and, on every rank at once:
-- GEMM rate: fp32 square matmuls of a few sizes, flops = 2 n^3 per matmul;
-- memory bandwidth: copies of a large tensor, bytes = 2 x size (read + write);
-- gloo collectives: all-reduce, all-gather and send/recv (pairs 2k <-> 2k+1) at a small
-  size (latency) and large sizes (bandwidth), nccl-tests bus-bandwidth conventions:
-  all-reduce busBW = 2 (n-1)/n S / t, all-gather and reduce-scatter busBW = (n-1)/n S / t,
-  p2p S / t.
-Because the ranks run concurrently, every rate is what one rank gets while the others
-work too (on 2 cores and 4 ranks, about half a core each): the per-device rate a plan on
-`cpu:N` sees. Medians over repeats are used everywhere (the machine is shared and noisy).
+`load_hardware`). `calibrate(devices)` spawns `devices` local gloo ranks (one thread each,
+exactly as `autopar train --devices N` runs them) and measures, on every rank at once:
 
-Collective bandwidth per kind: gloo's all-gather and reduce-scatter run at a fraction of
-its all-reduce busBW (measured here: about half), and FSDP / sequence-parallel steps are
-made of them, so the profile keeps the all-reduce busBW (median over the large sizes) as
-the link's and the other two as `collective_bandwidth_scale` ratios of their busBW to it.
+- GEMMs: fp32 matmuls of several shapes (square and thin); peak rate, K-ramp and per-call
+  overhead are fitted (least squares) to t = 2 m n k / peak * (k + k0) / k + overhead;
+- memory-bound ops: copies of several sizes, t = bytes / bandwidth + overhead (bytes = read +
+  write);
+- eager per-op cost: a chain of small elementwise ops under autograd, forward and backward,
+  per ATen op (what every op of a training step pays on the host: dispatch, autograd
+  recording, the backward engine); a chain of views; a small tensor-parallel block on
+  DTensors vs on local tensors (the sharding propagation and wrapping a DTensor op adds,
+  per ATen op of the block, counted with a dispatch mode);
+- fused attention: `scaled_dot_product_attention` forward+backward at a small shape, its
+  rate relative to the GEMM peak;
+- gloo collectives: all-reduce, all-gather and reduce-scatter at several sizes, on all N
+  ranks and inside 2-rank groups, and send/recv pairs; per kind, the latency per ring step
+  and the bus bandwidth are fitted to t = L0 + steps(n) alpha + vol(n) S / B_kind
+  (steps: 2(n-1) all-reduce, n-1 all-gather/reduce-scatter; vol: 2(n-1)/n, (n-1)/n);
+- rank skew: a small all-reduce between chunks of GEMM work costs more than back to back
+  (every rank waits for the one the OS scheduled last); the excess joins every
+  collective's fixed latency L0.
 
-From measured rates to a profile: the cost model multiplies each peak by a global
-efficiency (cost_model/efficiency.py); the profile stores measured / efficiency, so the
-model's achievable rate equals the measured one. Latency: a ring all-reduce of n ranks
-takes 2 (n-1) steps and an all-gather n-1, so alpha is fitted (least squares) to the small
-collectives on all N ranks and inside 2-rank groups (see `Calibration.latency_s`).
+Load: this machine is shared, and its speed drifts with other users' load. Every
+measurement is preceded by a short run of `reference_workload` and scaled by (the reference
+time at the start / the one just before it), so all figures describe the machine as it was
+at the start (`reference_s`), and a later run can set its own reference time against it.
+
+Core sharing: with more ranks than cores, the OS time-slices them, and every rate above is
+what one rank gets while all ranks work. The profile stores them per dedicated core (times
+divided, rates multiplied by s = max(1, N / cores)), with `cores_per_node`; the cost model
+applies the sharing factor of the job's own N (cost_model/step.py, collectives.py), so one
+profile serves `cpu:4` and `cpu:8`. The fastest of a few timing windows, median over ranks (the machine is shared; the load
+of other users drifts: `reference_workload` records how fast the machine was).
+
+From measured rates to a profile: the profile's peaks ARE the measured rates, and its
+`efficiency` overrides set the cost model's GPU efficiencies to 1 and its per-op overheads
+to the measured ones (cost_model/efficiency.py).
 """
 
 from __future__ import annotations
@@ -38,67 +53,81 @@ from autopar.cluster import HARDWARE, Hardware
 
 log = logging.getLogger(__name__)
 
-GEMM_SIZES = (128, 256, 512)
-COPY_BYTES = 32 * 2**20
-COLLECTIVE_SMALL_BYTES = 4 * 2**10
-COLLECTIVE_LARGE_BYTES = (2 * 2**20, 8 * 2**20)
-COLLECTIVE_REPEATS = {COLLECTIVE_SMALL_BYTES: 20, 2 * 2**20: 4, 8 * 2**20: 2}
-MIN_TIME_S = 0.2
-"""Length of one timing window of local work (GEMM, copy)."""
+GEMM_SHAPES = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 128, 128),
+               (1024, 256, 64), (256, 1024, 1024), (1024, 1024, 32))
+"""(m, n, k): square sizes for the peak, thin ones for the K-ramp and per-call overhead."""
+COPY_BYTES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 32 * 2**20)
+CHAIN_OPS = 200
+"""Length of the small-op chains (eager+autograd, views, DTensor)."""
+COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2 * 2**20, 8 * 2**20)
+COLLECTIVE_REPEATS = {4 * 2**10: 20, 256 * 2**10: 8, 2 * 2**20: 4, 8 * 2**20: 2}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+MIN_TIME_S = 0.15
+"""Length of one timing window of local work."""
 WINDOWS = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Calibration:
     devices: int
-    gemm_flops_per_s: tuple[tuple[int, float], ...]
-    """Per matrix size n: median fp32 rate per rank with all ranks busy."""
-    copy_bandwidth_bytes_per_s: float
-    all_reduce_bus_bytes_per_s: tuple[tuple[int, float], ...]
-    all_gather_bus_bytes_per_s: tuple[tuple[int, float], ...]
-    reduce_scatter_bus_bytes_per_s: tuple[tuple[int, float], ...]
-    send_recv_bytes_per_s: tuple[tuple[int, float], ...]
-    all_reduce_small_s: float
-    all_gather_small_s: float
-    send_recv_small_s: float
-    pair_all_reduce_small_s: float = 0.0
-    """The small all-reduce / all-gather inside 2-rank groups (0 = not measured)."""
-    pair_all_gather_small_s: float = 0.0
+    cores: int
+    gemm_s: tuple[tuple[int, int, int, float], ...]
+    """(m, n, k, seconds per matmul), median over ranks, all ranks busy."""
+    copy_s: tuple[tuple[int, float], ...]
+    """(bytes copied, seconds)."""
+    eager_op_s: float
+    """Per ATen op of a small elementwise chain under autograd, forward and backward."""
+    view_op_s: float
+    dtensor_op_s: float
+    """Extra time per ATen op of a small tensor-parallel block (column-parallel linear,
+    elementwise, views, reduction; forward and backward) run on DTensors instead of local tensors."""
+    attention_flops_per_s: float
+    """SDPA forward+backward FLOP rate (full-square count: 4 b h s^2 d forward, x3 total)."""
+    collective_s: tuple[tuple[str, int, int, float], ...]
+    """(kind, ranks in the group, bytes, seconds): kind in KINDS; bytes = the full tensor."""
+    send_recv_s: tuple[tuple[int, float], ...]
+    sync_skew_s: float = 0.0
+    """Extra time of a small all-reduce issued between chunks of work over the same all-reduce
+    issued back to back: the wait for the last rank to arrive (rank skew under core sharing)."""
+    reference_s: float = 0.0
+    """One call of `reference_workload` on all ranks at once: what a later run on this
+    machine compares its own reference time with (`load_factor`), so that predictions made
+    with this profile can be set against measurements taken under a different load of the
+    shared machine."""
 
     @property
-    def latency_s(self) -> float:
-        """Per ring step alpha: least squares through the origin of the small collectives'
-        times against their ring steps (all-reduce 2 (n-1), all-gather n-1, n = N and 2)."""
-        n = self.devices
-        points = [(self.all_reduce_small_s, 2 * (n - 1)), (self.all_gather_small_s, n - 1)]
-        if self.pair_all_reduce_small_s:
-            points += [(self.pair_all_reduce_small_s, 2), (self.pair_all_gather_small_s, 1)]
-        return sum(t * k for t, k in points) / sum(k * k for _, k in points)
+    def sharing(self) -> float:
+        """Ranks per core while measuring (>= 1)."""
+        return max(1.0, self.devices / max(1, self.cores))
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "devices": self.devices,
-            "gemm_flops_per_s": {str(n): r for n, r in self.gemm_flops_per_s},
-            "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
-            "all_reduce_bus_bytes_per_s": {str(n): r for n, r in self.all_reduce_bus_bytes_per_s},
-            "all_gather_bus_bytes_per_s": {str(n): r for n, r in self.all_gather_bus_bytes_per_s},
-            "reduce_scatter_bus_bytes_per_s": {str(n): r for n, r in self.reduce_scatter_bus_bytes_per_s},
-            "send_recv_bytes_per_s": {str(n): r for n, r in self.send_recv_bytes_per_s},
-            "all_reduce_small_s": self.all_reduce_small_s,
-            "all_gather_small_s": self.all_gather_small_s,
-            "send_recv_small_s": self.send_recv_small_s,
-            "pair_all_reduce_small_s": self.pair_all_reduce_small_s,
-            "pair_all_gather_small_s": self.pair_all_gather_small_s,
-            "latency_s": self.latency_s,
-            "small_bytes": COLLECTIVE_SMALL_BYTES,
+            "devices": self.devices, "cores": self.cores, "gemm_s": [list(x) for x in self.gemm_s],
+            "copy_s": [list(x) for x in self.copy_s], "eager_op_s": self.eager_op_s, "view_op_s": self.view_op_s,
+            "dtensor_op_s": self.dtensor_op_s, "attention_flops_per_s": self.attention_flops_per_s,
+            "collective_s": [list(x) for x in self.collective_s], "send_recv_s": [list(x) for x in self.send_recv_s],
+            "reference_s": self.reference_s, "sync_skew_s": self.sync_skew_s,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Calibration":
+        return cls(devices=int(data["devices"]), cores=int(data["cores"]),
+                   gemm_s=tuple(tuple(x) for x in data["gemm_s"]), copy_s=tuple(tuple(x) for x in data["copy_s"]),
+                   eager_op_s=float(data["eager_op_s"]), view_op_s=float(data["view_op_s"]),
+                   dtensor_op_s=float(data["dtensor_op_s"]),
+                   attention_flops_per_s=float(data["attention_flops_per_s"]),
+                   collective_s=tuple(tuple(x) for x in data["collective_s"]),
+                   send_recv_s=tuple(tuple(x) for x in data["send_recv_s"]),
+                   reference_s=float(data.get("reference_s", 0.0)), sync_skew_s=float(data.get("sync_skew_s", 0.0)))
 
 
 def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None = None) -> float:
-    """Seconds per `fn()` call: the median over WINDOWS windows of (window wall time / calls).
+    """Seconds per `fn()` call: the fastest of WINDOWS windows of (window wall time / calls).
 
     Whole windows, not single calls: with more ranks than cores the OS time-slices the
-    ranks, and a median of single short calls would see only the uninterrupted ones.
+    ranks, and single short calls would see only the uninterrupted ones. The fastest
+    window is the machine with the least load from other users (this one is shared); runs
+    that happen under more load compare their reference time with `reference_s`.
     Local work sizes its windows to about MIN_TIME_S; collectives need the same `count`
     on every rank (else the ranks deadlock)."""
     fn()
@@ -114,7 +143,49 @@ def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None 
         for _ in range(count):
             fn()
         per_call.append((time.perf_counter() - start) / count)
-    return statistics.median(per_call)
+    return min(per_call)
+
+
+def reference_workload() -> Callable[[], None]:
+    """A fixed mix of what training steps do here (GEMMs, small autograd ops, a gloo
+    all-reduce), to be called on every rank of a process group at once; returns the callable.
+    Its time, set against `Calibration.reference_s`, says how much slower or faster the
+    shared machine is now than when the profile was measured."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    x0 = torch.ones(16, requires_grad=True)
+    w = torch.full((16,), 1.0001)
+    buf = torch.ones(64 * 2**10)
+
+    def run() -> None:
+        for _ in range(8):
+            torch.mm(a, b)
+        y = x0
+        for _ in range(100):
+            y = y * w
+        y.sum().backward()
+        for _ in range(3):
+            dist.all_reduce(buf)
+
+    return run
+
+
+def _count_aten_ops(fn: Callable[[], None]) -> int:
+    """ATen ops `fn()` dispatches (views included), counted with a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
 
 
 def _rank_measure(rank: int) -> dict[str, Any]:
@@ -123,44 +194,120 @@ def _rank_measure(rank: int) -> dict[str, Any]:
 
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename
     n = dist.get_world_size()
     barrier = dist.barrier
-    out: dict[str, Any] = {"gemm": {}, "ar": {}, "ag": {}, "rs": {}, "p2p": {}}
-    for size in GEMM_SIZES:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+    out: dict[str, Any] = {"gemm": [], "copy": [], "coll": [], "p2p": []}
+    reference = reference_workload()
+    baseline = _repeat(reference, barrier, 5)
+    refs: list[float] = [baseline]
+
+    def timed(fn: Callable[[], None], sync: Callable[[], None], count: int | None = None) -> float:
+        """Seconds per call, brought to the machine's load at `baseline`: scaled by the
+        baseline reference time over the reference time measured just before."""
+        refs.append(_repeat(reference, barrier, 2))
+        return _repeat(fn, sync, count) * baseline / refs[-1]
+
+    for m, nn_, k in GEMM_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, nn_)
         barrier()
-        out["gemm"][size] = 2 * size**3 / _repeat(lambda: torch.mm(a, b), barrier)
-    src = torch.empty(COPY_BYTES // 4)
-    dst = torch.empty_like(src)
-    src.fill_(1.0)
+        out["gemm"].append((m, nn_, k, timed(lambda: torch.mm(a, b), barrier)))
+    for nbytes in COPY_BYTES:
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        barrier()
+        out["copy"].append((2 * nbytes, timed(lambda: dst.copy_(src), barrier)))
+
+    x0 = torch.ones(16, requires_grad=True)
+    w = torch.full((16,), 1.0001)
+
+    def chain() -> None:  # CHAIN_OPS forward muls, CHAIN_OPS backward muls (+ the sum and its grad)
+        y = x0
+        for _ in range(CHAIN_OPS):
+            y = y * w
+        y.sum().backward()
+
     barrier()
-    out["copy"] = 2 * COPY_BYTES / _repeat(lambda: dst.copy_(src), barrier)
-    peer = rank ^ 1
-    # small collectives inside 2-rank groups (pairs 2k, 2k+1, all pairs at once): most
-    # tp/pp/dp groups of a few-process job have 2 members
-    pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(n // 2)]
+    out["eager_op"] = timed(chain, barrier) / (2 * CHAIN_OPS + 2)
+    v = torch.ones(4, 4)
+
+    def views() -> None:
+        y = v
+        for _ in range(CHAIN_OPS):
+            y = y.t()
+
+    barrier()
+    out["view_op"] = timed(views, barrier) / CHAIN_OPS
+    # DTensor: the same small block (column-parallel linear, elementwise, view, reduction,
+    # forward and backward) on local tensors and on DTensors; the extra time per ATen op of
+    # the plain block is what a tensor-parallel layer's ops pay for DTensor dispatch
+    mesh = init_device_mesh("cpu", (n,))
+    wl = torch.randn(8 * n, 16, requires_grad=True)
+    wd = distribute_tensor(wl.detach(), mesh, [Shard(0)]).requires_grad_()
+    xl = torch.randn(8, 16)
+    xd = distribute_tensor(xl, mesh, [Replicate()])
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> None:
+        h = x
+        for _ in range(CHAIN_OPS // 10):
+            h = F.linear(x, w) * 1.0001
+            h = torch.relu(h).view(8, -1).t().contiguous().t()
+        (h * h).mean().backward()
+
+    out["plain_ops"] = _count_aten_ops(lambda: block(xl, wl))
+    barrier()
+    out["plain_block"] = timed(lambda: block(xl, wl), barrier)
+    barrier()
+    out["dtensor_block"] = timed(lambda: block(xd, wd), barrier)
+    # rank skew: a collective between chunks of work waits for the last rank to arrive,
+    # which with more ranks than cores is whichever the OS scheduled last
+    ga, gb = torch.randn(192, 192), torch.randn(192, 192)
+    tiny = torch.ones(1024)
+
+    def work() -> None:
+        for _ in range(8):
+            torch.mm(ga, gb)
+
+    barrier()
+    t_work = timed(work, barrier, 20)
+    t_coll = timed(lambda: dist.all_reduce(tiny), barrier, 20)
+    t_both = timed(lambda: (work(), dist.all_reduce(tiny)), barrier, 20)
+    out["sync_skew"] = max(0.0, t_both - t_work - t_coll)
+    b_, h_, s_, d_ = 2, 4, 64, 32
+    q, kk, vv = (torch.randn(b_, h_, s_, d_, requires_grad=True) for _ in range(3))
+
+    def attention() -> None:
+        F.scaled_dot_product_attention(q, kk, vv, is_causal=False).sum().backward()
+
+    barrier()
+    out["attention_flops_per_s"] = 3 * 4 * b_ * h_ * s_ * s_ * d_ / timed(attention, barrier)
+
+    pairs = [dist.new_group([2 * j, 2 * j + 1]) for j in range(n // 2)]
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
-    small = torch.ones(COLLECTIVE_SMALL_BYTES // 4)
-    if mine is not None:
-        half = torch.ones(small.numel() // 2)
-        count = COLLECTIVE_REPEATS[COLLECTIVE_SMALL_BYTES]
-        sync = lambda: dist.barrier(group=mine)  # noqa: E731
-        out["ar2"] = _repeat(lambda: dist.all_reduce(small, group=mine), sync, count)
-        out["ag2"] = _repeat(lambda: dist.all_gather_into_tensor(small, half, group=mine), sync, count)
-    barrier()
-    for nbytes in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES):
+    peer = rank ^ 1
+    for group, size, sync in ((None, n, barrier), (mine, 2, (lambda: dist.barrier(group=mine)) if mine else None)):
+        if group is not None and n == 2:
+            continue  # the pair is the whole world: already measured
+        for nbytes in COLLECTIVE_BYTES:
+            count = COLLECTIVE_REPEATS[nbytes]
+            x = torch.ones(nbytes // 4)
+            shard = torch.ones(nbytes // 4 // size)
+            gathered = torch.empty(shard.numel() * size)
+            barrier()
+            if group is None or mine is not None:
+                kw = {} if group is None else {"group": group}
+                out["coll"].append(("all_reduce", size, nbytes, timed(lambda: dist.all_reduce(x, **kw), sync, count)))
+                out["coll"].append(("all_gather", size, nbytes, timed(
+                    lambda: dist.all_gather_into_tensor(gathered, shard, **kw), sync, count)))
+                out["coll"].append(("reduce_scatter", size, nbytes, timed(
+                    lambda: dist.reduce_scatter_tensor(shard, gathered, **kw), sync, count)))
+            barrier()
+    for nbytes in COLLECTIVE_BYTES:
         x = torch.ones(nbytes // 4)
-        shard = torch.ones(nbytes // 4 // n)
-        gathered = torch.empty(shard.numel() * n)
-        count = COLLECTIVE_REPEATS[nbytes]
-        barrier()
-        out["ar"][nbytes] = _repeat(lambda: dist.all_reduce(x), barrier, count)
-        barrier()
-        out["ag"][nbytes] = _repeat(lambda: dist.all_gather_into_tensor(gathered, shard), barrier, count)
-        barrier()
-        out["rs"][nbytes] = _repeat(lambda: dist.reduce_scatter_tensor(shard, gathered), barrier, count)
         if peer < n:
             def pingpong() -> None:  # one message each way; time per message = half
                 if rank % 2 == 0:
@@ -170,15 +317,21 @@ def _rank_measure(rank: int) -> dict[str, Any]:
                     dist.recv(x, peer)
                     dist.send(x, peer)
             barrier()
-            out["p2p"][nbytes] = _repeat(pingpong, lambda: None, count) / 2
+            out["p2p"].append((nbytes, timed(pingpong, lambda: None, COLLECTIVE_REPEATS[nbytes]) / 2))
         else:
             barrier()
+    out["reference"] = baseline
+    out["reference_drift"] = max(refs) / min(refs)
     return out
 
 
-def _median_over_ranks(results: list[dict[str, Any]], key: str, sub: Any = None) -> float:
-    values = [r[key] if sub is None else r[key][sub] for r in results if sub is None or sub in r[key]]
-    return statistics.median(values)
+def _median_rows(results: list[dict[str, Any]], key: str, width: int) -> tuple[tuple[Any, ...], ...]:
+    """Rows (key fields..., seconds) with seconds = median over the ranks that measured them."""
+    table: dict[tuple[Any, ...], list[float]] = {}
+    for r in results:
+        for row in r[key]:
+            table.setdefault(tuple(row[:width]), []).append(row[width])
+    return tuple((*k, statistics.median(v)) for k, v in sorted(table.items()))
 
 
 def calibrate(devices: int) -> Calibration:
@@ -188,56 +341,120 @@ def calibrate(devices: int) -> Calibration:
     if devices < 2:
         raise ValueError(f"--devices must be at least 2 to measure collectives, got {devices}")
     start = time.perf_counter()
-    results = spawn(_rank_measure, devices, ())
-    log.info("calibrate: %d ranks measured in %.1f s", devices, time.perf_counter() - start)
-    n = devices
-    ar = {s: _median_over_ranks(results, "ar", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
-    ag = {s: _median_over_ranks(results, "ag", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
-    rs = {s: _median_over_ranks(results, "rs", s) for s in COLLECTIVE_LARGE_BYTES}
-    p2p = {s: _median_over_ranks(results, "p2p", s) for s in (COLLECTIVE_SMALL_BYTES, *COLLECTIVE_LARGE_BYTES)}
+    results = spawn(_rank_measure, devices, (), collective_timeout_s=300.0)
+    log.info("calibrate: %d ranks measured in %.1f s; the machine's speed drifted by up to x%.2f meanwhile "
+             "(corrected)", devices, time.perf_counter() - start, max(r["reference_drift"] for r in results))
     return Calibration(
-        devices=n,
-        gemm_flops_per_s=tuple((s, _median_over_ranks(results, "gemm", s)) for s in GEMM_SIZES),
-        copy_bandwidth_bytes_per_s=_median_over_ranks(results, "copy"),
-        all_reduce_bus_bytes_per_s=tuple((s, 2 * (n - 1) / n * s / ar[s]) for s in COLLECTIVE_LARGE_BYTES),
-        all_gather_bus_bytes_per_s=tuple((s, (n - 1) / n * s / ag[s]) for s in COLLECTIVE_LARGE_BYTES),
-        reduce_scatter_bus_bytes_per_s=tuple((s, (n - 1) / n * s / rs[s]) for s in COLLECTIVE_LARGE_BYTES),
-        send_recv_bytes_per_s=tuple((s, s / p2p[s]) for s in COLLECTIVE_LARGE_BYTES),
-        all_reduce_small_s=ar[COLLECTIVE_SMALL_BYTES],
-        all_gather_small_s=ag[COLLECTIVE_SMALL_BYTES],
-        send_recv_small_s=p2p[COLLECTIVE_SMALL_BYTES],
-        pair_all_reduce_small_s=statistics.median(r["ar2"] for r in results if "ar2" in r),
-        pair_all_gather_small_s=statistics.median(r["ag2"] for r in results if "ag2" in r),
+        devices=devices, cores=len(os.sched_getaffinity(0)),
+        gemm_s=_median_rows(results, "gemm", 3), copy_s=_median_rows(results, "copy", 1),
+        eager_op_s=statistics.median(r["eager_op"] for r in results),
+        view_op_s=statistics.median(r["view_op"] for r in results),
+        dtensor_op_s=statistics.median(max(0.0, r["dtensor_block"] - r["plain_block"]) / r["plain_ops"]
+                                       for r in results),
+        attention_flops_per_s=statistics.median(r["attention_flops_per_s"] for r in results),
+        collective_s=_median_rows(results, "coll", 3), send_recv_s=_median_rows(results, "p2p", 1),
+        reference_s=statistics.median(r["reference"] for r in results),
+        sync_skew_s=statistics.median(r["sync_skew"] for r in results),
+    )
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Non-negative-ish least squares for a few unknowns (normal equations; negatives clipped to 0)."""
+    k = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    aty = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(k)]
+    for i in range(k):  # Gauss-Jordan with partial pivoting
+        p = max(range(i, k), key=lambda r: abs(ata[r][i]))
+        ata[i], ata[p], aty[i], aty[p] = ata[p], ata[i], aty[p], aty[i]
+        if abs(ata[i][i]) < 1e-30:
+            continue
+        for r in range(k):
+            if r != i:
+                f = ata[r][i] / ata[i][i]
+                ata[r] = [a - f * b for a, b in zip(ata[r], ata[i])]
+                aty[r] -= f * aty[i]
+    return [max(0.0, aty[i] / ata[i][i]) if abs(ata[i][i]) > 1e-30 else 0.0 for i in range(k)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fitted:
+    """What the profile stores, per dedicated core (see the module docstring)."""
+    gemm_flops_per_s: float
+    gemm_k_ramp: float
+    gemm_overhead_s: float
+    copy_bytes_per_s: float
+    copy_overhead_s: float
+    eager_op_s: float
+    view_op_s: float
+    dtensor_op_overhead_s: float
+    attention_efficiency: float
+    base_latency_s: float
+    """Per collective: gloo's launch cost (fitted) plus the rank skew (`sync_skew_s`)."""
+    hop_latency_s: float
+    bus_bytes_per_s: dict[str, float]
+    p2p_bytes_per_s: float
+
+
+def fit(cal: Calibration) -> Fitted:
+    """Fit the model's terms to the measurements and normalise them to one dedicated core."""
+    s = cal.sharing
+    # GEMM: t = (2 m n k / P) * (1 + k0 / k) + o  ->  unknowns 1/P, k0/P, o (linear)
+    rows = [[2 * m * n * k, 2 * m * n, 1.0] for m, n, k, _ in cal.gemm_s]
+    inv_peak, k0_over_peak, gemm_overhead = _least_squares(rows, [t for *_, t in cal.gemm_s])
+    peak = 1 / inv_peak if inv_peak > 0 else max(2 * m * n * k / t for m, n, k, t in cal.gemm_s)
+    copy = _least_squares([[b, 1.0] for b, _ in cal.copy_s], [t for _, t in cal.copy_s])
+    copy_bw = 1 / copy[0] if copy[0] > 0 else max(b / t for b, t in cal.copy_s)
+    # collectives: t = L0 + steps(n) alpha + vol(n) S / B_kind  (unknowns L0, alpha, 1/B per kind)
+    crow, cy = [], []
+    for kind, n, nbytes, t in cal.collective_s:
+        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+        vol = (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+        crow.append([1.0, steps] + [vol if kind == k else 0.0 for k in KINDS])
+        cy.append(t)
+    base, alpha, *inv_bw = _least_squares(crow, cy)
+    bus = {k: (1 / x if x > 0 else float("inf")) for k, x in zip(KINDS, inv_bw)}
+    p2p = _least_squares([[b, 1.0] for b, _ in cal.send_recv_s], [t for _, t in cal.send_recv_s])
+    return Fitted(
+        gemm_flops_per_s=peak * s, gemm_k_ramp=k0_over_peak * peak, gemm_overhead_s=gemm_overhead / s,
+        copy_bytes_per_s=copy_bw * s, copy_overhead_s=copy[1] / s, eager_op_s=cal.eager_op_s / s,
+        view_op_s=cal.view_op_s / s, dtensor_op_overhead_s=cal.dtensor_op_s / s,
+        attention_efficiency=min(1.0, cal.attention_flops_per_s / peak),
+        base_latency_s=(base + cal.sync_skew_s) / s,
+        hop_latency_s=alpha / s, bus_bytes_per_s={k: v * s for k, v in bus.items()},
+        p2p_bytes_per_s=(1 / p2p[0] if p2p[0] > 0 else float("inf")) * s,
     )
 
 
 def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
-    """The profile whose achievable rates (peak x the cost model's efficiencies) are the
-    measured ones; see the module docstring."""
-    from cost_model.efficiency import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, NVLINK_BUS_EFFICIENCY_DEFAULT
-
-    gemm = max(r for _, r in cal.gemm_flops_per_s)
-    alpha = cal.latency_s
-    bw = {kind: statistics.median(r for _, r in rows)
-          for kind, rows in (("all_reduce", cal.all_reduce_bus_bytes_per_s),
-                             ("all_gather", cal.all_gather_bus_bytes_per_s),
-                             ("reduce_scatter", cal.reduce_scatter_bus_bytes_per_s))}
-    bus = bw["all_reduce"]
+    """The profile whose rates are the measured ones, per dedicated core, with the cost
+    model's efficiencies replaced by the measured per-op costs (module docstring)."""
+    f = fit(cal)
+    bus = f.bus_bytes_per_s["all_reduce"]
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     base = HARDWARE["cpu"]
+    # every small op pays the eager+autograd cost (its roofline on tiny tensors is ~0)
+    per_op = max(f.eager_op_s, f.copy_overhead_s)
     return Hardware(
         name=name,
-        peak_flops_per_s=(("bfloat16", gemm / GEMM_EFFICIENCY), ("float32", gemm / GEMM_EFFICIENCY)),
+        peak_flops_per_s=(("bfloat16", f.gemm_flops_per_s), ("float32", f.gemm_flops_per_s)),
         memory_bytes=int(total_ram // cal.devices),
-        memory_bandwidth_bytes_per_s=cal.copy_bandwidth_bytes_per_s / MEMORY_EFFICIENCY,
-        intra_node_bandwidth_bytes_per_s=bus / NVLINK_BUS_EFFICIENCY_DEFAULT,
-        intra_node_latency_s=alpha,
-        inter_node_bandwidth_bytes_per_s=bus / NVLINK_BUS_EFFICIENCY_DEFAULT,
-        inter_node_latency_s=alpha,
+        memory_bandwidth_bytes_per_s=f.copy_bytes_per_s,
+        intra_node_bandwidth_bytes_per_s=bus,
+        intra_node_latency_s=f.hop_latency_s,
+        inter_node_bandwidth_bytes_per_s=bus,
+        inter_node_latency_s=f.hop_latency_s,
         default_gpus_per_node=base.default_gpus_per_node,
         comm_overlap=base.comm_overlap,
-        collective_bandwidth_scale=tuple((kind, bw[kind] / bus) for kind in ("all_gather", "reduce_scatter")),
+        collective_bandwidth_scale=tuple((k, f.bus_bytes_per_s[k] / bus) for k in ("all_gather", "reduce_scatter")),
+        cores_per_node=cal.cores,
+        reference_s=cal.reference_s / cal.sharing,
+        efficiency=tuple(sorted({
+            "gemm_efficiency": 1.0, "memory_efficiency": 1.0, "nvlink_bus_efficiency": 1.0, "nic_bus_efficiency": 1.0,
+            "collective_base_latency_s": f.base_latency_s, "gemm_overhead_s": max(f.gemm_overhead_s, per_op),
+            "memory_overhead_s": per_op, "gemm_k_ramp": f.gemm_k_ramp, "view_overhead_s": f.view_op_s,
+            "dtensor_op_overhead_s": f.dtensor_op_overhead_s, "flash_attention_efficiency": f.attention_efficiency,
+        }.items())),
     )
 
 
-__all__ = ["Calibration", "calibrate", "to_hardware"]
+__all__ = ["Calibration", "Fitted", "calibrate", "fit", "to_hardware"]

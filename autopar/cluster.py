@@ -22,7 +22,8 @@ GIB = 1024**3
 
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-OPTIONAL_KEYS = ("default_gpus_per_node", "comm_overlap", "collective_bandwidth_scale")
+OPTIONAL_KEYS = ("default_gpus_per_node", "comm_overlap", "collective_bandwidth_scale", "sm_count",
+                 "matmul_fraction", "attention_fraction", "efficiency", "cores_per_node", "reference_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +49,29 @@ class Hardware:
     bus bandwidth relative to the link's (missing kinds: 1.0). Empty for the GPU profiles
     (NCCL's ring kinds run at the same busBW); `autopar calibrate` measures it on gloo,
     whose all-gather and reduce-scatter are markedly slower than its all-reduce."""
+    sm_count: int = 0
+    """Streaming multiprocessors (GEMM wave quantization); 0 = not modelled (CPU)."""
+    matmul_fraction: float = 1.0
+    """Maximum achievable matmul rate / dense peak (best-shape bf16 GEMM): a hardware fact,
+    from Stas Bekman's MAMF table (github.com/stas00/ml-engineering, compute/accelerator,
+    'Maximum Achievable Matmul FLOPS comparison table'); 1.0 where the peak itself was
+    measured (`autopar calibrate`)."""
+    attention_fraction: float = 1.0
+    """Best fused-attention (FlashAttention-2) forward rate / dense peak on this GPU: 0.73 on
+    A100 (FlashAttention-2 paper, arXiv:2307.08691: 50-73%), 0.35 on H100 (FlashAttention-3
+    paper, arXiv:2407.08608: "FlashAttention-2 achieves only 35% utilization on H100"); the
+    published runs priced here ran FlashAttention-2-class kernels."""
+    cores_per_node: int = 0
+    """CPU cores the devices of one node share (the cpu profile: ranks are processes on the
+    same cores); 0 = every device has its own compute (GPUs). With more ranks than cores
+    the cost model slows compute, per-op costs and collectives by ranks / cores."""
+    reference_s: float = 0.0
+    """A calibrated profile's time of autopar.calibrate.reference_workload per dedicated core
+    when it was measured (0 = not calibrated): runs on a shared machine compare their own
+    reference time with it to know the load they ran under."""
+    efficiency: tuple[tuple[str, float], ...] = ()
+    """Overrides of cost_model.efficiency.Efficiency fields for this hardware (the calibrated
+    cpu profile's measured kernel overheads and efficiencies); empty for the GPU profiles."""
 
     def bandwidth_scale(self, kind: str) -> float:
         return dict(self.collective_bandwidth_scale).get(kind, 1.0)
@@ -64,6 +88,7 @@ class Hardware:
         data = asdict(self)
         data["peak_flops_per_s"] = dict(self.peak_flops_per_s)
         data["collective_bandwidth_scale"] = dict(self.collective_bandwidth_scale)
+        data["efficiency"] = dict(self.efficiency)
         return data
 
     @classmethod
@@ -83,7 +108,10 @@ class Hardware:
         if unknown_kinds:
             raise ValueError(f"hardware profile: unknown collective kinds {sorted(unknown_kinds)} in "
                              f"collective_bandwidth_scale; expected some of {list(COLLECTIVE_KINDS)}")
+        eff = data.get("efficiency", {})
+        eff = eff.items() if isinstance(eff, dict) else eff
         return cls(**{**data, "comm_overlap": float(overlap),
+                      "efficiency": tuple(sorted((str(k), float(v)) for k, v in eff)),
                       "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks)),
                       "collective_bandwidth_scale": tuple(sorted((str(k), float(v)) for k, v in scale))})
 
@@ -91,54 +119,63 @@ class Hardware:
 _TB = 1e12
 _GB = 1e9
 
+CPU_PROFILE_PATH = Path(__file__).with_name("cpu_profile.json")
+"""The built-in `cpu` profile: `autopar calibrate --devices 4 --out autopar/cpu_profile.json`
+as run on this project's 2-core development machine (its measurements are kept in the file,
+beside the profile). Recalibrate for another machine and pass the file to the CLI or to
+`Cluster.parse(..., hardware=load_hardware(path))`."""
+CPU_PROFILE = Hardware.from_json(json.loads(CPU_PROFILE_PATH.read_text())["hardware"])
+
+_NCCL_NVLINK_HOP_S = 3.4e-6
+"""NCCL's per-step latency of a ring over NVLink, Simple protocol (src/graph/tuning.cc
+hwLatencies[NVLINK][RING][SIMPLE] = 3.4 us)."""
+_NCCL_NET_HOP_S = 14e-6
+"""NCCL's per-step latency across the network, Simple protocol (hwLatencies[NET][RING or
+TREE][SIMPLE] = 14 us)."""
+
 HARDWARE: dict[str, Hardware] = {
     # A100 SXM4: 312 TFLOP/s bf16 dense, 19.5 fp32 (156 TF32); NVLink3 300 GB/s per
-    # direction; one 200 Gb/s HDR NIC per GPU (DGX A100).
+    # direction; one 200 Gb/s HDR NIC per GPU (DGX A100); 108 SMs; MAMF 271.2 TFLOP/s (86.9%).
     "a100-40gb": Hardware(
         name="a100-40gb", peak_flops_per_s=(("bfloat16", 312 * _TB), ("float32", 156 * _TB)),
         memory_bytes=40 * 10**9, memory_bandwidth_bytes_per_s=1.555 * _TB,
-        intra_node_bandwidth_bytes_per_s=300 * _GB, intra_node_latency_s=5e-6,
-        inter_node_bandwidth_bytes_per_s=25 * _GB, inter_node_latency_s=10e-6,
+        intra_node_bandwidth_bytes_per_s=300 * _GB, intra_node_latency_s=_NCCL_NVLINK_HOP_S,
+        inter_node_bandwidth_bytes_per_s=25 * _GB, inter_node_latency_s=_NCCL_NET_HOP_S,
+        sm_count=108, matmul_fraction=0.869, attention_fraction=0.73,
     ),
     "a100-80gb": Hardware(
         name="a100-80gb", peak_flops_per_s=(("bfloat16", 312 * _TB), ("float32", 156 * _TB)),
         memory_bytes=80 * 10**9, memory_bandwidth_bytes_per_s=2.039 * _TB,
-        intra_node_bandwidth_bytes_per_s=300 * _GB, intra_node_latency_s=5e-6,
-        inter_node_bandwidth_bytes_per_s=25 * _GB, inter_node_latency_s=10e-6,
+        intra_node_bandwidth_bytes_per_s=300 * _GB, intra_node_latency_s=_NCCL_NVLINK_HOP_S,
+        inter_node_bandwidth_bytes_per_s=25 * _GB, inter_node_latency_s=_NCCL_NET_HOP_S,
+        sm_count=108, matmul_fraction=0.869, attention_fraction=0.73,
     ),
-    # H100 SXM5: 989 TFLOP/s bf16 dense; NVLink4 450 GB/s per direction; 400 Gb/s NDR per GPU.
+    # H100 SXM5: 989 TFLOP/s bf16 dense; NVLink4 450 GB/s per direction; 400 Gb/s NDR per GPU;
+    # 132 SMs; MAMF 794.5 TFLOP/s (80.3%, "H200 is the same").
     "h100": Hardware(
         name="h100", peak_flops_per_s=(("bfloat16", 989 * _TB), ("float32", 494.7 * _TB)),
         memory_bytes=80 * 10**9, memory_bandwidth_bytes_per_s=3.35 * _TB,
-        intra_node_bandwidth_bytes_per_s=450 * _GB, intra_node_latency_s=4e-6,
-        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=8e-6,
+        intra_node_bandwidth_bytes_per_s=450 * _GB, intra_node_latency_s=_NCCL_NVLINK_HOP_S,
+        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=_NCCL_NET_HOP_S,
+        sm_count=132, matmul_fraction=0.803, attention_fraction=0.35,
     ),
     "h200": Hardware(
         name="h200", peak_flops_per_s=(("bfloat16", 989 * _TB), ("float32", 494.7 * _TB)),
         memory_bytes=141 * 10**9, memory_bandwidth_bytes_per_s=4.8 * _TB,
-        intra_node_bandwidth_bytes_per_s=450 * _GB, intra_node_latency_s=4e-6,
-        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=8e-6,
+        intra_node_bandwidth_bytes_per_s=450 * _GB, intra_node_latency_s=_NCCL_NVLINK_HOP_S,
+        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=_NCCL_NET_HOP_S,
+        sm_count=132, matmul_fraction=0.803, attention_fraction=0.35,
     ),
-    # B200 (HGX, 1000 W): 2250 TFLOP/s bf16 dense, ~180 GB usable, NVLink5 900 GB/s per direction.
+    # B200 (HGX, 1000 W): 2250 TFLOP/s bf16 dense, ~180 GB usable, NVLink5 900 GB/s per
+    # direction; 148 SMs; MAMF 1745 TFLOP/s (77.6%).
     "b200": Hardware(
         name="b200", peak_flops_per_s=(("bfloat16", 2250 * _TB), ("float32", 1100 * _TB)),
         memory_bytes=180 * 10**9, memory_bandwidth_bytes_per_s=8 * _TB,
-        intra_node_bandwidth_bytes_per_s=900 * _GB, intra_node_latency_s=4e-6,
-        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=8e-6,
+        intra_node_bandwidth_bytes_per_s=900 * _GB, intra_node_latency_s=_NCCL_NVLINK_HOP_S,
+        inter_node_bandwidth_bytes_per_s=50 * _GB, inter_node_latency_s=_NCCL_NET_HOP_S,
+        sm_count=148, matmul_fraction=0.776, attention_fraction=0.35,
     ),
-    # This machine class (2 cores, gloo over loopback). Rough defaults; `autopar calibrate`
-    # measures the real numbers.
-    "cpu": Hardware(
-        name="cpu", peak_flops_per_s=(("bfloat16", 50e9), ("float32", 50e9)),
-        memory_bytes=24 * GIB, memory_bandwidth_bytes_per_s=10 * _GB,
-        intra_node_bandwidth_bytes_per_s=1 * _GB, intra_node_latency_s=1e-3,
-        inter_node_bandwidth_bytes_per_s=1 * _GB, inter_node_latency_s=1e-3,
-        default_gpus_per_node=1, comm_overlap=0.0,
-        # gloo's all-gather / reduce-scatter busBW relative to its all-reduce, as `autopar
-        # calibrate` measured them on the 2-core development machines (4 ranks: x0.53-0.64
-        # and x0.34-0.37; 8 ranks: x0.63-0.66 and x0.37-0.41)
-        collective_bandwidth_scale=(("all_gather", 0.6), ("reduce_scatter", 0.37)),
-    ),
+    "cpu": CPU_PROFILE,
 }
 
 _CLUSTER_RE = re.compile(r"^(?P<hw>[a-z0-9-]+):(?:(?P<nodes>\d+)x)?(?P<per>\d+)$")

@@ -1,8 +1,11 @@
 """The benchmark figures (PNG, matplotlib Agg) written next to the tables in benchmarks/results/.
 
-- validation_scatter.png: predicted vs reported tokens/s per GPU for the published runs
-  (read from the table benchmarks/validate_cost_model.py writes), log axes, y = x and
-  +-25% lines, one colour per source.
+- validation_scatter.png: out-of-sample (leave-one-source-out) predicted vs reported
+  tokens/s per GPU for the published runs (read from the table
+  benchmarks/validate_cost_model.py writes), log axes, y = x and +-25% lines, one colour
+  per source.
+- sweep_cpu.png: this machine's sweep (benchmarks/sweep_cpu.py): predicted (calibrated
+  profile, load-corrected) vs measured step time, one colour per model size and process count.
 - measured_cpu.png: autopar vs hand-tuned tokens/s per configuration measured on this
   machine (from measure_cpu.py's JSON), ratio over each pair, and peak RSS growth per rank.
 - pipeline_timeline.png: 1F1B and interleaved timelines of one pipeline plan from the cost
@@ -27,7 +30,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def validation_rows(md_path: Path) -> list[dict[str, Any]]:
-    """(source, reported, predicted) rows of cost_model_validation.md's table."""
+    """(source, reported, predicted) rows of cost_model_validation.md's table: the
+    out-of-sample (LOSO) prediction where the table has one, flagged rows left out."""
     lines = md_path.read_text().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| # |"))
     cols = [c.strip() for c in lines[header].strip("|").split("|")]
@@ -36,10 +40,14 @@ def validation_rows(md_path: Path) -> list[dict[str, Any]]:
         if not line.startswith("|"):
             break
         cells = dict(zip(cols, (c.strip() for c in line.strip("|").split("|"))))
+        if "fp8" in cells.get("flags", "") or "power-capped" in cells.get("flags", ""):
+            continue  # not in the error statistics either (validate_cost_model.py)
+        pred, err = ("LOSO predicted", "LOSO error") if cells.get("LOSO predicted", "-") != "-" else (
+            "predicted", "error")
         try:
             rows.append({"source": cells["source"], "reported": float(cells["reported tok/s/GPU"]),
-                         "predicted": float(cells["predicted"]), "model": cells["model"],
-                         "error": float(cells["error"].rstrip("%")) / 100})
+                         "predicted": float(cells[pred]), "model": cells["model"],
+                         "error": float(cells[err].rstrip("%")) / 100})
         except (KeyError, ValueError):
             continue
     return rows
@@ -59,10 +67,11 @@ def validation_scatter(md_path: Path, out: Path) -> dict[str, float]:
     for f, style in ((1.25, ":"), (1 / 1.25, ":")):
         ax.plot([lo, hi], [lo * f, hi * f], color="gray", linestyle=style, linewidth=1)
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
-           xlabel="reported throughput (tokens/s per GPU)", ylabel="predicted by autopar's cost model (tokens/s per GPU)")
+           xlabel="reported throughput (tokens/s per GPU)",
+           ylabel="predicted out of sample (tokens/s per GPU)")
     # the table's own error column (computed before rounding), so the title matches the table
     median = statistics.median(abs(r["error"]) for r in rows)
-    ax.set_title(f"cost model vs {len(rows)} published runs (dotted: +-25%)\n"
+    ax.set_title(f"cost model vs {len(rows)} published runs, leave-one-source-out (dotted: +-25%)\n"
                  f"median |error| {median:.1%}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(True, which="both", alpha=0.2)
@@ -70,6 +79,31 @@ def validation_scatter(md_path: Path, out: Path) -> dict[str, float]:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return {"rows": len(rows), "median_abs_error": median}
+
+
+def sweep_scatter(data: dict[str, Any], out: Path) -> None:
+    key = "predicted_calibrated_s" if all("predicted_calibrated_s" in r for r in data["rows"]) else "predicted_default_s"
+    fig, ax = plt.subplots(figsize=(6.5, 5.5))
+    groups = sorted({(r["size"], r["world"]) for r in data["rows"]})
+    for k, (size, world) in enumerate(groups):
+        mine = [r for r in data["rows"] if (r["size"], r["world"]) == (size, world)]
+        ax.scatter([r[key] * 1e3 for r in mine], [r["measured_s"] * 1e3 for r in mine], s=26,
+                   color=plt.get_cmap("tab10")(k % 10), label=f"{size} on {world} processes", zorder=3,
+                   marker="o" if world == 4 else "s")
+    values = [v * 1e3 for r in data["rows"] for v in (r[key], r["measured_s"])]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="y = x")
+    for f in (1.25, 1 / 1.25):
+        ax.plot([lo, hi], [lo * f, hi * f], color="gray", linestyle=":", linewidth=1)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
+           xlabel=f"predicted step time (ms), {key.removeprefix('predicted_').removesuffix('_s')} cpu profile",
+           ylabel="measured step time (ms)")
+    ax.grid(True, which="both", alpha=0.2)
+    ax.set_title("this machine's sweep: 3 sizes x 4 and 8 processes (dotted: +-25%)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def measured_bars(data: dict[str, Any], out: Path) -> None:
@@ -224,6 +258,9 @@ def main() -> None:
     md = RESULTS / "cost_model_validation.md"
     if md.exists():
         print("validation scatter:", validation_scatter(md, RESULTS / "validation_scatter.png"))
+    sweep = RESULTS / "sweep_cpu.json"
+    if sweep.exists():
+        sweep_scatter(json.loads(sweep.read_text()), RESULTS / "sweep_cpu.png")
     measured = RESULTS / "measured_cpu.json"
     if measured.exists():
         data = json.loads(measured.read_text())

@@ -1,25 +1,33 @@
-"""Regenerate every benchmark table and figure (in about 30 minutes here with torchtitan).
+"""Regenerate every benchmark table and figure in benchmarks/results/ from the repository alone.
 
-    .venv/bin/python benchmarks/run_all.py [--full] [--skip-measure]
+    python benchmarks/run_all.py [--full] [--skip-measure]
 
 Phases, each printing its figures as it goes (wall time per phase at the end):
-1. `autopar calibrate --devices 4` and `--devices 8` -> results/cpu_profile_{4,8}.json
-2. benchmarks/measure_cpu.py (autopar vs hand-tuned, measured; calibrated predictions,
-   Spearman) -> results/measured_cpu.{md,json}
-3. benchmarks/measure_torchtitan.py (autopar vs torchtitan 0.3.0 itself, measured) ->
-   results/torchtitan.{md,json,png}; with no `make bench-install` it prints one line
-   saying it was skipped and the phase ends
-4. benchmarks/validate_cost_model.py (94 published runs) -> results/cost_model_validation.md
-   and, at the same time (single-process, after the measured part so it does not disturb
-   it), benchmarks/vs_hand_tuned.py: the first QUICK_GROUPS groups (smallest clusters)
-   -> results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md
-   (the full run takes ~19 minutes alone on this machine)
+1. `autopar calibrate --devices 4` -> results/cpu_profile.json (this machine, per dedicated
+   core: it prices 4 and 8 processes)
+2. benchmarks/sweep_cpu.py (3 model sizes x 8-11 configurations on 4 and 8 processes,
+   measured vs the calibrated and the built-in profile) -> results/sweep_cpu.{md,json};
+   benchmarks/measure_cpu.py (autopar vs the hand-tuned baseline, measured) ->
+   results/measured_cpu.{md,json}; benchmarks/measure_torchtitan.py (autopar vs torchtitan
+   itself, measured) -> results/torchtitan.{md,json,png}; with no `make bench-install` it
+   prints one line saying it was skipped
+3. benchmarks/fit_cost_model.py: the fit on every published run (a reproducibility check of
+   the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
+   the leave-one-source-out and leave-one-publication-out fits ->
+   results/loso_by_{source,publication}.json
+4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
+   ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
+   same time (single-process, after the measured part so it does not disturb it)
+   benchmarks/vs_hand_tuned.py: the first QUICK_GROUPS groups (smallest clusters) ->
+   results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md
 5. benchmarks/plots_results.py -> results/*.png
+Nothing outside the repository is read (the published runs ship in benchmarks/data/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -29,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 QUICK_GROUPS = 40
-BUDGET_S = 35 * 60
+BUDGET_S = 55 * 60
+"""The whole run on the shared 2-core development machine (its load varies a lot), torchtitan included."""
 
 
 def _run(cmd: list[str]) -> None:
@@ -39,23 +48,25 @@ def _run(cmd: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--full", action="store_true", help="the complete vs_hand_tuned table (~19 min more)")
-    ap.add_argument("--skip-measure", action="store_true", help="reuse results/measured_cpu.json and the profiles")
+    ap.add_argument("--full", action="store_true", help="the complete vs_hand_tuned table (~20 min more)")
+    ap.add_argument("--skip-measure", action="store_true", help="reuse results/{sweep,measured}_cpu.json and the profile")
     args = ap.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
     phases: list[tuple[str, float]] = []
     start = time.perf_counter()
+    profile = str(RESULTS / "cpu_profile.json")
 
     if not args.skip_measure:
         t = time.perf_counter()
-        for n in (4, 8):
-            _run([PY, "-m", "autopar.cli", "calibrate", "--devices", str(n), "--out",
-                  str(RESULTS / f"cpu_profile_{n}.json")])
-        phases.append(("calibrate 4 and 8", time.perf_counter() - t))
+        _run([PY, "-m", "autopar.cli", "calibrate", "--devices", "4", "--out", profile])
+        phases.append(("calibrate", time.perf_counter() - t))
         t = time.perf_counter()
-        _run([PY, "benchmarks/measure_cpu.py", "--profile4", str(RESULTS / "cpu_profile_4.json"),
-              "--profile8", str(RESULTS / "cpu_profile_8.json"), "--json", str(RESULTS / "measured_cpu.json"),
-              "--md", str(RESULTS / "measured_cpu.md")])
+        _run([PY, "benchmarks/sweep_cpu.py", "--profile", profile, "--json", str(RESULTS / "sweep_cpu.json"),
+              "--md", str(RESULTS / "sweep_cpu.md")])
+        phases.append(("sweep_cpu", time.perf_counter() - t))
+        t = time.perf_counter()
+        _run([PY, "benchmarks/measure_cpu.py", "--profile4", profile, "--profile8", profile,
+              "--json", str(RESULTS / "measured_cpu.json"), "--md", str(RESULTS / "measured_cpu.md")])
         phases.append(("measure_cpu", time.perf_counter() - t))
         t = time.perf_counter()
         _run([PY, "benchmarks/measure_torchtitan.py", "--json", str(RESULTS / "torchtitan.json"),
@@ -64,13 +75,26 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(("measure_torchtitan", time.perf_counter() - t))
 
     t = time.perf_counter()
+    _run([PY, "benchmarks/fit_cost_model.py", "--out", str(RESULTS / "fitted_constants.json")])
+    committed = json.loads((ROOT / "cost_model" / "fitted_constants.json").read_text())["constants"]
+    refit = json.loads((RESULTS / "fitted_constants.json").read_text())["constants"]
+    drift = {k: (committed[k], refit[k]) for k in committed if abs(committed[k] - refit[k]) > 1e-3 * abs(committed[k])}
+    print("refit reproduces the committed constants" if not drift else f"WARNING: refit differs from the committed "
+          f"constants: {drift} (commit results/fitted_constants.json's values with `fit_cost_model.py`)", flush=True)
+    _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json")])
+    _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
+          "--holdout", "publication"])
+    phases.append(("fit + leave-one-out fits", time.perf_counter() - t))
+
+    t = time.perf_counter()
     vs_cmd = [PY, "benchmarks/vs_hand_tuned.py"] + (
         [] if args.full else ["--limit", str(QUICK_GROUPS), "--out", str(RESULTS / "vs_hand_tuned_quick.md")])
     print(f"$ {' '.join(vs_cmd)}   (in the background)", flush=True)
     vs_out = RESULTS / ("vs_hand_tuned.md" if args.full else "vs_hand_tuned_quick.md")
     written_before = vs_out.stat().st_mtime if vs_out.exists() else 0.0
     vs = subprocess.Popen(vs_cmd, cwd=ROOT)
-    _run([PY, "benchmarks/validate_cost_model.py"])
+    _run([PY, "benchmarks/validate_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json"),
+          "--lopo", str(RESULTS / "loso_by_publication.json"), "--sweep", str(RESULTS / "sweep_cpu.json")])
     vs.wait()  # exit 1 may mean a row below 1.0 (reported in its table): judge by the table written
     if not vs_out.exists() or vs_out.stat().st_mtime <= written_before:
         print(f"WARNING: vs_hand_tuned.py (exit {vs.returncode}) did not write {vs_out.name}; the table there "

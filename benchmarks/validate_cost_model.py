@@ -1,181 +1,156 @@
-"""Validate the cost model against published hand-tuned training runs.
+"""Validate the cost model against published training runs: out of sample first, then rankings.
 
-Prices every row of a published-runs CSV (default /work/shared/validation/
-published_runs_dev.csv) with the row's OWN configuration and compares predicted with
-reported throughput per GPU. Tokens/s per GPU is convention-free; where a source gives
-only TFLOP/s (Megatron SC'21 counts the recomputed forward: 96*B*s*l*h^2*(1 + s/6h +
-V/16lh) per iteration), the reported tokens/s is derived with that source's own formula
-and the predicted TFLOP/s is shown in the same convention.
+    python benchmarks/validate_cost_model.py [CSV] [--out results/cost_model_validation.md]
+        [--loso results/loso_by_source.json] [--lopo results/loso_by_publication.json]
+        [--sweep results/sweep_cpu.json] [--rows 10-15,22]
 
-Row -> configuration rules (global, never per row):
-- attention: FlashAttention for 2022+ stacks (torchtitan, llm-foundry, rows that name it),
-  unfused math attention otherwise (Megatron SC'21 era);
-- sequence parallelism only with the flash-era stacks (it postdates SC'21) or when stated;
-- recompute: the row's value; blank in Megatron SC'21 rows means full (their FLOP formula
-  assumes it and 175B+ does not fit otherwise);
-- interleaved 1F1B when the row says so and pp > 1, with v = the smallest divisor > 1 of
-  the layers per stage (v is not stated), falling back to 1F1B when m % pp != 0;
-- runtime options (`row_options`): ZeRO-3 "via DeepSpeed" in SC'21 is the 2021 DeepSpeed
-  runtime, other ZeRO-3 rows FSDP; torchtitan "selective (per-layer)" is full recompute
-  on every 2nd layer, "selective (per-op)" its every-second-mm op policy;
-- blank micro-batch -> 1; blank tp/pp with a stated model-parallel size -> tp 8 and
-  pp = size / 8 (the SC'21 Table 2 note); zero stage from the leading digit.
-Each distinct model shape is traced once (2 layers, scaled to the real depth).
+Prices every row of a published-runs CSV (default: benchmarks/data/published_runs.csv, the
+runs shipped with the repository; see benchmarks/data/README.md) with the row's own
+configuration and runtime options (benchmarks/published_runs.py: explicit columns only, no
+rule keyed on a source's name) and compares predicted with reported tokens/s per GPU.
 
-Usage: .venv/bin/python benchmarks/validate_cost_model.py [CSV] [--out MD] [--rows 10-15,22]
+Headline: leave-one-source-out. For every source (one table of one publication), the
+global constants are fitted on all other sources (benchmarks/fit_cost_model.py) and the
+left-out rows are priced with that fit; the table gives that out-of-sample error beside the
+in-sample one (the committed constants, fitted on every row). `--lopo` adds the stricter
+leave-one-publication-out summary. The LOSO predictions are computed here unless a JSON
+from `fit_cost_model.py --loso` is given (run_all.py writes them first).
+
+Rankings: for every group of runs of one model on one cluster at one sequence length
+measured under 2+ configurations, Spearman(predicted, measured throughput) and the regret
+of the model's top pick (1 - measured throughput of the predicted-best configuration /
+the measured best), in sample and out of sample; plus this machine's sweep
+(benchmarks/sweep_cpu.py's JSON) when given.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import re
+import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
-from autopar.models import resolve
-from autopar.trace import trace_model
-from cost_model import price_profile, profile_graph
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-DEFAULT_CSV = str(Path(__file__).resolve().parents[2] / "shared" / "validation" / "published_runs_dev.csv")  # ../shared beside the repo
-DEFAULT_OUT = Path(__file__).parent / "results" / "cost_model_validation.md"
+from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
 
-# Published Llama shapes (kv heads, SwiGLU inner size): Meta model cards / torchtitan configs.
-LLAMA_SHAPES = {
-    ("2", 5120): (40, 13824), ("2", 8192): (8, 28672), ("2", 4096): (32, 11008),
-    ("3", 4096): (8, 14336), ("3", 8192): (8, 28672), ("3", 16384): (8, 53248),
-}
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cost_model_validation.md"
 
 
-def _int(text: str, default: int = 0) -> int:
-    match = re.match(r"\s*(\d+)", text or "")
-    return int(match.group(1)) if match else default
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties); nan for fewer than 2 points."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
 
 
-def _hardware(gpu_type: str) -> str:
-    text = gpu_type.lower()
-    if "h100" in text:
-        return "h100"
-    if "h200" in text:
-        return "h200"
-    if "a100" in text:
-        return "a100-40gb" if "40" in text else "a100-80gb"
-    raise ValueError(f"unknown GPU type {gpu_type!r}")
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, int(round(q * (len(ordered) - 1)))))]
 
 
-def model_spec(row: dict[str, str]) -> str:
-    layers, hidden, heads = _int(row["layers"]), _int(row["hidden"]), _int(row["heads"])
-    vocab, seq = _int(row["vocab"]), _int(row["seq_len"])
-    name = row["model"]
-    if "llama" in name.lower():
-        gen = "3" if re.search(r"llama\s*3", name, re.I) else "2"
-        kv, ffn = LLAMA_SHAPES.get((gen, hidden), (heads, 0))
-        extra = f",ffn={ffn}" if ffn else ""
-        return f"llama:layers={layers},hidden={hidden},heads={heads},kv_heads={kv}{extra},vocab={vocab},seq={seq}"
-    return f"gpt:layers={layers},hidden={hidden},heads={heads},vocab={vocab},seq={seq}"
+def _stats(errors: list[float]) -> str:
+    a = [abs(e) for e in errors]
+    if not a:
+        return "| 0 | - | - | - | - |"
+    return (f"| {len(a)} | {statistics.median(a):.1%} | {_pct(a, 0.9):.1%} | {max(a):.1%} | "
+            f"{statistics.mean(errors):+.1%} |")
 
 
-def row_config(row: dict[str, str]) -> tuple[ParallelConfig, Cluster, int]:
-    text = (row["source"] + " " + row["notes"]).lower()
-    gpus = _int(row["gpus"])
-    layers = _int(row["layers"])
-    flash_era = any(k in text for k in ("flash", "torchtitan", "llm-foundry", "fsdp"))
-    tp, pp = _int(row["tp"]), _int(row["pp"])
-    if not tp or not pp:
-        mp = re.search(r"model_parallel_size\(tp\*pp\)=(\d+)", row["notes"])
-        size = int(mp.group(1)) if mp else 1
-        tp, pp = min(8, size), max(1, size // min(8, size))
-    dp = _int(row["dp"]) or gpus // (tp * pp)
-    mb = _int(row["micro_batch"], 1)
-    rec_text = row["recompute"].lower()
-    recompute = ("full" if rec_text.startswith("full") or "per-layer" in rec_text
-                 else "selective" if rec_text.startswith("selective")
-                 else "none" if rec_text.startswith("none") else ("full" if "sc'21" in text else "none"))
-    sp_text = row["cp_or_sp"].lower()
-    sequence_parallel = ("sp" in sp_text or "sequence" in sp_text) or (flash_era and sp_text != "none")
-    gb = _int(row["global_batch"])
-    m = gb // (dp * mb)
-    schedule, interleave = "1f1b", 1
-    if pp > 1 and row["interleave"].lower().startswith("yes"):
-        per_stage = layers // pp
-        v = next((k for k in range(2, per_stage + 1) if per_stage % k == 0), 1)
-        if v > 1 and m % pp == 0:
-            schedule, interleave = "interleaved", v
-    config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=_int(row["zero_stage"]), micro_batch=mb,
-                            schedule=schedule, interleave=interleave, recompute=recompute,
-                            attention="flash" if flash_era else "math", sequence_parallel=sequence_parallel)
-    cluster = Cluster.parse(f"{_hardware(row['gpu_type'])}:{max(1, gpus // 8)}x{min(8, gpus)}")
-    return config, cluster, gb
+def _row_filter(text: str) -> set[int] | None:
+    if not text:
+        return None
+    wanted: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        wanted.update(range(int(lo), int(hi or lo) + 1))
+    return wanted
 
 
-def row_options(row: dict[str, str]) -> dict[str, object]:
-    """What the row's runtime did where ParallelConfig leaves it open (price_profile options).
-
-    - ZeRO-3 "via DeepSpeed" in a 2021 source ran DeepSpeed's per-tensor runtime
-      ("deepspeed-2021", cost_model/zero3.py); every other ZeRO-3 row is FSDP;
-    - torchtitan "selective (per-layer)" is `selective_ac_option = '2'` (its train
-      configs' preset): full recompute on every 2nd layer;
-    - torchtitan "selective (per-op)" is its op policy: pointwise ops and every second mm.
-    """
-    text = (row["source"] + " " + row["notes"] + " " + row["zero_stage"]).lower()
-    rec = row["recompute"].lower()
-    options: dict[str, object] = {}
-    if "deepspeed" in text and "sc'21" in text:
-        options["zero3"] = "deepspeed-2021"
-    if "torchtitan" in text and "per-layer" in rec:
-        options["checkpoint_every"] = 2
-    if "torchtitan" in text and "per-op" in rec:
-        options["selective_policy"] = "alternate-mm"
-    return options
-
-
-def reported_tokens_per_gpu(row: dict[str, str]) -> float:
-    """Reported tokens/s per GPU, derived with the source's own FLOP formula if needed."""
-    if row["reported_tokens_per_sec_per_gpu"]:
-        return float(row["reported_tokens_per_sec_per_gpu"])
-    l, h, s, v = (_int(row[k]) for k in ("layers", "hidden", "seq_len", "vocab"))
-    per_token = 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))  # SC'21 eq. 3 / (B s)
-    return float(row["reported_tflops_per_gpu"]) * 1e12 / per_token
+def ranking_groups(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Per group of 2+ runs: Spearman of predicted vs reported throughput and the top pick's regret."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        # a float8 run is priced as its bf16 twin: within a group it would only tie
+        if r.get(key) is not None and not any("fp8" in f for f in r["run"].flags):
+            groups.setdefault(r["group"], []).append(r)
+    out = []
+    for name, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        rep, pred = [r["reported"] for r in rs], [r[key] for r in rs]
+        pick = max(range(len(rs)), key=lambda i: pred[i])
+        best = max(rep)
+        out.append({"group": name, "runs": len(rs), "spearman": spearman(pred, rep), "regret": 1 - rep[pick] / best,
+                    "pick": rs[pick]["label"], "best": rs[rep.index(best)]["label"]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv", nargs="?", default=DEFAULT_CSV)
+    ap.add_argument("csv", nargs="?", default=str(DATA_CSV))
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--loso", default=None, help="fit_cost_model.py --loso JSON (else computed here)")
+    ap.add_argument("--lopo", default=None, help="fit_cost_model.py --loso --holdout publication JSON")
+    ap.add_argument("--sweep", default=None, help="benchmarks/sweep_cpu.py JSON: this machine's ranking groups")
     ap.add_argument("--rows", default="", help="only these row numbers, e.g. 10-15,22 (for iterating; "
                     "does not write --out unless given explicitly)")
     args = ap.parse_args(argv)
-    rows = list(csv.DictReader(open(args.csv, newline="")))
-    wanted = _row_filter(args.rows, len(rows))
+    import autopar  # noqa: F401  (autopar before cost_model: import order)
+
     start = time.perf_counter()
-    profiles: dict[str, object] = {}
-    results = []
-    for i, row in enumerate(rows):
-        if i not in wanted:
-            continue
-        spec = model_spec(row)
-        if spec not in profiles:
-            graph = trace_model(resolve(spec), batch=1, dtype="bfloat16", layers_traced=2)
-            profiles[spec] = profile_graph(graph)
-        try:
-            config, cluster, gb = row_config(row)
-            est = price_profile(profiles[spec], config, cluster, global_batch=gb, **row_options(row))
-        except ValueError as exc:
-            print(f"row {i}: skipped: {exc}", file=sys.stderr)
-            continue
-        rep = reported_tokens_per_gpu(row)
-        pred = est.tokens_per_s_per_device
-        rep_tflops = float(row["reported_tflops_per_gpu"]) if row["reported_tflops_per_gpu"] else None
-        results.append(dict(i=i, opts=_opts_text(row_options(row)), source=row["source"].split(" ")[0].split("/")[-1][:22], model=row["model"],
-                            gpus=row["gpus"], cfg=config, est=est, rep=rep, pred=pred, err=pred / rep - 1,
-                            rep_tflops=rep_tflops, pred_tflops=rep_tflops * pred / rep if rep_tflops else None,
-                            rep_mfu=row["reported_mfu_pct"], flags=_flags(row, est)))
-    elapsed = time.perf_counter() - start
-    lines = _report(results, elapsed, len(profiles), args.csv)
+    runs, skipped = load_runs(args.csv)
+    wanted = _row_filter(args.rows)
+    if wanted is not None:
+        runs = [r for r in runs if r.index in wanted]
+    profiles = profiles_for(runs, log=lambda m: print(m, file=sys.stderr))
+    if args.loso:
+        loso = json.loads(Path(args.loso).read_text())
+    else:
+        import fit_cost_model
+
+        loso_path = Path("/tmp") / f"loso-{int(time.time())}.json"
+        fit_cost_model._loso(runs, profiles, loso_path)
+        loso = json.loads(loso_path.read_text())
+    lopo = json.loads(Path(args.lopo).read_text()) if args.lopo else None
+    rows = []
+    for run in runs:
+        est = price_run(run, profiles)
+        rep = run.reported_tokens_per_gpu
+        out_of_sample = loso["rows"].get(str(run.index))
+        rows.append({
+            "i": run.index, "run": run, "est": est, "source": run.source_id, "model": run.row["model"],
+            "group": run.group, "label": run.label, "reported": rep, "predicted": est.tokens_per_s_per_device,
+            "error": est.tokens_per_s_per_device / rep - 1,
+            "loso_predicted": rep * math.exp(out_of_sample["log_error"]) if out_of_sample else None,
+            "loso_error": math.exp(out_of_sample["log_error"]) - 1 if out_of_sample else None,
+            "lopo_error": (math.exp(lopo["rows"][str(run.index)]["log_error"]) - 1
+                           if lopo and str(run.index) in lopo["rows"] else None),
+            "flags": "; ".join(run.flags + (("predicted not to fit",) if not est.fits else ())),
+        })
+    sweep = json.loads(Path(args.sweep).read_text()) if args.sweep and Path(args.sweep).exists() else None
+    lines = _report(rows, skipped, time.perf_counter() - start, len(profiles), args.csv, loso, lopo, sweep)
     print("\n".join(lines))
     if args.rows and args.out == str(DEFAULT_OUT):
         return 0
@@ -185,78 +160,104 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _row_filter(text: str, count: int) -> set[int]:
-    if not text:
-        return set(range(count))
-    wanted: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        wanted.update(range(int(lo), int(hi or lo) + 1))
-    return wanted
+def _report(rows: list[dict[str, Any]], skipped: list[str], elapsed: float, traces: int, path: str,
+            loso: dict[str, Any], lopo: dict[str, Any] | None, sweep: dict[str, Any] | None) -> list[str]:
+    from cost_model.efficiency import FITTED, load_fitted
 
-
-def _flags(row: dict[str, str], est: object) -> str:
-    notes = row["notes"].lower()
-    flags = []
-    if "float8" in notes or "fp8" in notes:
-        flags.append("fp8 run priced in bf16")
-    if "lower-tdp" in row["gpu_type"].lower():
-        flags.append("lower-TDP H100 priced as SXM")
-    if not est.fits:  # type: ignore[attr-defined]
-        flags.append("predicted not to fit")
-    return "; ".join(flags)
-
-
-def _opts_text(options: dict[str, object]) -> str:
-    short = {"zero3": "", "checkpoint_every": "ckpt every ", "selective_policy": ""}
-    return ", ".join(f"{short[k]}{v}" for k, v in sorted(options.items()))
-
-
-def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.0f}"
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, int(round(q * (len(ordered) - 1)))))
-    return ordered[k]
-
-
-def _report(results: list[dict], elapsed: float, traces: int, path: str) -> list[str]:
+    fitted = load_fitted()
+    clean = [r for r in rows if not r["run"].flags]
+    loso_clean = [r["loso_error"] for r in clean if r["loso_error"] is not None]
+    try:
+        shown_path = str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        shown_path = path
     lines = [
         "# Cost model validation against published runs", "",
-        f"Input: `{path}` ({len(results)} rows priced, {traces} distinct model shapes traced, "
-        f"{elapsed:.1f} s). Each row is priced with its own configuration; error = predicted / reported "
-        "tokens per second per GPU - 1 (for TFLOP/s-only sources, tokens/s is derived with the "
-        "source's own FLOP formula, and predicted TFLOP/s is shown in that same convention).", "",
-        "| # | source | model | GPUs | tp/pp/dp/zero/mb/m | sched/v | recompute | runtime | attn | reported tok/s/GPU | "
-        "predicted | error | rep TFLOP/s | pred TFLOP/s | pred MFU | rep MFU% | flags |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"Input: `{shown_path}` ({len(rows)} rows priced, {traces} distinct model shapes, {elapsed:.0f} s). "
+        "Every row is priced with its own configuration and runtime options (`price_options`, "
+        "benchmarks/data/README.md); error = predicted / reported tokens per second per GPU - 1 (for TFLOP/s-only "
+        "sources the reported tokens/s is derived with the source's own FLOP formula).", "",
+        "## Headline: out of sample", "",
+        "Leave-one-source-out: for each source (one table of one publication), the global constants "
+        f"(`{', '.join(FITTED)}`) are fitted on all other sources by `benchmarks/fit_cost_model.py` and the left-out "
+        "rows are priced with that fit. In-sample: the committed constants (`cost_model/fitted_constants.json`, "
+        "fitted on every row). Flagged rows (float8 runs, power-capped GPUs of unknown peak) are priced but not in "
+        "the fit's absolute term nor in these statistics.", "",
+        "| predictions | rows | median abs error | p90 | max | mean signed |", "|---|---|---|---|---|---|",
+        f"| leave-one-source-out (headline) {_stats(loso_clean)}",
+        f"| in-sample {_stats([r['error'] for r in clean])}",
     ]
-    for r in results:
-        c, e = r["cfg"], r["est"]
+    if lopo:
+        lopo_clean = [r["lopo_error"] for r in clean if r["lopo_error"] is not None]
+        lines.append(f"| leave-one-publication-out (stricter) {_stats(lopo_clean)}")
+    lines.append(f"| all rows incl. flagged, in-sample {_stats([r['error'] for r in rows])}")
+    lines += ["", "Out of sample by left-out source:", "",
+              "| source | rows | median abs error | p90 | max | mean signed | constants fitted without it |",
+              "|---|---|---|---|---|---|---|"]
+    by_source: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_source.setdefault(r["source"], []).append(r)
+    for source, rs in sorted(by_source.items()):
+        errs = [r["loso_error"] for r in rs if not r["run"].flags and r["loso_error"] is not None]
+        fit = loso["fits"].get(source, {})
+        lines.append(f"| {source} {_stats(errs)} {', '.join(f'{k} {v:g}' for k, v in fit.items())} |")
+    lines += ["", f"Committed constants: {', '.join(f'{k} = {v:g}' for k, v in fitted['constants'].items())} "
+              f"({fitted['script']}, {fitted['date']}; in-sample {fitted['in_sample']})."]
+    lines += _ranking_section(rows, sweep)
+    lines += ["", "## Every row", "",
+              "| # | source | model | GPUs | tp/pp/dp/zero/mb/m | sched/v | recompute | runtime options | attn | "
+              "reported tok/s/GPU | predicted | error | LOSO predicted | LOSO error | pred MFU | flags |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        run, e = r["run"], r["est"]
+        c = run.config
         m = dict(e.config)["num_microbatches"]
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(run.options.changed().items()))
+        loso_pred = f"{r['loso_predicted']:.0f}" if r["loso_predicted"] is not None else "-"
+        loso_err = f"{r['loso_error']:+.1%}" if r["loso_error"] is not None else "-"
         lines.append(
-            f"| {r['i']} | {r['source']} | {r['model']} | {r['gpus']} | {c.tp}/{c.pp}/{c.dp}/{c.zero}/{c.micro_batch}/{m} "
-            f"| {c.schedule if c.pp > 1 else '-'}/{c.interleave} | {c.recompute} | {r['opts']} | {c.attention} | {r['rep']:.0f} | "
-            f"{r['pred']:.0f} | {r['err']:+.1%} | {r['rep_tflops'] or ''} | "
-            f"{_fmt(r['pred_tflops'])} | {e.mfu:.1%} | {r['rep_mfu']} | {r['flags']} |")
-    errs = [abs(r["err"]) for r in results]
-    lines += ["", "## Summary (absolute error of tokens/s per GPU)", "",
-              "| subset | rows | median | p90 | max | mean signed |", "|---|---|---|---|---|---|"]
-    groups: dict[str, list[dict]] = {"all": results}
-    for r in results:
-        groups.setdefault(r["source"], []).append(r)
-    clean = [r for r in results if not r["flags"]]
-    groups["all without flagged rows"] = clean
-    for name, rs in groups.items():
-        if not rs:
-            continue
-        a = [abs(r["err"]) for r in rs]
-        lines.append(f"| {name} | {len(rs)} | {statistics.median(a):.1%} | {_pct(a, 0.9):.1%} | {max(a):.1%} | "
-                     f"{statistics.mean(r['err'] for r in rs):+.1%} |")
-    lines += ["", f"Overall: median |error| {statistics.median(errs):.1%}, p90 {_pct(errs, 0.9):.1%} "
-              f"over {len(errs)} rows."]
+            f"| {r['i']} | {r['source']} | {r['model']} | {run.cluster.num_devices} | "
+            f"{c.tp}/{c.pp}/{c.dp}/{c.zero}/{c.micro_batch}/{m} | {c.schedule if c.pp > 1 else '-'}/{c.interleave} | "
+            f"{c.recompute} | {opts} | {c.attention} | {r['reported']:.0f} | {r['predicted']:.0f} | "
+            f"{r['error']:+.1%} | {loso_pred} | {loso_err} | {e.mfu:.1%} | {r['flags']} |")
+    if skipped:
+        lines += ["", "Skipped rows:"] + [f"- {s}" for s in skipped]
+    return lines
+
+
+def _ranking_section(rows: list[dict[str, Any]], sweep: dict[str, Any] | None) -> list[str]:
+    lines = ["", "## Rankings: groups of one model on one cluster under 2+ configurations", "",
+             "Spearman(predicted, reported throughput) and regret = 1 - reported throughput of the model's top pick / "
+             "the best reported in the group (0 = the model picks the fastest). Rows of power-capped GPUs are included "
+             "(their unknown peak is common to the group); float8 rows are not (priced as their bf16 twins).", "",
+             "| source | model | GPUs | seq | runs | Spearman (LOSO) | regret (LOSO) | Spearman (in-sample) | "
+             "regret (in-sample) | model's pick (LOSO) | measured best |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ins = {g["group"]: g for g in ranking_groups(rows, "predicted")}
+    out = {g["group"]: g for g in ranking_groups(rows, "loso_predicted")}
+    for name in sorted(ins, key=lambda g: (g[0], g[2], g[1])):
+        a, b = out.get(name), ins[name]
+        model = next(r["model"] for r in rows if r["group"] == name)
+        sp = lambda g: "-" if g is None or math.isnan(g["spearman"]) else f"{g['spearman']:.2f}"  # noqa: E731
+        lines.append(f"| {name[0]} | {model} | {name[2]} | {name[3]} | {b['runs']} | {sp(a)} | "
+                     f"{'-' if a is None else format(a['regret'], '.1%')} | {sp(b)} | {b['regret']:.1%} | "
+                     f"{'-' if a is None else a['pick']} | {b['best']} |")
+    for label, groups in (("out of sample (LOSO)", list(out.values())), ("in-sample", list(ins.values()))):
+        multi = [g for g in groups if g["runs"] >= 3 and not math.isnan(g["spearman"])]
+        if groups:
+            lines.append(f"\n{label}: {len(groups)} groups; median regret {statistics.median(g['regret'] for g in groups):.1%}, "
+                         f"max {max(g['regret'] for g in groups):.1%}; groups of 3+ runs: median Spearman "
+                         + (f"{statistics.median(g['spearman'] for g in multi):.2f} over {len(multi)}" if multi else "-"))
+    if sweep:
+        lines += ["", "This machine (benchmarks/sweep_cpu.py; measured step times, predictions with the calibrated "
+                  "profile and with the built-in `cpu` profile):", "",
+                  "| group | profile | runs | median abs error | Spearman | regret of the pick | pick | measured best |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for g, per in sweep["groups"].items():
+            runs = sum(1 for r in sweep["rows"] if f"{r['size']} x {r['world']}" == g)
+            for key, f in per.items():
+                lines.append(f"| {g} | {key.removeprefix('predicted_').removesuffix('_s')} | {runs} | "
+                             f"{f['median_abs_error']:.1%} | {f['spearman']:.2f} | {f['pick_regret']:.1%} | {f['pick']} | "
+                             f"{f['measured_best']} |")
     return lines
 
 

@@ -1,8 +1,9 @@
 """autopar's best plan vs the published hand-tuned configuration and vs a plain grid.
 
-For every distinct (model, cluster, global batch) of
-/work/shared/validation/published_runs_dev.csv, three plans are priced by the SAME cost
-model (cost_model.price_profile on the same traced graph):
+For every distinct (model, cluster, global batch) of the development-set rows of
+benchmarks/data/published_runs.csv (the sources of ../shared/validation/published_runs_dev.csv;
+`--all-sources` for every row), three plans are priced by the SAME cost model
+(cost_model.price_profile on the same traced graph):
 - hand:    the published configuration (tp, pp, dp, ZeRO, micro-batch, recompute,
            interleave). Knobs a source leaves unstated (micro-batch, interleave chunks, recompute) are
            filled with their best value under the cost model, so the baseline is the
@@ -12,7 +13,10 @@ model (cost_model.price_profile on the same traced graph):
 - autopar: solver.search (non-uniform cuts, interleave chunks, pruning).
 Ratios are predicted throughput: hand_step / autopar_step (>= 1.0 means autopar is at least
 as fast) and grid_step / autopar_step. Rows whose published degrees do not multiply to
-the GPU count, or whose tp/pp split is not given, are listed as skipped.
+the GPU count, or whose tp/pp split is not given, are listed as skipped. Attention (fused or
+math) comes from the row's explicit `price_options`. When the output file exists, its
+autopar plans are read first: the table says, per group, whether the current cost model
+picks a different plan than the one recorded there (the previous model's winner).
 
 Run: .venv/bin/python benchmarks/vs_hand_tuned.py [--out benchmarks/results/vs_hand_tuned.md]
 """
@@ -28,15 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import cost_model
-from autopar.cluster import GIB, Cluster
-from autopar.config import ParallelConfig
-from autopar.models import resolve
-from autopar.plan import InfeasiblePlanError, describe_config
-from autopar.trace import trace_model
-from solver.search import SearchSpace, search
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published_runs_dev.csv"  # ../shared beside the repo
+import cost_model  # noqa: E402
+from autopar.cluster import GIB, Cluster  # noqa: E402
+from autopar.config import ParallelConfig  # noqa: E402
+from autopar.models import resolve  # noqa: E402
+from autopar.plan import InfeasiblePlanError, describe_config  # noqa: E402
+from autopar.trace import trace_model  # noqa: E402
+from solver.search import SearchSpace, search  # noqa: E402
+
+CSV = Path(__file__).resolve().parent / "data" / "published_runs.csv"
+DEV_SOURCES = ("megatron-sc21-table1", "megatron-sc21-table2", "torchtitan-2024-08", "llm-foundry-a100-80gb")
+"""The sources of the project's development set (../shared/validation/published_runs_dev.csv)."""
 LLAMA_SPECS = {
     "Llama 3 8B": "llama3-8b", "Llama 3 70B": "llama3-70b", "Llama 3.1 405B": "llama3-405b",
     "Llama 2 13B": "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000,seq=4096",
@@ -60,16 +68,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def _job(row: dict[str, str]) -> Job:
+    from published_runs import _hardware_name, parse_options
+
     gpus = int(row["gpus"])
-    hw = "h100" if "H100" in row["gpu_type"] else "a100-80gb"
-    memory_gb = 95e9 / GIB if "95GB" in row["gpu_type"] else None
+    opts = parse_options(row["price_options"])
+    hw = _hardware_name(row["gpu_type"])
+    memory_gb = float(opts["memory_gb"]) if "memory_gb" in opts else None
     cluster = f"{hw}:{gpus // 8}x8" if gpus % 8 == 0 else f"{hw}:1x{gpus}"
     seq = int(row["seq_len"])
     if row["model"] in LLAMA_SPECS:
         spec = LLAMA_SPECS[row["model"]]
     else:  # GPT (Megatron) and MPT (llm-foundry): GPT blocks with the row's sizes
         spec = f"gpt:layers={row['layers']},hidden={row['hidden']},heads={row['heads']},vocab={row['vocab']},seq={seq}"
-    attention = "math" if row["source"].startswith("Narayanan") else "flash"
+    attention = opts.get("attention", "flash")
     return Job(model=row["model"], spec=spec, seq=seq, cluster=cluster, memory_gb=memory_gb,
                global_batch=int(row["global_batch"]), attention=attention)
 
@@ -127,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vs_hand_tuned.md"))
     parser.add_argument("--limit", type=int, default=None, help="only the first N groups (quick look)")
+    parser.add_argument("--all-sources", action="store_true", help="every row, not only the development set's")
     args = parser.parse_args(argv)
 
-    rows = list(csv.DictReader(CSV.open()))
+    rows = [r for r in csv.DictReader(CSV.open()) if args.all_sources or r["source_id"] in DEV_SOURCES]
+    previous = _previous_plans(Path(args.out))
     groups: dict[Job, list[dict[str, str]]] = {}
     for row in rows:
         groups.setdefault(_job(row), []).append(row)
@@ -137,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = sorted(groups, key=lambda j: Cluster.parse(j.cluster).num_devices)[: args.limit]
     graphs: dict[tuple[str, int], Any] = {}
     lines = ["| model | cluster | batch | hand-tuned (published) | autopar plan | autopar/hand | autopar/grid | "
-             "search s |", "|---|---|---|---|---|---|---|---|"]
+             "search s | winner vs the previous model |", "|---|---|---|---|---|---|---|---|---|"]
+    changed: list[str] = []
     skipped: list[str] = []
     ratios_hand: list[float] = []
     ratios_grid: list[float] = []
@@ -195,10 +209,19 @@ def main(argv: list[str] | None = None) -> int:
         if hand[2].fits:
             ratios_hand.append(ratio_hand)
         ratios_grid.append(ratio_grid)
+        plan_text = describe_config(best.config, best.stage_layers, job.global_batch)
+        before = previous.get((job.model, job.cluster, f"{job.global_batch}x{job.seq}"))
+        if before is None:
+            verdict = "not in the previous table"
+        elif before == plan_text:
+            verdict = "same plan"
+        else:
+            verdict = f"CHANGED (was {before})"
+            changed.append(f"{job.model} on {job.cluster}, batch {job.global_batch}x{job.seq}: {before} -> {plan_text}")
         lines.append(f"| {job.model} | {job.cluster} | {job.global_batch}x{job.seq} | {hand_cell}: {hand[0]:.3g} s | "
-                     f"{describe_config(best.config, best.stage_layers, job.global_batch)}: {auto_step:.3g} s | "
+                     f"{plan_text}: {auto_step:.3g} s | "
                      f"{ratio_hand:.3f}{'' if hand[2].fits else ' (hand over memory)'} | {ratio_grid:.3f} | "
-                     f"{search_s:.1f} |")
+                     f"{search_s:.1f} | {verdict} |")
         print(lines[-1], flush=True)
         _write(args.out, lines + ["", f"(partial: {len(lines) - 2} of {len(jobs)} groups so far)"])
     total_s = time.perf_counter() - start
@@ -211,12 +234,27 @@ def main(argv: list[str] | None = None) -> int:
         f"autopar/grid ratio: min {min(ratios_grid):.3f}, max {max(ratios_grid):.3f}; rows below 1.0: "
         f"{sum(r < 1 - 1e-9 for r in ratios_grid)}." if ratios_grid else "",
         f"total wall time {total_s:.0f} s.",
-    ]
+        "",
+        f"Groups where the current cost model picks a different plan than the previous table recorded: {len(changed)}"
+        + (" (previous table not found)" if not previous else ""),
+    ] + [f"- {c}" for c in changed]
     if skipped:
         summary += ["", "Skipped groups:"] + [f"- {s}" for s in skipped]
     _write(args.out, lines + summary)
     print("\n".join(summary))
     return 0 if ratios_hand and min(ratios_hand) >= 1 - 1e-9 and min(ratios_grid) >= 1 - 1e-9 else 1
+
+
+def _previous_plans(path: Path) -> dict[tuple[str, str, str], str]:
+    """(model, cluster, batch) -> the autopar plan text recorded in an earlier table."""
+    if not path.exists():
+        return {}
+    plans = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[0] not in ("model", "---") and ":" in cells[4]:
+            plans[(cells[0], cells[1], cells[2])] = cells[4].rsplit(":", 1)[0].strip()
+    return plans
 
 
 def _write(out: str, body: list[str]) -> None:

@@ -1,7 +1,9 @@
 """Cost model: predicted time and memory of a traced training step on a cluster.
 
 Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
-- efficiency.py  every achievable-efficiency factor (one place)
+- efficiency.py  every achievable-efficiency factor (one place; fitted ones in
+                 fitted_constants.json, written by benchmarks/fit_cost_model.py)
+- options.py     RuntimeOptions: what the training stack does beyond ParallelConfig
 - compute.py     per-op roofline `compute_time_s`
 - collectives.py mesh axes -> link tiers, alpha-beta collectives, `reshard_time_s`
 - profile.py     `profile_graph`: one-time per-graph precompute (liveness, op items)
@@ -30,32 +32,36 @@ from cost_model.collectives import (
     send_recv_time_s,
 )
 from cost_model.compute import compute_time_s, optimizer_time_s
+from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from cost_model.estimate import Estimate
 from cost_model.memory import model_state_bytes
+from cost_model.options import RuntimeOptions
 from cost_model.profile import GraphProfile, profile_graph
 from cost_model.step import default_stage_layers, price_profile
 from cost_model.zero3 import ZERO3_RUNTIMES, Zero3Runtime
 
 
 def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batch: int,
-          stage_layers: tuple[int, ...] | None = None, zero3: str | Zero3Runtime = "fsdp",
-          checkpoint_every: int = 1, selective_policy: str = "pointwise") -> Estimate:
+          stage_layers: tuple[int, ...] | None = None, zero3: str | None = None,
+          checkpoint_every: int | None = None, selective_policy: str | None = None,
+          options: RuntimeOptions | None = None, efficiency: Efficiency | None = None) -> Estimate:
     """Price one configuration of `graph` on `cluster` (profiles the graph each call;
     for many calls build `profile_graph(graph)` once and use `price_profile`).
 
     `stage_layers` optionally gives layers per pipeline stage (sums to the model's
     layers; embedding on stage 0, head and loss on the last). The graph may be traced at
     any batch: per-microbatch costs scale by micro_batch / graph.model.batch. The other
-    keyword options are `price_profile`'s (ZeRO-3 runtime, per-layer checkpointing,
-    selective recompute policy).
+    keyword options are `price_profile`'s (runtime options and their shorthands, and
+    replacement efficiency constants).
     """
     return price_profile(profile_graph(graph), config, cluster, global_batch=global_batch,
                          stage_layers=stage_layers, zero3=zero3, checkpoint_every=checkpoint_every,
-                         selective_policy=selective_policy)
+                         selective_policy=selective_policy, options=options, efficiency=efficiency)
 
 
 __all__ = [
-    "AxisLink", "Estimate", "GraphProfile", "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
+    "AxisLink", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile", "RuntimeOptions",
+    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
     "compute_time_s", "default_stage_layers", "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
     "ZERO3_RUNTIMES", "Zero3Runtime",

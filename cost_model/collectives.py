@@ -6,11 +6,17 @@ model. Torch-free.
 Math (nccl-tests conventions, S = bytes of the full tensor, n = devices on the axis,
 B = achievable bus bandwidth per device, alpha = per-step latency):
 
-    all-reduce      t = 2 (n-1)/n * S / B + steps_ar * alpha
-    all-gather      t =   (n-1)/n * S / B + (n-1) * alpha_ring  (S = gathered tensor)
-    reduce-scatter  t =   (n-1)/n * S / B + (n-1) * alpha_ring  (S = full input)
-    all-to-all      t =   (n-1)/n * S / B_a2a + (n-1) * alpha
+    all-reduce      t = 2 (n-1)/n * S / B + steps_ar * alpha + L0
+    all-gather      t =   (n-1)/n * S / B + (n-1) * alpha_ring + L0  (S = gathered tensor)
+    reduce-scatter  t =   (n-1)/n * S / B + (n-1) * alpha_ring + L0  (S = full input)
+    all-to-all      t =   (n-1)/n * S / B_a2a + (n-1) * alpha + L0
     send/recv       t = S / B_p2p + alpha
+
+L0 is the fixed launch latency of one collective (`base_latency_s`: NCCL's baseLatencies,
+6.6 us for ring/Simple; gloo's measured one on the cpu profile). The per-step latencies
+alpha are NCCL's own latency model (src/graph/tuning.cc: 3.4 us per NVLink ring step,
+14 us per network step, Simple protocol), which is what makes data-parallel and ZeRO-3
+collectives at large dp latency-bound: a ring all-gather over 512 ranks pays 511 steps.
 
 B is per collective kind where the hardware says so (`collective_bandwidth_scale`, the
 calibrated gloo profiles); the GPU profiles use one B for all ring collectives.
@@ -19,6 +25,9 @@ steps_ar * alpha is 2 (n-1) alpha_ring (ring) inside a node and min(2 (n-1) alph
 2 ceil(log2 n) alpha) across nodes (NCCL switches to trees at scale). alpha_ring is the
 mean ring step latency: alpha, except on a mixed axis where a ring laid out node by node
 crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n == 1.
+
+Core sharing (the cpu profile's `cores_per_node`): with more ranks on a node than cores,
+latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the same cores).
 
 Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
 axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
@@ -36,11 +45,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.placement import Partial, Placements, Replicate, Shard
-from cost_model.efficiency import (
-    NIC_BUS_EFFICIENCY,
-    NVLINK_BUS_EFFICIENCY,
-    NVLINK_BUS_EFFICIENCY_DEFAULT,
-)
+from cost_model.efficiency import Efficiency, efficiency_for, nvlink_bus_efficiency
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +68,9 @@ class AxisLink:
     """Per collective kind, its busBW relative to `bandwidth_bytes_per_s` (Hardware's
     `collective_bandwidth_scale`; missing kinds 1.0)."""
 
+    base_latency_s: float = 0.0
+    """Fixed launch latency of one collective (L0 in the module docstring)."""
+
     def kind_bandwidth(self, kind: str) -> float:
         return self.bandwidth_bytes_per_s * dict(self.bandwidth_scale).get(kind, 1.0)
 
@@ -75,8 +83,10 @@ class AxisLink:
         return self.p2p_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
 
 
-def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> tuple[AxisLink, ...]:
-    """One AxisLink per mesh axis (outermost first, last axis fastest over device ids)."""
+def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
+                    efficiency: Efficiency | None = None) -> tuple[AxisLink, ...]:
+    """One AxisLink per mesh axis (outermost first, last axis fastest over device ids).
+    `efficiency` defaults to the cost model's constants with the hardware's overrides."""
     total = math.prod(mesh_shape)
     if total != cluster.num_devices:
         raise ValueError(
@@ -84,26 +94,34 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...]) -> tuple[Axis
             f"{cluster.num_devices}; choose axis sizes whose product is {cluster.num_devices}"
         )
     hw = cluster.hardware
+    eff = efficiency_for(hw, efficiency)
     per_node = cluster.devices_per_node
-    nvlink = hw.intra_node_bandwidth_bytes_per_s * NVLINK_BUS_EFFICIENCY.get(hw.name, NVLINK_BUS_EFFICIENCY_DEFAULT)
-    nic = hw.inter_node_bandwidth_bytes_per_s * NIC_BUS_EFFICIENCY
+    nvlink = hw.intra_node_bandwidth_bytes_per_s * nvlink_bus_efficiency(hw.name, eff)
+    nic = hw.inter_node_bandwidth_bytes_per_s * eff.nic_bus_efficiency
     scale = hw.collective_bandwidth_scale
+    # core sharing (the cpu profile): ranks time-slice the cores, gloo's steps wait their turn
+    share = max(1.0, per_node / hw.cores_per_node) if hw.cores_per_node else 1.0
+    nvlink, nic = nvlink / share, nic / share
+    base = eff.collective_base_latency_s * share
+    intra_lat, inter_lat = hw.intra_node_latency_s * share, hw.inter_node_latency_s * share
     links = []
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
         if n == 1 or stride * n <= per_node:
-            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=hw.intra_node_latency_s,
-                                  tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale))
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
+                                  tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,
+                                  base_latency_s=base))
         elif stride >= per_node:
-            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=hw.inter_node_latency_s,
-                                  tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale))
+            links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=inter_lat,
+                                  tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale,
+                                  base_latency_s=base))
         else:
             inner = per_node // stride
-            hop = (hw.inter_node_latency_s + (inner - 1) * hw.intra_node_latency_s) / inner
+            hop = (inter_lat + (inner - 1) * intra_lat) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
-                                  latency_s=hw.inter_node_latency_s, tier="mixed",
+                                  latency_s=inter_lat, tier="mixed",
                                   p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop,
-                                  bandwidth_scale=scale))
+                                  bandwidth_scale=scale, base_latency_s=base))
     return tuple(links)
 
 
@@ -115,14 +133,14 @@ def all_reduce_time_s(size_bytes: float, link: AxisLink) -> float:
         latency = 2 * (n - 1) * link.ring_latency_s
     else:
         latency = min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s)
-    return 2 * (n - 1) / n * size_bytes / link.kind_bandwidth("all_reduce") + latency
+    return 2 * (n - 1) / n * size_bytes / link.kind_bandwidth("all_reduce") + latency + link.base_latency_s
 
 
 def _ring_half_time_s(size_bytes: float, link: AxisLink, kind: str) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) / n * size_bytes / link.kind_bandwidth(kind) + (n - 1) * link.ring_latency_s
+    return (n - 1) / n * size_bytes / link.kind_bandwidth(kind) + (n - 1) * link.ring_latency_s + link.base_latency_s
 
 
 def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
@@ -141,7 +159,7 @@ def all_to_all_time_s(size_bytes: float, link: AxisLink) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) / n * size_bytes / link.p2p_bandwidth + (n - 1) * link.latency_s
+    return (n - 1) / n * size_bytes / link.p2p_bandwidth + (n - 1) * link.latency_s + link.base_latency_s
 
 
 def send_recv_time_s(size_bytes: float, link: AxisLink) -> float:

@@ -3,60 +3,101 @@
 Where it sits: cost_model/, used per IR node by the graph profile and by the strategy
 pricer (a sharded op is priced with its local FLOPs and bytes). Torch-free.
 
-Math, for an op of `flops` tensor-core FLOPs moving `bytes_moved` bytes:
+Math, for an op of `flops` tensor-core FLOPs moving `bytes_moved` bytes, with
+E = efficiency_for(hardware) (the cost model's constants, the hardware's overrides):
 
-    t_compute = flops / (peak(dtype) * eff_class)
-    t_memory  = bytes_moved / (HBM bandwidth * MEMORY_EFFICIENCY)
-    t         = max(t_compute, t_memory) + overhead_class                 (memory, attention)
-    t         = max(t_c, t_m) + (1 - GEMM_MEMORY_OVERLAP) min(t_c, t_m) + overhead  (gemm)
+    t_memory  = bytes_moved / (HBM bandwidth * E.memory_efficiency)
+    memory    t = t_memory + E.memory_overhead_s
+    attention t = max(work / (peak * attention_fraction * E.flash_attention_efficiency), t_memory)
+                  + E.gemm_overhead_s  (attention_fraction: the GPU's best fused-attention rate)
+                  (work = E.causal_work_fraction of the counted FLOPs when causal)
+    gemm      t = max(t_flops, t_memory) + min(t_flops, t_memory) + E.gemm_overhead_s
 
-`Node.flops` counts only matmul/attention FLOPs; a node with no FLOPs is memory-bound
-and priced by bytes alone. Classes: "gemm" (mm/addmm/bmm), "attention" (fused SDPA:
-FLASH_ATTENTION_EFFICIENCY on CAUSAL_WORK_FRACTION of the counted FLOPs when causal),
-"memory" (everything else). The fixed overhead per kernel is what makes small ops
-inefficient (see efficiency.py).
+GEMM shape (`gemm_time_s`, when the local shape B x (M x K) @ (K x N) is known): the
+achievable rate is peak * matmul_fraction (the hardware's best-shape rate) *
+E.gemm_efficiency, times two shape factors (NVIDIA Matrix Multiplication Background
+User's Guide, Sec 3: tile and wave quantization):
+    tiles   = B * ceil(M / T) * ceil(N / T)               T = E.gemm_tile
+    split   = min(SMs // tiles, K // E.split_k_min) when tiles < SMs, else 1  (split-K)
+    wave    = tiles * split / (ceil(tiles * split / SMs) * SMs)   (last wave partly idle;
+              padded edge tiles count as whole tiles: tile quantization)
+    k_eff   = (K / split) / (K / split + E.gemm_k_ramp)  (per-tile prologue/epilogue)
+    t_flops = 2 B M N K / (rate * wave * k_eff)
+so thin GEMMs (small micro-batch in the weight gradient, large tp, small hidden) cost more
+per FLOP than the fat ones of the same layer. Hardware without SMs (the cpu profile) skips
+the wave term. A GEMM's operand traffic near the ridge point is only partly hidden behind
+its math, hence the additive min() term.
 """
 
 from __future__ import annotations
 
+import math
+
 from autopar.cluster import Hardware
-from cost_model.efficiency import (
-    CAUSAL_WORK_FRACTION,
-    FLASH_ATTENTION_EFFICIENCY,
-    GEMM_EFFICIENCY,
-    GEMM_MEMORY_OVERLAP,
-    GEMM_OVERHEAD_S,
-    MEMORY_EFFICIENCY,
-    MEMORY_OVERHEAD_S,
-)
+from cost_model.efficiency import Efficiency, efficiency_for
 
 OP_CLASSES = ("gemm", "attention", "memory")
 
 
-def compute_time_s(flops: float, bytes_moved: float, hardware: Hardware, dtype: str, *,
-                   op_class: str | None = None, causal: bool = False) -> float:
-    """Roofline time of one op on one device; `op_class` defaults to gemm if flops > 0."""
+def gemm_shape_efficiency(b: float, m: float, n: float, k: float, hardware: Hardware, eff: Efficiency) -> float:
+    """wave * k_eff of the module docstring (1.0 for an empty GEMM)."""
+    if min(b, m, n, k) <= 0:
+        return 1.0
+    split = 1.0
+    wave = 1.0
+    sms = hardware.sm_count
+    if sms:
+        tiles = max(1.0, math.ceil(b) * math.ceil(m / eff.gemm_tile) * math.ceil(n / eff.gemm_tile))
+        if tiles < sms:
+            split = float(max(1, min(int(sms // tiles), int(k // eff.split_k_min))))
+        work = tiles * split
+        padded = (m * n) / (math.ceil(m / eff.gemm_tile) * math.ceil(n / eff.gemm_tile) * eff.gemm_tile ** 2)
+        wave = work / (math.ceil(work / sms) * sms) * padded
+    chunk = k / split
+    return wave * chunk / (chunk + eff.gemm_k_ramp)
+
+
+def gemm_time_s(b: float, m: float, n: float, k: float, bytes_moved: float, hardware: Hardware, dtype: str,
+                efficiency: Efficiency | None = None) -> float:
+    """Time of one (batched) GEMM of local shape b x (m x k) @ (k x n); see the module docstring."""
+    eff = efficiency_for(hardware, efficiency)
+    flops = 2.0 * b * m * n * k
     if flops <= 0 and bytes_moved <= 0:
         return 0.0
+    rate = hardware.peak_flops(dtype) * hardware.matmul_fraction * eff.gemm_efficiency
+    t_flops = flops / (rate * gemm_shape_efficiency(b, m, n, k, hardware, eff))
+    t_mem = bytes_moved / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
+    return max(t_flops, t_mem) + min(t_flops, t_mem) + eff.gemm_overhead_s
+
+
+def compute_time_s(flops: float, bytes_moved: float, hardware: Hardware, dtype: str, *,
+                   op_class: str | None = None, causal: bool = False,
+                   efficiency: Efficiency | None = None) -> float:
+    """Roofline time of one op on one device; `op_class` defaults to gemm if flops > 0.
+    A GEMM of unknown shape is priced as a large, well-shaped one (shape factor 1)."""
+    if flops <= 0 and bytes_moved <= 0:
+        return 0.0
+    eff = efficiency_for(hardware, efficiency)
     cls = op_class or ("gemm" if flops > 0 else "memory")
-    t_mem = bytes_moved / (hardware.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
+    t_mem = bytes_moved / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
     if cls == "memory" or flops <= 0:
-        return t_mem + MEMORY_OVERHEAD_S
+        return t_mem + eff.memory_overhead_s
     peak = hardware.peak_flops(dtype)
     if cls == "attention":
-        work = flops * (CAUSAL_WORK_FRACTION if causal else 1.0)
-        return max(work / (peak * FLASH_ATTENTION_EFFICIENCY), t_mem) + GEMM_OVERHEAD_S
+        work = flops * (eff.causal_work_fraction if causal else 1.0)
+        rate = peak * hardware.attention_fraction * eff.flash_attention_efficiency
+        return max(work / rate, t_mem) + eff.gemm_overhead_s
     if cls != "gemm":
         raise ValueError(f"unknown op class {cls!r}; expected one of {', '.join(OP_CLASSES)}")
-    t_flops = flops / (peak * GEMM_EFFICIENCY)
-    # near the ridge point a GEMM's operand traffic is only partly hidden behind its math
-    return max(t_flops, t_mem) + (1 - GEMM_MEMORY_OVERLAP) * min(t_flops, t_mem) + GEMM_OVERHEAD_S
+    t_flops = flops / (peak * hardware.matmul_fraction * eff.gemm_efficiency)
+    return max(t_flops, t_mem) + min(t_flops, t_mem) + eff.gemm_overhead_s
 
 
-def optimizer_time_s(local_parameters: float, hardware: Hardware) -> float:
-    """The optimizer step over `local_parameters` elements: a memory-bound pass reading and
-    writing OPTIMIZER_BYTES_PER_PARAM bytes per element (efficiency.py) at achievable HBM
-    bandwidth."""
-    from cost_model.efficiency import OPTIMIZER_BYTES_PER_PARAM
+__all__ = ["OP_CLASSES", "compute_time_s", "gemm_shape_efficiency", "gemm_time_s"]
 
-    return local_parameters * OPTIMIZER_BYTES_PER_PARAM / (hardware.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)
+
+def optimizer_time_s(local_parameters: float, hardware: Hardware, efficiency: Efficiency | None = None) -> float:
+    """The optimizer step over `local_parameters` elements: a memory-bound pass moving
+    Efficiency.optimizer_bytes_per_param bytes per element at achievable HBM bandwidth."""
+    eff = efficiency_for(hardware, efficiency)
+    return local_parameters * eff.optimizer_bytes_per_param / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)

@@ -1,86 +1,144 @@
-"""Every achievable-efficiency factor of the cost model, in one place.
+"""Every achievable-efficiency factor of the cost model, in one frozen value.
 
 Where it sits: read by cost_model/compute.py (op roofline), cost_model/collectives.py
-(bus bandwidths) and cost_model/step.py (overlap, optimizer). Hardware peaks live in
-autopar/cluster.py; this module says how much of a peak real kernels reach. These are
-GLOBAL constants from public measurements, never fitted per validation row.
+(bus bandwidths, latencies) and cost_model/step.py (overlap, optimizer, runtime options).
+Hardware peaks live in autopar/cluster.py; `Efficiency` says how much of a peak real
+kernels and collectives reach. A hardware profile may override fields
+(`Hardware.efficiency`: the calibrated `cpu` profile replaces the GPU kernel figures by
+what `autopar calibrate` measured); `efficiency_for(hardware)` applies them.
 
-Terms: a *peak* is the datasheet rate; *efficiency* is achieved / peak for large,
-well-shaped work; a *fixed overhead* is the per-kernel (or per-collective-step) time a
-small launch pays regardless of size, which is what makes small ops less efficient:
+Two kinds of fields:
+- FITTED: global constants fitted by `benchmarks/fit_cost_model.py` on the published
+  runs (benchmarks/data/published_runs.csv), one value for every row and every GPU; the
+  values live in `fitted_constants.json` beside this module (written by that script,
+  with the rows they were fitted on). Never edited by hand, never per row.
+- facts: documented values from public measurements (source beside each field).
+
+Terms: a *peak* is the datasheet rate; *efficiency* is achieved / peak; a *fixed overhead*
+is the per-kernel (or per-collective) time a launch pays regardless of size:
 time = work / (peak * efficiency) + overhead, so efficiency(work) saturates with size.
 """
 
 from __future__ import annotations
 
-# --- compute ---------------------------------------------------------------------------
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
-GEMM_EFFICIENCY = 0.75
-"""Large bf16 GEMMs in training reach ~70-80% of dense tensor peak on A100/H100 (cuBLAS
-training shapes; the best published end-to-end MFU without recompute is ~64%, MPT-7B)."""
+FITTED_CONSTANTS_PATH = Path(__file__).with_name("fitted_constants.json")
 
-GEMM_OVERHEAD_S = 6e-6
-"""Per-GEMM fixed time (launch, wave-quantisation tail): makes a 1 GFLOP A100 GEMM ~60%
-efficient and a 100 GFLOP one ~80%."""
 
-GEMM_MEMORY_OVERLAP = 0.0
-"""Share of a GEMM's operand traffic (as the op-by-op graph counts it) hidden behind its
-math: 0 = additive. Thin GEMMs (hidden 768-2048) sit near the A100 ridge point (~150
-FLOP/byte) and lose efficiency; a pure max() roofline would call them compute-bound."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Efficiency:
+    # --- fitted (benchmarks/fit_cost_model.py) -------------------------------------------
+    gemm_efficiency: float
+    """Share of the hardware's maximum achievable matmul rate (Hardware.matmul_fraction x
+    peak, the best-shape cuBLAS rate) that training GEMMs of large, well-shaped tiles reach
+    inside a real step (clocks under power load, L2 contention with concurrent kernels)."""
+    gemm_k_ramp: float
+    """K0 of the per-tile main-loop efficiency K / (K + K0): each output tile pays a fixed
+    prologue/epilogue (fill and drain of the load pipeline, the epilogue store) worth K0
+    reduction steps, so GEMMs with a short reduction dimension (small hidden, large tp on a
+    row-parallel layer, a small micro-batch in the weight-gradient GEMM) are less efficient
+    (NVIDIA Matrix Multiplication Background User's Guide DU-09799-001, Sec 2-3)."""
+    flash_attention_efficiency: float
+    """Fused attention forward+backward on the causal work, relative to the GPU's best fused
+    forward rate (Hardware.attention_fraction x peak): the backward runs slower than the
+    forward (FlashAttention-2 paper: 50-73% forward, 30-45% backward on A100)."""
+    memory_efficiency: float
+    """Bandwidth-bound kernels' share of HBM peak in a training step (STREAM-like copies reach
+    ~0.8-0.9 on A100/H100; norms, softmax and cross-entropy less)."""
+    overlap_efficiency: float
+    """Share of the communication time that runs concurrently with compute which is really
+    hidden: NCCL kernels occupy SMs (one per channel) and HBM bandwidth, so the compute they
+    overlap slows down by the rest (exposed = comm - overlap_efficiency * min(comm, window))."""
+    compiled_memory_factor: float
+    """torch.compile (`compiled` runtime option): fraction of the eager op-by-op memory traffic
+    and kernel launches of memory-bound ops that remain after inductor's fusion."""
 
-FLASH_ATTENTION_EFFICIENCY = 0.30
-"""Fused attention forward+backward as training stacks run it, on the causal work (half
-the square): kernels reach 50-70% forward but 30-45% backward (FlashAttention-2 paper,
-A100), and the backward is 2/3 of the work; ALiBi/triton variants and GQA head repeats
-cost more. Long-sequence llm-foundry runs (attention > 90% of FLOPs) report ~53% MFU in
-full-square counting, i.e. ~27% on the causal work."""
+    # --- facts ---------------------------------------------------------------------------
+    gemm_overhead_s: float = 6e-6
+    """Per-GEMM fixed time (launch and tail of one cuBLAS kernel)."""
+    memory_overhead_s: float = 3e-6
+    """Per memory-bound kernel fixed time (launch latency ~3-5 us on A100/H100)."""
+    view_overhead_s: float = 0.0
+    """Host time of one view op (t, view, transpose, ...): 0 on GPUs, where host work runs
+    ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile."""
+    dtensor_op_overhead_s: float = 0.0
+    """Extra host time of one op on DTensors (sharding propagation, wrapping): paid by every op
+    of a tensor-parallel layer with the `dtensor_tp` runtime option; 0 on GPUs (hidden behind
+    the kernels), measured by `autopar calibrate` on the cpu profile."""
+    gemm_tile: int = 128
+    """Output tile edge for wave/tile quantization (cuBLAS's common 128x128 CTA tile;
+    the guide above, Sec 2.3)."""
+    split_k_min: int = 256
+    """Smallest reduction chunk cuBLAS's split-K heuristics hand one CTA."""
+    causal_work_fraction: float = 0.5
+    """A fused causal kernel skips the masked half of the s x s tiles; the traced FLOP count
+    (and the MFU conventions of the sources) count the full square."""
+    math_attention_passes: float = 10.0
+    """Unfused attention (`--attention math`): memory passes over the b*a*s*s score tensor
+    per training step beyond its two batched GEMMs: forward write scores, scale+mask+softmax
+    read/write (fused softmax kernel), read for the value GEMM (4); backward read probs,
+    write/read grad-probs, softmax-backward read/write, write grad-scores (6)."""
+    math_forward_passes: float = 4.0
+    """Of math_attention_passes, the forward's share."""
+    optimizer_bytes_per_param: float = 36.0
+    """Fused AdamW step, mixed precision: read+write fp32 master, m, v (24), read the fp32
+    gradient (4), write the 16-bit weight (2), grad-norm read (4) and zeroing (2)."""
+    tp_comm_overlap: float = 0.0
+    """Share of tensor-parallel collectives hidden behind compute without async TP: none
+    (Megatron SC'21, plain DTensor TP put them on the critical path)."""
+    async_tp_overlap: float = 0.5
+    """With the `async_tp` runtime option (torchtitan's micro-pipelined all-gather/reduce-
+    scatter matmuls), share of the TP collectives hidden: torchtitan's async-TP benchmark
+    (benchmarks/asyncTP_llama3_h100_2025-06) reports 1.09-1.10x end to end in bf16."""
+    collective_base_latency_s: float = 6.6e-6
+    """Fixed launch latency of one NCCL collective (NCCL src/graph/tuning.cc baseLatencies,
+    ring/Simple protocol: 6.6 us)."""
+    nvlink_bus_efficiency: float = 0.8
+    """nccl-tests busBW / NVLink line rate per direction: A100 ~230 of 300 GB/s at 8 GB and
+    ~200 at <= 1 GB (NVIDIA/nccl-tests#149, #178); H100 ~370 of 450 GB/s ring
+    (nccl-tests#212). Per-GPU values override this in NVLINK_BUS_EFFICIENCY."""
+    nic_bus_efficiency: float = 0.96
+    """ConnectX-7 NDR: 48-49 of 50 GB/s (nccl-tests#267); 8x HDR: 192 of 200 GB/s (nccl#812)."""
 
-CAUSAL_WORK_FRACTION = 0.5
-"""A fused causal kernel skips the masked half of the s x s tiles; the traced FLOP count
-(and the MFU conventions of the sources) count the full square."""
 
-MEMORY_EFFICIENCY = 0.75
-"""Bandwidth-bound kernels reach ~70-80% of HBM peak (STREAM-like copies on A100/H100)."""
+FITTED: tuple[str, ...] = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
+                           "overlap_efficiency", "compiled_memory_factor")
+"""The fields benchmarks/fit_cost_model.py fits (in this order)."""
 
-MEMORY_OVERHEAD_S = 3e-6
-"""Per memory-bound kernel fixed time."""
+NVLINK_BUS_EFFICIENCY: dict[str, float] = {"a100-40gb": 0.70, "a100-80gb": 0.70, "h100": 0.82, "h200": 0.82,
+                                           "b200": 0.82}
+"""Per GPU, nccl-tests busBW / NVLink line rate (sources at Efficiency.nvlink_bus_efficiency)."""
 
-POINTWISE_FUSION_FACTOR = 1.0
-"""Fraction of the traced (one-kernel-per-ATen-op) pointwise bytes a stack moves. The
-published eager stacks (llm-foundry, torchtitan without compile, Megatron with dropout
-on top of its fused kernels) move about what the op-by-op graph says; a torch.compile'd
-runtime would be nearer 0.5."""
 
-MATH_ATTENTION_PASSES = 10.0
-"""Unfused attention (`--attention math`): memory passes over the b*a*s*s score tensor
-per training step beyond the two batched GEMMs: forward write scores, scale+mask+softmax
-read/write (fused softmax kernel), read for the value GEMM (4), backward read probs,
-write/read grad-probs, softmax-backward read/write, write grad-scores (6). Dropout on the
-scores (GPT-3 era) would add 3 more; our models have none."""
+def load_fitted(path: Path = FITTED_CONSTANTS_PATH) -> dict[str, Any]:
+    """The fit script's output: {"constants": {name: value}, "fitted_on": ..., ...}."""
+    data = json.loads(path.read_text())
+    missing = set(FITTED) - set(data["constants"])
+    if missing:
+        raise ValueError(f"{path}: fitted constants {sorted(missing)} missing; rerun benchmarks/fit_cost_model.py")
+    return data
 
-# --- communication ---------------------------------------------------------------------
 
-NVLINK_BUS_EFFICIENCY: dict[str, float] = {
-    # nccl-tests busBW / line rate per direction. A100: ~230 of 300 GB/s at 8 GB messages,
-    # ~200 at <= 1 GB (NVIDIA/nccl-tests#149, #178). H100: ~370 of 450 GB/s (ring; NVLS
-    # all-reduce can reach 480 busBW at > 256 MB, not assumed) (nccl-tests#212).
-    "a100-40gb": 0.70, "a100-80gb": 0.70, "h100": 0.82, "h200": 0.82, "b200": 0.82,
-}
-NVLINK_BUS_EFFICIENCY_DEFAULT = 0.75
-NIC_BUS_EFFICIENCY = 0.96
-"""ConnectX-7 NDR: 48-49 of 50 GB/s (nccl-tests#267); 8x HDR: 192 of 200 GB/s (nccl#812)."""
+DEFAULT_EFFICIENCY = Efficiency(**{k: float(v) for k, v in load_fitted()["constants"].items() if k in FITTED})
+"""The cost model's constants: facts plus the committed fit."""
 
-# --- overlap and optimizer -------------------------------------------------------------
+EFFICIENCY_FIELDS = frozenset(f.name for f in fields(Efficiency))
 
-OVERLAP_EFFICIENCY = 0.8
-"""Share of compute time that can hide concurrent communication: NCCL kernels take SMs
-and HBM bandwidth from compute, so overlap is never perfect (FSDP/DDP profiles)."""
 
-OPTIMIZER_BYTES_PER_PARAM = 36
-"""Fused AdamW step, mixed precision: read+write fp32 master, m, v (24), read the
-gradient (4, fp32 after unscale), write the 16-bit weight (2), plus grad-norm read (4)
-and zeroing (2). Memory-bound at MEMORY_EFFICIENCY."""
+def efficiency_for(hardware: Any, base: Efficiency | None = None) -> Efficiency:
+    """`base` (default DEFAULT_EFFICIENCY) with the hardware profile's overrides applied."""
+    eff = base or DEFAULT_EFFICIENCY
+    overrides = dict(getattr(hardware, "efficiency", ()) or ())
+    return replace(eff, **overrides) if overrides else eff
 
-TP_COMM_OVERLAP = 0.0
-"""Tensor-parallel collectives sit on the critical path (Megatron SC'21; plain DTensor TP).
-Async-TP would raise this; not assumed."""
+
+def nvlink_bus_efficiency(hardware_name: str, eff: Efficiency) -> float:
+    return NVLINK_BUS_EFFICIENCY.get(hardware_name, eff.nvlink_bus_efficiency)
+
+
+__all__ = ["DEFAULT_EFFICIENCY", "EFFICIENCY_FIELDS", "Efficiency", "FITTED", "efficiency_for", "load_fitted",
+           "nvlink_bus_efficiency"]

@@ -65,6 +65,14 @@ class OpItem:
     """For attention: batch * heads * seq_q * seq_k (the s x s scores math attention makes)."""
     weight: float = 1.0
     """Copies per segment unit (per real layer for "layer")."""
+    gemm_dims: tuple[int, int, int, int] = ()
+    """For a GEMM: (B, M, N, K) of B x (M x K) @ (K x N) at the traced batch; () if unknown."""
+    batch_axis: int = 1
+    """Index into gemm_dims of the dimension that grows with the micro-batch (tokens)."""
+    tp_axis: int = 1
+    """Index into gemm_dims of the dimension tensor parallelism divides (a weight's
+    output features for column-parallel layers, input features for row-parallel ones,
+    the vocabulary for the head); the batch dimension of a batched GEMM over heads."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +97,8 @@ class SegmentProfile:
     """Biggest single backward output (gradient workspace; e.g. logits grad)."""
     param_tensors: float = 0.0
     """Parameter tensors per unit (a per-tensor ZeRO-3 runtime issues one collective each)."""
+    view_ops: tuple[float, float] = (0.0, 0.0)
+    """View ops (forward, backward) per unit: free on a device, a host call in eager mode."""
     alternate_gemm_items: tuple[OpItem, ...] = ()
     """Every second forward GEMM of each layer in execution order (2nd, 4th, ...): what
     torchtitan's per-op selective policy re-runs besides the pointwise ops."""
@@ -161,6 +171,46 @@ def _score_elems(graph: Graph, node: Node) -> float:
     return float(q[0] * q[1] * q[2] * k[2])
 
 
+def _is_transpose_view(graph: Graph, nid: NodeId) -> bool:
+    node = graph[nid]
+    return node.is_view and any(k in node.op for k in (".t.", "transpose", "permute"))
+
+
+def _gemm_dims(graph: Graph, node: Node, grad_roots: set[NodeId],
+               hidden: int) -> tuple[tuple[int, int, int, int], int, int]:
+    """(B, M, N, K), batch axis, tp axis of an mm / addmm / bmm node (see OpItem).
+
+    Weight GEMMs (one operand is a parameter): forward x @ W^T and input-gradient dy @ W
+    have the tokens in M; the weight-gradient GEMM dy^T @ x (its output becomes a
+    gradient) reduces over the tokens (K). Tensor parallelism divides the weight dimension
+    that is not the hidden size (qkv/ffn/vocab), or the output features of a square one.
+    Other GEMMs (attention's batched products) grow and split along the batch of heads."""
+    operands = [i for i in node.inputs if graph[i].outputs and len(graph[i].outputs[0].shape) >= 2][-2:]
+    if len(operands) != 2:
+        return (), 1, 1
+    a, b = (graph[i].outputs[0].shape for i in operands)
+    batch = a[0] if len(a) == 3 else 1
+    m, k, n = a[-2], a[-1], b[-1]
+    dims = (batch, m, n, k)
+    is_param = [graph[_storage(graph, i)[0]].role is Role.PARAMETER for i in operands]
+    if len(a) == 3:
+        return dims, 0, 0
+    if is_param[1] or is_param[0]:
+        weight_axes = (3, 2) if is_param[1] else (1, 3)  # (K, N) of b, or (M, K) of a
+        batch_axis = 1 if is_param[1] else 2
+        non_hidden = [ax for ax in weight_axes if dims[ax] != hidden]
+        if non_hidden:
+            tp_axis = max(non_hidden, key=lambda ax: dims[ax])
+        else:  # square weight: the output features (N of x @ W^T, K of dy @ W)
+            tp_axis = 3 if _is_transpose_view(graph, operands[1]) is False and is_param[1] else 2
+        return dims, batch_axis, tp_axis
+    if node.id in grad_roots:  # weight gradient: output dims are the weight's, K the tokens
+        non_hidden = [ax for ax in (1, 2) if dims[ax] != hidden]
+        tp_axis = max(non_hidden, key=lambda ax: dims[ax]) if non_hidden else 1
+        return dims, 3, tp_axis
+    return dims, 1, 1
+
+
 def profile_graph(graph: Graph) -> GraphProfile:
     """Precompute everything `price_profile` needs from a traced graph (see module doc)."""
     m = graph.model
@@ -229,7 +279,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
         return min(moved, float(n.bytes_moved))
 
     seg_data = {s: dict(items=[], rec=[], ss=0.0, sp=0.0, ks=0.0, kp=0.0, inp=0.0, scores=0.0,
-                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0, alt=[]) for s in SEGMENTS}
+                        pspl=0.0, prep=0.0, bwd=0.0, ntens=0.0, alt=[], vf=0.0, vb=0.0) for s in SEGMENTS}
     gemms_in_layer: dict[int, int] = {}
     for key in saved:
         pid = key[0]
@@ -250,13 +300,17 @@ def profile_graph(graph: Graph) -> GraphProfile:
             seg["prep" if replicated else "pspl"] += numel * w
             seg["ntens"] += w
             continue
+        if n.is_view and n.op != "placeholder" and n.op != "getitem":
+            seg["vf" if n.phase is Phase.FORWARD else "vb"] += w
         if n.is_view or n.op == "placeholder" or (n.flops == 0 and n.bytes_moved == 0):
             continue
         cls = _op_class(n)
+        dims, batch_axis, tp_axis = _gemm_dims(graph, n, grad_roots, m.hidden) if cls == "gemm" else ((), 1, 1)
         item = OpItem(phase=n.phase.value, op_class=cls, flops=float(n.flops), bytes_moved=float(n.bytes_moved),
                       fixed_bytes=fixed_bytes(n),
                       stream=is_stream(n) and cls == "memory", causal=cls == "attention" and _is_causal(n),
-                      score_elems=_score_elems(graph, n) if cls == "attention" else 0.0, weight=w)
+                      score_elems=_score_elems(graph, n) if cls == "attention" else 0.0, weight=w,
+                      gemm_dims=dims, batch_axis=batch_axis, tp_axis=tp_axis)
         seg["items"].append(item)
         if n.phase is Phase.FORWARD:
             if segment[n.id] == "layer":
@@ -295,7 +349,8 @@ def profile_graph(graph: Graph) -> GraphProfile:
                               saved_split_bytes=d["sp"], selective_stream_bytes=d["ks"],
                               selective_split_bytes=d["kp"], input_bytes=d["inp"], score_elems=d["scores"],
                               params_split=d["pspl"], params_replicated=d["prep"], largest_backward_bytes=d["bwd"],
-                              param_tensors=d["ntens"], alternate_gemm_items=tuple(d["alt"]))
+                              param_tensors=d["ntens"], alternate_gemm_items=tuple(d["alt"]),
+                              view_ops=(d["vf"], d["vb"]))
 
     pre, layer, post = seg_profile("pre"), seg_profile("layer"), seg_profile("post")
     counted = sum(x.params_split + x.params_replicated for x in (pre, post)) + num_layers * (

@@ -17,7 +17,7 @@ runtime decide what that costs:
   data-parallel ranks a per-tensor runtime is latency-bound: 12 tensors per GPT layer,
   3 passes, n = 1536 and alpha = 10 us is ~0.55 s per layer, more than its compute.
 - prefetch window: a collective issued ahead of use hides behind the previous layer's
-  compute (up to OVERLAP_EFFICIENCY, NCCL kernels share SMs and HBM with compute); one
+  compute (up to Efficiency.overlap_efficiency: NCCL kernels share SMs and HBM); one
   issued on demand blocks it. FSDP prefetches the whole next layer (forward and
   backward prefetch). DeepSpeed ZeRO-3 prefetches at most `stage3_prefetch_bucket_size`
   parameters (default 5e7) ahead, so of a layer of P parameters only min(1, 5e7 / P)
@@ -25,18 +25,21 @@ runtime decide what that costs:
   FSDP runs gradient reduce-scatters on a side stream, hidden behind the backward;
   DeepSpeed's `overlap_comm` (off by default) would do the same.
 - per-rank work: a list-output all-gather copies each of the n pieces out with its own
-  kernel (MEMORY_OVERHEAD_S each): n x 3 us, 4.6 ms per collective at n = 1536.
+  kernel (Efficiency.memory_overhead_s each): n x 3 us, 4.6 ms per collective at n = 1536.
 - recompute: a runtime whose module hooks free parameters after every forward gathers
   them again for the activation recompute inside the backward (4 collectives per
   tensor per microbatch instead of 3); FSDP keeps them from the pre-backward unshard.
 
 Math per layer and microbatch, n = data-parallel ranks, P = the layer's parameters on one
 tp rank, k = collectives per pass (parameter tensors, or 1), w = hideable share:
-    G   = k * (all_gather(2 P / k) + [per-rank copies] n * MEMORY_OVERHEAD_S)
+    G   = k * (all_gather(2 P / k) + [per-rank copies] n * memory_overhead_s)
     R   = k * reduce_scatter(grad_bytes * P / k)
     g   = 1 + [regather] recomputed share of the layer
-    fwd = G - min(w G, OVERLAP * forward compute)
-    bwd = g G + R - min(g w G + [overlapped] R, OVERLAP * (backward + recompute compute))
+    fwd = G - OVERLAP * min(w G, forward compute)
+    bwd = g G + R - OVERLAP * min(g w G + [overlapped] R, backward + recompute compute)
+where OVERLAP = Efficiency.overlap_efficiency: the share of the communication time that
+runs under compute which is really hidden (the rest is the slowdown both suffer from
+sharing SMs and HBM bandwidth).
 The first layer's gather of every microbatch has nothing to hide behind (step.py).
 """
 
@@ -46,7 +49,7 @@ import math
 from dataclasses import dataclass
 
 from cost_model.collectives import AxisLink, all_gather_time_s, reduce_scatter_time_s
-from cost_model.efficiency import MEMORY_OVERHEAD_S, OVERLAP_EFFICIENCY
+from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +68,7 @@ class Zero3Runtime:
     """False: gradient reduce-scatters block the backward."""
     per_rank_copies: bool = False
     """True: each all-gather writes a list of n per-rank outputs (torch.distributed.all_gather
-    with a tensor list), i.e. n copy kernels of MEMORY_OVERHEAD_S each after the NCCL call."""
+    with a tensor list), i.e. n copy kernels of memory_overhead_s each after the NCCL call."""
 
     def __post_init__(self) -> None:
         if self.prefetch_params < 0 or self.grad_reduce_bytes not in (2, 4):
@@ -106,20 +109,21 @@ class Zero3LayerTimes:
 
 def zero3_layer_times(runtime: Zero3Runtime, *, layer_params: float, param_tensors: float, link: AxisLink,
                       forward_s: float, backward_s: float, weight_bytes: int,
-                      recompute_share: float = 0.0, comm_overlap: float = 1.0) -> Zero3LayerTimes:
+                      recompute_share: float = 0.0, comm_overlap: float = 1.0,
+                      efficiency: Efficiency = DEFAULT_EFFICIENCY) -> Zero3LayerTimes:
     """Exposed ZeRO-3 communication per layer and microbatch (module docstring)."""
     if link.size <= 1 or layer_params <= 0:
         return Zero3LayerTimes(gather_s=0.0, forward_exposed_s=0.0, backward_exposed_s=0.0)
     k = max(1.0, param_tensors) if runtime.per_tensor_collectives else 1.0
     gather = k * all_gather_time_s(layer_params * weight_bytes / k, link)
     if runtime.per_rank_copies:
-        gather += k * link.size * MEMORY_OVERHEAD_S
+        gather += k * link.size * efficiency.memory_overhead_s
     scatter = k * reduce_scatter_time_s(layer_params * runtime.grad_reduce_bytes / k, link)
     hideable = min(1.0, runtime.prefetch_params / layer_params)
     bwd_gathers = 1.0 + (recompute_share if runtime.regather_for_recompute else 0.0)
     hidden_scatter = scatter if runtime.overlap_grad_reduce else 0.0
-    overlap = OVERLAP_EFFICIENCY * comm_overlap  # comm_overlap: the hardware's share (cluster.Hardware)
-    fwd = gather - min(hideable * gather, overlap * forward_s)
-    bwd = bwd_gathers * gather + scatter - min(bwd_gathers * hideable * gather + hidden_scatter,
-                                               overlap * backward_s)
+    overlap = efficiency.overlap_efficiency * comm_overlap  # comm_overlap: the hardware's share (cluster.Hardware)
+    fwd = gather - overlap * min(hideable * gather, forward_s)
+    bwd = bwd_gathers * gather + scatter - overlap * min(bwd_gathers * hideable * gather + hidden_scatter,
+                                                         backward_s)
     return Zero3LayerTimes(gather_s=gather, forward_exposed_s=fwd, backward_exposed_s=bwd)

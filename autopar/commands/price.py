@@ -3,15 +3,19 @@
 Traces 2 layers on fake tensors (the layer group is scaled to the real depth), then
 prices the configuration with cost_model. Defaults (DESIGN.md): tp = pp = 1,
 dp = devices / (tp * pp), zero 0, micro-batch 1, 1f1b when pp > 1, recompute none,
-attention flash. A config that does not fit is still priced and flagged.
+attention flash. A config that does not fit is still priced and flagged. `--runtime KEY=VALUE`
+describes the training stack beyond the configuration (cost_model/options.py), and
+`--hardware profile.json` prices against a calibrated or custom hardware profile.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from typing import Any
 
-from autopar.cluster import GIB, Cluster
+from autopar.cluster import GIB, Cluster, load_hardware
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
@@ -38,18 +42,35 @@ def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConf
                           attention=args.attention or "flash")
 
 
+def runtime_from_args(pairs: list[str]) -> Any:
+    """`--runtime KEY=VALUE` pairs -> cost_model.RuntimeOptions (ValueError names bad keys)."""
+    from cost_model import RuntimeOptions
+
+    values = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--runtime expects KEY=VALUE (e.g. --runtime grad_reduce_bytes=4), got {pair!r}")
+        values[key.strip()] = value.strip()
+    return RuntimeOptions.from_pairs(values)
+
+
 def run(args: argparse.Namespace) -> int:
     from cost_model import price
 
-    cluster = Cluster.parse(args.cluster).with_memory_gb(args.memory_gb)
+    hardware = load_hardware(args.hardware) if getattr(args, "hardware", None) else None
+    cluster = Cluster.parse(args.cluster, hardware=hardware).with_memory_gb(args.memory_gb)
     config = config_from_args(args, cluster.num_devices)
+    if getattr(args, "no_sequence_parallel", False):
+        config = dataclasses.replace(config, sequence_parallel=False)
+    options = runtime_from_args(getattr(args, "runtime", []) or [])
     source = resolve(args.model).with_overrides(seq=args.seq)
     if source.config is not None:  # fail on bad degrees before spending time on the trace
         cfg = source.config
         config.check(global_batch=args.global_batch, num_devices=cluster.num_devices, heads=cfg.heads,
                      kv_heads=getattr(cfg, "num_kv_heads", cfg.heads), num_layers=cfg.layers)
     graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=TRACED_LAYERS)
-    est = price(graph, config, cluster, global_batch=args.global_batch)
+    est = price(graph, config, cluster, global_batch=args.global_batch, options=options)
     if args.json:
         print(json.dumps(est.to_json(), indent=2, sort_keys=True))
         return 0

@@ -1,4 +1,4 @@
-"""Calibrated hardware profiles: JSON round-trip, loading, and measured -> profile mapping."""
+"""Calibrated hardware profiles: JSON round-trip, loading, and measured -> fitted -> profile mapping."""
 
 from __future__ import annotations
 
@@ -6,22 +6,37 @@ import json
 
 import pytest
 
-from autopar.calibrate import Calibration, to_hardware
+from autopar.calibrate import KINDS, Calibration, fit, to_hardware
 from autopar.cluster import HARDWARE, Cluster, Hardware, load_hardware
 from cost_model.collectives import all_gather_time_s, all_reduce_time_s, mesh_axis_links, reduce_scatter_time_s
-from cost_model.compute import compute_time_s
-from cost_model.efficiency import GEMM_OVERHEAD_S
+from cost_model.compute import gemm_time_s
+
+PEAK, K0, OVERHEAD = 10e9, 32.0, 20e-6
+BW, ALPHA, L0 = 0.4e9, 1e-3, 2e-3
+BUS = {"all_reduce": 0.4e9, "all_gather": 0.2e9, "reduce_scatter": 0.1e9}
 
 
-def _cal(devices: int = 4) -> Calibration:
+def _cal(devices: int = 4, cores: int = 2) -> Calibration:
+    """Synthetic measurements that follow the model exactly (all ranks busy, `devices` on `cores`)."""
+    s = max(1.0, devices / cores)
+
+    def gemm(m: int, n: int, k: int) -> float:
+        return s * (2 * m * n * k / PEAK * (k + K0) / k + OVERHEAD)
+
+    def coll(kind: str, n: int, nbytes: int) -> float:
+        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+        vol = (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+        return s * (L0 + steps * ALPHA + vol / BUS[kind])
+
+    shapes = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 256, 64), (1024, 1024, 32))
     return Calibration(
-        devices=devices, gemm_flops_per_s=((128, 8e9), (256, 10e9)), copy_bandwidth_bytes_per_s=2e9,
-        all_reduce_bus_bytes_per_s=((2**21, 0.2e9), (2**23, 0.4e9)),
-        all_gather_bus_bytes_per_s=((2**21, 0.1e9), (2**23, 0.2e9)),
-        reduce_scatter_bus_bytes_per_s=((2**21, 0.05e9), (2**23, 0.1e9)),
-        send_recv_bytes_per_s=((2**21, 0.9e9),), all_reduce_small_s=6e-3, all_gather_small_s=3e-3,
-        send_recv_small_s=4e-4, pair_all_reduce_small_s=2e-3, pair_all_gather_small_s=1e-3,
-    )  # small collectives exactly 1 ms per ring step
+        devices=devices, cores=cores, gemm_s=tuple((m, n, k, gemm(m, n, k)) for m, n, k in shapes),
+        copy_s=tuple((b, s * (b / BW + 3e-6)) for b in (2**13, 2**20, 2**25)), eager_op_s=s * 5e-6,
+        view_op_s=s * 1e-6, dtensor_op_s=s * 50e-6, attention_flops_per_s=PEAK / s / 2,
+        collective_s=tuple((kind, n, b, coll(kind, n, b)) for kind in KINDS for n in (2, devices)
+                           for b in (2**12, 2**21, 2**23)),
+        send_recv_s=tuple((b, s * (b / 2e9 + 1e-4)) for b in (2**12, 2**21)), reference_s=s * 0.05,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(HARDWARE))
@@ -30,34 +45,50 @@ def test_hardware_json_round_trip(name: str) -> None:
     assert Hardware.from_json(json.loads(json.dumps(hw.to_json()))) == hw
 
 
+def test_fit_recovers_the_model_terms_per_dedicated_core() -> None:
+    for devices in (2, 4, 8):  # 2 ranks on 2 cores: no sharing; 8: four ranks per core
+        f = fit(_cal(devices))
+        assert f.gemm_flops_per_s == pytest.approx(PEAK, rel=1e-6)
+        assert f.gemm_k_ramp == pytest.approx(K0, rel=1e-4)
+        assert f.gemm_overhead_s == pytest.approx(OVERHEAD, rel=1e-4)
+        assert f.copy_bytes_per_s == pytest.approx(BW, rel=1e-6)
+        assert f.hop_latency_s == pytest.approx(ALPHA, rel=1e-6) and f.base_latency_s == pytest.approx(L0, rel=1e-6)
+        assert f.bus_bytes_per_s == pytest.approx(BUS, rel=1e-6)
+        assert f.eager_op_s == pytest.approx(5e-6) and f.dtensor_op_overhead_s == pytest.approx(50e-6)
+
+
 def test_calibrated_profile_file_round_trip(tmp_path) -> None:
     hw = to_hardware(_cal())
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"hardware": hw.to_json(), "measurements": _cal().to_json()}))
     loaded = load_hardware(path)
     assert loaded == hw
+    assert Calibration.from_json(json.loads(path.read_text())["measurements"]) == _cal()
     cluster = Cluster.parse("cpu:4", hardware=loaded)
     assert cluster.hardware is loaded and cluster.num_devices == 4
 
 
-def test_profile_reproduces_measured_rates() -> None:
-    """The cost model applied to the calibrated profile gives back what was measured."""
-    hw = to_hardware(_cal())
-    flops = 1e12  # large: the fixed per-GEMM overhead is negligible
-    assert flops / (compute_time_s(flops, 0.0, hw, "float32", op_class="gemm") - GEMM_OVERHEAD_S) == \
-        pytest.approx(10e9, rel=1e-6)
-    cluster = Cluster.parse("cpu:4", hardware=hw)
-    (link,) = mesh_axis_links(cluster, (4,))
-    assert link.bandwidth_bytes_per_s == pytest.approx(0.3e9)  # median of the all-reduce bus bandwidths
-    assert _cal().latency_s == pytest.approx(1e-3)
-    small = all_reduce_time_s(4096, link)
-    assert small == pytest.approx(6e-3, rel=0.01)  # latency-dominated: the measured small all-reduce
-    # all-gather and reduce-scatter keep their own measured busBW (here 1/2 and 1/4 of the
-    # all-reduce's): a large one costs its bandwidth term at that rate
+@pytest.mark.parametrize("devices", [4, 8])
+def test_profile_reproduces_measured_rates(devices: int) -> None:
+    """Priced at the N it was measured with, the profile gives back what was measured."""
+    cal = _cal(4)
+    hw = to_hardware(cal)
+    s = devices / 2
+    # a GEMM as measured with `devices` ranks on 2 cores: the profile's per-core rates times
+    # the sharing the cost model applies
+    m, n, k = 512, 512, 512
+    measured_4 = dict(((a, b, c), t) for a, b, c, t in cal.gemm_s)[(m, n, k)]
+    single = gemm_time_s(1, m, n, k, 0.0, hw, "float32")
+    assert 2 * single == pytest.approx(measured_4, rel=0.01)
+    cluster = Cluster.parse(f"cpu:{devices}", hardware=hw)
+    (link,) = mesh_axis_links(cluster, (devices,))
     big = 2**30
-    for time_s, busbw in ((all_gather_time_s, 0.15e9), (reduce_scatter_time_s, 0.075e9)):
-        assert time_s(big, link) - 3 * link.ring_latency_s == pytest.approx(0.75 * big / busbw, rel=1e-6)
+    for time_s, kind, vol in ((all_gather_time_s, "all_gather", 1), (reduce_scatter_time_s, "reduce_scatter", 1),
+                              (all_reduce_time_s, "all_reduce", 2)):
+        expected = s * (L0 + (vol * (devices - 1)) * ALPHA + vol * (devices - 1) / devices * big / BUS[kind])
+        assert time_s(big, link) == pytest.approx(expected, rel=1e-4)
     assert dict(hw.collective_bandwidth_scale) == pytest.approx({"all_gather": 0.5, "reduce_scatter": 0.25})
+    assert hw.cores_per_node == 2 and hw.reference_s == pytest.approx(0.05)
 
 
 def test_bad_profiles_are_user_errors(tmp_path) -> None:

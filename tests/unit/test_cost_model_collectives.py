@@ -19,7 +19,7 @@ from cost_model import (
     reshard_time_s,
     send_recv_time_s,
 )
-from cost_model.efficiency import NIC_BUS_EFFICIENCY, NVLINK_BUS_EFFICIENCY
+from cost_model.efficiency import DEFAULT_EFFICIENCY, NVLINK_BUS_EFFICIENCY
 
 LINK = AxisLink(size=8, bandwidth_bytes_per_s=100e9, latency_s=1e-6, tier="intra")
 
@@ -28,7 +28,7 @@ def test_tiers_follow_the_mesh_layout() -> None:
     cluster = Cluster.parse("h100:4x8")
     hw = cluster.hardware
     nvlink = hw.intra_node_bandwidth_bytes_per_s * NVLINK_BUS_EFFICIENCY["h100"]
-    nic = hw.inter_node_bandwidth_bytes_per_s * NIC_BUS_EFFICIENCY
+    nic = hw.inter_node_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.nic_bus_efficiency
     outer, inner = mesh_axis_links(cluster, (4, 8))
     assert (outer.tier, inner.tier) == ("inter", "intra")
     assert inner.bandwidth_bytes_per_s == pytest.approx(nvlink)

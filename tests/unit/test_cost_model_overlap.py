@@ -45,7 +45,10 @@ def test_zero2_pays_one_collective_pair_per_module(graph):
     """ZeRO-2 is FSDP2 (one all-gather and reduce-scatter per layer and the root): on a
     high-latency link it costs the latency of every module's collectives, where ZeRO-1's
     single flat collectives pay it once."""
-    hw = replace(HARDWARE["cpu"], intra_node_latency_s=5e-3, inter_node_latency_s=5e-3)
+    cpu = HARDWARE["cpu"]
+    # one rank per core and no per-collective launch cost: only the ring steps' latency counts
+    hw = replace(cpu, intra_node_latency_s=5e-3, inter_node_latency_s=5e-3, cores_per_node=0,
+                 efficiency=tuple(sorted({**dict(cpu.efficiency), "collective_base_latency_s": 0.0}.items())))
     cluster = Cluster(hardware=hw, num_nodes=1, devices_per_node=4)
     z1 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=1), cluster, global_batch=4).time_breakdown)
     z2 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=2), cluster, global_batch=4).time_breakdown)

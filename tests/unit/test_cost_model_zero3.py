@@ -12,7 +12,7 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
 from cost_model import AxisLink, all_gather_time_s, mesh_axis_links, price_profile, profile_graph
-from cost_model.efficiency import MEMORY_OVERHEAD_S, OVERLAP_EFFICIENCY
+from cost_model.efficiency import DEFAULT_EFFICIENCY
 from cost_model.zero3 import DEEPSPEED_2021, FSDP, zero3_layer_times, zero3_runtime
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=256"
@@ -35,7 +35,7 @@ def test_per_tensor_gathers_grow_with_the_ring_latency() -> None:
     large = zero3_layer_times(DEEPSPEED_2021, link=_link(1536), **kwargs)
     # bandwidth term nearly equal; the difference is 12 collectives x (1536-192) ring steps + copies
     ring = tensors * (1536 - 192) * 6e-6
-    copies = tensors * (1536 - 192) * MEMORY_OVERHEAD_S
+    copies = tensors * (1536 - 192) * DEFAULT_EFFICIENCY.memory_overhead_s
     assert large.gather_s - small.gather_s == pytest.approx(ring + copies, rel=0.02)
     # one collective per layer (FSDP) pays the ring latency once
     fsdp = zero3_layer_times(FSDP, link=_link(1536), **kwargs)
@@ -46,17 +46,20 @@ def test_per_tensor_gathers_grow_with_the_ring_latency() -> None:
 def test_prefetch_window_bounds_what_hides() -> None:
     link = _link(64)
     kwargs = dict(param_tensors=1.0, link=link, forward_s=10.0, backward_s=10.0, weight_bytes=2)
-    # FSDP prefetches the whole next layer: hidden behind ample compute
-    assert zero3_layer_times(FSDP, layer_params=1e9, **kwargs).forward_exposed_s == 0.0
-    # a 5e7-parameter window hides 5% of a 1e9-parameter layer's gather
+    overlap = DEFAULT_EFFICIENCY.overlap_efficiency
+    # FSDP prefetches the whole next layer: under ample compute, all of it overlaps, of
+    # which the share overlap_efficiency is hidden (the rest is SM/HBM contention)
+    full = zero3_layer_times(FSDP, layer_params=1e9, **kwargs)
+    assert full.forward_exposed_s == pytest.approx((1 - overlap) * full.gather_s)
+    # a 5e7-parameter window overlaps 5% of a 1e9-parameter layer's gather
     window = dataclasses.replace(FSDP, prefetch_params=5e7)
     t = zero3_layer_times(window, layer_params=1e9, **kwargs)
-    assert t.forward_exposed_s == pytest.approx(0.95 * t.gather_s)
+    assert t.forward_exposed_s == pytest.approx((1 - 0.05 * overlap) * t.gather_s)
     # and with no compute to hide behind, everything is exposed either way
     bare = zero3_layer_times(FSDP, layer_params=1e9, param_tensors=1.0, link=link, forward_s=0.0,
                              backward_s=0.0, weight_bytes=2)
     assert bare.forward_exposed_s == pytest.approx(bare.gather_s)
-    assert OVERLAP_EFFICIENCY < 1
+    assert DEFAULT_EFFICIENCY.overlap_efficiency < 1
 
 
 def test_recompute_regather_adds_one_gather() -> None:

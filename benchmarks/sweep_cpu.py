@@ -1,0 +1,351 @@
+"""This machine as a measured sweep: 3 model sizes x 8+ configurations on 4 and 8 processes,
+measured against the cost model's prediction (calibrated profile and built-in `cpu` profile).
+
+    python benchmarks/sweep_cpu.py [--profile cpu.json] [--sizes S,M,L]
+        [--worlds 4,8] [--json out.json] [--md out.md] [--quick]
+
+What runs: for each model size and world size, every configuration is compiled through the
+public entry point (`autopar.compile(model, "cpu:N", example_inputs=..., config=...)`) on
+the same spawned gloo ranks (`autopar.runtime_launch.spawn`), side by side, and timed in
+rounds: each round runs one step (`compiled.step(batch)`, barrier before and after, timed on
+rank 0) of every configuration, in order on even rounds and reversed on odd ones, after
+WARMUP_ROUNDS untimed rounds. A configuration's step time is the median over the rounds,
+so slow phases of the shared 2-core machine hit all configurations of a group alike: the
+ranking and the predicted/measured ratios are measured side by side in one run.
+
+Predicted: `cost_model.price_profile` of each configuration on `cpu:N` (float32 trace of
+the same model at the same global batch), with a freshly calibrated profile (`autopar
+calibrate --devices 4 --out ...`; per dedicated core, so it prices 8 processes too) when
+given, and with the built-in `cpu` profile.
+The machine is shared (load averages of 10-20 on 2 cores were seen while developing this),
+so its speed drifts between a calibration and a sweep: every round also times
+`autopar.calibrate.reference_workload` on the same ranks, and each prediction is scaled by
+the ratio of that time to the profile's own reference time (`load_factor`, per dedicated
+core). The unscaled predictions are kept too (`*_raw_s`); the ranking does not depend on it.
+
+Figures per (size, world) group and over all: median |predicted / measured - 1|, Spearman
+rank correlation of predicted vs measured step time, the regret of the profile's top pick
+(measured time of the predicted-fastest configuration / measured fastest - 1), and whether
+the built-in profile picks the same configuration as the calibrated one.
+
+This drives programs only through `autopar.compile` and `compiled.step`: when the runtime
+behind them changes (the per-op compiler replacing the module-level runtime), re-run this
+script (and `autopar calibrate`) and the figures follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {
+    "S": "llama:layers=4,hidden=128,heads=4,kv_heads=4,ffn=256,vocab=512,seq=64",
+    "M": "llama:layers=4,hidden=256,heads=4,kv_heads=4,ffn=512,vocab=1024,seq=64",
+    "L": "llama:layers=4,hidden=384,heads=8,kv_heads=4,ffn=1024,vocab=2048,seq=64",
+}
+"""Three llama shapes (every tp in {1, 2, 4} divides their query and key/value heads, and
+4 layers allow pp up to 4)."""
+GLOBAL_BATCH = 16
+WARMUP_ROUNDS = 2
+TIMED_ROUNDS = 5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepCase:
+    label: str
+    world: int
+    config: Any  # ParallelConfig
+
+
+def cases(world: int) -> list[SweepCase]:
+    from autopar.config import ParallelConfig
+
+    def c(label: str, **kw: Any) -> SweepCase:
+        return SweepCase(label=label, world=world, config=ParallelConfig(**kw))
+
+    if world == 4:
+        return [
+            c("dp4 mb4", dp=4, micro_batch=4),
+            c("dp4 mb1", dp=4, micro_batch=1),
+            c("dp4 z1", dp=4, zero=1, micro_batch=4),
+            c("dp4 z3", dp=4, zero=3, micro_batch=4),
+            c("dp4 full-rc", dp=4, micro_batch=4, recompute="full"),
+            c("dp2 tp2", dp=2, tp=2, micro_batch=8),
+            c("tp4", tp=4, micro_batch=16),
+            c("dp2 pp2 mb2", dp=2, pp=2, micro_batch=2),
+            c("dp2 pp2 mb4 gpipe", dp=2, pp=2, micro_batch=4, schedule="gpipe"),
+            c("pp4", pp=4, micro_batch=4),
+            c("tp2 pp2", tp=2, pp=2, micro_batch=4),
+        ]
+    if world == 8:
+        return [
+            c("dp8", dp=8, micro_batch=2),
+            c("dp8 z3", dp=8, zero=3, micro_batch=2),
+            c("dp8 full-rc", dp=8, micro_batch=2, recompute="full"),
+            c("dp4 tp2", dp=4, tp=2, micro_batch=4),
+            c("dp4 pp2", dp=4, pp=2, micro_batch=2),
+            c("dp2 pp4", dp=2, pp=4, micro_batch=2),
+            c("dp2 tp2 pp2", dp=2, tp=2, pp=2, micro_batch=2),
+            c("tp2 pp4", tp=2, pp=4, micro_batch=4),
+        ]
+    raise ValueError(f"no sweep defined for {world} processes; use 4 or 8")
+
+
+# ---- on the ranks ----------------------------------------------------------------------
+
+def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, timed: int) -> dict[str, Any]:
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.calibrate import reference_workload
+    from autopar.models import resolve
+
+    reference = reference_workload()
+    source = resolve(spec)
+    batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
+               for k in range(warmup + timed)]
+    programs = []
+    for case in world_cases:
+        torch.manual_seed(0)
+        compiled = autopar.compile(source.build(), f"cpu:{case.world}", example_inputs=batches[0],
+                                   config=case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+        programs.append((case.label, compiled))
+    times: dict[str, list[float]] = {label: [] for label, _ in programs}
+    losses: dict[str, float] = {}
+    reference_s: list[float] = []
+    for k, batch in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        reference()
+        dist.barrier()
+        reference_s.append(time.perf_counter() - start)
+        order = programs if k % 2 == 0 else programs[::-1]
+        for label, compiled in order:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = compiled.step(batch)
+            dist.barrier()
+            if k >= warmup:
+                times[label].append(time.perf_counter() - start)
+            losses.setdefault(label, float(loss))
+    return {"times": times, "first_loss": losses, "reference_s": reference_s}
+
+
+def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int) -> dict[str, Any]:
+    from autopar.runtime_launch import spawn
+
+    per_rank = spawn(_worker, world_cases[0].world, (spec, world_cases, warmup, timed), collective_timeout_s=300.0)
+    return per_rank[0]
+
+
+# ---- prediction and figures --------------------------------------------------------------
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def _profile(spec: str) -> Any:
+    import cost_model
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+
+    return cost_model.profile_graph(trace_model(resolve(spec), batch=1, dtype="float32", layers_traced=2))
+
+
+def predict(profile: Any, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
+    """Predicted step time, times the machine's load now relative to when `hardware` was
+    measured (`load_factor`)."""
+    import cost_model
+    from autopar.cluster import Cluster
+
+    cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
+    return load * cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH).step_time_s
+
+
+def load_factor(hardware: Any, world: int, reference_s: list[float]) -> float:
+    """How much slower the shared machine ran the reference workload during the sweep than
+    when `hardware` was calibrated (both per dedicated core); 1.0 for an uncalibrated profile."""
+    if not hardware.reference_s or not reference_s:
+        return 1.0
+    share = max(1.0, world / hardware.cores_per_node) if hardware.cores_per_node else 1.0
+    return statistics.median(reference_s) / share / hardware.reference_s
+
+
+def group_figures(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Error, ranking and pick figures of one group of rows for the prediction `key`."""
+    measured = [r["measured_s"] for r in rows]
+    predicted = [r[key] for r in rows]
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+    pick = min(range(len(rows)), key=lambda i: predicted[i])
+    best = min(range(len(rows)), key=lambda i: measured[i])
+    return {
+        "median_abs_error": statistics.median(errors),
+        "spearman": spearman(predicted, measured),
+        "pick": rows[pick]["label"],
+        "measured_best": rows[best]["label"],
+        "pick_regret": measured[pick] / measured[best] - 1,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None, help="calibrated profile (autopar calibrate --devices 4 --out ...); "
+                    "per dedicated core, it prices 4 and 8 processes alike")
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--worlds", default="4,8")
+    ap.add_argument("--only", default="", help="comma-separated configuration labels (for iterating)")
+    ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--summarize", default=None, metavar="JSON",
+                    help="no measuring: recompute the figures and tables of an earlier run's JSON")
+    args = ap.parse_args(argv)
+    if args.summarize:
+        old = json.loads(Path(args.summarize).read_text())
+        out = {**old, **summarize(old["rows"])}
+        print("\n".join(out["summary"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        if args.md:
+            write_markdown(out, Path(args.md))
+        return out
+    import autopar  # noqa: F401  (autopar before cost_model: import order)
+    from autopar.cluster import HARDWARE, load_hardware
+
+    warmup, timed = (1, 3) if args.quick else (WARMUP_ROUNDS, TIMED_ROUNDS)
+    hw_cal = load_hardware(args.profile) if args.profile else None
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for size in args.sizes.split(","):
+        spec = SIZES[size]
+        profile = _profile(spec)
+        for world in (int(w) for w in args.worlds.split(",")):
+            world_cases = [c for c in cases(world) if not args.only or c.label in args.only.split(",")]
+            t = time.perf_counter()
+            got = measure(spec, world_cases, warmup=warmup, timed=timed)
+            load_default = load_factor(HARDWARE["cpu"], world, got["reference_s"])
+            load_cal = load_factor(hw_cal, world, got["reference_s"]) if hw_cal is not None else None
+            print(f"  reference workload {statistics.median(got['reference_s']) * 1e3:.0f} ms: load x{load_default:.2f} "
+                  f"vs the built-in profile's calibration" + (f", x{load_cal:.2f} vs the calibrated one"
+                                                                if load_cal is not None else ""), flush=True)
+            for case in world_cases:
+                row = {"size": size, "model": spec, "world": world, "label": case.label,
+                       "config": case.config.to_json(), "measured_s": statistics.median(got["times"][case.label]),
+                       "measured_times_s": got["times"][case.label], "first_loss": got["first_loss"][case.label],
+                       "reference_s": got["reference_s"], "load_default": load_default,
+                       "predicted_default_s": predict(profile, case, HARDWARE["cpu"], load_default),
+                       "predicted_default_raw_s": predict(profile, case, HARDWARE["cpu"])}
+                if hw_cal is not None:
+                    row["predicted_calibrated_s"] = predict(profile, case, hw_cal, load_cal)
+                    row["predicted_calibrated_raw_s"] = predict(profile, case, hw_cal)
+                    row["load_calibrated"] = load_cal
+                rows.append(row)
+                print(f"  {size} world {world} {case.label:<20} measured {row['measured_s'] * 1e3:7.0f} ms  "
+                      f"predicted {row.get('predicted_calibrated_s', float('nan')) * 1e3:7.0f} ms (calibrated) "
+                      f"{row['predicted_default_s'] * 1e3:7.0f} ms (built-in)", flush=True)
+            print(f"[{size} on {world} processes: {len(world_cases)} configurations in {time.perf_counter() - t:.0f} s]",
+                  flush=True)
+    out = summarize(rows)
+    out.update(rows=rows, global_batch=GLOBAL_BATCH, warmup_rounds=warmup, timed_rounds=timed,
+               wall_s=time.perf_counter() - start, profile=args.profile)
+    print("\n".join(out["summary"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    if args.md:
+        write_markdown(out, Path(args.md))
+    return out
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(f"{r['size']} x {r['world']}", []).append(r)
+    keys = [k for k in ("predicted_calibrated_s", "predicted_default_s") if all(k in r for r in rows)]
+    figures = {name: {k: group_figures(rs, k) for k in keys} for name, rs in groups.items() if len(rs) > 1}
+    summary = []
+    for key in keys:
+        errors = [abs(r[key] / r["measured_s"] - 1) for r in rows]
+        per = [figures[g][key] for g in figures]
+        summary.append(
+            f"{key.removeprefix('predicted_').removesuffix('_s')} profile: median |error| "
+            f"{statistics.median(errors):.1%} over {len(rows)} runs; Spearman per group "
+            + ", ".join(f"{g} {figures[g][key]['spearman']:.2f}" for g in figures)
+            + f"; top-pick regret max {max(p['pick_regret'] for p in per):.1%}" if per else "")
+    for key in keys:
+        sizes = sorted({r["size"] for r in rows})
+        pooled = {z: spearman([r[key] for r in rows if r["size"] == z], [r["measured_s"] for r in rows if r["size"] == z])
+                  for z in sizes}
+        summary.append(f"{key.removeprefix('predicted_').removesuffix('_s')} profile: Spearman per model size (4 and 8 "
+                       "processes pooled) " + ", ".join(f"{z} {v:.2f}" for z, v in pooled.items()))
+    if len(keys) == 2:
+        same = [g for g in figures if figures[g][keys[0]]["pick"] == figures[g][keys[1]]["pick"]]
+        summary.append(f"built-in profile picks the calibrated profile's configuration in {len(same)} of "
+                       f"{len(figures)} groups")
+    return {"groups": figures, "summary": summary}
+
+
+def write_markdown(out: dict[str, Any], path: Path) -> None:
+    keys = [k for k in ("predicted_calibrated_s", "predicted_default_s") if all(k in r for r in out["rows"])]
+    lines = [
+        "# This machine as a measured sweep (CPU, gloo)", "",
+        f"Generated by `python benchmarks/sweep_cpu.py` (via `benchmarks/run_all.py`). Global batch "
+        f"{out['global_batch']}, AdamW, fp32; every configuration compiled with `autopar.compile(..., config=...)` "
+        f"and stepped with `compiled.step` on the same spawned gloo ranks, side by side: {out['warmup_rounds']} "
+        f"warm-up rounds, then {out['timed_rounds']} timed rounds of one step of every configuration (order "
+        "reversed every other round); measured = median over rounds. Predicted = `cost_model.price_profile` "
+        "with the calibrated profile of that many ranks and with the built-in `cpu` profile. The machine has "
+        "2 cores shared with other users. The runtime behind `autopar.compile` is being replaced (per-op "
+        "compiler): re-run this sweep when it lands.", "",
+        "| size | procs | configuration | measured ms | predicted ms (calibrated) | ratio | predicted ms (built-in) | "
+        "ratio |", "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["rows"]:
+        cal = r.get("predicted_calibrated_s")
+        cal_cells = f"{cal * 1e3:.0f} | {cal / r['measured_s']:.2f}" if cal else "- | -"
+        lines.append(f"| {r['size']} | {r['world']} | {r['label']} | {r['measured_s'] * 1e3:.0f} | {cal_cells} | "
+                     f"{r['predicted_default_s'] * 1e3:.0f} | {r['predicted_default_s'] / r['measured_s']:.2f} |")
+    lines += ["", "| group | profile | median abs error | Spearman | pick | measured best | pick regret |",
+              "|---|---|---|---|---|---|---|"]
+    for g, per in out["groups"].items():
+        for k in keys:
+            f = per[k]
+            lines.append(f"| {g} | {k.removeprefix('predicted_').removesuffix('_s')} | {f['median_abs_error']:.1%} | "
+                         f"{f['spearman']:.2f} | {f['pick']} | {f['measured_best']} | {f['pick_regret']:.1%} |")
+    lines += [""] + [f"- {s}" for s in out["summary"]] + [f"- wall time {out['wall_s']:.0f} s"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

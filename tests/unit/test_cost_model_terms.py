@@ -1,0 +1,141 @@
+"""Second-order cost terms: GEMM shape, per-GPU kernel fractions, runtime options, NCCL
+latencies, core sharing; each against its closed form or the direction it must push."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+import autopar  # noqa: F401  (import order: autopar before cost_model)
+from autopar.cluster import HARDWARE, Cluster
+from autopar.config import ParallelConfig
+from autopar.models import resolve
+from autopar.trace import trace_model
+from cost_model import RuntimeOptions, mesh_axis_links, price_profile, profile_graph
+from cost_model.compute import compute_time_s, gemm_shape_efficiency, gemm_time_s
+from cost_model.efficiency import DEFAULT_EFFICIENCY, efficiency_for
+
+SPEC = "llama:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1024,vocab=1024,seq=256"
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_graph(trace_model(resolve(SPEC), batch=1, dtype="bfloat16", layers_traced=2))
+
+
+def test_gemm_shape_factor_closed_form() -> None:
+    hw, eff = HARDWARE["a100-80gb"], DEFAULT_EFFICIENCY
+    t, k0 = eff.gemm_tile, eff.gemm_k_ramp
+    # 108 SMs, 109 tiles of 128x128: the second wave runs one tile
+    m, n, k = 109 * t, t, 4096
+    assert gemm_shape_efficiency(1, m, n, k, hw, eff) == pytest.approx(109 / 216 * k / (k + k0))
+    # a big square GEMM is near the K-ramp alone; a thin one (few tiles) splits K over the SMs
+    big = gemm_shape_efficiency(1, 8192, 8192, 8192, hw, eff)
+    assert big == pytest.approx(8192 / (8192 + k0), rel=0.01)
+    thin = gemm_shape_efficiency(1, 128, 128, 8192, hw, eff)
+    assert thin < big
+    # time: same FLOPs, the thin-K GEMM (small reduction) is slower per FLOP
+    flops_fat = gemm_time_s(1, 4096, 4096, 4096, 0.0, hw, "bfloat16")
+    flops_thin_k = gemm_time_s(1, 4096 * 16, 4096, 256, 0.0, hw, "bfloat16")
+    assert flops_thin_k > flops_fat
+
+
+def test_matmul_and_attention_fractions_are_per_gpu() -> None:
+    a100, h100 = HARDWARE["a100-80gb"], HARDWARE["h100"]
+    flops = 1e15
+    gemm = {hw.name: flops / (compute_time_s(flops, 0.0, hw, "bfloat16", op_class="gemm")
+                              - DEFAULT_EFFICIENCY.gemm_overhead_s) for hw in (a100, h100)}
+    assert gemm["a100-80gb"] == pytest.approx(312e12 * 0.869 * DEFAULT_EFFICIENCY.gemm_efficiency)
+    assert gemm["h100"] == pytest.approx(989e12 * 0.803 * DEFAULT_EFFICIENCY.gemm_efficiency)
+    attn = {hw.name: flops / (compute_time_s(flops, 0.0, hw, "bfloat16", op_class="attention")
+                              - DEFAULT_EFFICIENCY.gemm_overhead_s) for hw in (a100, h100)}
+    # FlashAttention-2 reaches 73% of A100 peak but 35% of H100's: H100 attention gains less
+    assert attn["h100"] / attn["a100-80gb"] == pytest.approx(989 * 0.35 / (312 * 0.73))
+
+
+def test_nccl_latency_terms() -> None:
+    cluster = Cluster.parse("h100:64x8")
+    (dp,) = mesh_axis_links(cluster, (512,))
+    assert dp.base_latency_s == DEFAULT_EFFICIENCY.collective_base_latency_s == 6.6e-6
+    # ring steps across a 512-rank mixed axis: 1 network hop (14 us) in 8, NVLink (3.4 us) otherwise
+    assert dp.ring_latency_s == pytest.approx((14e-6 + 7 * 3.4e-6) / 8)
+
+
+def test_runtime_options_change_what_they_should(profile) -> None:
+    cluster = Cluster.parse("a100-80gb:4x8")
+
+    def est(config: ParallelConfig, **options):
+        return price_profile(profile, config, cluster, global_batch=64, options=RuntimeOptions(**options))
+
+    def part(e, key):
+        return dict(e.time_breakdown)[key]
+
+    z3 = ParallelConfig(dp=32, zero=3, recompute="full", micro_batch=2)
+    assert part(est(z3, grad_reduce_bytes=4), "comm_zero3_s") > part(est(z3), "comm_zero3_s")
+    dp = ParallelConfig(dp=32, micro_batch=2)
+    blocking, overlapped = est(dp, overlap_grad_reduce=False), est(dp)
+    assert part(blocking, "comm_dp_s") > part(overlapped, "comm_dp_s")
+    # 1 MiB buckets: many collectives, each paying the latencies
+    assert part(est(dp, overlap_grad_reduce=False, dp_bucket_bytes=2**20), "comm_dp_s") > part(blocking, "comm_dp_s")
+    tp = ParallelConfig(tp=8, dp=4, micro_batch=2)
+    # async TP hides async_tp_overlap of the layers' collectives (not the vocab-parallel edges)
+    vanilla = part(est(tp), "comm_tp_s")
+    assert (1 - DEFAULT_EFFICIENCY.async_tp_overlap) * vanilla < part(est(tp, async_tp=True), "comm_tp_s") < vanilla
+    assert part(est(dp, compiled=True), "compute_s") < part(est(dp), "compute_s")
+    with pytest.raises(ValueError, match="grad_reduce_bytes"):
+        RuntimeOptions(grad_reduce_bytes=3)
+    with pytest.raises(ValueError, match="unknown runtime options"):
+        RuntimeOptions.from_pairs({"fused_adam": "1"})
+    assert RuntimeOptions.from_pairs({"compiled": "1", "checkpoint_every": "2"}) == RuntimeOptions(
+        compiled=True, checkpoint_every=2)
+
+
+def test_micro_batch_trade_off_appears_in_the_gemms(profile) -> None:
+    """Smaller micro-batches give thinner weight-gradient GEMMs (K = tokens): more time per FLOP."""
+    cluster = Cluster.parse("a100-80gb:1x8")
+    small = price_profile(profile, ParallelConfig(dp=8, micro_batch=1), cluster, global_batch=64)
+    large = price_profile(profile, ParallelConfig(dp=8, micro_batch=8), cluster, global_batch=64)
+    assert dict(small.time_breakdown)["compute_s"] > dict(large.time_breakdown)["compute_s"]
+
+
+def test_core_sharing_and_hardware_overrides(profile) -> None:
+    cpu = replace(HARDWARE["cpu"], cores_per_node=2, efficiency=(("gemm_efficiency", 1.0), ("view_overhead_s", 0.0),
+                                                                  ("dtensor_op_overhead_s", 0.0)))
+    assert efficiency_for(cpu).gemm_efficiency == 1.0 and efficiency_for(HARDWARE["h100"]) == DEFAULT_EFFICIENCY
+    two = Cluster(hardware=cpu, num_nodes=1, devices_per_node=2)
+    eight = Cluster(hardware=cpu, num_nodes=1, devices_per_node=8)
+    a = dict(price_profile(profile, ParallelConfig(dp=2), two, global_batch=8).time_breakdown)
+    b = dict(price_profile(profile, ParallelConfig(dp=8), eight, global_batch=8).time_breakdown)
+    # a quarter of the work per rank, four ranks per core: the same compute time
+    assert b["compute_s"] == pytest.approx(a["compute_s"], rel=0.05)
+    (link2,), (link8,) = mesh_axis_links(two, (2,)), mesh_axis_links(eight, (8,))
+    assert link8.latency_s == pytest.approx(4 * link2.latency_s)
+    assert link8.bandwidth_bytes_per_s == pytest.approx(link2.bandwidth_bytes_per_s / 4)
+    # a pipeline's bubble is not idle time when the ranks share cores: the step is every
+    # rank's work over the cores (no bubble term) whenever that is the longer
+    pipe = dict(price_profile(profile, ParallelConfig(pp=4, dp=2, micro_batch=1), eight, global_batch=8).time_breakdown)
+    assert pipe["bubble_s"] == 0.0
+    # with dedicated compute the bubble is back
+    gpu = Cluster.parse("a100-80gb:1x8")
+    assert dict(price_profile(profile, ParallelConfig(pp=4, dp=2, micro_batch=1), gpu,
+                              global_batch=8).time_breakdown)["bubble_s"] > 0
+
+
+def test_dtensor_and_view_overheads_apply_to_tp_and_eager(profile) -> None:
+    base = replace(HARDWARE["cpu"], cores_per_node=0)
+    dt = replace(base, efficiency=tuple(sorted({**dict(base.efficiency), "dtensor_op_overhead_s": 1e-3}.items())))
+    cluster = lambda hw: Cluster(hardware=hw, num_nodes=1, devices_per_node=4)  # noqa: E731
+    tp = ParallelConfig(tp=2, dp=2)
+    plain = price_profile(profile, tp, cluster(base), global_batch=8,
+                          options=RuntimeOptions(dtensor_tp=False)).step_time_s
+    with_dt = price_profile(profile, tp, cluster(dt), global_batch=8).step_time_s
+    no_dt = price_profile(profile, tp, cluster(dt), global_batch=8,
+                          options=RuntimeOptions(dtensor_tp=False)).step_time_s
+    assert with_dt > plain and no_dt == pytest.approx(plain)
+    # data parallelism runs no DTensor ops
+    dp = ParallelConfig(dp=4)
+    assert price_profile(profile, dp, cluster(dt), global_batch=8).step_time_s == pytest.approx(
+        price_profile(profile, dp, cluster(base), global_batch=8).step_time_s)
+    assert sum(profile.layer.view_ops) > 0 and not math.isnan(with_dt)
