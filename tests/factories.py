@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 VOCAB, SEQ, BATCH = 64, 16, 4
+"""Sizes of the GPT-2 factory's batch, and the vocabulary of the embedding + head model."""
 
 
 class CausalLMLoss(nn.Module):
@@ -30,8 +31,66 @@ def hf_gpt2_dropout() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     import transformers
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0,
+                                     eos_token_id=0)
     torch.manual_seed(0)
     model = CausalLMLoss(transformers.GPT2LMHeadModel(config))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return model, (ids, ids.clone())
+
+
+class MLP(nn.Module):
+    """Three distinct linear layers: no repeated layer stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 12), nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))), y)
+
+
+def mlp_batch() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return MLP(), mlp_batch()
+
+
+class SmallCNN(nn.Module):
+    """Two convolutions of different shapes and a linear head: no repeated layer stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 8, 3, stride=2)
+        self.head = nn.Linear(8 * 3 * 3, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return nn.functional.cross_entropy(self.head(h.flatten(1)), y)
+
+
+def cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return SmallCNN(), (torch.randn(8, 1, 7, 7, generator=g), torch.randint(0, 5, (8,), generator=g))
+
+
+class EmbeddingHead(nn.Module):
+    """An embedding and a linear head over the vocabulary: no layer stack between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), labels.flatten())
+
+
+def embedding_head() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    return EmbeddingHead(), (torch.randint(0, VOCAB, (8, 6), generator=g), torch.randint(0, VOCAB, (8, 6), generator=g))

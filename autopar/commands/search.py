@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from autopar.cluster import Cluster
@@ -22,6 +23,7 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import GIB, describe_config, fingerprint_source
 from autopar.trace import trace_model
+from codegen.rules import rules_for
 from solver.intra_ilp import ilp_intra_op
 from solver.search import ProgressFn, SearchResult, SearchSpace, search
 
@@ -45,6 +47,10 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
     t0 = time.perf_counter()
     source = resolve(model).with_overrides(seq=seq)
     cluster = Cluster.parse(cluster_spec).with_memory_gb(memory_gb)
+    if source.factory is not None and rules_for(source.factory()[0]) is None:
+        # as autopar.api.search_plan: the runtime splits only models of known structure by
+        # tensor or pipeline, and a plan it cannot execute is never ranked
+        space = replace(space, max_tp=1, max_pp=1)
     if progress:
         progress("trace", 0, 1)
     graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=LAYERS_TRACED)
