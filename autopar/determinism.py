@@ -119,7 +119,7 @@ def _stand_in(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name, a = str(op), _bind(op, args, kwargs)
     if name == "aten.native_dropout.default":
         x, p = a["input"], float(a["p"])
-        keep = _uniform(x.shape, x.device, torch.float32) >= p
+        keep = _uniform(x.shape, x.device, torch.float32) < 1.0 - p  # as F.dropout's bernoulli_(1 - p) draws
         return x * keep * (0.0 if p >= 1.0 else 1.0 / (1.0 - p)), keep.contiguous()
     if name in ("aten.bernoulli_.float", "aten.bernoulli_.Tensor", "aten.bernoulli.p", "aten.bernoulli.Tensor",
                 "aten.bernoulli.default"):

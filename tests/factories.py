@@ -94,3 +94,16 @@ def embedding_head() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(3)
     return EmbeddingHead(), (torch.randint(0, VOCAB, (8, 6), generator=g), torch.randint(0, VOCAB, (8, 6), generator=g))
+
+
+class ShuffledFeatures(MLP):
+    """Permutes its input features at random each step (`torch.randperm`): a random op that
+    `--check` has no deterministic stand-in for."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[:, torch.randperm(x.shape[1])], y)
+
+
+def shuffled_features() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return ShuffledFeatures(), mlp_batch()

@@ -149,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
                 f"plan {args.plan} was searched for {config.num_devices} devices ({getattr(plan, 'cluster', '?')}, "
                 f"mesh (pp, dp, tp) = ({config.pp}, {config.dp}, {config.tp})) but this run has {devices}; run "
                 f"with --devices {config.num_devices}, or search a plan for these devices (--cluster cpu:{devices})")
-        args.seq = args.seq or getattr(plan, "seq", None)
-        args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
+        if resolve(args.model).factory is None:  # a factory's inputs fix its own batch and sequence
+            args.seq = args.seq or getattr(plan, "seq", None)
+            args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
         _check_plan_fingerprint(plan, args.model, args.seq)
     else:
         config, stage_layers = config_from_flags(args, devices), None
@@ -161,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         if args.global_batch not in (None, global_batch):
             raise ValueError(f"--global-batch {args.global_batch} but factory {args.model!r} gives batches of "
                              f"{global_batch}; drop --global-batch")
+        if plan is not None and plan.global_batch != global_batch:
+            raise ValueError(f"plan {args.plan} was searched for a global batch of {plan.global_batch} but factory "
+                             f"{args.model!r} gives batches of {global_batch}; search again with --global-batch "
+                             f"{global_batch}")
     else:
         model = source.build()
         global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
