@@ -8,8 +8,9 @@ intra-op choices per layer group and the runner-up plans with their costs.
 
 Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
 embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
-number of layers of stage i. The logical mesh is (pp, dp, tp), tp innermost so tensor
-parallelism stays on a node's NVLink.
+number of layers of stage i. A model without a repeated layer stack (num_layers 0) is one
+stage holding everything: stage_layers [0], pp 1. The logical mesh is (pp, dp, tp), tp
+innermost so tensor parallelism stays on a node's NVLink.
 
 Plans are JSON only (never pickled): sorted keys, validated on load, and byte-identical
 for identical inputs (no timings or dates are stored).
