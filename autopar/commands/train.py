@@ -16,7 +16,9 @@ random ops, both runs draw them from the same fixed field instead
 Exit codes: 0 trained (with --check: every step matched the reference); 1 a rank
 crashed, was killed or hung (named in the message); 2 bad input, refused before any rank
 started (or a rank raised a user error, such as a NaN loss); 3 `--check` found a
-MISMATCH between the parallel run and the reference.
+MISMATCH between the parallel run and the reference. Under torchrun these are rank 0's
+exit codes (the other ranks exit 0 after training); torchrun itself exits 1 when any
+rank exits non-zero.
 
 Checkpoints: `--checkpoint-dir D --save-every K` writes a sharded checkpoint after every
 K-th step (autopar/checkpoint.py: plan-independent, atomic); `--resume` continues from the
@@ -183,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         results = [train_worker(dist.get_rank(), job)]
-        if dist.get_rank() != 0:
+        rank = dist.get_rank()
+        dist.destroy_process_group()  # as spawned ranks do: no live group left for interpreter exit
+        if rank != 0:
             return 0
     else:
         try:
