@@ -65,7 +65,7 @@ def _worker(rank: int) -> dict[str, dict]:
     return out
 
 
-def test_layerless_models_train_through_the_decorator_and_function_forms():
+def test_layerless_models_train_through_the_decorator_form():
     results = spawn(_worker, 2)
     references = {"mlp": factories.mlp, "cnn": factories.cnn, "embedding_head": factories.embedding_head}
     for name, factory in references.items():
