@@ -8,8 +8,9 @@ intra-op choices per layer group and the runner-up plans with their costs.
 
 Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
 embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
-number of layers of stage i. The logical mesh is (pp, dp, tp), tp innermost so tensor
-parallelism stays on a node's NVLink.
+number of layers of stage i. A model without a repeated layer stack (num_layers 0) is one
+stage holding everything: stage_layers [0], pp 1. The logical mesh is (pp, dp, tp), tp
+innermost so tensor parallelism stays on a node's NVLink.
 
 Plans are JSON only (never pickled): sorted keys, validated on load, and byte-identical
 for identical inputs (no timings or dates are stored).
@@ -347,9 +348,12 @@ class Plan:
         if tuple(self.mesh_shape) != (c.pp, c.dp, c.tp):
             raise PlanFileError(f"plan mesh_shape {list(self.mesh_shape)} disagrees with its config "
                                 f"(pp, dp, tp) = ({c.pp}, {c.dp}, {c.tp})")
-        if len(self.stage_layers) != c.pp or any(n < 1 for n in self.stage_layers):
+        # A model without a repeated layer stack (num_layers 0) is one stage holding everything: [0].
+        layerless = self.num_layers == 0 and c.pp == 1 and tuple(self.stage_layers) == (0,)
+        if not layerless and (len(self.stage_layers) != c.pp or any(n < 1 for n in self.stage_layers)):
             raise PlanFileError(f"plan stage_layers {list(self.stage_layers)} must be {c.pp} positive counts "
-                                f"(one per pipeline stage, pp={c.pp})")
+                                f"(one per pipeline stage, pp={c.pp}), or [0] with pp=1 for a model without "
+                                "a repeated layer stack")
         if sum(self.stage_layers) != self.num_layers:
             raise PlanFileError(f"plan stage_layers {list(self.stage_layers)} sum to {sum(self.stage_layers)} "
                                 f"but the model has {self.num_layers} layers")
@@ -504,7 +508,8 @@ class Plan:
         if not self.stages:
             lines.append(f"  one stage: the whole model ({self.num_layers} repeated layers) on the (dp, tp) mesh")
         for s in self.stages:
-            holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})"]
+            holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})" if s.num_layers
+                     else "every module (no repeated layer stack)"]
             if s.has_embedding:
                 holds.insert(0, "embedding")
             if s.has_head:

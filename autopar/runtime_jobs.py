@@ -11,11 +11,14 @@ and in the reference before any sharding. Same data: batch k is
 `source.example_inputs(global_batch, generator=seed + 1 + k)` for presets and specs, and
 the factory's example inputs (every step) for factories. Batch k depends on k alone, so
 a run resumed from a checkpoint after step s (`resume`) sees exactly the batches s+1, ...
-that an uninterrupted run would.
+that an uninterrupted run would. Same random draws (`deterministic_random`, for checks):
+dropout masks and other random ops are fixed fields (autopar/determinism.py), identical
+on every rank and in the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from autopar import checkpoint
 from autopar.config import ParallelConfig
+from autopar.determinism import deterministic_random
 from autopar.models import resolve
 from autopar.plan import Plan, model_fingerprint
 from autopar.runtime import build_program
@@ -55,6 +59,10 @@ class TrainJob:
     """Save after every K-th step (0: never)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in `checkpoint_dir` (start fresh if none)."""
+    deterministic_random: bool = False
+    """Run every training step inside `autopar.determinism.deterministic_random` (here and in
+    `reference_run`): random ops such as dropout draw the same fixed masks on every rank and
+    in the reference, so `--check` can compare them (set when the traced step has random ops)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +96,10 @@ def build_model_and_batches(job: TrainJob) -> tuple[torch.nn.Module, list[tuple[
     return model, batches, source
 
 
+def _step_context(job: TrainJob) -> contextlib.AbstractContextManager[Any]:
+    return deterministic_random() if job.deterministic_random else contextlib.nullcontext()
+
+
 def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training: losses per step and the final state dict (tied weights
     appear under both names, as `state_dict()` gives them)."""
@@ -95,8 +107,9 @@ def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
     losses = []
     for batch in batches:
-        loss = model(*batch)
-        loss.backward()
+        with _step_context(job):
+            loss = model(*batch)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
@@ -120,7 +133,8 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
         losses, times = [], []
         for k in range(done, len(batches)):
             start = time.perf_counter()
-            losses.append(program.step(batches[k]))
+            with _step_context(job):
+                losses.append(program.step(batches[k]))
             times.append(time.perf_counter() - start)
             if job.save_every and job.checkpoint_dir and (k + 1) % job.save_every == 0:
                 checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * job.global_batch,

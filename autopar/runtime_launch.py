@@ -5,6 +5,10 @@ tests. `spawn(fn, world_size, args)` starts `world_size` processes (spawn contex
 file:// store in a temp dir, `torch.set_num_threads(1)`), runs `fn(rank, *args)` in each
 inside an initialised gloo process group, and returns every rank's result.
 
+Teardown: each rank imports `torch.distributed.nn.functional` before creating its group
+(`import_before_process_group`), so the group `destroy_process_group` destroys is really
+freed and no gloo thread outlives it into interpreter shutdown.
+
 Failure policy (no hangs): each process group gets a collective timeout
 (`collective_timeout_s`), and the parent polls its children; as soon as one exits with
 an error, the others get `grace_s` to finish and are then terminated (SIGTERM, then
@@ -47,6 +51,21 @@ _PEER_ERRORS = ("Timed out", "timed out", "Connection closed by peer", "Connecti
 """Errors a healthy rank raises because a peer died or hung: not the cause of a failure."""
 
 
+def import_before_process_group() -> None:
+    """Import the torch module that captures the default process group at import time,
+    before a group exists.
+
+    `torch.distributed.nn.functional` binds `group=group.WORLD` as default arguments of ten
+    functions when it is imported. torch imports it lazily (through torch._dynamo, which
+    the first call of any `torch.library` custom op imports, e.g. codegen/kernels' fused
+    ops); imported after `init_process_group`, it holds the live group forever, so
+    `destroy_process_group` cannot free it and its gloo threads (gloo_tcp_loop,
+    pt_gloo_runloop) run on into interpreter shutdown, where tearing them down now and then
+    aborts the rank with "terminate called without an active exception" (SIGABRT).
+    Imported first, its defaults are None."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
@@ -58,6 +77,7 @@ def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFA
 
     if dist.is_initialized():
         return
+    import_before_process_group()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -70,6 +90,7 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    import_before_process_group()
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))

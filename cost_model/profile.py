@@ -214,7 +214,8 @@ def _gemm_dims(graph: Graph, node: Node, grad_roots: set[NodeId],
 def profile_graph(graph: Graph) -> GraphProfile:
     """Precompute everything `price_profile` needs from a traced graph (see module doc)."""
     m = graph.model
-    num_layers = max(1, sum(g.multiplicity for g in graph.layer_groups)) if graph.layer_groups else max(1, m.num_layers)
+    # 0 for a model without a repeated layer stack: everything is pre/post, one stage holds it
+    num_layers = max(1, sum(g.multiplicity for g in graph.layer_groups)) if graph.layer_groups else m.num_layers
     stream_numel = m.batch * m.seq * m.hidden if m.hidden else -1
 
     def is_stream(node: Node) -> bool:

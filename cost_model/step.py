@@ -194,7 +194,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     p, t, d, v = config.pp, config.tp, config.dp, config.interleave
     if stage_layers is None:
         stage_layers = default_stage_layers(profile.num_layers, p)
-    if len(stage_layers) != p or sum(stage_layers) != profile.num_layers or min(stage_layers) < 1:
+    layerless = profile.num_layers == 0 and p == 1 and tuple(stage_layers) == (0,)  # one stage holds all
+    if not layerless and (len(stage_layers) != p or sum(stage_layers) != profile.num_layers or min(stage_layers) < 1):
         raise ValueError(
             f"stage_layers {stage_layers} must have pp={p} positive entries summing to the model's "
             f"{profile.num_layers} layers"

@@ -5,7 +5,9 @@ Reads the frozen Graph only; returns new frozen values.
 
 Terms: the model is  pre (embedding) | L repeated layers | post (final norm, head, loss).
 A *cut* `n = (n_0, ..., n_{p-1})` gives stage k the next n_k >= 1 layers; stage 0 also
-runs pre and stage p-1 runs post. Work is in FLOPs per sequence (forward + backward,
+runs pre and stage p-1 runs post. A model without a repeated layer stack (L = 0: a plain
+MLP of distinct layers, a small CNN) is all pre and post: one stage holds everything, and
+its only cut is (0,). Work is in FLOPs per sequence (forward + backward,
 plus one more layer forward with full recomputation).
 
 Math (min-max stage time, the pipeline's critical path; exact, not a heuristic):
@@ -77,7 +79,8 @@ class StageWork:
 def stage_work(graph: Graph) -> StageWork:
     """Split the traced graph's FLOPs and parameters into pre / per-layer / post."""
     batch = max(1, graph.model.batch)
-    num_layers = max(1, graph.model.num_layers)
+    num_layers = graph.model.num_layers
+    per_layer = max(1, num_layers)  # L = 0: no layer nodes, every per-layer sum below is 0
     first_layer_pos = next((n.id for n in graph.nodes if n.layer is not None and n.phase is Phase.FORWARD),
                            len(graph.nodes))
     # Modules whose forward runs before the first layer are the "pre" part (embeddings);
@@ -115,10 +118,10 @@ def stage_work(graph: Graph) -> StageWork:
             post_flops += flops
     return StageWork(
         num_layers=num_layers,
-        layer_flops=layer_flops / num_layers / batch,
-        layer_forward_flops=layer_fwd / num_layers / batch,
+        layer_flops=layer_flops / per_layer / batch,
+        layer_forward_flops=layer_fwd / per_layer / batch,
         pre_flops=pre_flops / batch, post_flops=post_flops / batch,
-        layer_params=layer_params // num_layers, pre_params=pre_params, post_params=post_params,
+        layer_params=layer_params // per_layer, pre_params=pre_params, post_params=post_params,
     )
 
 

@@ -4,12 +4,38 @@
 - TRITON_INTERPRET=1 before anything imports triton (torch.distributed.tensor and
   torch._inductor do): on a machine without a GPU, Triton kernels run only in its
   interpreter, and triton reads the variable once, at import.
+- `no_ranks_started`: a fixture that records and refuses every process start, for the
+  bad-input tests that must fail before any rank starts.
+- The repository root on sys.path, so `tests.factories:NAME` resolves as a model factory
+  here and in spawned ranks (they inherit sys.path), whatever the working directory.
 """
 
+import multiprocessing.process
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def no_ranks_started(monkeypatch):
+    """Records (and refuses) every process start: autopar.runtime_launch.spawn and
+    torch.multiprocessing both start ranks through multiprocessing's Process.start."""
+    started: list[str] = []
+
+    def refuse(process: multiprocessing.process.BaseProcess) -> None:
+        started.append(process.name)
+        raise AssertionError(f"{process.name} was started: bad input must be refused before any rank starts")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield started
+    assert started == [], started
+    assert not dist.is_initialized()

@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from autopar.cluster import Cluster

@@ -2,10 +2,23 @@
 
 Spawns N local gloo processes (autopar/runtime_launch.py) unless started by torchrun,
 trains `--steps` AdamW steps on synthetic data (autopar/runtime_jobs.py) and prints the
-loss per step and tokens/s. `--check` also trains the single-process reference (same
-init, data and optimizer) and compares the loss curves; a mismatch beyond rtol 1e-4
-exits 1. `--json` prints `losses`, `reference_losses` (with --check), `config`,
-`tokens_per_s`, `peak_memory_bytes` and per-rank state bytes.
+loss per step and tokens/s. Every check that needs no process group (config vs model,
+plan vs model, devices; autopar/preflight.py) runs once here, before any rank starts.
+
+`--check` also trains the single-process reference (same init, data and optimizer) and
+compares the loss curves (rtol 1e-4). Random ops (dropout, ...) would make the two runs
+draw different masks, so the launcher traces the step and, when the traced graph has
+random ops, both runs draw them from the same fixed field instead
+(autopar/determinism.py); the output names the ops found and says so. `--json` prints
+`losses`, `reference_losses`, `match`, `random_ops` and `deterministic_random` (with
+--check), `config`, `tokens_per_s`, `peak_memory_bytes` and per-rank state bytes.
+
+Exit codes: 0 trained (with --check: every step matched the reference); 1 a rank
+crashed, was killed or hung (named in the message); 2 bad input, refused before any rank
+started (or a rank raised a user error, such as a NaN loss); 3 `--check` found a
+MISMATCH between the parallel run and the reference. Under torchrun these are rank 0's
+exit codes (the other ranks exit 0 after training); torchrun itself exits 1 when any
+rank exits non-zero.
 
 Checkpoints: `--checkpoint-dir D --save-every K` writes a sharded checkpoint after every
 K-th step (autopar/checkpoint.py: plan-independent, atomic); `--resume` continues from the
@@ -25,11 +38,17 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime import model_dims
+from autopar.preflight import check_job
 from autopar.runtime_jobs import RunResult, TrainJob, reference_run, train_worker
 from autopar.runtime_launch import RankFailure, init_from_env, launched_by_torchrun, spawn
 
 LOSS_RTOL = 1e-4
+EXIT_CRASH = 1
+"""A rank crashed, was killed or hung."""
+EXIT_BAD_INPUT = 2
+"""Bad input (also what cli.main returns for a ValueError) or a rank's user error."""
+EXIT_CHECK_MISMATCH = 3
+"""`--check`: the parallel losses differ from the single-process reference beyond LOSS_RTOL."""
 _CONFIG_FLAGS = ("tp", "pp", "dp", "zero", "micro_batch", "schedule", "interleave", "recompute", "attention")
 
 
@@ -132,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
                 f"plan {args.plan} was searched for {config.num_devices} devices ({getattr(plan, 'cluster', '?')}, "
                 f"mesh (pp, dp, tp) = ({config.pp}, {config.dp}, {config.tp})) but this run has {devices}; run "
                 f"with --devices {config.num_devices}, or search a plan for these devices (--cluster cpu:{devices})")
-        args.seq = args.seq or getattr(plan, "seq", None)
-        args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
+        if resolve(args.model).factory is None:  # a factory's inputs fix its own batch and sequence
+            args.seq = args.seq or getattr(plan, "seq", None)
+            args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
         _check_plan_fingerprint(plan, args.model, args.seq)
     else:
         config, stage_layers = config_from_flags(args, devices), None
@@ -144,36 +164,69 @@ def run(args: argparse.Namespace) -> int:
         if args.global_batch not in (None, global_batch):
             raise ValueError(f"--global-batch {args.global_batch} but factory {args.model!r} gives batches of "
                              f"{global_batch}; drop --global-batch")
+        if plan is not None and plan.global_batch != global_batch:
+            raise ValueError(f"plan {args.plan} was searched for a global batch of {plan.global_batch} but factory "
+                             f"{args.model!r} gives batches of {global_batch}; search again with --global-batch "
+                             f"{global_batch}")
     else:
         model = source.build()
         global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
-    dims = model_dims(model, config)
-    num_microbatches = config.check(global_batch=global_batch, num_devices=devices, **dims)
+    num_microbatches = check_job(model, config, num_devices=devices, global_batch=global_batch,
+                                 stage_layers=stage_layers)
     if args.resume:
         _check_resume(args, model)
+    found = _random_ops(model, example if source.factory is not None else source.example_inputs(global_batch)) \
+        if args.check else {}
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
                    seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile,
                    plans=(plan.dumps() if plan is not None else None,),
-                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=args.resume)
+                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=args.resume,
+                   deterministic_random=bool(found))
     if torchrun:
         import torch.distributed as dist
 
         results = [train_worker(dist.get_rank(), job)]
-        if dist.get_rank() != 0:
+        rank = dist.get_rank()
+        dist.destroy_process_group()  # as spawned ranks do: no live group left for interpreter exit
+        if rank != 0:
             return 0
     else:
         try:
             results = spawn(train_worker, devices, (job,))
         except RankFailure as exc:
             print(f"autopar train: error: {exc} (all ranks stopped)", file=sys.stderr)
-            return 2 if exc.user_error else 1
+            return EXIT_BAD_INPUT if exc.user_error else EXIT_CRASH
     per_rank: list[RunResult] = [r[0] for r in results]
     ref_losses = reference_run(job)[0] if args.check else None
-    return _report(args, job, config, num_microbatches, per_rank, ref_losses)
+    return _report(args, job, config, num_microbatches, per_rank, ref_losses, found)
+
+
+def _random_ops(model: Any, example_inputs: Any) -> dict[str, int]:
+    """Random ops of the traced training step, for --check; refuses ops the check cannot
+    make deterministic. A model that cannot be traced is checked with the mode on anyway
+    (it replaces whatever random ops run; none is harmless)."""
+    import copy
+
+    from autopar.determinism import UnsupportedRandomOpError, random_ops, unsupported
+    from autopar.trace import TraceError, trace
+
+    try:
+        found = random_ops(trace(copy.deepcopy(model), tuple(example_inputs)).gm)
+    except TraceError as exc:
+        print(f"autopar train: --check could not trace the step to look for random ops ({exc}); "
+              "random ops that run are made deterministic anyway", file=sys.stderr)
+        return {"unknown (not traced)": 0}
+    bad = unsupported(found)
+    if bad:
+        raise UnsupportedRandomOpError(
+            f"--check compares the parallel run with a single-process reference, and the model draws random "
+            f"numbers with {', '.join(bad)}, which the check cannot make deterministic (it can: dropout, bernoulli, "
+            "rand, randn, uniform, normal_); run without --check, or check a variant of the model without these ops")
+    return found
 
 
 def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num_microbatches: int,
-            per_rank: list[RunResult], ref_losses: list[float] | None) -> int:
+            per_rank: list[RunResult], ref_losses: list[float] | None, found: dict[str, int]) -> int:
     first = per_rank[0]
     tokens = _tokens_per_step(job)
     timed = first.step_times_s[1:] or first.step_times_s  # the first step pays lazy init
@@ -200,6 +253,8 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         out["reference_losses"] = ref_losses
         out["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(first.losses, ref_losses))
         out["match"] = ok
+        out["random_ops"] = found
+        out["deterministic_random"] = job.deterministic_random
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
@@ -214,6 +269,11 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         print(f"throughput {tokens_per_s:,.0f} tokens/s (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
         if ref_losses is not None:
+            if job.deterministic_random:
+                ops = ", ".join(f"{name} x{count}" if count else name for name, count in found.items())
+                print(f"check: random ops in the traced step: {ops}; both runs drew them deterministically (the same "
+                      "fixed masks on every rank and in the reference, autopar/determinism.py), so the losses are "
+                      "those of that deterministic variant")
             verdict = "match" if ok else "MISMATCH"
             print(f"check: {verdict} (max relative loss difference {out['max_rel_loss_diff']:.2e}, rtol {LOSS_RTOL})")
-    return 0 if ok else 1
+    return 0 if ok else EXIT_CHECK_MISMATCH

@@ -3,7 +3,8 @@ exit code 2 for the CLI) and a message that says what is wrong and what to try.
 
 CLI cases run `autopar.cli.main([...])` in this process (it returns the exit code, or
 argparse raises SystemExit(2) for a bad flag; both print `autopar CMD: error: ...`). One case (NaN loss) spawns a single rank; the
-rest never start a process group. Python API cases assert `type(exc) is X` (not a
+rest never start a process (the `no_ranks_started` fixture checks) or a process group.
+More cases, refused in the launcher rather than in the ranks: test_bad_inputs_prespawn.py. Python API cases assert `type(exc) is X` (not a
 subclass) and a key phrase of the message.
 """
 
@@ -123,7 +124,7 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("argv, phrase", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
-def test_cli_bad_input_exits_2_with_a_message(argv, phrase, capsys):
+def test_cli_bad_input_exits_2_with_a_message(argv, phrase, capsys, no_ranks_started):
     assert _main(argv) == 2
     err = capsys.readouterr().err
     assert f"autopar {argv[0]}: error: " in err, err  # after argparse's usage lines for flag errors

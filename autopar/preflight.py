@@ -1,0 +1,49 @@
+"""Checks of a training job that need no process group, run once before any rank starts.
+
+Where it sits: between the CLI (autopar/commands/train.py) and the launcher
+(autopar/runtime_launch.py). The runtime (autopar/runtime.py, codegen/) refuses the same
+inputs when it builds a rank's program, but there each of N ranks would raise after
+N processes were started and the user would read `rank 0 failed: ...`; here the
+launcher raises once, before spawning, and the CLI exits 2 with the message alone.
+
+What is checked (config vs model, plan vs model, devices): the degrees multiply to the
+devices and divide the batch (ParallelConfig.check); one-stage jobs run the per-op program,
+which takes any model; pipelines (still cut by the family tables) need a model of known
+structure, heads divisible by tp, no ZeRO-1 with tp > 1, and stage cuts that fit the layers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autopar.config import ParallelConfig
+from autopar.runtime import model_dims
+from codegen.rules import rules_for
+from codegen.stages import split_layers
+from codegen.tp import check_tp
+
+
+def check_job(model: nn.Module, config: ParallelConfig, *, num_devices: int, global_batch: int,
+              stage_layers: tuple[int, ...] | None = None) -> int:
+    """Raise ValueError (what is wrong, what to try) for a job the ranks would refuse;
+    returns the number of microbatches per step."""
+    num_microbatches = config.check(global_batch=global_batch, num_devices=num_devices, **model_dims(model, config))
+    if config.pp == 1:
+        return num_microbatches  # one stage: the per-op program shards any model the ILP can
+    rules = rules_for(model)
+    check_tp(rules, model, config.tp)
+    if rules is None:
+        raise ValueError(
+            f"--pp {config.pp} needs a model of known structure (the zoo's GPT or Llama) so it can be cut "
+            f"into stages; {type(model).__name__} runs as one stage (per-op data, tensor and ZeRO "
+            f"sharding). Use --pp 1"
+        )
+    if config.zero == 1 and config.dp > 1 and config.tp > 1:
+        raise ValueError(
+            "--zero 1 with --tp > 1 and --pp > 1 is not supported (ZeroRedundancyOptimizer takes plain "
+            "tensors, TP parameters are DTensors); use --zero 2, which also shards the optimizer state"
+        )
+    num_chunks = config.pp * config.interleave
+    if stage_layers is not None and not (config.interleave > 1 and len(stage_layers) == config.pp):
+        split_layers(model_dims(model)["num_layers"], num_chunks, stage_layers)  # raises on a misfit
+    return num_microbatches

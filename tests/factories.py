@@ -1,0 +1,109 @@
+"""Model factories for tests that go through `autopar train FACTORY` (`tests.factories:NAME`).
+
+Each returns `(model, example_inputs)` with a forward that returns the scalar loss, the
+factory contract of autopar/models/zoo.py. Built from configs only (no downloads), under
+a fixed seed so the launcher, every rank and the reference build the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+"""Sizes of the GPT-2 factory's batch, and the vocabulary of the embedding + head model."""
+
+
+class CausalLMLoss(nn.Module):
+    """A Hugging Face causal LM whose forward(input_ids, labels) returns the loss tensor."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+def hf_gpt2_dropout() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """GPT-2 from a Hugging Face config with its default dropout (0.1 on embeddings,
+    attention probabilities and residual branches), tiny: 2 layers, hidden 32."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0,
+                                     eos_token_id=0)
+    torch.manual_seed(0)
+    model = CausalLMLoss(transformers.GPT2LMHeadModel(config))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, (ids, ids.clone())
+
+
+class MLP(nn.Module):
+    """Three distinct linear layers: no repeated layer stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 12), nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))), y)
+
+
+def mlp_batch() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return MLP(), mlp_batch()
+
+
+class SmallCNN(nn.Module):
+    """Two convolutions of different shapes and a linear head: no repeated layer stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 8, 3, stride=2)
+        self.head = nn.Linear(8 * 3 * 3, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return nn.functional.cross_entropy(self.head(h.flatten(1)), y)
+
+
+def cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return SmallCNN(), (torch.randn(8, 1, 7, 7, generator=g), torch.randint(0, 5, (8,), generator=g))
+
+
+class EmbeddingHead(nn.Module):
+    """An embedding and a linear head over the vocabulary: no layer stack between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), labels.flatten())
+
+
+def embedding_head() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    return EmbeddingHead(), (torch.randint(0, VOCAB, (8, 6), generator=g), torch.randint(0, VOCAB, (8, 6), generator=g))
+
+
+class ShuffledFeatures(MLP):
+    """Permutes its input features at random each step (`torch.randperm`): a random op that
+    `--check` has no deterministic stand-in for."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[:, torch.randperm(x.shape[1])], y)
+
+
+def shuffled_features() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return ShuffledFeatures(), mlp_batch()

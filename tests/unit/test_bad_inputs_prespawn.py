@@ -1,0 +1,83 @@
+"""The bad-input catalogue, continued: what used to fail inside the ranks now fails in the
+launcher, once, before any rank starts (autopar/preflight.py, autopar/commands/train.py).
+
+Each case runs `autopar train` in this process with process starts instrumented
+(`no_ranks_started`, tests/conftest.py): the CLI must exit 2 with the message alone (no
+`rank 0 failed:`), having started no worker process and no process group.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar import cli
+
+G = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
+MLP = "tests.factories:mlp"
+
+
+def _plan(tmp_path, model: str, *flags: str, edit=None) -> str:
+    path = tmp_path / "plan.json"
+    assert cli.main(["search", model, "--cluster", "cpu:2", "--global-batch", "8", "--out", str(path), *flags]) == 0
+    if edit is not None:
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _as_tp2(data: dict) -> None:
+    data["config"].update(tp=2, dp=1, zero=0)
+    data["mesh_shape"] = [1, 1, 2]
+
+
+def _as_uneven_pp2(data: dict) -> None:
+    """A pp2 plan whose cut (2 + 1 layers) does not fit the 2-layer model it names."""
+    data["config"].update(pp=2, dp=1, tp=1, zero=0)
+    data.update(mesh_shape=[2, 1, 1], num_layers=3, stage_layers=[2, 1], stages=[])
+
+
+CASES = [
+    ("tp for a model of unknown structure", lambda tmp: ["train", MLP, "--devices", "2", "--tp", "2"],
+     "--tp 2 needs a model of known structure (the zoo's GPT or Llama); MLP gets data parallel"),
+    ("pp for a model of unknown structure", lambda tmp: ["train", MLP, "--devices", "2", "--pp", "2"],
+     "--pp 2 needs a model of known structure"),
+    ("zero 1 with tp", lambda tmp: ["train", G, "--devices", "4", "--tp", "2", "--zero", "1"],
+     "--zero 1 with --tp > 1 is not supported"),
+    ("devices not divisible by tp", lambda tmp: ["train", G, "--devices", "3", "--tp", "2"],
+     "--devices 3 is not divisible by tp * pp = 2"),
+    ("plan with tp for a model of unknown structure",
+     lambda tmp: ["train", MLP, "--devices", "2", "--plan", _plan(tmp, MLP, edit=_as_tp2)],
+     "--tp 2 needs a model of known structure"),
+    ("plan for another global batch", lambda tmp: ["train", MLP, "--devices", "2", "--plan",
+                                                   _plan(tmp, MLP, edit=lambda d: d.update(global_batch=16))],
+     "was searched for a global batch of 16 but factory 'tests.factories:mlp' gives batches of 8"),
+    ("plan cut that does not fit the model",
+     lambda tmp: ["train", G, "--devices", "2", "--plan", _plan(tmp, G, edit=_as_uneven_pp2)],
+     "plan stage_layers (2, 1) do not fit 2 pipeline chunks of a 2-layer model"),
+    ("check with a random op it cannot make deterministic",
+     lambda tmp: ["train", "tests.factories:shuffled_features", "--devices", "2", "--check"],
+     "draws random numbers with aten.randperm.default, which the check cannot make deterministic"),
+]
+
+
+@pytest.mark.parametrize("argv, phrase", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_refused_before_any_rank_starts(argv, phrase, tmp_path, capsys, no_ranks_started):
+    args = argv(tmp_path)
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar train: error: ") and phrase in err, err
+    assert "rank" not in err.split(": error: ", 1)[1][:20], err  # the message alone, not a rank's report
+
+
+def test_the_instrumentation_sees_a_rank_start(no_ranks_started):
+    """The fixture is a real measurement: a spawn under it is seen (and stopped)."""
+    from autopar.runtime_launch import spawn
+
+    with pytest.raises(AssertionError, match="was started: bad input must be refused before any rank starts"):
+        spawn(print, 2)
+    assert len(no_ranks_started) == 1
+    no_ranks_started.clear()  # seen; let the fixture's own check pass

@@ -1,0 +1,51 @@
+"""Plans for models without a repeated layer stack: one stage holding everything.
+
+A plain MLP of distinct layers, a small CNN and an embedding + linear head trace to 0
+layers. The search used to build stage_layers [1] for them, which its own plan validation
+refused ("sum to 1 but the model has 0 layers"); now the cost model, the solver and the
+plan agree on [0] with pp = 1. Training them: tests/dist/test_layerless_models.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from autopar import cli
+from autopar.api import search_plan
+from autopar.plan import Plan, PlanFileError
+from tests import factories
+
+
+@pytest.mark.parametrize("factory", [factories.mlp, factories.cnn, factories.embedding_head],
+                         ids=["mlp", "cnn", "embedding_head"])
+def test_search_plans_one_stage_holding_everything(factory):
+    model, batch = factory()
+    plan = search_plan(model, "cpu:2", example_inputs=batch)
+    assert plan.num_layers == 0 and plan.stage_layers == (0,) and plan.config.pp == 1
+    assert plan.config.tp == 1 and plan.config.dp == 2  # unknown structure: data parallel and ZeRO only
+    stage, = plan.stages
+    assert stage.num_layers == 0 and stage.has_embedding and stage.has_head
+    assert stage.num_parameters == sum(p.numel() for p in model.parameters())
+    assert Plan.loads(plan.dumps()) == plan
+    assert "every module (no repeated layer stack)" in plan.explain()
+
+
+def test_plan_validation_keeps_stages_and_layers_consistent():
+    model, batch = factories.mlp()
+    plan = search_plan(model, "cpu:2", example_inputs=batch)
+    with pytest.raises(PlanFileError, match=r"stage_layers \[1\] sum to 1 but the model has 0 layers"):
+        dataclasses.replace(plan, stage_layers=(1,), stages=())
+    with pytest.raises(PlanFileError, match=r"or \[0\] with pp=1 for a model without a repeated layer stack"):
+        dataclasses.replace(plan, num_layers=2, stage_layers=(0,), stages=())
+
+
+def test_cli_search_of_a_layerless_factory(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli.main(["search", "tests.factories:cnn", "--cluster", "cpu:2", "--global-batch", "8",
+                     "--out", str(out), "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["plans"]
+    assert ranked and all(p["stage_layers"] == [0] and p["config"]["tp"] == 1 for p in ranked)
+    assert Plan.load(str(out)).stage_layers == (0,)
