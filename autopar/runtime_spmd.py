@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import resource
 from typing import Any, Callable, Sequence
 
@@ -151,6 +152,12 @@ class SpmdProgram:
                 raw = grads if raw is None else [a + b for a, b in zip(raw, grads)]
             synced = self.graphs.grad_sync(*raw)
         by_name = dict(zip((name for name, _, _ in self.graphs.grads), synced))
+        skip = os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
+        if skip in by_name:
+            # test-only hook: this parameter keeps its unsynchronised gradient, a deliberately
+            # broken program that `train --check` must catch (tests/dist/test_check_random.py)
+            names = [name for name, _, _ in self.graphs.grads]
+            by_name[skip] = raw[names.index(skip)]
         grad_bytes = 0
         for name, param in self._params.items():
             g = by_name[name]

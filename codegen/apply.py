@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch._decomp
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -88,6 +90,28 @@ def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shap
              stride: Sequence[int]) -> DTensor:
     return DTensor.from_local(local, mesh, bridge.to_dtensor_placements(placements), run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
+
+
+def _runnable(op: Any) -> Any:
+    """What runs `op` on DTensors. An op DTensor has no rule for, whose strategies the space
+    derived from its decomposition (solver/strategies.py), runs as that decomposition: its
+    local kernel on shards may be wrong where the decomposition reads the global shape
+    (mse_loss_backward's mean divides by numel: on a batch shard the kernel would divide by
+    the shard's). The decomposed ops go through DTensor's registry one by one."""
+    prop = bridge.PROPAGATOR
+    if not isinstance(op, torch._ops.OpOverload) or op in prop.op_single_dim_strategy_funcs \
+            or op in prop.op_strategy_funcs:
+        return op
+    table = torch._decomp.decomposition_table
+    if op in table:
+        return table[op]
+    if op._can_decompose():
+        return op.decompose
+    return op
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+"""Ops that need a viewable (not necessarily contiguous) input."""
 
 
 def _redistribute(t: DTensor, placements: Placements, contiguous: bool) -> DTensor:
@@ -195,8 +219,21 @@ class _Interpreter:
 
         args = tuple(arg(a) for a in node.args)
         kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+        target = _runnable(node.target)
         try:
-            out = node.target(*args, **kwargs)
+            try:
+                out = target(*args, **kwargs)
+            except RuntimeError:
+                if node.target not in _VIEWS or not isinstance(args[0], DTensor):
+                    raise
+                # the traced tensor was viewable but this rank's layout of it is not (a kernel
+                # or a redistribution laid it out differently): view a contiguous copy
+                first = args[0]
+                shape = first.shape
+                args = (_dtensor(first._local_tensor.contiguous(), first.device_mesh,
+                                 bridge.from_dtensor_placements(first.placements), shape,
+                                 make_contiguous_strides_for(shape)), *args[1:])
+                out = target(*args, **kwargs)
         except Exception as exc:
             raise ApplyError(f"node {node.name} ({node.target}) failed under placements "
                              f"{[str(p) for p in choice.inputs]}: {type(exc).__name__}: {exc}") from exc

@@ -36,8 +36,6 @@ def test_check_passes_on_dp2_with_dropout(capsys):
     assert out["losses"][1] < out["losses"][0]  # it trains
 
 
-@pytest.mark.skip(reason="needs the per-op compiler (issue 13): tp > 1 runs only the zoo's GPT/Llama today, "
-                         "and the zoo has no dropout")
 def test_check_passes_on_tp2_with_dropout(capsys):
     code = cli.main(["train", FACTORY, "--devices", "2", "--tp", "2", "--steps", "2", "--check", "--json"])
     out = json.loads(capsys.readouterr().out)
