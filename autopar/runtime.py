@@ -409,6 +409,20 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
         plan = plan if plan is not None and getattr(plan, "placements", None) else None
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
+    return build_module_program(model, config, loss_fn=loss_fn, optimizer=optimizer, stage_layers=stage_layers,
+                                compile_stages=compile_stages, mesh=mesh, fused_kernels=fused_kernels)
+
+
+def build_module_program(model: nn.Module, config: ParallelConfig, *,
+                         loss_fn: Callable[..., torch.Tensor] | None = None,
+                         optimizer: OptimizerFactory | None = None, stage_layers: tuple[int, ...] | None = None,
+                         compile_stages: bool | None = None, mesh: DeviceMesh | None = None,
+                         fused_kernels: bool | None = None) -> RankProgram:
+    """The module-level program: pipeline stages cut by the family rule tables
+    (codegen/rules.py), Megatron-style TP by `parallelize_module`, FSDP2 / ZeroRedundancy-
+    Optimizer for ZeRO. `build_program` uses it for pp > 1 until pipelines are per-op; with
+    pp = 1 it is the template baseline the per-op program is measured against
+    (benchmarks/measure_cpu.py), not a path `autopar train` or `autopar.compile` takes."""
     if fused_kernels is None:
         fused_kernels = torch.cuda.is_available()
     if fused_kernels and config.tp > 1:

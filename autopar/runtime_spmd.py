@@ -281,6 +281,23 @@ def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
     return tuple(NodeStrategy(outputs=by_node[i].outputs, inputs=by_node[i].inputs) for i in range(len(graph)))
 
 
+def check_plan_placements(model: nn.Module, config: ParallelConfig, example: Sequence[Any], plan: Any, *,
+                          loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+    """Raise PlanFileError where `plan`'s per-op placements do not match `model`'s traced step
+    at the plan's microbatch (node keys and ops): what every rank would find when it builds,
+    found once, with no process group, before any rank starts (the launcher calls this)."""
+    import copy
+
+    from autopar.trace import trace_step
+
+    rows = config.dp * config.micro_batch
+    tensors = [t for t in example if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0]
+    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
+    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute)
+    plan.placements_for(graph)
+
+
 def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
                        loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
                        mesh: DeviceMesh | None = None, choices: Sequence[NodeStrategy] | None = None,

@@ -94,6 +94,15 @@ def cases(world: int, searched: Any | None = None) -> list[Case]:
     return out
 
 
+def kinds(case: Case) -> list[str]:
+    """The programs measured for `case`: autopar's, the template (pp = 1 configurations with a
+    hand-tuned twin: the module-level rule-table program the per-op compiler replaced) and the
+    hand-tuned one."""
+    if case.hand is None:
+        return ["autopar"]
+    return ["autopar"] + (["template"] if case.config.pp == 1 else []) + ["hand"]
+
+
 def same_program(a: Case, b: Case) -> bool:
     """Whether two cases run the same autopar program (then it is measured once)."""
     even = lambda c: c.stage_layers in (None, tuple(default_stage_layers(4, c.config.pp)))  # noqa: E731
@@ -134,14 +143,20 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
     import torch
 
     from autopar.models import resolve
-    from autopar.runtime import build_program
+    from autopar.runtime import build_module_program, build_program
     from handtuned import build
 
     source = resolve(MODEL)
     if which == "autopar":
         torch.manual_seed(0)
+        example = source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
         program = build_program(source.build(), case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                stage_layers=case.stage_layers)
+                                stage_layers=case.stage_layers, example_inputs=example)
+        return program.step, list(getattr(program, "chunks", ()))
+    if which == "template":  # the module-level rule-table program autopar ran before the per-op compiler
+        torch.manual_seed(0)
+        program = build_module_program(source.build(), case.config,
+                                       optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
         return program.step, list(program.chunks)
     hand = build(source.build, case.hand, num_microbatches=case.config.num_microbatches(GLOBAL_BATCH))
     dp_rank = hand.mesh.get_local_rank("dp")
@@ -199,7 +214,7 @@ def _time_round_robin(rank: int, world_cases: list[Case], searched_label: str | 
     model is compared with, and the searched plan vs the fastest hand-tuned program."""
     programs: list[tuple[str, str, Callable[[Any], float]]] = []
     for case in world_cases:
-        for kind in ["autopar"] + (["hand"] if case.hand is not None else []):
+        for kind in kinds(case):
             programs.append((case.label, kind, _build(case, kind)[0]))
     for batch in batches[:WARMUP_STEPS]:
         for _, _, step in programs:
@@ -222,6 +237,10 @@ def _time_round_robin(rank: int, world_cases: list[Case], searched_label: str | 
                 pairs = [h / x for h, x in zip(rec["hand"]["times"], rec["autopar"]["times"])]
                 line += (f", hand-tuned {statistics.median(rec['hand']['times']) * 1e3:.0f} ms/step, "
                          f"ratio (median over step pairs) {statistics.median(pairs):.3f}")
+            if "template" in rec:
+                pairs = [h / x for h, x in zip(rec["hand"]["times"], rec["template"]["times"])]
+                line += (f"; template {statistics.median(rec['template']['times']) * 1e3:.0f} ms/step, "
+                         f"template/hand-tuned {statistics.median(pairs):.3f}")
             print(line, flush=True)
     hands = [c.label for c in world_cases if c.hand is not None]
     if searched_label in results and hands:
@@ -253,13 +272,13 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
         # (lazy imports, gloo and mesh state, allocator arenas) must not be charged to
         # whichever program happens to be measured first
         first = world_cases[0]
-        for kind in ["autopar"] + (["hand"] if first.hand is not None else []):
+        for kind in kinds(first):
             _run_one(first, kind, batches[:1], measure_memory=False)
     if phase == "timing":
         return _time_round_robin(rank, world_cases, searched_label, batches)
     for case in world_cases:  # alone: memory, first loss, forward calls (one steady-state step)
         results[case.label] = {}
-        for kind in ["autopar"] + (["hand"] if case.hand is not None else []):
+        for kind in kinds(case):
             got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
             results[case.label][kind] = {"first_loss": got["first_loss"],
                                          "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
@@ -484,6 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         m = measured[case.label]
         a = m["autopar"]
         h = m.get("hand")
+        tpl = m.get("template")
         pred = None
         if hw[case.world] is not None:
             cluster = Cluster.parse(f"cpu:{case.world}", hardware=hw[case.world])
@@ -504,6 +524,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "hand_first_loss": h["first_loss"] if h else None,
             "ratio": statistics.median(th / ta for th, ta in zip(h["step_times_s"], a["step_times_s"])) if h else None,
             "predicted_step_time_s": pred,
+            "template_tokens_per_s": tokens / tpl["step_time_s"] if tpl else None,
+            "template_step_times_s": tpl["step_times_s"] if tpl else None,
+            "template_peak_rss_delta_bytes": tpl["peak_rss_delta_bytes"] if tpl else None,
+            "template_first_loss": tpl["first_loss"] if tpl else None,
+            "template_ratio": statistics.median(th / tt for th, tt in zip(h["step_times_s"], tpl["step_times_s"]))
+            if tpl and h else None,
         })
 
     print(f"\n{'config':<16}{'N':>3}{'autopar tok/s':>15}{'hand tok/s':>12}{'ratio':>7}"
@@ -521,9 +547,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     priced4 = [r for r in priced if r["world"] == 4]
     rho4 = spearman([r["predicted_step_time_s"] for r in priced4], [r["autopar_step_time_s"] for r in priced4])
     ratios = ratios or [float("nan")]
+    templated = [r for r in rows if r["template_ratio"] is not None]
     summary = [f"ratio autopar/hand-tuned (tokens/s): min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
                f"over {len(ratios)} configurations (median over {TIMED_STEPS} rounds of adjacent A/H steps after "
                f"{WARMUP_STEPS} warm-up rounds)"]
+    for r in templated:
+        summary.append(f"{r['label']}: per-op autopar / hand-tuned {r['ratio']:.3f}, template / hand-tuned "
+                       f"{r['template_ratio']:.3f}; peak MiB/rank per-op {r['autopar_peak_rss_delta_bytes'] / 2**20:.0f} "
+                       f"vs template {r['template_peak_rss_delta_bytes'] / 2**20:.0f} "
+                       f"({r['autopar_peak_rss_delta_bytes'] / r['template_peak_rss_delta_bytes']:.2f}x)")
     summary.append(f"autopar search (cpu:4, calibrated): {describe_config(config, stage_layers, GLOBAL_BATCH)}"
                    + (f", the same program as {twin.label!r}" if twin is not None else ""))
     if searched and best_hand:
@@ -582,6 +614,20 @@ def write_markdown(out: dict[str, Any], path: Path, *, summary: list[str]) -> No
             f"{f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20)} | {f(r['hand_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
             f"{f(r['autopar_first_loss'], '.5f')} | {f(r['hand_first_loss'], '.5f')} | "
             f"{f(r['predicted_step_time_s'], '.0f', 1e3)} | {f(r['autopar_step_time_s'], '.0f', 1e3)} |")
+    templated = [r for r in out["rows"] if r.get("template_ratio") is not None]
+    if templated:
+        lines += ["", "Per-op program (what `autopar train`/`autopar.compile` run: the ILP's placements applied to "
+                  "the traced step) vs the template program (the module-level rule-table program autopar ran "
+                  "before, `autopar.runtime.build_module_program`) vs hand-tuned, same rounds:", "",
+                  "| config | per-op tok/s | template tok/s | hand-tuned tok/s | per-op/hand | template/hand | "
+                  "per-op MiB/rank | template MiB/rank | loss per-op | loss template |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in templated:
+            lines.append(
+                f"| {r['label']} | {r['autopar_tokens_per_s']:,.0f} | {r['template_tokens_per_s']:,.0f} | "
+                f"{r['hand_tokens_per_s']:,.0f} | {r['ratio']:.3f} | {r['template_ratio']:.3f} | "
+                f"{r['autopar_peak_rss_delta_bytes'] / 2**20:.0f} | {r['template_peak_rss_delta_bytes'] / 2**20:.0f} | "
+                f"{r['autopar_first_loss']:.5f} | {r['template_first_loss']:.5f} |")
     path.write_text("\n".join(lines + [""] + [f"- {line}" for line in summary]) + "\n")
 
 

@@ -175,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
                                  stage_layers=stage_layers)
     if args.resume:
         _check_resume(args, model)
+    if plan is not None and config.pp == 1 and getattr(plan, "placements", None):
+        from autopar.runtime_spmd import check_plan_placements
+
+        check_plan_placements(model, config, example if source.factory is not None
+                              else source.example_inputs(global_batch), plan)
     found = _random_ops(model, example if source.factory is not None else source.example_inputs(global_batch)) \
         if args.check else {}
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,

@@ -80,13 +80,13 @@ def test_zero_stages_shard_memory(world4, model):
     per_rank, _ = world4[model]
     stats = {name: per_rank[0][i] for i, name in enumerate(WORLD4)}
     base = stats["dp4"]
-    # dp = 4: sharded state is about a quarter (ZeRO-1 partitions whole parameters)
-    assert stats["zero1"].optimizer_state_bytes < 0.4 * base.optimizer_state_bytes
-    assert stats["zero1"].parameter_bytes == base.parameter_bytes
-    for name in ("zero2", "zero3"):
+    # dp = 4, one stage (the per-op program): a parameter's gradient and optimizer state follow
+    # its placement, so every ZeRO stage shards parameters, gradients and state over dp (about
+    # a quarter each); the stages differ only in pipelines (module-level program)
+    for name in ("zero1", "zero2", "zero3"):
         assert stats[name].optimizer_state_bytes < 0.3 * base.optimizer_state_bytes
         assert stats[name].gradient_bytes < 0.3 * base.gradient_bytes
-    assert stats["zero3"].parameter_bytes < 0.3 * base.parameter_bytes
+        assert stats[name].parameter_bytes < 0.3 * base.parameter_bytes
 
 
 def test_3d_on_8_ranks_matches_reference():

@@ -28,9 +28,9 @@ def _plan(tmp_path, model: str, *flags: str, edit=None) -> str:
     return str(path)
 
 
-def _as_tp2(data: dict) -> None:
-    data["config"].update(tp=2, dp=1, zero=0)
-    data["mesh_shape"] = [1, 1, 2]
+def _renamed_op(data: dict) -> None:
+    """A per-op plan edited so one node's op is not the model's (same fingerprint)."""
+    data["placements"][-1][1] = "aten.weird_op.default"  # [key, op, outputs, inputs]
 
 
 def _as_uneven_pp2(data: dict) -> None:
@@ -40,17 +40,16 @@ def _as_uneven_pp2(data: dict) -> None:
 
 
 CASES = [
-    ("tp for a model of unknown structure", lambda tmp: ["train", MLP, "--devices", "2", "--tp", "2"],
-     "--tp 2 needs a model of known structure (the zoo's GPT or Llama); MLP gets data parallel"),
     ("pp for a model of unknown structure", lambda tmp: ["train", MLP, "--devices", "2", "--pp", "2"],
      "--pp 2 needs a model of known structure"),
-    ("zero 1 with tp", lambda tmp: ["train", G, "--devices", "4", "--tp", "2", "--zero", "1"],
-     "--zero 1 with --tp > 1 is not supported"),
+    ("zero 1 with tp in a pipeline", lambda tmp: ["train", G, "--devices", "8", "--tp", "2", "--pp", "2",
+                                                   "--zero", "1"],
+     "--zero 1 with --tp > 1 and --pp > 1 is not supported"),
     ("devices not divisible by tp", lambda tmp: ["train", G, "--devices", "3", "--tp", "2"],
      "--devices 3 is not divisible by tp * pp = 2"),
-    ("plan with tp for a model of unknown structure",
-     lambda tmp: ["train", MLP, "--devices", "2", "--plan", _plan(tmp, MLP, edit=_as_tp2)],
-     "--tp 2 needs a model of known structure"),
+    ("plan whose per-op placements do not match the model",
+     lambda tmp: ["train", MLP, "--devices", "2", "--plan", _plan(tmp, MLP, edit=_renamed_op)],
+     "does not match this model's traced step"),
     ("plan for another global batch", lambda tmp: ["train", MLP, "--devices", "2", "--plan",
                                                    _plan(tmp, MLP, edit=lambda d: d.update(global_batch=16))],
      "was searched for a global batch of 16 but factory 'tests.factories:mlp' gives batches of 8"),
