@@ -31,7 +31,7 @@ from autopar import checkpoint
 from autopar.config import ParallelConfig
 from autopar.determinism import deterministic_random
 from autopar.models import resolve
-from autopar.plan import Plan, model_fingerprint
+from autopar.plan import Plan, module_fingerprint
 from autopar.runtime import build_program
 
 
@@ -121,7 +121,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
     results = []
     for i, config in enumerate(job.configs):
         model, batches, _ = build_model_and_batches(job)
-        fingerprint = model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
+        fingerprint = module_fingerprint(model)
         stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
         plan = Plan.loads(job.plans[i]) if i < len(job.plans) and job.plans[i] else None
         program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),

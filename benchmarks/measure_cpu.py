@@ -105,13 +105,10 @@ def kinds(case: Case) -> list[str]:
 
 def same_program(a: Case, b: Case) -> bool:
     """Whether two cases run the same autopar program (then it is measured once)."""
+    from cost_model import default_stage_layers
+
     even = lambda c: c.stage_layers in (None, tuple(default_stage_layers(4, c.config.pp)))  # noqa: E731
     return a.world == b.world and a.config == b.config and even(a) and even(b)
-
-
-def default_stage_layers(layers: int, pp: int) -> tuple[int, ...]:
-    base, extra = divmod(layers, pp)
-    return tuple(base + (1 if i < extra else 0) for i in range(pp))
 
 
 # ---- on the ranks ----------------------------------------------------------------------

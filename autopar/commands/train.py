@@ -80,18 +80,16 @@ def _plan_config(args: argparse.Namespace) -> tuple[ParallelConfig, tuple[int, .
 
 def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None:
     expected = getattr(plan, "model_fingerprint", None)
-    try:
-        from autopar.plan import model_fingerprint
-    except ImportError:
-        return
     if not expected:
         return
     import torch
 
+    from autopar.plan import module_fingerprint
+
     source = resolve(model_name).with_overrides(seq=seq)
     with torch.device("meta"):
         model = source.build() if source.factory is None else source.factory()[0]
-    actual = model_fingerprint(tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    actual = module_fingerprint(model)
     if actual != expected:
         raise ValueError(
             f"plan {getattr(plan, 'path', '')!r} was made for another model (fingerprint {expected[:12]}..., "
@@ -102,7 +100,7 @@ def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None
 def _check_resume(args: argparse.Namespace, model: Any) -> None:
     """Refuse a resume that cannot work before any rank starts (files only, no process group)."""
     from autopar import checkpoint
-    from autopar.plan import model_fingerprint
+    from autopar.plan import module_fingerprint
 
     info = checkpoint.latest(args.checkpoint_dir)
     if info is None:
@@ -113,7 +111,7 @@ def _check_resume(args: argparse.Namespace, model: Any) -> None:
         raise ValueError(f"the checkpoint in {args.checkpoint_dir} is at step {info.step}, so --steps {args.steps} "
                          f"leaves nothing to train; pass --steps greater than {info.step} (--steps counts all steps, "
                          "including those before the checkpoint)")
-    actual = model_fingerprint((n, tuple(p.shape)) for n, p in model.named_parameters())
+    actual = module_fingerprint(model)
     if info.model_fingerprint and info.model_fingerprint != actual:
         raise ValueError(f"the checkpoint in {info.path} was written for model {info.model!r}, not {args.model!r} "
                          "(parameter names or shapes differ); resume with that model or use another --checkpoint-dir")

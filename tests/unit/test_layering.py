@@ -1,0 +1,332 @@
+"""The one-way flow of ../shared/DESIGN.md, checked on the imports of every module.
+
+Where it sits: a guard over autopar/, cost_model/, solver/ and codegen/. The flow is
+
+    trace -> Graph -> strategies -> costs -> solve -> Plan -> apply -> run
+
+Graph and Plan (and the other cross-stage types) are shared data that every stage reads;
+the stages are functions over them and do not import each other's internals; only the
+wiring modules (autopar/api.py, autopar/cli.py, autopar/commands/*) put stages together.
+
+Every `import` and `from ... import` is read with `ast` (function-local and TYPE_CHECKING
+imports included, relative imports resolved, `from pkg import sub` read as the submodule,
+and `pkg.sub` attribute use after `import pkg` read as an import of `pkg.sub`). Dynamic
+imports by computed name (cli.py's `autopar.commands.<name>`, autopar/__init__'s lazy
+re-exports) are not seen. An import of module B by module A is allowed when:
+  - A is a wiring module (WIRING); or
+  - B is shared (SHARED: the cross-stage types, and facts several stages must agree on);
+  - A and B are in the same stage; or
+  - (stage(A), stage(B)) is in ALLOWED_EDGES and B is one of that stage's PUBLIC modules.
+Otherwise it is a violation: "against the flow" when B's stage comes later in FLOW than
+A's, "internals" when the edge is allowed but B is not public, else "no edge" (a module
+other than the wiring ones puts two stages together). Shared modules import only shared
+modules. A module that no stage claims fails the test too: a new module is placed on
+purpose.
+
+KNOWN_VIOLATIONS lists the (importer, imported) pairs that break these rules today, each
+with why; the test fails on any violation not in it and on any entry that no longer
+occurs, so the list only shrinks (delete an entry when its import goes).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("autopar", "cost_model", "solver", "codegen")
+
+# --- the layering, as data ------------------------------------------------------------
+
+# Stages in flow order; a module belongs to the stage with its longest matching prefix
+# (a prefix matches the module itself and everything under it).
+STAGE_MODULES: dict[str, tuple[str, ...]] = {
+    "models": ("autopar.models",),                          # inputs: the model zoo
+    "trace": ("autopar.trace", "autopar.recompute"),        # recompute rewrites the traced graph before lower()
+    "strategies": ("solver.strategies",),
+    "costs": ("cost_model",),
+    "solve": ("solver",),
+    "apply": ("codegen",),
+    "run": ("autopar.runtime", "autopar.runtime_spmd", "autopar.runtime_jobs", "autopar.runtime_launch",
+            "autopar.checkpoint", "autopar.determinism", "autopar.preflight"),
+    # Outside the flow, reading its data: calibrate measures a Hardware profile for the
+    # cost model (spawning ranks as `train` does); plots draws a Plan.
+    "tools": ("autopar.calibrate", "autopar.plots"),
+}
+FLOW = tuple(STAGE_MODULES)
+
+# Importable by every stage. The cross-stage types (DESIGN: "Shared data types live in
+# autopar/"), and facts that several stages read so that they agree by construction:
+# buckets (pricing and the program count the same gradient collectives) and dtensor_bridge
+# (strategies, reshard prices and the program all come from DTensor's registry/planner).
+SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
+          "autopar.plan", "autopar.buckets", "autopar.dtensor_bridge")
+
+# May import anything (they are what wires the stages together). `autopar` is the package
+# itself: the public surface re-exports (matched exactly, not as a prefix).
+WIRING = ("autopar.api", "autopar.cli", "autopar.commands")
+WIRING_EXACT = ("autopar",)
+
+# What other stages may import of a stage, where an edge allows it (exact module names).
+PUBLIC: dict[str, tuple[str, ...]] = {
+    "models": ("autopar.models", "autopar.models.zoo"),
+    "trace": ("autopar.trace",),
+    "strategies": ("solver.strategies",),
+    "costs": ("cost_model",),
+    "solve": ("solver.search", "solver.spmd_search"),
+    "apply": ("codegen", "codegen.apply"),
+    "run": ("autopar.runtime_launch", "autopar.runtime_jobs"),
+    "tools": (),
+}
+
+# (importer stage, imported stage): why the importer may call the imported stage's PUBLIC
+# modules itself rather than being handed their result by the wiring.
+ALLOWED_EDGES: dict[tuple[str, str], str] = {
+    ("trace", "models"): "the tracer takes a ModelSource (a preset, spec or factory)",
+    ("run", "models"): "each spawned rank builds its model from the job's model name",
+    ("solve", "strategies"): "the search enumerates each candidate graph's strategies inside its loop",
+    ("solve", "costs"): "the search prices each candidate through cost_model's public functions",
+    ("tools", "run"): "calibrate spawns local gloo ranks exactly as `autopar train` does",
+}
+
+# Violations as of today: (importer module, imported module, why it is there). Delete an
+# entry when its import goes; never add one to make a new import pass.
+KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
+    # run -> apply internals: the module-level runtime still cuts and shards models with the
+    # per-family rule tables (DESIGN: no rule table on the execution path; issue 13).
+    ("autopar.runtime", "codegen.rules", "pipeline/TP runtime reads the per-family rule tables"),
+    ("autopar.runtime", "codegen.stages", "pipeline chunks are built by codegen's stage splitter"),
+    ("autopar.runtime", "codegen.tp", "TP is applied by codegen's parallelize_module helpers"),
+    ("autopar.runtime", "codegen.kernels.modules", "fused-kernel module swap is done by the runtime"),
+    ("autopar.checkpoint", "codegen.rules", "GPT's qkv row permutation for TP lives in the rule tables"),
+    ("autopar.preflight", "codegen.rules", "pre-spawn checks re-run the runtime's family-table checks"),
+    ("autopar.preflight", "codegen.stages", "pre-spawn checks re-run the pipeline layer split"),
+    ("autopar.preflight", "codegen.tp", "pre-spawn checks re-run the TP divisibility check"),
+    # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
+    # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
+    ("autopar.runtime_spmd", "autopar.trace", "each rank traces its own training step"),
+    ("autopar.runtime_spmd", "solver.intra_op", "rank 0 solves the ILP for a configuration given by flags"),
+    ("autopar.runtime_spmd", "solver.forced", "the flags' configuration as ILP constraints"),
+    ("autopar.runtime_spmd", "codegen.apply", "each rank applies the plan to its traced step"),
+    # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
+    # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
+    ("solver.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
+    ("solver.costs", "cost_model.compute", "ILP node prices call the roofline"),
+    ("solver.toy_price", "cost_model.estimate", "the test oracle returns the cost model's Estimate type"),
+    # apply wires trace and models: emit builds and traces the model itself for the source.
+    ("codegen.emit", "autopar.models", "emit resolves the model name to build its chunks"),
+    ("codegen.emit", "autopar.trace", "emit of a one-stage plan traces the step to apply the plan"),
+    ("codegen.rules", "autopar.models.gpt", "per-family rule tables are keyed on the zoo's classes"),
+    ("codegen.rules", "autopar.models.llama", "per-family rule tables are keyed on the zoo's classes"),
+    ("codegen.kernels.modules", "autopar.models.gpt", "fused-module swap matches the zoo's GPT blocks"),
+    ("codegen.kernels.modules", "autopar.models.llama", "fused-module swap matches the zoo's Llama blocks"),
+)
+
+# --- the checker ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    importer: str
+    imported: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    importer: str
+    imported: str
+    line: int
+    why: str
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def group_of(module: str) -> str | None:
+    """The module's group: "wiring", "shared", a stage name, or None when nothing claims it."""
+    if module in WIRING_EXACT or any(_matches(module, p) for p in WIRING):
+        return "wiring"
+    if any(_matches(module, p) for p in SHARED):
+        return "shared"
+    best: tuple[int, str] | None = None
+    for stage, prefixes in STAGE_MODULES.items():
+        for prefix in prefixes:
+            if _matches(module, prefix) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), stage)
+    return best[1] if best else None
+
+
+def imports_of(source: str, module: str, *, is_package: bool, modules: frozenset[str]) -> list[Import]:
+    """The project modules that `source` (the text of `module`) imports, anywhere in it."""
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[Import] = []
+    bound: dict[str, str] = {}  # local name -> project module, from `import pkg [as x]`
+
+    def add(name: str, line: int) -> None:
+        if name.split(".")[0] in PACKAGES:
+            found.append(Import(module, name, line))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+                if alias.asname:  # `import a.b as x` binds x to a.b; `import a.b` binds a to a
+                    bound[alias.asname] = alias.name
+                else:
+                    bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - (node.level - 1)])
+                source_module = f"{base}.{node.module}" if node.module else base
+            else:
+                source_module = node.module or ""
+            for alias in node.names:
+                sub = f"{source_module}.{alias.name}"
+                add(sub if sub in modules else source_module, node.lineno)
+    for node in ast.walk(tree):  # `import cost_model` then `cost_model.step.x`: an import of cost_model.step
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            sub = f"{bound[node.value.id]}.{node.attr}"
+            if sub in modules:
+                add(sub, node.lineno)
+    return found
+
+
+def check(imports: list[Import]) -> list[Violation]:
+    """The imports that break the layering, with why."""
+    out: list[Violation] = []
+    for imp in imports:
+        src, dst = group_of(imp.importer), group_of(imp.imported)
+        if src == "wiring" or dst == "shared" or src == dst:
+            continue
+        if dst is None:
+            why = f"{imp.imported} belongs to no stage"
+        elif src == "shared":
+            why = f"shared module imports {dst} ({imp.imported}); shared types import only shared modules"
+        elif dst == "wiring":
+            why = f"imports the wiring ({imp.imported}); import from the defining module instead"
+        elif (src, dst) in ALLOWED_EDGES:
+            if imp.imported in PUBLIC[dst]:
+                continue
+            why = f"imports {dst}'s internals ({imp.imported}); use {', '.join(PUBLIC[dst]) or 'no module'}"
+        elif src in FLOW and dst in FLOW and FLOW.index(dst) > FLOW.index(src):
+            why = f"against the flow: {src} imports {dst} ({imp.imported}), which comes after it"
+        else:
+            why = (f"no edge {src} -> {dst} ({imp.imported}): only api/cli/commands put stages together; "
+                   f"pass its result in from the wiring, or add ({src!r}, {dst!r}) to ALLOWED_EDGES on purpose")
+        out.append(Violation(imp.importer, imp.imported, imp.line, why))
+    return out
+
+
+def compare_with_known(violations: list[Violation],
+                       known: tuple[tuple[str, str, str], ...]) -> tuple[list[Violation], list[tuple[str, str]]]:
+    """(violations not in `known`, entries of `known` that no longer occur)."""
+    known_pairs = {(importer, imported) for importer, imported, _ in known}
+    found_pairs = {(v.importer, v.imported) for v in violations}
+    new = [v for v in violations if (v.importer, v.imported) not in known_pairs]
+    stale = sorted(known_pairs - found_pairs)
+    return new, stale
+
+
+def project_modules() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def project_imports() -> list[Import]:
+    modules = project_modules()
+    names = frozenset(modules)
+    found: list[Import] = []
+    for module, path in modules.items():
+        found += imports_of(path.read_text(), module, is_package=path.name == "__init__.py", modules=names)
+    return found
+
+
+# --- the tree as it is ----------------------------------------------------------------
+
+
+def test_every_module_is_placed() -> None:
+    unplaced = [m for m in project_modules() if group_of(m) is None]
+    assert unplaced == [], f"add these modules to STAGE_MODULES, SHARED or WIRING: {unplaced}"
+
+
+def test_layering_data_is_consistent() -> None:
+    assert set(PUBLIC) == set(STAGE_MODULES)
+    modules = project_modules()
+    for stage, public in PUBLIC.items():
+        for module in public:
+            assert module in modules and group_of(module) == stage, (stage, module)
+    for src, dst in ALLOWED_EDGES:
+        assert src in STAGE_MODULES and dst in STAGE_MODULES, (src, dst)
+    assert len({(a, b) for a, b, _ in KNOWN_VIOLATIONS}) == len(KNOWN_VIOLATIONS), "duplicate entries"
+
+
+def test_imports_follow_the_flow() -> None:
+    new, stale = compare_with_known(check(project_imports()), KNOWN_VIOLATIONS)
+    assert new == [], "imports against DESIGN.md's flow:\n  " + "\n  ".join(
+        f"{v.importer} (line {v.line}) -> {v.imported}: {v.why}" for v in new)
+    assert stale == [], f"these KNOWN_VIOLATIONS no longer occur; delete them from the list: {stale}"
+
+
+# --- the checker can fail -------------------------------------------------------------
+
+MODULES = frozenset(project_modules())
+
+
+def _violations(source: str, module: str, *, is_package: bool = False) -> list[tuple[str, str]]:
+    found = check(imports_of(source, module, is_package=is_package, modules=MODULES))
+    return [(v.importer, v.imported) for v in found]
+
+
+def test_checker_flags_an_import_against_the_flow() -> None:
+    source = "from solver.intra_op import solve_intra_op\n"
+    assert _violations(source, "cost_model.step") == [("cost_model.step", "solver.intra_op")]
+    assert "against the flow" in check(imports_of(source, "cost_model.step", is_package=False,
+                                                  modules=MODULES))[0].why
+
+
+def test_checker_sees_function_local_imports() -> None:
+    source = "import math\n\ndef build():\n    if True:\n        from codegen.apply import apply\n    return apply\n"
+    assert _violations(source, "solver.search") == [("solver.search", "codegen.apply")]
+
+
+def test_checker_flags_internals_of_an_allowed_edge() -> None:
+    assert _violations("import cost_model\n", "solver.search") == []          # the public entry is fine
+    assert _violations("from cost_model.collectives import all_reduce_time_s\n", "solver.search") == [
+        ("solver.search", "cost_model.collectives")]
+    assert _violations("from cost_model import step\n", "solver.search") == [("solver.search", "cost_model.step")]
+    attribute_use = "import cost_model\n\ndef f(p):\n    return cost_model.step.price_profile(p)\n"
+    assert _violations(attribute_use, "solver.search") == [("solver.search", "cost_model.step")]
+
+
+def test_checker_flags_wiring_outside_the_wiring_modules() -> None:
+    source = "from autopar.trace import trace_step\nfrom codegen.apply import apply\n"
+    assert _violations(source, "autopar.runtime_new") == [("autopar.runtime_new", "autopar.trace"),
+                                                          ("autopar.runtime_new", "codegen.apply")]
+    assert _violations(source, "autopar.api") == []
+    assert _violations(source, "autopar.commands.train") == []
+
+
+def test_checker_flags_shared_types_importing_a_stage_and_resolves_relative_imports() -> None:
+    assert _violations("from solver.search import search\n", "autopar.plan") == [("autopar.plan", "solver.search")]
+    assert _violations("from autopar import Plan\n", "cost_model.step") == [("cost_model.step", "autopar")]
+    assert _violations("from . import forced\n", "solver.search") == []        # same stage
+    assert _violations("from .search import search\n", "solver.strategies") == [("solver.strategies", "solver.search")]
+    assert _violations("from ..strategies import coverage\n", "solver.intra.ilp") == []  # solver.strategies
+
+
+def test_known_list_must_shrink() -> None:
+    found = [Violation("solver.costs", "cost_model.compute", 1, "x")]
+    new, stale = compare_with_known(found, KNOWN_VIOLATIONS)
+    assert new == [] and ("solver.costs", "cost_model.collectives") in stale
+    new, stale = compare_with_known(found + [Violation("codegen.apply", "autopar.runtime", 3, "x")],
+                                    KNOWN_VIOLATIONS)
+    assert [(v.importer, v.imported) for v in new] == [("codegen.apply", "autopar.runtime")]
