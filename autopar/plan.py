@@ -514,7 +514,8 @@ class Plan:
             lines.extend(self._explain_per_op())
         lines.append("stages:")
         if not self.stages:
-            lines.append(f"  one stage: the whole model ({self.num_layers} repeated layers) on the (dp, tp) mesh")
+            held = f"{self.num_layers} repeated layers" if self.num_layers else "every module, no repeated layer stack"
+            lines.append(f"  one stage: the whole model ({held}) on the (dp, tp) mesh")
         for s in self.stages:
             holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})" if s.num_layers
                      else "every module (no repeated layer stack)"]

@@ -203,16 +203,18 @@ def reshard_time_s(shape: tuple[int, ...], dtype_bytes: int, src: Placements, ds
 
 def collective_latency_s(kind: str, link: AxisLink) -> float:
     """The size-independent part of one collective of `kind` on `link` (the alpha terms of
-    the functions above): what a bucketed collective pays once for all tensors in it."""
+    the functions above, launch latency L0 included): what a bucketed collective pays once
+    for all tensors in it."""
     n = link.size
     if n <= 1:
         return 0.0
     if kind == "all_reduce":
         if link.tier == "intra":
-            return 2 * (n - 1) * link.ring_latency_s
-        return min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s)
+            return 2 * (n - 1) * link.ring_latency_s + link.base_latency_s
+        return min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s) \
+            + link.base_latency_s
     if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * link.ring_latency_s
+        return (n - 1) * link.ring_latency_s + link.base_latency_s
     if kind == "all_to_all":
-        return (n - 1) * link.latency_s
+        return (n - 1) * link.latency_s + link.base_latency_s
     raise ValueError(f"unknown collective kind {kind!r}")

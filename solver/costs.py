@@ -131,7 +131,14 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
     op_class = "gemm" if node.op in _GEMM_OPS else "attention" if node.op in _ATTENTION_OPS else "memory"
     t = compute_time_s(node.flops / work, sum(seen.values()) + out_bytes, cluster.hardware, dtype,
                        op_class=op_class, causal=op_class == "attention" and _is_causal(node))
-    return StrategyCost(compute_s=t, comm_s=0.0, memory_bytes=out_bytes)
+    return StrategyCost(compute_s=t * core_share(cluster), comm_s=0.0, memory_bytes=out_bytes)
+
+
+def core_share(cluster: Cluster) -> float:
+    """Ranks per core on a node (the cpu profile's cores_per_node; 1 on GPUs): ranks sharing
+    cores run their ops that much slower (cost_model/step.py prices the same)."""
+    cores = getattr(cluster.hardware, "cores_per_node", 0)
+    return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
 
 def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:

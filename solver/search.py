@@ -136,6 +136,9 @@ class SearchResult:
     plan: Plan
     phases: tuple[tuple[str, float], ...]
     search_time_s: float
+    plans: tuple[Plan, ...] = ()
+    """Where the search builds them (the per-op search): a runnable plan for each of
+    `ranked`, in the same order (plans[0] is `plan`)."""
 
 
 def bubble_fraction(config: ParallelConfig, num_microbatches: int) -> float:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import cost_model
+from solver.costs import core_share
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
@@ -138,7 +139,8 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
     """Step time, throughput and memory of a solved candidate (the ILP's own costs)."""
     m = cand.num_microbatches
     per_micro = solution.cost.total_s  # gradient-sync edges already weighted 1/m
-    optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware)
+    optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware) \
+        * core_share(cluster)
     step = m * per_micro + optimizer
     devices = cluster.num_devices
     tokens = global_batch * graph.model.seq
@@ -268,12 +270,14 @@ def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model
     ranked = tuple(Ranked(config=replace(s.candidate.config, zero=dict(s.estimate.config)["zero"]),
                           stage_layers=(num_layers if num_layers is not None else s.graph.model.num_layers,),
                           estimate=s.estimate, bubble_fraction=0.0) for s in solved)
-    plan = _plan(best, ranked, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
-                 num_candidates=len(cands), not_fit=not_fit)
+    plans = tuple(_plan(s, ranked[i:], cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
+                        num_candidates=len(cands), not_fit=not_fit) for i, s in enumerate(solved[:top]))
+    plan = plans[0]
     log.info("per-op search: %d candidates, %d fit; best mesh %s, %d microbatches, step %.4g s",
              len(cands), len(solved), best.candidate.mesh, best.candidate.num_microbatches,
              best.estimate.step_time_s)
-    return SearchResult(ranked=ranked[:top], plan=plan, phases=phases, search_time_s=time.perf_counter() - t0)
+    return SearchResult(ranked=ranked[:top], plan=plan, phases=phases, search_time_s=time.perf_counter() - t0,
+                        plans=plans)
 
 
 def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,

@@ -76,7 +76,7 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
     result = search_spmd(trace_at, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
                          top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers, **extra)
     return SearchResult(ranked=result.ranked, plan=result.plan, phases=tuple(phases) + result.phases,
-                        search_time_s=time.perf_counter() - t0)
+                        search_time_s=time.perf_counter() - t0, plans=result.plans)
 
 
 def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | None, Callable[[], None]]:

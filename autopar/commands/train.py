@@ -252,6 +252,16 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         "devices": len(per_rank),
         "global_batch": job.global_batch,
     }
+    ran, priced = getattr(first, "collectives", None), getattr(first, "priced", None)
+    if priced is not None:
+        # one-stage (per-op) programs: the collectives of one step, counted in the per-rank
+        # graphs, and those the plan priced: {kind, mesh axis, calls, bytes}
+        def rows(c: Any) -> list[list[Any]]:
+            return [[kind, axis, calls, nbytes] for (kind, axis), (calls, nbytes) in sorted(c.items())]
+
+        out["collectives_per_step"] = rows(ran)
+        out["priced_collectives_per_step"] = rows(priced)
+        out["price_equals_run"] = ran == priced
     if ref_losses is not None:
         out["reference_losses"] = ref_losses
         out["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(first.losses, ref_losses))
