@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 import torch._decomp
 from torch import fx
+from torch.fx.graph import _BoxedCodeGen
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -292,6 +293,10 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     sync = make_fx(_grad_sync_fn(grads, mesh, order, [graph.weight(g) for g in grad_ids]), tracing_mode="fake")(
         *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads])
     _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
+    # boxed: the caller hands over its list of raw gradients and the graph clears it, so each
+    # raw gradient is freed once copied into its bucket (not held until the sync returns)
+    sync.graph.set_codegen(_BoxedCodeGen())
+    sync.recompile()
     loss_id = interp.ids[interp.output.args[0][0]]
     program = RankGraphs(step=step, grad_sync=sync, slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
                           grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape)
