@@ -1,4 +1,4 @@
-"""Gradient buckets: which gradient reductions travel in one collective.
+"""Buckets: which gradient reductions, and which parameter gathers, travel in one collective.
 
 Where it sits: shared by the pricing of a plan (solver/intra_op.py reports the bucketed
 collectives; solver/costs.py prices a gradient's share of a bucket's latency) and the
@@ -39,3 +39,20 @@ def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap_bytes: int = 
         buckets.append(bucket)
         open_[key] = (bucket, nbytes)
     return buckets
+
+
+# ---- parameter gathers ------------------------------------------------------------------
+
+def gather_group(layer: int | None, phase: str, axis: int, dtype: str) -> tuple:
+    """The group a parameter's all-gather belongs to: parameters sharded on `axis` and
+    gathered for consumers in the same layer (None: outside the layer stack) and phase
+    (forward or backward) travel in one flat all-gather, issued where the group's first
+    consumer runs (as FSDP gathers a unit's parameters before its forward and again before
+    its backward). A parameter consumed twice in one group is gathered once."""
+    return (layer, phase, axis, dtype)
+
+
+def gather_share(param_bytes: float, group_bytes: float) -> float:
+    """A parameter's share of its group's collective latency (the pricing charges each
+    member that share, so the group pays one latency)."""
+    return min(1.0, param_bytes / group_bytes) if group_bytes > 0 else 1.0

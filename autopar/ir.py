@@ -184,6 +184,17 @@ class Graph:
     _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
     _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
+    def parameter_derived(self) -> frozenset[NodeId]:
+        """Nodes computed from parameters alone (a weight, its transpose, a cast of it): on a
+        data-parallel axis these may be gathered (ZeRO), activations may not; their gathers
+        travel in groups (autopar/buckets.py gather_group)."""
+        derived: set[NodeId] = set()
+        for node in self.nodes:
+            if node.role is Role.PARAMETER or (node.inputs and node.op != "placeholder"
+                                               and all(i in derived for i in node.inputs)):
+                derived.add(node.id)
+        return frozenset(derived)
+
     def __post_init__(self) -> None:
         for i, node in enumerate(self.nodes):
             assert node.id == i, f"node ids must be positions: node {node.id} at {i}"

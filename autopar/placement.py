@@ -176,3 +176,20 @@ def redistribute_supported(src: Placements, dst: Placements) -> bool:
         if a != b and isinstance(b, Partial) and not isinstance(a, Replicate):
             return False
     return True
+
+
+def single_gather_axis(src: Placements, dst: Placements) -> int | None:
+    """The mesh axis k where `src -> dst` is one all-gather: src[k] = Shard(d), dst[k] =
+    Replicate, every other axis unchanged and none of them sharding dim d too (nested
+    shards of one dim reorder chunks); None otherwise. Parameter gathers of this kind travel
+    in groups (autopar/buckets.py gather_group)."""
+    differ = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(differ) != 1:
+        return None
+    k = differ[0]
+    a, b = src[k], dst[k]
+    if not isinstance(a, Shard) or not isinstance(b, Replicate):
+        return None
+    if any(isinstance(p, Shard) and p.dim == a.dim for i, p in enumerate(src) if i != k):
+        return None
+    return k

@@ -297,12 +297,25 @@ def make_optimizer(factory: OptimizerFactory, params: list[nn.Parameter]) -> tor
     if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and not {"foreach", "fused"} & set(given):
         accepted = inspect.signature(cls.__init__).parameters
         for option in ("fused", "foreach"):
+            if option == "fused" and not _dtensor_fused(cls):
+                continue
             if option in accepted:
                 try:
                     return factory(params, **{option: True})
                 except (RuntimeError, ValueError):  # not supported for this device or dtype
                     continue
     return factory(params)
+
+
+def _dtensor_fused(cls: type) -> bool:
+    """Whether DTensor has a sharding rule for `cls`'s fused kernel (torch 2.13: Adam and
+    AdamW; not SGD or Adagrad), so `fused=True` runs on DTensor parameters."""
+    op = getattr(torch.ops.aten, f"_fused_{cls.__name__.lower()}_", None)
+    if op is None:
+        return False
+    prop = bridge.PROPAGATOR
+    return any(o in prop.op_strategy_funcs or o in prop.op_single_dim_strategy_funcs
+               for o in (getattr(op, name) for name in op.overloads()))
 
 
 def check_plan_placements(model: nn.Module, config: ParallelConfig, example: Sequence[Any], plan: Any, *,

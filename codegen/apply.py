@@ -46,7 +46,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import dtensor_bridge as bridge
 from autopar.ir import Graph, NodeId, Role
-from autopar.placement import Placements, local_shape, redistribute_plan, transfer_kind
+from autopar.buckets import gather_group
+from autopar.placement import Placements, local_shape, redistribute_plan, single_gather_axis, transfer_kind
 from autopar.sharding import NodeStrategy
 
 
@@ -165,18 +166,81 @@ class _Interpreter:
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
         assert len(self.fx_nodes) == len(graph.nodes), "graph and traced module disagree"
         self.ids = {n: i for i, n in enumerate(self.fx_nodes)}
+        self.edge_group, self.groups = self._gather_groups()
+        self.gathered: dict[tuple, DTensor] = {}
+        self.issuing: set[tuple] = set()
+
+    def _gather_groups(self) -> tuple[dict[tuple[NodeId, int], tuple], dict[tuple, list[tuple]]]:
+        """Parameter gathers that travel together (autopar/buckets.py gather_group, priced so
+        by solver/intra_op.py): {(consumer, input position): group} and, per group, its
+        members (parameter, source, target placements) in graph order, each once."""
+        edge_group: dict[tuple[NodeId, int], tuple] = {}
+        groups: dict[tuple, list[tuple]] = {}
+        derived = self.graph.parameter_derived()
+        for v in self.graph.nodes:
+            if not v.inputs:
+                continue
+            for p, u in enumerate(v.inputs):
+                param = self.graph[u]
+                if u not in derived or len(param.outputs) != 1:
+                    continue
+                src, dst = self.choices[u].outputs[0], self.choices[v.id].inputs[p]
+                axis = single_gather_axis(src, dst)
+                if axis is None:
+                    continue
+                key = gather_group(v.layer, v.phase.value, axis, param.output.dtype)
+                members = groups.setdefault(key, [])
+                if (u, src, dst) not in members:
+                    members.append((u, src, dst))
+                edge_group[(v.id, p)] = key
+        return edge_group, groups
+
+    def _gather(self, key: tuple, env: dict[fx.Node, Any]) -> None:
+        """One flat all-gather for every member of group `key`, where its first consumer runs."""
+        import torch.distributed._functional_collectives as funcol
+
+        if key in self.issuing:
+            raise ApplyError(f"parameter gather group {key} needs itself to compute a member")
+        self.issuing.add(key)
+        axis = key[2]
+        n = self.mesh.shape[axis]
+        members = self.groups[key]
+        for u, _, _ in members:  # a member computed later in graph order (a weight's transpose): now
+            self._ensure(self.fx_nodes[u], env)
+        locals_ = [env[self.fx_nodes[u]]._local_tensor for u, _, _ in members]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        rows = funcol.all_gather_tensor(flat, 0, (self.mesh, axis)).view(n, -1)
+        offset = 0
+        for (u, src, dst), local in zip(members, locals_):
+            size = local.numel()
+            full = torch.cat([rows[r, offset:offset + size].view(local.shape) for r in range(n)], dim=src[axis].dim)
+            offset += size
+            meta = self.graph[u].output
+            self.gathered[(u, src, dst)] = _dtensor(full, self.mesh, dst, meta.shape, meta.strides)
+        self.issuing.discard(key)
+
+    def _ensure(self, node: fx.Node, env: dict[fx.Node, Any]) -> None:
+        """Compute `node` (parameter-derived: its inputs are parameters or nodes like it)
+        and what it needs, if not yet computed."""
+        if node in env:
+            return
+        for a in node.all_input_nodes:
+            self._ensure(a, env)
+        env[node] = self._run_node(node, self.ids[node], env)
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.fx_nodes if n.op == "placeholder"]
 
     def run(self, *locals_: torch.Tensor) -> tuple[torch.Tensor, ...]:
         env: dict[fx.Node, Any] = {}
+        self.gathered = {}
+        self.issuing: set[tuple] = set()
         for node, local in zip(self.placeholders(), locals_):
             nid = self.ids[node]
             meta = self.graph[nid].output
             env[node] = _dtensor(local, self.mesh, self.choices[nid].outputs[0], meta.shape, meta.strides)
         for node in self.fx_nodes:
-            if node.op == "placeholder":
+            if node.op == "placeholder" or node in env:  # computed early for a parameter gather
                 continue
             nid = self.ids[node]
             env[node] = self._run_node(node, nid, env)
@@ -202,9 +266,17 @@ class _Interpreter:
         positions = iter(range(len(ir.inputs)))
 
         def arg(a: Any) -> Any:
-            # every edge reshards on its own, as the ILP priced it (no sharing between consumers)
+            # every edge reshards on its own, as the ILP priced it (no sharing between
+            # consumers), except parameter gathers, which travel in groups
             if isinstance(a, fx.Node):
-                want = choice.inputs[next(positions)]
+                p = next(positions)
+                want = choice.inputs[p]
+                group = self.edge_group.get((nid, p))
+                if group is not None:
+                    key = (self.ids[a], self.choices[self.ids[a]].outputs[0], want)
+                    if key not in self.gathered:
+                        self._gather(group, env)
+                    return self.gathered[key]
                 t = env[a]
                 contiguous = self.graph[self.ids[a]].output.stride == ()
                 if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):

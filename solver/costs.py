@@ -42,6 +42,7 @@ from autopar.placement import (
     Shard,
     redistribute_plan,
     redistribute_supported,
+    single_gather_axis,
     shard_factor,
     transfer_kind,
 )
@@ -218,6 +219,27 @@ class ReshardPricer:
             return 0.0
         found = self._lookup(meta, src, dst)
         return None if found is None else found[0]
+
+    def gather_axis(self, meta: TensorMeta, src: Placements, dst: Placements) -> int | None:
+        """The mesh axis of a parameter reshard that is one all-gather (Shard -> Replicate
+        on that axis, every other axis unchanged): such gathers travel in groups
+        (autopar/buckets.py gather_group); None for any other reshard."""
+        axis = single_gather_axis(src, dst)
+        if axis is None:
+            return None
+        steps = self.collectives(meta, src, dst)
+        assert steps is not None and len(steps) == 1 and steps[0].kind == "all_gather" and steps[0].axis == axis, \
+            (src, dst, steps)
+        return axis
+
+    def gather_time(self, meta: TensorMeta, src: Placements, dst: Placements, share: float) -> float | None:
+        """A grouped parameter gather: its bandwidth term plus `share` of the collective's
+        latency (the group pays one); any other reshard as __call__."""
+        if self.gather_axis(meta, src, dst) is None:
+            return self(meta, src, dst)
+        (step,) = self.collectives(meta, src, dst)
+        latency = collective_latency_s(step.kind, self.links[step.axis])
+        return collective_time_s(step, self.links) - latency + latency * share
 
     def bucket_key(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple | None:
         """The bucket a gradient reduction `src -> dst` can share (autopar/buckets.py), or

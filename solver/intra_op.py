@@ -57,7 +57,7 @@ from collections import defaultdict
 
 import pulp
 
-from typing import Callable
+from typing import Any, Callable
 
 from autopar.cluster import Cluster
 from autopar.ir import Graph, Node, NodeId, Role
@@ -70,7 +70,7 @@ from autopar.sharding import (
     PricedCollective,
     StrategySpace,
 )
-from autopar.buckets import plan_buckets
+from autopar.buckets import gather_group, gather_share, plan_buckets
 from solver.costs import CostTable, ReshardPricer, price
 from solver.ilp_reduce import Reduction, reduce_graph
 from solver.strategies import enumerate_strategies
@@ -132,15 +132,20 @@ def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderF
                          fallback_ops=space.fallback_ops, follows=space.follows)
 
 
-def parameter_derived(graph: Graph) -> frozenset[NodeId]:
-    """Nodes computed from parameters alone (a weight, its transpose, a cast of it): on a
-    data-parallel axis these may be gathered (ZeRO), activations may not."""
-    derived: set[NodeId] = set()
-    for node in graph.nodes:
-        if node.role is Role.PARAMETER or (node.inputs and node.op != "placeholder"
-                                           and all(i in derived for i in node.inputs)):
-            derived.add(node.id)
-    return frozenset(derived)
+def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:
+    """Per (consumer layer, phase): the bytes of the distinct parameter-derived tensors
+    (a weight, its transpose, a cast of it) that compute ops there consume, the size of
+    that group's gathers when each is gathered once, before its compute op (autopar/buckets.py gather_group; each member pays its
+    share of one latency)."""
+    derived = graph.parameter_derived()
+    seen: dict[tuple[int | None, str], dict[NodeId, float]] = {}
+    for v in graph.nodes:
+        if v.id in derived:
+            continue  # a view or cast of a weight: its consumer reads the weight (counted there)
+        for u in v.inputs:
+            if u in derived and len(graph[u].outputs) == 1:
+                seen.setdefault((v.layer, v.phase.value), {})[u] = graph[u].output.size_bytes
+    return {k: sum(d.values()) for k, d in seen.items()}
 
 
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
@@ -151,7 +156,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
     same-owner edges into node costs or `forbidden` choices."""
     active = set(red.active)
-    from_params = parameter_derived(graph) if gather_free_axes else frozenset()
+    from_params = graph.parameter_derived() if gather_free_axes else frozenset()
     edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
     # Layer-shared edges repeat the same (tensor, placements) matrix, and placements repeat
     # within one: price each distinct pair once, keyed by small ints (hashing placement
@@ -160,13 +165,18 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     pair_cost: dict[tuple, float] = {}
     matrices: dict[tuple, list[list[float]]] = {}
 
-    def priced(meta, s: Placements, d: Placements, activation: bool, grad: bool) -> float | None:
+    group_bytes = param_gather_bytes(graph)
+    derived = graph.parameter_derived()
+
+    def priced(meta, s: Placements, d: Placements, activation: bool, grad: bool,
+               share: float | None = None) -> float | None:
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
             return 0.0
-        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad)
+        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad, share)
         if key not in pair_cost:
-            t = pricer.grad_sync_time(meta, s, d) if grad else pricer(meta, s, d)
+            t = pricer.grad_sync_time(meta, s, d) if grad else pricer(meta, s, d) if share is None \
+                else pricer.gather_time(meta, s, d, share)
             if t is not None and activation and any(
                     c.axis in gather_free_axes and c.kind in ("all_gather", "all_to_all")
                     for c in pricer.collectives(meta, s, d) or ()):
@@ -176,11 +186,14 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
 
     def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float, grad: bool = False) -> None:
         activation = bool(gather_free_axes) and u not in from_params and not grad
+        share = None
+        if not grad and u in derived:
+            share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
         a, b = red.owner[u], red.owner[v]
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad)
+                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad, share)
                 if c is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
@@ -188,11 +201,11 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad)
+        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad, share)
         unit = matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-            distinct = {(a, b): priced(meta, a, b, activation, grad) for a in us for b in ud}
+            distinct = {(a, b): priced(meta, a, b, activation, grad, share) for a in us for b in ud}
             unit = matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         matrix = edges.get((a, b))
         if matrix is None:
@@ -531,18 +544,36 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
     reshard: dict[NodeId, float] = defaultdict(float)
     collectives: list[PricedCollective] = []
 
+    group_bytes = param_gather_bytes(graph)
+    derived = graph.parameter_derived()
+    groups: dict[tuple, dict[tuple, Any]] = {}  # gather group -> {(param, src, dst): collective}
+
     def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements) -> float:
-        steps = pricer.collectives(graph[u].output, src, dst)
+        meta = graph[u].output
+        steps = pricer.collectives(meta, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
+        if u in derived:
+            axis = pricer.gather_axis(meta, src, dst)
+            if axis is not None:  # one flat all-gather per group, each parameter once in it
+                members = groups.setdefault(gather_group(graph[v].layer, graph[v].phase.value, axis, meta.dtype), {})
+                if (u, src, dst) not in members:
+                    members[(u, src, dst)] = PricedCollective(src=u, dst=v, kind="all_gather", axis=axis,
+                                                              bytes=steps[0].bytes, weight=graph.weight(v))
+                share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
+                return pricer.gather_time(meta, src, dst, share) or 0.0
         for c in steps:
             collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
                                                 weight=graph.weight(v)))
-        return pricer(graph[u].output, src, dst) or 0.0
+        return pricer(meta, src, dst) or 0.0
 
     for v in red.active:
         for p, u in enumerate(graph[v].inputs):
             if u in active and len(graph[u].outputs) == 1:
                 reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p])
+    for members in groups.values():
+        first = next(iter(members.values()))
+        collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
+                                            bytes=sum(c.bytes for c in members.values()), weight=first.weight))
     syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
     for param, grad in syncs:
         t = pricer.grad_sync_time(graph[grad].output, space[grad][pick[grad]].outputs[0],
