@@ -397,7 +397,10 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     if config.pp == 1:
         from autopar.runtime_spmd import build_spmd_program
 
-        if fused_kernels if fused_kernels is not None else torch.cuda.is_available():
+        plan = plan if plan is not None and getattr(plan, "placements", None) else None
+        if (fused_kernels if fused_kernels is not None else torch.cuda.is_available()) and plan is None:
+            # (a saved plan's placements name the nodes of the step it was searched on,
+            # unfused: it runs as searched)
             # traced with the fused modules in: their ops (and backward ops) are in the
             # joint graph, sharded by their own DTensor rules (codegen/kernels/sharding.py)
             from codegen.kernels.modules import swap_fused_modules
@@ -406,7 +409,6 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
         if example_inputs is None:
             raise ValueError("a pp = 1 program is compiled from the traced training step: pass example_inputs= "
                              "(one global batch)")
-        plan = plan if plan is not None and getattr(plan, "placements", None) else None
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
     return build_module_program(model, config, loss_fn=loss_fn, optimizer=optimizer, stage_layers=stage_layers,
