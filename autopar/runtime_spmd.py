@@ -38,7 +38,7 @@ from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
 from autopar.placement import Placements, Replicate, Shard
-from autopar.sharding import NodeStrategy
+from autopar.sharding import InfeasiblePlanError, NodeStrategy
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +370,13 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            box[0] = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+            try:
+                box[0] = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+            except (InfeasiblePlanError, ValueError) as exc:
+                box[0] = exc  # every rank raises it, rather than waiting for a solution that never comes
         dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
         choices = solution_choices(graph, box[0])
         priced = priced_per_step(box[0], num_microbatches, ("dp", "tp"))
     graphs = apply(traced.gm, graph, choices, mesh)

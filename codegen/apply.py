@@ -28,6 +28,7 @@ at every node: a mismatch is a bug in the strategy space and raises.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import dtensor_bridge as bridge
 from autopar.ir import Graph, NodeId, Role
 from autopar.buckets import gather_group
-from autopar.placement import Placements, local_shape, redistribute_plan, single_gather_axis, transfer_kind
+from autopar.placement import Placements, Replicate, local_shape, redistribute_plan, single_gather_axis, transfer_kind
 from autopar.sharding import NodeStrategy
 
 
@@ -110,6 +111,43 @@ def _runnable(op: Any) -> Any:
     if op._can_decompose():
         return op.decompose
     return op
+
+
+def _has_rule(op: Any) -> bool:
+    prop = bridge.PROPAGATOR
+    return not isinstance(op, torch._ops.OpOverload) or op in prop.op_single_dim_strategy_funcs \
+        or op in prop.op_strategy_funcs or torch._decomp.decomposition_table.get(op) is not None \
+        or op._can_decompose()
+
+
+def _flat(args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        out.extend(a if isinstance(a, (list, tuple)) else [a])
+    return out
+
+
+def _is_replicated(a: Any) -> bool:
+    return not isinstance(a, DTensor) or all(p.is_replicate() for p in a.placements)
+
+
+def _on_whole_tensors(op: Any, mesh: DeviceMesh, *args: Any, **kwargs: Any) -> Any:
+    """An op with no sharding rule and no decomposition (the strategy space offers it
+    replicated only, solver/strategies.py): every input is whole on every device, so the
+    op runs on the local tensors and its outputs are replicated."""
+    def unwrap(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(unwrap(x) for x in a)
+        return a._local_tensor if isinstance(a, DTensor) else a
+
+    def wrap(o: Any) -> Any:
+        if isinstance(o, (list, tuple)):
+            return type(o)(wrap(x) for x in o)
+        if isinstance(o, torch.Tensor):
+            return _dtensor(o, mesh, (Replicate(),) * mesh.ndim, o.shape, o.stride())
+        return o
+
+    return wrap(op(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()}))
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -293,6 +331,10 @@ class _Interpreter:
         args = tuple(arg(a) for a in node.args)
         kwargs = {k: arg(v) for k, v in node.kwargs.items()}
         target = _runnable(node.target)
+        if target is not node.target or _has_rule(node.target):
+            pass
+        elif all(_is_replicated(a) for a in _flat(args, kwargs)):
+            target = functools.partial(_on_whole_tensors, node.target, self.mesh)
         try:
             try:
                 out = target(*args, **kwargs)

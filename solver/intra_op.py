@@ -486,6 +486,13 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         status = "optimal"
     elif sol_status == pulp.LpSolutionIntegerFeasible:
         status = "time_limit"
+    elif sol_status == pulp.LpSolutionInfeasible:
+        only_replicated = ", ".join(getattr(space, "fallback_ops", ())) or "none"
+        raise InfeasiblePlanError(
+            f"No placement of {graph.model.name}'s ops on mesh {mesh_shape} satisfies the constraints: a forced "
+            f"configuration (inputs split over dp, activations never gathered on dp, parameter placements) or a "
+            f"choice forbidden by DTensor. Ops with no sharded strategy (they need whole inputs): {only_replicated}. "
+            "Drop the configuration flags and let the search choose, or use another mesh")
     else:
         raise RuntimeError(f"intra-op ILP ended with {pulp.LpStatus[model.prob.status]} "
                            f"(solution status {sol_status}) after {time.perf_counter() - start:.1f} s; "
