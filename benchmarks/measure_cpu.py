@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_stats import spearman  # noqa: E402
+
 MODEL = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=1024,seq=64"
 """A slightly larger llama-small (4 layers, hidden 256, GQA 4/2 heads): big enough that
 GEMMs, not Python overhead, are a visible share of a step; small enough for world 8."""
@@ -407,30 +409,6 @@ def searched_plan(hardware: Any, world: int, graph: Any, profile: Any) -> tuple[
     result = search(graph, cluster, global_batch=GLOBAL_BATCH, price=price, model=MODEL,
                     fingerprint=fingerprint_source(resolve(MODEL)), cost_model_name="cost_model.price_profile")
     return result.plan.config, tuple(result.plan.stage_layers), result.plan
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    if len(xs) < 2:
-        return float("nan")
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return num / den if den else float("nan")
 
 
 def _row_text(r: dict[str, Any]) -> str:
