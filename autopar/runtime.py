@@ -113,6 +113,17 @@ class NonFiniteLossError(ValueError):
         self.loss = loss
 
 
+def optimizer_update(program: Any, loss: float) -> None:
+    """The end of every program's step: refuse a non-finite loss (same value on every rank,
+    so all stop together), else step the optimizer, clear the gradients, count the step."""
+    if not math.isfinite(loss):
+        program.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(program.steps_done + 1, loss)
+    program.optimizer.step()
+    program.optimizer.zero_grad(set_to_none=True)
+    program.steps_done += 1
+
+
 class RankProgram:
     """One rank's share of the parallel training step. Build with `build_program`."""
 
@@ -203,12 +214,7 @@ class RankProgram:
         stats_grad = sum(_local(p.grad).numel() * _local(p.grad).element_size()
                          for _, p in named if p.grad is not None)
         loss = self._global_loss(loss_sum)  # the same value on every rank: all stop together
-        if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(self.steps_done + 1, loss)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
+        optimizer_update(self, loss)
         self.last_stats = self._stats(named, stats_grad)
         return loss
 

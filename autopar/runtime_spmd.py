@@ -23,7 +23,6 @@ the optimizer steps. The loss is reduced for reporting outside the priced progra
 from __future__ import annotations
 
 import logging
-import math
 import os
 import resource
 from typing import Any, Callable, Sequence
@@ -167,14 +166,9 @@ class SpmdProgram:
             param.grad = DTensor.from_local(g, self.mesh, param.placements, run_check=False, shape=param.shape,
                                             stride=param.stride())
         loss = self._global_loss(loss_sum / m)
-        if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            from autopar.runtime import NonFiniteLossError
+        from autopar.runtime import optimizer_update
 
-            raise NonFiniteLossError(self.steps_done + 1, loss)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
+        optimizer_update(self, loss)
         self.last_stats = self._stats(grad_bytes)
         return loss
 
