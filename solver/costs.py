@@ -15,7 +15,8 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     comm(n, s)     = 0: DTensor's strategies leave reductions pending (Partial outputs),
                      priced as resharding on the consumer's edge
     memory(n, s)   = sum of local output bytes; for a parameter instead
-                     STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state)
+                     STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state,
+                     16 bytes: cost_model/memory.py; the gradient shares its parameter's layout)
     reshard(u->v)  = sum over the steps DTensor's redistribute takes from out(u, s_u) to
                      in(v, s_v) (autopar/placement.py `redistribute_plan`) of the alpha-beta
                      time of that step's collective on its mesh axis; None where DTensor
@@ -48,6 +49,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
+from cost_model import STATE_BYTES_PER_PARAM
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -58,11 +60,6 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
 )
 from cost_model.compute import compute_time_s
-
-STATE_BYTES_PER_PARAM = 16
-"""Mixed-precision AdamW baseline (ZeRO paper, sec. 3.1): 2 (16-bit param) + 2 (16-bit
-grad) + 12 (fp32 master, momentum, variance) bytes per parameter element, divided by the
-parameter's shard factor. The gradient shares its parameter's layout, so this covers it."""
 
 _GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
 _ATTENTION_OPS = frozenset({

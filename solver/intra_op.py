@@ -71,6 +71,7 @@ from autopar.sharding import (
     StrategySpace,
 )
 from autopar.buckets import gather_group, gather_share, plan_buckets
+from cost_model import STATE_BYTES_PER_PARAM
 from solver.costs import CostTable, ReshardPricer, price
 from solver.ilp_reduce import Reduction, reduce_graph
 from solver.strategies import enumerate_strategies
@@ -479,7 +480,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         raise InfeasiblePlanError(
             f"No intra-op plan fits {memory_budget_bytes / 2**30:.3f} GiB/device for {graph.model.name} on "
             f"{cluster.spec} with mesh {mesh_shape}; the smallest needs {need / 2**30:.3f} GiB "
-            f"(parameters, gradients and optimizer state at {16} bytes/param plus live activations). "
+            f"(parameters, gradients and optimizer state at {STATE_BYTES_PER_PARAM} bytes/param plus live activations). "
             "Raise the memory budget, use more devices or a smaller batch.",
             min_memory_bytes=need)
     if sol_status == pulp.LpSolutionOptimal:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph
+from cost_model import state_bytes_per_param
 from cost_model.estimate import Estimate
 from solver.inter_op import StageWork, stage_work
 
@@ -81,7 +82,7 @@ def toy_price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_
     optimizer = 16 * stage_params / shards / hw.memory_bandwidth_bytes_per_s
     step = compute + bubble + dp_sync + optimizer
 
-    state_per_param = {0: 16.0, 1: 4 + 12 / d, 2: 2 + 14 / d, 3: 16 / d}[c.zero]
+    state_per_param = state_bytes_per_param(c.zero, d)
     per_layer_act = {"none": 34.0 / t + (5 * info.heads * s / (h * t) if c.attention == "math" else 0.0),
                      "selective": 34.0 / t, "full": 2.0}[c.recompute] * s * b * h
     mem_by_stage = []
