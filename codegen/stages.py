@@ -21,17 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.ir import ATTENTION_FWD_OPS
 from codegen.rules import FamilyRules
 
+# The fused kernels are autopar/ir.py's ATTENTION_FWD_OPS (one home, issue 18), plus the
+# composite SDPA op that dispatches to them.
 _ATTENTION_CORE_OPS = frozenset(
     getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "scaled_dot_product_attention",
-    )
+    for name in sorted({op.split(".")[1] for op in ATTENTION_FWD_OPS} | {"scaled_dot_product_attention"})
     if hasattr(torch.ops.aten, name)
 )
 

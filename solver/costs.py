@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
+from autopar.ir import ATTENTION_OPS, DTYPE_BYTES, GEMM_OPS, Graph, Node, Role, TensorMeta
 from autopar.placement import (
     Placements,
     Shard,
@@ -60,19 +60,6 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
 )
 from cost_model.compute import compute_time_s
-
-_GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
-_ATTENTION_OPS = frozenset({
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_flash_attention_backward.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_efficient_attention_backward.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_cudnn_attention_backward.default",
-})
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Collective:
@@ -105,12 +92,6 @@ def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int,
     return meta.numel * DTYPE_BYTES.get(meta.dtype, 4) / shard_factor(placements, mesh_shape)
 
 
-def _is_causal(node: Node) -> bool:
-    # forward: (q, k, v, dropout_p, is_causal, ...); backward: (grad, q, k, v, out, lse, dropout_p, is_causal, ...)
-    idx = 4 if not node.op.endswith("_backward.default") else 7
-    return len(node.args) > idx and node.args[idx] is True
-
-
 def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Cluster,
                   mesh_shape: tuple[int, ...], dtype: str) -> StrategyCost:
     """Compute time, communication time and per-device memory of one node under one strategy."""
@@ -126,9 +107,9 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
         if len(producer.outputs) == 1:
             seen.setdefault(src, local_bytes(producer.output, pl, mesh_shape))
     work = max([shard_factor(pl, mesh_shape) for pl in strategy.inputs + strategy.outputs] + [1])
-    op_class = "gemm" if node.op in _GEMM_OPS else "attention" if node.op in _ATTENTION_OPS else "memory"
+    op_class = "gemm" if node.op in GEMM_OPS else "attention" if node.op in ATTENTION_OPS else "memory"
     t = compute_time_s(node.flops / work, sum(seen.values()) + out_bytes, cluster.hardware, dtype,
-                       op_class=op_class, causal=op_class == "attention" and _is_causal(node))
+                       op_class=op_class, causal=node.is_causal)
     return StrategyCost(compute_s=t * core_share(cluster), comm_s=0.0, memory_bytes=out_bytes)
 
 
@@ -148,7 +129,7 @@ def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
     table = []
     for node, strategies in zip(graph.nodes, space.strategies):
         key = (node.op, node.role, node.outputs, tuple(graph[i].outputs for i in node.inputs),
-               node.flops, node.bytes_moved, node.is_view, _is_causal(node), strategies)
+               node.flops, node.bytes_moved, node.is_view, node.is_causal, strategies)
         if key not in cache:
             cache[key] = tuple(strategy_cost(graph, node, s, cluster, mesh_shape, dtype) for s in strategies)
         table.append(cache[key])
