@@ -27,7 +27,7 @@ t/p/d the tp/pp/dp degrees, m microbatches, v interleave, P parameters):
 from __future__ import annotations
 
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, default_stage_layers
 from autopar.ir import Graph
 from cost_model import state_bytes_per_param
 from cost_model.estimate import Estimate
@@ -54,7 +54,7 @@ def toy_price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_
     m = c.check(global_batch=global_batch, num_devices=cluster.num_devices, heads=info.heads,
                 kv_heads=info.kv_heads, num_layers=info.num_layers)
     work = work or stage_work(graph)
-    cuts = stage_layers or tuple([info.num_layers // c.pp] * c.pp)
+    cuts = stage_layers or default_stage_layers(info.num_layers, c.pp)
     hw = cluster.hardware
     s, h, b, t, p, d, v = info.seq, max(info.hidden, 1), c.micro_batch, c.tp, c.pp, c.dp, c.interleave
     peak = hw.peak_flops(info.dtype)
