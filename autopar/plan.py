@@ -59,8 +59,6 @@ def model_fingerprint(named_param_shapes: Iterable[tuple[str, Sequence[int]]]) -
 def module_fingerprint(module: Any) -> str:
     """`model_fingerprint` of a torch module (anything with `named_parameters()`): the one
     place that reads a module's (name, shape) pairs, for plans, jobs and checkpoints."""
-    # issue 18 (one home per fact): added beside model_fingerprint; the callers in
-    # autopar/api.py are left for the per-op rewrite to switch over.
     return model_fingerprint((n, tuple(p.shape)) for n, p in module.named_parameters())
 
 
@@ -481,12 +479,16 @@ class Plan:
         return _per_op_lines(self)
 
     def check_model(self, fingerprint: str) -> None:
-        """Refuse to apply this plan to a different model (the runtime calls this)."""
-        if fingerprint != self.model_fingerprint:
+        """Refuse to apply this plan to a different model: the one check of a plan against
+        a model (`module_fingerprint(model)`), for `autopar train --plan` and
+        `autopar.compile(plan=...)`. A plan built in code without a fingerprint ("") is
+        not checked."""
+        if self.model_fingerprint and fingerprint != self.model_fingerprint:
             raise PlanFileError(
-                f"plan was searched for model {self.model!r} (fingerprint {self.model_fingerprint[:12]}) but the "
-                f"model given has fingerprint {fingerprint[:12]}: its parameter names or shapes differ. "
-                f"Re-run `autopar search` for this model")
+                f"plan was made for another model: searched for {self.model!r} (fingerprint "
+                f"{self.model_fingerprint[:12]}) but the model given has fingerprint {fingerprint[:12]}: its "
+                "parameter names or shapes differ. Re-run `autopar search` for this model (or, in "
+                "autopar.compile, drop plan= to search one or pass config=)")
 
     # -- explain ---------------------------------------------------------------------------
 

@@ -112,8 +112,23 @@ def test_fake_built_fingerprint_equals_real_module_fingerprint() -> None:
 def test_check_model_refuses_another_model() -> None:
     plan = _plan()
     plan.check_model("ab" * 32)
-    with pytest.raises(PlanFileError, match="Re-run `autopar search`"):
+    with pytest.raises(PlanFileError, match="made for another model.*Re-run `autopar search`"):
         plan.check_model("cd" * 32)
+    _plan(model_fingerprint="").check_model("cd" * 32)  # built in code without a fingerprint: not checked
+
+
+def test_compile_checks_a_plan_through_check_model() -> None:
+    """autopar.compile(plan=...) refuses a plan of another model by the plan's own check."""
+    import torch.distributed as dist
+
+    import autopar
+
+    try:
+        with pytest.raises(PlanFileError, match="made for another model"):
+            autopar.compile(torch.nn.Linear(4, 4), "cpu:1", plan=_plan())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_explain_names_every_stage_group_and_runner_up() -> None:
