@@ -3,7 +3,7 @@
 Where it sits: the last solver stage. Input: the frozen Graph (a few traced layers scaled
 to the real depth), a Cluster, the global batch and a pricing callable; output: ranked
 priced candidates and the best `autopar.plan.Plan`. `autopar search` wires it to the
-real cost model (`cost_model.price`); tests also drive it with solver/toy_price.py.
+real cost model (`cost_model.price`); tests also drive it with tests/toy_price.py.
 
 The space (each axis independent, all under the per-device memory limit):
 - mesh (pp, dp, tp): tp divides the devices of a node (tensor parallelism needs NVLink;
@@ -63,7 +63,7 @@ MAX_ALTERNATIVES = 8
 
 
 class Priced(Protocol):
-    """What a pricing callable returns (cost_model.Estimate, also what solver.toy_price returns)."""
+    """What a pricing callable returns (cost_model.Estimate, also what tests/toy_price.py returns)."""
 
     step_time_s: float
     peak_memory_bytes: int

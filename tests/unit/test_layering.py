@@ -113,7 +113,6 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
     ("solver.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
     ("solver.costs", "cost_model.compute", "ILP node prices call the roofline"),
-    ("solver.toy_price", "cost_model.estimate", "the test oracle returns the cost model's Estimate type"),
     # apply wires trace and models: emit builds and traces the model itself for the source.
     ("codegen.emit", "autopar.models", "emit resolves the model name to build its chunks"),
     ("codegen.emit", "autopar.trace", "emit of a one-stage plan traces the step to apply the plan"),

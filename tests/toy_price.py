@@ -1,10 +1,11 @@
-"""A closed-form stand-in cost model for the whole-plan search.
+"""A closed-form stand-in cost model for the whole-plan search: a test oracle.
 
-Where it sits: solver/, beside search.py. The search prices candidates through a
+Where it sits: tests/, beside the tests that use it (tests/unit/test_search.py); no
+product module imports it. The search (solver/search.py) prices candidates through a
 `PriceFn` callable; the real one is `cost_model.price` (graph-derived, owned by the cost
 model). This toy exists so the search can be tested against brute force with a cost
-that is cheap, fully known and independent of the real model, and so `autopar search`
-works where the real pricer is absent. It is NOT the project's prediction of record.
+that is cheap, fully known and independent of the real model. It is NOT the project's
+prediction of record.
 
 Math (textbook formulas from notes/cost-model-facts.md; b micro-batch, s seq, h hidden,
 t/p/d the tp/pp/dp degrees, m microbatches, v interleave, P parameters):
