@@ -57,11 +57,11 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
 FLOW = tuple(STAGE_MODULES)
 
 # Importable by every stage. The cross-stage types (DESIGN: "Shared data types live in
-# autopar/"), and facts that several stages read so that they agree by construction:
+# autopar/", with json_codec, their generic JSON form), and facts that several stages read so that they agree by construction:
 # buckets (pricing and the program count the same gradient collectives) and dtensor_bridge
 # (strategies, reshard prices and the program all come from DTensor's registry/planner).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
-          "autopar.plan", "autopar.buckets", "autopar.dtensor_bridge")
+          "autopar.plan", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
 # itself: the public surface re-exports (matched exactly, not as a prefix).

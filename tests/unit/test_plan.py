@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -91,6 +92,38 @@ def test_load_reports_missing_file_and_bad_json(tmp_path) -> None:
     with pytest.raises(PlanFileError, match="not valid JSON"):
         Plan.load(tmp_path / "bad.json")
     assert issubclass(PlanFileError, ValueError)
+
+
+def test_generic_codec_reads_a_new_field_with_no_new_code() -> None:
+    """Plan types get to_json/from_json from autopar/json_codec.py, by their type hints: a
+    dataclass with fields no hand-written pair knows round-trips, and bad values say where."""
+    from dataclasses import dataclass
+
+    from autopar.json_codec import JsonData, JsonFormatError
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class StageCost(JsonData):  # e.g. a per-stage field a later search adds to the plan
+        stage: int
+        step_s: float
+        breakdown: tuple[tuple[str, float], ...] = ()
+        layers: tuple[int, ...] = ()
+        config: ParallelConfig | None = None
+        info: StageInfo | None = None
+
+    full = StageCost(stage=1, step_s=0.5, breakdown=(("compute", 0.25), ("pp", 1)), layers=(2, 3),
+                     config=ParallelConfig(pp=2, dp=4), info=_plan().stages[0])
+    data = json.loads(json.dumps(full.to_json()))
+    assert data["breakdown"] == {"compute": 0.25, "pp": 1} and data["layers"] == [2, 3]
+    assert StageCost.from_json(data) == full and StageCost.from_json(data).to_json() == data
+    assert StageCost.from_json({"stage": 0, "step_s": 1, "breakdown": {"comm": {"tp": 2}}, "layers": [],
+                                "config": None, "info": None}).breakdown == (("comm.tp", 2),)
+    for bad, where in ((dict(data, stage="1"), "StageCost.stage"), (dict(data, step_s=True), "StageCost.step_s"),
+                       (dict(data, layers=[1.5]), "StageCost.layers[0]"),
+                       (dict(data, info={**data["info"], "index": None}), "StageCost.info.index")):
+        with pytest.raises(JsonFormatError, match=re.escape(f"malformed value at {where}:")):
+            StageCost.from_json(bad)
+    with pytest.raises(JsonFormatError, match=r"missing keys \['stage'\]"):
+        StageCost.from_json({k: v for k, v in data.items() if k != "stage"})
 
 
 def test_fingerprint_depends_on_names_and_shapes_only() -> None:
