@@ -1,6 +1,6 @@
 """Per-strategy cost tables for the intra-op ILP: compute, communication, memory, resharding.
 
-Where it sits: `price(graph, space, cluster) -> CostTable` after
+Where it sits: `cost_table(graph, space, cluster) -> CostTable` after
 `solver.strategies.enumerate_strategies` and before `solver.intra_op`; it calls the
 formulas of cost_model/ (roofline compute, alpha-beta collectives per mesh axis) and
 returns new frozen tables (the strategy space is not touched).
@@ -120,8 +120,9 @@ def core_share(cluster: Cluster) -> float:
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
 
-def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
-    """Cost of every strategy of every node (nodes with identical structure priced once)."""
+def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
+    """Cost of every strategy of every node (nodes with identical structure priced once).
+    Not `cost_model.price`, which prices one whole configuration into an Estimate."""
     mesh_shape = space.mesh_shape
     links = mesh_axis_links(cluster, mesh_shape)
     dtype = graph.model.dtype

@@ -72,7 +72,7 @@ from autopar.sharding import (
 )
 from autopar.buckets import gather_group, gather_share, plan_buckets
 from cost_model import STATE_BYTES_PER_PARAM
-from solver.costs import CostTable, ReshardPricer, price
+from solver.costs import CostTable, ReshardPricer, cost_table
 from solver.ilp_reduce import Reduction, reduce_graph
 from solver.strategies import enumerate_strategies
 
@@ -447,7 +447,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         space = enumerate_strategies(graph, mesh_shape)
     if keep_placeholder is not None:
         space = restrict_placeholders(graph, space, keep_placeholder)
-    table = price(graph, space, cluster)
+    table = cost_table(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
     pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu")
 
