@@ -3,7 +3,7 @@
 Where it sits: the last solver stage. Input: the frozen Graph (a few traced layers scaled
 to the real depth), a Cluster, the global batch and a pricing callable; output: ranked
 priced candidates and the best `autopar.plan.Plan`. `autopar search` wires it to the
-real cost model (`cost_model.price`); tests also drive it with solver/toy_price.py.
+real cost model (`cost_model.price`); tests also drive it with tests/toy_price.py.
 
 The space (each axis independent, all under the per-device memory limit):
 - mesh (pp, dp, tp): tp divides the devices of a node (tensor parallelism needs NVLink;
@@ -19,7 +19,8 @@ The space (each axis independent, all under the per-device memory limit):
 
 Pruning (both exact under stated assumptions; the brute-force test checks them):
 1. memory bound: model state per device >= MEMORY_BOUND_SLACK * P_stage / tp * bytes per
-   parameter of the ZeRO stage (16 | 4+12/d | 2+14/d | 16/d, ZeRO paper); a candidate
+   parameter of the ZeRO stage (16 | 4+12/d | 2+14/d | 16/d, ZeRO paper;
+   `cost_model.state_bytes_per_param`); a candidate
    whose bound exceeds the budget cannot fit and is not priced.
 2. dominance: recomputation only adds compute, so once a candidate fits with recompute r,
    the same candidate with more recomputation is not priced.
@@ -49,6 +50,7 @@ from autopar.plan import (
     StageInfo,
     describe_config,
 )
+from cost_model import state_bytes_per_param
 from solver.inter_op import StageWork, cut_candidates, stage_work
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ MAX_ALTERNATIVES = 8
 
 
 class Priced(Protocol):
-    """What a pricing callable returns (cost_model.Estimate, also what solver.toy_price returns)."""
+    """What a pricing callable returns (cost_model.Estimate, also what tests/toy_price.py returns)."""
 
     step_time_s: float
     peak_memory_bytes: int
@@ -152,10 +154,6 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _state_bytes_per_param(zero: int, dp: int) -> float:
-    return {0: 16.0, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[zero]
-
-
 def mesh_shapes(graph: Graph, cluster: Cluster, global_batch: int, space: SearchSpace) -> list[tuple[int, int, int]]:
     """(tp, pp, dp) triples allowed by the cluster, the heads, the depth and the batch."""
     info = graph.model
@@ -203,7 +201,7 @@ def enumerate_candidates(graph: Graph, work: StageWork, cluster: Cluster, global
                         all_cuts = all_cuts[:1]
                     for cuts in all_cuts:
                         state = max(work.stage_params(cuts, k) for k in range(pp)) / tp
-                        bound = MEMORY_BOUND_SLACK * state * _state_bytes_per_param(zero, dp)
+                        bound = MEMORY_BOUND_SLACK * state * state_bytes_per_param(zero, dp)
                         for rc in space.recompute:
                             cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, schedule=schedule,
                                                  interleave=v, recompute=rc, attention=space.attention)  # type: ignore[arg-type]
@@ -309,7 +307,7 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
         stages.append(StageInfo(
             index=k, first_layer=first, num_layers=n, has_embedding=k == 0, has_head=k == len(cuts) - 1,
             flops_per_microbatch=work.stage_flops(cuts, k, c.recompute) * c.micro_batch, num_parameters=params,
-            memory_bytes=int(params / c.tp * _state_bytes_per_param(c.zero, c.dp))))
+            memory_bytes=int(params / c.tp * state_bytes_per_param(c.zero, c.dp))))
         first += n
     est = best.estimate.to_json()
     pred = Prediction.from_json({
