@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
@@ -50,7 +50,7 @@ from autopar.plan import (
     StageInfo,
     describe_config,
 )
-from cost_model import state_bytes_per_param
+from cost_model import Estimate, state_bytes_per_param
 from solver.inter_op import StageWork, cut_candidates, stage_work
 
 log = logging.getLogger(__name__)
@@ -62,19 +62,9 @@ less (e.g. replicated norms not sharded, rounding)."""
 MAX_ALTERNATIVES = 8
 
 
-class Priced(Protocol):
-    """What a pricing callable returns (cost_model.Estimate, also what tests/toy_price.py returns)."""
-
-    step_time_s: float
-    peak_memory_bytes: int
-    fits: bool
-    mfu: float
-
-    def to_json(self) -> dict[str, Any]: ...
-
-
-PriceFn = Callable[[ParallelConfig, tuple[int, ...]], Priced]
-"""price(config, stage_layers) for the search's fixed graph, cluster and global batch."""
+PriceFn = Callable[[ParallelConfig, tuple[int, ...]], Estimate]
+"""price(config, stage_layers) for the search's fixed graph, cluster and global batch: the
+cost model's Estimate (tests/toy_price.py returns one too)."""
 ProgressFn = Callable[[str, int, int], None]
 """progress(phase, done, total)."""
 
@@ -113,7 +103,7 @@ class Ranked:
 
     config: ParallelConfig
     stage_layers: tuple[int, ...]
-    estimate: Priced
+    estimate: Estimate
     bubble_fraction: float
 
     def sort_key(self) -> tuple[Any, ...]:
