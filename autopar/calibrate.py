@@ -434,9 +434,12 @@ class Fitted:
 def fit(cal: Calibration) -> Fitted:
     """Fit the model's terms to the measurements and normalise them to one dedicated core."""
     s = cal.sharing
-    # GEMM: t = (2 m n k / P) * (1 + k0 / k) + o  ->  unknowns 1/P, k0/P, o (linear)
-    rows = [[2 * m * n * k, 2 * m * n, 1.0] for m, n, k, _ in cal.gemm_s]
-    inv_peak, k0_over_peak, gemm_overhead = _least_squares(rows, [t for *_, t in cal.gemm_s])
+    # GEMM: t = (2 m n k / P) * (1 + k0 / k) + o  ->  unknowns 1/P, k0/P, o (linear), fitted in
+    # relative terms (each row divided by its time): the shapes span 4 decades of time, and
+    # an absolute fit lets a few percent of noise on the largest shapes set the intercept o
+    # to hundreds of microseconds, more than the smallest GEMMs take in all
+    rows = [[2 * m * n * k / t, 2 * m * n / t, 1.0 / t] for m, n, k, t in cal.gemm_s]
+    inv_peak, k0_over_peak, gemm_overhead = _least_squares(rows, [1.0] * len(rows))
     peak = 1 / inv_peak if inv_peak > 0 else max(2 * m * n * k / t for m, n, k, t in cal.gemm_s)
     copy = _least_squares([[b, 1.0] for b, _ in cal.copy_s], [t for _, t in cal.copy_s])
     copy_bw = 1 / copy[0] if copy[0] > 0 else max(b / t for b, t in cal.copy_s)

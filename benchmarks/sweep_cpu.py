@@ -251,7 +251,7 @@ def repredict(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         kept = {k: v for k, v in r.items() if not k.startswith(("predicted_", "load_"))}
         rows.append({**kept, **predictions(profiles[r["model"]], r["model"], case, HARDWARE["cpu"], hw_cal,
                                            reference_s=r["reference_s"])})
-    out = {**old, **summarize(rows), "rows": rows, "profile": args.profile}
+    out = {**old, **summarize(rows), "rows": rows, "profile": args.profile, "repriced": True}
     print("\n".join(out["summary"]))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -419,7 +419,10 @@ def write_markdown(out: dict[str, Any], path: Path) -> None:
             f = per[k]
             lines.append(f"| {g} | {_key_name(k)} | {f['median_abs_error']:.1%} | "
                          f"{f['spearman']:.2f} | {f['pick']} | {f['measured_best']} | {f['pick_regret']:.1%} |")
-    lines += [""] + [f"- {s}" for s in out["summary"]] + [f"- wall time {out['wall_s']:.0f} s"]
+    lines += [""] + [f"- {s}" for s in out["summary"]] + [f"- wall time {out['wall_s']:.0f} s (measuring)"]
+    if out.get("repriced"):
+        lines.append("- predictions re-priced with `sweep_cpu.py --repredict` from this run's measured times and "
+                     "reference timings (the current cost model and profiles; nothing re-measured)")
     path.write_text("\n".join(lines) + "\n")
 
 
