@@ -235,7 +235,8 @@ def _ranking_section(rows: list[dict[str, Any]], sweep: dict[str, Any] | None) -
         for g, per in sweep["groups"].items():
             runs = sum(1 for r in sweep["rows"] if f"{r['size']} x {r['world']}" == g)
             for key, f in per.items():
-                name = key.removeprefix("predicted_").removesuffix("_s").replace("_analytic", " (price_profile for all)")
+                name = key.removeprefix("predicted_").removesuffix("_s")
+                name = name.replace("_analytic", " (price_profile for all)")
                 lines.append(f"| {g} | {name} | {runs} | "
                              f"{f['median_abs_error']:.1%} | {f['spearman']:.2f} | {f['pick_regret']:.1%} | {f['pick']} | "
                              f"{f['measured_best']} |")
