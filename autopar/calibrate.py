@@ -334,8 +334,13 @@ def _median_rows(results: list[dict[str, Any]], key: str, width: int) -> tuple[t
     return tuple((*k, statistics.median(v)) for k, v in sorted(table.items()))
 
 
-def calibrate(devices: int) -> Calibration:
-    """Measure with `devices` concurrent local gloo ranks (spawned here)."""
+def calibrate(devices: int, repeats: int = 1) -> Calibration:
+    """Measure with `devices` concurrent local gloo ranks (spawned here); with `repeats` > 1,
+    the whole measurement is run that many times and combined (`combine`)."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if repeats > 1:
+        return combine([calibrate(devices) for _ in range(repeats)])
     from autopar.runtime_launch import spawn
 
     if devices < 2:
@@ -356,6 +361,37 @@ def calibrate(devices: int) -> Calibration:
         reference_s=statistics.median(r["reference"] for r in results),
         sync_skew_s=statistics.median(r["sync_skew"] for r in results),
     )
+
+
+def combine(cals: list[Calibration]) -> Calibration:
+    """Several calibrations of this machine as one: each run's times are first set to the
+    calmest run's speed (x its reference time / that run's reference time: every run's
+    figures describe the machine as it was at the run's own start), then every figure is
+    the median over the runs. On a machine shared with other users a single run can catch
+    a burst of load in one measurement only (one GEMM shape, one collective size) and skew
+    the fits; the median of three runs does not follow one such outlier."""
+    if not cals:
+        raise ValueError("combine needs at least one calibration")
+    if len({(c.devices, c.cores) for c in cals}) != 1:
+        raise ValueError("combine: calibrations of different device or core counts")
+    ref = min(c.reference_s for c in cals)
+    scale = [ref / c.reference_s if c.reference_s > 0 else 1.0 for c in cals]
+
+    def rows(name: str, width: int) -> tuple[tuple[Any, ...], ...]:
+        table: dict[tuple[Any, ...], list[float]] = {}
+        for c, f in zip(cals, scale):
+            for row in getattr(c, name):
+                table.setdefault(tuple(row[:width]), []).append(row[width] * f)
+        return tuple((*k, statistics.median(v)) for k, v in sorted(table.items()))
+
+    def med(name: str, rate: bool = False) -> float:
+        return statistics.median(getattr(c, name) / f if rate else getattr(c, name) * f for c, f in zip(cals, scale))
+
+    return Calibration(devices=cals[0].devices, cores=cals[0].cores, gemm_s=rows("gemm_s", 3),
+                       copy_s=rows("copy_s", 1), eager_op_s=med("eager_op_s"), view_op_s=med("view_op_s"),
+                       dtensor_op_s=med("dtensor_op_s"), attention_flops_per_s=med("attention_flops_per_s", rate=True),
+                       collective_s=rows("collective_s", 3), send_recv_s=rows("send_recv_s", 1),
+                       sync_skew_s=med("sync_skew_s"), reference_s=ref)
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -398,9 +434,12 @@ class Fitted:
 def fit(cal: Calibration) -> Fitted:
     """Fit the model's terms to the measurements and normalise them to one dedicated core."""
     s = cal.sharing
-    # GEMM: t = (2 m n k / P) * (1 + k0 / k) + o  ->  unknowns 1/P, k0/P, o (linear)
-    rows = [[2 * m * n * k, 2 * m * n, 1.0] for m, n, k, _ in cal.gemm_s]
-    inv_peak, k0_over_peak, gemm_overhead = _least_squares(rows, [t for *_, t in cal.gemm_s])
+    # GEMM: t = (2 m n k / P) * (1 + k0 / k) + o  ->  unknowns 1/P, k0/P, o (linear), fitted in
+    # relative terms (each row divided by its time): the shapes span 4 decades of time, and
+    # an absolute fit lets a few percent of noise on the largest shapes set the intercept o
+    # to hundreds of microseconds, more than the smallest GEMMs take in all
+    rows = [[2 * m * n * k / t, 2 * m * n / t, 1.0 / t] for m, n, k, t in cal.gemm_s]
+    inv_peak, k0_over_peak, gemm_overhead = _least_squares(rows, [1.0] * len(rows))
     peak = 1 / inv_peak if inv_peak > 0 else max(2 * m * n * k / t for m, n, k, t in cal.gemm_s)
     copy = _least_squares([[b, 1.0] for b, _ in cal.copy_s], [t for _, t in cal.copy_s])
     copy_bw = 1 / copy[0] if copy[0] > 0 else max(b / t for b, t in cal.copy_s)
@@ -457,4 +496,4 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     )
 
 
-__all__ = ["Calibration", "Fitted", "calibrate", "fit", "to_hardware"]
+__all__ = ["Calibration", "Fitted", "calibrate", "combine", "fit", "to_hardware"]

@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine's GEMM and gloo rates for the cpu profile")
     p.add_argument("--devices", type=_positive_int, default=2)
+    p.add_argument("--repeats", type=_positive_int, default=1,
+                   help="run the measurement R times and keep each figure's median (a shared machine)")
     p.add_argument("--out", default=None, help="write the calibrated profile (JSON) here")
     p.add_argument("--json", action="store_true")
     return parser

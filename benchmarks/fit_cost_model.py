@@ -48,14 +48,17 @@ BOUNDS = {
     "memory_efficiency": (0.4, 0.95),
     "overlap_efficiency": (0.05, 1.0),
     "compiled_memory_factor": (0.1, 1.0),
+    "gemm_overhead_s": (5e-7, 2e-5),
+    "memory_overhead_s": (5e-7, 1e-5),
 }
 """Physical ranges, not fits: a training GEMM reaches at most the best-shape rate; FlashAttention-2
 reaches 30-73% of A100 peak (its paper) and its backward no more than its forward; memory-bound
 kernels reach at most ~95% of HBM peak (STREAM copy); a K-ramp beyond a few tiles' depth (512)
-would contradict cuBLAS's near-peak rates at K = 1024-2048."""
+would contradict cuBLAS's near-peak rates at K = 1024-2048; a GPU kernel's fixed time lies between
+the ~0.5-1 us gap of back-to-back kernels in a CUDA graph and the ~10-20 us of a host-bound launch."""
 START = {
     "gemm_efficiency": 0.85, "gemm_k_ramp": 64.0, "flash_attention_efficiency": 0.5, "memory_efficiency": 0.8,
-    "overlap_efficiency": 0.8, "compiled_memory_factor": 0.5,
+    "overlap_efficiency": 0.8, "compiled_memory_factor": 0.5, "gemm_overhead_s": 4e-6, "memory_overhead_s": 2e-6,
 }
 """Where every fit starts (so that a fit depends on its rows only, not on the constants
 committed before it): round physical guesses (large GEMMs near their best rate, STREAM-like
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     eff, value = fit(runs, profiles)
     errs = log_errors(runs, profiles, eff)
     clean = [e for e, r in zip(errs, runs) if not r.flags]
-    constants = {name: round(getattr(eff, name), 4) for name in FITTED}
+    constants = {name: float(f"{getattr(eff, name):.4g}") for name in FITTED}
     out = {
         "constants": constants,
         "fitted_on": {
@@ -202,7 +205,7 @@ def _loso(runs: list[Run], profiles: dict[str, Any], path: Path, holdout: str = 
         train = [r for r in runs if unit(r) != source]
         test = [r for r in runs if unit(r) == source]
         eff, _ = fit(train, profiles)
-        fits[source] = {name: round(getattr(eff, name), 4) for name in FITTED}
+        fits[source] = {name: float(f"{getattr(eff, name):.4g}") for name in FITTED}
         for run, err in zip(test, log_errors(test, profiles, eff)):
             rows[run.index] = {"log_error": err, "source_id": source}
         clean = [rows[r.index]["log_error"] for r in test if not r.flags]

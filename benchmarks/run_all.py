@@ -3,8 +3,9 @@
     python benchmarks/run_all.py [--full] [--skip-measure]
 
 Phases, each printing its figures as it goes (wall time per phase at the end):
-1. `autopar calibrate --devices 4` -> results/cpu_profile.json (this machine, per dedicated
-   core: it prices 4 and 8 processes)
+1. `autopar calibrate --devices 4 --repeats 3` -> results/cpu_profile.json (this machine,
+   per dedicated core: it prices 4 and 8 processes; the median of 3 runs, so one burst of
+   other users' load does not set a fit)
 2. benchmarks/sweep_cpu.py (3 model sizes x 8-11 configurations on 4 and 8 processes,
    measured vs the calibrated and the built-in profile) -> results/sweep_cpu.{md,json};
    benchmarks/measure_cpu.py (autopar vs the hand-tuned baseline, measured) ->
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.skip_measure:
         t = time.perf_counter()
-        _run([PY, "-m", "autopar.cli", "calibrate", "--devices", "4", "--out", profile])
+        _run([PY, "-m", "autopar.cli", "calibrate", "--devices", "4", "--repeats", "3", "--out", profile])
         phases.append(("calibrate", time.perf_counter() - t))
         t = time.perf_counter()
         _run([PY, "benchmarks/sweep_cpu.py", "--profile", profile, "--json", str(RESULTS / "sweep_cpu.json"),

@@ -13,10 +13,18 @@ WARMUP_ROUNDS untimed rounds. A configuration's step time is the median over the
 so slow phases of the shared 2-core machine hit all configurations of a group alike: the
 ranking and the predicted/measured ratios are measured side by side in one run.
 
-Predicted: `cost_model.price_profile` of each configuration on `cpu:N` (float32 trace of
-the same model at the same global batch), with a freshly calibrated profile (`autopar
-calibrate --devices 4 --out ...`; per dedicated core, so it prices 8 processes too) when
-given, and with the built-in `cpu` profile.
+Predicted: what the product ranks a configuration by (price = run), on `cpu:N`, with a
+freshly calibrated profile (`autopar calibrate --devices 4 --out ...`; per dedicated core,
+so it prices 8 processes too) when given, and with the built-in `cpu` profile:
+- pp = 1: the per-op program's own price. The runtime solves the intra-op ILP for the
+  configuration (autopar/runtime_spmd.py `solve_config`, solver/forced.py rules) on the
+  traced step at one global microbatch, and `autopar search` ranks one-stage candidates by
+  that ILP's step time (solver/spmd_search.py `estimate`); the sweep prices the same
+  solution (m x the ILP's per-microbatch cost + the optimizer step);
+- pp > 1: `cost_model.price_profile` (float32 trace of the same model at the same global
+  batch), what `autopar price` and the pipelined runtime's configurations are priced by.
+The whole-model formula `price_profile` is kept for every row too (`*_analytic_s`), so the
+two pricings of one-stage plans can be compared against the same measurements.
 The machine is shared (load averages of 10-20 on 2 cores were seen while developing this),
 so its speed drifts between a calibration and a sweep: every round also times
 `autopar.calibrate.reference_workload` on the same ranks, and each prediction is scaled by
@@ -58,6 +66,9 @@ SIZES = {
 """Three llama shapes (every tp in {1, 2, 4} divides their query and key/value heads, and
 4 layers allow pp up to 4)."""
 GLOBAL_BATCH = 16
+PREDICTION_KEYS = ("predicted_calibrated_s", "predicted_default_s", "predicted_calibrated_analytic_s",
+                   "predicted_default_analytic_s")
+"""Headline predictions (what the product ranks by), then price_profile for every row."""
 WARMUP_ROUNDS = 2
 TIMED_ROUNDS = 5
 
@@ -164,13 +175,89 @@ def _profile(spec: str) -> Any:
 
 
 def predict(profile: Any, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
-    """Predicted step time, times the machine's load now relative to when `hardware` was
-    measured (`load_factor`)."""
+    """`price_profile`'s step time (the whole-model formula), times the machine's load now
+    relative to when `hardware` was measured (`load_factor`)."""
     import cost_model
     from autopar.cluster import Cluster
 
     cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
     return load * cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH).step_time_s
+
+
+def _step_graph(spec: str, config: Any) -> Any:
+    """The lowered training step the per-op runtime compiles for `config` (pp = 1): the
+    model traced on one global microbatch of dp * micro_batch sequences, recompute applied."""
+    import torch
+
+    from autopar.models import resolve
+    from autopar.trace import trace_step
+
+    source = resolve(spec)
+    rows = config.dp * config.micro_batch
+    torch.manual_seed(0)
+    batch = source.example_inputs(rows, generator=torch.Generator().manual_seed(1))
+    return trace_step(source.build(), batch, recompute=config.recompute)[1]
+
+
+def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
+    """The per-op program's price of a pp = 1 configuration: the intra-op ILP the runtime
+    solves for it (`solve_config`), priced as `autopar search` ranks it (`estimate`)."""
+    from autopar.cluster import Cluster
+    from autopar.runtime_spmd import solve_config
+    from solver.spmd_search import SpmdCandidate, estimate
+
+    config = case.config
+    cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
+    rows = config.dp * config.micro_batch
+    m = GLOBAL_BATCH // rows
+    solution = solve_config(graph, config, cluster, num_microbatches=m)
+    cand = SpmdCandidate(mesh=(config.dp, config.tp), microbatch=rows, num_microbatches=m)
+    return load * estimate(graph, solution, cand, cluster, GLOBAL_BATCH).step_time_s
+
+
+def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_cal: Any | None,
+                reference_s: list[float] | None = None, graph: Any = None) -> dict[str, Any]:
+    """A row's predicted columns: `predicted_<profile>_s` (what the product ranks by: the
+    ILP's price for pp = 1, price_profile for pp > 1), `..._analytic_s` (price_profile for
+    every row), their `_raw` values before the load factor, and the load factors."""
+    out: dict[str, Any] = {}
+    if case.config.pp == 1 and graph is None:
+        graph = _step_graph(spec, case.config)
+    for name, hw in (("default", hw_default), ("calibrated", hw_cal)):
+        if hw is None:
+            continue
+        load = load_factor(hw, case.world, reference_s if reference_s is not None else [])
+        analytic = predict(profile, case, hw)
+        product = predict_ilp(graph, case, hw) if case.config.pp == 1 else analytic
+        out.update({f"load_{name}": load, f"predicted_{name}_s": load * product, f"predicted_{name}_raw_s": product,
+                    f"predicted_{name}_analytic_s": load * analytic})
+    return out
+
+
+def repredict(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Price an earlier run's rows again (its measured times and reference timings kept)."""
+    import autopar  # noqa: F401  (autopar before cost_model: import order)
+    from autopar.cluster import HARDWARE, load_hardware
+
+    old = json.loads(path.read_text())
+    hw_cal = load_hardware(args.profile) if args.profile else None
+    by_world = {w: {c.label: c for c in cases(w)} for w in (4, 8)}
+    profiles: dict[str, Any] = {}
+    rows = []
+    for r in old["rows"]:
+        case = by_world[r["world"]][r["label"]]
+        if r["model"] not in profiles:
+            profiles[r["model"]] = _profile(r["model"])
+        kept = {k: v for k, v in r.items() if not k.startswith(("predicted_", "load_"))}
+        rows.append({**kept, **predictions(profiles[r["model"]], r["model"], case, HARDWARE["cpu"], hw_cal,
+                                           reference_s=r["reference_s"])})
+    out = {**old, **summarize(rows), "rows": rows, "profile": args.profile, "repriced": True}
+    print("\n".join(out["summary"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    if args.md:
+        write_markdown(out, Path(args.md))
+    return out
 
 
 def load_factor(hardware: Any, world: int, reference_s: list[float]) -> float:
@@ -210,7 +297,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--md", default=None)
     ap.add_argument("--summarize", default=None, metavar="JSON",
                     help="no measuring: recompute the figures and tables of an earlier run's JSON")
+    ap.add_argument("--repredict", default=None, metavar="JSON",
+                    help="no measuring: keep an earlier run's measured times and reference timings, and "
+                         "price every row again with the current cost model and --profile")
     args = ap.parse_args(argv)
+    if args.repredict:
+        return repredict(Path(args.repredict), args)
     if args.summarize:
         old = json.loads(Path(args.summarize).read_text())
         out = {**old, **summarize(old["rows"])}
@@ -243,13 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row = {"size": size, "model": spec, "world": world, "label": case.label,
                        "config": case.config.to_json(), "measured_s": statistics.median(got["times"][case.label]),
                        "measured_times_s": got["times"][case.label], "first_loss": got["first_loss"][case.label],
-                       "reference_s": got["reference_s"], "load_default": load_default,
-                       "predicted_default_s": predict(profile, case, HARDWARE["cpu"], load_default),
-                       "predicted_default_raw_s": predict(profile, case, HARDWARE["cpu"])}
-                if hw_cal is not None:
-                    row["predicted_calibrated_s"] = predict(profile, case, hw_cal, load_cal)
-                    row["predicted_calibrated_raw_s"] = predict(profile, case, hw_cal)
-                    row["load_calibrated"] = load_cal
+                       "reference_s": got["reference_s"]}
+                row.update(predictions(profile, spec, case, HARDWARE["cpu"], hw_cal, reference_s=got["reference_s"]))
                 rows.append(row)
                 print(f"  {size} world {world} {case.label:<20} measured {row['measured_s'] * 1e3:7.0f} ms  "
                       f"predicted {row.get('predicted_calibrated_s', float('nan')) * 1e3:7.0f} ms (calibrated) "
@@ -271,14 +358,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(f"{r['size']} x {r['world']}", []).append(r)
-    keys = [k for k in ("predicted_calibrated_s", "predicted_default_s") if all(k in r for r in rows)]
+    keys = [k for k in PREDICTION_KEYS if all(k in r for r in rows)]
     figures = {name: {k: group_figures(rs, k) for k in keys} for name, rs in groups.items() if len(rs) > 1}
     summary = []
     for key in keys:
         errors = [abs(r[key] / r["measured_s"] - 1) for r in rows]
         per = [figures[g][key] for g in figures]
         summary.append(
-            f"{key.removeprefix('predicted_').removesuffix('_s')} profile: median |error| "
+            f"{_key_name(key)} profile: median |error| "
             f"{statistics.median(errors):.1%} over {len(rows)} runs; Spearman per group "
             + ", ".join(f"{g} {figures[g][key]['spearman']:.2f}" for g in figures)
             + f"; top-pick regret max {max(p['pick_regret'] for p in per):.1%}" if per else "")
@@ -286,43 +373,56 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         sizes = sorted({r["size"] for r in rows})
         pooled = {z: spearman([r[key] for r in rows if r["size"] == z], [r["measured_s"] for r in rows if r["size"] == z])
                   for z in sizes}
-        summary.append(f"{key.removeprefix('predicted_').removesuffix('_s')} profile: Spearman per model size (4 and 8 "
+        summary.append(f"{_key_name(key)} profile: Spearman per model size (4 and 8 "
                        "processes pooled) " + ", ".join(f"{z} {v:.2f}" for z, v in pooled.items()))
-    if len(keys) == 2:
-        same = [g for g in figures if figures[g][keys[0]]["pick"] == figures[g][keys[1]]["pick"]]
+    if {"predicted_calibrated_s", "predicted_default_s"} <= set(keys):
+        same = [g for g in figures
+                if figures[g]["predicted_calibrated_s"]["pick"] == figures[g]["predicted_default_s"]["pick"]]
         summary.append(f"built-in profile picks the calibrated profile's configuration in {len(same)} of "
                        f"{len(figures)} groups")
     return {"groups": figures, "summary": summary}
 
 
+def _key_name(key: str) -> str:
+    return key.removeprefix("predicted_").removesuffix("_s").replace("_analytic", " (price_profile for all)")
+
+
 def write_markdown(out: dict[str, Any], path: Path) -> None:
-    keys = [k for k in ("predicted_calibrated_s", "predicted_default_s") if all(k in r for r in out["rows"])]
+    keys = [k for k in PREDICTION_KEYS if all(k in r for r in out["rows"])]
     lines = [
         "# This machine as a measured sweep (CPU, gloo)", "",
         f"Generated by `python benchmarks/sweep_cpu.py` (via `benchmarks/run_all.py`). Global batch "
         f"{out['global_batch']}, AdamW, fp32; every configuration compiled with `autopar.compile(..., config=...)` "
         f"and stepped with `compiled.step` on the same spawned gloo ranks, side by side: {out['warmup_rounds']} "
         f"warm-up rounds, then {out['timed_rounds']} timed rounds of one step of every configuration (order "
-        "reversed every other round); measured = median over rounds. Predicted = `cost_model.price_profile` "
-        "with the calibrated profile of that many ranks and with the built-in `cpu` profile. The machine has "
-        "2 cores shared with other users. The runtime behind `autopar.compile` is being replaced (per-op "
-        "compiler): re-run this sweep when it lands.", "",
+        "reversed every other round); measured = median over rounds. One-stage configurations (pp = 1) run "
+        "the per-op program (the intra-op ILP's placements for the configuration); pipelines run the "
+        "module-level stage program. Predicted = what the product ranks by: for pp = 1 the ILP's own price "
+        "of the program that runs (solver/spmd_search.py `estimate` of `solve_config`), for pp > 1 "
+        "`cost_model.price_profile`; `price_profile` of every row is in the last column for comparison. "
+        "Each with the calibrated profile and the built-in `cpu` profile, scaled by the load factor of the "
+        "reference workload timed in the same run. The machine has 2 cores shared with other users.", "",
         "| size | procs | configuration | measured ms | predicted ms (calibrated) | ratio | predicted ms (built-in) | "
-        "ratio |", "|---|---|---|---|---|---|---|---|",
+        "ratio | price_profile ms (calibrated) | ratio |", "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
-        cal = r.get("predicted_calibrated_s")
-        cal_cells = f"{cal * 1e3:.0f} | {cal / r['measured_s']:.2f}" if cal else "- | -"
-        lines.append(f"| {r['size']} | {r['world']} | {r['label']} | {r['measured_s'] * 1e3:.0f} | {cal_cells} | "
-                     f"{r['predicted_default_s'] * 1e3:.0f} | {r['predicted_default_s'] / r['measured_s']:.2f} |")
+        cells = []
+        for key in ("predicted_calibrated_s", "predicted_default_s", "predicted_calibrated_analytic_s"):
+            value = r.get(key)
+            cells.append(f"{value * 1e3:.0f} | {value / r['measured_s']:.2f}" if value else "- | -")
+        lines.append(f"| {r['size']} | {r['world']} | {r['label']} | {r['measured_s'] * 1e3:.0f} | "
+                     + " | ".join(cells) + " |")
     lines += ["", "| group | profile | median abs error | Spearman | pick | measured best | pick regret |",
               "|---|---|---|---|---|---|---|"]
     for g, per in out["groups"].items():
         for k in keys:
             f = per[k]
-            lines.append(f"| {g} | {k.removeprefix('predicted_').removesuffix('_s')} | {f['median_abs_error']:.1%} | "
+            lines.append(f"| {g} | {_key_name(k)} | {f['median_abs_error']:.1%} | "
                          f"{f['spearman']:.2f} | {f['pick']} | {f['measured_best']} | {f['pick_regret']:.1%} |")
-    lines += [""] + [f"- {s}" for s in out["summary"]] + [f"- wall time {out['wall_s']:.0f} s"]
+    lines += [""] + [f"- {s}" for s in out["summary"]] + [f"- wall time {out['wall_s']:.0f} s (measuring)"]
+    if out.get("repriced"):
+        lines.append("- predictions re-priced with `sweep_cpu.py --repredict` from this run's measured times and "
+                     "reference timings (the current cost model and profiles; nothing re-measured)")
     path.write_text("\n".join(lines) + "\n")
 
 

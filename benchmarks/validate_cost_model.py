@@ -226,14 +226,18 @@ def _ranking_section(rows: list[dict[str, Any]], sweep: dict[str, Any] | None) -
                          f"max {max(g['regret'] for g in groups):.1%}; groups of 3+ runs: median Spearman "
                          + (f"{statistics.median(g['spearman'] for g in multi):.2f} over {len(multi)}" if multi else "-"))
     if sweep:
-        lines += ["", "This machine (benchmarks/sweep_cpu.py; measured step times, predictions with the calibrated "
-                  "profile and with the built-in `cpu` profile):", "",
+        lines += ["", "This machine (benchmarks/sweep_cpu.py; measured step times; predicted = what the product ranks "
+                  "by: the intra-op ILP's price of the per-op program for pp = 1, `price_profile` for pp > 1, with the "
+                  "calibrated profile and with the built-in `cpu` profile; rows marked `price_profile for all` price "
+                  "every configuration with `price_profile`):", "",
                   "| group | profile | runs | median abs error | Spearman | regret of the pick | pick | measured best |",
                   "|---|---|---|---|---|---|---|---|"]
         for g, per in sweep["groups"].items():
             runs = sum(1 for r in sweep["rows"] if f"{r['size']} x {r['world']}" == g)
             for key, f in per.items():
-                lines.append(f"| {g} | {key.removeprefix('predicted_').removesuffix('_s')} | {runs} | "
+                name = key.removeprefix("predicted_").removesuffix("_s")
+                name = name.replace("_analytic", " (price_profile for all)")
+                lines.append(f"| {g} | {name} | {runs} | "
                              f"{f['median_abs_error']:.1%} | {f['spearman']:.2f} | {f['pick_regret']:.1%} | {f['pick']} | "
                              f"{f['measured_best']} |")
     return lines

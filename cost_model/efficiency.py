@@ -56,12 +56,17 @@ class Efficiency:
     compiled_memory_factor: float
     """torch.compile (`compiled` runtime option): fraction of the eager op-by-op memory traffic
     and kernel launches of memory-bound ops that remain after inductor's fusion."""
+    gemm_overhead_s: float
+    """Per-GEMM fixed time on a GPU: the gap between back-to-back kernels (the host launches
+    ahead, so not the ~5 us launch latency itself), the first wave's fill and the last
+    wave's drain, and the epilogue of one cuBLAS kernel. What it decides: how much a small
+    micro-batch or a small hidden size (many short GEMMs) loses per FLOP. The `cpu` profile
+    replaces it by the per-call time `autopar calibrate` measured."""
+    memory_overhead_s: float
+    """Per memory-bound kernel fixed time on a GPU (inter-kernel gap and tail of a short
+    elementwise/norm kernel); the `cpu` profile replaces it by the measured eager op cost."""
 
     # --- facts ---------------------------------------------------------------------------
-    gemm_overhead_s: float = 6e-6
-    """Per-GEMM fixed time (launch and tail of one cuBLAS kernel)."""
-    memory_overhead_s: float = 3e-6
-    """Per memory-bound kernel fixed time (launch latency ~3-5 us on A100/H100)."""
     view_overhead_s: float = 0.0
     """Host time of one view op (t, view, transpose, ...): 0 on GPUs, where host work runs
     ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile."""
@@ -106,7 +111,7 @@ class Efficiency:
 
 
 FITTED: tuple[str, ...] = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
-                           "overlap_efficiency", "compiled_memory_factor")
+                           "overlap_efficiency", "compiled_memory_factor", "gemm_overhead_s", "memory_overhead_s")
 """The fields benchmarks/fit_cost_model.py fits (in this order)."""
 
 NVLINK_BUS_EFFICIENCY: dict[str, float] = {"a100-40gb": 0.70, "a100-80gb": 0.70, "h100": 0.82, "h200": 0.82,

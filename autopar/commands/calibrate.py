@@ -1,11 +1,13 @@
-"""`autopar calibrate [--devices N] [--out profile.json] [--json]`: measure this machine.
+"""`autopar calibrate [--devices N] [--repeats R] [--out profile.json] [--json]`: measure this machine.
 
 Runs autopar/calibrate.py on N local gloo ranks and prints the measured rates and the
 `cpu` Hardware profile built from them. `--out` writes `{"hardware": ..., "measurements":
 ...}`; load it with `autopar.cluster.load_hardware(path)` and price with
 `Cluster.parse("cpu:N", hardware=hw)`. The profile is per dedicated core (cores_per_node):
 the cost model applies the core sharing of whatever N it prices, so a profile measured on
-4 ranks also prices `cpu:8`.
+4 ranks also prices `cpu:8`. `--repeats R` runs the measurement R times and keeps the
+median of each figure (autopar.calibrate.combine): on a shared machine, one burst of load
+then skews no fit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from autopar.calibrate import calibrate, fit, to_hardware
 
 
 def run(args: argparse.Namespace) -> int:
-    cal = calibrate(args.devices)
+    cal = calibrate(args.devices, repeats=getattr(args, "repeats", 1))
     hw = to_hardware(cal)
     f = fit(cal)
     out = {"hardware": hw.to_json(), "measurements": cal.to_json()}
@@ -27,8 +29,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
+    runs = getattr(args, "repeats", 1)
     print(f"calibrated with {cal.devices} concurrent gloo ranks on {cal.cores} cores (1 thread each; medians "
-          f"over repeats); figures below per dedicated core (measured x {cal.sharing:.1f} ranks per core)")
+          f"over ranks and {runs} run(s)); figures below per dedicated core (measured x {cal.sharing:.1f} "
+          "ranks per core)")
     print(f"  GEMM fp32: peak {f.gemm_flops_per_s / 1e9:.2f} GFLOP/s, K-ramp {f.gemm_k_ramp:.0f}, "
           f"per-call {f.gemm_overhead_s * 1e6:.1f} us")
     print(f"  copy: {f.copy_bytes_per_s / 1e9:.2f} GB/s, per-call {f.copy_overhead_s * 1e6:.1f} us")

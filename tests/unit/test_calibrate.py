@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from autopar.calibrate import KINDS, Calibration, fit, to_hardware
+import dataclasses
+
+from autopar.calibrate import KINDS, Calibration, combine, fit, to_hardware
 from autopar.cluster import HARDWARE, Cluster, Hardware, load_hardware
 from cost_model.collectives import all_gather_time_s, all_reduce_time_s, mesh_axis_links, reduce_scatter_time_s
 from cost_model.compute import gemm_time_s
@@ -55,6 +57,32 @@ def test_fit_recovers_the_model_terms_per_dedicated_core() -> None:
         assert f.hop_latency_s == pytest.approx(ALPHA, rel=1e-6) and f.base_latency_s == pytest.approx(L0, rel=1e-6)
         assert f.bus_bytes_per_s == pytest.approx(BUS, rel=1e-6)
         assert f.eager_op_s == pytest.approx(5e-6) and f.dtensor_op_overhead_s == pytest.approx(50e-6)
+
+
+def _slowed(cal: Calibration, factor: float, *, burst: tuple[int, int, int] | None = None) -> Calibration:
+    """`cal` measured on a machine `factor` times slower (its reference too), plus a burst of
+    load (x5) that hit only the GEMM shape `burst`."""
+    gemm = tuple((m, n, k, t * factor * (5.0 if (m, n, k) == burst else 1.0)) for m, n, k, t in cal.gemm_s)
+    return dataclasses.replace(
+        cal, gemm_s=gemm, copy_s=tuple((b, t * factor) for b, t in cal.copy_s), eager_op_s=cal.eager_op_s * factor,
+        view_op_s=cal.view_op_s * factor, dtensor_op_s=cal.dtensor_op_s * factor,
+        attention_flops_per_s=cal.attention_flops_per_s / factor,
+        collective_s=tuple((*r[:3], r[3] * factor) for r in cal.collective_s),
+        send_recv_s=tuple((b, t * factor) for b, t in cal.send_recv_s), reference_s=cal.reference_s * factor)
+
+
+def test_combine_sets_runs_to_the_calmest_speed_and_ignores_one_burst() -> None:
+    cal = _cal(4)
+    runs = [_slowed(cal, 1.0), _slowed(cal, 1.5, burst=(512, 512, 512)), _slowed(cal, 2.0)]
+    combined = combine(runs)
+    assert combined.reference_s == pytest.approx(cal.reference_s)
+    for got, want in zip(combined.gemm_s, cal.gemm_s):  # the burst in one run is outvoted
+        assert got == pytest.approx(want)
+    assert combined.attention_flops_per_s == pytest.approx(cal.attention_flops_per_s)
+    assert fit(combined).gemm_overhead_s == pytest.approx(OVERHEAD, rel=1e-4)
+    assert fit(runs[1]).gemm_overhead_s != pytest.approx(OVERHEAD, rel=1e-2)  # one run alone is skewed
+    with pytest.raises(ValueError, match="different device"):
+        combine([cal, _cal(8)])
 
 
 def test_calibrated_profile_file_round_trip(tmp_path) -> None:

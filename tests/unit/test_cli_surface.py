@@ -96,6 +96,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
     ),
     "calibrate": (
         "--devices VALUE (default 2)",
+        "--repeats VALUE (default 1)",
         "--out VALUE",
         "--json",
     ),
