@@ -8,10 +8,10 @@ per-graph facts once (`_graph_facts`) and then each term of each segment by one 
 named below beside the term it computes.
 
 Terms:
-- segment (`_node_segments`): "layer" (the per-real-layer average over layer groups,
-  each traced node weighted by `graph.weight`), "pre" (embedding, stage 0) and "post"
-  (final norm, head and loss, last stage). Non-layer nodes belong to "pre" when their
-  module was first seen before the first layer in forward order, else to "post".
+- segment: each node's `Node.segment` as `lower()` stamped it (autopar/ir.py): "layer"
+  (profiled as the per-real-layer average over layer groups, each traced node weighted
+  by `graph.weight`), "pre" (embedding, stage 0) and "post" (final norm, head and loss,
+  last stage).
 - item (`_op_item`, collected per segment by `_segment_ops`): one non-view op, as
   (phase, op class, FLOPs, bytes, stream, causal) at the traced batch. `stream` marks
   ops on the residual stream (output shaped batch x seq x hidden): tensor parallelism
@@ -42,9 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.ir import ATTENTION_BWD_OPS, ATTENTION_OPS, DTYPE_BYTES, Graph, Node, NodeId, Phase, Ref, Role
-
-SEGMENTS = ("pre", "layer", "post")
+from autopar.ir import ATTENTION_BWD_OPS, ATTENTION_OPS, DTYPE_BYTES, SEGMENTS, Graph, Node, NodeId, Phase, Ref, Role
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,7 +208,7 @@ class _GraphFacts:
     stream_numel: int
     """Elements of a residual-stream value (batch * seq * hidden); -1 without a hidden size."""
     segment: tuple[str, ...]
-    """Per node: "pre", "layer" or "post" (module doc)."""
+    """Per node: its `Node.segment` ("pre", "layer" or "post")."""
     unit: tuple[float, ...]
     """Per node: copies per segment unit (graph.weight / num_layers in "layer", else 1)."""
     saved: tuple[tuple[NodeId, int], ...]
@@ -251,23 +249,6 @@ class _SegmentOps:
     """Forward FLOPs of the unit (the per-layer figure is GraphProfile.layer_forward_flops)."""
 
 
-def _node_segments(graph: Graph) -> tuple[str, ...]:
-    """Segment of each node: "layer" for a node of the repeated layers; "post" for the loss;
-    otherwise "pre" when the node precedes the first layer node or its top-level module
-    was seen before it (the embedding's backward), else "post"."""
-    first_layer = next((n.id for n in graph.nodes if n.layer is not None), len(graph))
-    pre_paths = {n.module_path.split(".")[0] for n in graph.nodes[:first_layer] if n.module_path}
-    segment: list[str] = []
-    for n in graph.nodes:
-        if n.layer is not None:
-            segment.append("layer")
-        elif n.role is Role.LOSS:
-            segment.append("post")
-        else:
-            segment.append("pre" if (n.module_path.split(".")[0] in pre_paths or n.id < first_layer) else "post")
-    return tuple(segment)
-
-
 def _saved_storages(graph: Graph) -> tuple[tuple[NodeId, int], ...]:
     """Liveness across the forward/backward boundary: the storages of forward values with
     a backward user (parameters and buffers excluded), deduplicated by storage."""
@@ -306,7 +287,8 @@ def _graph_facts(graph: Graph) -> _GraphFacts:
     m = graph.model
     # 0 for a model without a repeated layer stack: everything is pre/post, one stage holds it
     num_layers = max(1, sum(g.multiplicity for g in graph.layer_groups)) if graph.layer_groups else m.num_layers
-    segment = _node_segments(graph)
+    segment = tuple(n.segment for n in graph.nodes)
+    assert all(segment), "profile_graph needs a graph from autopar.trace.lower (it stamps Node.segment)"
     saved = _saved_storages(graph)
     return _GraphFacts(
         graph=graph, num_layers=num_layers, stream_numel=m.batch * m.seq * m.hidden if m.hidden else -1,
