@@ -212,8 +212,8 @@ class _GraphFacts:
     unit: tuple[float, ...]
     """Per node: copies per segment unit (graph.weight / num_layers in "layer", else 1)."""
     saved: tuple[tuple[NodeId, int], ...]
-    """Storages (producer, output index) of forward values read by the backward, in the
-    order their first reader-side node appears."""
+    """Storages (producer, output index) of forward values read by the backward, in graph
+    order of the first forward node aliasing each."""
     recomputable: frozenset[NodeId]
     """Saved producers selective recompute re-runs instead of keeping."""
     grad_roots: frozenset[NodeId]
