@@ -11,6 +11,13 @@ Terms:
   gradient, loss, ...). Gradients are the values the step returns for parameters.
 - phase: forward or backward, as the tracer's partitioner tags say.
 - layer: index of the repeated block (`layers.<i>`) a node came from, or None.
+- segment: which part of the step a node belongs to, stamped once by `lower()` (the
+  pipeline's first stage holds "pre", every stage some "layer" nodes, the last "post"):
+  "layer" for a node of the repeated layers; "post" for the loss; otherwise "pre" when
+  the node precedes the first layer node or its module was seen before it (the
+  embedding's backward and parameters), else "post" (final norm, head, loss). A module
+  is named by its path down to one level below where it leaves the layer container's
+  path (`wte` beside `layers`; `hf.transformer.ln_f` beside `hf.transformer.h`).
 - layer group: layers with the same structure (same ops, shapes and wiring). A group's
   `multiplicity` is how many layers of the real model it stands for: a trace of 2
   layers of a 126-layer model has one group with multiplicity 126, so a cost computed
@@ -26,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 NodeId = int
+
+SEGMENTS: tuple[str, ...] = ("pre", "layer", "post")
+"""The values of `Node.segment`, in pipeline order (module doc)."""
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -151,6 +161,9 @@ class Node:
     layer: int | None = None
     param_name: str | None = None
     """For parameters and buffers their state-dict name; for gradients the parameter's."""
+    segment: str = ""
+    """"pre", "layer" or "post" (module doc), stamped by `autopar.trace.lower`; "" on a
+    node built by hand."""
 
     def output_position(self, slot: int) -> int:
         """Index into `outputs` of result-tuple position `slot` (what a getitem reads)."""

@@ -21,7 +21,7 @@ import hashlib
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -540,6 +540,7 @@ def lower(
         if n in param_of_grad and param_of_grad[n] in param_ids:
             param_grads.append((param_ids[param_of_grad[n]], ids[n]))
 
+    nodes = [replace(nd, segment=seg) for nd, seg in zip(nodes, _segments(nodes, traced.layer_prefix))]
     traced_layers = sorted({nd.layer for nd in nodes if nd.layer is not None})
     real = real_layers if real_layers is not None else traced.num_layers
     groups = _group_layers(nodes, traced_layers, real)
@@ -551,6 +552,34 @@ def lower(
     log.info("lowered %s: %d nodes, %d layer groups, %.3g FLOPs/step",
              name, len(nodes), len(groups), graph.flops_per_step)
     return graph
+
+
+def _segments(nodes: list[Node], layer_prefix: str) -> list[str]:
+    """Segment of each node (autopar/ir.py module doc): "layer" inside the repeated layers,
+    "post" for the loss; otherwise "pre" when the node precedes the first layer node or its
+    module key was seen before it, else "post". A module's key is its path down to one
+    component below the common prefix with the layer container's path, so a wrapper
+    module around the whole model (Hugging Face's `hf.`) does not make everything "pre"."""
+    container = layer_prefix.split(".") if layer_prefix else []
+
+    def key(path: str) -> str:
+        parts = path.split(".")
+        common = 0
+        while common < min(len(parts), len(container)) and parts[common] == container[common]:
+            common += 1
+        return ".".join(parts[:common + 1])
+
+    first_layer = next((n.id for n in nodes if n.layer is not None), len(nodes))
+    pre_keys = {key(n.module_path) for n in nodes[:first_layer] if n.module_path}
+    segments: list[str] = []
+    for n in nodes:
+        if n.layer is not None:
+            segments.append("layer")
+        elif n.role is Role.LOSS:
+            segments.append("post")
+        else:
+            segments.append("pre" if (key(n.module_path) in pre_keys or n.id < first_layer) else "post")
+    return segments
 
 
 def _flat_nodes(args: Any) -> tuple[fx.Node, ...]:

@@ -50,8 +50,6 @@ def _rule(name: str, tp: int) -> str:
 def template_intra_op(graph: Graph, tp: int) -> tuple[IntraOpChoice, ...]:
     """Per layer group ('embedding', 'layers', 'head'): the template placement of each parameter."""
     groups: dict[str, dict[str, str]] = {"embedding": {}, "layers": {}, "head": {}}
-    first_layer_param = next((n.id for n in graph.nodes if n.role is Role.PARAMETER and n.layer is not None),
-                             len(graph.nodes))
     for node in graph.nodes:
         if node.role is not Role.PARAMETER or not node.param_name:
             continue
@@ -59,7 +57,7 @@ def template_intra_op(graph: Graph, tp: int) -> tuple[IntraOpChoice, ...]:
             name = re.sub(r"^(.*?)\.\d+\.", "", node.param_name, count=1)
             groups["layers"].setdefault(name, _rule(name, tp))
         else:
-            key = "embedding" if node.id < first_layer_param else "head"
+            key = "embedding" if node.segment == "pre" else "head"
             groups[key].setdefault(node.param_name, _rule(node.param_name, tp))
     return tuple(
         IntraOpChoice(layer_group=key, submesh=(tp,), source="template", placements=tuple(sorted(rules.items())))

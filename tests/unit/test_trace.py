@@ -231,3 +231,30 @@ def test_cli_trace_json_and_bad_input():
     flag = subprocess.run([sys.executable, "-m", "autopar.cli", "trace", "gpt-tiny", "--seq", "-3"],
                           capture_output=True, text=True)
     assert flag.returncode == 2 and "positive integer" in flag.stderr
+
+
+def test_segments_are_stamped_and_a_wrapper_module_does_not_move_the_head_to_pre():
+    """lower() stamps Node.segment once (cost_model/profile.py and the template solver read
+    it). A module wrapping the whole model (Hugging Face models under `hf.`) must not make
+    every non-layer node "pre": the wrapped model's segments are the bare model's."""
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.inner(tokens, labels)
+
+    source = resolve("gpt-tiny")
+    tokens, labels = source.example_inputs(2)
+    torch.manual_seed(0)
+    bare, wrapped = (lower(trace(m, (tokens, labels)), name="g", batch=2, seq=32)
+                     for m in (source.build(), Wrapper(source.build())))
+    segments = [n.segment for n in bare.nodes]
+    assert [n.segment for n in wrapped.nodes] == segments
+    by_param = {n.param_name: n.segment for n in bare.nodes if n.role is Role.PARAMETER}
+    assert by_param["wte.weight"] == "pre" and by_param["ln_f.weight"] == "post"
+    assert all(s == "layer" for n, s in zip(bare.nodes, segments) if n.layer is not None)
+    head = [n for n in bare.nodes if n.op == "aten.mm.default" and n.layer is None and n.phase is Phase.FORWARD]
+    assert head and all(n.segment == "post" for n in head)
