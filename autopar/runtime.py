@@ -417,6 +417,15 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
                              "(one global batch)")
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
+    if rules_for(model) is None:
+        # any other model with a repeated layer stack: stages cut at its layers (autopar/runtime_pipe.py)
+        from autopar.runtime_pipe import build_pipe_program
+
+        if example_inputs is None:
+            raise ValueError("a pipeline of a model without a family table is cut from its traced training step: "
+                             "pass example_inputs= (one global batch)")
+        return build_pipe_program(model, config, example_inputs, loss_fn=loss_fn,
+                                  optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh)
     return build_module_program(model, config, loss_fn=loss_fn, optimizer=optimizer, stage_layers=stage_layers,
                                 compile_stages=compile_stages, mesh=mesh, fused_kernels=fused_kernels)
 
