@@ -82,6 +82,9 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
 
     Returns (torch Pipe, layer container path, layer range per chunk). Raises ValueError
     when the model has no repeated layer stack or too few layers."""
+    from unittest import mock
+
+    import torch.distributed.pipelining._IR as pipelining_ir
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from autopar.capabilities import layer_stack, split_layers
@@ -94,7 +97,24 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
             f"{type(model).__name__} has none. Use --pp 1")
     ranges = split_layers(num_layers, num_chunks, stage_layers)
     split_spec = {f"{prefix}.{r.start}": SplitPoint.BEGINNING for r in ranges[1:]}
-    with _hf_compiling_patch(model), torch.nn.attention.sdpa_kernel(_sdpa_backends()):
+    # Stage modules stay flat ATen graphs whose parameters keep their dotted names: torch
+    # rebuilds each stage's module hierarchy from the export's module stacks
+    # (`_outline_submodules`), which mis-scopes Hugging Face Llama's rotary embedding (its
+    # call reads a value made in the parent's scope; the rebuilt stage fails to run).
+    module_paths = [name for name, _ in model.named_modules() if name]
+
+    def flat_stage(graph: Any) -> nn.Module:
+        stage = graph.owning_module
+        for path in module_paths:  # empty containers: torch then places every parameter a stage
+            parent = stage         # reads (under any of its tied names) at its dotted name
+            for atom in path.split("."):
+                if not hasattr(parent, atom):
+                    parent.add_module(atom, nn.Module())
+                parent = getattr(parent, atom)
+        return stage
+
+    with _hf_compiling_patch(model), torch.nn.attention.sdpa_kernel(_sdpa_backends()), \
+            mock.patch.object(pipelining_ir, "_outline_submodules", flat_stage):
         pipe = pipeline(routed(model, loss_fn), mb_args=tuple(microbatch), split_spec=split_spec)
     if pipe.num_stages != num_chunks:
         raise ValueError(f"cutting {type(model).__name__} at layers {[r.start for r in ranges[1:]]} of {prefix} "
@@ -402,7 +422,9 @@ def build_pipe_program(model: nn.Module, config: ParallelConfig, example_inputs:
     device = torch.device(mesh.device_type)
     info = pipe.info()
     stages = [build_stage(chunk, cid, info, device, group=mesh.get_group("pp")) for chunk, cid in zip(chunks, chunk_ids)]
-    params = {name: p for name, p in shared.items() if p.requires_grad}
+    # sorted by name: the flat dp all-reduce needs one order on every dp rank, and torch's
+    # splitter places a tied tensor's names in set order (it varies between processes)
+    params = {name: shared[name] for name in sorted(shared) if shared[name].requires_grad}
     opt = optimizer(list(params.values()))
     log.info("rank %d: pipeline chunks %s of %d (layers %s of %s), %d parameters", dist.get_rank(), chunk_ids,
              num_chunks, [(ranges[i].start, ranges[i].stop) for i in chunk_ids], prefix, len(params))
