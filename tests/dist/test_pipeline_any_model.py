@@ -5,7 +5,8 @@ tracer and runs the chunks with torch's schedules. Checked against the single-pr
 reference (same seed, data, AdamW): losses to rtol 1e-4 on every rank, parameters to atol
 1e-3, the tied embedding/head held on the first and last pp ranks equal on both. The
 configurations cover GPipe over 4 stages (values the embedding makes relayed through two
-stages), 1F1B with dp 2, and interleaved 1F1B (2 chunks per rank); the CLI cases are the
+stages), 1F1B with dp 2, interleaved 1F1B and zero bubble (ScheduleInterleavedZeroBubble, 2
+chunks per rank; also the zoo GPT's module-level pp2 x tp2 on it); the CLI cases are the
 forced `--pp 2` plan of `autopar train --check` for GPT-2 and Llama (whose rotary
 embedding, made before the first layer, crosses the cut).
 """
@@ -29,19 +30,27 @@ CONFIGS = {
     "pp4_gpipe": C(pp=4, schedule="gpipe"),
     "pp2xdp2_1f1b": C(pp=2, dp=2, schedule="1f1b"),
     "pp2xdp2_interleaved": C(pp=2, dp=2, schedule="interleaved", interleave=2),
+    "pp2xdp2_zb_v2": C(pp=2, dp=2, schedule="zb", interleave=2),
 }
 TIED = "hf.transformer.wte.weight"  # canonical name of the tied embedding / head
+ZOO_GPT = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
+
+
+def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
+    return [train_worker(rank, job) for job in jobs]
 
 
 @pytest.fixture(scope="module")
 def world4():
-    job = TrainJob(model=GPT2_4, configs=tuple(CONFIGS.values()), steps=2, return_parameters=True)
-    return spawn(train_worker, 4, (job,)), reference_run(job)
+    jobs = (TrainJob(model=GPT2_4, configs=tuple(CONFIGS.values()), steps=2, return_parameters=True),
+            TrainJob(model=ZOO_GPT, configs=(C(pp=2, tp=2, schedule="zb"),), steps=2))
+    results = spawn(_jobs_worker, 4, (jobs,))
+    return [[results[r][j] for r in range(4)] for j in range(len(jobs))], [reference_run(job) for job in jobs]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_gpt2_pipeline_matches_reference(world4, name):
-    per_rank, (ref_losses, ref_params) = world4
+    per_rank, (ref_losses, ref_params) = world4[0][0], world4[1][0]
     index = list(CONFIGS).index(name)
     results = [r[index] for r in per_rank]
     for r in results:
@@ -57,6 +66,13 @@ def test_hf_gpt2_pipeline_matches_reference(world4, name):
         torch.testing.assert_close(value, ref_params[param], atol=1e-3, rtol=0, msg=param)
     assert len(tied_copies) == 2, "the first and last pp ranks each hold the tied embedding/head"
     torch.testing.assert_close(tied_copies[0], tied_copies[1], atol=0, rtol=0)
+
+
+def test_zoo_module_pipeline_runs_zero_bubble(world4):
+    """The zoo's module-level pipeline (Megatron TP inside the stages) on the zb schedule."""
+    per_rank, (ref_losses, _) = world4[0][1], world4[1][1]
+    for r in per_rank:
+        torch.testing.assert_close(torch.tensor(r[0].losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("factory", ["gpt2", "llama"])
