@@ -65,3 +65,16 @@ def test_pipeline_support_says_what_runs():
     assert "only 2 layers" in pipeline_support(hf, C(pp=2, schedule="interleaved", interleave=2))
     assert pipeline_support(gpt, C(pp=2, tp=2)) is None  # the zoo's module-level program
     assert "--zero 1 with --tp > 1" in pipeline_support(gpt, C(pp=2, tp=2, dp=2, zero=1))
+
+
+def test_pipeline_support_reads_a_traced_graph_too():
+    """The search asks with the Graph it traced: the same answers as for the module."""
+    from autopar.trace import trace_step
+
+    for factory, runs in ((hf_factories.gpt2, True), (factories.mlp, False)):
+        model, example = factory()
+        _, graph = trace_step(model, example)
+        assert (pipeline_support(graph, C(pp=2)) is None) is runs
+        assert (pipeline_support(graph, C(pp=2)) is None) is (pipeline_support(model, C(pp=2)) is None)
+        assert pipeline_support(graph, C(pp=2, tp=2)) == pipeline_support(model, C(pp=2, tp=2))
+
