@@ -11,7 +11,8 @@ Pipelines (pp > 1) run in one of two ways today:
   (autopar/runtime.py: chunks by the family tables, Megatron TP, FSDP2 / ZeRO-1);
 - any other model with a repeated layer stack (Hugging Face models, factories):
   autopar/runtime_pipe.py, stages cut at the layers by torch.distributed.pipelining,
-  data parallelism by a gradient all-reduce: tp = 1, ZeRO 0, no recompute.
+  data parallelism by a gradient all-reduce (ZeRO 0) or FSDP2 on each stage (ZeRO 2/3):
+  tp = 1, no ZeRO-1, no recompute.
 """
 
 from __future__ import annotations
@@ -77,16 +78,19 @@ def split_layers(num_layers: int, num_chunks: int, stage_layers: tuple[int, ...]
     return tuple(ranges)
 
 
-def _structure(model_or_graph: Any) -> tuple[str, int, str]:
-    """(family or '', repeated layers, model name) of a model or its traced Graph."""
+def _structure(model_or_graph: Any) -> tuple[str, int, str, tuple[int, ...]]:
+    """(family or '', repeated layers, model name, (heads, key/value heads) of a zoo model)
+    of a model or its traced Graph."""
     from autopar.ir import Graph
 
     if isinstance(model_or_graph, Graph):
         info = model_or_graph.model
-        return info.family, info.num_layers, info.name
+        return info.family, info.num_layers, info.name, (info.heads, info.kv_heads)
     model = model_or_graph
     family = next((_ZOO_MODULES[c.__module__] for c in type(model).__mro__ if c.__module__ in _ZOO_MODULES), "")
-    return family, layer_stack(model)[1], type(model).__name__
+    cfg = getattr(model, "cfg", None)
+    heads = (cfg.heads, getattr(cfg, "num_kv_heads", cfg.heads)) if family and cfg is not None else (0, 0)
+    return family, layer_stack(model)[1], type(model).__name__, heads
 
 
 def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
@@ -95,7 +99,7 @@ def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
     always pass here (the per-op program runs any model the ILP can shard)."""
     if config.pp == 1:
         return None
-    family, num_layers, name = _structure(model_or_graph)
+    family, num_layers, name, heads = _structure(model_or_graph)
     chunks = config.pp * config.interleave
     if num_layers < 2:
         return (f"--pp {config.pp} needs a model with a repeated layer stack (an nn.ModuleList of blocks) to cut "
@@ -104,6 +108,10 @@ def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
         return (f"pp * interleave = {chunks} pipeline chunks but {name} has only {num_layers} layers; lower --pp "
                 "or --interleave")
     if family in ZOO_FAMILIES:
+        for count, what in zip(heads, ("attention heads", "key/value heads")):
+            if count and count % config.tp:  # Megatron TP splits whole heads
+                return (f"--tp {config.tp} does not divide {name}'s {count} {what} (its pipeline splits whole "
+                        f"heads over tp); pick a tp that divides {count}")
         if config.zero == 1 and config.dp > 1 and config.tp > 1:
             return ("--zero 1 with --tp > 1 and --pp > 1 is not supported (ZeroRedundancyOptimizer takes plain "
                     "tensors, TP parameters are DTensors); use --zero 2, which also shards the optimizer state")
@@ -111,13 +119,13 @@ def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
     unsupported = []
     if config.tp > 1:
         unsupported.append(f"--tp {config.tp}")
-    if config.zero > 0 and config.dp > 1:
-        unsupported.append(f"--zero {config.zero}")
+    if config.zero == 1 and config.dp > 1:
+        unsupported.append("--zero 1")
     if config.recompute != "none":
         unsupported.append(f"--recompute {config.recompute}")
     if unsupported:
         return (f"a pipeline of {name} (stages cut at its {num_layers} repeated layers) runs data parallel "
-                f"stages with --zero 0 and no recompute; {', '.join(unsupported)} is not supported there yet. "
+                f"stages (--zero 0, 2 or 3) without recompute; {', '.join(unsupported)} is not supported there yet. "
                 f"Use --pp 1 for tensor parallelism and ZeRO on this model, or drop {', '.join(unsupported)}")
     return None
 

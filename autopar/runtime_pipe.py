@@ -24,7 +24,8 @@ top of the traced step, so the copy is made in chunk 0 and sent on like an activ
 the last).
 
 Gradients: data parallelism (zero 0) is one flat all-reduce over the dp axis after the
-last microbatch. A parameter that several chunks use (a tied embedding and head) is held
+last microbatch; ZeRO-2/3 put FSDP2 on each stage module (gradients reduce-scattered,
+parameters gathered per stage; 3 also frees them after forward). A parameter that several chunks use (a tied embedding and head) is held
 by each; within a rank its chunks share one tensor, across pp ranks their gradients are
 summed over a group of the ranks holding it (Megatron's embedding group), so every copy
 takes the same optimizer step.
@@ -41,8 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
+from autopar.runtime import _local
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,9 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
     if pipe.num_stages != num_chunks:
         raise ValueError(f"cutting {type(model).__name__} at layers {[r.start for r in ranges[1:]]} of {prefix} "
                          f"gave {pipe.num_stages} stages, not {num_chunks} (a layer is called out of order?)")
+    canonical = _canonical_names(model)
+    for index in range(pipe.num_stages):
+        _canonicalize(pipe.get_stage_module(index), canonical)
     relays = relay_skips(pipe)
     log.info("cut %s at layers %s of %s: %d stages, %d values relayed past a stage", type(model).__name__,
              [r.start for r in ranges[1:]], prefix, pipe.num_stages, relays)
@@ -233,6 +239,34 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _canonicalize(stage: nn.Module, canonical: dict[str, str]) -> None:
+    """Read every tied tensor under its canonical name. torch's splitter keeps one of a tied
+    tensor's names per stage, picked in set order, which varies between processes: dp peers
+    would then hold their parameters in different orders (FSDP's all-gathers and the flat
+    gradient all-reduce need one order)."""
+    changed = False
+    for node in stage.graph.nodes:
+        if node.op != "get_attr" or canonical.get(node.target, node.target) == node.target:
+            continue
+        alias, name = node.target, canonical[node.target]
+        owner, _, leaf = alias.rpartition(".")
+        value = getattr(stage.get_submodule(owner), leaf, None)
+        if value is not None:
+            new_owner, _, new_leaf = name.rpartition(".")
+            target = stage.get_submodule(new_owner)
+            if getattr(target, new_leaf, None) is None:
+                target.register_parameter(new_leaf, value)
+            delattr(stage.get_submodule(owner), leaf)
+        node.target = name
+        changed = True
+    for alias, _ in list(stage.named_parameters(remove_duplicate=False)):
+        if canonical.get(alias, alias) != alias:  # a leftover copy under an alias, read by no node
+            owner, _, leaf = alias.rpartition(".")
+            delattr(stage.get_submodule(owner), leaf)
+    if changed:
+        stage.recompile()
+
+
 def _retie(chunks: list[nn.Module], canonical: dict[str, str]) -> dict[str, nn.Parameter]:
     """Make every name of one tied tensor, in all of this rank's chunks, one parameter (the
     splitter may copy a tensor used by several stages); returns canonical name -> it."""
@@ -327,7 +361,8 @@ class PipeProgram:
     def _sync_grads(self) -> int:
         named = [(n, p) for n, p in self._params.items() if p.grad is not None]
         grads = [p.grad for _, p in named]
-        if self.config.dp > 1 and grads:
+        fsdp = self.config.zero >= 2 and self.config.dp > 1  # FSDP reduce-scattered them already
+        if self.config.dp > 1 and grads and not fsdp:
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.mesh.get_group("dp"))
             flat /= self.config.dp
@@ -337,23 +372,27 @@ class PipeProgram:
             p = self._params[name]
             if p.grad is None:  # held but unused on this stage: it still joins the sum
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-        return sum(p.grad.numel() * p.grad.element_size() for p in self._params.values() if p.grad is not None)
+            dist.all_reduce(_local(p.grad), group=group)  # same dp shard on every holder
+        return sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in self._params.values()
+                   if p.grad is not None)
 
     def _stats(self, grad_bytes: int) -> Any:
         import resource
 
         from autopar.runtime import StepStats
 
-        state_bytes = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
-                          if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return StepStats(parameter_bytes=sum(p.numel() * p.element_size() for p in self._params.values()),
+        state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
+                          for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return StepStats(parameter_bytes=sum(_local(p).numel() * _local(p).element_size()
+                                             for p in self._params.values()),
                          gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Copies of this rank's parameters, under their canonical names (whole: no tp here)."""
-        return {name: p.detach().clone() for name, p in self._params.items()}
+        """Whole copies of this rank's parameters, under their canonical names (collective
+        over dp under ZeRO-2/3: call on every rank)."""
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for name, p in self._params.items()}
 
     def state_dict(self) -> dict[str, Any]:
         raise ValueError("checkpoints of pipelines cut at a model's layers (models without a family table) are not "
@@ -421,6 +460,14 @@ def build_pipe_program(model: nn.Module, config: ParallelConfig, example_inputs:
     stages = [build_stage(chunk, cid, info, device, group=mesh.get_group("pp")) for chunk, cid in zip(chunks, chunk_ids)]
     # sorted by name: the flat dp all-reduce needs one order on every dp rank, and torch's
     # splitter places a tied tensor's names in set order (it varies between processes)
+    if config.zero >= 2 and config.dp > 1:
+        # ZeRO-2/3: FSDP2 over dp on each stage module; the schedule drives its gradient
+        # reduce-scatter and resharding (its REDUCE_GRAD / RESHARD actions)
+        from torch.distributed.fsdp import fully_shard
+
+        for chunk in chunks:
+            fully_shard(chunk, mesh=mesh["dp"], reshard_after_forward=config.zero == 3)
+        shared = _retie(chunks, canonical)  # the DTensor parameters FSDP put in place
     params = {name: shared[name] for name in sorted(shared) if shared[name].requires_grad}
     opt = optimizer(list(params.values()))
     log.info("rank %d: pipeline chunks %s of %d (layers %s of %s), %d parameters", dist.get_rank(), chunk_ids,

@@ -5,7 +5,8 @@ tracer and runs the chunks with torch's schedules. Checked against the single-pr
 reference (same seed, data, AdamW): losses to rtol 1e-4 on every rank, parameters to atol
 1e-3, the tied embedding/head held on the first and last pp ranks equal on both. The
 configurations cover GPipe over 4 stages (values the embedding makes relayed through two
-stages), 1F1B with dp 2, interleaved 1F1B and zero bubble (ScheduleInterleavedZeroBubble, 2
+stages), 1F1B with dp 2 (ZeRO 0 and 2: FSDP2 on each stage), interleaved 1F1B with ZeRO 3,
+and zero bubble (ScheduleInterleavedZeroBubble, 2
 chunks per rank; also the zoo GPT's module-level pp2 x tp2 on it); the CLI cases are the
 forced `--pp 2` plan of `autopar train --check` for GPT-2 and Llama (whose rotary
 embedding, made before the first layer, crosses the cut).
@@ -29,7 +30,8 @@ GPT2_4 = "tests.hf_factories:gpt2_4layers"
 CONFIGS = {
     "pp4_gpipe": C(pp=4, schedule="gpipe"),
     "pp2xdp2_1f1b": C(pp=2, dp=2, schedule="1f1b"),
-    "pp2xdp2_interleaved": C(pp=2, dp=2, schedule="interleaved", interleave=2),
+    "pp2xdp2_zero2_1f1b": C(pp=2, dp=2, zero=2, schedule="1f1b"),
+    "pp2xdp2_zero3_interleaved": C(pp=2, dp=2, zero=3, schedule="interleaved", interleave=2),
     "pp2xdp2_zb_v2": C(pp=2, dp=2, schedule="zb", interleave=2),
 }
 TIED = "hf.transformer.wte.weight"  # canonical name of the tied embedding / head

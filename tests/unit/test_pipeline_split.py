@@ -61,9 +61,11 @@ def test_pipeline_support_says_what_runs():
     assert pipeline_support(mlp, C(pp=1, dp=2)) is None
     assert "repeated layer stack" in pipeline_support(mlp, C(pp=2))
     assert "--tp 2 is not supported there yet" in pipeline_support(hf, C(pp=2, tp=2))
-    assert "--zero 2" in pipeline_support(hf, C(pp=2, dp=2, zero=2))
+    assert "--zero 1" in pipeline_support(hf, C(pp=2, dp=2, zero=1))
+    assert pipeline_support(hf, C(pp=2, dp=2, zero=3)) is None
     assert "only 2 layers" in pipeline_support(hf, C(pp=2, schedule="interleaved", interleave=2))
     assert pipeline_support(gpt, C(pp=2, tp=2)) is None  # the zoo's module-level program
+    assert "does not divide" in pipeline_support(gpt, C(pp=2, tp=4))  # 2 heads
     assert "--zero 1 with --tp > 1" in pipeline_support(gpt, C(pp=2, tp=2, dp=2, zero=1))
 
 
