@@ -15,6 +15,8 @@ import logging
 import sys
 from typing import Sequence
 
+from autopar.config import SCHEDULES
+
 COMMANDS = ("trace", "price", "search", "explain", "train", "calibrate")
 
 
@@ -47,7 +49,7 @@ def add_config_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
                    help="ZeRO stage")
     p.add_argument("--micro-batch", type=_positive_int, default=None, required=required,
                    help="sequences per microbatch per data-parallel rank")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None)
+    p.add_argument("--schedule", choices=SCHEDULES, default=None)
     p.add_argument("--interleave", type=_positive_int, default=None, help="model chunks per pipeline rank")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--attention", choices=("flash", "math"), default=None)

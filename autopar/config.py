@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
 Recompute = Literal["none", "selective", "full"]
 Attention = Literal["flash", "math"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
+"""zb: torch's ScheduleInterleavedZeroBubble (backward split into input- and weight-gradient
+parts that fill the bubbles; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)."""
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 ATTENTION: tuple[str, ...] = ("flash", "math")
 
@@ -61,10 +63,10 @@ class ParallelConfig:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
-        if self.schedule != "interleaved" and self.interleave != 1:
-            raise ValueError(f"--interleave {self.interleave} needs --schedule interleaved")
-        if self.schedule == "interleaved" and self.pp == 1:
-            raise ValueError("--schedule interleaved needs --pp > 1 (it interleaves pipeline stages); "
+        if self.schedule not in ("interleaved", "zb") and self.interleave != 1:
+            raise ValueError(f"--interleave {self.interleave} needs --schedule interleaved (or zb)")
+        if self.schedule in ("interleaved", "zb") and self.pp == 1:
+            raise ValueError(f"--schedule {self.schedule} needs --pp > 1 (it interleaves pipeline stages); "
                              "add --pp 2 or more, or use --schedule 1f1b")
 
     @property
@@ -105,9 +107,10 @@ class ParallelConfig:
                 f"lower --pp / --interleave so that pp * interleave <= {num_layers}"
             )
         m = self.num_microbatches(global_batch)
-        if self.schedule == "interleaved" and m % self.pp:
+        if self.schedule in ("interleaved", "zb") and m % self.pp:
+            name = "interleaved 1F1B" if self.schedule == "interleaved" else "zero bubble (zb)"
             raise ValueError(
-                f"interleaved 1F1B needs the number of microbatches ({m}) to be a multiple of pp ({self.pp}); "
+                f"{name} needs the number of microbatches ({m}) to be a multiple of pp ({self.pp}); "
                 f"change --global-batch or --micro-batch, or use --schedule 1f1b"
             )
         return m

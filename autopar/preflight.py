@@ -8,18 +8,19 @@ launcher raises once, before spawning, and the CLI exits 2 with the message alon
 
 What is checked (config vs model, plan vs model, devices): the degrees multiply to the
 devices and divide the batch (ParallelConfig.check); one-stage jobs run the per-op program,
-which takes any model; pipelines (still cut by the family tables) need a model of known
-structure, heads divisible by tp, no ZeRO-1 with tp > 1, and stage cuts that fit the layers.
+which takes any model; pipelines need what `autopar.capabilities.pipeline_support` says (a
+repeated layer stack; tp and ZeRO for the zoo's families only, heads divisible by tp) and
+stage cuts that fit the layers.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from autopar.capabilities import layer_stack, pipeline_support, split_layers
 from autopar.config import ParallelConfig
 from autopar.runtime import model_dims
 from codegen.rules import rules_for
-from codegen.stages import split_layers
 from codegen.tp import check_tp
 
 
@@ -30,20 +31,13 @@ def check_job(model: nn.Module, config: ParallelConfig, *, num_devices: int, glo
     num_microbatches = config.check(global_batch=global_batch, num_devices=num_devices, **model_dims(model, config))
     if config.pp == 1:
         return num_microbatches  # one stage: the per-op program shards any model the ILP can
+    reason = pipeline_support(model, config)
+    if reason is not None:
+        raise ValueError(reason)
     rules = rules_for(model)
     check_tp(rules, model, config.tp)
-    if rules is None:
-        raise ValueError(
-            f"--pp {config.pp} needs a model of known structure (the zoo's GPT or Llama) so it can be cut "
-            f"into stages; {type(model).__name__} runs as one stage (per-op data, tensor and ZeRO "
-            f"sharding). Use --pp 1"
-        )
-    if config.zero == 1 and config.dp > 1 and config.tp > 1:
-        raise ValueError(
-            "--zero 1 with --tp > 1 and --pp > 1 is not supported (ZeroRedundancyOptimizer takes plain "
-            "tensors, TP parameters are DTensors); use --zero 2, which also shards the optimizer state"
-        )
+    num_layers = model_dims(model)["num_layers"] if rules is not None else layer_stack(model)[1]
     num_chunks = config.pp * config.interleave
     if stage_layers is not None and not (config.interleave > 1 and len(stage_layers) == config.pp):
-        split_layers(model_dims(model)["num_layers"], num_chunks, stage_layers)  # raises on a misfit
+        split_layers(num_layers, num_chunks, stage_layers)  # raises on a misfit
     return num_microbatches

@@ -8,7 +8,8 @@ How each knob is realised (all with torch.distributed's own pieces):
 - mesh: `init_device_mesh` with axes ("pp", "dp", "tp"), tp innermost (fastest links).
 - pp: the model is cut into pp * interleave chunks (codegen/stages.py); rank r on the pp
   axis owns chunks r, r + pp, ... and runs them with `torch.distributed.pipelining`
-  (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B). The schedule splits the local
+  (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble for
+  `zb`). The schedule splits the local
   batch into microbatches and scales gradients by 1/num_microbatches.
 - tp: codegen/tp.py (DTensor, `parallelize_module`), optional sequence parallelism.
 - dp and ZeRO, over the "dp" axis:
@@ -170,7 +171,8 @@ class RankProgram:
     # ---- the step -------------------------------------------------------------------
     def _build_schedule(self) -> Any:
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                            ScheduleInterleavedZeroBubble)
 
         group = self.mesh.get_group("pp")
         device = torch.device(self.mesh.device_type)
@@ -178,8 +180,8 @@ class RankProgram:
                   for chunk, cid in zip(self.chunks, self.chunk_ids)]
         self._pp_losses_fn = self.rules.loss_fn
         self._stages = stages
-        return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[
-            self.config.schedule]
+        return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                "zb": ScheduleInterleavedZeroBubble}[self.config.schedule]
 
     def _local_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         dp = self.config.dp
@@ -249,7 +251,7 @@ class RankProgram:
         return torch.zeros(())
 
     def _make_schedule(self, num_mb: int) -> Any:
-        if self.config.schedule == "interleaved":
+        if self.config.schedule in ("interleaved", "zb"):  # multi-stage schedules take every local chunk
             schedule = self.schedule(self._stages, n_microbatches=num_mb, loss_fn=self.rules.loss_fn)
         elif self.config.schedule == "1f1b" and num_mb < self.config.pp:
             # torch's 1F1B refuses fewer microbatches than stages; with so few, its warm-up
@@ -417,6 +419,15 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
                              "(one global batch)")
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
+    if rules_for(model) is None:
+        # any other model with a repeated layer stack: stages cut at its layers (autopar/runtime_pipe.py)
+        from autopar.runtime_pipe import build_pipe_program
+
+        if example_inputs is None:
+            raise ValueError("a pipeline of a model without a family table is cut from its traced training step: "
+                             "pass example_inputs= (one global batch)")
+        return build_pipe_program(model, config, example_inputs, loss_fn=loss_fn,
+                                  optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh)
     return build_module_program(model, config, loss_fn=loss_fn, optimizer=optimizer, stage_layers=stage_layers,
                                 compile_stages=compile_stages, mesh=mesh, fused_kernels=fused_kernels)
 

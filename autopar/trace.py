@@ -29,6 +29,7 @@ import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.capabilities import layer_container as _find_layer_container
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role, TensorMeta
 from autopar.models.zoo import ModelSource
 
@@ -99,17 +100,6 @@ class _LossStep(nn.Module):
                 "loss_fn=lambda output, target: ... (the last example input is the target)"
             )
         return out
-
-
-def _find_layer_container(model: nn.Module) -> tuple[str, int]:
-    best = ("", 0)
-    for name, mod in model.named_modules():
-        # torchtitan keeps its blocks in a ModuleDict keyed "0", "1", ... (so pipeline
-        # splits can delete some and keep the others' names): a layer list too
-        numbered = isinstance(mod, nn.ModuleDict) and list(mod.keys()) == [str(i) for i in range(len(mod))]
-        if (isinstance(mod, (nn.ModuleList, nn.Sequential)) or numbered) and len(mod) > best[1]:
-            best = (name, len(mod))
-    return best if best[1] >= 1 else ("", 0)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopar.config import default_stage_layers
+from autopar.capabilities import split_layers
 from autopar.ir import ATTENTION_FWD_OPS
 from codegen.rules import FamilyRules
 
@@ -40,31 +40,6 @@ def _attention_core_policy(ctx: object, op: object, *args: object, **kwargs: obj
 
 def _selective_context() -> object:
     return create_selective_checkpoint_contexts(_attention_core_policy)
-
-
-def split_layers(num_layers: int, num_chunks: int, stage_layers: tuple[int, ...] | None = None) -> tuple[range, ...]:
-    """Layer ranges per chunk: the plan's `stage_layers`, or `autopar.config.default_stage_layers`
-    (as even as possible, earlier chunks take the remainder: what the cost model prices)."""
-    if stage_layers is not None:
-        if len(stage_layers) != num_chunks or sum(stage_layers) != num_layers or min(stage_layers) < 1:
-            raise ValueError(
-                f"plan stage_layers {tuple(stage_layers)} do not fit {num_chunks} pipeline chunks of a "
-                f"{num_layers}-layer model: need {num_chunks} positive counts summing to {num_layers}; "
-                "re-run `autopar search` for this model and pipeline degree"
-            )
-        counts = list(stage_layers)
-    else:
-        if num_layers < num_chunks:
-            raise ValueError(
-                f"{num_chunks} pipeline chunks (pp * interleave) but the model has only {num_layers} "
-                "layers; lower --pp or --interleave"
-            )
-        counts = list(default_stage_layers(num_layers, num_chunks))
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append(range(start, start + count))
-        start += count
-    return tuple(ranges)
 
 
 class Chunk(nn.Module):

@@ -31,13 +31,18 @@ def _tokens(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def gpt2():
+def gpt2(num_layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=num_layers, n_head=4, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)
     ids, _ = _tokens()
     return LossOf(GPT2LMHeadModel(cfg)), (ids, ids)
+
+
+def gpt2_4layers():
+    """GPT-2 with 4 blocks: enough layers for pp 2 x interleave 2."""
+    return gpt2(num_layers=4)
 
 
 def llama():

@@ -33,7 +33,7 @@ CONFIG_FLAGS = (
     "--dp VALUE",
     "--zero {0,1,2,3}",
     "--micro-batch VALUE",
-    "--schedule {gpipe,1f1b,interleaved}",
+    "--schedule {gpipe,1f1b,interleaved,zb}",
     "--interleave VALUE",
     "--recompute {none,selective,full}",
     "--attention {flash,math}",
@@ -187,7 +187,7 @@ def test_guard_reports_changed_choices_defaults_and_new_subcommands() -> None:
     sub.add_parser("serve").add_argument("--port", required=True)
     assert surface_diff(EXPECTED_SURFACE, cli_surface(parser)) == [
         "new subcommand 'serve': ('--port VALUE (required)',)",
-        "price: flag '--schedule {gpipe,1f1b,interleaved}' removed or changed",
+        "price: flag '--schedule {gpipe,1f1b,interleaved,zb}' removed or changed",
         "price: new flag '--schedule {gpipe,1f1b}'",
         "search: flag '--top VALUE (default 5)' removed or changed",
         "search: new flag '--top VALUE (default 3)'",

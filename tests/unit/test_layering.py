@@ -48,7 +48,8 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "costs": ("cost_model",),
     "solve": ("solver",),
     "apply": ("codegen",),
-    "run": ("autopar.runtime", "autopar.runtime_spmd", "autopar.runtime_jobs", "autopar.runtime_launch",
+    "run": ("autopar.runtime", "autopar.runtime_spmd", "autopar.runtime_pipe", "autopar.runtime_jobs",
+            "autopar.runtime_launch",
             "autopar.checkpoint", "autopar.determinism", "autopar.preflight"),
     # Outside the flow, reading its data: calibrate measures a Hardware profile for the
     # cost model (spawning ranks as `train` does); plots draws a Plan.
@@ -59,9 +60,12 @@ FLOW = tuple(STAGE_MODULES)
 # Importable by every stage. The cross-stage types (DESIGN: "Shared data types live in
 # autopar/", with json_codec, their generic JSON form), and facts that several stages read so that they agree by construction:
 # buckets (pricing and the program count the same gradient collectives) and dtensor_bridge
-# (strategies, reshard prices and the program all come from DTensor's registry/planner).
+# (strategies, reshard prices and the program all come from DTensor's registry/planner),
+# capabilities (the layer stack, the pipeline cut and what the runtime runs: the tracer, the
+# search and the runtime read one definition).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
-          "autopar.plan", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge")
+          "autopar.plan", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
+          "autopar.capabilities")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
 # itself: the public surface re-exports (matched exactly, not as a prefix).
@@ -101,7 +105,6 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     ("autopar.runtime", "codegen.kernels.modules", "fused-kernel module swap is done by the runtime"),
     ("autopar.checkpoint", "codegen.rules", "GPT's qkv row permutation for TP lives in the rule tables"),
     ("autopar.preflight", "codegen.rules", "pre-spawn checks re-run the runtime's family-table checks"),
-    ("autopar.preflight", "codegen.stages", "pre-spawn checks re-run the pipeline layer split"),
     ("autopar.preflight", "codegen.tp", "pre-spawn checks re-run the TP divisibility check"),
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
@@ -109,6 +112,8 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     ("autopar.runtime_spmd", "solver.intra_op", "rank 0 solves the ILP for a configuration given by flags"),
     ("autopar.runtime_spmd", "solver.forced", "the flags' configuration as ILP constraints"),
     ("autopar.runtime_spmd", "codegen.apply", "each rank applies the plan to its traced step"),
+    ("autopar.runtime_pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
+     "and SDPA backends"),
     # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
     # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
     ("solver.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
