@@ -270,6 +270,83 @@ class Alternative:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineStage:
+    """One pipeline stage as the inter-op DP chose it (solver/pipeline_search.py)."""
+
+    index: int
+    first_layer: int
+    num_layers: int
+    has_embedding: bool
+    has_head: bool
+    submesh: tuple[int, int]
+    """(dp, tp) of the stage's devices."""
+    recompute: str
+    zero: int
+    time_per_microbatch_s: float
+    """Forward + backward of one microbatch on this stage (sync and optimizer amortised)."""
+    memory_bytes: int
+    """Per-device peak: state + in-flight activations + workspace."""
+    inflight_microbatches: float
+    placements: tuple[tuple[str, str], ...] = ()
+    """(parameter, placement on the stage's (dp, tp) submesh) from the stage's ILP, layers
+    once per layer group as `layers.*`."""
+    collectives: tuple[tuple[str, str, int, int], ...] = ()
+    """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced."""
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: getattr(self, k) for k in self.__slots__}
+        data["submesh"] = list(self.submesh)
+        data["placements"] = [list(p) for p in self.placements]
+        data["collectives"] = [list(c) for c in self.collectives]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "PipelineStage":
+        _check_keys(data, cls.__slots__, "pipeline.stages[]")
+        values = {k: data[k] for k in cls.__slots__}
+        values["submesh"] = tuple(int(x) for x in data["submesh"])
+        values["placements"] = tuple((str(a), str(b)) for a, b in data["placements"])
+        values["collectives"] = tuple((str(k), str(a), int(n), int(b)) for k, a, n, b in data["collectives"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineInfo:
+    """The inter-op decision: per-stage layer ranges, submeshes and recompute, the schedule
+    and its terms, and why the runners-up lost (from the plan alone: `autopar explain`)."""
+
+    schedule: str
+    """gpipe, 1f1b, interleaved or zbv (solver/stage_dp.py prices each)."""
+    chunks: int
+    microbatch: int
+    """Sequences per microbatch over the whole pipeline."""
+    num_microbatches: int
+    stages: tuple[PipelineStage, ...]
+    bubble_s: float
+    """Step time above m x the slowest stage (the schedule's bubble)."""
+    p2p_s: float
+    """Per step: the slowest stage's boundary sends, m microbatches."""
+    runners_up: tuple[tuple[str, float, str], ...] = ()
+    """(candidate, its step seconds, why it lost), best first: slower terms named, or the
+    reason the runtime cannot run it (autopar/capabilities.py)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "chunks": self.chunks, "microbatch": self.microbatch,
+                "num_microbatches": self.num_microbatches, "stages": [s.to_json() for s in self.stages],
+                "bubble_s": self.bubble_s, "p2p_s": self.p2p_s, "runners_up": [list(r) for r in self.runners_up]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "PipelineInfo":
+        _check_keys(data, ("schedule", "chunks", "microbatch", "num_microbatches", "stages", "bubble_s", "p2p_s",
+                           "runners_up"), "pipeline")
+        return cls(schedule=str(data["schedule"]), chunks=int(data["chunks"]), microbatch=int(data["microbatch"]),
+                   num_microbatches=int(data["num_microbatches"]),
+                   stages=tuple(PipelineStage.from_json(s) for s in data["stages"]),
+                   bubble_s=float(data["bubble_s"]), p2p_s=float(data["p2p_s"]),
+                   runners_up=tuple((str(a), float(b), str(c)) for a, b, c in data["runners_up"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SearchInfo:
     """How the plan was found: the cost model, the space and what was pruned (no timings)."""
 
@@ -330,6 +407,9 @@ class Plan:
     placements: tuple[OpPlacement, ...] = ()
     """The ILP's per-op placements: the program that runs (pp = 1 plans)."""
     intra_op_info: IntraOpInfo | None = None
+    pipeline: PipelineInfo | None = None
+    """The inter-op decision (per-stage submesh, recompute, schedule, runners-up); written
+    only when present (key "pipeline"), so one-stage plans keep their bytes."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -394,6 +474,7 @@ class Plan:
             "predicted": self.predicted.to_json(), "search": self.search.to_json(),
             "placements": [p.to_json() for p in self.placements],
             "intra_op_info": None if self.intra_op_info is None else self.intra_op_info.to_json(),
+            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
         }
 
     def dumps(self) -> str:
@@ -410,7 +491,7 @@ class Plan:
         if "version" in data and data["version"] != PLAN_VERSION:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
                                 f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
-        _check_keys(data, _PLAN_KEYS, "plan")
+        _check_keys(data, _PLAN_KEYS + (("pipeline",) if "pipeline" in data else ()), "plan")
         if not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
             raise PlanFileError(f"plan model_fingerprint {str(data['model_fingerprint'])[:80]!r} is not a (sha256) hex "
                                 "digest; the file was edited or truncated. Re-run `autopar search` to write a new plan")
@@ -428,6 +509,7 @@ class Plan:
                 predicted=Prediction.from_json(data["predicted"]), search=SearchInfo.from_json(data["search"]),
                 placements=tuple(OpPlacement.from_json(p) for p in data["placements"]),
                 intra_op_info=None if data["intra_op_info"] is None else IntraOpInfo.from_json(data["intra_op_info"]),
+                pipeline=PipelineInfo.from_json(data["pipeline"]) if "pipeline" in data else None,
             )
         except PlanFileError:
             raise
