@@ -63,7 +63,7 @@ from solver.spmd_search import (
     candidates as spmd_candidates,
     solve_candidate,
 )
-from solver.stage_costs import DataParallelAxis, SubmeshCosts, lower_bound_s, placement_summary, split_solution, zero3_filter
+from solver.stage_costs import DataParallelAxis, SubmeshCosts, memory_lower_bound_bytes, lower_bound_s, placement_summary, split_solution, zero3_filter
 from solver.stage_dp import PipelineSolution, Schedule, solve_pipeline
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,12 @@ one is a trace and an ILP per tp, and pipelines want many small microbatches."""
 INTERLEAVE_CHOICES = (2, 4)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 MAX_RUNNERS_UP = 8
+
+MEMORY_BOUND_SLACK = 1.1
+"""A one-stage candidate is not solved when its memory lower bound
+(stage_costs.memory_lower_bound_bytes) exceeds the budget by this factor: the ILP checks
+liveness at a few points only (solver/intra_op.py MEMORY_POINTS), so the bound keeps a
+margin for a checked peak below the true one."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -390,36 +396,44 @@ class _Entry:
 def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
            family: str = "", top: int = 5, time_limit_s: float | None = None, progress: ProgressFn | None = None,
            num_layers: int | None = None, microbatch_choices: int = MAX_MICROBATCH_CHOICES,
-           max_pp: int | None = None) -> SearchResult:
+           max_pp: int | None = None, min_pp: int = 1) -> SearchResult:
     """Rank one-stage plans and pipelines (module docstring); the runnable best as Plans.
     `family` names a structure the runtime can pipeline ("gpt", "llama"; "" for any other
-    model: then only one-stage plans run)."""
+    model: then only one-stage plans run). `min_pp` > 1 searches pipelines only."""
     t0 = time.perf_counter()
     n = cluster.num_devices
     spmd = [c for c in spmd_candidates(cluster, global_batch, microbatch_choices)
-            if cluster.num_nodes == 1 or c.mesh[1] <= cluster.devices_per_node]
-    if not spmd:
+            if (cluster.num_nodes == 1 or c.mesh[1] <= cluster.devices_per_node) and min_pp == 1]
+    if not spmd and min_pp == 1:
         raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
                                   f"use a global batch that is a multiple of the device count")
     graphs: dict[int, Graph] = {}
-    ref_g = max(c.microbatch for c in spmd)
+    ref_g = 1  # the bounds scale a one-sequence trace (stage_costs.lower_bound_s)
     ref = graphs[ref_g] = trace_at(ref_g)
     L = num_layers if num_layers is not None else ref.model.num_layers
     allow_pp = L >= 2 and max_pp != 1 and (family or PIPELINE_STAGES_PER_OP)
     pipes = pipeline_candidates(cluster, global_batch, L, max_pp=max_pp) if allow_pp else []
+    if not spmd and not pipes:
+        raise InfeasiblePlanError(f"no pipeline of {model} splits over {cluster.spec} with at least pp >= {min_pp}: "
+                                  "it needs a model the runtime can cut into stages and a global batch of at least "
+                                  "2 pp microbatches; search with pp 1")
     t_trace = time.perf_counter() - t0
     share = core_share(cluster)
     opt_lb = cost_model.optimizer_time_s(ref.model.num_parameters / n, cluster.hardware) * share
-    bounds: dict[int, dict[str, float]] = {}
+    bounds: dict[tuple[int, int], dict[str, float]] = {}
 
     def per_micro_lb(devices: int, g: int) -> float:
-        if devices not in bounds:
-            bounds[devices] = lower_bound_s(ref, cluster, devices)
-        b = bounds[devices]
-        return (b["pre"] + L * b["layer"] + b["post"]) * g / ref_g
+        if (devices, g) not in bounds:
+            bounds[(devices, g)] = lower_bound_s(ref, cluster, devices, g / ref_g)
+        b = bounds[(devices, g)]
+        return b["pre"] + L * b["layer"] + b["post"]
 
     queue: list[tuple[float, int, Any]] = []
+    pruned_memory = 0
     for i, c in enumerate(spmd):
+        if memory_lower_bound_bytes(ref, n, c.microbatch / ref_g) > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
+            pruned_memory += 1
+            continue
         queue.append((c.num_microbatches * per_micro_lb(n, c.microbatch) + opt_lb, i, c))
     for j, c in enumerate(pipes):
         lb = c.num_microbatches * per_micro_lb(n // c.pp, c.microbatch) / c.pp + opt_lb
@@ -474,7 +488,8 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                                 if need is not None else "")
             + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
     info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",
-                      num_candidates=len(queue), num_priced=solved_count, num_pruned_memory=0,
+                      num_candidates=len(queue) + pruned_memory, num_priced=solved_count,
+                      num_pruned_memory=pruned_memory,
                       num_pruned_dominated=pruned, num_not_fitting=not_fit, complete=complete, alternatives=())
     ranked = tuple(_ranked(e, L) for e in ranked_entries)
     plans = []

@@ -30,8 +30,10 @@ The pipeline boundary activation (p2p) is the layer's largest outside input (the
 residual stream) at the placement its first consumer reads.
 
 `lower_bound_s` bounds any plan's per-microbatch compute on D devices from below (every
-op's FLOPs and bytes split perfectly over D devices, no communication): the pipeline
-search prices candidates in order of this bound and stops when it passes the best.
+op's FLOPs and bytes split perfectly over D devices, no communication) and
+`memory_lower_bound_bytes` its peak memory: the pipeline search solves candidates in order
+of the time bound, stops when it passes the best, and skips one-stage candidates whose
+memory bound exceeds the budget.
 """
 
 from __future__ import annotations
@@ -255,14 +257,14 @@ def zero3_filter(dp: int):
 
 def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1.0) -> dict[str, float]:
     """Per piece (layer: one real layer), a lower bound of any plan's per-microbatch compute
-    on `devices` devices for a microbatch `scale` x the traced one (scale <= 1: FLOPs and
-    bytes are affine in the batch with non-negative intercepts, so scaling them down
-    stays below the truth)."""
-    assert scale <= 1.0 + 1e-12, "trace the bound's reference at the largest microbatch"
+    on `devices` devices for a microbatch of `scale` x the traced one (any scale >= 1/batch):
+    an op's FLOPs and the bytes of its activation operands are linear in the batch, the
+    bytes of parameter-derived operands (weights) are not, so each part is scaled apart."""
     from solver.costs import _ATTENTION_OPS, _GEMM_OPS, _is_causal
     from cost_model.compute import compute_time_s
 
     pieces = node_pieces(graph)
+    derived = graph.parameter_derived()
     L = max(1, graph.model.num_layers)
     out = {p: 0.0 for p in PIECES}
     share = core_share(cluster)
@@ -270,10 +272,15 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
     for node in graph.nodes:
         if node.role is Role.PARAMETER or node.is_view or (node.bytes_moved == 0 and node.flops == 0):
             continue
-        moved = sum({u: graph[u].output.size_bytes for u in node.inputs if len(graph[u].outputs) == 1}.values())
-        moved += node.output_bytes
+        operands = {u: graph[u].output.size_bytes for u in node.inputs if len(graph[u].outputs) == 1}
+        if node.id in derived:  # a cast or transpose of a weight: no batch in it
+            flops, moved = float(node.flops), float(sum(operands.values()) + node.output_bytes)
+        else:
+            fixed = sum(b for u, b in operands.items() if u in derived)
+            flops = node.flops * scale
+            moved = fixed + scale * (sum(operands.values()) - fixed + node.output_bytes)
         cls = "gemm" if node.op in _GEMM_OPS else "attention" if node.op in _ATTENTION_OPS else "memory"
-        t = compute_time_s(node.flops * scale / devices, moved * scale / devices, cluster.hardware, dtype,
+        t = compute_time_s(flops / devices, moved / devices, cluster.hardware, dtype,
                            op_class=cls, causal=cls == "attention" and _is_causal(node))
         out[pieces[node.id]] += graph.weight(node.id) * t * share
     out["layer"] /= L
@@ -298,3 +305,26 @@ def placement_summary(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[st
 
 SolveFn = Callable[[tuple[int, int], int, int], "SubmeshCosts | None"]
 """solve(mesh, microbatch sequences, zero) -> memoised SubmeshCosts (None: no ILP solution)."""
+
+
+def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0) -> float:
+    """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
+    microbatch of `scale` x the traced one (activations are linear in the batch): every parameter's state (STATE_BYTES_PER_PARAM
+    per element) and every activation the backward reads are live together at the end of
+    the forward, and no layout holds less than an even share of them."""
+    from solver.costs import STATE_BYTES_PER_PARAM
+
+    aliases = {alias for alias, _ in graph.tied_params}
+    derived = graph.parameter_derived()
+    state = sum(graph.weight(n.id) * n.output.numel * STATE_BYTES_PER_PARAM
+                for n in graph.by_role(Role.PARAMETER) if n.id not in aliases)
+    saved: set[NodeId] = set()
+    for node in graph.nodes:
+        if node.phase is not Phase.BACKWARD:
+            continue
+        for u in node.inputs:
+            b = _base(graph, u)
+            if graph[b].phase is Phase.FORWARD and b not in derived and graph[b].role in (Role.ACTIVATION, Role.INPUT):
+                saved.add(b)
+    acts = sum(graph.weight(b) * graph[b].output_bytes for b in saved)
+    return (state + scale * acts) / devices
