@@ -50,7 +50,6 @@ from autopar.plan import (
     SearchInfo,
     describe_config,
 )
-from cost_model.collectives import mesh_axis_links, send_recv_time_s
 from solver.costs import core_share
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.spmd_search import (
@@ -124,8 +123,14 @@ class PipelineResult:
 
 
 def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
+    """The devices one stage (or its tp group) runs on. Where ranks share a node's cores
+    (the cpu profile), the other stages' ranks still share them: the cores are scaled with
+    the devices, keeping the contention (solver/costs.py core_share) of the whole node."""
     per_node = min(cluster.devices_per_node, devices)
-    return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node)
+    hw = cluster.hardware
+    if hw.cores_per_node and per_node < cluster.devices_per_node:
+        hw = replace(hw, cores_per_node=hw.cores_per_node * per_node / cluster.devices_per_node)
+    return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
 
 
 def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *, max_pp: int | None = None,
@@ -217,12 +222,12 @@ class _StageCostCache:
             except InfeasiblePlanError as exc:
                 log.info("stage ILP (1, %d) b=%d: %s", tp, b, exc)
                 sol = None
-            self.tp_solutions[tp_key] = (graph, sol, mesh_axis_links(tp_cluster, (1, tp)))
+            self.tp_solutions[tp_key] = (graph, sol, cost_model.mesh_axis_links(tp_cluster, (1, tp)))
         graph, sol, tp_links = self.tp_solutions[tp_key]
         if sol is None:
             self.costs[key] = None
             return None
-        axis = DataParallelAxis(size=dp, link=mesh_axis_links(sub, mesh)[0], tp_links=tp_links)
+        axis = DataParallelAxis(size=dp, link=cost_model.mesh_axis_links(sub, mesh)[0], tp_links=tp_links)
         self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero,
                                          data_parallel=axis)
         return self.costs[key]
@@ -243,7 +248,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     (`info`: the traced model's ModelInfo, for its heads)."""
     D = cand.stage_devices(cluster)
     meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
-    pp_link = mesh_axis_links(cluster, (cand.pp, D))[0]
+    pp_link = cost_model.mesh_axis_links(cluster, (cand.pp, D))[0]
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
     for mesh in meshes:
@@ -251,7 +256,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
             sc = cache.get(mesh, cand.microbatch, zero)
             if sc is None:
                 continue
-            p2p = 2 * send_recv_time_s(sc.boundary_bytes, pp_link) * share  # activation forward, gradient back
+            p2p = 2 * cost_model.send_recv_time_s(sc.boundary_bytes, pp_link) * share  # activation forward, gradient back
             for rc in RECOMPUTE_CHOICES:
                 entries.append((sc, rc, p2p))
     if not entries:
@@ -480,11 +485,17 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
         progress("solve", len(queue), len(queue))
     entries.sort(key=_Entry.sort_key)
     ranked_entries = [e for e in entries if e.reason is None]
+    if not ranked_entries and not smallest and spmd:
+        # every one-stage candidate was skipped by its memory bound: solve the leanest one for
+        # the exact smallest memory the error message reports
+        leanest = min(spmd, key=lambda c: (memory_lower_bound_bytes(ref, n, c.microbatch / ref_g), c.mesh))
+        solve_candidate(trace_at, leanest, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
+                        smallest=smallest)
     if not ranked_entries:
         need = min(smallest) if smallest else None
         raise InfeasiblePlanError(
             f"No plan fits {cluster.device_memory_bytes / GIB:.3g} GiB/device for {model} on {cluster.spec} "
-            f"(global batch {global_batch})" + (f"; the smallest one-stage plan needs {need / GIB:.3g} GiB per device"
+            f"(global batch {global_batch})" + (f"; the smallest needs {need / GIB:.3g} GiB per device (one stage, every mesh tried)"
                                                 if need is not None else "")
             + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
     info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",

@@ -22,7 +22,7 @@ local elements (the ILP's memory of a parameter node); saved = activations the b
 reads (the base tensor of every forward value a backward node uses, at its chosen
 placement, w-weighted). Recompute policies follow autopar/recompute.py's definitions:
 "full" keeps only the layer's input (the boundary activation) and re-runs the layer's
-forward; "selective" keeps the outputs of matmuls and attention (recompute._EXPENSIVE)
+forward; "selective" keeps the outputs of matmuls and attention (EXPENSIVE_OPS)
 and re-runs the other forward ops. Pre and post are never recomputed. The transient
 workspace is one layer's full saved set (two under full recompute: the recomputed copy).
 
@@ -46,8 +46,8 @@ from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Phase, Role
 from autopar.placement import Shard, format_placements, shard_factor
 from autopar.sharding import IntraOpSolution, StrategySpace
-from cost_model.collectives import AxisLink, all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
-from solver.costs import collective_time_s, core_share
+from cost_model import AxisLink, all_gather_time_s, all_reduce_time_s, compute_time_s, reduce_scatter_time_s
+from solver.costs import _ATTENTION_OPS, _GEMM_OPS, _is_causal, collective_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -127,10 +127,9 @@ def _base(graph: Graph, nid: NodeId) -> NodeId:
     return node.id
 
 
-def _expensive_ops() -> frozenset[str]:
-    from autopar.recompute import _EXPENSIVE  # the selective policy's kept ops: one definition
-
-    return _EXPENSIVE
+EXPENSIVE_OPS = _GEMM_OPS | _ATTENTION_OPS
+"""What selective recompute keeps: the matmuls and attention (the forward ones of these are
+autopar/recompute.py's _EXPENSIVE; the solver may not import the tracer's module)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,7 +155,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
     by_node = {c.node: c for c in solution.choices}
     derived = graph.parameter_derived()
     aliases = {alias for alias, _ in graph.tied_params}
-    expensive = _expensive_ops()
+    expensive = EXPENSIVE_OPS
     acc = {p: dict(time=0.0, fwd=0.0, cheap=0.0, state=0.0, saved=0.0, sel=0.0, params=0.0, grad_bytes=0.0,
                    sync=0.0, gather=0.0) for p in PIECES}
     for c in solution.choices:
@@ -260,9 +259,6 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
     on `devices` devices for a microbatch of `scale` x the traced one (any scale >= 1/batch):
     an op's FLOPs and the bytes of its activation operands are linear in the batch, the
     bytes of parameter-derived operands (weights) are not, so each part is scaled apart."""
-    from solver.costs import _ATTENTION_OPS, _GEMM_OPS, _is_causal
-    from cost_model.compute import compute_time_s
-
     pieces = node_pieces(graph)
     derived = graph.parameter_derived()
     L = max(1, graph.model.num_layers)

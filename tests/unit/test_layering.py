@@ -58,10 +58,11 @@ FLOW = tuple(STAGE_MODULES)
 
 # Importable by every stage. The cross-stage types (DESIGN: "Shared data types live in
 # autopar/"), and facts that several stages read so that they agree by construction:
-# buckets (pricing and the program count the same gradient collectives) and dtensor_bridge
-# (strategies, reshard prices and the program all come from DTensor's registry/planner).
+# buckets (pricing and the program count the same gradient collectives), dtensor_bridge
+# (strategies, reshard prices and the program all come from DTensor's registry/planner) and
+# capabilities (what the runtime executes: the search ranks only that).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
-          "autopar.plan", "autopar.buckets", "autopar.dtensor_bridge")
+          "autopar.plan", "autopar.buckets", "autopar.dtensor_bridge", "autopar.capabilities")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
 # itself: the public surface re-exports (matched exactly, not as a prefix).
