@@ -617,7 +617,8 @@ class Plan:
         if len(set(self.stage_layers)) > 1:
             lines.append("  why non-uniform: the cut balances per-stage time (embedding and head are extra work "
                          "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")
-        lines.append("layer groups (intra-op):")
+        if self.intra_op:
+            lines.append("layer groups (intra-op):")
         for choice in self.intra_op:
             if choice.source == "ilp":
                 note = f"ilp, ILP cost {choice.cost_s:.4g} s per step; recorded beside the template, not priced"

@@ -62,7 +62,15 @@ from solver.spmd_search import (
     candidates as spmd_candidates,
     solve_candidate,
 )
-from solver.stage_costs import DataParallelAxis, SubmeshCosts, memory_lower_bound_bytes, lower_bound_s, placement_summary, split_solution, zero3_filter
+from solver.stage_costs import (
+    DataParallelAxis,
+    SubmeshCosts,
+    lower_bound_s,
+    memory_lower_bound_bytes,
+    placement_summary,
+    split_solution,
+    zero3_filter,
+)
 from solver.stage_dp import PipelineSolution, Schedule, solve_pipeline
 
 log = logging.getLogger(__name__)
@@ -256,7 +264,8 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
             sc = cache.get(mesh, cand.microbatch, zero)
             if sc is None:
                 continue
-            p2p = 2 * cost_model.send_recv_time_s(sc.boundary_bytes, pp_link) * share  # activation forward, gradient back
+            # the activation forward and its gradient back, per microbatch
+            p2p = 2 * cost_model.send_recv_time_s(sc.boundary_bytes, pp_link) * share
             for rc in RECOMPUTE_CHOICES:
                 entries.append((sc, rc, p2p))
     if not entries:
@@ -363,7 +372,9 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
             submesh=sc.mesh, recompute=rc, zero=sc.zero, time_per_microbatch_s=sol.stage_times_s[k],
             memory_bytes=int(sol.stage_memory_bytes[k]),
             inflight_microbatches=r.schedule.inflight(k, len(sol.stage_layers), r.candidate.num_microbatches),
-            placements=placement_summary(sc.graph, sc.solution), collectives=_collectives_per_microbatch(sc)))
+            placements=placement_summary(sc.graph, sc.solution, ("pre",) * (k == 0) + ("layer",) + (
+                ("post",) if k == len(sol.stage_layers) - 1 else ()), zero_over_dp=bool(sc.zero) and sc.mesh[0] > 1),
+            collectives=_collectives_per_microbatch(sc)))
         first += n
     cfg = _config(r)
     data = est.to_json()
@@ -495,7 +506,8 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
         need = min(smallest) if smallest else None
         raise InfeasiblePlanError(
             f"No plan fits {cluster.device_memory_bytes / GIB:.3g} GiB/device for {model} on {cluster.spec} "
-            f"(global batch {global_batch})" + (f"; the smallest needs {need / GIB:.3g} GiB per device (one stage, every mesh tried)"
+            f"(global batch {global_batch})" + (f"; the smallest needs {need / GIB:.3g} GiB per device (one stage, "
+                                                "every mesh tried)"
                                                 if need is not None else "")
             + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
     info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",

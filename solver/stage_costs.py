@@ -39,8 +39,6 @@ memory bound exceeds the budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Phase, Role
@@ -283,30 +281,35 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
     return out
 
 
-def placement_summary(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[str, str], ...]:
-    """(parameter inside a layer group or outside, its (dp, tp) placement), one per name:
-    the layers' parameters once per layer group (layer sharing gives each group one choice)."""
+def placement_summary(graph: Graph, solution: IntraOpSolution, pieces: tuple[str, ...] = PIECES,
+                      zero_over_dp: bool = False) -> tuple[tuple[str, str], ...]:
+    """(parameter inside a layer group or outside, its (dp, tp) placement), one per name, for
+    the parameters of `pieces`: the layers' once per layer group (layer sharing gives each
+    group one choice). `zero_over_dp`: the solution is a (1, tp) one whose stage shards
+    parameters over its data-parallel axis (ZeRO-3 on dim 0, as FSDP does)."""
     import re
 
     by_node = {c.node: c for c in solution.choices}
+    of = node_pieces(graph)
     out: dict[str, str] = {}
     for node in graph.by_role(Role.PARAMETER):
+        if of[node.id] not in pieces:
+            continue
         name = node.param_name or node.name
         if node.layer is not None:
             name = re.sub(r"\.\d+\.", ".*.", name, count=1)
         if node.id in by_node:
-            out.setdefault(name, format_placements(by_node[node.id].outputs[0]))
+            placements = by_node[node.id].outputs[0]
+            if zero_over_dp and node.output.shape and node.output.shape[0] > 1:
+                placements = (Shard(0),) + tuple(placements[1:])
+            out.setdefault(name, format_placements(placements))
     return tuple(out.items())
-
-
-SolveFn = Callable[[tuple[int, int], int, int], "SubmeshCosts | None"]
-"""solve(mesh, microbatch sequences, zero) -> memoised SubmeshCosts (None: no ILP solution)."""
 
 
 def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0) -> float:
     """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
-    microbatch of `scale` x the traced one (activations are linear in the batch): every parameter's state (STATE_BYTES_PER_PARAM
-    per element) and every activation the backward reads are live together at the end of
+    microbatch of `scale` x the traced one (activations are linear in the batch): every
+    parameter's state (STATE_BYTES_PER_PARAM per element) and every activation the backward reads are live together at the end of
     the forward, and no layout holds less than an even share of them."""
     from solver.costs import STATE_BYTES_PER_PARAM
 
