@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.plan import module_fingerprint
 from autopar.runtime import OptimizerFactory, build_program, model_dims
 from autopar.runtime_launch import init_from_env, launched_by_torchrun
 
@@ -67,23 +68,6 @@ def _ensure_process_group(num_devices: int) -> None:
                          "make them equal")
 
 
-def _check_fingerprint(plan: Any, model: nn.Module) -> None:
-    expected = getattr(plan, "model_fingerprint", None)
-    if not expected:
-        return
-    try:
-        from autopar.plan import model_fingerprint
-    except ImportError:
-        log.warning("autopar.plan.model_fingerprint unavailable: plan fingerprint not checked")
-        return
-    actual = model_fingerprint(tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
-    if actual != expected:
-        raise ValueError(
-            f"the plan was made for another model (fingerprint {str(expected)[:12]}..., this model "
-            f"{str(actual)[:12]}...); search a plan for this model or pass config= instead"
-        )
-
-
 def _cluster_of(mesh: MeshLike) -> Cluster:
     if isinstance(mesh, Cluster):
         return mesh
@@ -104,7 +88,6 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
     Deterministic (no time limit)."""
     import copy
 
-    from autopar.plan import model_fingerprint
     from autopar.trace import trace_step
     from codegen.rules import rules_for
     from solver.pipeline_search import search as search_plans
@@ -118,7 +101,7 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
                  for t in example_inputs]
         return trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn)[1]
 
-    fingerprint = model_fingerprint(tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    fingerprint = module_fingerprint(model)
     # issue 14 (i14dp): pipelines are searched too; a model the runtime can cut into stages
     # (codegen/rules.py) may get pp > 1, any other runs as one stage (autopar/capabilities.py)
     rules = rules_for(model)
@@ -225,7 +208,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
     if plan is not None and config is not None:
         raise ValueError("pass plan= or config=, not both (a plan carries its config)")
     if plan is not None:
-        _check_fingerprint(plan, model)
+        plan.check_model(module_fingerprint(model))
         config = plan.config
     if plan is None and config is None:
         if example_inputs is None:

@@ -33,6 +33,40 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
 }
 
+GEMM_OPS: frozenset[str] = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+})
+"""The matmul ops (tensor-core work priced as GEMMs, kept by selective recomputation)."""
+ATTENTION_FWD_OPS: frozenset[str] = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+})
+"""The fused attention kernels SDPA dispatches to (CPU flash, flash, memory-efficient,
+cuDNN), forward. The one home of this set: the tracer's FLOPs, the cost model's and the
+ILP's op classes, recomputation and the pipeline chunks' checkpoint policy read it."""
+ATTENTION_BWD_OPS: frozenset[str] = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten._scaled_dot_product_flash_attention_backward.default",
+    "aten._scaled_dot_product_efficient_attention_backward.default",
+    "aten._scaled_dot_product_cudnn_attention_backward.default",
+})
+"""Their backward ops (inputs start with grad_out, then q, k, v)."""
+ATTENTION_OPS: frozenset[str] = ATTENTION_FWD_OPS | ATTENTION_BWD_OPS
+_IS_CAUSAL_POSITION: dict[str, int] = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": 4,
+    "aten._scaled_dot_product_flash_attention.default": 4,
+    "aten._scaled_dot_product_efficient_attention.default": 6,
+    "aten._scaled_dot_product_cudnn_attention.default": 6,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": 7,
+    "aten._scaled_dot_product_flash_attention_backward.default": 11,
+    "aten._scaled_dot_product_efficient_attention_backward.default": 11,
+    "aten._scaled_dot_product_cudnn_attention_backward.default": 14,
+}
+"""Position of `is_causal` among each attention op's positional arguments (ATen schemas of
+torch 2.13; tests/unit/test_trace.py checks them against torch's own schemas)."""
+
 
 class Role(str, enum.Enum):
     PARAMETER = "parameter"
@@ -130,6 +164,18 @@ class Node:
     @property
     def output_bytes(self) -> int:
         return sum(t.size_bytes for t in self.outputs)
+
+    @property
+    def is_causal(self) -> bool:
+        """A fused attention op (ATTENTION_OPS) with a causal mask: its `is_causal` argument,
+        by keyword or at its schema position; False for every other op."""
+        position = _IS_CAUSAL_POSITION.get(self.op)
+        if position is None:
+            return False
+        kwargs = dict(self.kwargs)
+        if "is_causal" in kwargs:
+            return bool(kwargs["is_causal"])
+        return len(self.args) > position and self.args[position] is True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

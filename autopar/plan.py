@@ -23,22 +23,18 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 from autopar.sharding import InfeasiblePlanError  # one error type for "nothing fits", intra-op or whole plan
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.json_codec import JsonData, JsonFormatError, decode
 from autopar.placement import parse_placements
 
 PLAN_VERSION = 2
 """2: plans carry the ILP's per-op placements (`placements`), which is what runs."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 GIB = 1024**3
-
-PREDICTION_KEYS: tuple[str, ...] = (
-    "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device", "mfu",
-    "peak_memory_bytes", "fits", "bubble_fraction", "time_breakdown", "memory_breakdown",
-)
 
 
 class PlanFileError(ValueError):
@@ -59,8 +55,6 @@ def model_fingerprint(named_param_shapes: Iterable[tuple[str, Sequence[int]]]) -
 def module_fingerprint(module: Any) -> str:
     """`model_fingerprint` of a torch module (anything with `named_parameters()`): the one
     place that reads a module's (name, shape) pairs, for plans, jobs and checkpoints."""
-    # issue 18 (one home per fact): added beside model_fingerprint; the callers in
-    # autopar/api.py are left for the per-op rewrite to switch over.
     return model_fingerprint((n, tuple(p.shape)) for n, p in module.named_parameters())
 
 
@@ -80,21 +74,8 @@ def fingerprint_source(source: Any) -> str:
     return module_fingerprint(model)
 
 
-def _pairs(mapping: Mapping[str, Any], what: str) -> tuple[tuple[str, float], ...]:
-    """Flatten a (possibly nested) breakdown to sorted ("a.b", number) pairs."""
-    out: list[tuple[str, float]] = []
-    for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            out.extend((f"{key}.{k}", v) for k, v in _pairs(value, what))
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PlanFileError(f"{what}[{key!r}] must be a number, got {value!r}")
-        else:
-            out.append((str(key), value))
-    return tuple(sorted(out))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Prediction:
+class Prediction(JsonData):
     """The cost model's forecast for the plan (DESIGN.md price keys plus the bubble)."""
 
     step_time_s: float
@@ -115,28 +96,9 @@ class Prediction:
         object.__setattr__(self, "time_breakdown", tuple(sorted(self.time_breakdown)))
         object.__setattr__(self, "memory_breakdown", tuple(sorted(self.memory_breakdown)))
 
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {k: getattr(self, k) for k in PREDICTION_KEYS}
-        data["time_breakdown"] = dict(self.time_breakdown)
-        data["memory_breakdown"] = dict(self.memory_breakdown)
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Prediction":
-        _check_keys(data, PREDICTION_KEYS, "predicted")
-        return cls(
-            step_time_s=float(data["step_time_s"]), tokens_per_s=float(data["tokens_per_s"]),
-            tokens_per_s_per_device=float(data["tokens_per_s_per_device"]),
-            model_tflops_per_device=float(data["model_tflops_per_device"]), mfu=float(data["mfu"]),
-            peak_memory_bytes=int(data["peak_memory_bytes"]), fits=bool(data["fits"]),
-            bubble_fraction=float(data["bubble_fraction"]),
-            time_breakdown=_pairs(data["time_breakdown"], "time_breakdown"),
-            memory_breakdown=_pairs(data["memory_breakdown"], "memory_breakdown"),
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StageInfo:
+class StageInfo(JsonData):
     """What one pipeline stage holds and does, from the traced graph (for explain)."""
 
     index: int
@@ -150,17 +112,9 @@ class StageInfo:
     memory_bytes: int
     """Per-device memory estimate the stage-cut search used for this stage."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "StageInfo":
-        _check_keys(data, cls.__slots__, "stages[]")
-        return cls(**{k: data[k] for k in cls.__slots__})
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class IntraOpChoice:
+class IntraOpChoice(JsonData):
     """Per layer group: how its parameters are placed on the tp submesh, and by whom."""
 
     layer_group: str
@@ -173,47 +127,23 @@ class IntraOpChoice:
     cost_s: float = 0.0
     """Intra-op objective of the group per step when solved by the ILP (0 for templates)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"layer_group": self.layer_group, "submesh": list(self.submesh), "source": self.source,
-                "placements": [list(p) for p in self.placements], "cost_s": self.cost_s}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "IntraOpChoice":
-        _check_keys(data, ("layer_group", "submesh", "source", "placements", "cost_s"), "intra_op[]")
-        return cls(layer_group=str(data["layer_group"]), submesh=tuple(int(x) for x in data["submesh"]),
-                   source=str(data["source"]), placements=tuple((str(a), str(b)) for a, b in data["placements"]),
-                   cost_s=float(data["cost_s"]))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class OpPlacement:
+class OpPlacement(JsonData):
     """The ILP's choice for one op of the traced step: the layout of each output and the
     layout each input must arrive in (one placement per mesh axis, autopar/placement.py
-    text). `key` names the op independently of the traced depth (Graph.node_keys)."""
+    text). `key` names the op independently of the traced depth (Graph.node_keys). Written
+    as a row [key, op, outputs, inputs]: a plan holds one per op of the traced step."""
 
+    JSON_ROW: ClassVar[bool] = True
     key: str
     op: str
     outputs: tuple[str, ...]
     inputs: tuple[str, ...]
 
-    def to_json(self) -> list[Any]:
-        return [self.key, self.op, list(self.outputs), list(self.inputs)]
-
-    @classmethod
-    def from_json(cls, data: Any) -> "OpPlacement":
-        if not (isinstance(data, list) and len(data) == 4 and all(isinstance(x, list) for x in data[2:])):
-            raise PlanFileError(f"plan placements[] entries are [key, op, outputs, inputs], got {str(data)[:120]}")
-        key, op, outs, ins = data
-        for text in outs + ins:
-            try:
-                parse_placements(str(text))
-            except ValueError as exc:
-                raise PlanFileError(f"plan placements[{key!r}]: {exc}") from None
-        return cls(key=str(key), op=str(op), outputs=tuple(str(x) for x in outs), inputs=tuple(str(x) for x in ins))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class IntraOpInfo:
+class IntraOpInfo(JsonData):
     """How the per-op placements were found, for `explain` (from the plan alone)."""
 
     status: str
@@ -231,24 +161,9 @@ class IntraOpInfo:
     """(parameter, its placement on the (dp, tp) mesh), layers as `layers.*` (one per
     layer group: layer sharing gives every layer of a group the same choice)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "coverage": self.coverage, "fallback_ops": list(self.fallback_ops),
-                "num_variables": self.num_variables, "collectives": [list(c) for c in self.collectives],
-                "time_s": dict(self.time_s), "parameters": [list(p) for p in self.parameters]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "IntraOpInfo":
-        _check_keys(data, ("status", "coverage", "fallback_ops", "num_variables", "collectives", "time_s",
-                           "parameters"), "intra_op_info")
-        return cls(status=str(data["status"]), coverage=float(data["coverage"]),
-                   fallback_ops=tuple(str(x) for x in data["fallback_ops"]), num_variables=int(data["num_variables"]),
-                   collectives=tuple((str(k), str(a), int(n), int(b)) for k, a, n, b in data["collectives"]),
-                   time_s=_pairs(data["time_s"], "intra_op_info.time_s"),
-                   parameters=tuple((str(a), str(b)) for a, b in data["parameters"]))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Alternative:
+class Alternative(JsonData):
     """A runner-up plan, kept so `explain` can say what the choice beat and by how much."""
 
     config: ParallelConfig
@@ -257,20 +172,9 @@ class Alternative:
     peak_memory_bytes: int
     fits: bool
 
-    def to_json(self) -> dict[str, Any]:
-        return {"config": self.config.to_json(), "stage_layers": list(self.stage_layers),
-                "step_time_s": self.step_time_s, "peak_memory_bytes": self.peak_memory_bytes, "fits": self.fits}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Alternative":
-        _check_keys(data, ("config", "stage_layers", "step_time_s", "peak_memory_bytes", "fits"), "alternatives[]")
-        return cls(config=_config_from_json(data["config"]), stage_layers=tuple(int(x) for x in data["stage_layers"]),
-                   step_time_s=float(data["step_time_s"]), peak_memory_bytes=int(data["peak_memory_bytes"]),
-                   fits=bool(data["fits"]))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PipelineStage:
+class PipelineStage(JsonData):
     """One pipeline stage as the inter-op DP chose it (solver/pipeline_search.py)."""
 
     index: int
@@ -293,30 +197,14 @@ class PipelineStage:
     collectives: tuple[tuple[str, str, int, int], ...] = ()
     """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced."""
 
-    def to_json(self) -> dict[str, Any]:
-        data = {k: getattr(self, k) for k in self.__slots__}
-        data["submesh"] = list(self.submesh)
-        data["placements"] = [list(p) for p in self.placements]
-        data["collectives"] = [list(c) for c in self.collectives]
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "PipelineStage":
-        _check_keys(data, cls.__slots__, "pipeline.stages[]")
-        values = {k: data[k] for k in cls.__slots__}
-        values["submesh"] = tuple(int(x) for x in data["submesh"])
-        values["placements"] = tuple((str(a), str(b)) for a, b in data["placements"])
-        values["collectives"] = tuple((str(k), str(a), int(n), int(b)) for k, a, n, b in data["collectives"])
-        return cls(**values)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PipelineInfo:
+class PipelineInfo(JsonData):
     """The inter-op decision: per-stage layer ranges, submeshes and recompute, the schedule
     and its terms, and why the runners-up lost (from the plan alone: `autopar explain`)."""
 
     schedule: str
-    """gpipe, 1f1b, interleaved or zbv (solver/stage_dp.py prices each)."""
+    """gpipe, 1f1b, interleaved or zbv (solver/stage_dp.py prices each); "none": one stage."""
     chunks: int
     microbatch: int
     """Sequences per microbatch over the whole pipeline."""
@@ -330,24 +218,9 @@ class PipelineInfo:
     """(candidate, its step seconds, why it lost), best first: slower terms named, or the
     reason the runtime cannot run it (autopar/capabilities.py)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"schedule": self.schedule, "chunks": self.chunks, "microbatch": self.microbatch,
-                "num_microbatches": self.num_microbatches, "stages": [s.to_json() for s in self.stages],
-                "bubble_s": self.bubble_s, "p2p_s": self.p2p_s, "runners_up": [list(r) for r in self.runners_up]}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "PipelineInfo":
-        _check_keys(data, ("schedule", "chunks", "microbatch", "num_microbatches", "stages", "bubble_s", "p2p_s",
-                           "runners_up"), "pipeline")
-        return cls(schedule=str(data["schedule"]), chunks=int(data["chunks"]), microbatch=int(data["microbatch"]),
-                   num_microbatches=int(data["num_microbatches"]),
-                   stages=tuple(PipelineStage.from_json(s) for s in data["stages"]),
-                   bubble_s=float(data["bubble_s"]), p2p_s=float(data["p2p_s"]),
-                   runners_up=tuple((str(a), float(b), str(c)) for a, b, c in data["runners_up"]))
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SearchInfo:
+class SearchInfo(JsonData):
     """How the plan was found: the cost model, the space and what was pruned (no timings)."""
 
     cost_model: str
@@ -363,28 +236,9 @@ class SearchInfo:
     """False when --time-limit stopped pricing early (the plan is the best seen so far)."""
     alternatives: tuple[Alternative, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__}
-        data["alternatives"] = [a.to_json() for a in self.alternatives]
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "SearchInfo":
-        _check_keys(data, cls.__slots__, "search")
-        values = {k: data[k] for k in cls.__slots__}
-        values["alternatives"] = tuple(Alternative.from_json(a) for a in data["alternatives"])
-        return cls(**values)
-
-
-_PLAN_KEYS: tuple[str, ...] = (
-    "version", "model", "model_fingerprint", "num_layers", "seq", "global_batch", "cluster",
-    "memory_limit_bytes", "config", "stage_layers", "mesh_shape", "mesh_axis_names", "stages",
-    "intra_op", "predicted", "search", "placements", "intra_op_info",
-)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
+class Plan(JsonData):
     """One whole training plan: mesh, stage cuts, ZeRO, microbatching, schedule, recompute."""
 
     version: int = PLAN_VERSION
@@ -409,7 +263,7 @@ class Plan:
     intra_op_info: IntraOpInfo | None = None
     pipeline: PipelineInfo | None = None
     """The inter-op decision (per-stage submesh, recompute, schedule, runners-up); written
-    only when present (key "pipeline"), so one-stage plans keep their bytes."""
+    null for plans the search did not make (a configuration given by flags)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -461,24 +315,14 @@ class Plan:
         mesh_axes = 2
         for p in self.placements:
             for text in p.outputs + p.inputs:
-                if len(parse_placements(text)) != mesh_axes:
+                try:
+                    axes = len(parse_placements(text))
+                except ValueError as exc:
+                    raise PlanFileError(f"plan placements[{p.key!r}]: {exc}") from None
+                if axes != mesh_axes:
                     raise PlanFileError(f"plan placements[{p.key!r}] {text} do not match the (dp, tp) mesh")
 
     # -- JSON ------------------------------------------------------------------------------
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "version": self.version, "model": self.model, "model_fingerprint": self.model_fingerprint,
-            "num_layers": self.num_layers, "seq": self.seq, "global_batch": self.global_batch,
-            "cluster": self.cluster, "memory_limit_bytes": self.memory_limit_bytes,
-            "config": self.config.to_json(), "stage_layers": list(self.stage_layers),
-            "mesh_shape": list(self.mesh_shape), "mesh_axis_names": list(self.mesh_axis_names),
-            "stages": [s.to_json() for s in self.stages], "intra_op": [c.to_json() for c in self.intra_op],
-            "predicted": self.predicted.to_json(), "search": self.search.to_json(),
-            "placements": [p.to_json() for p in self.placements],
-            "intra_op_info": None if self.intra_op_info is None else self.intra_op_info.to_json(),
-            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
-        }
 
     def dumps(self) -> str:
         """The canonical file text: sorted keys, 2-space indent, trailing newline."""
@@ -488,34 +332,23 @@ class Plan:
         Path(path).write_text(self.dumps(), encoding="ascii")
 
     @classmethod
-    def from_json(cls, data: Any) -> "Plan":
+    def from_json(cls, data: Any, where: str = "plan") -> "Plan":
+        """A Plan from parsed JSON, by the generic codec (autopar/json_codec.py) after two
+        checks that speak of plan files: the version, and a fingerprint that is a digest."""
         if not isinstance(data, Mapping):
             raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
         if "version" in data and data["version"] != PLAN_VERSION:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
                                 f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
-        _check_keys(data, _PLAN_KEYS + (("pipeline",) if "pipeline" in data else ()), "plan")
-        if not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
+        if "model_fingerprint" in data and not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
             raise PlanFileError(f"plan model_fingerprint {str(data['model_fingerprint'])[:80]!r} is not a (sha256) hex "
                                 "digest; the file was edited or truncated. Re-run `autopar search` to write a new plan")
         try:
-            return cls(
-                version=int(data["version"]), model=str(data["model"]),
-                model_fingerprint=str(data["model_fingerprint"]), num_layers=int(data["num_layers"]),
-                seq=int(data["seq"]), global_batch=int(data["global_batch"]), cluster=str(data["cluster"]),
-                memory_limit_bytes=int(data["memory_limit_bytes"]), config=_config_from_json(data["config"]),
-                stage_layers=tuple(int(x) for x in data["stage_layers"]),
-                mesh_shape=tuple(int(x) for x in data["mesh_shape"]),
-                mesh_axis_names=tuple(str(x) for x in data["mesh_axis_names"]),
-                stages=tuple(StageInfo.from_json(s) for s in data["stages"]),
-                intra_op=tuple(IntraOpChoice.from_json(c) for c in data["intra_op"]),
-                predicted=Prediction.from_json(data["predicted"]), search=SearchInfo.from_json(data["search"]),
-                placements=tuple(OpPlacement.from_json(p) for p in data["placements"]),
-                intra_op_info=None if data["intra_op_info"] is None else IntraOpInfo.from_json(data["intra_op_info"]),
-                pipeline=PipelineInfo.from_json(data["pipeline"]) if "pipeline" in data else None,
-            )
+            return decode(data, cls, where)
         except PlanFileError:
             raise
+        except JsonFormatError as exc:
+            raise PlanFileError(f"{exc}. Re-run `autopar search` to write a new plan") from None
         except (TypeError, ValueError) as exc:
             raise PlanFileError(f"plan has a malformed value: {exc}") from None
 
@@ -566,12 +399,16 @@ class Plan:
         return _per_op_lines(self)
 
     def check_model(self, fingerprint: str) -> None:
-        """Refuse to apply this plan to a different model (the runtime calls this)."""
-        if fingerprint != self.model_fingerprint:
+        """Refuse to apply this plan to a different model: the one check of a plan against
+        a model (`module_fingerprint(model)`), for `autopar train --plan` and
+        `autopar.compile(plan=...)`. A plan built in code without a fingerprint ("") is
+        not checked."""
+        if self.model_fingerprint and fingerprint != self.model_fingerprint:
             raise PlanFileError(
-                f"plan was searched for model {self.model!r} (fingerprint {self.model_fingerprint[:12]}) but the "
-                f"model given has fingerprint {fingerprint[:12]}: its parameter names or shapes differ. "
-                f"Re-run `autopar search` for this model")
+                f"plan was made for another model: searched for {self.model!r} (fingerprint "
+                f"{self.model_fingerprint[:12]}) but the model given has fingerprint {fingerprint[:12]}: its "
+                "parameter names or shapes differ. Re-run `autopar search` for this model (or, in "
+                "autopar.compile, drop plan= to search one or pass config=)")
 
     # -- explain ---------------------------------------------------------------------------
 
@@ -748,25 +585,3 @@ def describe_config(config: ParallelConfig, stage_layers: Sequence[int], global_
 def _refuse_constant(name: str) -> float:
     raise PlanFileError(f"plan contains {name}, which is not a number a plan can hold (its numbers are finite); "
                         "the file was edited or corrupted. Re-run `autopar search` to write a new plan")
-
-
-def _config_from_json(data: Any) -> ParallelConfig:
-    if not isinstance(data, Mapping):
-        raise PlanFileError(f"plan config must be an object, got {type(data).__name__}")
-    _check_keys(data, tuple(ParallelConfig.__dataclass_fields__), "config")
-    return ParallelConfig.from_json(dict(data))
-
-
-def _check_keys(data: Any, expected: Iterable[str], what: str) -> None:
-    if not isinstance(data, Mapping):
-        raise PlanFileError(f"plan {what} must be a JSON object, got {type(data).__name__}")
-    expected = tuple(expected)
-    missing = sorted(set(expected) - set(data))
-    unknown = sorted(set(data) - set(expected))
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unknown:
-            parts.append(f"unknown keys {unknown}")
-        raise PlanFileError(f"plan {what}: {' and '.join(parts)}; expected exactly {sorted(expected)}")

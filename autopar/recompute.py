@@ -33,15 +33,11 @@ from typing import Any
 import torch
 from torch import fx
 
+from autopar.ir import ATTENTION_FWD_OPS, GEMM_OPS
+
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
-_EXPENSIVE = frozenset({
-    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-})
+_EXPENSIVE = GEMM_OPS | ATTENTION_FWD_OPS
 """Kept by "selective" (with the getitems that read their outputs)."""
 
 

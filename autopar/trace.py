@@ -29,7 +29,7 @@ import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.ir import Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role, TensorMeta
+from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role, TensorMeta
 from autopar.models.zoo import ModelSource
 
 log = logging.getLogger(__name__)
@@ -49,19 +49,6 @@ VIEW_OPS = frozenset({
     "aten.detach.default", "aten.unbind.int", "aten.chunk.default", "aten.as_strided.default",
     "aten.diagonal.default", "aten.view_as_real.default", "aten.view_as_complex.default",
     "getitem", "placeholder", "constant",
-})
-
-_ATTENTION_FWD = frozenset({
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-})
-_ATTENTION_BWD = frozenset({
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-    "aten._scaled_dot_product_flash_attention_backward.default",
-    "aten._scaled_dot_product_efficient_attention_backward.default",
-    "aten._scaled_dot_product_cudnn_attention_backward.default",
 })
 
 
@@ -439,12 +426,12 @@ def _flops(op: str, inputs: list[TensorMeta], outputs: tuple[TensorMeta, ...]) -
         a, b = (inputs[0], inputs[1]) if op == "aten.bmm.default" else (inputs[1], inputs[2])
         bs, m, k = a.shape
         return 2 * bs * m * k * b.shape[2]
-    if op in _ATTENTION_FWD or op in _ATTENTION_BWD:
-        q, k = (inputs[0], inputs[1]) if op in _ATTENTION_FWD else (inputs[1], inputs[2])
+    if op in ATTENTION_OPS:
+        q, k = (inputs[0], inputs[1]) if op in ATTENTION_FWD_OPS else (inputs[1], inputs[2])
         b, h, sq, d = q.shape
         sk = k.shape[2]
         fwd = 4 * b * h * sq * sk * d
-        return fwd if op in _ATTENTION_FWD else 2 * fwd
+        return fwd if op in ATTENTION_FWD_OPS else 2 * fwd
     return 0
 
 

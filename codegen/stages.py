@@ -21,17 +21,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.config import default_stage_layers
+from autopar.ir import ATTENTION_FWD_OPS
 from codegen.rules import FamilyRules
 
+# The fused kernels are autopar/ir.py's ATTENTION_FWD_OPS (one home, issue 18), plus the
+# composite SDPA op that dispatches to them.
 _ATTENTION_CORE_OPS = frozenset(
     getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "scaled_dot_product_attention",
-    )
+    for name in sorted({op.split(".")[1] for op in ATTENTION_FWD_OPS} | {"scaled_dot_product_attention"})
     if hasattr(torch.ops.aten, name)
 )
 
@@ -45,8 +43,8 @@ def _selective_context() -> object:
 
 
 def split_layers(num_layers: int, num_chunks: int, stage_layers: tuple[int, ...] | None = None) -> tuple[range, ...]:
-    """Layer ranges per chunk: the plan's `stage_layers`, or as even as possible (earlier chunks
-    take the remainder)."""
+    """Layer ranges per chunk: the plan's `stage_layers`, or `autopar.config.default_stage_layers`
+    (as even as possible, earlier chunks take the remainder: what the cost model prices)."""
     if stage_layers is not None:
         if len(stage_layers) != num_chunks or sum(stage_layers) != num_layers or min(stage_layers) < 1:
             raise ValueError(
@@ -61,8 +59,7 @@ def split_layers(num_layers: int, num_chunks: int, stage_layers: tuple[int, ...]
                 f"{num_chunks} pipeline chunks (pp * interleave) but the model has only {num_layers} "
                 "layers; lower --pp or --interleave"
             )
-        base, extra = divmod(num_layers, num_chunks)
-        counts = [base + (1 if i < extra else 0) for i in range(num_chunks)]
+        counts = list(default_stage_layers(num_layers, num_chunks))
     ranges, start = [], 0
     for count in counts:
         ranges.append(range(start, start + count))

@@ -34,7 +34,7 @@ from cost_model.collectives import (
 from cost_model.compute import compute_time_s, optimizer_time_s
 from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from cost_model.estimate import Estimate
-from cost_model.memory import model_state_bytes
+from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, state_bytes_per_param
 from cost_model.options import RuntimeOptions
 from cost_model.profile import GraphProfile, profile_graph
 from cost_model.step import default_stage_layers, price_profile
@@ -64,5 +64,5 @@ __all__ = [
     "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
     "compute_time_s", "default_stage_layers", "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
-    "ZERO3_RUNTIMES", "Zero3Runtime",
+    "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",
 ]

@@ -34,6 +34,9 @@ from cost_model.profile import GraphProfile, SegmentProfile
 BYTES_WEIGHT = 2
 BYTES_GRAD = 2
 BYTES_OPTIMIZER = 12  # fp32 master weight, momentum, variance
+STATE_BYTES_PER_PARAM = BYTES_WEIGHT + BYTES_GRAD + BYTES_OPTIMIZER
+"""16: the unsharded model state of one parameter element. The home of these numbers
+(issue 18): the solver reads them through `cost_model` (`state_bytes_per_param`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +60,12 @@ def model_state_bytes(num_params: float, zero: int, dp: int) -> tuple[float, flo
     grads = BYTES_GRAD * num_params / (n if zero >= 2 else 1)
     optimizer = BYTES_OPTIMIZER * num_params / (n if zero >= 1 else 1)
     return weights, grads, optimizer
+
+
+def state_bytes_per_param(zero: int, dp: int) -> float:
+    """Model-state bytes per parameter element on one device under ZeRO `zero` over `dp`
+    ranks (16 | 4 + 12/dp | 2 + 14/dp | 16/dp): `model_state_bytes` of one parameter."""
+    return sum(model_state_bytes(1.0, zero, dp))
 
 
 def segment_activation_bytes(seg: SegmentProfile, config: ParallelConfig, ratio: float, dtype_bytes: int,

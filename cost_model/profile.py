@@ -31,20 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.ir import DTYPE_BYTES, Graph, Node, NodeId, Phase, Ref, Role
+from autopar.ir import ATTENTION_BWD_OPS, ATTENTION_OPS, DTYPE_BYTES, Graph, Node, NodeId, Phase, Ref, Role
 
-ATTENTION_FWD_OPS = frozenset({
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-})
-ATTENTION_BWD_OPS = frozenset({
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-    "aten._scaled_dot_product_flash_attention_backward.default",
-    "aten._scaled_dot_product_efficient_attention_backward.default",
-    "aten._scaled_dot_product_cudnn_attention_backward.default",
-})
 SEGMENTS = ("pre", "layer", "post")
 
 
@@ -149,18 +137,9 @@ def _storage(graph: Graph, nid: NodeId) -> tuple[NodeId, int]:
 
 
 def _op_class(node: Node) -> str:
-    if node.op in ATTENTION_FWD_OPS or node.op in ATTENTION_BWD_OPS:
+    if node.op in ATTENTION_OPS:
         return "attention"
     return "gemm" if node.flops > 0 else "memory"
-
-
-def _is_causal(node: Node) -> bool:
-    kwargs = dict(node.kwargs)
-    if "is_causal" in kwargs:
-        return bool(kwargs["is_causal"])
-    # positional: (q, k, v, dropout_p, is_causal, ...) for the forward variants
-    flags = [a for a in node.args if isinstance(a, bool)]
-    return bool(flags[0]) if flags else False
 
 
 def _score_elems(graph: Graph, node: Node) -> float:
@@ -309,7 +288,7 @@ def profile_graph(graph: Graph) -> GraphProfile:
         dims, batch_axis, tp_axis = _gemm_dims(graph, n, grad_roots, m.hidden) if cls == "gemm" else ((), 1, 1)
         item = OpItem(phase=n.phase.value, op_class=cls, flops=float(n.flops), bytes_moved=float(n.bytes_moved),
                       fixed_bytes=fixed_bytes(n),
-                      stream=is_stream(n) and cls == "memory", causal=cls == "attention" and _is_causal(n),
+                      stream=is_stream(n) and cls == "memory", causal=cls == "attention" and n.is_causal,
                       score_elems=_score_elems(graph, n) if cls == "attention" else 0.0, weight=w,
                       gemm_dims=dims, batch_axis=batch_axis, tp_axis=tp_axis)
         seg["items"].append(item)

@@ -52,7 +52,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, default_stage_layers
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -153,11 +153,6 @@ def _segment_times(seg: SegmentProfile, ctx: _Ctx, recompute: bool, options: Run
         if config.attention == "math":  # Korthikanti's selective recompute: the attention core
             rec += _items_time(tuple(i for i in seg.items if i.op_class == "attention"), ctx, "forward")
     return _SegTimes(forward_s=fwd, backward_s=bwd, recompute_s=rec)
-
-
-def default_stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
-    base, extra = divmod(num_layers, pp)
-    return tuple(base + (1 if i < extra else 0) for i in range(pp))
 
 
 def _bucketed_all_reduce_s(size_bytes: float, bucket_bytes: float, link: AxisLink) -> float:

@@ -1,6 +1,6 @@
 """Per-strategy cost tables for the intra-op ILP: compute, communication, memory, resharding.
 
-Where it sits: `price(graph, space, cluster) -> CostTable` after
+Where it sits: `cost_table(graph, space, cluster) -> CostTable` after
 `solver.strategies.enumerate_strategies` and before `solver.intra_op`; it calls the
 formulas of cost_model/ (roofline compute, alpha-beta collectives per mesh axis) and
 returns new frozen tables (the strategy space is not touched).
@@ -15,7 +15,8 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     comm(n, s)     = 0: DTensor's strategies leave reductions pending (Partial outputs),
                      priced as resharding on the consumer's edge
     memory(n, s)   = sum of local output bytes; for a parameter instead
-                     STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state)
+                     STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state,
+                     16 bytes: cost_model/memory.py; the gradient shares its parameter's layout)
     reshard(u->v)  = sum over the steps DTensor's redistribute takes from out(u, s_u) to
                      in(v, s_v) (autopar/placement.py `redistribute_plan`) of the alpha-beta
                      time of that step's collective on its mesh axis; None where DTensor
@@ -36,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.ir import DTYPE_BYTES, Graph, Node, Role, TensorMeta
+from autopar.ir import ATTENTION_OPS, DTYPE_BYTES, GEMM_OPS, Graph, Node, Role, TensorMeta
 from autopar.placement import (
     Placements,
     Shard,
@@ -48,6 +49,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
+from cost_model import STATE_BYTES_PER_PARAM
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -58,24 +60,6 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
 )
 from cost_model.compute import compute_time_s
-
-STATE_BYTES_PER_PARAM = 16
-"""Mixed-precision AdamW baseline (ZeRO paper, sec. 3.1): 2 (16-bit param) + 2 (16-bit
-grad) + 12 (fp32 master, momentum, variance) bytes per parameter element, divided by the
-parameter's shard factor. The gradient shares its parameter's layout, so this covers it."""
-
-_GEMM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
-_ATTENTION_OPS = frozenset({
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_flash_attention_backward.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_efficient_attention_backward.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_cudnn_attention_backward.default",
-})
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Collective:
@@ -108,12 +92,6 @@ def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int,
     return meta.numel * DTYPE_BYTES.get(meta.dtype, 4) / shard_factor(placements, mesh_shape)
 
 
-def _is_causal(node: Node) -> bool:
-    # forward: (q, k, v, dropout_p, is_causal, ...); backward: (grad, q, k, v, out, lse, dropout_p, is_causal, ...)
-    idx = 4 if not node.op.endswith("_backward.default") else 7
-    return len(node.args) > idx and node.args[idx] is True
-
-
 def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Cluster,
                   mesh_shape: tuple[int, ...], dtype: str) -> StrategyCost:
     """Compute time, communication time and per-device memory of one node under one strategy."""
@@ -129,9 +107,9 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
         if len(producer.outputs) == 1:
             seen.setdefault(src, local_bytes(producer.output, pl, mesh_shape))
     work = max([shard_factor(pl, mesh_shape) for pl in strategy.inputs + strategy.outputs] + [1])
-    op_class = "gemm" if node.op in _GEMM_OPS else "attention" if node.op in _ATTENTION_OPS else "memory"
+    op_class = "gemm" if node.op in GEMM_OPS else "attention" if node.op in ATTENTION_OPS else "memory"
     t = compute_time_s(node.flops / work, sum(seen.values()) + out_bytes, cluster.hardware, dtype,
-                       op_class=op_class, causal=op_class == "attention" and _is_causal(node))
+                       op_class=op_class, causal=node.is_causal)
     return StrategyCost(compute_s=t * core_share(cluster), comm_s=0.0, memory_bytes=out_bytes)
 
 
@@ -142,8 +120,9 @@ def core_share(cluster: Cluster) -> float:
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
 
-def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
-    """Cost of every strategy of every node (nodes with identical structure priced once)."""
+def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
+    """Cost of every strategy of every node (nodes with identical structure priced once).
+    Not `cost_model.price`, which prices one whole configuration into an Estimate."""
     mesh_shape = space.mesh_shape
     links = mesh_axis_links(cluster, mesh_shape)
     dtype = graph.model.dtype
@@ -151,7 +130,7 @@ def price(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
     table = []
     for node, strategies in zip(graph.nodes, space.strategies):
         key = (node.op, node.role, node.outputs, tuple(graph[i].outputs for i in node.inputs),
-               node.flops, node.bytes_moved, node.is_view, _is_causal(node), strategies)
+               node.flops, node.bytes_moved, node.is_view, node.is_causal, strategies)
         if key not in cache:
             cache[key] = tuple(strategy_cost(graph, node, s, cluster, mesh_shape, dtype) for s in strategies)
         table.append(cache[key])

@@ -71,7 +71,8 @@ from autopar.sharding import (
     StrategySpace,
 )
 from autopar.buckets import gather_group, gather_share, plan_buckets
-from solver.costs import CostTable, ReshardPricer, price
+from cost_model import STATE_BYTES_PER_PARAM
+from solver.costs import CostTable, ReshardPricer, cost_table
 from solver.ilp_reduce import Reduction, reduce_graph
 from solver.strategies import enumerate_strategies
 
@@ -446,7 +447,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         space = enumerate_strategies(graph, mesh_shape)
     if keep_placeholder is not None:
         space = restrict_placeholders(graph, space, keep_placeholder)
-    table = price(graph, space, cluster)
+    table = cost_table(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
     pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu")
 
@@ -479,7 +480,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         raise InfeasiblePlanError(
             f"No intra-op plan fits {memory_budget_bytes / 2**30:.3f} GiB/device for {graph.model.name} on "
             f"{cluster.spec} with mesh {mesh_shape}; the smallest needs {need / 2**30:.3f} GiB "
-            f"(parameters, gradients and optimizer state at {16} bytes/param plus live activations). "
+            f"(parameters, gradients and optimizer state at {STATE_BYTES_PER_PARAM} bytes/param plus live activations). "
             "Raise the memory budget, use more devices or a smaller batch.",
             min_memory_bytes=need)
     if sol_status == pulp.LpSolutionOptimal:

@@ -5,7 +5,7 @@ product's planner is solver/pipeline_search.py (intra-op ILP stage costs + inter
 Input: the frozen Graph (a few traced layers scaled to the real depth), a Cluster, the
 global batch and a pricing callable; output: ranked priced candidates and the best
 `autopar.plan.Plan`. Benchmarks wire it to the analytic cost model (`cost_model.price`);
-tests also drive it with solver/toy_price.py. It also holds the types both searches
+tests also drive it with tests/toy_price.py. It also holds the types both searches
 return (Ranked, SearchResult).
 
 The space (each axis independent, all under the per-device memory limit):
@@ -22,7 +22,8 @@ The space (each axis independent, all under the per-device memory limit):
 
 Pruning (both exact under stated assumptions; the brute-force test checks them):
 1. memory bound: model state per device >= MEMORY_BOUND_SLACK * P_stage / tp * bytes per
-   parameter of the ZeRO stage (16 | 4+12/d | 2+14/d | 16/d, ZeRO paper); a candidate
+   parameter of the ZeRO stage (16 | 4+12/d | 2+14/d | 16/d, ZeRO paper;
+   `cost_model.state_bytes_per_param`); a candidate
    whose bound exceeds the budget cannot fit and is not priced.
 2. dominance: recomputation only adds compute, so once a candidate fits with recompute r,
    the same candidate with more recomputation is not priced.
@@ -36,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
@@ -52,6 +53,7 @@ from autopar.plan import (
     StageInfo,
     describe_config,
 )
+from cost_model import Estimate, state_bytes_per_param
 from solver.inter_op import StageWork, cut_candidates, stage_work
 
 log = logging.getLogger(__name__)
@@ -63,19 +65,9 @@ less (e.g. replicated norms not sharded, rounding)."""
 MAX_ALTERNATIVES = 8
 
 
-class Priced(Protocol):
-    """What a pricing callable returns (cost_model.Estimate, also what solver.toy_price returns)."""
-
-    step_time_s: float
-    peak_memory_bytes: int
-    fits: bool
-    mfu: float
-
-    def to_json(self) -> dict[str, Any]: ...
-
-
-PriceFn = Callable[[ParallelConfig, tuple[int, ...]], Priced]
-"""price(config, stage_layers) for the search's fixed graph, cluster and global batch."""
+PriceFn = Callable[[ParallelConfig, tuple[int, ...]], Estimate]
+"""price(config, stage_layers) for the search's fixed graph, cluster and global batch: the
+cost model's Estimate (tests/toy_price.py returns one too)."""
 ProgressFn = Callable[[str, int, int], None]
 """progress(phase, done, total)."""
 
@@ -114,7 +106,7 @@ class Ranked:
 
     config: ParallelConfig
     stage_layers: tuple[int, ...]
-    estimate: Priced
+    estimate: Estimate
     bubble_fraction: float
 
     def sort_key(self) -> tuple[Any, ...]:
@@ -153,10 +145,6 @@ def bubble_fraction(config: ParallelConfig, num_microbatches: int) -> float:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def _state_bytes_per_param(zero: int, dp: int) -> float:
-    return {0: 16.0, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[zero]
 
 
 def mesh_shapes(graph: Graph, cluster: Cluster, global_batch: int, space: SearchSpace) -> list[tuple[int, int, int]]:
@@ -206,7 +194,7 @@ def enumerate_candidates(graph: Graph, work: StageWork, cluster: Cluster, global
                         all_cuts = all_cuts[:1]
                     for cuts in all_cuts:
                         state = max(work.stage_params(cuts, k) for k in range(pp)) / tp
-                        bound = MEMORY_BOUND_SLACK * state * _state_bytes_per_param(zero, dp)
+                        bound = MEMORY_BOUND_SLACK * state * state_bytes_per_param(zero, dp)
                         for rc in space.recompute:
                             cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b, schedule=schedule,
                                                  interleave=v, recompute=rc, attention=space.attention)  # type: ignore[arg-type]
@@ -312,7 +300,7 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
         stages.append(StageInfo(
             index=k, first_layer=first, num_layers=n, has_embedding=k == 0, has_head=k == len(cuts) - 1,
             flops_per_microbatch=work.stage_flops(cuts, k, c.recompute) * c.micro_batch, num_parameters=params,
-            memory_bytes=int(params / c.tp * _state_bytes_per_param(c.zero, c.dp))))
+            memory_bytes=int(params / c.tp * state_bytes_per_param(c.zero, c.dp))))
         first += n
     est = best.estimate.to_json()
     pred = Prediction.from_json({

@@ -41,11 +41,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 import cost_model
 from autopar.cluster import Cluster
-from autopar.ir import Graph, NodeId, Phase, Role
+from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
 from autopar.placement import Shard, format_placements, shard_factor
 from autopar.sharding import IntraOpSolution, StrategySpace
-from cost_model import AxisLink, all_gather_time_s, all_reduce_time_s, compute_time_s, reduce_scatter_time_s
-from solver.costs import _ATTENTION_OPS, _GEMM_OPS, _is_causal, collective_time_s, core_share
+from cost_model import (
+    STATE_BYTES_PER_PARAM,
+    AxisLink,
+    all_gather_time_s,
+    all_reduce_time_s,
+    compute_time_s,
+    reduce_scatter_time_s,
+)
+from solver.costs import collective_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -125,9 +132,9 @@ def _base(graph: Graph, nid: NodeId) -> NodeId:
     return node.id
 
 
-EXPENSIVE_OPS = _GEMM_OPS | _ATTENTION_OPS
-"""What selective recompute keeps: the matmuls and attention (the forward ones of these are
-autopar/recompute.py's _EXPENSIVE; the solver may not import the tracer's module)."""
+EXPENSIVE_OPS = GEMM_OPS | ATTENTION_FWD_OPS
+"""What selective recompute keeps: the matmuls and the fused attention forward (as
+autopar/recompute.py's policy, from the same autopar/ir.py sets)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,9 +280,9 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
             fixed = sum(b for u, b in operands.items() if u in derived)
             flops = node.flops * scale
             moved = fixed + scale * (sum(operands.values()) - fixed + node.output_bytes)
-        cls = "gemm" if node.op in _GEMM_OPS else "attention" if node.op in _ATTENTION_OPS else "memory"
+        cls = "gemm" if node.op in GEMM_OPS else "attention" if node.op in ATTENTION_OPS else "memory"
         t = compute_time_s(flops / devices, moved / devices, cluster.hardware, dtype,
-                           op_class=cls, causal=cls == "attention" and _is_causal(node))
+                           op_class=cls, causal=node.is_causal)
         out[pieces[node.id]] += graph.weight(node.id) * t * share
     out["layer"] /= L
     return out
@@ -309,10 +316,9 @@ def placement_summary(graph: Graph, solution: IntraOpSolution, pieces: tuple[str
 def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0) -> float:
     """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
     microbatch of `scale` x the traced one (activations are linear in the batch): every
-    parameter's state (STATE_BYTES_PER_PARAM per element) and every activation the backward reads are live together at the end of
-    the forward, and no layout holds less than an even share of them."""
-    from solver.costs import STATE_BYTES_PER_PARAM
-
+    parameter's state (STATE_BYTES_PER_PARAM per element) and every activation the backward
+    reads are live together at the end of the forward, and no layout holds less than an
+    even share of them."""
     aliases = {alias for alias, _ in graph.tied_params}
     derived = graph.parameter_derived()
     state = sum(graph.weight(n.id) * n.output.numel * STATE_BYTES_PER_PARAM

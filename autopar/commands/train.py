@@ -79,9 +79,7 @@ def _plan_config(args: argparse.Namespace) -> tuple[ParallelConfig, tuple[int, .
 
 
 def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None:
-    expected = getattr(plan, "model_fingerprint", None)
-    if not expected:
-        return
+    """The plan's own check (`Plan.check_model`) against the model built on the meta device."""
     import torch
 
     from autopar.plan import module_fingerprint
@@ -89,12 +87,7 @@ def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None
     source = resolve(model_name).with_overrides(seq=seq)
     with torch.device("meta"):
         model = source.build() if source.factory is None else source.factory()[0]
-    actual = module_fingerprint(model)
-    if actual != expected:
-        raise ValueError(
-            f"plan {getattr(plan, 'path', '')!r} was made for another model (fingerprint {expected[:12]}..., "
-            f"{model_name!r} has {actual[:12]}...); re-run `autopar search` for this model"
-        )
+    plan.check_model(module_fingerprint(model))
 
 
 def _check_resume(args: argparse.Namespace, model: Any) -> None:

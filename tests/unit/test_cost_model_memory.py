@@ -8,7 +8,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
-from cost_model import model_state_bytes, price_profile, profile_graph
+from cost_model import STATE_BYTES_PER_PARAM, model_state_bytes, price_profile, profile_graph, state_bytes_per_param
 from cost_model.memory import inflight_microbatches, segment_activation_bytes, stage_memory
 
 B, S, H, A = 2, 128, 256, 4
@@ -28,6 +28,9 @@ def test_zero_model_state_closed_forms(zero, per_param) -> None:
     assert sum(model_state_bytes(psi, zero, n)) == pytest.approx(per_param(n) * psi)
     if zero == 0:  # the ZeRO paper's worked example: 7.5B params, N_d = 64 -> 120 GB
         assert sum(model_state_bytes(psi, zero, n)) == pytest.approx(120e9)
+    # the per-parameter form the solver reads (its one home: cost_model/memory.py)
+    assert state_bytes_per_param(zero, n) == pytest.approx(per_param(n))
+    assert state_bytes_per_param(zero, 1) == STATE_BYTES_PER_PARAM == 16
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

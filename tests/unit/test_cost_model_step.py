@@ -91,6 +91,22 @@ def test_non_uniform_stage_layers(profile) -> None:
         price_profile(profile, cfg, CLUSTER, global_batch=64, stage_layers=(7, 2))
 
 
+def test_default_stage_layers_is_one_split_that_sums_to_the_layers(profile) -> None:
+    """The even split the cost model prices is the one codegen's pipeline chunks run (one
+    home: autopar/config.py), and it sums to L when pp does not divide L."""
+    from autopar.config import default_stage_layers
+    from codegen.stages import split_layers
+
+    assert default_stage_layers(10, 4) == (3, 3, 2, 2) and default_stage_layers(8, 4) == (2, 2, 2, 2)
+    for layers, stages in ((7, 3), (5, 5), (9, 2), (0, 1)):
+        assert sum(default_stage_layers(layers, stages)) == layers
+    assert tuple(len(r) for r in split_layers(10, 4)) == default_stage_layers(10, 4)
+    cfg = ParallelConfig(pp=2, dp=8)  # no stage_layers: priced as the default split
+    assert price_profile(profile, cfg, CLUSTER, global_batch=64).step_time_s == price_profile(
+        profile, cfg, CLUSTER, global_batch=64,
+        stage_layers=default_stage_layers(profile.num_layers, 2)).step_time_s
+
+
 def test_one_price_call_is_fast(profile) -> None:
     cfg = ParallelConfig(tp=2, pp=2, dp=4, zero=3, recompute="selective")
     start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -93,6 +94,38 @@ def test_load_reports_missing_file_and_bad_json(tmp_path) -> None:
     assert issubclass(PlanFileError, ValueError)
 
 
+def test_generic_codec_reads_a_new_field_with_no_new_code() -> None:
+    """Plan types get to_json/from_json from autopar/json_codec.py, by their type hints: a
+    dataclass with fields no hand-written pair knows round-trips, and bad values say where."""
+    from dataclasses import dataclass
+
+    from autopar.json_codec import JsonData, JsonFormatError
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class StageCost(JsonData):  # e.g. a per-stage field a later search adds to the plan
+        stage: int
+        step_s: float
+        breakdown: tuple[tuple[str, float], ...] = ()
+        layers: tuple[int, ...] = ()
+        config: ParallelConfig | None = None
+        info: StageInfo | None = None
+
+    full = StageCost(stage=1, step_s=0.5, breakdown=(("compute", 0.25), ("pp", 1)), layers=(2, 3),
+                     config=ParallelConfig(pp=2, dp=4), info=_plan().stages[0])
+    data = json.loads(json.dumps(full.to_json()))
+    assert data["breakdown"] == {"compute": 0.25, "pp": 1} and data["layers"] == [2, 3]
+    assert StageCost.from_json(data) == full and StageCost.from_json(data).to_json() == data
+    assert StageCost.from_json({"stage": 0, "step_s": 1, "breakdown": {"comm": {"tp": 2}}, "layers": [],
+                                "config": None, "info": None}).breakdown == (("comm.tp", 2),)
+    for bad, where in ((dict(data, stage="1"), "StageCost.stage"), (dict(data, step_s=True), "StageCost.step_s"),
+                       (dict(data, layers=[1.5]), "StageCost.layers[0]"),
+                       (dict(data, info={**data["info"], "index": None}), "StageCost.info.index")):
+        with pytest.raises(JsonFormatError, match=re.escape(f"malformed value at {where}:")):
+            StageCost.from_json(bad)
+    with pytest.raises(JsonFormatError, match=r"missing keys \['stage'\]"):
+        StageCost.from_json({k: v for k, v in data.items() if k != "stage"})
+
+
 def test_fingerprint_depends_on_names_and_shapes_only() -> None:
     a = model_fingerprint([("w", (2, 3)), ("b", (3,))])
     assert a == model_fingerprint([("b", [3]), ("w", (2, 3))])  # order-free
@@ -112,8 +145,23 @@ def test_fake_built_fingerprint_equals_real_module_fingerprint() -> None:
 def test_check_model_refuses_another_model() -> None:
     plan = _plan()
     plan.check_model("ab" * 32)
-    with pytest.raises(PlanFileError, match="Re-run `autopar search`"):
+    with pytest.raises(PlanFileError, match="made for another model.*Re-run `autopar search`"):
         plan.check_model("cd" * 32)
+    _plan(model_fingerprint="").check_model("cd" * 32)  # built in code without a fingerprint: not checked
+
+
+def test_compile_checks_a_plan_through_check_model() -> None:
+    """autopar.compile(plan=...) refuses a plan of another model by the plan's own check."""
+    import torch.distributed as dist
+
+    import autopar
+
+    try:
+        with pytest.raises(PlanFileError, match="made for another model"):
+            autopar.compile(torch.nn.Linear(4, 4), "cpu:1", plan=_plan())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_explain_names_every_stage_group_and_runner_up() -> None:

@@ -21,7 +21,7 @@ from autopar.plan import InfeasiblePlanError, Plan
 from autopar.trace import trace_model
 from solver.inter_op import stage_work
 from solver.search import SearchSpace, enumerate_candidates, search
-from solver.toy_price import toy_price
+from tests.toy_price import toy_price
 
 SPEC = "llama:layers=6,hidden=1024,heads=8,kv_heads=4,ffn=2816,vocab=32000,seq=2048"
 

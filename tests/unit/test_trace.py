@@ -80,6 +80,30 @@ def test_roles_phases_and_gradients():
     assert {n.layer for n in graph if n.module_path.startswith("layers.1")} == {1}
 
 
+def test_attention_ops_and_causal_flag_match_torch_schemas():
+    """ir.py is the one home of the fused attention ops and of where `is_causal` sits in
+    each; checked against torch's own schemas, and read from a traced causal model."""
+    from autopar import ir
+
+    assert set(ir._IS_CAUSAL_POSITION) == ir.ATTENTION_OPS
+    for op, position in ir._IS_CAUSAL_POSITION.items():
+        _, name, overload = op.split(".")
+        schema = getattr(getattr(torch.ops.aten, name), overload)._schema
+        assert [a.name for a in schema.arguments].index("is_causal") == position, op
+        assert name.endswith("_backward") == (op in ir.ATTENTION_BWD_OPS)
+    graph = trace_model(resolve("llama-tiny"), batch=2)
+    attention = [n for n in graph if n.op in ir.ATTENTION_OPS]
+    assert len(attention) == 4 and all(n.is_causal for n in attention)  # 2 layers, forward + backward
+    assert not any(n.is_causal for n in graph if n.op not in ir.ATTENTION_OPS)
+    fwd = attention[0]
+    args = list(fwd.args)
+    args[ir._IS_CAUSAL_POSITION[fwd.op]] = False
+    assert not ir.Node(**{**{f: getattr(fwd, f) for f in fwd.__dataclass_fields__}, "args": tuple(args)}).is_causal
+    keyword = {**{f: getattr(fwd, f) for f in fwd.__dataclass_fields__}, "args": fwd.args[:3],
+               "kwargs": (("is_causal", True),)}
+    assert ir.Node(**keyword).is_causal
+
+
 def test_graph_is_frozen_and_fingerprint_is_stable():
     a = trace_model(resolve("gpt-tiny"), batch=2)
     b = trace_model(resolve("gpt-tiny"), batch=2)

@@ -1,10 +1,11 @@
-"""A closed-form stand-in cost model for the whole-plan search.
+"""A closed-form stand-in cost model for the whole-plan search: a test oracle.
 
-Where it sits: solver/, beside search.py. The search prices candidates through a
+Where it sits: tests/, beside the tests that use it (tests/unit/test_search.py); no
+product module imports it. The search (solver/search.py) prices candidates through a
 `PriceFn` callable; the real one is `cost_model.price` (graph-derived, owned by the cost
 model). This toy exists so the search can be tested against brute force with a cost
-that is cheap, fully known and independent of the real model, and so `autopar search`
-works where the real pricer is absent. It is NOT the project's prediction of record.
+that is cheap, fully known and independent of the real model. It is NOT the project's
+prediction of record.
 
 Math (textbook formulas from notes/cost-model-facts.md; b micro-batch, s seq, h hidden,
 t/p/d the tp/pp/dp degrees, m microbatches, v interleave, P parameters):
@@ -27,8 +28,9 @@ t/p/d the tp/pp/dp degrees, m microbatches, v interleave, P parameters):
 from __future__ import annotations
 
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, default_stage_layers
 from autopar.ir import Graph
+from cost_model import state_bytes_per_param
 from cost_model.estimate import Estimate
 from solver.inter_op import StageWork, stage_work
 
@@ -53,7 +55,7 @@ def toy_price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_
     m = c.check(global_batch=global_batch, num_devices=cluster.num_devices, heads=info.heads,
                 kv_heads=info.kv_heads, num_layers=info.num_layers)
     work = work or stage_work(graph)
-    cuts = stage_layers or tuple([info.num_layers // c.pp] * c.pp)
+    cuts = stage_layers or default_stage_layers(info.num_layers, c.pp)
     hw = cluster.hardware
     s, h, b, t, p, d, v = info.seq, max(info.hidden, 1), c.micro_batch, c.tp, c.pp, c.dp, c.interleave
     peak = hw.peak_flops(info.dtype)
@@ -81,7 +83,7 @@ def toy_price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_
     optimizer = 16 * stage_params / shards / hw.memory_bandwidth_bytes_per_s
     step = compute + bubble + dp_sync + optimizer
 
-    state_per_param = {0: 16.0, 1: 4 + 12 / d, 2: 2 + 14 / d, 3: 16 / d}[c.zero]
+    state_per_param = state_bytes_per_param(c.zero, d)
     per_layer_act = {"none": 34.0 / t + (5 * info.heads * s / (h * t) if c.attention == "math" else 0.0),
                      "selective": 34.0 / t, "full": 2.0}[c.recompute] * s * b * h
     mem_by_stage = []
