@@ -71,7 +71,7 @@ from solver.stage_costs import (
     split_solution,
     zero3_filter,
 )
-from solver.stage_dp import PipelineSolution, Schedule, solve_pipeline
+from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -274,11 +274,14 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     budget = cluster.device_memory_bytes
     out: list[PipelineResult] = []
     for schedule in _schedules(cand.pp, cand.num_microbatches, num_layers):
+        if not schedule.allows(cand.pp, cand.num_microbatches):
+            continue
+        tables = [option_tables(num_layers, cand.pp, cand.num_microbatches, o, schedule, budget) for o in options]
         sets = [list(range(len(options)))] + ([[i] for i in range(len(options))] if len(options) > 1 else [])
         seen: set[tuple] = set()
         for subset in sets:
             sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
-                                 budget)
+                                 budget, tables=[tables[i] for i in subset])
             if sol is None:
                 continue
             chosen = tuple(subset[i] for i in sol.options)

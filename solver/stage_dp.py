@@ -44,9 +44,10 @@ tmin_k(n). Then
 
 is a shortest path F_k(l) = min_n F_{k-1}(l - n) + tmin_k(n) (l layers in the first k
 stages), and T* = min over B in {tmin_k(n)} of beta S(B) + (m - beta) B. B is scanned in
-increasing order and the scan stops once beta S_free + (m - beta) B (S_free: S with no
+increasing order from the smallest feasible B (found by bisection: feasibility is
+monotone in B) and the scan stops once beta S_free + (m - beta) B (S_free: S with no
 bound, a lower bound of every later S(B)) reaches the best T found. Cost: O(#B p L^2)
-numpy work, small for L <= 128. tests/unit/test_stage_dp.py checks it against brute force
+numpy work, small for L <= 128; the per-option tables are numpy arrays over (k, n). tests/unit/test_stage_dp.py checks it against brute force
 over every cut x option assignment.
 """
 
@@ -161,39 +162,56 @@ class PipelineSolution:
         return self.step_time_s - self.num_microbatches * max(self.stage_times_s)
 
 
-def _tmin_tables(num_layers: int, num_stages: int, num_microbatches: int, options: Sequence[StageOption],
-                 schedule: Schedule, memory_budget_bytes: float) -> tuple[np.ndarray, np.ndarray]:
-    """tmin[k, n] (inf where no option fits or n is not a multiple of the chunks) and its
-    argmin option, for stages k < p and n <= L layers."""
-    p, L = num_stages, num_layers
-    tmin = np.full((p, L + 1), np.inf)
-    arg = np.full((p, L + 1), -1, dtype=np.int64)
-    for k in range(p):
-        for n in range(1 if L else 0, L + 1):
-            if schedule.chunks > 1 and n % schedule.chunks:
-                continue
-            for i, o in enumerate(options):
-                if stage_memory_bytes(o, n, k, p, num_microbatches, schedule) > memory_budget_bytes:
-                    continue
-                t = stage_time_s(o, n, k, p, schedule)
-                if t < tmin[k, n]:
-                    tmin[k, n], arg[k, n] = t, i
-    return tmin, arg
+def option_tables(num_layers: int, num_stages: int, num_microbatches: int, option: StageOption,
+                  schedule: Schedule, memory_budget_bytes: float) -> np.ndarray:
+    """t[k, n]: stage k's time with n layers under `option` (inf where it does not fit the
+    memory budget or n is not a multiple of the schedule's chunks); the same formulas as
+    stage_time_s / stage_memory_bytes, over all (k, n) at once."""
+    p, L, o = num_stages, num_layers, option
+    k = np.arange(p)[:, None]
+    n = np.arange(L + 1)[None, :].astype(float)
+    first, last = (k == 0), (k == p - 1)
+    neighbours = (~first).astype(float) + (~last).astype(float)
+    t = np.where(first, o.pre_s, 0.0) + n * o.layer_s + np.where(last, o.post_s, 0.0) \
+        + neighbours * schedule.chunks * o.p2p_s
+    inflight = np.array([schedule.inflight(i, p, num_microbatches) for i in range(p)])[:, None]
+    state = np.where(first, o.pre_state_bytes, 0.0) + n * o.layer_state_bytes + np.where(last, o.post_state_bytes, 0.0)
+    act = np.where(first, o.pre_act_bytes, 0.0) + n * o.layer_act_bytes + np.where(last, o.post_act_bytes, 0.0)
+    bad = state + inflight * act + o.temp_bytes > memory_budget_bytes
+    bad = bad | (np.arange(L + 1)[None, :] % schedule.chunks != 0)
+    if L:
+        bad[:, 0] = True
+    return np.where(bad, np.inf, t)
 
 
-def _shortest(tmin: np.ndarray, bound: float, num_layers: int) -> tuple[float, list[int]] | None:
-    """min sum_k tmin[k, n_k] over cuts with every tmin[k, n_k] <= bound (and the cut)."""
-    p, L = tmin.shape[0], num_layers
-    cost = np.where(tmin <= bound, tmin, np.inf)
+def _tmin_tables(tables: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """tmin[k, n] over the options' tables and its argmin option (the first on ties)."""
+    stacked = np.stack(tables)
+    arg = np.argmin(stacked, axis=0)
+    tmin = np.take_along_axis(stacked, arg[None], axis=0)[0]
+    return tmin, np.where(np.isfinite(tmin), arg, -1)
+
+
+def _gathered(tmin: np.ndarray) -> np.ndarray:
+    """G[k, l, j] = tmin[k, l - j] (stage k taking layers j..l-1), inf where l < j."""
+    L1 = tmin.shape[1]
+    rows = np.arange(L1)
+    take = rows[:, None] - rows[None, :]
+    valid = take >= 0
+    return np.where(valid[None], tmin[:, np.where(valid, take, 0)], np.inf)
+
+
+def _shortest(gathered: np.ndarray, bound: float, num_layers: int) -> tuple[float, list[int]] | None:
+    """min sum_k tmin[k, n_k] over cuts with every tmin[k, n_k] <= bound (and the cut);
+    `gathered` is _gathered(tmin)."""
+    p, L = gathered.shape[0], num_layers
     F = np.full(L + 1, np.inf)
     F[0] = 0.0
     back = np.zeros((p, L + 1), dtype=np.int64)
     rows = np.arange(L + 1)
-    take = rows[:, None] - rows[None, :]  # take[l, j] = layers of stage k when j are before it
-    valid = take >= 0
-    take = np.where(valid, take, 0)
     for k in range(p):
-        cand = np.where(valid, F[None, :] + cost[k][take], np.inf)
+        g = gathered[k]
+        cand = F[None, :] + np.where(g <= bound, g, np.inf)
         j = np.argmin(cand, axis=1)
         F = cand[rows, j]
         back[k] = rows - j
@@ -209,27 +227,40 @@ def _shortest(tmin: np.ndarray, bound: float, num_layers: int) -> tuple[float, l
 
 
 def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, options: Sequence[StageOption],
-                   schedule: Schedule, memory_budget_bytes: float) -> PipelineSolution | None:
+                   schedule: Schedule, memory_budget_bytes: float,
+                   tables: Sequence[np.ndarray] | None = None) -> PipelineSolution | None:
     """The exact optimum of T over cuts x per-stage options (module docstring), or None
-    when no assignment fits the memory budget. L = 0 (no repeated layers) needs p = 1."""
+    when no assignment fits the memory budget. L = 0 (no repeated layers) needs p = 1.
+    `tables` are the options' `option_tables` when the caller reuses them across subsets."""
     p, m, L = num_stages, num_microbatches, num_layers
     if p < 1 or (L < p and not (L == 0 and p == 1)) or not options or not schedule.allows(p, m):
         return None
-    tmin, arg = _tmin_tables(L, p, m, options, schedule, memory_budget_bytes)
-    free = _shortest(tmin, math.inf, L)
+    if tables is None:
+        tables = [option_tables(L, p, m, o, schedule, memory_budget_bytes) for o in options]
+    tmin, arg = _tmin_tables(tables)
+    gathered = _gathered(tmin)
+    free = _shortest(gathered, math.inf, L)
     if free is None:
         return None
     s_free = free[0]
     beta = schedule.beta
     bounds = np.unique(tmin[np.isfinite(tmin)])
-    best: tuple[float, list[int]] | None = None
+    # feasibility is monotone in the bound: find the smallest feasible one by bisection,
+    # then scan upwards while a larger bound can still pay for itself
+    lo, hi = 0, len(bounds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _shortest(gathered, float(bounds[mid]), L) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    best: list[int] | None = None
     best_t = math.inf
-    for bound in bounds:
+    for bound in bounds[lo:]:
         if beta * s_free + (m - beta) * bound >= best_t:
             break
-        found = _shortest(tmin, float(bound), L)
-        if found is None:
-            continue
+        found = _shortest(gathered, float(bound), L)
+        assert found is not None  # every bound above a feasible one is feasible
         total, cuts = found
         t = beta * total + (m - beta) * float(bound)
         if t < best_t:
