@@ -75,9 +75,9 @@ from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pip
 
 log = logging.getLogger(__name__)
 
-PIPELINE_MICROBATCH_CHOICES = 2
-"""Global microbatches tried per pipeline degree: the largest g with at least 2p
-microbatches (fewer would leave most of the pipeline idle), then the next smaller."""
+PIPELINE_MICROBATCH_CHOICES = 3
+"""Global microbatches tried per pipeline degree: the largest g with at least p
+microbatches (fewer would leave most of the pipeline idle), then the next smaller ones."""
 
 MAX_RANK_MICROBATCH = 4
 """Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each distinct
@@ -86,6 +86,8 @@ one is a trace and an ILP per tp, and pipelines want many small microbatches."""
 INTERLEAVE_CHOICES = (2, 4)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 MAX_RUNNERS_UP = 8
+MAX_UNRUNNABLE_SHOWN = 3
+"""Of the runners-up a plan lists, at most this many are candidates the runtime cannot run."""
 
 MEMORY_BOUND_SLACK = 1.1
 """A one-stage candidate is not solved when its memory lower bound
@@ -152,7 +154,7 @@ def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *,
         # g must split over some stage submesh's dp (dp = D / tp, tp <= a node)
         dp_min = D // min(D, cluster.devices_per_node)
         sizes = [g for g in range(global_batch, 0, -1)
-                 if global_batch % g == 0 and g % dp_min == 0 and global_batch // g >= 2 * p
+                 if global_batch % g == 0 and g % dp_min == 0 and global_batch // g >= p
                  and g // dp_min <= MAX_RANK_MICROBATCH * min(D, cluster.devices_per_node)]
         for g in sizes[:choices]:
             out.append(PipelineCandidate(pp=p, microbatch=g, num_microbatches=global_batch // g))
@@ -520,7 +522,10 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     ranked = tuple(_ranked(e, L) for e in ranked_entries)
     plans = []
     for i, e in enumerate(ranked_entries[:top]):
-        others = [x for x in entries if x is not e][:MAX_RUNNERS_UP]
+        # the nearest runners-up, and the best few the runtime cannot run (what its limits cost)
+        unrunnable = [x for x in entries if x.reason is not None][:MAX_UNRUNNABLE_SHOWN]
+        others = sorted(unrunnable + [x for x in entries if x is not e and x.reason is None][
+            :MAX_RUNNERS_UP - len(unrunnable)], key=_Entry.sort_key)
         why = tuple(_why(x.label, x.step_time_s, x.terms, x.reason, e.step_time_s, e.terms) for x in others)
         alternatives = tuple(Alternative(config=r.config, stage_layers=r.stage_layers,
                                          step_time_s=r.estimate.step_time_s,
