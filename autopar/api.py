@@ -82,13 +82,15 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
                 loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
     """Trace `model` on its example inputs, search the whole plan for `mesh`, return the Plan.
 
-    The search (solver/spmd_search.py) prices every mesh shape and microbatch by the
-    intra-op ILP on the traced step at that microbatch; the plan carries the per-op
-    placements that then run. Deterministic (no time limit)."""
+    The search (solver/pipeline_search.py) prices every mesh shape and microbatch by the
+    intra-op ILP on the traced step at that microbatch (and pipelines by the inter-op DP
+    over ILP stage costs); a one-stage plan carries the per-op placements that then run.
+    Deterministic (no time limit)."""
     import copy
 
     from autopar.trace import trace_step
-    from solver.spmd_search import search_spmd
+    from codegen.rules import rules_for
+    from solver.pipeline_search import search as search_plans
 
     cluster = _cluster_of(mesh)
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
@@ -100,8 +102,11 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
         return trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn)[1]
 
     fingerprint = module_fingerprint(model)
-    result = search_spmd(trace_at, cluster, global_batch=global_batch, model=type(model).__name__,
-                         fingerprint=fingerprint, top=1)
+    # issue 14 (i14dp): pipelines are searched too; a model the runtime can cut into stages
+    # (codegen/rules.py) may get pp > 1, any other runs as one stage (autopar/capabilities.py)
+    rules = rules_for(model)
+    result = search_plans(trace_at, cluster, global_batch=global_batch, model=type(model).__name__,
+                          fingerprint=fingerprint, family=rules.name if rules is not None else "", top=1)
     log.info("searched plan: %s", result.plan.config)
     return result.plan
 

@@ -13,13 +13,31 @@ Pipelines (pp > 1) run in one of two ways today:
   autopar/runtime_pipe.py, stages cut at the layers by torch.distributed.pipelining,
   data parallelism by a gradient all-reduce (ZeRO 0) or FSDP2 on each stage (ZeRO 2/3):
   tp = 1, no ZeRO-1, no recompute.
+
+The planner asks `runnable(PlanShape)` about every priced candidate (solver/pipeline_search.py):
+a candidate it refuses is recorded as a runner-up with the reason, never ranked as a plan.
+Large described clusters (h100:128x8) are never run here, but a plan for them is still only
+one whose shape this runtime could build. Both predicates read one rule set
+(`_pipeline_reason`), so what the search ranks and what `autopar train` accepts agree.
+PIPELINE_STAGES_PER_OP says whether a pipeline stage runs the ILP's per-op placements; while
+it is False the planner prices pp > 1 stages under the forced (dp, tp) layout the pipeline
+runtimes run (batch over dp, weights over tp; solver/forced.py), so the price stays close
+to what runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import ParallelConfig, default_stage_layers
+
+PIPELINE_STAGES_PER_OP = False
+"""True once pipeline stages run their per-op placements (issue 14, runtime side)."""
+
+RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+"""Pipeline schedules the planner may rank (autopar/runtime.py and runtime_pipe.py build them;
+`zb`, torch's ScheduleInterleavedZeroBubble, also runs but is not priced apart from 1f1b)."""
 
 ZOO_FAMILIES = ("gpt", "llama")
 """Families the module-level pipeline (rule tables, Megatron TP, FSDP2) runs."""
@@ -99,29 +117,35 @@ def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
     if config.pp == 1:
         return None
     family, num_layers, name, heads = _structure(model_or_graph)
-    chunks = config.pp * config.interleave
+    return _pipeline_reason(family, num_layers, name, heads, pp=config.pp, dp=config.dp, tp=config.tp,
+                            zero=config.zero, recompute=config.recompute, chunks=config.pp * config.interleave)
+
+
+def _pipeline_reason(family: str, num_layers: int, name: str, heads: tuple[int, int], *, pp: int, dp: int, tp: int,
+                     zero: int, recompute: str, chunks: int) -> str | None:
+    """The one rule set of what pipelines run (module docstring), on plain values."""
     if num_layers < 2:
-        return (f"--pp {config.pp} needs a model with a repeated layer stack (an nn.ModuleList of blocks) to cut "
+        return (f"--pp {pp} needs a model with a repeated layer stack (an nn.ModuleList of blocks) to cut "
                 f"into stages; {name} has none. Use --pp 1 (per-op data, tensor and ZeRO sharding)")
     if num_layers < chunks:
         return (f"pp * interleave = {chunks} pipeline chunks but {name} has only {num_layers} layers; lower --pp "
                 "or --interleave")
     if family in ZOO_FAMILIES:
         for count, what in zip(heads, ("attention heads", "key/value heads")):
-            if count and count % config.tp:  # Megatron TP splits whole heads
-                return (f"--tp {config.tp} does not divide {name}'s {count} {what} (its pipeline splits whole "
+            if count and count % tp:  # Megatron TP splits whole heads
+                return (f"--tp {tp} does not divide {name}'s {count} {what} (its pipeline splits whole "
                         f"heads over tp); pick a tp that divides {count}")
-        if config.zero == 1 and config.dp > 1 and config.tp > 1:
+        if zero == 1 and dp > 1 and tp > 1:
             return ("--zero 1 with --tp > 1 and --pp > 1 is not supported (ZeroRedundancyOptimizer takes plain "
                     "tensors, TP parameters are DTensors); use --zero 2, which also shards the optimizer state")
         return None
     unsupported = []
-    if config.tp > 1:
-        unsupported.append(f"--tp {config.tp}")
-    if config.zero == 1 and config.dp > 1:
+    if tp > 1:
+        unsupported.append(f"--tp {tp}")
+    if zero == 1 and dp > 1:
         unsupported.append("--zero 1")
-    if config.recompute != "none":
-        unsupported.append(f"--recompute {config.recompute}")
+    if recompute != "none":
+        unsupported.append(f"--recompute {recompute}")
     if unsupported:
         return (f"a pipeline of {name} (stages cut at its {num_layers} repeated layers) runs data parallel "
                 f"stages (--zero 0, 2 or 3) without recompute; {', '.join(unsupported)} is not supported there yet. "
@@ -129,4 +153,56 @@ def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
     return None
 
 
-__all__ = ["ZOO_FAMILIES", "layer_container", "layer_stack", "pipeline_support", "split_layers"]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageShape:
+    num_layers: int
+    submesh: tuple[int, int]
+    """(dp, tp)."""
+    recompute: str
+    zero: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanShape:
+    """What `runnable` needs to know about a candidate plan (no costs)."""
+
+    family: str
+    """The model's family when it is one of the zoo's ("gpt", "llama"), else ""."""
+    name: str = "this model"
+    heads: int = 0
+    kv_heads: int = 0
+    num_layers: int
+    """The repeated layers (0: no repeated stack)."""
+    schedule: str = "1f1b"
+    chunks: int = 1
+    stages: tuple[StageShape, ...]
+
+
+def runnable(shape: PlanShape) -> str | None:
+    """None when the runtime executes this plan shape; else why not (one sentence). A
+    pipeline runs one ParallelConfig: every stage on the same submesh, recompute and ZeRO,
+    a schedule the planner prices, interleaving on an even split; the rest is
+    `_pipeline_reason`, the rule `pipeline_support` applies to `autopar train`."""
+    if len(shape.stages) == 1:
+        return None  # the per-op program: any model, any (dp, tp) mesh the ILP placed
+    p = len(shape.stages)
+    first = shape.stages[0]
+    if any(s.submesh != first.submesh for s in shape.stages):
+        return "stages on different submeshes (the runtime runs one (pp, dp, tp) mesh)"
+    if any(s.recompute != first.recompute for s in shape.stages):
+        return "stages with different recompute policies (the runtime applies one)"
+    if any(s.zero != first.zero for s in shape.stages):
+        return "stages with different ZeRO layouts (the runtime applies one)"
+    if shape.schedule not in RUNTIME_SCHEDULES:
+        return f"schedule {shape.schedule} (the runtime builds {', '.join(RUNTIME_SCHEDULES)})"
+    chunks = p * (shape.chunks if shape.schedule == "interleaved" else 1)
+    if shape.schedule == "interleaved" and (shape.num_layers % chunks or len({s.num_layers for s in shape.stages}) > 1):
+        return (f"interleaved with non-uniform cuts (the runtime splits {shape.num_layers} layers "
+                f"evenly into {chunks} chunks)")
+    dp, tp = first.submesh
+    return _pipeline_reason(shape.family, shape.num_layers, shape.name, (shape.heads, shape.kv_heads), pp=p, dp=dp,
+                            tp=tp, zero=first.zero, recompute=first.recompute, chunks=chunks)
+
+
+__all__ = ["PIPELINE_STAGES_PER_OP", "RUNTIME_SCHEDULES", "ZOO_FAMILIES", "PlanShape", "StageShape", "layer_container",
+           "layer_stack", "pipeline_support", "runnable", "split_layers"]

@@ -174,6 +174,52 @@ class Alternative(JsonData):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineStage(JsonData):
+    """One pipeline stage as the inter-op DP chose it (solver/pipeline_search.py)."""
+
+    index: int
+    first_layer: int
+    num_layers: int
+    has_embedding: bool
+    has_head: bool
+    submesh: tuple[int, int]
+    """(dp, tp) of the stage's devices."""
+    recompute: str
+    zero: int
+    time_per_microbatch_s: float
+    """Forward + backward of one microbatch on this stage (sync and optimizer amortised)."""
+    memory_bytes: int
+    """Per-device peak: state + in-flight activations + workspace."""
+    inflight_microbatches: float
+    placements: tuple[tuple[str, str], ...] = ()
+    """(parameter, placement on the stage's (dp, tp) submesh) from the stage's ILP, layers
+    once per layer group as `layers.*`."""
+    collectives: tuple[tuple[str, str, int, int], ...] = ()
+    """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineInfo(JsonData):
+    """The inter-op decision: per-stage layer ranges, submeshes and recompute, the schedule
+    and its terms, and why the runners-up lost (from the plan alone: `autopar explain`)."""
+
+    schedule: str
+    """gpipe, 1f1b, interleaved or zbv (solver/stage_dp.py prices each); "none": one stage."""
+    chunks: int
+    microbatch: int
+    """Sequences per microbatch over the whole pipeline."""
+    num_microbatches: int
+    stages: tuple[PipelineStage, ...]
+    bubble_s: float
+    """Step time above m x the slowest stage (the schedule's bubble)."""
+    p2p_s: float
+    """Per step: the slowest stage's boundary sends, m microbatches."""
+    runners_up: tuple[tuple[str, float, str], ...] = ()
+    """(candidate, its step seconds, why it lost), best first: slower terms named, or the
+    reason the runtime cannot run it (autopar/capabilities.py)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SearchInfo(JsonData):
     """How the plan was found: the cost model, the space and what was pruned (no timings)."""
 
@@ -215,6 +261,9 @@ class Plan(JsonData):
     placements: tuple[OpPlacement, ...] = ()
     """The ILP's per-op placements: the program that runs (pp = 1 plans)."""
     intra_op_info: IntraOpInfo | None = None
+    pipeline: PipelineInfo | None = None
+    """The inter-op decision (per-stage submesh, recompute, schedule, runners-up); written
+    null for plans the search did not make (a configuration given by flags)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -257,6 +306,9 @@ class Plan(JsonData):
                                 f"= {c.dp} * {c.micro_batch}")
         if self.memory_limit_bytes <= 0 or self.seq <= 0:
             raise PlanFileError("plan memory_limit_bytes and seq must be positive")
+        if self.pipeline is not None and len(self.pipeline.stages) > 1 \
+                and [st.num_layers for st in self.pipeline.stages] != list(self.stage_layers):
+            raise PlanFileError("plan pipeline.stages[].num_layers disagree with stage_layers")
         keys = [p.key for p in self.placements]
         if len(set(keys)) != len(keys):
             raise PlanFileError("plan placements name an op twice; the file was edited. Re-run `autopar search`")
@@ -382,8 +434,12 @@ class Plan(JsonData):
             lines.append("  memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory_breakdown))
         if self.placements:
             lines.extend(self._explain_per_op())
+        if self.pipeline is not None and len(self.pipeline.stages) > 1:
+            lines.extend(_pipeline_lines(self.pipeline))
         lines.append("stages:")
-        if not self.stages:
+        if self.pipeline is not None and len(self.pipeline.stages) > 1:
+            lines.append("  see the pipeline stages above")
+        elif not self.stages:
             held = f"{self.num_layers} repeated layers" if self.num_layers else "every module, no repeated layer stack"
             lines.append(f"  one stage: the whole model ({held}) on the (dp, tp) mesh")
         for s in self.stages:
@@ -398,7 +454,8 @@ class Plan(JsonData):
         if len(set(self.stage_layers)) > 1:
             lines.append("  why non-uniform: the cut balances per-stage time (embedding and head are extra work "
                          "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")
-        lines.append("layer groups (intra-op):")
+        if self.intra_op:
+            lines.append("layer groups (intra-op):")
         for choice in self.intra_op:
             if choice.source == "ilp":
                 note = f"ilp, ILP cost {choice.cost_s:.4g} s per step; recorded beside the template, not priced"
@@ -413,7 +470,11 @@ class Plan(JsonData):
             f"{s.num_pruned_memory} pruned by memory bound, {s.num_pruned_dominated} dominated, "
             f"{s.num_not_fitting} priced but over the memory budget"
             + ("" if s.complete else "; STOPPED by the time limit, the space was not fully searched"))
-        if s.alternatives:
+        if self.pipeline is not None and self.pipeline.runners_up:
+            lines.append("why the runners-up lost (priced by the same ILP stage costs):")
+            for label, step, why in self.pipeline.runners_up:
+                lines.append(f"  {label}: step {step:.4g} s, {why}")
+        elif s.alternatives:
             lines.append("runners-up (why not these):")
             for a in s.alternatives:
                 rel = a.step_time_s / p.step_time_s - 1 if p.step_time_s else 0.0
@@ -439,8 +500,75 @@ def _per_op_lines(plan: "Plan") -> list[str]:
     else:
         lines.append("  collectives per step: none (every rank computes the whole step)")
     if info.parameters:
+        lines.append("  per layer group: " + "; ".join(summarize_placements(info.parameters)))
         lines.append("  parameters (dp, tp):")
         lines.extend(f"    {name}: {placement}" for name, placement in info.parameters)
+    return lines
+
+
+_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("norms", ("norm", "ln_", ".ln")),
+    ("embedding", ("embed", "wte", "wpe", "tok_")),
+    ("head", ("lm_head", "output.", "head")),
+    ("attention", ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")),
+    ("MLP", ("mlp", "feed_forward", "ffn", "fc", "gate_proj", "up_proj", "down_proj")),
+)
+
+
+def _tp_words(group: str, name: str, tp: str) -> str:
+    if tp == "R":
+        return "replicated over tp"
+    if group == "embedding":
+        return {"S(0)": "vocab over tp", "S(1)": "hidden over tp"}.get(tp, f"{tp} over tp")
+    if group == "head":
+        return {"S(0)": "vocab over tp (vocab-parallel)", "S(1)": "hidden over tp"}.get(tp, f"{tp} over tp")
+    if group == "attention":
+        return {"S(0)": "heads over tp (column)", "S(1)": "heads over tp (row)"}.get(tp, f"{tp} over tp")
+    return {"S(0)": "column over tp", "S(1)": "row over tp"}.get(tp, f"{tp} over tp")
+
+
+def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
+    """One line per layer group (embedding, attention, MLP, norms, head, other): how its
+    parameters sit on the (dp, tp) mesh, e.g. "MLP: column/row over tp; replicated over dp"."""
+    found: dict[str, list[tuple[str, str, str]]] = {}
+    for name, text in params:
+        parts = [p.strip() for p in text.strip("()").split(",")]
+        dp, tp = (parts + ["R", "R"])[:2]
+        low = name.lower()
+        group = next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")
+        found.setdefault(group, []).append((name, dp, tp))
+    out = []
+    for group in [g for g, _ in _GROUPS] + ["other"]:
+        if group not in found:
+            continue
+        rows = found[group]
+        tp_desc = list(dict.fromkeys(_tp_words(group, n, tp) for n, _, tp in rows))
+        dp_desc = list(dict.fromkeys("replicated over dp" if dp == "R" else f"{dp} over dp (sharded: ZeRO-3)"
+                                     for _, dp, _ in rows))
+        if len(tp_desc) > 1 and all("over tp" in d and "replicated" not in d for d in tp_desc) and group == "MLP":
+            tp_text = "column/row over tp"
+        else:
+            tp_text = " / ".join(tp_desc)
+        out.append(f"{group} ({len(rows)} params): {tp_text}; {' / '.join(dp_desc)}")
+    return out
+
+
+def _pipeline_lines(pipe: PipelineInfo) -> list[str]:
+    sched = pipe.schedule + (f" (v={pipe.chunks})" if pipe.schedule == "interleaved" else "")
+    lines = [f"pipeline: {len(pipe.stages)} stages, schedule {sched}, {pipe.num_microbatches} microbatches of "
+             f"{pipe.microbatch} sequences; bubble {pipe.bubble_s:.4g} s, p2p on the critical stage {pipe.p2p_s:.4g} s "
+             "per step"]
+    for st in pipe.stages:
+        holds = ([f"embedding"] if st.has_embedding else []) + [
+            f"layers {st.first_layer}-{st.first_layer + st.num_layers - 1} ({st.num_layers})"] + (
+            ["final norm + head + loss"] if st.has_head else [])
+        lines.append(f"  stage {st.index}: {', '.join(holds)} on submesh (dp, tp) = {st.submesh}, recompute "
+                     f"{st.recompute}, zero {st.zero}: {st.time_per_microbatch_s:.4g} s/microbatch, "
+                     f"{st.memory_bytes / GIB:.2f} GiB/device with {st.inflight_microbatches:g} microbatches in flight")
+        lines.extend(f"    {line}" for line in summarize_placements(st.placements))
+        if st.collectives:
+            lines.append("    collectives per microbatch: " + ", ".join(
+                f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)" for kind, axis, n, b in st.collectives))
     return lines
 
 

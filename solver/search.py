@@ -1,9 +1,12 @@
 """Whole-plan search: mesh shape x stage cuts x ZeRO x microbatching x schedule x recompute.
 
-Where it sits: the last solver stage. Input: the frozen Graph (a few traced layers scaled
-to the real depth), a Cluster, the global batch and a pricing callable; output: ranked
-priced candidates and the best `autopar.plan.Plan`. `autopar search` wires it to the
-real cost model (`cost_model.price`); tests also drive it with tests/toy_price.py.
+Where it sits: the template grid, kept as a baseline (benchmarks/vs_hand_tuned.py); the
+product's planner is solver/pipeline_search.py (intra-op ILP stage costs + inter-op DP).
+Input: the frozen Graph (a few traced layers scaled to the real depth), a Cluster, the
+global batch and a pricing callable; output: ranked priced candidates and the best
+`autopar.plan.Plan`. Benchmarks wire it to the analytic cost model (`cost_model.price`);
+tests also drive it with tests/toy_price.py. It also holds the types both searches
+return (Ranked, SearchResult).
 
 The space (each axis independent, all under the per-device memory limit):
 - mesh (pp, dp, tp): tp divides the devices of a node (tensor parallelism needs NVLink;

@@ -178,6 +178,9 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
         if smallest is not None and exc.min_memory_bytes is not None:
             smallest.append(exc.min_memory_bytes)
         return None
+    except RuntimeError as exc:  # the per-solve time limit ended the ILP before any plan: none found
+        log.info("candidate %s: %s", cand, exc)
+        return None
     return Solved(candidate=cand, graph=graph, solution=solution,
                   estimate=estimate(graph, solution, cand, cluster, global_batch),
                   coverage=coverage(graph, space), fallback_ops=space.fallback_ops)

@@ -1,9 +1,9 @@
 """`autopar search MODEL --cluster ... --global-batch B`: find the best whole plan.
 
-Wires the stages (as cli.py may): trace a few layers on fake tensors, fingerprint the
-full model, profile the graph for the cost model once, run solver/search.py with
-`cost_model.price_profile` as the pricing callable, solve the intra-op ILP for the
-chosen plan's layer groups (recorded beside the priced template), then print a ranked
+Wires the stages (as cli.py may): trace a few layers on fake tensors at each microbatch
+the search asks for, fingerprint the full model, run solver/pipeline_search.py (one-stage
+plans priced by the intra-op ILP, pipelines by the inter-op DP over ILP stage costs; only
+plans the runtime executes are ranked, autopar/capabilities.py), then print a ranked
 table (or JSON) and write the best plan. Progress goes to stderr so `--json` stdout stays clean.
 """
 
@@ -37,11 +37,13 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
                 with_ilp: bool = True, microbatch_choices: int | None = None) -> SearchResult:
     """Trace, fingerprint and search; phases (seconds) cover the whole pipeline.
 
-    Every candidate (mesh x microbatch) is traced at its microbatch and priced by the
-    intra-op ILP (solver/spmd_search.py): the plan's per-op placements are the program
-    `autopar train --plan` runs. Zoo presets and specs trace LAYERS_TRACED layers (a
-    group of identical layers stands for all of them); factories trace whole."""
-    from solver.spmd_search import search_spmd
+    One-stage candidates (mesh x microbatch) are traced at their microbatch and priced by
+    the intra-op ILP: the plan's per-op placements are the program `autopar train --plan`
+    runs. Pipelines (pp > 1) are priced by the inter-op DP over the ILP's stage costs and
+    ranked only where the runtime runs them (solver/pipeline_search.py). Zoo presets and
+    specs trace LAYERS_TRACED layers (a group of identical layers stands for all of
+    them); factories trace whole."""
+    from solver.pipeline_search import search as search_plans
 
     phases: list[tuple[str, float]] = []
     t0 = time.perf_counter()
@@ -73,8 +75,10 @@ def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | 
     fingerprint = fingerprint_source(source)
     phases.append(("fingerprint", time.perf_counter() - t))
     extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
-    result = search_spmd(trace_at, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
-                         top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers, **extra)
+    family = source.family if source.config is not None else ""  # a factory runs as one stage today
+    result = search_plans(trace_at, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
+                          family=family, top=top, time_limit_s=time_limit_s, progress=progress,
+                          num_layers=num_layers, max_pp=space.max_pp, **extra)
     return SearchResult(ranked=result.ranked, plan=result.plan, phases=tuple(phases) + result.phases,
                         search_time_s=time.perf_counter() - t0, plans=result.plans)
 

@@ -1,8 +1,10 @@
-"""Every plan `autopar search` ranks runs: the top 5 per-op plans for a zoo model and for a
+"""Every plan `autopar search` ranks runs: the top 5 plans for a zoo model and for a
 Hugging Face model (GPT-2 from a config, with dropout: `--check` draws the masks
 deterministically) each train on real gloo ranks with `autopar train --plan P --check`, the
-losses matching the single-process reference, and the collectives each program ran
-equal to those its plan priced."""
+losses matching the single-process reference, and for one-stage (per-op) plans the
+collectives each program ran equal to those its plan priced. Pipelines (pp > 1) run the
+module-level program today (autopar/capabilities.py), which reports no per-op
+collectives; the factory model is never given one."""
 
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def test_top5_plans_train_and_match(model, global_batch, tmp_path, capsys):
     assert result.plans[0] is result.plan
     meshes = set()
     for i, plan in enumerate(result.plans):
-        assert plan.config == result.ranked[i].config and plan.placements
+        assert plan.config == result.ranked[i].config and (plan.placements or plan.config.pp > 1)
+        if model.startswith("tests.factories:") and plan.config.pp > 1:
+            assert plan.config.tp == 1, plan.config  # a factory's pipeline runs data-parallel stages
         meshes.add((plan.config.dp, plan.config.tp))
         path = tmp_path / f"plan{i}.json"
         plan.save(path)
@@ -41,5 +45,6 @@ def test_top5_plans_train_and_match(model, global_batch, tmp_path, capsys):
         code = cli.main(["train", model, "--devices", "4", "--plan", str(path), "--steps", "2", "--check", "--json"])
         out = json.loads(capsys.readouterr().out)
         assert code == 0 and out["match"], (i, plan.config, out)
-        assert out["price_equals_run"], (i, plan.config, out)
+        if plan.config.pp == 1:
+            assert out["price_equals_run"], (i, plan.config, out)
     assert len(meshes) >= 2, meshes  # the ranked plans are not one mesh

@@ -58,11 +58,11 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
 FLOW = tuple(STAGE_MODULES)
 
 # Importable by every stage. The cross-stage types (DESIGN: "Shared data types live in
-# autopar/", with json_codec, their generic JSON form), and facts that several stages read so that they agree by construction:
-# buckets (pricing and the program count the same gradient collectives) and dtensor_bridge
-# (strategies, reshard prices and the program all come from DTensor's registry/planner),
-# capabilities (the layer stack, the pipeline cut and what the runtime runs: the tracer, the
-# search and the runtime read one definition).
+# autopar/", with json_codec, their generic JSON form), and facts that several stages read so
+# that they agree by construction: buckets (pricing and the program count the same gradient
+# collectives), dtensor_bridge (strategies, reshard prices and the program all come from
+# DTensor's registry/planner) and capabilities (what the runtime executes: the search ranks
+# only that; the tracer and the runtime read its layer stack and pipeline cut).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
           "autopar.plan", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
           "autopar.capabilities")

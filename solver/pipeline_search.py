@@ -1,0 +1,574 @@
+"""Whole-plan search over pipeline degrees: one stage (per-op ILP) and pipelines (inter-op DP).
+
+Where it sits: solver/, the planner `autopar search` and `autopar.compile` call (through
+autopar/commands/search.py and autopar/api.py, which supply `trace_at`). It ranks
+- one-stage plans (pp = 1): every (dp, tp) mesh x microbatch, priced by the intra-op ILP
+  on the whole step under the memory limit (solver/spmd_search.py, unchanged), and
+- pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g the
+  intra-op ILP is solved once per stage submesh (dp, tp) (dp tp = D, tp inside a node,
+  dp | g) and ZeRO layout (parameters free, or sharded over dp), memoised, its solution
+  split into pre / one layer / post (solver/stage_costs.py); the inter-op DP
+  (solver/stage_dp.py) then picks the cuts and each stage's (submesh, ZeRO, recompute)
+  per schedule (gpipe, 1f1b, interleaved v in INTERLEAVE_CHOICES, zbv).
+
+Every priced candidate is asked `autopar.capabilities.runnable`: only plans the runtime
+executes are ranked and returned; the others (e.g. stages on different submeshes, the
+zbv schedule) are kept as runners-up with the reason, so `autopar explain` says what
+the runtime's limits cost. The DP is run over all options (the priced optimum) and over
+each uniform option (one submesh, ZeRO and recompute for every stage: what the runtime
+builds today).
+
+Speed (branch and bound): each candidate (pp, g) gets a lower bound from one reference
+trace at the largest microbatch (stage_costs.lower_bound_s: every op's FLOPs and bytes
+split perfectly, no communication; for a pipeline m S / p with S the per-microbatch
+bound of the whole model on D devices, plus the optimizer over P / N parameters).
+Candidates are solved in bound order; the search stops once the next bound reaches the
+top-th runnable step time. Tensor-parallel axes stay inside a node on multi-node
+clusters (a mesh with tp across nodes is not tried).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import cost_model
+from autopar.capabilities import PIPELINE_STAGES_PER_OP, PlanShape, StageShape, runnable
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.ir import Graph
+from autopar.plan import (
+    GIB,
+    Alternative,
+    InfeasiblePlanError,
+    PipelineInfo,
+    PipelineStage,
+    Plan,
+    Prediction,
+    SearchInfo,
+    describe_config,
+)
+from solver.costs import core_share
+from solver.search import ProgressFn, Ranked, SearchResult
+from solver.spmd_search import (
+    MAX_MICROBATCH_CHOICES,
+    AXIS_NAMES,
+    Solved,
+    SpmdCandidate,
+    TraceAt,
+    _plan as spmd_plan,
+    candidates as spmd_candidates,
+    solve_candidate,
+)
+from solver.stage_costs import (
+    DataParallelAxis,
+    SubmeshCosts,
+    lower_bound_s,
+    memory_lower_bound_bytes,
+    placement_summary,
+    split_solution,
+    zero3_filter,
+)
+from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
+
+log = logging.getLogger(__name__)
+
+PIPELINE_MICROBATCH_CHOICES = 3
+"""Global microbatches tried per pipeline degree: the largest g with at least p
+microbatches (fewer would leave most of the pipeline idle), then the next smaller ones."""
+
+MAX_RANK_MICROBATCH = 4
+"""Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each distinct
+one is a trace and an ILP per tp, and pipelines want many small microbatches."""
+
+INTERLEAVE_CHOICES = (2, 4)
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+MAX_RUNNERS_UP = 8
+MAX_UNRUNNABLE_SHOWN = 3
+"""Of the runners-up a plan lists, at most this many are candidates the runtime cannot run."""
+
+MEMORY_BOUND_SLACK = 1.1
+"""A one-stage candidate is not solved when its memory lower bound
+(stage_costs.memory_lower_bound_bytes) exceeds the budget by this factor: the ILP checks
+liveness at a few points only (solver/intra_op.py MEMORY_POINTS), so the bound keeps a
+margin for a checked peak below the true one."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineCandidate:
+    pp: int
+    microbatch: int
+    """Sequences per global microbatch."""
+    num_microbatches: int
+
+    def stage_devices(self, cluster: Cluster) -> int:
+        return cluster.num_devices // self.pp
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineResult:
+    """One DP solution: a schedule and per-stage (SubmeshCosts, recompute)."""
+
+    candidate: PipelineCandidate
+    schedule: Schedule
+    solution: PipelineSolution
+    stages: tuple[tuple[SubmeshCosts, str], ...]
+    reason: str | None
+    """None when the runtime runs it; else why not (autopar/capabilities.py)."""
+    p2p_s: tuple[float, ...]
+
+    @property
+    def step_time_s(self) -> float:
+        return self.solution.step_time_s
+
+    def describe(self) -> str:
+        sched = self.schedule.name + (f"/v{self.schedule.chunks}" if self.schedule.name == "interleaved" else "")
+        meshes = [f"({s.mesh[0]},{s.mesh[1]})" + (" z3" if s.zero else "") + f" rc-{rc}" for s, rc in self.stages]
+        uniform = len(set(meshes)) == 1
+        per_stage = meshes[0] if uniform else " | ".join(meshes)
+        return (f"pp{self.candidate.pp} {sched} g{self.candidate.microbatch}x{self.candidate.num_microbatches} "
+                f"cuts {'/'.join(map(str, self.solution.stage_layers))} (dp,tp) {per_stage}")
+
+
+def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
+    """The devices one stage (or its tp group) runs on. Where ranks share a node's cores
+    (the cpu profile), the other stages' ranks still share them: the cores are scaled with
+    the devices, keeping the contention (solver/costs.py core_share) of the whole node."""
+    per_node = min(cluster.devices_per_node, devices)
+    hw = cluster.hardware
+    if hw.cores_per_node and per_node < cluster.devices_per_node:
+        hw = replace(hw, cores_per_node=hw.cores_per_node * per_node / cluster.devices_per_node)
+    return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
+
+
+def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *, max_pp: int | None = None,
+                        choices: int = PIPELINE_MICROBATCH_CHOICES) -> list[PipelineCandidate]:
+    n = cluster.num_devices
+    out = []
+    for p in range(2, n + 1):
+        if n % p or p > num_layers or (max_pp is not None and p > max_pp):
+            continue
+        D = n // p
+        # g must split over some stage submesh's dp (dp = D / tp, tp <= a node)
+        dp_min = D // min(D, cluster.devices_per_node)
+        sizes = [g for g in range(global_batch, 0, -1)
+                 if global_batch % g == 0 and g % dp_min == 0 and global_batch // g >= p
+                 and g // dp_min <= MAX_RANK_MICROBATCH * min(D, cluster.devices_per_node)]
+        for g in sizes[:choices]:
+            out.append(PipelineCandidate(pp=p, microbatch=g, num_microbatches=global_batch // g))
+    return out
+
+
+def stage_submeshes(cluster: Cluster, devices: int, microbatch: int, *, heads: int = 0,
+                    kv_heads: int = 0) -> list[tuple[int, int]]:
+    """(dp, tp) with dp tp = devices, tp inside a node dividing the heads, dp | microbatch."""
+    out = []
+    for tp in range(1, devices + 1):
+        if devices % tp or cluster.devices_per_node % tp or tp > cluster.devices_per_node:
+            continue
+        if tp > 1 and ((heads and heads % tp) or (kv_heads and kv_heads % tp)):
+            continue
+        dp = devices // tp
+        if microbatch % dp == 0 and microbatch // dp <= MAX_RANK_MICROBATCH:
+            out.append((dp, tp))
+    return out
+
+
+class _StageCostCache:
+    """SubmeshCosts per (mesh, microbatch, zero), and traces per microbatch: owned by one search."""
+
+    def __init__(self, trace_at: TraceAt, cluster: Cluster, global_batch: int, graphs: dict[int, Graph],
+                 time_limit_s: float | None) -> None:
+        self.trace_at, self.cluster, self.global_batch = trace_at, cluster, global_batch
+        self.graphs = graphs
+        self.time_limit_s = time_limit_s
+        self.costs: dict[tuple, SubmeshCosts | None] = {}
+        self.tp_solutions: dict[tuple[int, int], tuple[Graph, Any, Any]] = {}
+
+    def graph(self, g: int) -> Graph:
+        if g not in self.graphs:
+            self.graphs[g] = self.trace_at(g)
+        return self.graphs[g]
+
+    def get(self, mesh: tuple[int, int], g: int, zero: int) -> SubmeshCosts | None:
+        """The stage costs of submesh `mesh` at global microbatch g (memoised). While pipeline
+        stages run the rule tables' layout (capabilities.PIPELINE_STAGES_PER_OP False) the
+        dp axis is pure data parallel, so the ILP separates: it is solved once per
+        (tp, per-rank microbatch) on a (1, tp) mesh and the dp axis is added
+        (stage_costs.split_solution); otherwise the ILP runs on the whole (dp, tp) mesh."""
+        key = (mesh, g, zero)
+        if key in self.costs:
+            return self.costs[key]
+        from solver.intra_op import solve_intra_op
+
+        dp, tp = mesh
+        m = self.global_batch // g
+        sub = _stage_cluster(self.cluster, dp * tp)
+        if PIPELINE_STAGES_PER_OP:
+            graph = self.graph(g)
+            try:
+                sol = solve_intra_op(graph, sub, mesh, grad_sync_weight=1.0 / m,
+                                     keep_placeholder=zero3_filter(dp) if zero else None,
+                                     time_limit_s=self.time_limit_s)
+            except InfeasiblePlanError as exc:
+                log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
+                self.costs[key] = None
+                return None
+            self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero)
+            return self.costs[key]
+        b = g // dp
+        tp_key = (tp, b)
+        if tp_key not in self.tp_solutions:
+            from solver import forced
+
+            graph = self.graph(b)
+            cfg = ParallelConfig(dp=1, tp=tp)
+            tp_cluster = _stage_cluster(self.cluster, tp)
+            try:
+                sol = solve_intra_op(graph, tp_cluster, (1, tp), grad_sync_weight=0.0,
+                                     keep_placeholder=forced.keep_placeholder(cfg), time_limit_s=self.time_limit_s)
+            except InfeasiblePlanError as exc:
+                log.info("stage ILP (1, %d) b=%d: %s", tp, b, exc)
+                sol = None
+            self.tp_solutions[tp_key] = (graph, sol, cost_model.mesh_axis_links(tp_cluster, (1, tp)))
+        graph, sol, tp_links = self.tp_solutions[tp_key]
+        if sol is None:
+            self.costs[key] = None
+            return None
+        axis = DataParallelAxis(size=dp, link=cost_model.mesh_axis_links(sub, mesh)[0], tp_links=tp_links)
+        self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero,
+                                         data_parallel=axis)
+        return self.costs[key]
+
+
+def _schedules(p: int, m: int, num_layers: int) -> list[Schedule]:
+    out = [Schedule(name="gpipe"), Schedule(name="1f1b")]
+    out += [Schedule(name="interleaved", chunks=v) for v in INTERLEAVE_CHOICES
+            if num_layers >= p * v and m % p == 0]
+    if num_layers >= 2 * p and m >= 2 * p:
+        out.append(Schedule(name="zbv", chunks=2))
+    return out
+
+
+def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cluster: Cluster, *,
+                             family: str, num_layers: int, info: Any) -> list[PipelineResult]:
+    """Every schedule x (all options | each uniform option) DP solution of one candidate
+    (`info`: the traced model's ModelInfo, for its heads)."""
+    D = cand.stage_devices(cluster)
+    meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
+    pp_link = cost_model.mesh_axis_links(cluster, (cand.pp, D))[0]
+    share = core_share(cluster)
+    entries: list[tuple[SubmeshCosts, str, float]] = []
+    for mesh in meshes:
+        for zero in ((0, 3) if mesh[0] > 1 else (0,)):
+            sc = cache.get(mesh, cand.microbatch, zero)
+            if sc is None:
+                continue
+            # the activation forward and its gradient back, per microbatch
+            p2p = 2 * cost_model.send_recv_time_s(sc.boundary_bytes, pp_link) * share
+            for rc in RECOMPUTE_CHOICES:
+                entries.append((sc, rc, p2p))
+    if not entries:
+        return []
+    options = [sc.option(rc, p2p, key=i) for i, (sc, rc, p2p) in enumerate(entries)]
+    budget = cluster.device_memory_bytes
+    out: list[PipelineResult] = []
+    for schedule in _schedules(cand.pp, cand.num_microbatches, num_layers):
+        if not schedule.allows(cand.pp, cand.num_microbatches):
+            continue
+        tables = [option_tables(num_layers, cand.pp, cand.num_microbatches, o, schedule, budget) for o in options]
+        sets = [list(range(len(options)))] + ([[i] for i in range(len(options))] if len(options) > 1 else [])
+        seen: set[tuple] = set()
+        for subset in sets:
+            sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
+                                 budget, tables=[tables[i] for i in subset])
+            if sol is None:
+                continue
+            chosen = tuple(subset[i] for i in sol.options)
+            key = (sol.stage_layers, chosen)
+            if key in seen:
+                continue
+            seen.add(key)
+            stages = tuple((entries[i][0], entries[i][1]) for i in chosen)
+            shape = PlanShape(family=family, name=info.name, heads=info.heads, kv_heads=info.kv_heads,
+                              num_layers=num_layers, schedule=schedule.name, chunks=schedule.chunks,
+                              stages=tuple(StageShape(num_layers=n, submesh=s.mesh, recompute=rc, zero=s.zero)
+                                           for n, (s, rc) in zip(sol.stage_layers, stages)))
+            sol = replace(sol, options=chosen)
+            out.append(PipelineResult(candidate=cand, schedule=schedule, solution=sol, stages=stages,
+                                      reason=runnable(shape), p2p_s=tuple(entries[i][2] for i in chosen)))
+    return out
+
+
+def _pipeline_estimate(r: PipelineResult, cluster: Cluster, global_batch: int) -> cost_model.Estimate:
+    sol, cand = r.solution, r.candidate
+    graph = r.stages[0][0].graph
+    m = cand.num_microbatches
+    step = sol.step_time_s
+    devices = cluster.num_devices
+    tokens = global_batch * graph.model.seq
+    flops = graph.flops_per_step * cand.microbatch / graph.model.batch * m
+    peak_flops = cluster.hardware.peak_flops(graph.model.dtype)
+    tflops = flops / step / devices / 1e12 if step else 0.0
+    peak = int(max(sol.stage_memory_bytes))
+    budget = cluster.device_memory_bytes
+    k = max(range(len(sol.stage_times_s)), key=lambda i: sol.stage_times_s[i])
+    critical = m * sol.stage_times_s[k]
+    p2p = m * r.p2p_s[k] * r.schedule.chunks * ((k > 0) + (k < cand.pp - 1))
+    cfg = _config(r)
+    return cost_model.Estimate(
+        step_time_s=step, tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / devices,
+        model_tflops_per_device=tflops, mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
+        peak_memory_bytes=peak, fits=peak <= budget, memory_limit_bytes=int(budget),
+        time_breakdown=(("critical_stage_s", critical - p2p), ("p2p_s", p2p), ("bubble_s", sol.bubble_s)),
+        memory_breakdown=(("peak_bytes", peak),),
+        config=tuple(sorted(dict(cfg.to_json(), num_microbatches=m).items())), hardware_tflops_per_device=tflops,
+        peak_stage=max(range(len(sol.stage_memory_bytes)), key=lambda i: sol.stage_memory_bytes[i]))
+
+
+def _config(r: PipelineResult) -> ParallelConfig:
+    """The ParallelConfig of a uniform pipeline (stage 0's choices for a mixed one)."""
+    sc, rc = r.stages[0]
+    dp, tp = sc.mesh
+    sched = r.schedule.name if r.schedule.name in ("gpipe", "1f1b", "interleaved") else "1f1b"
+    return ParallelConfig(tp=tp, pp=r.candidate.pp, dp=dp, zero=sc.zero, micro_batch=r.candidate.microbatch // dp,
+                          schedule=sched,  # type: ignore[arg-type]
+                          interleave=r.schedule.chunks if sched == "interleaved" else 1,
+                          recompute=rc)  # type: ignore[arg-type]
+
+
+def _why(entry_label: str, entry_step: float, entry_terms: dict[str, float], reason: str | None,
+         best_step: float, best_terms: dict[str, float]) -> tuple[str, float, str]:
+    rel = entry_step / best_step - 1 if best_step else 0.0
+    if reason is not None:
+        verdict = "faster but" if entry_step < best_step else f"{rel:+.1%} and"
+        return (entry_label, entry_step, f"{verdict} not run by the runtime today: {reason}")
+    grew = sorted(((entry_terms.get(k, 0.0) - best_terms.get(k, 0.0), k) for k in set(entry_terms) | set(best_terms)),
+                  reverse=True)
+    parts = [f"{k} +{d:.3g} s" for d, k in grew[:2] if d > 0]
+    return (entry_label, entry_step, f"{rel:+.1%}: " + (", ".join(parts) if parts else "equal terms, later in order"))
+
+
+def _collectives_per_microbatch(sc: SubmeshCosts) -> tuple[tuple[str, str, int, int], ...]:
+    from collections import Counter
+
+    calls: Counter = Counter()
+    volume: Counter = Counter()
+    m = sc.num_microbatches
+    for c in sc.solution.collectives:
+        times = c.weight / (m if c.gradient_sync else 1)
+        key = (c.kind, AXIS_NAMES[c.axis])
+        calls[key] += times
+        volume[key] += times * c.bytes
+    return tuple((k, a, int(round(calls[(k, a)])), int(round(volume[(k, a)]))) for k, a in sorted(calls))
+
+
+def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster, *, global_batch: int, model: str,
+                   fingerprint: str, num_layers: int, info: SearchInfo,
+                   runners_up: tuple[tuple[str, float, str], ...]) -> Plan:
+    sol = r.solution
+    stages = []
+    first = 0
+    for k, (n, (sc, rc)) in enumerate(zip(sol.stage_layers, r.stages)):
+        stages.append(PipelineStage(
+            index=k, first_layer=first, num_layers=n, has_embedding=k == 0, has_head=k == len(sol.stage_layers) - 1,
+            submesh=sc.mesh, recompute=rc, zero=sc.zero, time_per_microbatch_s=sol.stage_times_s[k],
+            memory_bytes=int(sol.stage_memory_bytes[k]),
+            inflight_microbatches=r.schedule.inflight(k, len(sol.stage_layers), r.candidate.num_microbatches),
+            placements=placement_summary(sc.graph, sc.solution, ("pre",) * (k == 0) + ("layer",) + (
+                ("post",) if k == len(sol.stage_layers) - 1 else ()), zero_over_dp=bool(sc.zero) and sc.mesh[0] > 1),
+            collectives=_collectives_per_microbatch(sc)))
+        first += n
+    cfg = _config(r)
+    data = est.to_json()
+    pred = Prediction.from_json({**{k: data[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device",
+                                                         "model_tflops_per_device", "mfu", "peak_memory_bytes", "fits",
+                                                         "time_breakdown", "memory_breakdown")},
+                                 "bubble_fraction": sol.bubble_s / sol.step_time_s if sol.step_time_s else 0.0})
+    pipe = PipelineInfo(schedule=r.schedule.name, chunks=r.schedule.chunks, microbatch=r.candidate.microbatch,
+                        num_microbatches=r.candidate.num_microbatches, stages=tuple(stages), bubble_s=sol.bubble_s,
+                        p2p_s=dict(est.time_breakdown)["p2p_s"], runners_up=runners_up)
+    seq = r.stages[0][0].graph.model.seq
+    return Plan(model=model, model_fingerprint=fingerprint, num_layers=num_layers, seq=seq, global_batch=global_batch,
+                cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes), config=cfg,
+                stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=(), intra_op=(),
+                predicted=pred, search=info, placements=(), intra_op_info=None, pipeline=pipe)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Entry:
+    """One priced plan of either kind, for ranking."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    label: str
+    reason: str | None
+    terms: dict
+    spmd: Solved | None = None
+    pipeline: PipelineResult | None = None
+    estimate: Any = None
+
+    def sort_key(self) -> tuple:
+        return (self.step_time_s, self.peak_memory_bytes, self.label)
+
+
+def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
+           family: str = "", top: int = 5, time_limit_s: float | None = None, progress: ProgressFn | None = None,
+           num_layers: int | None = None, microbatch_choices: int = MAX_MICROBATCH_CHOICES,
+           max_pp: int | None = None, min_pp: int = 1) -> SearchResult:
+    """Rank one-stage plans and pipelines (module docstring); the runnable best as Plans.
+    `family` names the zoo's structures ("gpt", "llama": their pipelines take tp from the
+    rule tables); "" for any other model, whose pipelines run data-parallel stages cut at its
+    repeated layers (capabilities.runnable says which). `min_pp` > 1 searches pipelines only."""
+    t0 = time.perf_counter()
+    n = cluster.num_devices
+    spmd = [c for c in spmd_candidates(cluster, global_batch, microbatch_choices)
+            if (cluster.num_nodes == 1 or c.mesh[1] <= cluster.devices_per_node) and min_pp == 1]
+    if not spmd and min_pp == 1:
+        raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
+                                  f"use a global batch that is a multiple of the device count")
+    graphs: dict[int, Graph] = {}
+    ref_g = 1  # the bounds scale a one-sequence trace (stage_costs.lower_bound_s)
+    ref = graphs[ref_g] = trace_at(ref_g)
+    L = num_layers if num_layers is not None else ref.model.num_layers
+    allow_pp = L >= 2 and max_pp != 1  # capabilities.runnable decides which pipelines run
+    pipes = pipeline_candidates(cluster, global_batch, L, max_pp=max_pp) if allow_pp else []
+    if not spmd and not pipes:
+        raise InfeasiblePlanError(f"no pipeline of {model} splits over {cluster.spec} with at least pp >= {min_pp}: "
+                                  "it needs a model the runtime can cut into stages and a global batch of at least "
+                                  "2 pp microbatches; search with pp 1")
+    t_trace = time.perf_counter() - t0
+    share = core_share(cluster)
+    opt_lb = cost_model.optimizer_time_s(ref.model.num_parameters / n, cluster.hardware) * share
+    bounds: dict[tuple[int, int], dict[str, float]] = {}
+
+    def per_micro_lb(devices: int, g: int) -> float:
+        if (devices, g) not in bounds:
+            bounds[(devices, g)] = lower_bound_s(ref, cluster, devices, g / ref_g)
+        b = bounds[(devices, g)]
+        return b["pre"] + L * b["layer"] + b["post"]
+
+    queue: list[tuple[float, int, Any]] = []
+    pruned_memory = 0
+    for i, c in enumerate(spmd):
+        if memory_lower_bound_bytes(ref, n, c.microbatch / ref_g) > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
+            pruned_memory += 1
+            continue
+        queue.append((c.num_microbatches * per_micro_lb(n, c.microbatch) + opt_lb, i, c))
+    for j, c in enumerate(pipes):
+        lb = c.num_microbatches * per_micro_lb(n // c.pp, c.microbatch) / c.pp + opt_lb
+        queue.append((lb, len(spmd) + j, c))
+    queue.sort(key=lambda q: (q[0], q[1]))
+    cache = _StageCostCache(trace_at, cluster, global_batch, graphs,
+                            None if time_limit_s is None else max(1.0, time_limit_s / max(1, len(queue))))
+    entries: list[_Entry] = []
+    smallest: list[float] = []
+    solved_count = pruned = not_fit = 0
+    complete = True
+    for idx, (lb, _i, cand) in enumerate(queue):
+        runnable_times = sorted(e.step_time_s for e in entries if e.reason is None)
+        if len(runnable_times) >= top and lb >= runnable_times[top - 1]:
+            pruned = len(queue) - idx
+            break
+        if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s and runnable_times:
+            complete = False
+            pruned = len(queue) - idx
+            break
+        if progress:
+            progress("solve", idx, len(queue))
+        solved_count += 1
+        if isinstance(cand, SpmdCandidate):
+            s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
+                                smallest=smallest)
+            if s is None or not s.estimate.fits:
+                not_fit += 1
+                continue
+            e = s.estimate
+            label = describe_config(replace(cand.config, zero=dict(e.config)["zero"]), (L,), global_batch)
+            entries.append(_Entry(step_time_s=e.step_time_s, peak_memory_bytes=int(e.peak_memory_bytes),
+                                  label=label, reason=None, terms=dict(e.time_breakdown), spmd=s, estimate=e))
+        else:
+            results = solve_pipeline_candidate(cand, cache, cluster, family=family, num_layers=L, info=ref.model)
+            if not results:
+                not_fit += 1
+            for r in results:
+                est = _pipeline_estimate(r, cluster, global_batch)
+                entries.append(_Entry(step_time_s=r.step_time_s, peak_memory_bytes=int(est.peak_memory_bytes),
+                                      label=r.describe(), reason=r.reason, terms=dict(est.time_breakdown),
+                                      pipeline=r, estimate=est))
+    if progress:
+        progress("solve", len(queue), len(queue))
+    entries.sort(key=_Entry.sort_key)
+    ranked_entries = [e for e in entries if e.reason is None]
+    if not ranked_entries and not smallest and spmd:
+        # every one-stage candidate was skipped by its memory bound: solve the leanest one for
+        # the exact smallest memory the error message reports
+        leanest = min(spmd, key=lambda c: (memory_lower_bound_bytes(ref, n, c.microbatch / ref_g), c.mesh))
+        solve_candidate(trace_at, leanest, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
+                        smallest=smallest)
+    if not ranked_entries:
+        need = min(smallest) if smallest else None
+        raise InfeasiblePlanError(
+            f"No plan fits {cluster.device_memory_bytes / GIB:.3g} GiB/device for {model} on {cluster.spec} "
+            f"(global batch {global_batch})" + (f"; the smallest needs {need / GIB:.3g} GiB per device (one stage, "
+                                                "every mesh tried)"
+                                                if need is not None else "")
+            + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
+    info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",
+                      num_candidates=len(queue) + pruned_memory, num_priced=solved_count,
+                      num_pruned_memory=pruned_memory,
+                      num_pruned_dominated=pruned, num_not_fitting=not_fit, complete=complete, alternatives=())
+    ranked = tuple(_ranked(e, L) for e in ranked_entries)
+    plans = []
+    for i, e in enumerate(ranked_entries[:top]):
+        # the nearest runners-up, and the best few the runtime cannot run (what its limits cost)
+        unrunnable = [x for x in entries if x.reason is not None][:MAX_UNRUNNABLE_SHOWN]
+        others = sorted(unrunnable + [x for x in entries if x is not e and x.reason is None][
+            :MAX_RUNNERS_UP - len(unrunnable)], key=_Entry.sort_key)
+        why = tuple(_why(x.label, x.step_time_s, x.terms, x.reason, e.step_time_s, e.terms) for x in others)
+        alternatives = tuple(Alternative(config=r.config, stage_layers=r.stage_layers,
+                                         step_time_s=r.estimate.step_time_s,
+                                         peak_memory_bytes=int(r.estimate.peak_memory_bytes), fits=True)
+                             for r in ranked[i + 1:i + 9])
+        this_info = replace(info, alternatives=alternatives)
+        if e.spmd is not None:
+            plan = spmd_plan(e.spmd, ranked[i:], cluster, global_batch=global_batch, model=model,
+                             fingerprint=fingerprint, num_candidates=len(queue), not_fit=not_fit)
+            plan = replace(plan, search=this_info, pipeline=_one_stage_info(e, L, why))
+        else:
+            plan = _pipeline_plan(e.pipeline, e.estimate, cluster, global_batch=global_batch, model=model,
+                                  fingerprint=fingerprint, num_layers=L, info=this_info, runners_up=why)
+        plans.append(plan)
+    elapsed = time.perf_counter() - t0
+    log.info("search: %d candidates (%d one-stage, %d pipelines), %d solved, %d pruned by bound; %d stage ILPs; "
+             "best %s, step %.4g s; %.1f s", len(queue), len(spmd), len(pipes), solved_count, pruned,
+             sum(1 for v in cache.costs.values() if v is not None), ranked_entries[0].label,
+             ranked_entries[0].step_time_s, elapsed)
+    phases = (("trace", t_trace), ("solve", elapsed - t_trace))
+    return SearchResult(ranked=ranked[:top], plan=plans[0], phases=phases, search_time_s=elapsed, plans=tuple(plans))
+
+
+def _ranked(e: _Entry, num_layers: int) -> Ranked:
+    if e.spmd is not None:
+        s = e.spmd
+        return Ranked(config=replace(s.candidate.config, zero=dict(s.estimate.config)["zero"]),
+                      stage_layers=(num_layers,), estimate=s.estimate, bubble_fraction=0.0)
+    r = e.pipeline
+    return Ranked(config=_config(r), stage_layers=r.solution.stage_layers, estimate=e.estimate,
+                  bubble_fraction=r.solution.bubble_s / r.step_time_s if r.step_time_s else 0.0)
+
+
+def _one_stage_info(e: _Entry, num_layers: int, why: tuple[tuple[str, float, str], ...]) -> PipelineInfo:
+    s = e.spmd
+    c = s.candidate
+    stage = PipelineStage(index=0, first_layer=0, num_layers=num_layers, has_embedding=True, has_head=True,
+                          submesh=c.mesh, recompute="none", zero=dict(s.estimate.config)["zero"],
+                          time_per_microbatch_s=s.solution.cost.total_s, memory_bytes=int(s.estimate.peak_memory_bytes),
+                          inflight_microbatches=1.0, placements=(), collectives=())
+    return PipelineInfo(schedule="none", chunks=1, microbatch=c.microbatch, num_microbatches=c.num_microbatches,
+                        stages=(stage,), bubble_s=0.0, p2p_s=0.0, runners_up=why)
+
+
+__all__ = ["PipelineCandidate", "PipelineResult", "pipeline_candidates", "search"]

@@ -1,0 +1,335 @@
+"""Pipeline stage costs from the intra-op ILP: pre, one layer and post on a submesh.
+
+Where it sits: solver/, between the intra-op ILP (solver/intra_op.py) and the inter-op
+DP (solver/stage_dp.py); called by solver/pipeline_search.py. Input: the traced step at
+one global microbatch (a few layers standing for all: layer sharing), a submesh shape
+(dp, tp) and the microbatch count m; output: frozen per-piece costs that the DP turns
+into one `StageOption` per (recompute policy), memoised by the caller per
+(submesh, microbatch, ZeRO layout). The ILP runs once per key on the whole traced
+graph; cutting never re-solves it: a stage of any layer range is priced from the pieces.
+
+Terms: a node's *piece* is "layer" (inside a repeated layer), "pre" (the modules whose
+forward runs before the first layer: the embedding; and their backward) or "post" (the
+rest: final norm, head, loss). With w_n the node's multiplicity and L the real depth:
+
+    layer_s   = sum_{n in layer} w_n (compute + comm + reshard)_n / L   (one real layer)
+    pre_s, post_s likewise without the division; gradient-sync edges carry the ILP's
+    1/m weight and the optimizer step over the piece's local parameters is added / m, so
+    the critical stage's m t pays both once per step (stage_dp.py).
+
+Memory per device (bytes): state = sum over parameters of w_n STATE_BYTES_PER_PARAM x
+local elements (the ILP's memory of a parameter node); saved = activations the backward
+reads (the base tensor of every forward value a backward node uses, at its chosen
+placement, w-weighted). Recompute policies follow autopar/recompute.py's definitions:
+"full" keeps only the layer's input (the boundary activation) and re-runs the layer's
+forward; "selective" keeps the outputs of matmuls and attention (EXPENSIVE_OPS)
+and re-runs the other forward ops. Pre and post are never recomputed. The transient
+workspace is one layer's full saved set (two under full recompute: the recomputed copy).
+
+The pipeline boundary activation (p2p) is the layer's largest outside input (the
+residual stream) at the placement its first consumer reads.
+
+`lower_bound_s` bounds any plan's per-microbatch compute on D devices from below (every
+op's FLOPs and bytes split perfectly over D devices, no communication) and
+`memory_lower_bound_bytes` its peak memory: the pipeline search solves candidates in order
+of the time bound, stops when it passes the best, and skips one-stage candidates whose
+memory bound exceeds the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import cost_model
+from autopar.cluster import Cluster
+from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
+from autopar.placement import Shard, format_placements, shard_factor
+from autopar.sharding import IntraOpSolution, StrategySpace
+from cost_model import (
+    STATE_BYTES_PER_PARAM,
+    AxisLink,
+    all_gather_time_s,
+    all_reduce_time_s,
+    compute_time_s,
+    reduce_scatter_time_s,
+)
+from solver.costs import collective_time_s, core_share
+from solver.stage_dp import StageOption
+
+PIECES = ("pre", "layer", "post")
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PieceCost:
+    time_s: float
+    """Per microbatch: compute + resharding + gradient sync / m + optimizer / m."""
+    forward_s: float
+    """Forward compute (re-run by full recompute)."""
+    cheap_forward_s: float
+    """Forward compute of the ops selective recompute re-runs."""
+    state_bytes: float
+    saved_bytes: float
+    """Activations kept for the backward with no recompute, per microbatch."""
+    selective_saved_bytes: float
+    local_params: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubmeshCosts:
+    """One ILP solution, split into pieces (layer: one real layer)."""
+
+    mesh: tuple[int, int]
+    microbatch: int
+    """Sequences per global microbatch."""
+    num_microbatches: int
+    zero: int
+    """0: parameter placements free; 3: parameters forced to shard over dp (ZeRO-3/FSDP)."""
+    pieces: tuple[PieceCost, PieceCost, PieceCost]
+    boundary_bytes: float
+    """Per device: the activation one pipeline boundary passes per microbatch."""
+    solution: IntraOpSolution
+    graph: Graph
+
+    def piece(self, name: str) -> PieceCost:
+        return self.pieces[PIECES.index(name)]
+
+    def option(self, recompute: str, p2p_s: float, key: object) -> StageOption:
+        """The DP's view of this submesh under a recompute policy."""
+        pre, layer, post = self.pieces
+        layer_s = layer.time_s + {"none": 0.0, "selective": layer.cheap_forward_s, "full": layer.forward_s}[recompute]
+        act = {"none": layer.saved_bytes, "selective": layer.selective_saved_bytes,
+               "full": self.boundary_bytes}[recompute]
+        temp = layer.saved_bytes * (2 if recompute == "full" else 1)
+        return StageOption(key=key, pre_s=pre.time_s, layer_s=layer_s, post_s=post.time_s, p2p_s=p2p_s,
+                           pre_state_bytes=pre.state_bytes, layer_state_bytes=layer.state_bytes,
+                           post_state_bytes=post.state_bytes, pre_act_bytes=pre.saved_bytes, layer_act_bytes=act,
+                           post_act_bytes=post.saved_bytes, temp_bytes=temp)
+
+
+def node_pieces(graph: Graph) -> tuple[str, ...]:
+    """The piece of every node (module docstring); inputs and tangents go with their first user."""
+    first_layer = next((n.id for n in graph.nodes if n.layer is not None and n.phase is Phase.FORWARD),
+                       len(graph.nodes))
+    pre_modules = {n.module_path.split(".")[0] for n in graph.nodes[:first_layer]
+                   if n.phase is Phase.FORWARD and n.module_path}
+    out: list[str] = []
+    for node in graph.nodes:
+        if node.layer is not None:
+            out.append("layer")
+            continue
+        top = (node.param_name or node.module_path).split(".")[0]
+        out.append("pre" if top and top in pre_modules else "post")
+    for node in graph.nodes:
+        if node.role in (Role.INPUT, Role.TANGENT) and graph.users(node.id):
+            out[node.id] = out[graph.users(node.id)[0]]
+    return tuple(out)
+
+
+def _base(graph: Graph, nid: NodeId) -> NodeId:
+    node = graph[nid]
+    while (node.is_view or node.op == "getitem") and node.inputs and node.op != "placeholder":
+        node = graph[node.inputs[0]]
+    return node.id
+
+
+EXPENSIVE_OPS = GEMM_OPS | ATTENTION_FWD_OPS
+"""What selective recompute keeps: the matmuls and the fused attention forward (as
+autopar/recompute.py's policy, from the same autopar/ir.py sets)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataParallelAxis:
+    """A forced data-parallel axis added to a (1, tp) solution (module docstring)."""
+
+    size: int
+    link: AxisLink
+    tp_links: tuple[AxisLink, ...]
+    """Links of the (1, tp) mesh the ILP was solved on (its gradient syncs are re-priced)."""
+
+
+def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *, microbatch: int,
+                   num_microbatches: int, zero: int, data_parallel: DataParallelAxis | None = None) -> SubmeshCosts:
+    """Per-piece costs of one whole-graph ILP solution (module docstring). With
+    `data_parallel`, `solution` is the (1, tp) ILP solved with gradient-sync weight 0 and
+    the dp axis is added: its gradient sync (all-reduce; ZeRO-3: reduce-scatter plus
+    two parameter all-gathers per microbatch), the tp axis's own gradient syncs, and
+    ZeRO-3's state / dp."""
+    pieces = node_pieces(graph)
+    L = max(1, graph.model.num_layers)
+    mesh = solution.mesh_shape
+    by_node = {c.node: c for c in solution.choices}
+    derived = graph.parameter_derived()
+    aliases = {alias for alias, _ in graph.tied_params}
+    expensive = EXPENSIVE_OPS
+    acc = {p: dict(time=0.0, fwd=0.0, cheap=0.0, state=0.0, saved=0.0, sel=0.0, params=0.0, grad_bytes=0.0,
+                   sync=0.0, gather=0.0) for p in PIECES}
+    for c in solution.choices:
+        node, w = graph[c.node], c.weight
+        a = acc[pieces[c.node]]
+        a["time"] += w * (c.compute_s + c.comm_s + c.reshard_s)
+        if node.phase is Phase.FORWARD and node.role is not Role.PARAMETER:
+            a["fwd"] += w * c.compute_s
+            if node.op not in expensive:
+                a["cheap"] += w * c.compute_s
+        if node.role is Role.PARAMETER and c.node not in aliases:
+            a["state"] += w * c.memory_bytes
+            a["params"] += w * node.output.numel / shard_factor(c.outputs[0], mesh)
+            a["grad_bytes"] += w * node.output.size_bytes / shard_factor(c.outputs[0], mesh)
+    saved: set[NodeId] = set()
+    for node in graph.nodes:
+        if node.phase is not Phase.BACKWARD or node.id not in by_node:
+            continue
+        for u in node.inputs:
+            b = _base(graph, u)
+            src = graph[b]
+            if src.phase is Phase.FORWARD and b not in derived and b in by_node \
+                    and src.role in (Role.ACTIVATION, Role.INPUT):
+                saved.add(b)
+    for b in saved:
+        c = by_node[b]
+        a = acc[pieces[b]]
+        a["saved"] += c.weight * c.memory_bytes
+        op = graph[b].op
+        if op in expensive or graph[b].role is Role.INPUT:
+            a["sel"] += c.weight * c.memory_bytes
+    m = num_microbatches
+    if data_parallel is not None:
+        dp, link = data_parallel.size, data_parallel.link
+        for c in solution.collectives:
+            if c.gradient_sync:
+                acc[pieces[c.src]]["sync"] += c.weight * collective_time_s(c, data_parallel.tp_links)
+        for p in PIECES:
+            a = acc[p]
+            if dp > 1 and zero:
+                a["sync"] += reduce_scatter_time_s(a["grad_bytes"], link)
+                a["gather"] += 2 * all_gather_time_s(a["grad_bytes"], link)  # forward and backward, per microbatch
+                a["state"] /= dp
+                a["params"] /= dp
+            elif dp > 1:
+                a["sync"] += all_reduce_time_s(a["grad_bytes"], link)
+            a["time"] += a["sync"] / m + a["gather"]
+        mesh = (dp, mesh[1])
+    optimizer = {p: cost_model.optimizer_time_s(acc[p]["params"], cluster.hardware) * core_share(cluster)
+                 for p in PIECES}
+    out = []
+    for p in PIECES:
+        a, div = acc[p], (L if p == "layer" else 1)
+        out.append(PieceCost(time_s=(a["time"] + optimizer[p] / m) / div, forward_s=a["fwd"] / div,
+                             cheap_forward_s=a["cheap"] / div, state_bytes=a["state"] / div,
+                             saved_bytes=a["saved"] / div, selective_saved_bytes=a["sel"] / div,
+                             local_params=a["params"] / div))
+    boundary = _boundary_bytes(graph, by_node, solution.mesh_shape, derived)
+    # selective keeps the layer input too (it is what the recomputed ops start from)
+    layer = out[1]
+    out[1] = PieceCost(time_s=layer.time_s, forward_s=layer.forward_s, cheap_forward_s=layer.cheap_forward_s,
+                       state_bytes=layer.state_bytes, saved_bytes=layer.saved_bytes,
+                       selective_saved_bytes=layer.selective_saved_bytes + boundary, local_params=layer.local_params)
+    return SubmeshCosts(mesh=(int(mesh[0]), int(mesh[1])), microbatch=microbatch, num_microbatches=m, zero=zero,
+                        pieces=(out[0], out[1], out[2]), boundary_bytes=boundary, solution=solution, graph=graph)
+
+
+def _boundary_bytes(graph: Graph, by_node, mesh: tuple[int, ...], derived: frozenset[NodeId]) -> float:
+    if not graph.layer_groups:
+        return 0.0
+    layer = set(graph.layer_groups[0].nodes[0])
+    best = 0.0
+    for nid in graph.layer_groups[0].nodes[0]:
+        node = graph[nid]
+        if node.phase is not Phase.FORWARD:
+            continue
+        for pos, u in enumerate(node.inputs):
+            if u in layer or u in derived or len(graph[u].outputs) != 1:
+                continue
+            placement = by_node[nid].inputs[pos] if nid in by_node else None
+            size = graph[u].output.size_bytes / (shard_factor(placement, mesh) if placement else 1)
+            best = max(best, size)
+    return best
+
+
+def zero3_filter(dp: int):
+    """keep_placeholder for a forced ZeRO-3 layout: every parameter with a dim divisible by
+    dp is sharded over the dp axis (axis 0); all else stays free for the ILP."""
+    def keep(node, placements) -> bool:
+        if node.role is not Role.PARAMETER or dp == 1:
+            return True
+        if any(d % dp == 0 and d >= dp for d in node.output.shape):
+            return isinstance(placements[0], Shard)
+        return True
+
+    return keep
+
+
+def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1.0) -> dict[str, float]:
+    """Per piece (layer: one real layer), a lower bound of any plan's per-microbatch compute
+    on `devices` devices for a microbatch of `scale` x the traced one (any scale >= 1/batch):
+    an op's FLOPs and the bytes of its activation operands are linear in the batch, the
+    bytes of parameter-derived operands (weights) are not, so each part is scaled apart."""
+    pieces = node_pieces(graph)
+    derived = graph.parameter_derived()
+    L = max(1, graph.model.num_layers)
+    out = {p: 0.0 for p in PIECES}
+    share = core_share(cluster)
+    dtype = graph.model.dtype
+    for node in graph.nodes:
+        if node.role is Role.PARAMETER or node.is_view or (node.bytes_moved == 0 and node.flops == 0):
+            continue
+        operands = {u: graph[u].output.size_bytes for u in node.inputs if len(graph[u].outputs) == 1}
+        if node.id in derived:  # a cast or transpose of a weight: no batch in it
+            flops, moved = float(node.flops), float(sum(operands.values()) + node.output_bytes)
+        else:
+            fixed = sum(b for u, b in operands.items() if u in derived)
+            flops = node.flops * scale
+            moved = fixed + scale * (sum(operands.values()) - fixed + node.output_bytes)
+        cls = "gemm" if node.op in GEMM_OPS else "attention" if node.op in ATTENTION_OPS else "memory"
+        t = compute_time_s(flops / devices, moved / devices, cluster.hardware, dtype,
+                           op_class=cls, causal=node.is_causal)
+        out[pieces[node.id]] += graph.weight(node.id) * t * share
+    out["layer"] /= L
+    return out
+
+
+def placement_summary(graph: Graph, solution: IntraOpSolution, pieces: tuple[str, ...] = PIECES,
+                      zero_over_dp: bool = False) -> tuple[tuple[str, str], ...]:
+    """(parameter inside a layer group or outside, its (dp, tp) placement), one per name, for
+    the parameters of `pieces`: the layers' once per layer group (layer sharing gives each
+    group one choice). `zero_over_dp`: the solution is a (1, tp) one whose stage shards
+    parameters over its data-parallel axis (ZeRO-3 on dim 0, as FSDP does)."""
+    import re
+
+    by_node = {c.node: c for c in solution.choices}
+    of = node_pieces(graph)
+    out: dict[str, str] = {}
+    for node in graph.by_role(Role.PARAMETER):
+        if of[node.id] not in pieces:
+            continue
+        name = node.param_name or node.name
+        if node.layer is not None:
+            name = re.sub(r"\.\d+\.", ".*.", name, count=1)
+        if node.id in by_node:
+            placements = by_node[node.id].outputs[0]
+            if zero_over_dp and node.output.shape and node.output.shape[0] > 1:
+                placements = (Shard(0),) + tuple(placements[1:])
+            out.setdefault(name, format_placements(placements))
+    return tuple(out.items())
+
+
+def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0) -> float:
+    """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
+    microbatch of `scale` x the traced one (activations are linear in the batch): every
+    parameter's state (STATE_BYTES_PER_PARAM per element) and every activation the backward
+    reads are live together at the end of the forward, and no layout holds less than an
+    even share of them."""
+    aliases = {alias for alias, _ in graph.tied_params}
+    derived = graph.parameter_derived()
+    state = sum(graph.weight(n.id) * n.output.numel * STATE_BYTES_PER_PARAM
+                for n in graph.by_role(Role.PARAMETER) if n.id not in aliases)
+    saved: set[NodeId] = set()
+    for node in graph.nodes:
+        if node.phase is not Phase.BACKWARD:
+            continue
+        for u in node.inputs:
+            b = _base(graph, u)
+            if graph[b].phase is Phase.FORWARD and b not in derived and graph[b].role in (Role.ACTIVATION, Role.INPUT):
+                saved.add(b)
+    acts = sum(graph.weight(b) * graph[b].output_bytes for b in saved)
+    return (state + scale * acts) / devices

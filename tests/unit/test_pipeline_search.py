@@ -1,0 +1,141 @@
+"""The pipeline search (solver/pipeline_search.py): stage costs come from the ILP once per
+key, only plans the runtime runs are ranked (autopar/capabilities.py), the others are kept
+as runners-up with their reason, and a pipeline plan round-trips and explains per stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.capabilities import PlanShape, StageShape, runnable
+from autopar.cluster import Cluster
+from autopar.models import resolve
+from autopar.plan import Plan
+from autopar.trace import trace_model
+from solver import pipeline_search
+from solver.stage_costs import lower_bound_s
+
+SPEC = "llama:layers=8,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=512,seq=256"
+
+
+def _stage(n=2, submesh=(2, 2), recompute="none", zero=0):
+    return StageShape(num_layers=n, submesh=submesh, recompute=recompute, zero=zero)
+
+
+def test_runnable_says_exactly_what_runs_today():
+    one = PlanShape(family="", num_layers=4, stages=(_stage(4),))
+    assert runnable(one) is None  # one stage: the per-op program runs any model
+    pipe = dict(family="llama", heads=8, kv_heads=4, num_layers=4)
+    assert runnable(PlanShape(**pipe, stages=(_stage(), _stage()))) is None
+    # any other model with a repeated stack: data-parallel stages cut at its layers (runtime_pipe)
+    assert runnable(PlanShape(**{**pipe, "family": ""}, stages=(_stage(submesh=(2, 1)),) * 2)) is None
+    assert "--tp 2" in runnable(PlanShape(**{**pipe, "family": ""}, stages=(_stage(), _stage())))
+    assert "repeated layer stack" in runnable(PlanShape(**{**pipe, "family": "", "num_layers": 0},
+                                                        stages=(_stage(0), _stage(0))))
+    assert "different submeshes" in runnable(PlanShape(**pipe, stages=(_stage(), _stage(submesh=(4, 1)))))
+    assert "recompute" in runnable(PlanShape(**pipe, stages=(_stage(), _stage(recompute="full"))))
+    assert "ZeRO" in runnable(PlanShape(**pipe, stages=(_stage(), _stage(zero=3))))
+    assert "zbv" in runnable(PlanShape(**pipe, schedule="zbv", chunks=2, stages=(_stage(), _stage())))
+    assert "non-uniform" in runnable(PlanShape(**pipe, schedule="interleaved", chunks=2,
+                                               stages=(_stage(1), _stage(3))))
+    assert "divide" in runnable(PlanShape(**{**pipe, "kv_heads": 2}, stages=(_stage(submesh=(1, 4)),) * 2))
+
+
+@pytest.fixture(scope="module")
+def searched():
+    source = resolve(SPEC)
+    traces = []
+
+    def trace_at(g):
+        traces.append(g)
+        return trace_model(source, batch=g, dtype="bfloat16", layers_traced=2)
+
+    cluster = Cluster.parse("h100:1x4")
+    result = pipeline_search.search(trace_at, cluster, global_batch=16, model=SPEC, fingerprint="f",
+                                    family="llama", top=5, num_layers=8, min_pp=2)
+    return result, traces, cluster
+
+
+def test_only_runnable_plans_are_ranked(searched):
+    result, _, _ = searched
+    assert result.plans and len(result.plans) == len(result.ranked[:5])
+    assert all(p.config.pp > 1 for p in result.plans)
+    for plan, r in zip(result.plans, result.ranked):
+        assert plan.config == r.config
+        stages = plan.pipeline.stages
+        shape = PlanShape(family="llama", heads=8, kv_heads=4, num_layers=8, schedule=plan.config.schedule
+                          if plan.config.pp > 1 else "1f1b", chunks=plan.config.interleave,
+                          stages=tuple(StageShape(num_layers=s.num_layers, submesh=s.submesh, recompute=s.recompute,
+                                                  zero=s.zero) for s in stages))
+        assert runnable(shape) is None, (plan.config, shape)
+    times = [r.estimate.step_time_s for r in result.ranked]
+    assert times == sorted(times)
+
+
+def test_pipeline_plan_round_trips_and_explains(searched):
+    result, _, _ = searched
+    pipes = [p for p in result.plans if p.config.pp > 1]
+    assert pipes, [p.config for p in result.plans]
+    plan = pipes[0]
+    assert Plan.loads(plan.dumps()) == plan
+    text = plan.explain()
+    assert "pipeline:" in text and "stage 0: embedding, layers 0-" in text and "on submesh (dp, tp)" in text
+    assert "why the runners-up lost" in text
+    assert any(word in text for word in ("attention (", "MLP ("))
+    # runners-up the runtime cannot run are named with the reason
+    reasons = [why for _, _, why in plan.pipeline.runners_up]
+    assert all(why for why in reasons)
+
+
+def test_unrunnable_candidates_are_kept_with_reasons():
+    """A candidate's DP solutions the runtime cannot run (zbv, mixed stages) carry the reason;
+    the uniform ones on a runtime schedule carry none."""
+    source = resolve(SPEC)
+    cluster = Cluster.parse("h100:1x4")
+    cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
+                                                                  layers_traced=2), cluster, 16, {}, None)
+    cand = pipeline_search.PipelineCandidate(pp=2, microbatch=4, num_microbatches=4)
+    results = pipeline_search.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8,
+                                                       info=cache.graph(1).model)
+    reasons = {r.schedule.name: r.reason for r in results if len({(s.mesh, s.zero, rc) for s, rc in r.stages}) == 1}
+    assert "zbv" in (reasons.get("zbv") or "") and reasons["1f1b"] is None and reasons["gpipe"] is None
+
+
+def test_stage_ilps_are_memoised(searched, monkeypatch):
+    """Every (tp, per-rank microbatch) solves one ILP, whatever the pipeline degree or cut."""
+    from solver import intra_op
+
+    calls = []
+    real = intra_op.solve_intra_op
+
+    def counting(graph, cluster, mesh_shape, **kw):
+        calls.append((tuple(mesh_shape), graph.model.batch))
+        return real(graph, cluster, mesh_shape, **kw)
+
+    monkeypatch.setattr(intra_op, "solve_intra_op", counting)
+    source = resolve(SPEC)
+    cluster = Cluster.parse("h100:1x4")
+    cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
+                                                                  layers_traced=2), cluster, 16, {}, None)
+    ref = cache.graph(1)
+    cands = pipeline_search.pipeline_candidates(cluster, 16, 8)
+    assert {c.pp for c in cands} == {2, 4}, cands
+    for cand in cands:
+        pipeline_search.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8, info=ref.model)
+    assert calls and len(calls) == len(set(calls)), calls
+
+
+def test_lower_bound_is_below_the_ilp():
+    """The branch-and-bound's bounds (time from a one-sequence trace scaled up, memory)
+    never exceed what the ILP finds for a one-stage plan."""
+    from solver.intra_op import solve_intra_op
+    from solver.stage_costs import memory_lower_bound_bytes
+
+    source = resolve(SPEC)
+    cluster = Cluster.parse("h100:1x4")
+    ref = trace_model(source, batch=1, dtype="bfloat16", layers_traced=2)
+    graph = trace_model(source, batch=8, dtype="bfloat16", layers_traced=2)
+    for mesh in ((4, 1), (2, 2)):
+        sol = solve_intra_op(graph, cluster, mesh)
+        lb = lower_bound_s(ref, cluster, 4, 8.0)
+        assert lb["pre"] + 8 * lb["layer"] + lb["post"] <= sol.cost.total_s
+        assert memory_lower_bound_bytes(ref, 4, 8.0) <= sol.cost.peak_memory_bytes

@@ -1,0 +1,98 @@
+"""The inter-op DP (solver/stage_dp.py) equals brute force over every cut x per-stage
+option assignment on small cases, under the same stage costs (DESIGN.md oracle)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from solver.stage_dp import Schedule, StageOption, solve_pipeline, stage_memory_bytes, stage_time_s, step_time_s
+
+
+def _compositions(total, parts):
+    for bars in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *bars, total)
+        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+
+
+def brute_force(L, p, m, options, schedule, budget):
+    """Every composition of L into p stages x every option per stage, priced directly."""
+    if not schedule.allows(p, m):
+        return None
+    best = None
+    for cuts in _compositions(L, p):
+        if any(n % schedule.chunks for n in cuts):
+            continue
+        for assign in itertools.product(range(len(options)), repeat=p):
+            if any(stage_memory_bytes(options[i], n, k, p, m, schedule) > budget
+                   for k, (n, i) in enumerate(zip(cuts, assign))):
+                continue
+            times = [stage_time_s(options[i], n, k, p, schedule) for k, (n, i) in enumerate(zip(cuts, assign))]
+            t = step_time_s(times, m, schedule)
+            if best is None or t < best[0]:
+                best = (t, cuts, assign)
+    return best
+
+
+def _random_options(rng, count):
+    out = []
+    for i in range(count):
+        out.append(StageOption(
+            key=i, pre_s=rng.uniform(0, 3), layer_s=rng.uniform(0.5, 2), post_s=rng.uniform(0, 4),
+            p2p_s=rng.uniform(0, 0.3), pre_state_bytes=rng.uniform(0, 5), layer_state_bytes=rng.uniform(1, 4),
+            post_state_bytes=rng.uniform(0, 5), pre_act_bytes=rng.uniform(0, 1), layer_act_bytes=rng.uniform(0, 2),
+            post_act_bytes=rng.uniform(0, 1), temp_bytes=rng.uniform(0, 2)))
+    return out
+
+
+SCHEDULES = [Schedule(name="gpipe"), Schedule(name="1f1b"), Schedule(name="interleaved", chunks=2),
+             Schedule(name="zbv", chunks=2)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_dp_equals_brute_force(seed, schedule):
+    rng = random.Random(seed)
+    L = rng.randint(4, 8)
+    p = rng.randint(2, min(4, L // schedule.chunks))
+    m = rng.choice([p, 2 * p, 2 * p + 1, 8])
+    options = _random_options(rng, rng.randint(1, 3))
+    budget = rng.uniform(15, 60)
+    oracle = brute_force(L, p, m, options, schedule, budget)
+    got = solve_pipeline(L, p, m, options, schedule, budget)
+    if oracle is None:
+        assert got is None
+        return
+    assert got is not None, (L, p, m, budget)
+    assert got.step_time_s == pytest.approx(oracle[0], rel=1e-12), (got, oracle)
+    # the returned assignment is one the brute force prices at that time, within memory
+    assert sum(got.stage_layers) == L and len(got.stage_layers) == p
+    times = [stage_time_s(options[i], n, k, p, schedule) for k, (n, i) in enumerate(zip(got.stage_layers, got.options))]
+    assert step_time_s(times, m, schedule) == pytest.approx(got.step_time_s, rel=1e-12)
+    assert max(got.stage_memory_bytes) <= budget
+
+
+def test_stages_differ_in_option_when_faster():
+    """Two options: a fast one whose memory fits only the later stages (fewer microbatches
+    in flight under 1F1B), a slow lean one: the optimum mixes them."""
+    fast = StageOption(key="fast", pre_s=0, layer_s=1.0, post_s=0, p2p_s=0, pre_state_bytes=0, layer_state_bytes=1,
+                       post_state_bytes=0, pre_act_bytes=0, layer_act_bytes=2, post_act_bytes=0)
+    lean = StageOption(key="lean", pre_s=0, layer_s=1.3, post_s=0, p2p_s=0, pre_state_bytes=0, layer_state_bytes=1,
+                       post_state_bytes=0, pre_act_bytes=0, layer_act_bytes=0.5, post_act_bytes=0)
+    sched = Schedule(name="1f1b")
+    got = solve_pipeline(8, 2, 8, [fast, lean], sched, budget := 13.0)
+    oracle = brute_force(8, 2, 8, [fast, lean], sched, budget)
+    assert got.step_time_s == pytest.approx(oracle[0])
+    assert len(set(got.options)) == 2, got  # stage 0 (2 in flight) lean, stage 1 fast
+
+
+def test_infeasible_is_none_and_one_stage_is_accumulation():
+    o = _random_options(random.Random(0), 1)
+    assert solve_pipeline(4, 2, 4, o, Schedule(name="1f1b"), 1e-9) is None
+    one = solve_pipeline(4, 1, 5, o, Schedule(name="1f1b"), 1e9)
+    t = o[0].pre_s + 4 * o[0].layer_s + o[0].post_s
+    assert one.step_time_s == pytest.approx(5 * t) and one.stage_layers == (4,)
+    assert solve_pipeline(0, 1, 3, o, Schedule(name="1f1b"), 1e9).step_time_s == pytest.approx(
+        3 * (o[0].pre_s + o[0].post_s))
