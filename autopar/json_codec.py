@@ -13,7 +13,8 @@ Rules, by a field's type hint (what `to_json` writes, what `from_json` accepts):
 - tuple[tuple[str, float], ...]: a breakdown, written as a JSON object {name: number};
   a nested object reads as "outer.inner" names; numbers are kept as written and the
   pairs sorted (an Estimate's nested breakdowns read straight in).
-- a `JsonData` subclass: a JSON object with exactly its fields as keys, or, when its
+- a `JsonData` subclass: a JSON object with exactly its fields as keys (a field with a
+  default may be absent: files written before it was added still load), or, when its
   JSON_ROW is True, an array of its fields in order (compact rows for long tables).
 - any other dataclass with its own `from_json` (ParallelConfig): exactly its fields as
   keys, built by its `from_json` (so its own checks and messages apply); written by its
@@ -106,11 +107,14 @@ def _breakdown(data: Any, where: str) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out))
 
 
-def _check_keys(data: Any, cls: type, where: str) -> None:
+def _check_keys(data: Any, cls: type, where: str, *, defaults_optional: bool = False) -> None:
     if not isinstance(data, Mapping):
         raise JsonFormatError(f"{where} must be a JSON object, got {type(data).__name__}")
     expected = [f.name for f in dataclasses.fields(cls)]
-    missing = sorted(set(expected) - set(data))
+    # a JsonData field added later with a default may be absent (files written before it load)
+    optional = {f.name for f in dataclasses.fields(cls) if defaults_optional and (
+        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)}
+    missing = sorted(set(expected) - set(data) - optional)
     unknown = sorted(set(data) - set(expected))
     if missing or unknown:
         parts = ([f"missing keys {missing}"] if missing else []) + ([f"unknown keys {unknown}"] if unknown else [])
@@ -133,9 +137,9 @@ def decode(data: Any, hint: Any, where: str) -> Any:
                                       f"[{', '.join(n for n, _ in fields)}], got {_show(data)}")
             values = dict(zip((n for n, _ in fields), data))
         else:
-            _check_keys(data, hint, where)
+            _check_keys(data, hint, where, defaults_optional=True)
             values = dict(data)
-        return hint(**{name: decode(values[name], h, f"{where}.{name}") for name, h in fields})
+        return hint(**{name: decode(values[name], h, f"{where}.{name}") for name, h in fields if name in values})
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         _check_keys(data, hint, where)
         return hint.from_json(dict(data))  # type: ignore[attr-defined]

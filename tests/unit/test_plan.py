@@ -172,3 +172,10 @@ def test_explain_names_every_stage_group_and_runner_up() -> None:
     assert "why non-uniform" in text
     assert "tp8 pp1 dp1" in text and "(+20.0%)" in text
     text.encode("ascii")
+
+
+def test_plan_written_before_a_defaulted_field_still_loads() -> None:
+    """Plan files from before `pipeline` was added (no such key) load with its default;
+    a required key stays required (the parametrized cases above)."""
+    plan = Plan.loads(_mutated(lambda d: d.pop("pipeline")))
+    assert plan.pipeline is None
