@@ -254,8 +254,8 @@ def release_build_memory(graphs: Any) -> None:
     entry per traced op signature. Then collect and, on glibc, hand freed heap pages back
     (`malloc_trim`): tracing, the solve and make_fx leave many small freed blocks between
     live ones, which glibc keeps resident otherwise, and every rank would carry them into
-    training. Measured (benchmarks/measure_cpu.py): about 9 MiB per rank on the benchmark
-    Llama, ZeRO-3 dp4."""
+    training. On the benchmark Llama (zero3 dp4) the graphs' metadata alone was about 9 MiB
+    of Python objects per rank (benchmarks/results/per_op_memory_cpu.md)."""
     import ctypes
     import gc
 
