@@ -53,6 +53,14 @@ def local_shard(t: torch.Tensor, placements: Placements, coords: Sequence[int], 
     return out if out.is_contiguous() else out.contiguous()
 
 
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, in storage of its own where it views a larger one: a dim-0 shard of a whole
+    tensor is such a view, and state held for the program's life (parameters, buffers)
+    would otherwise keep the whole tensor resident on every rank (ZeRO and TP would save
+    no memory)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 class SpmdProgram:
     """One rank's share of a per-op plan. Build with `build_spmd_program`."""
 
@@ -96,6 +104,10 @@ class SpmdProgram:
                                      "every trained parameter must reach the loss")
                 d = distribute_tensor(param.detach(), self.mesh, bridge.to_dtensor_placements(placements[fqn]),
                                       src_data_rank=None)
+                local = owned(d._local_tensor)
+                if local is not d._local_tensor:
+                    d = DTensor.from_local(local, self.mesh, d.placements, run_check=False, shape=d.shape,
+                                           stride=d.stride())
                 made[id(param)] = nn.Parameter(d, requires_grad=param.requires_grad)
                 out[fqn] = made[id(param)]
             module_name, _, leaf = fqn.rpartition(".")
@@ -104,7 +116,7 @@ class SpmdProgram:
 
     def _buffer_shards(self) -> dict[str, torch.Tensor]:
         buffers = dict(self.model.named_buffers())
-        return {s.name: local_shard(buffers[s.name], s.placements, self.coords, self.mesh_shape)
+        return {s.name: owned(local_shard(buffers[s.name], s.placements, self.coords, self.mesh_shape))
                 for s in self.graphs.slots if s.role is Role.BUFFER}
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -230,6 +242,38 @@ class SpmdProgram:
                 entry[0] += times * len(sizes)
                 entry[1] += times * sum(sizes)
         return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def release_build_memory(graphs: Any) -> None:
+    """Give back what building held and running does not need, before the first step.
+
+    The per-rank graphs carry, on every node, the fake value and shape metadata make_fx
+    recorded (about 2,700 fake tensors for the benchmark Llama); running needs none of
+    it, and only collective nodes' values are read afterwards (codegen/apply.py
+    `count_collectives`: price = run). FakeTensorMode's class-wide dispatch cache keeps an
+    entry per traced op signature. Then collect and, on glibc, hand freed heap pages back
+    (`malloc_trim`): tracing, the solve and make_fx leave many small freed blocks between
+    live ones, which glibc keeps resident otherwise, and every rank would carry them into
+    training. On the benchmark Llama (zero3 dp4) the graphs' metadata alone was about 9 MiB
+    of Python objects per rank (benchmarks/results/per_op_memory_cpu.md)."""
+    import ctypes
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for gm in (graphs.step, graphs.grad_sync):
+        keep: set[Any] = set()
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
+                keep.update((node, node.args[0]))
+        for node in gm.graph.nodes:
+            node.meta = {"val": node.meta["val"]} if node in keep and "val" in node.meta else {}
+    FakeTensorMode.cache_clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        pass
 
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
@@ -374,9 +418,12 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
         choices = solution_choices(graph, box[0])
         priced = priced_per_step(box[0], num_microbatches, ("dp", "tp"))
     graphs = apply(traced.gm, graph, choices, mesh)
+    del traced
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
              dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),
              sum(1 for n in graphs.step.graph.nodes if str(n.target).startswith("_c10d_functional.")
                  and "wait" not in str(n.target)))
-    return SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph, optimizer_factory=optimizer,
-                       choices=choices, priced=priced)
+    program = SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph,
+                          optimizer_factory=optimizer, choices=choices, priced=priced)
+    release_build_memory(graphs)  # after the whole parameters were replaced by their shards
+    return program

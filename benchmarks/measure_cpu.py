@@ -23,7 +23,9 @@ Figures (the machine has 2 cores shared with other users: noisy):
   VmHWM after the steps minus VmRSS before the build (VmHWM reset through
   /proc/self/clear_refs, glibc's mmap threshold fixed at 64 KiB so freed tensors go back
   to the OS between builds); max over ranks; each program built alone for this, in a
-  separate set of ranks: the timed ranks keep glibc's default allocator settings.
+  separate set of ranks: the timed ranks keep glibc's default allocator settings. The
+  build's own peak (VmHWM before the first step) is reported beside it; the figure
+  compared is the whole (build + steps) peak.
 - losses: the first step's global loss of A and H (same init and data: they must agree).
 - predicted: `cost_model.price` of each configuration (float32 trace) on `cpu:N` with the
   calibrated profile (`autopar calibrate --devices N --out ...`); Spearman rank
@@ -184,6 +186,7 @@ def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -
     rss0 = _mem_kib("VmRSS")
     _reset_peak()
     step, modules = _build(case, which)
+    build_kib = _mem_kib("VmHWM") - rss0
     forwards = [0]  # oracle: one call per microbatch and chunk
     for module in modules:
         module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -196,6 +199,7 @@ def _run_one(case: Case, which: str, batches: list[Any], measure_memory: bool) -
             times.append(seconds)
     peak_kib = _mem_kib("VmHWM") - rss0
     out = {"times": times, "first_loss": losses[0], "peak_rss_delta_bytes": peak_kib * 1024 if measure_memory else None,
+           "build_peak_rss_delta_bytes": build_kib * 1024 if measure_memory else None,
            "chunk_forwards_last_step": forwards[0]}
     del step, modules
     gc.collect()
@@ -281,6 +285,7 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
             got = _run_one(case, kind, batches[:WARMUP_STEPS + 1], measure_memory=True)
             results[case.label][kind] = {"first_loss": got["first_loss"],
                                          "peak_rss_delta_bytes": got["peak_rss_delta_bytes"],
+                                         "build_peak_rss_delta_bytes": got["build_peak_rss_delta_bytes"],
                                          "chunk_forwards": got["chunk_forwards_last_step"]}
     return results
 
@@ -374,11 +379,13 @@ def run_world(world: int, world_cases: list[Case], searched_label: str | None = 
         out[case.label] = {}
         for kind, rec in rank0.items():
             mem = [r[case.label][kind]["peak_rss_delta_bytes"] for r in per_rank]
+            build_mem = [r[case.label][kind]["build_peak_rss_delta_bytes"] for r in per_rank]
             out[case.label][kind] = {
                 "step_time_s": statistics.median(rec["times"]),
                 "step_times_s": rec["times"],
                 "first_loss": rec["first_loss"],
                 "peak_rss_delta_bytes": max(mem),
+                "build_peak_rss_delta_bytes": max(build_mem),
                 "chunk_forwards_last_step": rec.get("chunk_forwards"),
             }
     return out
@@ -502,6 +509,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "template_tokens_per_s": tokens / tpl["step_time_s"] if tpl else None,
             "template_step_times_s": tpl["step_times_s"] if tpl else None,
             "template_peak_rss_delta_bytes": tpl["peak_rss_delta_bytes"] if tpl else None,
+            "autopar_build_peak_rss_delta_bytes": a["build_peak_rss_delta_bytes"],
+            "template_build_peak_rss_delta_bytes": tpl["build_peak_rss_delta_bytes"] if tpl else None,
             "template_first_loss": tpl["first_loss"] if tpl else None,
             "template_ratio": statistics.median(th / tt for th, tt in zip(h["step_times_s"], tpl["step_times_s"]))
             if tpl and h else None,
@@ -530,7 +539,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary.append(f"{r['label']}: per-op autopar / hand-tuned {r['ratio']:.3f}, template / hand-tuned "
                        f"{r['template_ratio']:.3f}; peak MiB/rank per-op {r['autopar_peak_rss_delta_bytes'] / 2**20:.0f} "
                        f"vs template {r['template_peak_rss_delta_bytes'] / 2**20:.0f} "
-                       f"({r['autopar_peak_rss_delta_bytes'] / r['template_peak_rss_delta_bytes']:.2f}x)")
+                       f"({r['autopar_peak_rss_delta_bytes'] / r['template_peak_rss_delta_bytes']:.2f}x; "
+                       f"the build alone: {r['autopar_build_peak_rss_delta_bytes'] / 2**20:.0f} vs "
+                       f"{r['template_build_peak_rss_delta_bytes'] / 2**20:.0f})")
     summary.append(f"autopar search (cpu:4, calibrated): {describe_config(config, stage_layers, GLOBAL_BATCH)}"
                    + (f", the same program as {twin.label!r}" if twin is not None else ""))
     if searched and best_hand:
