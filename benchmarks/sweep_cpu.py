@@ -252,6 +252,11 @@ def repredict(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         rows.append({**kept, **predictions(profiles[r["model"]], r["model"], case, HARDWARE["cpu"], hw_cal,
                                            reference_s=r["reference_s"])})
     out = {**old, **summarize(rows), "rows": rows, "profile": args.profile, "repriced": True}
+    return report(out, args)
+
+
+def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Print the summary and write the --json / --md outputs that were asked for."""
     print("\n".join(out["summary"]))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -306,12 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.summarize:
         old = json.loads(Path(args.summarize).read_text())
         out = {**old, **summarize(old["rows"])}
-        print("\n".join(out["summary"]))
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-        if args.md:
-            write_markdown(out, Path(args.md))
-        return out
+        return report(out, args)
     import autopar  # noqa: F401  (autopar before cost_model: import order)
     from autopar.cluster import HARDWARE, load_hardware
 
@@ -346,12 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = summarize(rows)
     out.update(rows=rows, global_batch=GLOBAL_BATCH, warmup_rounds=warmup, timed_rounds=timed,
                wall_s=time.perf_counter() - start, profile=args.profile)
-    print("\n".join(out["summary"]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-    if args.md:
-        write_markdown(out, Path(args.md))
-    return out
+    return report(out, args)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
