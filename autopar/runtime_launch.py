@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 """Long enough for a first step with lazy DTensor init on 8 ranks sharing 2 cores."""
 
+BUILD_EXCHANGE_TIMEOUT_S = 1800.0
+"""How long ranks wait for work one rank does alone while the program is built (the ILP
+solve on rank 0): minutes for a large model on a loaded machine, so not the collective
+timeout, which is sized for steps."""
+
 
 class RankFailure(RuntimeError):
     """A spawned rank raised, died or hung; carries the rank and its error text.
@@ -82,6 +87,24 @@ def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFA
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
+
+
+def broadcast_build_result(value: Any, *, src: int = 0, timeout_s: float = BUILD_EXCHANGE_TIMEOUT_S) -> Any:
+    """`value` from rank `src` on every rank (others pass anything), over a gloo group whose
+    timeout is `timeout_s`, not the world's collective timeout: the other ranks wait here
+    while `src` computes something alone (the ILP solve), which can outlast a step's
+    collective timeout; a plain broadcast would make them give up and fail the job."""
+    import torch.distributed as dist
+
+    # every rank makes the group at this call (new_group is collective) and frees it after,
+    # so no group outlives the world into interpreter shutdown
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        box = [value if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    return box[0]
 
 
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable[..., Any],

@@ -62,3 +62,29 @@ def test_gloo_timeout_releases_survivors(tmp_path):
     assert info.value.rank == 1
     # the parent waited for the survivor (grace 120 s): it ended by its own 4 s gloo timeout
     assert elapsed < 40.0
+
+
+def _slow_rank0_exchange(rank: int, use_build_exchange: bool) -> object:
+    """Rank 0 works alone for 3 s (as it does solving the ILP) before sending its result;
+    the world's collective timeout is 1 s."""
+    import torch.distributed as dist
+
+    from autopar.runtime_launch import broadcast_build_result
+
+    if rank == 0:
+        time.sleep(3.0)
+    value = {"solved": [1, 2, 3]} if rank == 0 else None
+    if use_build_exchange:
+        return broadcast_build_result(value)
+    box = [value]
+    dist.broadcast_object_list(box, src=0)  # bound by the 1 s collective timeout
+    return box[0]
+
+
+def test_build_exchange_outlasts_the_collective_timeout():
+    """Ranks waiting for rank 0's solve are not bound by the step collective timeout: the
+    same wait through a plain broadcast fails (the contrast shows the test can fail)."""
+    got = spawn(_slow_rank0_exchange, 2, (True,), collective_timeout_s=1.0)
+    assert got == [{"solved": [1, 2, 3]}] * 2
+    with pytest.raises(RankFailure):
+        spawn(_slow_rank0_exchange, 2, (False,), collective_timeout_s=1.0)
