@@ -50,7 +50,7 @@ from autopar.plan import (
     SearchInfo,
     describe_config,
 )
-from solver.costs import core_share
+from solver.intra_op.costs import core_share
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.spmd_search import (
     MAX_MICROBATCH_CHOICES,
@@ -92,7 +92,7 @@ MAX_UNRUNNABLE_SHOWN = 3
 MEMORY_BOUND_SLACK = 1.1
 """A one-stage candidate is not solved when its memory lower bound
 (stage_costs.memory_lower_bound_bytes) exceeds the budget by this factor: the ILP checks
-liveness at a few points only (solver/intra_op.py MEMORY_POINTS), so the bound keeps a
+liveness at a few points only (solver/intra_op/ilp.py MEMORY_POINTS), so the bound keeps a
 margin for a checked peak below the true one."""
 
 
@@ -135,7 +135,7 @@ class PipelineResult:
 def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     """The devices one stage (or its tp group) runs on. Where ranks share a node's cores
     (the cpu profile), the other stages' ranks still share them: the cores are scaled with
-    the devices, keeping the contention (solver/costs.py core_share) of the whole node."""
+    the devices, keeping the contention (solver/intra_op/costs.py core_share) of the whole node."""
     per_node = min(cluster.devices_per_node, devices)
     hw = cluster.hardware
     if hw.cores_per_node and per_node < cluster.devices_per_node:
@@ -201,7 +201,7 @@ class _StageCostCache:
         key = (mesh, g, zero)
         if key in self.costs:
             return self.costs[key]
-        from solver.intra_op import solve_intra_op
+        from solver.intra_op.ilp import solve_intra_op
 
         dp, tp = mesh
         m = self.global_batch // g

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import cost_model
-from solver.costs import core_share
+from solver.intra_op.costs import core_share
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
@@ -47,9 +47,9 @@ from autopar.plan import (
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution
-from solver.intra_op import solve_intra_op
+from solver.intra_op.ilp import solve_intra_op
 from solver.search import ProgressFn, Ranked, SearchResult
-from solver.strategies import coverage, enumerate_strategies
+from solver.intra_op.space import coverage, enumerate_strategies
 
 log = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ def test_op_without_strategy_runs_replicated(caplog):
 
 def test_the_space_names_the_op_and_module(caplog):
     from autopar.trace import trace_step
-    from solver.strategies import enumerate_strategies
+    from solver.intra_op.space import enumerate_strategies
 
     _, graph = trace_step(WithCustomOp(), _data(), loss_fn=nn.functional.mse_loss)
     space = enumerate_strategies(graph, (2, 1))

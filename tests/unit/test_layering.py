@@ -44,7 +44,7 @@ PACKAGES = ("autopar", "cost_model", "solver", "codegen")
 STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "models": ("autopar.models",),                          # inputs: the model zoo
     "trace": ("autopar.trace", "autopar.recompute"),        # recompute rewrites the traced graph before lower()
-    "strategies": ("solver.strategies",),
+    "strategies": ("solver.intra_op.space",),
     "costs": ("cost_model",),
     "solve": ("solver",),
     "apply": ("codegen",),
@@ -76,7 +76,7 @@ WIRING_EXACT = ("autopar",)
 PUBLIC: dict[str, tuple[str, ...]] = {
     "models": ("autopar.models", "autopar.models.zoo"),
     "trace": ("autopar.trace",),
-    "strategies": ("solver.strategies",),
+    "strategies": ("solver.intra_op.space",),
     "costs": ("cost_model",),
     "solve": ("solver.search", "solver.spmd_search"),
     "apply": ("codegen", "codegen.apply"),
@@ -109,15 +109,15 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
     ("autopar.runtime_spmd", "autopar.trace", "each rank traces its own training step"),
-    ("autopar.runtime_spmd", "solver.intra_op", "rank 0 solves the ILP for a configuration given by flags"),
+    ("autopar.runtime_spmd", "solver.intra_op.ilp", "rank 0 solves the ILP for a configuration given by flags"),
     ("autopar.runtime_spmd", "solver.forced", "the flags' configuration as ILP constraints"),
     ("autopar.runtime_spmd", "codegen.apply", "each rank applies the plan to its traced step"),
     ("autopar.runtime_pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
      "and SDPA backends"),
     # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
     # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
-    ("solver.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
-    ("solver.costs", "cost_model.compute", "ILP node prices call the roofline"),
+    ("solver.intra_op.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
+    ("solver.intra_op.costs", "cost_model.compute", "ILP node prices call the roofline"),
     # apply wires trace and models: emit builds and traces the model itself for the source.
     ("codegen.emit", "autopar.models", "emit resolves the model name to build its chunks"),
     ("codegen.emit", "autopar.trace", "emit of a one-stage plan traces the step to apply the plan"),
@@ -291,8 +291,8 @@ def _violations(source: str, module: str, *, is_package: bool = False) -> list[t
 
 
 def test_checker_flags_an_import_against_the_flow() -> None:
-    source = "from solver.intra_op import solve_intra_op\n"
-    assert _violations(source, "cost_model.step") == [("cost_model.step", "solver.intra_op")]
+    source = "from solver.intra_op.ilp import solve_intra_op\n"
+    assert _violations(source, "cost_model.step") == [("cost_model.step", "solver.intra_op.ilp")]
     assert "against the flow" in check(imports_of(source, "cost_model.step", is_package=False,
                                                   modules=MODULES))[0].why
 
@@ -323,14 +323,15 @@ def test_checker_flags_shared_types_importing_a_stage_and_resolves_relative_impo
     assert _violations("from solver.search import search\n", "autopar.plan") == [("autopar.plan", "solver.search")]
     assert _violations("from autopar import Plan\n", "cost_model.step") == [("cost_model.step", "autopar")]
     assert _violations("from . import forced\n", "solver.search") == []        # same stage
-    assert _violations("from .search import search\n", "solver.strategies") == [("solver.strategies", "solver.search")]
-    assert _violations("from ..strategies import coverage\n", "solver.intra.ilp") == []  # solver.strategies
+    assert _violations("from ..search import search\n", "solver.intra_op.space") == [
+        ("solver.intra_op.space", "solver.search")]
+    assert _violations("from .space import coverage\n", "solver.intra_op.ilp") == []  # solver.intra_op.space
 
 
 def test_known_list_must_shrink() -> None:
-    found = [Violation("solver.costs", "cost_model.compute", 1, "x")]
+    found = [Violation("solver.intra_op.costs", "cost_model.compute", 1, "x")]
     new, stale = compare_with_known(found, KNOWN_VIOLATIONS)
-    assert new == [] and ("solver.costs", "cost_model.collectives") in stale
+    assert new == [] and ("solver.intra_op.costs", "cost_model.collectives") in stale
     new, stale = compare_with_known(found + [Violation("codegen.apply", "autopar.runtime", 3, "x")],
                                     KNOWN_VIOLATIONS)
     assert [(v.importer, v.imported) for v in new] == [("codegen.apply", "autopar.runtime")]

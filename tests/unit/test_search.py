@@ -182,7 +182,7 @@ def test_plan_json_is_byte_identical_across_processes() -> None:
 
 
 def test_ilp_intra_op_choices_are_recorded_and_memoised() -> None:
-    from solver.intra_ilp import ilp_intra_op
+    from solver.intra_op.layer_groups import ilp_intra_op
 
     graph = trace_model(resolve("gpt-tiny"), batch=2, dtype="float32")
     cluster = Cluster.parse("h100:1x4")
