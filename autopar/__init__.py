@@ -18,7 +18,7 @@ from autopar.trace import TraceError, lower, trace, trace_model
 # them here would make `import cost_model` (before autopar) a cycle.
 _LAZY = {
     "Compiled": "autopar.api", "compile": "autopar.api", "search_plan": "autopar.api",
-    "Estimate": "cost_model", "price": "cost_model",
+    "Estimate": "autopar.estimate", "price": "cost_model",
 }
 
 

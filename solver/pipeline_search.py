@@ -46,7 +46,6 @@ from autopar.plan import (
     PipelineInfo,
     PipelineStage,
     Plan,
-    Prediction,
     SearchInfo,
     describe_config,
 )
@@ -382,11 +381,6 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
             collectives=_collectives_per_microbatch(sc)))
         first += n
     cfg = _config(r)
-    data = est.to_json()
-    pred = Prediction.from_json({**{k: data[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device",
-                                                         "model_tflops_per_device", "mfu", "peak_memory_bytes", "fits",
-                                                         "time_breakdown", "memory_breakdown")},
-                                 "bubble_fraction": sol.bubble_s / sol.step_time_s if sol.step_time_s else 0.0})
     pipe = PipelineInfo(schedule=r.schedule.name, chunks=r.schedule.chunks, microbatch=r.candidate.microbatch,
                         num_microbatches=r.candidate.num_microbatches, stages=tuple(stages), bubble_s=sol.bubble_s,
                         p2p_s=dict(est.time_breakdown)["p2p_s"], runners_up=runners_up)
@@ -394,7 +388,8 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=num_layers, seq=seq, global_batch=global_batch,
                 cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes), config=cfg,
                 stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=(), intra_op=(),
-                predicted=pred, search=info, placements=(), intra_op_info=None, pipeline=pipe)
+                predicted=est, bubble_fraction=sol.bubble_s / sol.step_time_s if sol.step_time_s else 0.0,
+                search=info, placements=(), intra_op_info=None, pipeline=pipe)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,7 +48,6 @@ from autopar.plan import (
     InfeasiblePlanError,
     IntraOpChoice,
     Plan,
-    Prediction,
     SearchInfo,
     StageInfo,
     describe_config,
@@ -302,12 +301,6 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
             flops_per_microbatch=work.stage_flops(cuts, k, c.recompute) * c.micro_batch, num_parameters=params,
             memory_bytes=int(params / c.tp * state_bytes_per_param(c.zero, c.dp))))
         first += n
-    est = best.estimate.to_json()
-    pred = Prediction.from_json({
-        **{k: est[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device",
-                               "mfu", "peak_memory_bytes", "fits", "time_breakdown", "memory_breakdown")},
-        "bubble_fraction": best.bubble_fraction,
-    })
     alternatives = tuple(
         Alternative(config=r.config, stage_layers=r.stage_layers, step_time_s=r.estimate.step_time_s,
                     peak_memory_bytes=int(r.estimate.peak_memory_bytes), fits=bool(r.estimate.fits))
@@ -316,7 +309,8 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
         model=model, model_fingerprint=fingerprint, num_layers=graph.model.num_layers, seq=graph.model.seq,
         global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=cluster.device_memory_bytes,
         config=c, stage_layers=cuts, mesh_shape=(c.pp, c.dp, c.tp), stages=tuple(stages), intra_op=intra_op,
-        predicted=pred, search=replace(info, cost_model=cost_model_name, alternatives=alternatives),
+        predicted=best.estimate, bubble_fraction=best.bubble_fraction,
+        search=replace(info, cost_model=cost_model_name, alternatives=alternatives),
     )
 
 

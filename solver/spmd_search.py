@@ -43,7 +43,6 @@ from autopar.plan import (
     IntraOpInfo,
     OpPlacement,
     Plan,
-    Prediction,
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution
@@ -287,11 +286,6 @@ def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_
           fingerprint: str, num_candidates: int, not_fit: int) -> Plan:
     graph, est = best.graph, best.estimate
     first = ranked[0]
-    pred = Prediction.from_json({
-        **{k: est.to_json()[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device",
-                                         "model_tflops_per_device", "mfu", "peak_memory_bytes", "fits",
-                                         "time_breakdown", "memory_breakdown")},
-        "bubble_fraction": 0.0})
     alternatives = tuple(Alternative(config=r.config, stage_layers=r.stage_layers, step_time_s=r.estimate.step_time_s,
                                      peak_memory_bytes=int(r.estimate.peak_memory_bytes), fits=bool(r.estimate.fits))
                          for r in ranked[1:9])
@@ -302,5 +296,5 @@ def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=first.stage_layers[0], seq=graph.model.seq,
                 global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes),
                 config=config, stage_layers=first.stage_layers, mesh_shape=(1, config.dp, config.tp), stages=(),
-                intra_op=(), predicted=pred, search=info, placements=op_placements(graph, best.solution),
+                intra_op=(), predicted=est, search=info, placements=op_placements(graph, best.solution),
                 intra_op_info=intra_op_info(graph, best))
