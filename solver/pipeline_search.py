@@ -1,7 +1,7 @@
 """Whole-plan search over pipeline degrees: one stage (per-op ILP) and pipelines (inter-op DP).
 
 Where it sits: solver/, the planner `autopar search` and `autopar.compile` call (through
-autopar/commands/search.py and autopar/api.py, which supply `trace_at`). It ranks
+autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
 - one-stage plans (pp = 1): every (dp, tp) mesh x microbatch, priced by the intra-op ILP
   on the whole step under the memory limit (solver/spmd_search.py, unchanged), and
 - pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g the

@@ -1,7 +1,7 @@
 """Whole-plan search for one-stage (pp = 1) plans, priced by the intra-op ILP that runs.
 
 Where it sits: solver/, called by `autopar search` and `autopar.compile` (through
-autopar/api.py and autopar/commands/search.py, which supply how to trace the model at a
+autopar/api.py `search_plans`, which supplies how to trace the model at a
 given microbatch). Output: ranked candidates and the best `Plan`, whose per-op placements
 (`Plan.placements`) are exactly the program the runtime builds.
 
