@@ -20,7 +20,7 @@ import functools
 import logging
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,12 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import fingerprint_source, module_fingerprint
-from autopar.runtime import OptimizerFactory, build_program, model_dims
 from autopar.runtime_launch import init_from_env, launched_by_torchrun
 from autopar.trace import trace_model, trace_step
 from codegen.rules import rules_for
+
+if TYPE_CHECKING:
+    from autopar.runtime import OptimizerFactory
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     plan's per-op placements are the program that runs), pipelines by the inter-op DP over
     ILP stage costs, ranked only where the runtime runs them. `progress(phase, done, total)`
     is told of the phases; deterministic unless `time_limit_s` stops the solver."""
+    # the solver (and through it cost_model) is imported on use: `import autopar` imports
+    # this module, and cost_model imports autopar's types, so a module-level import here
+    # would make `import cost_model` (before autopar) a cycle
     from solver.pipeline_search import search
     from solver.search import SearchResult
 
@@ -255,6 +260,8 @@ class Compiled:
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
                     plan: Any, config: ParallelConfig | None, compile_stages: bool | None) -> Compiled:
+    from autopar.runtime import build_program, model_dims
+
     num_devices = _num_devices(mesh)
     _ensure_process_group(num_devices)
     if plan is not None and config is not None:

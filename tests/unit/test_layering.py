@@ -11,8 +11,7 @@ wiring modules (autopar/api.py, autopar/cli.py, autopar/commands/*) put stages t
 Every `import` and `from ... import` is read with `ast` (function-local and TYPE_CHECKING
 imports included, relative imports resolved, `from pkg import sub` read as the submodule,
 and `pkg.sub` attribute use after `import pkg` read as an import of `pkg.sub`). Dynamic
-imports by computed name (cli.py's `autopar.commands.<name>`, autopar/__init__'s lazy
-re-exports) are not seen. An import of module B by module A is allowed when:
+imports by computed name (cli.py's `autopar.commands.<name>`) are not seen. An import of module B by module A is allowed when:
   - A is a wiring module (WIRING); or
   - B is shared (SHARED: the cross-stage types, and facts several stages must agree on);
   - A and B are in the same stage; or
@@ -23,6 +22,11 @@ other than the wiring ones puts two stages together). Shared modules import only
 modules. A module that no stage claims fails the test too: a new module is placed on
 purpose.
 
+Import cycles: the stages import autopar's types, and `autopar/__init__` re-exports the
+public API (autopar/api.py), so the API may import the solver and cost model only inside
+its functions. `test_each_package_imports_first` imports each stage package first in a
+fresh interpreter, which is where such a cycle breaks.
+
 KNOWN_VIOLATIONS lists the (importer, imported) pairs that break these rules today, each
 with why; the test fails on any violation not in it and on any entry that no longer
 occurs, so the list only shrinks (delete an entry when its import goes).
@@ -31,8 +35,12 @@ occurs, so the list only shrinks (delete an entry when its import goes).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("autopar", "cost_model", "solver", "codegen")
@@ -280,7 +288,35 @@ def test_imports_follow_the_flow() -> None:
     assert stale == [], f"these KNOWN_VIOLATIONS no longer occur; delete them from the list: {stale}"
 
 
+def import_error(module: str, root: Path) -> str | None:
+    """The last line of the error of `import module` (then `import autopar`, where present)
+    in a fresh interpreter whose path starts at `root`; None when it imports."""
+    then = "\nimport importlib.util\nif importlib.util.find_spec('autopar'): import autopar"
+    proc = subprocess.run([sys.executable, "-c", f"import {module}{then}"], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
+@pytest.mark.parametrize("module", ["cost_model", "solver.pipeline_search", "codegen.apply"])
+def test_each_package_imports_first(module: str) -> None:
+    """No import cycle: a stage imported before autopar (whose __init__ re-exports the API)."""
+    assert import_error(module, ROOT) is None
+
+
 # --- the checker can fail -------------------------------------------------------------
+
+
+def test_import_cycle_is_caught(tmp_path) -> None:
+    """The cycle autopar <-> cost_model had (a package re-exporting from a later stage that
+    imports the package's types): fine when the package is imported first, broken otherwise."""
+    (tmp_path / "types_pkg").mkdir()
+    (tmp_path / "types_pkg" / "__init__.py").write_text("from cost_pkg import price\n")
+    (tmp_path / "types_pkg" / "graph.py").write_text("GRAPH = 1\n")
+    (tmp_path / "cost_pkg").mkdir()
+    (tmp_path / "cost_pkg" / "__init__.py").write_text("from types_pkg.graph import GRAPH\n\ndef price():\n"
+                                                      "    return GRAPH\n")
+    assert import_error("types_pkg", tmp_path) is None
+    assert "partially initialized module 'cost_pkg'" in (import_error("cost_pkg", tmp_path) or "")
 
 MODULES = frozenset(project_modules())
 
