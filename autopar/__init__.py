@@ -7,27 +7,14 @@ Flow (DESIGN.md): trace -> Graph -> strategies -> costs -> solve -> Plan -> emit
     loss = compiled.step((tokens, labels))
 """
 
+from autopar.api import Compiled, compile, search_plan
 from autopar.cluster import HARDWARE, Cluster, Hardware
 from autopar.config import ParallelConfig
+from autopar.estimate import Estimate
 from autopar.ir import Graph, Node, NodeId, Phase, Role
 from autopar.plan import Plan, PlanFileError, model_fingerprint
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution
 from autopar.trace import TraceError, lower, trace, trace_model
-
-# Loaded on first use: cost_model and the runtime import autopar's submodules, so importing
-# them here would make `import cost_model` (before autopar) a cycle.
-_LAZY = {
-    "Compiled": "autopar.api", "compile": "autopar.api", "search_plan": "autopar.api",
-    "Estimate": "cost_model", "price": "cost_model",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
 __all__ = [
     "HARDWARE",
@@ -49,7 +36,6 @@ __all__ = [
     "compile",
     "lower",
     "model_fingerprint",
-    "price",
     "search_plan",
     "trace",
     "trace_model",

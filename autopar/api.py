@@ -14,11 +14,13 @@ build the model under the same `torch.manual_seed` on every rank before compilin
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import logging
 import tempfile
-from typing import Any, Callable, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,9 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.plan import module_fingerprint
-from autopar.runtime import OptimizerFactory, build_program, model_dims
+from autopar.models import resolve
+from autopar.plan import fingerprint_source, module_fingerprint
 from autopar.runtime_launch import init_from_env, launched_by_torchrun
+from autopar.trace import trace_model, trace_step
+from codegen.rules import rules_for
+
+if TYPE_CHECKING:
+    from autopar.runtime import OptimizerFactory
 
 log = logging.getLogger(__name__)
 
@@ -78,37 +85,89 @@ def _cluster_of(mesh: MeshLike) -> Cluster:
     return Cluster.parse(f"{hardware}:1x{_num_devices(mesh)}")
 
 
+LAYERS_TRACED = 2
+"""Zoo models repeat one layer structure: two traced layers scale exactly to the depth."""
+
+
+def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | None = None,
+                 example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 seq: int | None = None, memory_gb: float | None = None, top: int = 5,
+                 time_limit_s: float | None = None, progress: Any = None,
+                 microbatch_choices: int | None = None) -> Any:
+    """The one wiring of the whole-plan search (`autopar search`, `search_plan`,
+    `autopar.compile`): trace the step at each microbatch the search asks for, fingerprint
+    the model, run solver/pipeline_search.py; returns its SearchResult (ranked plans, the
+    best as a Plan, phases in seconds over the whole pipeline).
+
+    `model` is a zoo name (a preset or spec: LAYERS_TRACED layers traced on fake tensors,
+    float32 on the cpu profile, else bfloat16; `seq` overrides its sequence length), a
+    factory name `package.module:function` (its module and batch, traced whole; the batch
+    must be `global_batch`), or an nn.Module with `example_inputs`, one global batch
+    (`loss_fn` as in `compile`). One-stage candidates are priced by the intra-op ILP (the
+    plan's per-op placements are the program that runs), pipelines by the inter-op DP over
+    ILP stage costs, ranked only where the runtime runs them. `progress(phase, done, total)`
+    is told of the phases; deterministic unless `time_limit_s` stops the solver."""
+    # the solver (and through it cost_model) is imported on use: `import autopar` imports
+    # this module, and cost_model imports autopar's types, so a module-level import here
+    # would make `import cost_model` (before autopar) a cycle
+    from solver.pipeline_search import search
+    from solver.search import SearchResult
+
+    t0 = time.perf_counter()
+    cluster = _cluster_of(mesh).with_memory_gb(memory_gb)
+    if progress:
+        progress("trace", 0, 1)
+    source = resolve(model).with_overrides(seq=seq) if isinstance(model, str) else None
+    num_layers = source.config.layers if source is not None and source.config is not None else None
+    if source is not None and source.config is not None:
+        name, family = model, source.family
+        dtype = "float32" if cluster.hardware.name == "cpu" else "bfloat16"
+
+        def trace_at(rows: int) -> Any:
+            return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED)
+    else:
+        if source is not None:  # a factory: runs as one stage or cut at its layers, never by the rule tables
+            module, example = source.factory()
+            name, family = model, ""
+        elif isinstance(model, nn.Module) and example_inputs is not None:
+            module, example = model, example_inputs
+            # a module the runtime can cut by the rule tables (codegen/rules.py) may get tp pipelines
+            rules = rules_for(model)
+            name, family = type(model).__name__, rules.name if rules is not None else ""
+        else:
+            raise ValueError(f"search a zoo or factory name, or an nn.Module with example_inputs= (one global "
+                             f"batch); got {type(model).__name__} with example_inputs={example_inputs!r}")
+        tensors = [t for t in example if isinstance(t, torch.Tensor) and t.dim()]
+        batch = int(tensors[0].shape[0]) if tensors else 1
+        if global_batch is None:
+            global_batch = batch
+        elif global_batch != batch:
+            what = f"factory {model!r} gives" if source is not None else "example_inputs give"
+            raise ValueError(f"{what} batches of {batch}; search it with --global-batch {batch}")
+
+        def trace_at(rows: int) -> Any:
+            micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
+                     for t in example]
+            return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn)[1]
+    if global_batch is None:
+        raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
+    t = time.perf_counter()
+    fingerprint = fingerprint_source(source) if source is not None else module_fingerprint(model)
+    phases = (("fingerprint", time.perf_counter() - t),)
+    extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
+    result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
+                    family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
+                    **extra)
+    log.info("searched plan: %s", result.plan.config)
+    return SearchResult(ranked=result.ranked, plan=result.plan, phases=phases + result.phases,
+                        search_time_s=time.perf_counter() - t0, plans=result.plans)
+
+
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
                 loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
-    """Trace `model` on its example inputs, search the whole plan for `mesh`, return the Plan.
-
-    The search (solver/pipeline_search.py) prices every mesh shape and microbatch by the
-    intra-op ILP on the traced step at that microbatch (and pipelines by the inter-op DP
-    over ILP stage costs); a one-stage plan carries the per-op placements that then run.
-    Deterministic (no time limit)."""
-    import copy
-
-    from autopar.trace import trace_step
-    from codegen.rules import rules_for
-    from solver.pipeline_search import search as search_plans
-
-    cluster = _cluster_of(mesh)
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    global_batch = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
-
-    def trace_at(rows: int) -> Any:
-        micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == global_batch else t
-                 for t in example_inputs]
-        return trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn)[1]
-
-    fingerprint = module_fingerprint(model)
-    # issue 14 (i14dp): pipelines are searched too; a model the runtime can cut into stages
-    # (codegen/rules.py) may get pp > 1, any other runs as one stage (autopar/capabilities.py)
-    rules = rules_for(model)
-    result = search_plans(trace_at, cluster, global_batch=global_batch, model=type(model).__name__,
-                          fingerprint=fingerprint, family=rules.name if rules is not None else "", top=1)
-    log.info("searched plan: %s", result.plan.config)
-    return result.plan
+    """Trace `model` on its example inputs (one global batch), search the whole plan for
+    `mesh` (`search_plans`) and return the best Plan. Deterministic (no time limit)."""
+    return search_plans(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, top=1).plan
 
 
 def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
@@ -201,7 +260,7 @@ class Compiled:
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
                     plan: Any, config: ParallelConfig | None, compile_stages: bool | None) -> Compiled:
-    import copy
+    from autopar.runtime import build_program, model_dims
 
     num_devices = _num_devices(mesh)
     _ensure_process_group(num_devices)

@@ -35,6 +35,23 @@ def default_stage_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(num_stages))
 
 
+def microbatches_in_flight(schedule: str, num_stages: int, chunks: int, stage: int, num_microbatches: int) -> float:
+    """Microbatches whose activations pipeline stage `stage` holds at its peak: 1 without a
+    pipeline; m under GPipe; min(m, p - stage) under 1F1B (and zero bubble); the 1F1B
+    count times 1 + (p - 1) / (p v) interleaved over v chunks (Korthikanti et al. 2022,
+    Sec 4.2.3), at most m. The one home of this count (issue 18): the cost model's stage
+    memory and the stage DP's memory rows read it."""
+    p, m = num_stages, num_microbatches
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    count = float(min(m, p - stage))
+    if schedule == "interleaved":
+        count = min(float(m), count * (1 + (p - 1) / (p * chunks)))
+    return count
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
     tp: int = 1

@@ -13,6 +13,8 @@ Rules, by a field's type hint (what `to_json` writes, what `from_json` accepts):
 - tuple[tuple[str, float], ...]: a breakdown, written as a JSON object {name: number};
   a nested object reads as "outer.inner" names; numbers are kept as written and the
   pairs sorted (an Estimate's nested breakdowns read straight in).
+- tuple[tuple[str, Any], ...]: (name, value) pairs, written as a JSON object {name: value};
+  the values as they are, the pairs sorted by name on read (an Estimate's config).
 - a `JsonData` subclass: a JSON object with exactly its fields as keys (a field with a
   default may be absent: files written before it was added still load), or, when its
   JSON_ROW is True, an array of its fields in order (compact rows for long tables).
@@ -69,6 +71,11 @@ def _is_breakdown(hint: Any) -> bool:
             and typing.get_args(hint)[0] == tuple[str, float])
 
 
+def _is_named_values(hint: Any) -> bool:
+    return (typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (...,)
+            and typing.get_args(hint)[0] == tuple[str, Any])
+
+
 def encode(value: Any, hint: Any) -> Any:
     """The JSON form of `value`, whose type hint is `hint`."""
     if value is None:
@@ -80,7 +87,7 @@ def encode(value: Any, hint: Any) -> Any:
         return {name: item for (name, _), item in zip(_fields(type(value)), items)}
     if dataclasses.is_dataclass(value):
         return value.to_json()
-    if _is_breakdown(hint):
+    if _is_breakdown(hint) or _is_named_values(hint):
         return dict(value)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -145,6 +152,10 @@ def decode(data: Any, hint: Any, where: str) -> Any:
         return hint.from_json(dict(data))  # type: ignore[attr-defined]
     if _is_breakdown(hint):
         return _breakdown(data, where)
+    if _is_named_values(hint):
+        if not isinstance(data, Mapping):
+            raise JsonFormatError(f"malformed value at {where}: expected an object, got {_show(data)}")
+        return tuple(sorted((str(key), value) for key, value in data.items()))
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]

@@ -21,18 +21,22 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 from autopar.sharding import InfeasiblePlanError  # one error type for "nothing fits", intra-op or whole plan
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.estimate import Estimate
 from autopar.json_codec import JsonData, JsonFormatError, decode
 from autopar.placement import parse_placements
 
-PLAN_VERSION = 2
-"""2: plans carry the ILP's per-op placements (`placements`), which is what runs."""
+PLAN_VERSION = 3
+"""2: plans carry the ILP's per-op placements (`placements`), which is what runs.
+3: `predicted` is the whole `Estimate` the search priced (autopar/estimate.py) and the
+bubble fraction moved beside it (`Plan.bubble_fraction`); version-2 files are read by
+`_from_version_2`."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 GIB = 1024**3
 
@@ -72,29 +76,6 @@ def fingerprint_source(source: Any) -> str:
         with FakeTensorMode():
             model = source.build()
     return module_fingerprint(model)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Prediction(JsonData):
-    """The cost model's forecast for the plan (DESIGN.md price keys plus the bubble)."""
-
-    step_time_s: float
-    tokens_per_s: float
-    tokens_per_s_per_device: float
-    model_tflops_per_device: float
-    mfu: float
-    peak_memory_bytes: int
-    fits: bool
-    bubble_fraction: float
-    time_breakdown: tuple[tuple[str, float], ...] = ()
-    """Seconds per step by cause (compute, tp, dp, pp, bubble, optimizer, ...)."""
-    memory_breakdown: tuple[tuple[str, float], ...] = ()
-    """Bytes per device by cause on the most loaded stage."""
-
-    def __post_init__(self) -> None:
-        # sorted so that equal predictions compare equal however they were built
-        object.__setattr__(self, "time_breakdown", tuple(sorted(self.time_breakdown)))
-        object.__setattr__(self, "memory_breakdown", tuple(sorted(self.memory_breakdown)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,7 +237,11 @@ class Plan(JsonData):
     mesh_axis_names: tuple[str, ...] = MESH_AXIS_NAMES
     stages: tuple[StageInfo, ...] = ()
     intra_op: tuple[IntraOpChoice, ...] = ()
-    predicted: Prediction
+    predicted: Estimate
+    """The cost model's forecast of the chosen plan, as the search priced it."""
+    bubble_fraction: float = 0.0
+    """Share of the step the pipeline idles, as the search priced it ((p - 1) / (v m) in the
+    template search, bubble / step in the inter-op DP); 0 for one stage."""
     search: SearchInfo
     placements: tuple[OpPlacement, ...] = ()
     """The ILP's per-op placements: the program that runs (pp = 1 plans)."""
@@ -266,6 +251,12 @@ class Plan(JsonData):
     null for plans the search did not make (a configuration given by flags)."""
 
     def __post_init__(self) -> None:
+        # the file holds the prediction's breakdowns and config as JSON objects (read back
+        # sorted by name): sorted here too, so a plan equals itself read back
+        p = self.predicted
+        object.__setattr__(self, "predicted", replace(
+            p, time_breakdown=tuple(sorted(p.time_breakdown)), memory_breakdown=tuple(sorted(p.memory_breakdown)),
+            config=tuple(sorted(p.config))))
         self.validate()
 
     @property
@@ -277,7 +268,8 @@ class Plan(JsonData):
         c = self.config
         if self.version != PLAN_VERSION:
             raise PlanFileError(f"plan version {self.version!r} is not supported; this autopar reads "
-                                f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
+                                f"version {PLAN_VERSION} (and version 2 files). Re-run `autopar search` to write a "
+                                "new plan")
         try:
             cluster = Cluster.parse(self.cluster)
         except ValueError as exc:
@@ -334,12 +326,16 @@ class Plan(JsonData):
     @classmethod
     def from_json(cls, data: Any, where: str = "plan") -> "Plan":
         """A Plan from parsed JSON, by the generic codec (autopar/json_codec.py) after two
-        checks that speak of plan files: the version, and a fingerprint that is a digest."""
+        checks that speak of plan files: the version (version 2 is read as 3), and a
+        fingerprint that is a digest."""
         if not isinstance(data, Mapping):
             raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
+        if data.get("version") == 2:
+            data = _from_version_2(data)
         if "version" in data and data["version"] != PLAN_VERSION:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
-                                f"version {PLAN_VERSION}. Re-run `autopar search` to write a new plan")
+                                f"version {PLAN_VERSION} (and version 2 files). Re-run `autopar search` to write a "
+                                "new plan")
         if "model_fingerprint" in data and not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
             raise PlanFileError(f"plan model_fingerprint {str(data['model_fingerprint'])[:80]!r} is not a (sha256) hex "
                                 "digest; the file was edited or truncated. Re-run `autopar search` to write a new plan")
@@ -425,7 +421,7 @@ class Plan(JsonData):
             + f", recompute {c.recompute}, attention {c.attention}, sequence parallel {c.sequence_parallel}",
             f"predicted: step {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s "
             f"({p.tokens_per_s_per_device:,.0f}/device), MFU {p.mfu:.1%}, peak {p.peak_memory_bytes / GIB:.2f} GiB "
-            f"({'fits' if p.fits else 'DOES NOT FIT'}), bubble {p.bubble_fraction:.1%}",
+            f"({'fits' if p.fits else 'DOES NOT FIT'}), bubble {self.bubble_fraction:.1%}",
         ]
         if p.time_breakdown:
             total = sum(v for _, v in p.time_breakdown) or 1.0
@@ -481,6 +477,29 @@ class Plan(JsonData):
                 lines.append(f"  {describe_config(a.config, a.stage_layers, self.global_batch)}: step "
                              f"{a.step_time_s:.4g} s ({rel:+.1%}), peak {a.peak_memory_bytes / GIB:.2f} GiB")
         return "\n".join(lines)
+
+
+def _from_version_2(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-2 plan file's JSON as version 3. Its `predicted` held nine of the Estimate's
+    fields and the bubble fraction: the fraction moves to `bubble_fraction`, and the fields
+    it lacked are the plan's own (memory limit, config with its microbatch count) or the
+    Estimate's defaults (hardware TFLOP/s 0, peak stage 0). Anything malformed is left for
+    the codec to report."""
+    out = dict(data, version=3)
+    pred, config = data.get("predicted"), data.get("config")
+    if not isinstance(pred, Mapping):
+        return out
+    pred = dict(pred)
+    out["bubble_fraction"] = pred.pop("bubble_fraction", 0.0)
+    pred.setdefault("memory_limit_bytes", data.get("memory_limit_bytes"))
+    if isinstance(config, Mapping):
+        try:
+            extra = {"num_microbatches": int(data["global_batch"]) // (int(config["dp"]) * int(config["micro_batch"]))}
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            extra = {}
+        pred.setdefault("config", {**config, **extra})
+    out["predicted"] = pred
+    return out
 
 
 def _per_op_lines(plan: "Plan") -> list[str]:

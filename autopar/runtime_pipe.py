@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
-from autopar.runtime import _local
+from autopar.runtime import RankProgram, _local
 
 log = logging.getLogger(__name__)
 
@@ -305,13 +305,9 @@ class PipeProgram:
         self.last_stats: Any = None
         self._schedules: dict[int, Any] = {}
 
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.chunk_ids
-
-    @property
-    def has_last(self) -> bool:
-        return self.num_chunks - 1 in self.chunk_ids
+    # issue 18 (i18c): one home for which chunks a rank holds, RankProgram's properties
+    has_first = RankProgram.has_first
+    has_last = RankProgram.has_last
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self._params.items())

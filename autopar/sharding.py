@@ -1,7 +1,7 @@
 """Intra-op sharding: the strategy space and the solved per-node layouts, torch-free.
 
-Where it sits: `solver.strategies.enumerate_strategies(graph, mesh_shape)` returns a
-`StrategySpace`; `solver.intra_op.solve_intra_op(...)` returns an `IntraOpSolution`,
+Where it sits: `solver.intra_op.space.enumerate_strategies(graph, mesh_shape)` returns a
+`StrategySpace`; `solver.intra_op.ilp.solve_intra_op(...)` returns an `IntraOpSolution`,
 which the whole-plan search and codegen read. Both are frozen, hashable data.
 
 Terms:
@@ -50,7 +50,7 @@ class StrategySpace:
     """Ops with no rule, replicated everywhere (logged as a warning)."""
     follows: tuple[int | None, ...] = ()
     """Per node id: for a pointwise op, the position (in Node.inputs) of the operand whose
-    layout it follows (solver/ilp_reduce.py); None otherwise. Empty: no hints."""
+    layout it follows (solver/intra_op/sharing.py); None otherwise. Empty: no hints."""
 
     def __getitem__(self, node_id: NodeId) -> tuple[NodeStrategy, ...]:
         return self.strategies[node_id]
@@ -82,7 +82,7 @@ class NodeChoice:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PricedCollective:
     """One collective the solution pays for: on the edge src -> dst (for a gradient sync,
-    gradient -> parameter), its kind, mesh axis and bytes per device (solver/costs.py
+    gradient -> parameter), its kind, mesh axis and bytes per device (solver/intra_op/costs.py
     `Collective`). `weight` is how many real-model copies the traced edge stands for."""
 
     src: NodeId

@@ -13,7 +13,7 @@ import time
 from autopar.cluster import Cluster
 from autopar.models import resolve
 from autopar.trace import trace_model
-from solver.intra_op import solve_intra_op
+from solver.intra_op.ilp import solve_intra_op
 
 CASES = (
     ("llama3-8b", 64, "h100:8x8", (8, 8)),

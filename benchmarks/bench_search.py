@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from autopar.commands.search import plan_search
+from autopar.api import search_plans
 from autopar.plan import describe_config
 
 CASES = (
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and not model.endswith(args.only):
             continue
         cpu0 = time.process_time()
-        result = plan_search(model, cluster, global_batch=batch, seq=seq)
+        result = search_plans(model, cluster, global_batch=batch, seq=seq)
         cpu_s = time.process_time() - cpu0
         plan, s = result.plan, result.plan.search
         within = result.search_time_s < target_s

@@ -5,7 +5,7 @@
 
 For every model (the zoo's GPT and Llama; Hugging Face GPT-2, Llama and DistilBERT built from
 configs, tests/hf_factories.py) and every cluster `cpu:N` (N in --worlds), the search
-(`autopar.commands.search.plan_search`, what `autopar search` runs) returns its top plans;
+(`autopar.api.search_plans`, what `autopar search` runs) returns its top plans;
 each plan trains --steps steps on N real gloo ranks (`autopar.runtime_jobs.train_worker`,
 what `autopar train --plan` runs; all plans of one world in one set of ranks), and its
 losses are compared with the single-process reference (`reference_run`, rtol 1e-4), and the
@@ -59,9 +59,9 @@ def _jobs_worker(rank: int, jobs: tuple[Any, ...]) -> list[Any]:
 
 
 def _search(model: str, world: int, top: int) -> list[Any]:
-    from autopar.commands.search import plan_search
+    from autopar.api import search_plans
 
-    return list(plan_search(model, f"cpu:{world}", global_batch=GLOBAL_BATCH, top=top).plans)
+    return list(search_plans(model, f"cpu:{world}", global_batch=GLOBAL_BATCH, top=top).plans)
 
 
 def check_world(world: int, models: dict[str, str], top: int, steps: int) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 For the zoo models and Hugging Face architectures built from small configs (no
 downloads), trace one training step, enumerate every op's strategies on a 2x2 mesh
-(solver/strategies.py: DTensor's registry, the project's rules, decompositions) and
+(solver/intra_op/space.py: DTensor's registry, the project's rules, decompositions) and
 report the share of the step's FLOPs done by ops with a sharded strategy, the number of
 distinct ops, and the ops that fell back to replicated (named). Writes
 `benchmarks/results/op_coverage.md` and prints the table.
@@ -36,7 +36,7 @@ MODELS = {
 def measure(spec: str) -> dict:
     from autopar.models import resolve
     from autopar.trace import trace_step
-    from solver.strategies import coverage, enumerate_strategies
+    from solver.intra_op.space import coverage, enumerate_strategies
 
     source = resolve(spec)
     torch.manual_seed(0)

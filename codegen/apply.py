@@ -97,7 +97,7 @@ def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shap
 
 def _runnable(op: Any) -> Any:
     """What runs `op` on DTensors. An op DTensor has no rule for, whose strategies the space
-    derived from its decomposition (solver/strategies.py), runs as that decomposition: its
+    derived from its decomposition (solver/intra_op/space.py), runs as that decomposition: its
     local kernel on shards may be wrong where the decomposition reads the global shape
     (mse_loss_backward's mean divides by numel: on a batch shard the kernel would divide by
     the shard's). The decomposed ops go through DTensor's registry one by one."""
@@ -133,7 +133,7 @@ def _is_replicated(a: Any) -> bool:
 
 def _on_whole_tensors(op: Any, mesh: DeviceMesh, *args: Any, **kwargs: Any) -> Any:
     """An op with no sharding rule and no decomposition (the strategy space offers it
-    replicated only, solver/strategies.py): every input is whole on every device, so the
+    replicated only, solver/intra_op/space.py): every input is whole on every device, so the
     op runs on the local tensors and its outputs are replicated."""
     def unwrap(a: Any) -> Any:
         if isinstance(a, (list, tuple)):
@@ -210,7 +210,7 @@ class _Interpreter:
 
     def _gather_groups(self) -> tuple[dict[tuple[NodeId, int], tuple], dict[tuple, list[tuple]]]:
         """Parameter gathers that travel together (autopar/buckets.py gather_group, priced so
-        by solver/intra_op.py): {(consumer, input position): group} and, per group, its
+        by solver/intra_op/ilp.py): {(consumer, input position): group} and, per group, its
         members (parameter, source, target placements) in graph order, each once."""
         edge_group: dict[tuple[NodeId, int], tuple] = {}
         groups: dict[tuple, list[tuple]] = {}
@@ -451,7 +451,7 @@ def _slot_name(slot: Slot) -> str:
 
 
 def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple | None:
-    """The key solver/costs.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
+    """The key solver/intra_op/costs.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
     from the same DTensor plan): all-reduces over one or more axes, or one reduce-scatter,
     every other axis unchanged; None for any other reshard."""
     steps = [(transfer_kind(a, b), axis, logical) for axis, a, b, logical in
@@ -535,7 +535,7 @@ def _source(program: RankGraphs) -> str:
 
 def count_collectives(gm: fx.GraphModule) -> dict[tuple[str, str], list[int]]:
     """{(kind, process group name): [bytes per call, ...]} over a per-rank graph, bytes as
-    solver/costs.py `Collective` defines them (all_gather: gathered output)."""
+    solver/intra_op/costs.py `Collective` defines them (all_gather: gathered output)."""
     out: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not str(node.target).startswith("_c10d_functional."):

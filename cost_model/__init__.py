@@ -10,7 +10,7 @@ Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
 - memory.py      ZeRO model state, activations from liveness, in-flight microbatches
 - zero3.py       ZeRO-3 / FSDP runtimes: collective granularity, prefetch, overlap
 - step.py        `price_profile`: step time, throughput, MFU, peak memory of a config
-- estimate.py    `Estimate`, the JSON contract of `autopar price`
+  returning an `Estimate` (autopar/estimate.py: shared, a Plan embeds it)
 
 The graph may be traced at any batch (with the job's seq): per-microbatch quantities are
 scaled by micro_batch / graph.model.batch, exact for these models (linear in batch).
@@ -33,7 +33,7 @@ from cost_model.collectives import (
 )
 from cost_model.compute import compute_time_s, optimizer_time_s
 from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
-from cost_model.estimate import Estimate
+from autopar.estimate import Estimate
 from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, state_bytes_per_param
 from cost_model.options import RuntimeOptions
 from cost_model.profile import GraphProfile, profile_graph

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, microbatches_in_flight
 from cost_model.profile import GraphProfile, SegmentProfile
 
 BYTES_WEIGHT = 2
@@ -88,15 +88,8 @@ def segment_activation_bytes(seg: SegmentProfile, config: ParallelConfig, ratio:
 
 
 def inflight_microbatches(config: ParallelConfig, stage: int, num_microbatches: int) -> float:
-    p, m = config.pp, num_microbatches
-    if p == 1:
-        return 1.0
-    if config.schedule == "gpipe":
-        return float(m)
-    count = float(min(m, p - stage))
-    if config.schedule == "interleaved":
-        count = min(float(m), count * (1 + (p - 1) / (p * config.interleave)))
-    return count
+    # issue 18 (i18c): the count has one home, shared with solver/stage_dp.py
+    return microbatches_in_flight(config.schedule, config.pp, config.interleave, stage, num_microbatches)
 
 
 def stage_params(profile: GraphProfile, config: ParallelConfig, layers: int, first: bool, last: bool) -> float:

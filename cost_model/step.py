@@ -72,7 +72,7 @@ from cost_model.collectives import (
 )
 from cost_model.compute import compute_time_s, gemm_time_s
 from cost_model.efficiency import Efficiency, efficiency_for
-from cost_model.estimate import Estimate
+from autopar.estimate import Estimate
 from cost_model.memory import BYTES_WEIGHT, stage_memory, stage_params
 from cost_model.options import SELECTIVE_POLICIES, RuntimeOptions
 from cost_model.profile import GraphProfile, OpItem, SegmentProfile

@@ -3,7 +3,8 @@
 Where it sits: solver/, called by solver/search.py for every pipeline degree it tries.
 Reads the frozen Graph only; returns new frozen values.
 
-Terms: the model is  pre (embedding) | L repeated layers | post (final norm, head, loss).
+Terms: the model is  pre (embedding) | L repeated layers | post (final norm, head, loss),
+each node's part as `lower()` stamped it (`Node.segment`, autopar/ir.py).
 A *cut* `n = (n_0, ..., n_{p-1})` gives stage k the next n_k >= 1 layers; stage 0 also
 runs pre and stage p-1 runs post. A model without a repeated layer stack (L = 0: a plain
 MLP of distinct layers, a small CNN) is all pre and post: one stage holds everything, and
@@ -34,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from autopar.ir import Graph, Phase, Role
+from autopar.ir import SEGMENTS, Graph, Phase, Role
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,51 +78,33 @@ class StageWork:
 
 
 def stage_work(graph: Graph) -> StageWork:
-    """Split the traced graph's FLOPs and parameters into pre / per-layer / post."""
+    """Split the traced graph's FLOPs and parameters into pre / per-layer / post, by each
+    node's `Node.segment` (stamped once by `lower()`, autopar/ir.py)."""
     batch = max(1, graph.model.batch)
     num_layers = graph.model.num_layers
     per_layer = max(1, num_layers)  # L = 0: no layer nodes, every per-layer sum below is 0
-    first_layer_pos = next((n.id for n in graph.nodes if n.layer is not None and n.phase is Phase.FORWARD),
-                           len(graph.nodes))
-    # Modules whose forward runs before the first layer are the "pre" part (embeddings);
-    # their backward nodes carry the same module paths.
-    pre_modules = {n.module_path.split(".")[0] for n in graph.nodes[:first_layer_pos]
-                   if n.phase is Phase.FORWARD and n.module_path}
     aliases = {alias for alias, _ in getattr(graph, "tied_params", ())}
 
-    layer_flops = layer_fwd = pre_flops = post_flops = 0.0
-    layer_params = pre_params = post_params = 0
+    flops = dict.fromkeys(SEGMENTS, 0.0)
+    params = dict.fromkeys(SEGMENTS, 0)
+    layer_fwd = 0.0
     for node in graph.nodes:
+        assert node.segment in SEGMENTS, f"node {node.name} has no segment: the graph was not built by lower()"
         weight = graph.weight(node.id)
         if node.role is Role.PARAMETER:
-            if node.id in aliases:
-                continue
-            numel = sum(t.numel for t in node.outputs)
-            top = (node.param_name or node.module_path).split(".")[0]
-            if node.layer is not None:
-                layer_params += int(round(numel * weight))
-            elif top in pre_modules:
-                pre_params += numel
-            else:
-                post_params += numel
+            if node.id not in aliases:
+                numel = sum(t.numel for t in node.outputs)
+                params[node.segment] += int(round(numel * weight)) if node.segment == "layer" else numel
             continue
-        if not node.flops:
-            continue
-        flops = node.flops * weight
-        if node.layer is not None:
-            layer_flops += flops
-            if node.phase is Phase.FORWARD:
-                layer_fwd += flops
-        elif node.module_path.split(".")[0] in pre_modules:
-            pre_flops += flops
-        else:
-            post_flops += flops
+        flops[node.segment] += node.flops * weight
+        if node.segment == "layer" and node.phase is Phase.FORWARD:
+            layer_fwd += node.flops * weight
     return StageWork(
         num_layers=num_layers,
-        layer_flops=layer_flops / per_layer / batch,
+        layer_flops=flops["layer"] / per_layer / batch,
         layer_forward_flops=layer_fwd / per_layer / batch,
-        pre_flops=pre_flops / batch, post_flops=post_flops / batch,
-        layer_params=layer_params // per_layer, pre_params=pre_params, post_params=post_params,
+        pre_flops=flops["pre"] / batch, post_flops=flops["post"] / batch,
+        layer_params=params["layer"] // per_layer, pre_params=params["pre"], post_params=params["post"],
     )
 
 

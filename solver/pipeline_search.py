@@ -1,7 +1,7 @@
 """Whole-plan search over pipeline degrees: one stage (per-op ILP) and pipelines (inter-op DP).
 
 Where it sits: solver/, the planner `autopar search` and `autopar.compile` call (through
-autopar/commands/search.py and autopar/api.py, which supply `trace_at`). It ranks
+autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
 - one-stage plans (pp = 1): every (dp, tp) mesh x microbatch, priced by the intra-op ILP
   on the whole step under the memory limit (solver/spmd_search.py, unchanged), and
 - pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g the
@@ -46,11 +46,10 @@ from autopar.plan import (
     PipelineInfo,
     PipelineStage,
     Plan,
-    Prediction,
     SearchInfo,
     describe_config,
 )
-from solver.costs import core_share
+from solver.intra_op.costs import core_share
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.spmd_search import (
     MAX_MICROBATCH_CHOICES,
@@ -92,7 +91,7 @@ MAX_UNRUNNABLE_SHOWN = 3
 MEMORY_BOUND_SLACK = 1.1
 """A one-stage candidate is not solved when its memory lower bound
 (stage_costs.memory_lower_bound_bytes) exceeds the budget by this factor: the ILP checks
-liveness at a few points only (solver/intra_op.py MEMORY_POINTS), so the bound keeps a
+liveness at a few points only (solver/intra_op/ilp.py MEMORY_POINTS), so the bound keeps a
 margin for a checked peak below the true one."""
 
 
@@ -135,7 +134,7 @@ class PipelineResult:
 def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     """The devices one stage (or its tp group) runs on. Where ranks share a node's cores
     (the cpu profile), the other stages' ranks still share them: the cores are scaled with
-    the devices, keeping the contention (solver/costs.py core_share) of the whole node."""
+    the devices, keeping the contention (solver/intra_op/costs.py core_share) of the whole node."""
     per_node = min(cluster.devices_per_node, devices)
     hw = cluster.hardware
     if hw.cores_per_node and per_node < cluster.devices_per_node:
@@ -201,7 +200,7 @@ class _StageCostCache:
         key = (mesh, g, zero)
         if key in self.costs:
             return self.costs[key]
-        from solver.intra_op import solve_intra_op
+        from solver.intra_op.ilp import solve_intra_op
 
         dp, tp = mesh
         m = self.global_batch // g
@@ -382,11 +381,6 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
             collectives=_collectives_per_microbatch(sc)))
         first += n
     cfg = _config(r)
-    data = est.to_json()
-    pred = Prediction.from_json({**{k: data[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device",
-                                                         "model_tflops_per_device", "mfu", "peak_memory_bytes", "fits",
-                                                         "time_breakdown", "memory_breakdown")},
-                                 "bubble_fraction": sol.bubble_s / sol.step_time_s if sol.step_time_s else 0.0})
     pipe = PipelineInfo(schedule=r.schedule.name, chunks=r.schedule.chunks, microbatch=r.candidate.microbatch,
                         num_microbatches=r.candidate.num_microbatches, stages=tuple(stages), bubble_s=sol.bubble_s,
                         p2p_s=dict(est.time_breakdown)["p2p_s"], runners_up=runners_up)
@@ -394,7 +388,8 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=num_layers, seq=seq, global_batch=global_batch,
                 cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes), config=cfg,
                 stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=(), intra_op=(),
-                predicted=pred, search=info, placements=(), intra_op_info=None, pipeline=pipe)
+                predicted=est, bubble_fraction=sol.bubble_s / sol.step_time_s if sol.step_time_s else 0.0,
+                search=info, placements=(), intra_op_info=None, pipeline=pipe)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

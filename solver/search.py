@@ -16,8 +16,8 @@ The space (each axis independent, all under the per-device memory limit):
 - schedule: none for pp = 1; gpipe, 1f1b, interleaved with v chunks (v | L/pp, m % pp = 0).
 - stage cuts (solver/inter_op.py): the even split and the exact min-max balanced cut.
 - ZeRO 0-3 and recompute none/selective/full.
-- intra-op: the config template (Megatron tp + dp, solver/intra_template.py) is what is
-  priced; `intra_op_fn` (e.g. solver/intra_ilp.py, the per-(layer group, submesh) ILP,
+- intra-op: the config template (Megatron tp + dp, solver/intra_op/template.py) is what is
+  priced; `intra_op_fn` (e.g. solver/intra_op/layer_groups.py, the per-(layer group, submesh) ILP,
   memoised) adds its choices for the chosen plan to the plan file.
 
 Pruning (both exact under stated assumptions; the brute-force test checks them):
@@ -48,7 +48,6 @@ from autopar.plan import (
     InfeasiblePlanError,
     IntraOpChoice,
     Plan,
-    Prediction,
     SearchInfo,
     StageInfo,
     describe_config,
@@ -302,12 +301,6 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
             flops_per_microbatch=work.stage_flops(cuts, k, c.recompute) * c.micro_batch, num_parameters=params,
             memory_bytes=int(params / c.tp * state_bytes_per_param(c.zero, c.dp))))
         first += n
-    est = best.estimate.to_json()
-    pred = Prediction.from_json({
-        **{k: est[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device",
-                               "mfu", "peak_memory_bytes", "fits", "time_breakdown", "memory_breakdown")},
-        "bubble_fraction": best.bubble_fraction,
-    })
     alternatives = tuple(
         Alternative(config=r.config, stage_layers=r.stage_layers, step_time_s=r.estimate.step_time_s,
                     peak_memory_bytes=int(r.estimate.peak_memory_bytes), fits=bool(r.estimate.fits))
@@ -316,7 +309,8 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
         model=model, model_fingerprint=fingerprint, num_layers=graph.model.num_layers, seq=graph.model.seq,
         global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=cluster.device_memory_bytes,
         config=c, stage_layers=cuts, mesh_shape=(c.pp, c.dp, c.tp), stages=tuple(stages), intra_op=intra_op,
-        predicted=pred, search=replace(info, cost_model=cost_model_name, alternatives=alternatives),
+        predicted=best.estimate, bubble_fraction=best.bubble_fraction,
+        search=replace(info, cost_model=cost_model_name, alternatives=alternatives),
     )
 
 
@@ -337,7 +331,7 @@ def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
            time_limit_s: float | None = None, progress: ProgressFn | None = None,
            intra_op_fn: Callable[[ParallelConfig], tuple[IntraOpChoice, ...]] | None = None) -> SearchResult:
     """The whole search; raises InfeasiblePlanError when nothing fits the memory limit."""
-    from solver.intra_template import template_intra_op
+    from solver.intra_op.template import template_intra_op
 
     t0 = time.perf_counter()
     phases: list[tuple[str, float]] = []
@@ -348,7 +342,7 @@ def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
         raise infeasible_error(graph, cluster, global_batch, candidates, price)
     t1 = time.perf_counter()
     best = ranked[0]
-    # the template is what the cost model priced; ILP choices (solver/intra_ilp.py) are added beside it
+    # the template is what the cost model priced; ILP choices (solver/intra_op/layer_groups.py) are added beside it
     intra = template_intra_op(graph, best.config.tp) + (intra_op_fn(best.config) if intra_op_fn else ())
     plan = build_plan(graph, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint, best=best,
                       runners_up=pick_runners_up(ranked), info=info, cost_model_name=cost_model_name,

@@ -1,7 +1,7 @@
 """Whole-plan search for one-stage (pp = 1) plans, priced by the intra-op ILP that runs.
 
 Where it sits: solver/, called by `autopar search` and `autopar.compile` (through
-autopar/api.py and autopar/commands/search.py, which supply how to trace the model at a
+autopar/api.py `search_plans`, which supplies how to trace the model at a
 given microbatch). Output: ranked candidates and the best `Plan`, whose per-op placements
 (`Plan.placements`) are exactly the program the runtime builds.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import cost_model
-from solver.costs import core_share
+from solver.intra_op.costs import core_share
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
@@ -43,13 +43,12 @@ from autopar.plan import (
     IntraOpInfo,
     OpPlacement,
     Plan,
-    Prediction,
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution
-from solver.intra_op import solve_intra_op
+from solver.intra_op.ilp import solve_intra_op
 from solver.search import ProgressFn, Ranked, SearchResult
-from solver.strategies import coverage, enumerate_strategies
+from solver.intra_op.space import coverage, enumerate_strategies
 
 log = logging.getLogger(__name__)
 
@@ -287,11 +286,6 @@ def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_
           fingerprint: str, num_candidates: int, not_fit: int) -> Plan:
     graph, est = best.graph, best.estimate
     first = ranked[0]
-    pred = Prediction.from_json({
-        **{k: est.to_json()[k] for k in ("step_time_s", "tokens_per_s", "tokens_per_s_per_device",
-                                         "model_tflops_per_device", "mfu", "peak_memory_bytes", "fits",
-                                         "time_breakdown", "memory_breakdown")},
-        "bubble_fraction": 0.0})
     alternatives = tuple(Alternative(config=r.config, stage_layers=r.stage_layers, step_time_s=r.estimate.step_time_s,
                                      peak_memory_bytes=int(r.estimate.peak_memory_bytes), fits=bool(r.estimate.fits))
                          for r in ranked[1:9])
@@ -302,5 +296,5 @@ def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=first.stage_layers[0], seq=graph.model.seq,
                 global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes),
                 config=config, stage_layers=first.stage_layers, mesh_shape=(1, config.dp, config.tp), stages=(),
-                intra_op=(), predicted=pred, search=info, placements=op_placements(graph, best.solution),
+                intra_op=(), predicted=est, search=info, placements=op_placements(graph, best.solution),
                 intra_op_info=intra_op_info(graph, best))

@@ -1,6 +1,6 @@
 """Pipeline stage costs from the intra-op ILP: pre, one layer and post on a submesh.
 
-Where it sits: solver/, between the intra-op ILP (solver/intra_op.py) and the inter-op
+Where it sits: solver/, between the intra-op ILP (solver/intra_op/ilp.py) and the inter-op
 DP (solver/stage_dp.py); called by solver/pipeline_search.py. Input: the traced step at
 one global microbatch (a few layers standing for all: layer sharing), a submesh shape
 (dp, tp) and the microbatch count m; output: frozen per-piece costs that the DP turns
@@ -52,7 +52,7 @@ from cost_model import (
     compute_time_s,
     reduce_scatter_time_s,
 )
-from solver.costs import collective_time_s, core_share
+from solver.intra_op.costs import collective_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")

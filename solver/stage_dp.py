@@ -59,6 +59,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from autopar.config import microbatches_in_flight
+
 SCHEDULES_PRICED: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbv")
 """Pipeline schedules the DP prices (each ships in torch.distributed.pipelining)."""
 
@@ -106,15 +108,8 @@ class Schedule:
         return {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0 / self.chunks, "zbv": 0.0}[self.name]
 
     def inflight(self, stage: int, num_stages: int, num_microbatches: int) -> float:
-        p, m = num_stages, num_microbatches
-        if p == 1:
-            return 1.0
-        if self.name == "gpipe":
-            return float(m)
-        count = float(min(m, p - stage))
-        if self.name == "interleaved":
-            count = min(float(m), count * (1 + (p - 1) / (p * self.chunks)))
-        return count
+        # issue 18 (i18c): the cost model's count (zbv holds 1F1B's), one home in autopar/config.py
+        return microbatches_in_flight(self.name, num_stages, self.chunks, stage, num_microbatches)
 
     def allows(self, num_stages: int, num_microbatches: int) -> bool:
         if num_stages == 1:

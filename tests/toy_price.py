@@ -31,7 +31,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, default_stage_layers
 from autopar.ir import Graph
 from cost_model import state_bytes_per_param
-from cost_model.estimate import Estimate
+from autopar.estimate import Estimate
 from solver.inter_op import StageWork, stage_work
 
 EFFICIENCY = 0.5

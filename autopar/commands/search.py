@@ -1,10 +1,10 @@
 """`autopar search MODEL --cluster ... --global-batch B`: find the best whole plan.
 
-Wires the stages (as cli.py may): trace a few layers on fake tensors at each microbatch
-the search asks for, fingerprint the full model, run solver/pipeline_search.py (one-stage
-plans priced by the intra-op ILP, pipelines by the inter-op DP over ILP stage costs; only
-plans the runtime executes are ranked, autopar/capabilities.py), then print a ranked
-table (or JSON) and write the best plan. Progress goes to stderr so `--json` stdout stays clean.
+Runs the one wiring of the search (`autopar.api.search_plans`: trace a few layers on fake
+tensors at each microbatch the search asks for, fingerprint the full model, run
+solver/pipeline_search.py; only plans the runtime executes are ranked,
+autopar/capabilities.py), then prints a ranked table (or JSON) and writes the best plan.
+Progress goes to stderr so `--json` stdout stays clean.
 """
 
 from __future__ import annotations
@@ -12,75 +12,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import sys
-import time
-from dataclasses import replace
 from typing import Any, Callable
 
-from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
-from autopar.models import resolve
-from autopar.plan import GIB, describe_config, fingerprint_source
-from autopar.trace import trace_model
-from solver.search import ProgressFn, SearchResult, SearchSpace, search
-
-log = logging.getLogger(__name__)
-
-LAYERS_TRACED = 2
-"""Zoo models repeat one layer structure: two traced layers scale exactly to the depth."""
-
-
-def plan_search(model: str, cluster_spec: str, *, global_batch: int, seq: int | None = None,
-                memory_gb: float | None = None, top: int = 5, time_limit_s: float | None = None,
-                space: SearchSpace = SearchSpace(), progress: ProgressFn | None = None,
-                with_ilp: bool = True, microbatch_choices: int | None = None) -> SearchResult:
-    """Trace, fingerprint and search; phases (seconds) cover the whole pipeline.
-
-    One-stage candidates (mesh x microbatch) are traced at their microbatch and priced by
-    the intra-op ILP: the plan's per-op placements are the program `autopar train --plan`
-    runs. Pipelines (pp > 1) are priced by the inter-op DP over the ILP's stage costs and
-    ranked only where the runtime runs them (solver/pipeline_search.py). Zoo presets and
-    specs trace LAYERS_TRACED layers (a group of identical layers stands for all of
-    them); factories trace whole."""
-    from solver.pipeline_search import search as search_plans
-
-    phases: list[tuple[str, float]] = []
-    t0 = time.perf_counter()
-    source = resolve(model).with_overrides(seq=seq)
-    cluster = Cluster.parse(cluster_spec).with_memory_gb(memory_gb)
-    dtype = "float32" if cluster.hardware.name == "cpu" else "bfloat16"
-    if progress:
-        progress("trace", 0, 1)
-    if source.config is None:
-        from autopar.trace import trace_step
-
-        factory_model, example = source.factory()
-        tensors = [t for t in example if hasattr(t, "shape") and len(t.shape)]
-        batch = int(tensors[0].shape[0]) if tensors else 1
-        if global_batch != batch:
-            raise ValueError(f"factory {model!r} gives batches of {batch}; search it with --global-batch {batch}")
-
-        def trace_at(rows: int) -> Any:
-            import copy
-
-            micro = [t[:rows] if hasattr(t, "shape") and len(t.shape) and t.shape[0] == batch else t for t in example]
-            return trace_step(copy.deepcopy(factory_model), micro)[1]
-        num_layers = None
-    else:
-        def trace_at(rows: int) -> Any:
-            return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED)
-        num_layers = source.config.layers
-    t = time.perf_counter()
-    fingerprint = fingerprint_source(source)
-    phases.append(("fingerprint", time.perf_counter() - t))
-    extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
-    family = source.family if source.config is not None else ""  # a factory runs as one stage today
-    result = search_plans(trace_at, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
-                          family=family, top=top, time_limit_s=time_limit_s, progress=progress,
-                          num_layers=num_layers, max_pp=space.max_pp, **extra)
-    return SearchResult(ranked=result.ranked, plan=result.plan, phases=tuple(phases) + result.phases,
-                        search_time_s=time.perf_counter() - t0, plans=result.plans)
+from autopar.api import search_plans
+from autopar.plan import GIB, describe_config
+from solver.search import ProgressFn
 
 
 def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | None, Callable[[], None]]:
@@ -119,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     start, progress, stop = _progress_display(sys.stderr.isatty() or not args.json)
     start()
     try:
-        result = plan_search(args.model, args.cluster, global_batch=args.global_batch, seq=args.seq,
-                             memory_gb=args.memory_gb, top=args.top, time_limit_s=args.time_limit, progress=progress)
+        result = search_plans(args.model, args.cluster, global_batch=args.global_batch, seq=args.seq,
+                              memory_gb=args.memory_gb, top=args.top, time_limit_s=args.time_limit, progress=progress)
     finally:
         stop()
     plan = result.plan

@@ -2,7 +2,7 @@
 
 Where it sits: codegen/kernels, imported by ops.py when the fused ops are registered, so
 any process that has the ops also has their strategies: the strategy enumeration
-(solver/strategies.py) offers them to the ILP and DTensor's dispatcher runs them in the
+(solver/intra_op/space.py) offers them to the ILP and DTensor's dispatcher runs them in the
 per-rank program (codegen/apply.py). These are the project rules for ops the registry
 lacks (DESIGN: "project rules only where it lacks an op"); each is written for one mesh
 axis and expanded over the mesh by DTensor's `expand_to_full_mesh_op_strategy`.

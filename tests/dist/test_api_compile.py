@@ -13,6 +13,7 @@ from autopar.api import compile as ap_compile
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.runtime_launch import spawn
+from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist
 
@@ -37,17 +38,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference_user_losses(steps: int) -> list[float]:
     torch.manual_seed(0)
-    model = TwoLayer()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    out = []
-    for _ in range(steps):
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(float(loss.detach()))
-    return out
+    return reference_losses(TwoLayer(), _data(), steps=steps, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                            loss_fn=nn.functional.mse_loss)
 
 
 def _worker(rank: int, ckpt_dir: str) -> dict:
@@ -101,15 +93,8 @@ def test_compile_in_spawned_ranks(tmp_path):
     torch.manual_seed(0)
     source = resolve(GPT)
     model = source.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = source.example_inputs(4, generator=torch.Generator().manual_seed(1))
-    ref = []
-    for _ in range(2):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(float(loss.detach()))
+    ref = reference_losses(model, batch, steps=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref), rtol=1e-4, atol=0)
     torch.testing.assert_close(torch.tensor(r0["user_losses"]), torch.tensor(_reference_user_losses(3)),
                                rtol=1e-4, atol=0)

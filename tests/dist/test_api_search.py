@@ -3,12 +3,15 @@ plan with the cost model (the same on every rank), and trains it to the single-p
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from autopar.api import compile as ap_compile
 from autopar.models import resolve
 from autopar.runtime_launch import spawn
+from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist
 
@@ -23,16 +26,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _reference() -> list[float]:
     torch.manual_seed(0)
     model = resolve(LLAMA).build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, labels = _batch()
-    out = []
-    for _ in range(STEPS):
-        loss = model(tokens, labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(float(loss.detach()))
-    return out
+    return reference_losses(model, _batch(), steps=STEPS, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
 
 
 def _worker(rank: int) -> dict:

@@ -10,6 +10,7 @@ single-process reference. The plans themselves: tests/unit/test_layerless_plan.p
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -19,6 +20,7 @@ import autopar
 from autopar import cli
 from autopar.runtime_launch import spawn
 from tests import factories
+from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist
 
@@ -42,15 +44,8 @@ def compiled_embedding_head():
 
 def _reference(factory) -> list[float]:
     model, batch = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # autopar.compile's default optimizer
-    losses = []
-    for _ in range(STEPS):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    # autopar.compile's default optimizer
+    return reference_losses(model, batch, steps=STEPS, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
 
 
 def _worker(rank: int) -> dict[str, dict]:

@@ -14,6 +14,7 @@ from torch import nn
 from autopar.api import compile as ap_compile
 from autopar.config import ParallelConfig
 from autopar.runtime_launch import spawn
+from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist
 
@@ -53,17 +54,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(steps: int) -> list[float]:
     torch.manual_seed(0)
-    model = WithCustomOp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    out = []
-    for _ in range(steps):
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(float(loss.detach()))
-    return out
+    return reference_losses(WithCustomOp(), _data(), steps=steps,
+                            optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=nn.functional.mse_loss)
 
 
 def _worker(rank: int) -> dict:
@@ -91,7 +83,7 @@ def test_op_without_strategy_runs_replicated(caplog):
 
 def test_the_space_names_the_op_and_module(caplog):
     from autopar.trace import trace_step
-    from solver.strategies import enumerate_strategies
+    from solver.intra_op.space import enumerate_strategies
 
     _, graph = trace_step(WithCustomOp(), _data(), loss_fn=nn.functional.mse_loss)
     space = enumerate_strategies(graph, (2, 1))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.commands.search import plan_search
+from autopar.api import search_plans
 from autopar.config import ParallelConfig as C
 from autopar.runtime_jobs import TrainJob, reference_run, train_worker
 from autopar.runtime_launch import spawn
@@ -39,9 +39,9 @@ TP rules) expresses."""
 
 
 def _budget_plan():
-    free = plan_search(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
+    free = search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
     budget_gb = 0.6 * free.predicted.peak_memory_bytes / 2**30
-    return plan_search(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1,
+    return search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1,
                        memory_gb=budget_gb).plan, free
 
 
@@ -53,7 +53,7 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
 def runs():
     jobs = []
     for model in MODELS.values():
-        plan = plan_search(model, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
+        plan = search_plans(model, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
         jobs.append(TrainJob(model=model, configs=(*FORCED.values(), plan.config), plans=(None, None, plan.dumps()),
                              steps=3, global_batch=BATCH, return_parameters=True))
     budget, free = _budget_plan()

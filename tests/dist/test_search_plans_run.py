@@ -13,7 +13,7 @@ import json
 import pytest
 
 from autopar import cli
-from autopar.commands.search import plan_search
+from autopar.api import search_plans
 
 pytestmark = pytest.mark.dist
 
@@ -30,7 +30,7 @@ def test_top5_plans_train_and_match(model, global_batch, tmp_path, capsys):
         from tests.factories import hf_gpt2_dropout
 
         global_batch = int(hf_gpt2_dropout()[1][0].shape[0])
-    result = plan_search(model, "cpu:4", global_batch=global_batch, top=5)
+    result = search_plans(model, "cpu:4", global_batch=global_batch, top=5)
     assert len(result.plans) == len(result.ranked) >= 2
     assert result.plans[0] is result.plan
     meshes = set()

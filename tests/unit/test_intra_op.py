@@ -21,7 +21,7 @@ from autopar.buckets import BUCKET_BYTES
 from cost_model.collectives import (all_gather_time_s, all_reduce_time_s, collective_latency_s, mesh_axis_links,
                                     reduce_scatter_time_s)
 from cost_model.compute import compute_time_s
-from solver.intra_op import solve_intra_op
+from solver.intra_op.ilp import solve_intra_op
 
 H100x8 = Cluster.parse("h100:1x8")
 
@@ -336,7 +336,7 @@ def test_ilp_objective_is_the_reported_cost(caplog) -> None:
     # coefficient of a repeated variable in LpAffineExpression(list)): the ILP minimised
     # a different function than the plan's cost (1.3158 vs 1.3238 ms here)
     graph = _graph(lambda: Layer(1024, 4), (16, 512, 1024), (16, 512, 1024))
-    with caplog.at_level(logging.INFO, logger="solver.intra_op"):
+    with caplog.at_level(logging.INFO, logger="solver.intra_op.ilp"):
         sol = solve_intra_op(graph, Cluster.parse("h100:1x16"), (2, 8))
     (line,) = [r.getMessage() for r in caplog.records if "extracted" in r.getMessage()]
     objective_s, extracted_s = (float(x) for x in re.search(r"objective (\S+) s \(extracted (\S+) s\)", line).groups())

@@ -11,8 +11,7 @@ wiring modules (autopar/api.py, autopar/cli.py, autopar/commands/*) put stages t
 Every `import` and `from ... import` is read with `ast` (function-local and TYPE_CHECKING
 imports included, relative imports resolved, `from pkg import sub` read as the submodule,
 and `pkg.sub` attribute use after `import pkg` read as an import of `pkg.sub`). Dynamic
-imports by computed name (cli.py's `autopar.commands.<name>`, autopar/__init__'s lazy
-re-exports) are not seen. An import of module B by module A is allowed when:
+imports by computed name (cli.py's `autopar.commands.<name>`) are not seen. An import of module B by module A is allowed when:
   - A is a wiring module (WIRING); or
   - B is shared (SHARED: the cross-stage types, and facts several stages must agree on);
   - A and B are in the same stage; or
@@ -23,6 +22,11 @@ other than the wiring ones puts two stages together). Shared modules import only
 modules. A module that no stage claims fails the test too: a new module is placed on
 purpose.
 
+Import cycles: the stages import autopar's types, and `autopar/__init__` re-exports the
+public API (autopar/api.py), so the API may import the solver and cost model only inside
+its functions. `test_each_package_imports_first` imports each stage package first in a
+fresh interpreter, which is where such a cycle breaks.
+
 KNOWN_VIOLATIONS lists the (importer, imported) pairs that break these rules today, each
 with why; the test fails on any violation not in it and on any entry that no longer
 occurs, so the list only shrinks (delete an entry when its import goes).
@@ -31,8 +35,12 @@ occurs, so the list only shrinks (delete an entry when its import goes).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("autopar", "cost_model", "solver", "codegen")
@@ -44,7 +52,7 @@ PACKAGES = ("autopar", "cost_model", "solver", "codegen")
 STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "models": ("autopar.models",),                          # inputs: the model zoo
     "trace": ("autopar.trace", "autopar.recompute"),        # recompute rewrites the traced graph before lower()
-    "strategies": ("solver.strategies",),
+    "strategies": ("solver.intra_op.space",),
     "costs": ("cost_model",),
     "solve": ("solver",),
     "apply": ("codegen",),
@@ -64,7 +72,7 @@ FLOW = tuple(STAGE_MODULES)
 # DTensor's registry/planner) and capabilities (what the runtime executes: the search ranks
 # only that; the tracer and the runtime read its layer stack and pipeline cut).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
-          "autopar.plan", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
+          "autopar.plan", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
           "autopar.capabilities")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
@@ -76,7 +84,7 @@ WIRING_EXACT = ("autopar",)
 PUBLIC: dict[str, tuple[str, ...]] = {
     "models": ("autopar.models", "autopar.models.zoo"),
     "trace": ("autopar.trace",),
-    "strategies": ("solver.strategies",),
+    "strategies": ("solver.intra_op.space",),
     "costs": ("cost_model",),
     "solve": ("solver.search", "solver.spmd_search"),
     "apply": ("codegen", "codegen.apply"),
@@ -109,15 +117,15 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
     ("autopar.runtime_spmd", "autopar.trace", "each rank traces its own training step"),
-    ("autopar.runtime_spmd", "solver.intra_op", "rank 0 solves the ILP for a configuration given by flags"),
+    ("autopar.runtime_spmd", "solver.intra_op.ilp", "rank 0 solves the ILP for a configuration given by flags"),
     ("autopar.runtime_spmd", "solver.forced", "the flags' configuration as ILP constraints"),
     ("autopar.runtime_spmd", "codegen.apply", "each rank applies the plan to its traced step"),
     ("autopar.runtime_pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
      "and SDPA backends"),
     # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
     # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
-    ("solver.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
-    ("solver.costs", "cost_model.compute", "ILP node prices call the roofline"),
+    ("solver.intra_op.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
+    ("solver.intra_op.costs", "cost_model.compute", "ILP node prices call the roofline"),
     # apply wires trace and models: emit builds and traces the model itself for the source.
     ("codegen.emit", "autopar.models", "emit resolves the model name to build its chunks"),
     ("codegen.emit", "autopar.trace", "emit of a one-stage plan traces the step to apply the plan"),
@@ -280,7 +288,35 @@ def test_imports_follow_the_flow() -> None:
     assert stale == [], f"these KNOWN_VIOLATIONS no longer occur; delete them from the list: {stale}"
 
 
+def import_error(module: str, root: Path) -> str | None:
+    """The last line of the error of `import module` (then `import autopar`, where present)
+    in a fresh interpreter whose path starts at `root`; None when it imports."""
+    then = "\nimport importlib.util\nif importlib.util.find_spec('autopar'): import autopar"
+    proc = subprocess.run([sys.executable, "-c", f"import {module}{then}"], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
+@pytest.mark.parametrize("module", ["cost_model", "solver.pipeline_search", "codegen.apply"])
+def test_each_package_imports_first(module: str) -> None:
+    """No import cycle: a stage imported before autopar (whose __init__ re-exports the API)."""
+    assert import_error(module, ROOT) is None
+
+
 # --- the checker can fail -------------------------------------------------------------
+
+
+def test_import_cycle_is_caught(tmp_path) -> None:
+    """The cycle autopar <-> cost_model had (a package re-exporting from a later stage that
+    imports the package's types): fine when the package is imported first, broken otherwise."""
+    (tmp_path / "types_pkg").mkdir()
+    (tmp_path / "types_pkg" / "__init__.py").write_text("from cost_pkg import price\n")
+    (tmp_path / "types_pkg" / "graph.py").write_text("GRAPH = 1\n")
+    (tmp_path / "cost_pkg").mkdir()
+    (tmp_path / "cost_pkg" / "__init__.py").write_text("from types_pkg.graph import GRAPH\n\ndef price():\n"
+                                                      "    return GRAPH\n")
+    assert import_error("types_pkg", tmp_path) is None
+    assert "partially initialized module 'cost_pkg'" in (import_error("cost_pkg", tmp_path) or "")
 
 MODULES = frozenset(project_modules())
 
@@ -291,8 +327,8 @@ def _violations(source: str, module: str, *, is_package: bool = False) -> list[t
 
 
 def test_checker_flags_an_import_against_the_flow() -> None:
-    source = "from solver.intra_op import solve_intra_op\n"
-    assert _violations(source, "cost_model.step") == [("cost_model.step", "solver.intra_op")]
+    source = "from solver.intra_op.ilp import solve_intra_op\n"
+    assert _violations(source, "cost_model.step") == [("cost_model.step", "solver.intra_op.ilp")]
     assert "against the flow" in check(imports_of(source, "cost_model.step", is_package=False,
                                                   modules=MODULES))[0].why
 
@@ -323,14 +359,15 @@ def test_checker_flags_shared_types_importing_a_stage_and_resolves_relative_impo
     assert _violations("from solver.search import search\n", "autopar.plan") == [("autopar.plan", "solver.search")]
     assert _violations("from autopar import Plan\n", "cost_model.step") == [("cost_model.step", "autopar")]
     assert _violations("from . import forced\n", "solver.search") == []        # same stage
-    assert _violations("from .search import search\n", "solver.strategies") == [("solver.strategies", "solver.search")]
-    assert _violations("from ..strategies import coverage\n", "solver.intra.ilp") == []  # solver.strategies
+    assert _violations("from ..search import search\n", "solver.intra_op.space") == [
+        ("solver.intra_op.space", "solver.search")]
+    assert _violations("from .space import coverage\n", "solver.intra_op.ilp") == []  # solver.intra_op.space
 
 
 def test_known_list_must_shrink() -> None:
-    found = [Violation("solver.costs", "cost_model.compute", 1, "x")]
+    found = [Violation("solver.intra_op.costs", "cost_model.compute", 1, "x")]
     new, stale = compare_with_known(found, KNOWN_VIOLATIONS)
-    assert new == [] and ("solver.costs", "cost_model.collectives") in stale
+    assert new == [] and ("solver.intra_op.costs", "cost_model.collectives") in stale
     new, stale = compare_with_known(found + [Violation("codegen.apply", "autopar.runtime", 3, "x")],
                                     KNOWN_VIOLATIONS)
     assert [(v.importer, v.imported) for v in new] == [("codegen.apply", "autopar.runtime")]

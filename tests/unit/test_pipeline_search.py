@@ -102,16 +102,16 @@ def test_unrunnable_candidates_are_kept_with_reasons():
 
 def test_stage_ilps_are_memoised(searched, monkeypatch):
     """Every (tp, per-rank microbatch) solves one ILP, whatever the pipeline degree or cut."""
-    from solver import intra_op
+    from solver.intra_op import ilp
 
     calls = []
-    real = intra_op.solve_intra_op
+    real = ilp.solve_intra_op
 
     def counting(graph, cluster, mesh_shape, **kw):
         calls.append((tuple(mesh_shape), graph.model.batch))
         return real(graph, cluster, mesh_shape, **kw)
 
-    monkeypatch.setattr(intra_op, "solve_intra_op", counting)
+    monkeypatch.setattr(ilp, "solve_intra_op", counting)
     source = resolve(SPEC)
     cluster = Cluster.parse("h100:1x4")
     cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
@@ -127,7 +127,7 @@ def test_stage_ilps_are_memoised(searched, monkeypatch):
 def test_lower_bound_is_below_the_ilp():
     """The branch-and-bound's bounds (time from a one-sequence trace scaled up, memory)
     never exceed what the ILP finds for a one-stage plan."""
-    from solver.intra_op import solve_intra_op
+    from solver.intra_op.ilp import solve_intra_op
     from solver.stage_costs import memory_lower_bound_bytes
 
     source = resolve(SPEC)

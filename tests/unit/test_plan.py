@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig
+from autopar.estimate import Estimate
 from autopar.models import resolve
 from autopar.plan import (
     Alternative,
     IntraOpChoice,
     Plan,
     PlanFileError,
-    Prediction,
     SearchInfo,
     StageInfo,
     fingerprint_source,
@@ -34,10 +34,13 @@ def _plan(**overrides) -> Plan:
                           flops_per_microbatch=3.5e9, num_parameters=3000, memory_bytes=27000)),
         intra_op=(IntraOpChoice(layer_group="layers", submesh=(2,), source="template",
                                 placements=(("attention.wq.weight", "Shard(0) column-parallel"),)),),
-        predicted=Prediction(step_time_s=0.5, tokens_per_s=2048.0, tokens_per_s_per_device=256.0,
-                             model_tflops_per_device=1.5, mfu=0.25, peak_memory_bytes=12345, fits=True,
-                             bubble_fraction=0.25, time_breakdown=(("compute_s", 0.4), ("bubble_s", 0.1)),
-                             memory_breakdown=(("params_bytes", 12000),)),
+        predicted=Estimate(step_time_s=0.5, tokens_per_s=2048.0, tokens_per_s_per_device=256.0,
+                           model_tflops_per_device=1.5, mfu=0.25, peak_memory_bytes=12345, fits=True,
+                           memory_limit_bytes=80 * 10**9, time_breakdown=(("compute_s", 0.4), ("bubble_s", 0.1)),
+                           memory_breakdown=(("params_bytes", 12000),),
+                           config=(("tp", 2), ("pp", 2), ("dp", 2), ("zero", 1), ("micro_batch", 2),
+                                   ("num_microbatches", 4), ("schedule", "1f1b"), ("recompute", "selective"))),
+        bubble_fraction=0.25,
         search=SearchInfo(cost_model="toy", num_candidates=10, num_priced=6, num_pruned_memory=3,
                           num_pruned_dominated=1, num_not_fitting=2,
                           alternatives=(Alternative(config=ParallelConfig(tp=8, dp=1), stage_layers=(4,),
@@ -55,7 +58,8 @@ def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
     data = json.loads(text)
-    assert data["version"] == 2
+    assert data["version"] == 3
+    assert data["predicted"]["config"]["num_microbatches"] == 4 and data["bubble_fraction"] == 0.25
     assert list(data) == sorted(data)
     assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
     text.encode("ascii")
@@ -179,3 +183,24 @@ def test_plan_written_before_a_defaulted_field_still_loads() -> None:
     a required key stays required (the parametrized cases above)."""
     plan = Plan.loads(_mutated(lambda d: d.pop("pipeline")))
     assert plan.pipeline is None
+
+
+def test_version_2_plan_file_loads() -> None:
+    """A plan saved by version 2 (its `predicted` held nine Estimate fields and the bubble
+    fraction) loads as the same plan: the bubble fraction moves beside the Estimate, the
+    fields it lacked come from the plan (memory limit, config) or the Estimate's defaults."""
+    plan = _plan()
+    old = plan.to_json()
+    keep = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "model_tflops_per_device", "mfu",
+            "peak_memory_bytes", "fits", "time_breakdown", "memory_breakdown")
+    old["predicted"] = {**{k: old["predicted"][k] for k in keep}, "bubble_fraction": old.pop("bubble_fraction")}
+    old["version"] = 2
+    loaded = Plan.loads(json.dumps(old))
+    assert loaded.bubble_fraction == 0.25 and loaded.predicted.memory_limit_bytes == plan.memory_limit_bytes
+    config = dict(loaded.predicted.config)
+    assert config["num_microbatches"] == 4 and config["tp"] == 2 and config["attention"] == "flash"
+    assert loaded.predicted.time_breakdown == plan.predicted.time_breakdown
+    assert loaded.explain() == plan.explain()
+    assert json.loads(loaded.dumps())["version"] == 3
+    with pytest.raises(PlanFileError, match=r"plan\.predicted: missing keys \['fits'\]"):
+        Plan.loads(json.dumps({**old, "predicted": {k: v for k, v in old["predicted"].items() if k != "fits"}}))

@@ -162,17 +162,17 @@ def test_cli_search_json_and_explain(tmp_path, capsys) -> None:
 
 _DETERMINISM_SCRIPT = """
 import sys
-from autopar.commands.search import plan_search
-r = plan_search("llama-tiny", "a100-80gb:2x2", global_batch=4, memory_gb=1.0)
+from autopar.api import search_plans
+r = search_plans("llama-tiny", "a100-80gb:2x2", global_batch=4, memory_gb=1.0)
 sys.stdout.write(r.plan.dumps())
 """
 
 
 def test_plan_json_is_byte_identical_across_processes() -> None:
     """Golden-style: a fresh process with another hash seed writes the same bytes as this one."""
-    from autopar.commands.search import plan_search
+    from autopar.api import search_plans
 
-    here = plan_search("llama-tiny", "a100-80gb:2x2", global_batch=4, memory_gb=1.0).plan.dumps()
+    here = search_plans("llama-tiny", "a100-80gb:2x2", global_batch=4, memory_gb=1.0).plan.dumps()
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     proc = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).resolve().parents[2], timeout=300)
@@ -182,7 +182,7 @@ def test_plan_json_is_byte_identical_across_processes() -> None:
 
 
 def test_ilp_intra_op_choices_are_recorded_and_memoised() -> None:
-    from solver.intra_ilp import ilp_intra_op
+    from solver.intra_op.layer_groups import ilp_intra_op
 
     graph = trace_model(resolve("gpt-tiny"), batch=2, dtype="float32")
     cluster = Cluster.parse("h100:1x4")

@@ -26,7 +26,7 @@ from autopar.placement import (
     transfer_kind,
 )
 from autopar.trace import trace_model
-from solver.strategies import coverage, enumerate_strategies
+from solver.intra_op.space import coverage, enumerate_strategies
 
 
 def _graph(nodes: list[Node]) -> Graph:

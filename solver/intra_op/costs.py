@@ -1,7 +1,7 @@
 """Per-strategy cost tables for the intra-op ILP: compute, communication, memory, resharding.
 
 Where it sits: `cost_table(graph, space, cluster) -> CostTable` after
-`solver.strategies.enumerate_strategies` and before `solver.intra_op`; it calls the
+`solver.intra_op.space.enumerate_strategies` and before the ILP (solver/intra_op/ilp.py); it calls the
 formulas of cost_model/ (roofline compute, alpha-beta collectives per mesh axis) and
 returns new frozen tables (the strategy space is not touched).
 

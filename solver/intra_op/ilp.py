@@ -1,8 +1,8 @@
 """Intra-op sharding ILP: choose every op's placements on a device mesh.
 
 Where it sits: `solve_intra_op(graph, cluster, mesh_shape)` runs
-strategies (solver/strategies.py) -> prices (solver/costs.py) -> simplification
-(solver/ilp_reduce.py) -> this ILP, and returns a frozen `IntraOpSolution`
+strategies (solver/intra_op/space.py) -> prices (solver/intra_op/costs.py) -> simplification
+(solver/intra_op/sharing.py) -> this ILP, and returns a frozen `IntraOpSolution`
 (autopar/sharding.py) for the whole-plan search and codegen. Data, tensor, sequence and
 ZeRO-3/FSDP parallelism are not special cases: they are what the minimum below picks.
 
@@ -72,9 +72,9 @@ from autopar.sharding import (
 )
 from autopar.buckets import gather_group, gather_share, plan_buckets
 from cost_model import STATE_BYTES_PER_PARAM
-from solver.costs import CostTable, ReshardPricer, cost_table
-from solver.ilp_reduce import Reduction, reduce_graph
-from solver.strategies import enumerate_strategies
+from solver.intra_op.costs import CostTable, ReshardPricer, cost_table
+from solver.intra_op.sharing import Reduction, reduce_graph
+from solver.intra_op.space import enumerate_strategies
 
 PlaceholderFilter = Callable[[Node, Placements], bool]
 """keep(placeholder node, its placements): which layouts a forced configuration allows."""

@@ -1,7 +1,7 @@
 """Strategy enumeration: which placements each op of the joint graph can run in.
 
 Where it sits: `enumerate_strategies(graph, mesh_shape) -> StrategySpace`, read by
-solver/costs.py and the intra-op ILP; its output is torch-free. The strategies come from
+solver/intra_op/costs.py and the intra-op ILP; its output is torch-free. The strategies come from
 DTensor's sharding registry (torch 2.13: ~160 op-strategy functions and ~1,000
 single-dim strategies, `DTensor._op_dispatcher.sharding_propagator`), so what the ILP
 chooses among is exactly what DTensor's dispatcher executes (codegen/apply.py runs the
@@ -373,7 +373,7 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple[int, ...]) -> StrategyS
 
 def _pointwise_lead(graph: Graph, node: Node, strategies: list[tuple[NodeStrategy, ...]]) -> int | None:
     """For a pointwise op with several tensor operands: the operand whose layout it follows
-    (solver/ilp_reduce.py): of the operands shaped like the output, the one whose producer
+    (solver/intra_op/sharing.py): of the operands shaped like the output, the one whose producer
     offers the most layouts (not a broadcast scalar's single replicated one); None for
     other ops."""
     import torch

@@ -1,7 +1,7 @@
 """The config-template intra-op choice: Megatron tensor parallelism plus data parallelism.
 
 Where it sits: solver/, used by solver/search.py as the per-layer-group intra-op choice
-when the intra-op ILP (solver/intra_op.py) is not used. It records, per parameter of a
+when the intra-op ILP (solver/intra_op/ilp.py) is not used. It records, per parameter of a
 layer group, how Megatron shards it over the tp axis, so a plan file can say what each
 weight does without re-running anything.
 

@@ -1,11 +1,15 @@
 """`Estimate`: what pricing one full configuration predicts (DESIGN.md JSON contract).
 
-Where it sits: returned by `cost_model.price` / `price_profile`; `autopar price --json`
-prints `to_json()`, and each plan of `autopar search --json` carries the same keys.
+Where it sits: shared (autopar/), beside the plan types. The cost model returns it
+(`cost_model.price` / `price_profile`), the searches build one per ranked candidate, and
+a Plan embeds the chosen plan's as `Plan.predicted` (autopar/plan.py), so one type carries
+a prediction from pricing to the plan file. `autopar price --json` prints `to_json()`,
+and each plan of `autopar search --json` carries the same keys.
 
 Terms: `time_breakdown` maps a component to seconds per step (compute, recompute,
 exposed communication by kind, bubble, optimizer); `memory_breakdown` maps a component
-to bytes on the peak device (the pipeline stage with the largest total).
+to bytes on the peak device (the pipeline stage with the largest total); `config` the
+configuration priced, as (name, value) pairs.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.json_codec import JsonData, encode
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Estimate:
+class Estimate(JsonData):
     step_time_s: float
     tokens_per_s: float
     """Whole job."""
@@ -28,7 +34,8 @@ class Estimate:
     fits: bool
     memory_limit_bytes: int
     time_breakdown: tuple[tuple[str, float], ...]
-    memory_breakdown: tuple[tuple[str, int], ...]
+    memory_breakdown: tuple[tuple[str, float], ...]
+    """Bytes (integers as the cost model writes them)."""
     config: tuple[tuple[str, Any], ...]
     """tp, pp, dp, zero, micro_batch, num_microbatches, schedule, interleave, recompute
     (+ attention, sequence_parallel)."""
@@ -41,19 +48,6 @@ class Estimate:
         return max(0, self.peak_memory_bytes - self.memory_limit_bytes)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tokens_per_s_per_device": self.tokens_per_s_per_device,
-            "model_tflops_per_device": self.model_tflops_per_device,
-            "hardware_tflops_per_device": self.hardware_tflops_per_device,
-            "mfu": self.mfu,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "memory_limit_bytes": self.memory_limit_bytes,
-            "over_memory_bytes": self.over_memory_bytes,
-            "fits": self.fits,
-            "peak_stage": self.peak_stage,
-            "time_breakdown": dict(self.time_breakdown),
-            "memory_breakdown": dict(self.memory_breakdown),
-            "config": dict(self.config),
-        }
+        """The fields (autopar/json_codec.py rules) plus the derived `over_memory_bytes`,
+        which `autopar price --json` reports; a plan file stores the fields only."""
+        return {**encode(self, Estimate), "over_memory_bytes": self.over_memory_bytes}

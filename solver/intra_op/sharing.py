@@ -1,6 +1,6 @@
 """Graph simplification for the intra-op ILP: layer sharing and strategy following.
 
-Where it sits: inside `solver.intra_op.solve_intra_op`, between pricing and the ILP.
+Where it sits: inside `solver.intra_op.ilp.solve_intra_op`, between pricing and the ILP.
 It decides which nodes own a decision variable and expresses every other node's choice
 as a function of an owner's choice, so the ILP grows with one layer, not with depth.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from autopar.ir import Graph, NodeId
 from autopar.sharding import StrategySpace
-from solver.costs import CostTable
+from solver.intra_op.costs import CostTable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Intra-op choices from the ILP (solver/intra_op.py) for a chosen plan, memoised.
+"""Intra-op choices from the ILP (solver/intra_op/ilp.py) for a chosen plan, memoised.
 
 Where it sits: solver/, an optional `intra_op_fn` for solver/search.py. The whole-plan
 search ranks candidates with the cost model's config template (Megatron tp + dp); this
@@ -35,7 +35,7 @@ def ilp_intra_op(graph: Graph, cluster: Cluster, config: ParallelConfig, *,
                  cache: dict[tuple[str, tuple[int, ...]], IntraOpChoice],
                  time_limit_s: float | None = 60.0) -> tuple[IntraOpChoice, ...]:
     """One IntraOpChoice per layer group, from the ILP on the stage's (dp, tp) mesh."""
-    from solver.intra_op import solve_intra_op
+    from solver.intra_op.ilp import solve_intra_op
 
     sub = stage_submesh(cluster, config)
     mesh = (config.dp, config.tp)

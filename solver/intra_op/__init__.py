@@ -1,0 +1,20 @@
+"""The intra-op solver: every op's placements on one (sub)mesh, by an ILP.
+
+Where it sits: solver/, after tracing (a frozen Graph) and before the whole-plan searches
+(solver/spmd_search.py, solver/pipeline_search.py) and codegen. The modules, in the
+order one solve runs them (`ilp.solve_intra_op` calls the first three):
+- space.py         `enumerate_strategies(graph, mesh_shape) -> StrategySpace`: each node's
+                   Shard/Replicate/Partial choices, from DTensor's registry
+- costs.py         `cost_table(graph, space, cluster) -> CostTable`: compute, resharding,
+                   gradient sync and memory of every strategy (cost_model's formulas)
+- sharing.py       `reduce_graph`: layer sharing and strategy following, so the ILP grows
+                   with one layer, not with depth
+- ilp.py           `solve_intra_op(graph, cluster, mesh_shape) -> IntraOpSolution`: the ILP
+                   (its math in its docstring), solved by HiGHS or CBC
+- template.py      the Megatron tp + dp placement per layer group, recorded by the template
+                   search (solver/search.py, a baseline)
+- layer_groups.py  the ILP's choice per (layer group, submesh), memoised, recorded beside
+                   the template in that search's plans
+
+Nothing is re-exported here: import from the module that defines a name.
+"""
