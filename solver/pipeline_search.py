@@ -30,6 +30,7 @@ clusters (a mesh with tp across nodes is not tried).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,6 +72,7 @@ from solver.stage_costs import (
     split_solution,
     zero3_filter,
 )
+from solver.intra_op import CutoffExceeded
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
@@ -253,9 +255,12 @@ def _schedules(p: int, m: int, num_layers: int) -> list[Schedule]:
 
 
 def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cluster: Cluster, *,
-                             family: str, num_layers: int, info: Any) -> list[PipelineResult]:
+                             family: str, num_layers: int, info: Any,
+                             cutoff_s: float = math.inf) -> list[PipelineResult]:
     """Every schedule x (all options | each uniform option) DP solution of one candidate
-    (`info`: the traced model's ModelInfo, for its heads)."""
+    (`info`: the traced model's ModelInfo, for its heads) with a step time below
+    `cutoff_s`. The all-options optimum bounds every uniform one from below, so when it
+    is not below the cutoff the schedule's uniform DPs are skipped."""
     D = cand.stage_devices(cluster)
     meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
     pp_link = cost_model.mesh_axis_links(cluster, (cand.pp, D))[0]
@@ -283,8 +288,10 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
         seen: set[tuple] = set()
         for subset in sets:
             sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
-                                 budget, tables=[tables[i] for i in subset])
+                                 budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s)
             if sol is None:
+                if len(subset) == len(options):
+                    break  # no uniform option can beat the cutoff (or fit) either
                 continue
             chosen = tuple(subset[i] for i in sol.options)
             key = (sol.stage_layers, chosen)
@@ -465,13 +472,17 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                             None if time_limit_s is None else max(1.0, time_limit_s / max(1, len(queue))))
     entries: list[_Entry] = []
     smallest: list[float] = []
-    solved_count = pruned = not_fit = 0
+    solved_count = pruned = pruned_lp = not_fit = 0
     complete = True
     for idx, (lb, _i, cand) in enumerate(queue):
         runnable_times = sorted(e.step_time_s for e in entries if e.reason is None)
         if len(runnable_times) >= top and lb >= runnable_times[top - 1]:
             pruned = len(queue) - idx
             break
+        # what a candidate must beat to enter the top: its solve stops once a bound reaches
+        # it (the one-stage ILP after its LP relaxation, the DP per schedule); the margin
+        # keeps exact ties, which the ranking breaks by memory and label
+        cutoff = runnable_times[top - 1] * (1 + 1e-9) if len(runnable_times) >= top else math.inf
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s and runnable_times:
             complete = False
             pruned = len(queue) - idx
@@ -480,8 +491,14 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             progress("solve", idx, len(queue))
         solved_count += 1
         if isinstance(cand, SpmdCandidate):
-            s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
-                                smallest=smallest)
+            try:
+                s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs,
+                                    time_limit_s=cache.time_limit_s, smallest=smallest,
+                                    cutoff_step_s=cutoff if math.isfinite(cutoff) else None)
+            except CutoffExceeded as exc:
+                log.info("one-stage %s: %s x %d microbatches: pruned", cand.mesh, exc, cand.num_microbatches)
+                pruned_lp += 1
+                continue
             if s is None or not s.estimate.fits:
                 not_fit += 1
                 continue
@@ -490,8 +507,11 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             entries.append(_Entry(step_time_s=e.step_time_s, peak_memory_bytes=int(e.peak_memory_bytes),
                                   label=label, reason=None, terms=dict(e.time_breakdown), spmd=s, estimate=e))
         else:
-            results = solve_pipeline_candidate(cand, cache, cluster, family=family, num_layers=L, info=ref.model)
-            if not results:
+            results = solve_pipeline_candidate(cand, cache, cluster, family=family, num_layers=L, info=ref.model,
+                                               cutoff_s=cutoff)
+            if not results and math.isfinite(cutoff):
+                pruned_lp += 1  # nothing below the cutoff (or nothing fits: not told apart here)
+            elif not results:
                 not_fit += 1
             for r in results:
                 est = _pipeline_estimate(r, cluster, global_batch)
@@ -517,9 +537,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                                 if need is not None else "")
             + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
     info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",
-                      num_candidates=len(queue) + pruned_memory, num_priced=solved_count,
+                      num_candidates=len(queue) + pruned_memory, num_priced=solved_count - pruned_lp,
                       num_pruned_memory=pruned_memory,
-                      num_pruned_dominated=pruned, num_not_fitting=not_fit, complete=complete, alternatives=())
+                      num_pruned_dominated=pruned + pruned_lp, num_not_fitting=not_fit, complete=complete, alternatives=())
     ranked = tuple(_ranked(e, L) for e in ranked_entries)
     plans = []
     for i, e in enumerate(ranked_entries[:top]):
@@ -542,8 +562,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                   fingerprint=fingerprint, num_layers=L, info=this_info, runners_up=why)
         plans.append(plan)
     elapsed = time.perf_counter() - t0
-    log.info("search: %d candidates (%d one-stage, %d pipelines), %d solved, %d pruned by bound; %d stage ILPs; "
-             "best %s, step %.4g s; %.1f s", len(queue), len(spmd), len(pipes), solved_count, pruned,
+    log.info("search: %d candidates (%d one-stage, %d pipelines), %d solved, %d pruned by bound before solving, "
+             "%d while solving; %d stage ILPs; best %s, step %.4g s; %.1f s", len(queue), len(spmd), len(pipes),
+             solved_count - pruned_lp, pruned, pruned_lp,
              sum(1 for v in cache.costs.values() if v is not None), ranked_entries[0].label,
              ranked_entries[0].step_time_s, elapsed)
     phases = (("trace", t_trace), ("solve", elapsed - t_trace))
