@@ -4,7 +4,8 @@ Where it sits: solver/, the planner `autopar search` and `autopar.compile` call 
 autopar/commands/search.py and autopar/api.py, which supply `trace_at`). It ranks
 - one-stage plans (pp = 1): every (dp, tp) mesh x microbatch, priced by the intra-op ILP
   on the whole step under the memory limit (solver/spmd_search.py, unchanged), and
-- pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g the
+- pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g (every
+  dp x b with b <= MAX_RANK_MICROBATCH sequences per rank) the
   intra-op ILP is solved once per stage submesh (dp, tp) (dp tp = D, tp inside a node,
   dp | g) and ZeRO layout (parameters free, or sharded over dp), memoised, its solution
   split into pre / one layer / post (solver/stage_costs.py); the inter-op DP
@@ -77,13 +78,13 @@ from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pip
 
 log = logging.getLogger(__name__)
 
-PIPELINE_MICROBATCH_CHOICES = 3
-"""Global microbatches tried per pipeline degree: the largest g with at least p
-microbatches (fewer would leave most of the pipeline idle), then the next smaller ones."""
-
 MAX_RANK_MICROBATCH = 4
 """Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each distinct
-one is a trace and an ILP per tp, and pipelines want many small microbatches."""
+one is a trace and an ILP per tp, and pipelines want many small microbatches. Every global
+microbatch g = dp x b (b <= this, for every stage submesh's dp) is a candidate: the stage
+ILP's cost per sequence barely changes with b while the bubble and the in-flight memory
+shrink with more microbatches (benchmarks/vs_hand_tuned.py found the template grid's
+dp 1 x 168 microbatches beating the three largest g this search used to try)."""
 
 INTERLEAVE_CHOICES = (2, 4)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -145,21 +146,25 @@ def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
 
 
-def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *, max_pp: int | None = None,
-                        choices: int = PIPELINE_MICROBATCH_CHOICES) -> list[PipelineCandidate]:
+def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *,
+                        max_pp: int | None = None) -> list[PipelineCandidate]:
+    """(p, g) for every pipeline degree p and every global microbatch g = dp b that some
+    stage submesh (dp, tp) runs with b <= MAX_RANK_MICROBATCH sequences per rank, with at
+    least p microbatches (fewer would leave most of the pipeline idle)."""
     n = cluster.num_devices
     out = []
     for p in range(2, n + 1):
         if n % p or p > num_layers or (max_pp is not None and p > max_pp):
             continue
         D = n // p
-        # g must split over some stage submesh's dp (dp = D / tp, tp <= a node)
-        dp_min = D // min(D, cluster.devices_per_node)
-        sizes = [g for g in range(global_batch, 0, -1)
-                 if global_batch % g == 0 and g % dp_min == 0 and global_batch // g >= p
-                 and g // dp_min <= MAX_RANK_MICROBATCH * min(D, cluster.devices_per_node)]
-        for g in sizes[:choices]:
-            out.append(PipelineCandidate(pp=p, microbatch=g, num_microbatches=global_batch // g))
+        sizes: set[int] = set()
+        for tp in range(1, min(D, cluster.devices_per_node) + 1):
+            if D % tp or cluster.devices_per_node % tp:
+                continue
+            sizes.update(D // tp * b for b in range(1, MAX_RANK_MICROBATCH + 1))
+        for g in sorted(sizes, reverse=True):
+            if global_batch % g == 0 and global_batch // g >= p:
+                out.append(PipelineCandidate(pp=p, microbatch=g, num_microbatches=global_batch // g))
     return out
 
 
