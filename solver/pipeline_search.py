@@ -436,7 +436,10 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     repeated layers (capabilities.runnable says which). `min_pp` > 1 searches pipelines only."""
     t0 = time.perf_counter()
     n = cluster.num_devices
-    spmd = [c for c in spmd_candidates(cluster, global_batch, microbatch_choices)
+    # every microbatch per mesh, largest first: the first `microbatch_choices` that pass the
+    # memory bound are solved (vs_hand_tuned.py found the three largest all over memory while
+    # a smaller one fit and won)
+    spmd = [c for c in spmd_candidates(cluster, global_batch, global_batch)
             if (cluster.num_nodes == 1 or c.mesh[1] <= cluster.devices_per_node) and min_pp == 1]
     if not spmd and min_pp == 1:
         raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
@@ -464,10 +467,14 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
 
     queue: list[tuple[float, int, Any]] = []
     pruned_memory = 0
+    kept_per_mesh: dict[tuple[int, int], int] = {}
     for i, c in enumerate(spmd):
+        if kept_per_mesh.get(c.mesh, 0) >= microbatch_choices:
+            continue  # smaller microbatches than enough fitting ones: only memory to gain
         if memory_lower_bound_bytes(ref, n, c.microbatch / ref_g) > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
             pruned_memory += 1
             continue
+        kept_per_mesh[c.mesh] = kept_per_mesh.get(c.mesh, 0) + 1
         queue.append((c.num_microbatches * per_micro_lb(n, c.microbatch) + opt_lb, i, c))
     for j, c in enumerate(pipes):
         lb = c.num_microbatches * per_micro_lb(n // c.pp, c.microbatch) / c.pp + opt_lb
