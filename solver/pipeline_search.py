@@ -4,7 +4,8 @@ Where it sits: solver/, the planner `autopar search` and `autopar.compile` call 
 autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
 - one-stage plans (pp = 1): every (dp, tp) mesh x microbatch, priced by the intra-op ILP
   on the whole step under the memory limit (solver/spmd_search.py, unchanged), and
-- pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g the
+- pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g (every
+  dp x b with b <= MAX_RANK_MICROBATCH sequences per rank) the
   intra-op ILP is solved once per stage submesh (dp, tp) (dp tp = D, tp inside a node,
   dp | g) and ZeRO layout (parameters free, or sharded over dp), memoised, its solution
   split into pre / one layer / post (solver/stage_costs.py); the inter-op DP
@@ -30,6 +31,7 @@ clusters (a mesh with tp across nodes is not tried).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -70,17 +72,18 @@ from solver.stage_costs import (
     split_solution,
     zero3_filter,
 )
+from solver.intra_op import CutoffExceeded
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
 
-PIPELINE_MICROBATCH_CHOICES = 3
-"""Global microbatches tried per pipeline degree: the largest g with at least p
-microbatches (fewer would leave most of the pipeline idle), then the next smaller ones."""
-
 MAX_RANK_MICROBATCH = 4
 """Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each distinct
-one is a trace and an ILP per tp, and pipelines want many small microbatches."""
+one is a trace and an ILP per tp, and pipelines want many small microbatches. Every global
+microbatch g = dp x b (b <= this, for every stage submesh's dp) is a candidate: the stage
+ILP's cost per sequence barely changes with b while the bubble and the in-flight memory
+shrink with more microbatches (benchmarks/vs_hand_tuned.py found the template grid's
+dp 1 x 168 microbatches beating the three largest g this search used to try)."""
 
 INTERLEAVE_CHOICES = (2, 4)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -142,21 +145,25 @@ def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
 
 
-def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *, max_pp: int | None = None,
-                        choices: int = PIPELINE_MICROBATCH_CHOICES) -> list[PipelineCandidate]:
+def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *,
+                        max_pp: int | None = None) -> list[PipelineCandidate]:
+    """(p, g) for every pipeline degree p and every global microbatch g = dp b that some
+    stage submesh (dp, tp) runs with b <= MAX_RANK_MICROBATCH sequences per rank, with at
+    least p microbatches (fewer would leave most of the pipeline idle)."""
     n = cluster.num_devices
     out = []
     for p in range(2, n + 1):
         if n % p or p > num_layers or (max_pp is not None and p > max_pp):
             continue
         D = n // p
-        # g must split over some stage submesh's dp (dp = D / tp, tp <= a node)
-        dp_min = D // min(D, cluster.devices_per_node)
-        sizes = [g for g in range(global_batch, 0, -1)
-                 if global_batch % g == 0 and g % dp_min == 0 and global_batch // g >= p
-                 and g // dp_min <= MAX_RANK_MICROBATCH * min(D, cluster.devices_per_node)]
-        for g in sizes[:choices]:
-            out.append(PipelineCandidate(pp=p, microbatch=g, num_microbatches=global_batch // g))
+        sizes: set[int] = set()
+        for tp in range(1, min(D, cluster.devices_per_node) + 1):
+            if D % tp or cluster.devices_per_node % tp:
+                continue
+            sizes.update(D // tp * b for b in range(1, MAX_RANK_MICROBATCH + 1))
+        for g in sorted(sizes, reverse=True):
+            if global_batch % g == 0 and global_batch // g >= p:
+                out.append(PipelineCandidate(pp=p, microbatch=g, num_microbatches=global_batch // g))
     return out
 
 
@@ -252,9 +259,12 @@ def _schedules(p: int, m: int, num_layers: int) -> list[Schedule]:
 
 
 def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cluster: Cluster, *,
-                             family: str, num_layers: int, info: Any) -> list[PipelineResult]:
+                             family: str, num_layers: int, info: Any,
+                             cutoff_s: float = math.inf) -> list[PipelineResult]:
     """Every schedule x (all options | each uniform option) DP solution of one candidate
-    (`info`: the traced model's ModelInfo, for its heads)."""
+    (`info`: the traced model's ModelInfo, for its heads) with a step time below
+    `cutoff_s`. The all-options optimum bounds every uniform one from below, so when it
+    is not below the cutoff the schedule's uniform DPs are skipped."""
     D = cand.stage_devices(cluster)
     meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
     pp_link = cost_model.mesh_axis_links(cluster, (cand.pp, D))[0]
@@ -282,8 +292,10 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
         seen: set[tuple] = set()
         for subset in sets:
             sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
-                                 budget, tables=[tables[i] for i in subset])
+                                 budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s)
             if sol is None:
+                if len(subset) == len(options):
+                    break  # no uniform option can beat the cutoff (or fit) either
                 continue
             chosen = tuple(subset[i] for i in sol.options)
             key = (sol.stage_layers, chosen)
@@ -419,7 +431,10 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     repeated layers (capabilities.runnable says which). `min_pp` > 1 searches pipelines only."""
     t0 = time.perf_counter()
     n = cluster.num_devices
-    spmd = [c for c in spmd_candidates(cluster, global_batch, microbatch_choices)
+    # every microbatch per mesh, largest first: the first `microbatch_choices` that pass the
+    # memory bound are solved (vs_hand_tuned.py found the three largest all over memory while
+    # a smaller one fit and won)
+    spmd = [c for c in spmd_candidates(cluster, global_batch, global_batch)
             if (cluster.num_nodes == 1 or c.mesh[1] <= cluster.devices_per_node) and min_pp == 1]
     if not spmd and min_pp == 1:
         raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
@@ -447,10 +462,14 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
 
     queue: list[tuple[float, int, Any]] = []
     pruned_memory = 0
+    kept_per_mesh: dict[tuple[int, int], int] = {}
     for i, c in enumerate(spmd):
+        if kept_per_mesh.get(c.mesh, 0) >= microbatch_choices:
+            continue  # smaller microbatches than enough fitting ones: only memory to gain
         if memory_lower_bound_bytes(ref, n, c.microbatch / ref_g) > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
             pruned_memory += 1
             continue
+        kept_per_mesh[c.mesh] = kept_per_mesh.get(c.mesh, 0) + 1
         queue.append((c.num_microbatches * per_micro_lb(n, c.microbatch) + opt_lb, i, c))
     for j, c in enumerate(pipes):
         lb = c.num_microbatches * per_micro_lb(n // c.pp, c.microbatch) / c.pp + opt_lb
@@ -460,13 +479,17 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                             None if time_limit_s is None else max(1.0, time_limit_s / max(1, len(queue))))
     entries: list[_Entry] = []
     smallest: list[float] = []
-    solved_count = pruned = not_fit = 0
+    solved_count = pruned = pruned_lp = not_fit = 0
     complete = True
     for idx, (lb, _i, cand) in enumerate(queue):
         runnable_times = sorted(e.step_time_s for e in entries if e.reason is None)
         if len(runnable_times) >= top and lb >= runnable_times[top - 1]:
             pruned = len(queue) - idx
             break
+        # what a candidate must beat to enter the top: its solve stops once a bound reaches
+        # it (the one-stage ILP after its LP relaxation, the DP per schedule); the margin
+        # keeps exact ties, which the ranking breaks by memory and label
+        cutoff = runnable_times[top - 1] * (1 + 1e-9) if len(runnable_times) >= top else math.inf
         if time_limit_s is not None and time.perf_counter() - t0 > time_limit_s and runnable_times:
             complete = False
             pruned = len(queue) - idx
@@ -475,8 +498,14 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             progress("solve", idx, len(queue))
         solved_count += 1
         if isinstance(cand, SpmdCandidate):
-            s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
-                                smallest=smallest)
+            try:
+                s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs,
+                                    time_limit_s=cache.time_limit_s, smallest=smallest,
+                                    cutoff_step_s=cutoff if math.isfinite(cutoff) else None)
+            except CutoffExceeded as exc:
+                log.info("one-stage %s: %s x %d microbatches: pruned", cand.mesh, exc, cand.num_microbatches)
+                pruned_lp += 1
+                continue
             if s is None or not s.estimate.fits:
                 not_fit += 1
                 continue
@@ -485,8 +514,11 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             entries.append(_Entry(step_time_s=e.step_time_s, peak_memory_bytes=int(e.peak_memory_bytes),
                                   label=label, reason=None, terms=dict(e.time_breakdown), spmd=s, estimate=e))
         else:
-            results = solve_pipeline_candidate(cand, cache, cluster, family=family, num_layers=L, info=ref.model)
-            if not results:
+            results = solve_pipeline_candidate(cand, cache, cluster, family=family, num_layers=L, info=ref.model,
+                                               cutoff_s=cutoff)
+            if not results and math.isfinite(cutoff):
+                pruned_lp += 1  # nothing below the cutoff (or nothing fits: not told apart here)
+            elif not results:
                 not_fit += 1
             for r in results:
                 est = _pipeline_estimate(r, cluster, global_batch)
@@ -512,9 +544,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                                 if need is not None else "")
             + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
     info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",
-                      num_candidates=len(queue) + pruned_memory, num_priced=solved_count,
+                      num_candidates=len(queue) + pruned_memory, num_priced=solved_count - pruned_lp,
                       num_pruned_memory=pruned_memory,
-                      num_pruned_dominated=pruned, num_not_fitting=not_fit, complete=complete, alternatives=())
+                      num_pruned_dominated=pruned + pruned_lp, num_not_fitting=not_fit, complete=complete, alternatives=())
     ranked = tuple(_ranked(e, L) for e in ranked_entries)
     plans = []
     for i, e in enumerate(ranked_entries[:top]):
@@ -537,8 +569,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                   fingerprint=fingerprint, num_layers=L, info=this_info, runners_up=why)
         plans.append(plan)
     elapsed = time.perf_counter() - t0
-    log.info("search: %d candidates (%d one-stage, %d pipelines), %d solved, %d pruned by bound; %d stage ILPs; "
-             "best %s, step %.4g s; %.1f s", len(queue), len(spmd), len(pipes), solved_count, pruned,
+    log.info("search: %d candidates (%d one-stage, %d pipelines), %d solved, %d pruned by bound before solving, "
+             "%d while solving; %d stage ILPs; best %s, step %.4g s; %.1f s", len(queue), len(spmd), len(pipes),
+             solved_count - pruned_lp, pruned, pruned_lp,
              sum(1 for v in cache.costs.values() if v is not None), ranked_entries[0].label,
              ranked_entries[0].step_time_s, elapsed)
     phases = (("trace", t_trace), ("solve", elapsed - t_trace))

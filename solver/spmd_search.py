@@ -162,9 +162,12 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
 
 def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,
                     graphs: dict[int, Graph], time_limit_s: float | None,
-                    smallest: list[float] | None = None) -> Solved | None:
+                    smallest: list[float] | None = None, cutoff_step_s: float | None = None) -> Solved | None:
     """The ILP for one candidate (None when nothing fits its memory; the smallest memory it
-    needs is appended to `smallest`)."""
+    needs is appended to `smallest`). With `cutoff_step_s`, raises
+    solver.intra_op.CutoffExceeded when the ILP's LP relaxation proves the step time at
+    least that (m x its per-microbatch bound; the optimizer term is left out of the bound,
+    which keeps it a lower bound)."""
     graph = graphs.get(cand.microbatch)
     if graph is None:
         graph = graphs[cand.microbatch] = trace_at(cand.microbatch)
@@ -172,7 +175,8 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
     try:
         solution = solve_intra_op(graph, cluster, cand.mesh, memory_budget_bytes=cluster.device_memory_bytes,
                                   grad_sync_weight=1.0 / cand.num_microbatches, time_limit_s=time_limit_s,
-                                  space=space)
+                                  space=space,
+                                  cutoff_s=None if cutoff_step_s is None else cutoff_step_s / cand.num_microbatches)
     except InfeasiblePlanError as exc:
         if smallest is not None and exc.min_memory_bytes is not None:
             smallest.append(exc.min_memory_bytes)

@@ -223,22 +223,34 @@ def _shortest(gathered: np.ndarray, bound: float, num_layers: int) -> tuple[floa
 
 def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, options: Sequence[StageOption],
                    schedule: Schedule, memory_budget_bytes: float,
-                   tables: Sequence[np.ndarray] | None = None) -> PipelineSolution | None:
+                   tables: Sequence[np.ndarray] | None = None, cutoff_s: float = math.inf) -> PipelineSolution | None:
     """The exact optimum of T over cuts x per-stage options (module docstring), or None
     when no assignment fits the memory budget. L = 0 (no repeated layers) needs p = 1.
-    `tables` are the options' `option_tables` when the caller reuses them across subsets."""
+    `tables` are the options' `option_tables` when the caller reuses them across subsets.
+
+    `cutoff_s`: only an optimum with T < cutoff_s is returned (None otherwise), so the
+    search stops as soon as a bound reaches it. Bounds, from T >= (beta + (m - beta) / p) S
+    (the slowest stage is at least the mean) with S = sum_k t_k: S >= L min_(k,n) tmin_k(n) / n
+    (before any path is computed), then S >= S_free."""
     p, m, L = num_stages, num_microbatches, num_layers
     if p < 1 or (L < p and not (L == 0 and p == 1)) or not options or not schedule.allows(p, m):
         return None
     if tables is None:
         tables = [option_tables(L, p, m, o, schedule, memory_budget_bytes) for o in options]
     tmin, arg = _tmin_tables(tables)
+    beta = schedule.beta
+    scale = beta + (m - beta) / p
+    if L and math.isfinite(cutoff_s):
+        per_layer = (tmin[:, 1:] / np.arange(1, L + 1)[None, :]).min()
+        if not math.isfinite(per_layer) or scale * L * per_layer >= cutoff_s:
+            return None
     gathered = _gathered(tmin)
     free = _shortest(gathered, math.inf, L)
     if free is None:
         return None
     s_free = free[0]
-    beta = schedule.beta
+    if scale * s_free >= cutoff_s:
+        return None
     bounds = np.unique(tmin[np.isfinite(tmin)])
     # feasibility is monotone in the bound: find the smallest feasible one by bisection,
     # then scan upwards while a larger bound can still pay for itself
@@ -250,7 +262,7 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
         else:
             hi = mid
     best: list[int] | None = None
-    best_t = math.inf
+    best_t = cutoff_s
     for bound in bounds[lo:]:
         if beta * s_free + (m - beta) * bound >= best_t:
             break
@@ -260,7 +272,9 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
         t = beta * total + (m - beta) * float(bound)
         if t < best_t:
             best_t, best = t, cuts
-    assert best is not None  # the largest bound admits the unbounded optimum
+    if best is None:  # with no cutoff, the largest bound admits the unbounded optimum
+        assert math.isfinite(cutoff_s)
+        return None
     cuts = best
     chosen = tuple(int(arg[k, n]) for k, n in enumerate(cuts))
     times = tuple(stage_time_s(options[i], n, k, p, schedule) for k, (n, i) in enumerate(zip(cuts, chosen)))

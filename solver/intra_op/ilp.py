@@ -108,6 +108,18 @@ REL_GAP = 1e-9
 SOLVERS = ("highs", "cbc")
 
 INTEGRALITY_TOL = 1e-6
+
+
+class CutoffExceeded(Exception):
+    """The LP relaxation proved the ILP's objective (per microbatch) at least the caller's
+    `cutoff_s` (solve_intra_op): branch and bound was skipped. Added for the whole-plan
+    search's pruning (issue 14, branch i14s): a candidate whose bound already loses to the
+    plans found so far is not solved exactly."""
+
+    def __init__(self, lower_bound_s: float, cutoff_s: float) -> None:
+        super().__init__(f"LP relaxation bound {lower_bound_s:.6g} s >= cutoff {cutoff_s:.6g} s")
+        self.lower_bound_s = lower_bound_s
+        self.cutoff_s = cutoff_s
 """An LP-relaxation value this close to 0 or 1 counts as integral."""
 
 
@@ -297,13 +309,14 @@ def _make_solver(solver: str, time_limit_s: float | None, *, msg: bool = False) 
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
-def _solve(model: "_Model", solver: str, time_limit_s: float | None) -> int:
+def _solve(model: "_Model", solver: str, time_limit_s: float | None, cutoff_s: float | None = None) -> int:
     """Solve `model`, returning PuLP's solution status.
 
     HiGHS first solves the LP relaxation: the Alpa-style edge rows make it tight, and on
     the zoo models its optimum is usually integral, which proves it optimal for the ILP
     without MIP presolve and heuristics (about half the time on llama3-8b). Otherwise
-    (or with CBC) the ILP is solved with branch and bound."""
+    (or with CBC) the ILP is solved with branch and bound, unless the relaxation's
+    objective (a lower bound of the ILP's) already reaches `cutoff_s`: CutoffExceeded."""
     start = time.perf_counter()
     if solver == "highs":
         model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=time_limit_s,
@@ -314,6 +327,11 @@ def _solve(model: "_Model", solver: str, time_limit_s: float | None) -> int:
                  pulp.LpStatus[model.prob.status], time.perf_counter() - start, fractional)
         if model.prob.sol_status == pulp.LpSolutionOptimal and not fractional:
             return pulp.LpSolutionOptimal
+        if cutoff_s is not None and model.prob.sol_status == pulp.LpSolutionOptimal:
+            # i14s: the tie-break terms (1e-10 s per collective) are far below this margin
+            bound_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
+            if bound_s >= cutoff_s * (1 + 1e-6):
+                raise CutoffExceeded(bound_s, cutoff_s)
         if time_limit_s is not None:
             time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - start))
     model.prob.solve(_make_solver(solver, time_limit_s))
@@ -429,7 +447,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    memory_budget_bytes: float | None = None, solver: str = "highs",
                    time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
                    keep_placeholder: PlaceholderFilter | None = None, grad_sync_weight: float = 1.0,
-                   gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None) -> IntraOpSolution:
+                   gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
+                   cutoff_s: float | None = None) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration);
@@ -438,6 +457,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     (so the batch stays split there). `space` reuses
     an enumeration of the same graph and mesh. Raises InfeasiblePlanError (a ValueError)
     when no plan fits `memory_budget_bytes`, with the smallest memory any plan needs.
+    `cutoff_s` (HiGHS only): raise CutoffExceeded instead of branching when the LP
+    relaxation proves the per-microbatch objective is at least this (the search's pruning).
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
@@ -473,7 +494,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
-    sol_status = _solve(model, solver, time_limit_s)
+    sol_status = _solve(model, solver, time_limit_s, cutoff_s)
     if sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound) and memory_budget_bytes is not None \
             and pulp.LpStatus[model.prob.status] != "Not Solved":
         need = _min_memory_bytes(red, terms, forbidden, solver, time_limit_s)

@@ -54,10 +54,17 @@ AVG = Partial("avg")
 SOURCE_OPS = ("placeholder", "constant")
 
 
-def _is_mask(p: Any) -> bool:
-    from torch.distributed.tensor.placement_types import _MaskPartial
+_MASK_PARTIAL: list[type] = []
+"""DTensor's _MaskPartial class, imported on first use (i14s: an import statement per call
+cost about a second of the 70B search's strategy enumeration)."""
 
-    return isinstance(p, _MaskPartial)
+
+def _is_mask(p: Any) -> bool:
+    if not _MASK_PARTIAL:
+        from torch.distributed.tensor.placement_types import _MaskPartial
+
+        _MASK_PARTIAL.append(_MaskPartial)
+    return isinstance(p, _MASK_PARTIAL[0])
 
 
 

@@ -74,6 +74,26 @@ def test_dp_equals_brute_force(seed, schedule):
     assert max(got.stage_memory_bytes) <= budget
 
 
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_cutoff_returns_the_optimum_below_it_else_none(seed, schedule):
+    """The search's pruning: with a cutoff the DP returns the exact optimum when it is below
+    the cutoff and None otherwise (a cutoff just above, at and below the brute-force optimum)."""
+    rng = random.Random(100 + seed)
+    L = rng.randint(4, 8)
+    p = rng.randint(2, min(4, L // schedule.chunks))
+    m = rng.choice([p, 2 * p, 8])
+    options = _random_options(rng, rng.randint(1, 3))
+    oracle = brute_force(L, p, m, options, schedule, 60.0)
+    if oracle is None:
+        assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=1e9) is None
+        return
+    above = solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0] * 1.001)
+    assert above is not None and above.step_time_s == pytest.approx(oracle[0], rel=1e-12)
+    assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0]) is None
+    assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0] * 0.5) is None
+
+
 def test_stages_differ_in_option_when_faster():
     """Two options: a fast one whose memory fits only the later stages (fewer microbatches
     in flight under 1F1B), a slow lean one: the optimum mixes them."""
