@@ -46,7 +46,7 @@ from autopar.config import ParallelConfig  # noqa: E402
 from autopar.models import resolve  # noqa: E402
 from autopar.plan import InfeasiblePlanError, Plan, describe_config  # noqa: E402
 from autopar.trace import trace_model  # noqa: E402
-from solver.costs import core_share  # noqa: E402
+from solver.intra_op.costs import core_share  # noqa: E402
 from solver.pipeline_search import MAX_RANK_MICROBATCH, _StageCostCache, search  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402

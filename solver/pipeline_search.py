@@ -72,7 +72,7 @@ from solver.stage_costs import (
     split_solution,
     zero3_filter,
 )
-from solver.intra_op import CutoffExceeded
+from solver.intra_op.ilp import CutoffExceeded
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
