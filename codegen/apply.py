@@ -207,6 +207,9 @@ class _Interpreter:
         self.edge_group, self.groups = self._gather_groups()
         self.gathered: dict[tuple, DTensor] = {}
         self.issuing: set[tuple] = set()
+        self.extra_outputs: tuple[tuple[NodeId, Placements], ...] = ()
+        """(node, placements) returned after the gradients, each brought to its placements
+        (a pipeline stage's boundary values: autopar/pipe_spmd.py)."""
 
     def _gather_groups(self) -> tuple[dict[tuple[NodeId, int], tuple], dict[tuple, list[tuple]]]:
         """Parameter gathers that travel together (autopar/buckets.py gather_group, priced so
@@ -284,7 +287,13 @@ class _Interpreter:
             env[node] = self._run_node(node, nid, env)
         loss = env[self.output.args[0][0]]
         grads = [env[g] for g in self._grad_outputs()]
-        return (loss._local_tensor, *[g._local_tensor for g in grads])
+        extras = []
+        for nid, want in self.extra_outputs:
+            t = env[self.fx_nodes[nid]]
+            if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
+                t = _redistribute(t, want, True)
+            extras.append(t._local_tensor.contiguous())
+        return (loss._local_tensor, *[g._local_tensor for g in grads], *extras)
 
     def _grad_outputs(self) -> list[fx.Node]:
         grad_ids = {g for _, g in self.graph.param_grads}
@@ -376,11 +385,17 @@ def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
     gm.recompile()
 
 
-def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh) -> RankGraphs:
-    """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`."""
+def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh, *,
+          extra_outputs: Sequence[tuple[NodeId, Placements]] = ()) -> RankGraphs:
+    """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`.
+
+    `extra_outputs`: (node, placements) pairs the step also returns, after the gradients,
+    each redistributed to its placements (a pipeline stage's outputs and input gradients
+    in the layout the stages exchange; autopar/pipe_spmd.py)."""
     bridge.register_project_rules()
     mesh_shape = tuple(mesh.shape)
     interp = _Interpreter(gm, graph, choices, mesh)
+    interp.extra_outputs = tuple(extra_outputs)
     slots = []
     inputs = 0
     for node in interp.placeholders():
