@@ -285,11 +285,12 @@ class PerOpStage(nn.Module):
 
 def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
                        outputs: Sequence[torch.Tensor], last: bool, config: ParallelConfig, mesh: DeviceMesh,
-                       num_microbatches: int, optimizer: OptimizerFactory, solution: Any = None,
+                       num_microbatches: int, optimizer: OptimizerFactory,
+                       solve: Callable[[Graph], Any] | None = None,
                        cluster: Any = None) -> tuple[StageRunner, Any, Graph]:
-    """Trace, solve (unless `solution` is given) and apply one chunk on `mesh` (its (dp,
-    tp) submesh); `inputs`/`outputs` are its boundary values at the global microbatch.
-    Returns (runner, the ILP solution, the lowered graph)."""
+    """Trace, solve and apply one chunk on `mesh` (its (dp, tp) submesh); `inputs`/`outputs`
+    are its boundary values at the global microbatch. `solve(graph)` gives the ILP's
+    solution (default: `solve_stage` here). Returns (runner, the solution, the lowered graph)."""
     from codegen.apply import apply
     from autopar.runtime_spmd import SpmdProgram, solution_choices
     from autopar.trace import lower, trace
@@ -338,8 +339,10 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
             raise RuntimeError(f"chunk {index}: input {i} requires grad but the joint graph has no gradient for it")
         extra.append((ids[g], boundary_placements(inputs[i].shape, rows, config.dp)))
 
-    if solution is None:
+    if solve is None:
         solution = solve_stage(graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
+    else:
+        solution = solve(graph)
     choices = solution_choices(graph, solution)
     graphs = apply(traced.gm, graph, choices, mesh, extra_outputs=extra)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
@@ -381,5 +384,268 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
                           gather_free_axes=forced.gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches)
 
 
-__all__ = ["PerOpStage", "StageRunner", "boundary_placements", "build_stage_runner", "capture_boundaries",
-           "split_joint"]
+# ---------------------------------------------------------------------------------------
+# the program
+
+
+class PipeSpmdProgram:
+    """One rank's share of a pipeline whose stages are per-op programs. Build with
+    `build_pipe_spmd_program`."""
+
+    def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, runners: list[StageRunner],
+                 stages: list[Any], chunk_ids: tuple[int, ...], num_chunks: int, optimizer: torch.optim.Optimizer,
+                 tie_groups: dict[str, dist.ProcessGroup], priced: dict[tuple[str, str], tuple[int, int]]) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.submesh = mesh["dp", "tp"]
+        self.runners = runners
+        self.stages = stages
+        self.chunk_ids = chunk_ids
+        self.num_chunks = num_chunks
+        self.optimizer = optimizer
+        self.tie_groups = tie_groups
+        """Canonical parameter name -> the group of pp ranks (this dp/tp coordinate) holding it."""
+        self.priced = priced
+        """What the stages' ILP solutions priced per step (this rank's chunks)."""
+        self.chunks = [r.program.model for r in runners]
+        self.rules = None
+        self.tied_fqns: tuple[str, ...] = ()
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.dp_rank = mesh.get_local_rank("dp")
+        self.tp_rank = mesh.get_local_rank("tp")
+        self.steps_done = 0
+        self.last_stats: Any = None
+        self._schedules: dict[int, Any] = {}
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_chunks - 1 in self.chunk_ids
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen: dict[str, nn.Parameter] = {}
+        for r in self.runners:
+            for name, p in r.program.named_parameters():
+                seen.setdefault(name, p)
+        return list(seen.items())
+
+    def _schedule(self, num_mb: int) -> Any:
+        """The schedule for `num_mb` microbatches, built once. The schedules' gradient
+        scaling is off: the last chunk's loss tangent is 1 / num_mb already."""
+        from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        from autopar.runtime_pipe import _output_is_loss
+
+        if num_mb not in self._schedules:
+            kind = self.config.schedule
+            if kind == "interleaved":
+                self._schedules[num_mb] = ScheduleInterleaved1F1B(self.stages, n_microbatches=num_mb,
+                                                                  loss_fn=_output_is_loss, scale_grads=False)
+            else:
+                # as autopar/runtime_pipe.py: 1F1B needs as many microbatches as stages
+                cls = Schedule1F1B if kind == "1f1b" and num_mb >= self.config.pp else ScheduleGPipe
+                self._schedules[num_mb] = cls(self.stages[0], n_microbatches=num_mb, loss_fn=_output_is_loss,
+                                              scale_grads=False)
+        return self._schedules[num_mb]
+
+    def step(self, batch: Sequence[torch.Tensor]) -> float:
+        """One optimizer step on the global `batch` (identical on every rank); returns the
+        mean loss over the whole batch, on every rank."""
+        from autopar.runtime import optimizer_update
+
+        dp, rows = self.config.dp, self.config.micro_batch
+        tensors = [t for t in batch if isinstance(t, torch.Tensor)]
+        size = tensors[0].shape[0]
+        if size % (dp * rows):
+            raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {dp} * {rows}; "
+                             f"use a global batch that is a multiple of {dp * rows}")
+        # this dp rank's rows; the schedule cuts them into microbatches, so microbatch i of
+        # every dp rank together is one global microbatch, split by batch over dp (the
+        # boundary layout the first chunk was compiled for)
+        local = tuple(t.chunk(dp, dim=0)[self.dp_rank] for t in tensors)
+        num_mb = local[0].shape[0] // rows
+        for r in self.runners:
+            r.raw = None
+            r.loss_scale = 1.0 / num_mb
+        losses: list[torch.Tensor] = []
+        args = local if 0 in self.chunk_ids else ()
+        self._schedule(num_mb).step(*args, target=local[-1] if self.has_last else None, losses=losses)
+        grad_bytes = 0
+        for r in self.runners:
+            raw, r.raw = r.raw, None
+            grad_bytes += r.program.set_gradients(raw)
+        self._sum_tied_gradients()
+        mean = torch.stack([l.detach().float().reshape(()) for l in losses]).mean() if self.has_last else torch.zeros(())
+        value = mean.clone() if self.has_last and self.dp_rank == 0 and self.tp_rank == 0 else torch.zeros(())
+        dist.all_reduce(value)  # the loss reported, outside the priced program
+        loss = float(value)
+        optimizer_update(self, loss)
+        self.last_stats = self._stats(grad_bytes)
+        return loss
+
+    def _sum_tied_gradients(self) -> None:
+        """Every copy of a tensor several chunks hold (a tied embedding and head) gets the
+        sum of their gradients: whole gradients summed over this rank's copies and over the
+        pp ranks holding it, then each copy takes its own shard of the sum."""
+        from torch.distributed.tensor import DTensor
+
+        from autopar.runtime_spmd import local_shard
+        from autopar import dtensor_bridge as bridge
+
+        holders: dict[str, list[Any]] = {}
+        for r in self.runners:
+            for name, p in r.program.named_parameters():
+                holders.setdefault(name, []).append((r.program, p))
+        for name in sorted(holders):
+            copies = holders[name]
+            if len(copies) < 2 and name not in self.tie_groups:
+                continue
+            total = sum(p.grad.full_tensor() for _, p in copies)
+            if name in self.tie_groups:
+                dist.all_reduce(total, group=self.tie_groups[name])
+            for program, p in copies:
+                placements = bridge.from_dtensor_placements(p.placements)
+                g = local_shard(total, placements, program.coords, program.mesh_shape)
+                p.grad = DTensor.from_local(g, program.mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride())
+
+    def _stats(self, grad_bytes: int) -> Any:
+        import resource
+
+        from autopar.runtime import StepStats, _local
+
+        params = [p for _, p in self.named_parameters()]
+        state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
+                          for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return StepStats(parameter_bytes=sum(_local(p).numel() * _local(p).element_size() for p in params),
+                         gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
+                         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Whole copies of this rank's parameters under their canonical names (collective
+        over the (dp, tp) submesh: call on every rank)."""
+        out: dict[str, torch.Tensor] = {}
+        for r in self.runners:
+            for name, p in r.program.full_parameters().items():
+                out.setdefault(name, p)
+        return out
+
+    def collectives_per_step(self, num_microbatches: int) -> dict[tuple[str, str], tuple[int, int]]:
+        """The collectives this rank's stage graphs run per step: {(kind, mesh axis name):
+        (calls, bytes)}, forward and backward m times, the gradient sync once; the
+        boundary reshards included (`boundary_collectives` says which they are)."""
+        from codegen.apply import count_collectives
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        axis_of = {tuple(dist.get_process_group_ranks(self.submesh.get_group(i))): name
+                   for i, name in enumerate(self.submesh.mesh_dim_names)}
+        out: dict[tuple[str, str], list[int]] = {}
+        for r in self.runners:
+            for gm, times in ((r.forward_gm, num_microbatches), (r.backward_gm, num_microbatches),
+                              (r.program.graphs.grad_sync, 1)):
+                for (kind, group), sizes in count_collectives(gm).items():
+                    ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+                    entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
+                    entry[0] += times * len(sizes)
+                    entry[1] += times * sum(sizes)
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        raise ValueError("checkpoints of per-op pipelines are not supported yet; train without --save-every / "
+                         "--resume, or use --pp 1")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state_dict()  # raises the same reason
+
+
+def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
+                            loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
+                            stage_layers: tuple[int, ...] | None = None, mesh: DeviceMesh | None = None,
+                            cluster: Any = None) -> PipeSpmdProgram:
+    """This rank's chunks of `model`, cut at its repeated layers, each compiled by the
+    per-op path on its (dp, tp) submesh, with their schedule; collective. `example_inputs`
+    is one global batch (its first dp * micro_batch rows are traced)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from autopar.runtime import make_mesh
+    from autopar.runtime_pipe import _canonical_names, _tie_groups, split_model
+    from autopar.runtime_spmd import local_shard, make_optimizer, priced_per_step
+
+    if config.schedule == "zb":
+        raise ValueError("--schedule zb is not run by per-op pipeline stages (their backward computes input and "
+                         "weight gradients together); use 1f1b, gpipe or interleaved")
+    mesh = mesh if mesh is not None else make_mesh(config)
+    submesh = mesh["dp", "tp"]
+    rows = config.dp * config.micro_batch
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0]
+    if size % rows:
+        raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {config.dp} * "
+                         f"{config.micro_batch}; use a global batch that is a multiple of {rows}")
+    micro = tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors)
+    num_mb = size // rows
+    num_chunks = config.pp * config.interleave
+    canonical = _canonical_names(model)
+    pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks, stage_layers=stage_layers,
+                                       loss_fn=loss_fn)
+    boundaries = capture_boundaries(pipe, micro)
+    pp_rank = mesh.get_local_rank("pp")
+    leader = {int(mesh.mesh[p, 0, 0]) for p in range(config.pp)}
+    chunk_ids = tuple(pp_rank + v * config.pp for v in range(config.interleave))
+
+    def solve(graph: Graph) -> Any:
+        # the first rank of each submesh solves its chunk; every rank receives its own
+        # submesh's solution (one solve per chunk, identical programs on its ranks)
+        mine: Any = None
+        if dist.get_rank() in leader:
+            try:
+                mine = solve_stage(graph, config, cluster, num_microbatches=num_mb, rows=rows)
+            except ValueError as exc:  # InfeasiblePlanError too: every rank raises it
+                mine = exc
+        box: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(box, mine)
+        got = box[int(mesh.mesh[pp_rank, 0, 0])]
+        failed = next((b for b in box if isinstance(b, Exception)), None)
+        if failed is not None:
+            raise failed
+        return got
+
+    runners, solutions, stages = [], [], []
+    coords, mesh_shape = tuple(submesh.get_coordinate()), tuple(submesh.shape)
+    for cid in chunk_ids:
+        ins, outs = boundaries[cid]
+        last = cid == num_chunks - 1
+        runner, solution, _ = build_stage_runner(pipe.get_stage_module(cid), cid, inputs=ins, outputs=outs,
+                                                 last=last, config=config, mesh=submesh, num_microbatches=num_mb,
+                                                 optimizer=optimizer, solve=solve, cluster=cluster)
+        runners.append(runner)
+        solutions.append(solution)
+
+        def local(x: torch.Tensor, grad: bool) -> torch.Tensor:
+            piece = local_shard(x.detach(), boundary_placements(x.shape, rows, config.dp), coords, mesh_shape)
+            return piece.clone().requires_grad_(grad)
+
+        in_args = tuple(local(x, i in runner.grad_inputs) for i, x in enumerate(ins))
+        out_args = (outs[0].detach().reshape(1),) if last else \
+            tuple(local(o, i in runner.grad_outputs) for i, o in enumerate(outs))
+        stages.append(PipelineStage(PerOpStage(runner), cid, num_chunks, torch.device(mesh.device_type),
+                                    input_args=in_args, output_args=out_args, group=mesh.get_group("pp")))
+    mine = {name for r in runners for name, _ in r.program.named_parameters()}
+    tie_groups = _tie_groups(pipe, canonical, config, mesh, mine)
+    params: dict[int, nn.Parameter] = {}
+    for r in runners:
+        for _, p in r.program.named_parameters():
+            params.setdefault(id(p), p)
+    opt = make_optimizer(optimizer, list(params.values()))
+    priced: dict[tuple[str, str], tuple[int, int]] = {}
+    for solution in solutions:
+        for key, (calls, nbytes) in priced_per_step(solution, num_mb, ("dp", "tp")).items():
+            c, b = priced.get(key, (0, 0))
+            priced[key] = (c + calls, b + nbytes)
+    log.info("rank %d: per-op pipeline chunks %s of %d (layers %s of %s) on a %s submesh", dist.get_rank(), chunk_ids,
+             num_chunks, [(ranges[i].start, ranges[i].stop) for i in chunk_ids], prefix, mesh_shape)
+    return PipeSpmdProgram(config=config, mesh=mesh, runners=runners, stages=stages, chunk_ids=chunk_ids,
+                           num_chunks=num_chunks, optimizer=opt, tie_groups=tie_groups, priced=priced)
+
+
+__all__ = ["PerOpStage", "PipeSpmdProgram", "StageRunner", "boundary_placements", "build_pipe_spmd_program",
+           "build_stage_runner", "capture_boundaries", "split_joint"]
