@@ -550,11 +550,16 @@ class PipeSpmdProgram:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        raise ValueError("checkpoints of per-op pipelines are not supported yet; train without --save-every / "
-                         "--resume, or use --pp 1")
+        """Sharded model and optimizer state, as the module-level pipeline forms it (its
+        chunks hold the DTensor parameters under the model's names)."""
+        from autopar.runtime import RankProgram
+
+        return RankProgram.state_dict(self)  # reads .chunks and .optimizer only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state_dict()  # raises the same reason
+        from autopar.runtime import RankProgram
+
+        RankProgram.load_state_dict(self, state)
 
 
 def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,

@@ -395,8 +395,10 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
 
     pp = 1: the per-op program (autopar/runtime_spmd.py): the plan's per-op placements, or
     the ILP's for `config`, applied to the traced graph of one global microbatch of
-    `example_inputs` (needed). pp > 1: the pipeline stage builder below (stages cut by the
-    family rule tables until the pipelined per-op path lands).
+    `example_inputs` (needed). pp > 1: the model cut at its repeated layers, every stage a
+    per-op program on its (dp, tp) submesh (autopar/pipe_spmd.py). The module-level
+    builder (`build_module_program`, family rule tables) is not on this path: benchmarks
+    keep it as a baseline.
 
     `fused_kernels` (default: on where CUDA is present) swaps the zoo's norms and MLP
     activations for the fused Triton ops of codegen/kernels before sharding; parameter
@@ -419,17 +421,19 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
                              "(one global batch)")
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
-    if rules_for(model) is None:
-        # any other model with a repeated layer stack: stages cut at its layers (autopar/runtime_pipe.py)
-        from autopar.runtime_pipe import build_pipe_program
+    # pp > 1, any model with a repeated layer stack (the zoo's included): stages cut at its
+    # layers, each compiled by the per-op path on its (dp, tp) submesh (autopar/pipe_spmd.py)
+    from autopar.capabilities import pipeline_support
+    from autopar.pipe_spmd import build_pipe_spmd_program
 
-        if example_inputs is None:
-            raise ValueError("a pipeline of a model without a family table is cut from its traced training step: "
-                             "pass example_inputs= (one global batch)")
-        return build_pipe_program(model, config, example_inputs, loss_fn=loss_fn,
-                                  optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh)
-    return build_module_program(model, config, loss_fn=loss_fn, optimizer=optimizer, stage_layers=stage_layers,
-                                compile_stages=compile_stages, mesh=mesh, fused_kernels=fused_kernels)
+    reason = pipeline_support(model, config)
+    if reason is not None:
+        raise ValueError(reason)
+    if example_inputs is None:
+        raise ValueError("a pipeline is cut from the traced training step: pass example_inputs= (one global batch)")
+    return build_pipe_spmd_program(model, config, example_inputs, loss_fn=loss_fn,
+                                   optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh,
+                                   cluster=cluster)
 
 
 def build_module_program(model: nn.Module, config: ParallelConfig, *,
