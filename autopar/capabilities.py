@@ -11,7 +11,8 @@ Hugging Face models alike): autopar/pipe_spmd.py cuts the traced step at the lay
 (torch.distributed.pipelining's tracer) and compiles every stage by the per-op path on its
 (dp, tp) submesh (the intra-op ILP under the configuration's rules, solver/forced.py), so
 tp, dp and ZeRO come from the ILP as for pp = 1; torch's GPipe, 1F1B and interleaved
-1F1B schedules run the stages. Not there yet: recompute inside pipeline stages, and
+1F1B schedules run the stages; recompute is the joint graph's rewrite (autopar/recompute.py)
+on each stage, the recomputed ops running in the stage's backward graph. Not there yet:
 ScheduleInterleavedZeroBubble (`zb`: a per-op stage's backward computes input and weight
 gradients in one graph, so there is no weight half to fill the bubbles with).
 
@@ -135,9 +136,6 @@ def _pipeline_reason(family: str, num_layers: int, name: str, heads: tuple[int, 
     if num_layers < chunks:
         return (f"pp * interleave = {chunks} pipeline chunks but {name} has only {num_layers} layers; lower --pp "
                 "or --interleave")
-    if recompute != "none":
-        return (f"--recompute {recompute} is not supported in pipeline stages yet (each stage is a per-op program "
-                "traced without recomputation); drop --recompute, or use --pp 1")
     return None
 
 

@@ -37,8 +37,9 @@ feeds it), so every gradient of the step is already the mean; the schedules' own
 is off.
 
 What the ILP does not price: the boundary reshards (a chunk output leaving in the ILP's
-placement for the boundary layout, an input gradient likewise) and the pipeline's
-point-to-point sends; `collectives_per_step` counts what the graphs run.
+placement for the boundary layout, an input gradient likewise; tagged in the graphs and
+counted apart by `collectives_per_step(boundary=True)`) and the pipeline's
+point-to-point sends.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class _StageJoint(nn.Module):
         self.last = last
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs = self.chunk(*args[:self.num_inputs])
+        # node by node, so the traced ops inherit each chunk node's meta (its module path)
+        outs = fx.Interpreter(self.chunk).run(*args[:self.num_inputs])
         outs = outs if isinstance(outs, tuple) else (outs,)
         if self.last:
             return (outs[0].sum(),)
@@ -143,7 +145,8 @@ def split_joint(gm: fx.GraphModule, seeds: set[str], forward_outputs: list[int],
     """Cut a per-rank joint graph into forward and backward graphs.
 
     `seeds`: names of the placeholders only backward has (the tangents). Backward is every
-    node that depends on one; forward is the rest. Forward: (the other placeholders) ->
+    node that depends on one or is tagged backward (a forward op the recompute policy
+    copied into backward, autopar/recompute.py); forward is the rest. Forward: (the other placeholders) ->
     (the joint's outputs at `forward_outputs`, then the saved values: forward nodes that
     backward reads). Backward: (saved values, seeds in placeholder order) -> (the joint's
     outputs at `backward_outputs`). Returns (forward, backward, number of saved values)."""
@@ -154,7 +157,8 @@ def split_joint(gm: fx.GraphModule, seeds: set[str], forward_outputs: list[int],
     for n in nodes:
         if n.op == "output":
             continue
-        if (n.op == "placeholder" and n.name in seeds) or any(a in back for a in n.all_input_nodes):
+        if (n.op == "placeholder" and n.name in seeds) or any(a in back for a in n.all_input_nodes) \
+                or n.meta.get("partitioner_tag") == "is_backward":  # recomputed forward ops too
             back.add(n)
     for i in forward_outputs:
         if values[i] in back:
@@ -283,8 +287,20 @@ class PerOpStage(nn.Module):
         return out
 
 
+def _annotate_modules(chunk: fx.GraphModule) -> None:
+    """Give every node of a chunk's flat graph its module path the way autopar/trace.py
+    records it (meta "custom" "module"), from the export's module stack, so the traced
+    joint graph knows its layers (layer groups for the ILP, recompute regions)."""
+    for node in chunk.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            path = list(stack.values())[-1][0]
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), "module": path}
+
+
 def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
                        outputs: Sequence[torch.Tensor], last: bool, config: ParallelConfig, mesh: DeviceMesh,
+                       layer_prefix: str = "",
                        num_microbatches: int, optimizer: OptimizerFactory,
                        solve: Callable[[Graph], Any] | None = None,
                        cluster: Any = None) -> tuple[StageRunner, Any, Graph]:
@@ -301,7 +317,10 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     examples = [x.detach().clone().requires_grad_(i in grad_inputs) for i, x in enumerate(inputs)]
     tangents = [torch.zeros_like(outputs[i].detach()) for i in grad_outputs]
     joint = _StageJoint(chunk, len(inputs), grad_outputs, len(outputs), last)
-    traced = trace(joint, (*examples, *tangents), aux_outputs=True)
+    if isinstance(chunk, fx.GraphModule):
+        _annotate_modules(chunk)
+    traced = trace(joint, (*examples, *tangents), aux_outputs=True, layer_prefix=layer_prefix,
+                   recompute=config.recompute)
     # torch.export left metadata asserts in the chunk (no outputs, nothing to place or run)
     for node in list(traced.gm.graph.nodes):
         if node.op == "call_function" and str(node.target).startswith("aten._assert") and not node.users:
@@ -344,7 +363,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     else:
         solution = solve(graph)
     choices = solution_choices(graph, solution)
-    graphs = apply(traced.gm, graph, choices, mesh, extra_outputs=extra)
+    graphs = apply(traced.gm, graph, choices, mesh, extra_outputs=extra, keep_phases=True)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
     num_grads = len(graphs.grads)
     num_fwd = 1 if last else len(outputs)
@@ -529,12 +548,30 @@ class PipeSpmdProgram:
                 out.setdefault(name, p)
         return out
 
-    def collectives_per_step(self, num_microbatches: int) -> dict[tuple[str, str], tuple[int, int]]:
+    @property
+    def code(self) -> str:
+        """Source of this rank's chunks as they run: per chunk, the forward and backward
+        graphs (ATen ops and collectives on local shards) and the gradient sync."""
+        parts = []
+        for r in self.runners:
+            parts.append(f"# chunk {r.index} of {self.num_chunks} on a (dp, tp) = {tuple(self.submesh.shape)} submesh\n"
+                         f"# forward: (parameters, buffers, inputs) -> (outputs, saved values)\n"
+                         f"{r.forward_gm.code}\n# backward: (saved values, output gradients, loss tangent) -> "
+                         f"(raw gradients, input gradients)\n{r.backward_gm.code}\n# grad_sync\n"
+                         f"{r.program.graphs.grad_sync.code}")
+        return "\n\n".join(parts)
+
+    def collectives_per_step(self, num_microbatches: int, *, boundary: bool = False
+                             ) -> dict[tuple[str, str], tuple[int, int]]:
         """The collectives this rank's stage graphs run per step: {(kind, mesh axis name):
-        (calls, bytes)}, forward and backward m times, the gradient sync once; the
-        boundary reshards included (`boundary_collectives` says which they are)."""
+        (calls, bytes)}, forward and backward m times, the gradient sync once. Those the
+        stages' ILP priced; with `boundary`, instead the boundary reshards the ILP does not
+        price (an output or input gradient brought to the layout the stages exchange)."""
         from codegen.apply import count_collectives
         from torch.distributed.distributed_c10d import _resolve_process_group
+
+        def where(node: fx.Node) -> bool:
+            return bool((node.meta.get("custom") or {}).get("boundary")) == boundary
 
         axis_of = {tuple(dist.get_process_group_ranks(self.submesh.get_group(i))): name
                    for i, name in enumerate(self.submesh.mesh_dim_names)}
@@ -542,7 +579,7 @@ class PipeSpmdProgram:
         for r in self.runners:
             for gm, times in ((r.forward_gm, num_microbatches), (r.backward_gm, num_microbatches),
                               (r.program.graphs.grad_sync, 1)):
-                for (kind, group), sizes in count_collectives(gm).items():
+                for (kind, group), sizes in count_collectives(gm, where).items():
                     ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
                     entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
                     entry[0] += times * len(sizes)
@@ -620,7 +657,8 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
         ins, outs = boundaries[cid]
         last = cid == num_chunks - 1
         runner, solution, _ = build_stage_runner(pipe.get_stage_module(cid), cid, inputs=ins, outputs=outs,
-                                                 last=last, config=config, mesh=submesh, num_microbatches=num_mb,
+                                                 last=last, config=config, mesh=submesh, layer_prefix=prefix,
+                                                 num_microbatches=num_mb,
                                                  optimizer=optimizer, solve=solve, cluster=cluster)
         runners.append(runner)
         solutions.append(solution)

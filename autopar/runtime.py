@@ -74,14 +74,13 @@ class StepStats:
 def model_dims(model: nn.Module, config: ParallelConfig | None = None) -> dict[str, int]:
     """Heads, key/value heads and layers of a zoo model (0 where unknown), for config.check.
 
-    One-stage plans (pp = 1) run the per-op program, which splits any op the ILP can
-    shard, so no head count constrains tp there: only pipelines (built from the family
-    tables until they are per-op too) need them."""
+    Every program is per-op (one stage, or pipeline stages each compiled by the per-op
+    path: autopar/pipe_spmd.py), which splits any op the ILP can shard, so no head count
+    constrains tp (0 here); a pipeline still needs as many layers as chunks."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or rules_for(model) is None or (config is not None and config.pp == 1):
         return {"heads": 0, "kv_heads": 0, "num_layers": 0}
-    kv = getattr(cfg, "num_kv_heads", cfg.heads)
-    return {"heads": cfg.heads, "kv_heads": kv, "num_layers": cfg.layers}
+    return {"heads": 0, "kv_heads": 0, "num_layers": cfg.layers}
 
 
 def _split_optimizer(factory: OptimizerFactory) -> tuple[type, dict[str, Any]]:

@@ -167,6 +167,7 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     recompute: str = "none",
     aux_outputs: bool = False,
+    layer_prefix: str | None = None,
 ) -> Traced:
     """Capture the joint forward+backward graph of `model` (+ `loss_fn`) on the inputs.
 
@@ -174,7 +175,9 @@ def trace(
     everything downstream prices and runs the recomputed ops.
 
     `aux_outputs`: the model returns (scalar loss, *values needing no gradient) (see
-    `_LossStep`); inputs that require grad get gradient outputs too.
+    `_LossStep`); inputs that require grad get gradient outputs too. `layer_prefix`: the
+    repeated layers' container path, where the model cannot show it (a pipeline chunk's
+    flat graph, whose nodes carry their module paths in their meta: autopar/pipe_spmd.py).
 
     Real inputs and parameters are fine for small models; for large ones build the model
     and inputs under a `FakeTensorMode` first (see `trace_model`). Raises TraceError naming
@@ -185,7 +188,8 @@ def trace(
     if not any(True for _ in model.parameters()):
         raise TraceError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
     step = _LossStep(model, loss_fn, aux_outputs)
-    layer_prefix, num_layers = _find_layer_container(model)
+    found_prefix, num_layers = _find_layer_container(model)
+    layer_prefix = found_prefix if layer_prefix is None else layer_prefix
     active: list[str] = []
     start = time.perf_counter()
     try:

@@ -3,8 +3,9 @@
 World 4. Every pipeline here goes through `autopar.runtime.build_program` (pp > 1:
 autopar/pipe_spmd.py): the model is cut at its repeated layers and each stage compiled
 by the per-op path on its (dp, tp) submesh. Hugging Face GPT-2 with tp 2 inside the
-stages (which the rule tables never ran), the zoo's Llama with pp2 x tp2 and pp2 x dp2,
-and GPT-2 on 4 layers interleaved; 3 AdamW steps each, losses equal the single-process
+stages (which the rule tables never ran), the zoo's Llama with pp2 x tp2 and pp2 x dp2
+(ZeRO layout, full recompute: recomputed ops in the stages' backward graphs), and GPT-2 on
+4 layers interleaved; 3 AdamW steps each, losses equal the single-process
 reference (rtol 1e-4, fp32) and parameters stay close (atol 1e-3). Price = run per rank:
 the collectives the stage graphs run per step equal what the stages' ILP solutions priced.
 """
@@ -24,7 +25,7 @@ ZOO_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=1
 CASES = {
     "hf-gpt2 pp2xtp2 1f1b": ("hf_factories:gpt2", C(pp=2, tp=2, schedule="1f1b")),
     "zoo-llama pp2xtp2 gpipe": (ZOO_LLAMA, C(pp=2, tp=2, schedule="gpipe")),
-    "zoo-llama pp2xdp2 zero1 1f1b": (ZOO_LLAMA, C(pp=2, dp=2, zero=1, schedule="1f1b")),
+    "zoo-llama pp2xdp2 zero1 recompute 1f1b": (ZOO_LLAMA, C(pp=2, dp=2, zero=1, recompute="full", schedule="1f1b")),
     "hf-gpt2-4 pp2xtp2 interleaved": ("hf_factories:gpt2_4layers",
                                       C(pp=2, tp=2, schedule="interleaved", interleave=2)),
 }
