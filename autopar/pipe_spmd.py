@@ -341,7 +341,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     # the boundary values, as (graph node, layout) pairs the applied graph also returns
     extra: list[tuple[int, Placements]] = []
     if last:
-        extra.append((ids[values[0]], (Replicate(), Replicate())))
+        extra.append((ids[values[0]], ()))  # the loss, left as the ILP placed it (set below)
     else:
         aux = iter(values[1:1 + len(outputs) - len(grad_outputs)])
         tangent_of = dict(zip(grad_outputs, plain[len(inputs):]))
@@ -363,6 +363,11 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     else:
         solution = solve(graph)
     choices = solution_choices(graph, solution)
+    if last:
+        # the loss leaves in its own placement (a pending sum over dp, say): it seeds the
+        # backward through the loss tangent, and is reduced for reporting once per step,
+        # outside the priced program (as the pp = 1 program reports it)
+        extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
     graphs = apply(traced.gm, graph, choices, mesh, extra_outputs=extra, keep_phases=True)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
     num_grads = len(graphs.grads)
@@ -493,8 +498,12 @@ class PipeSpmdProgram:
             raw, r.raw = r.raw, None
             grad_bytes += r.program.set_gradients(raw)
         self._sum_tied_gradients()
-        mean = torch.stack([l.detach().float().reshape(()) for l in losses]).mean() if self.has_last else torch.zeros(())
-        value = mean.clone() if self.has_last and self.dp_rank == 0 and self.tp_rank == 0 else torch.zeros(())
+        value = torch.zeros(())
+        if self.has_last:  # this rank's pieces of the microbatches' losses -> the global mean
+            local = torch.stack([l.detach().float().reshape(()) for l in losses]).mean()
+            whole = self.runners[-1].program._global_loss(local)
+            if self.dp_rank == 0 and self.tp_rank == 0:
+                value = torch.tensor(whole)
         dist.all_reduce(value)  # the loss reported, outside the priced program
         loss = float(value)
         optimizer_update(self, loss)
