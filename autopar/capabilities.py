@@ -6,23 +6,26 @@ cuts them, and which pipelines run. A plan the runtime cannot execute is never r
 (DESIGN.md): the search asks `pipeline_support(graph, config)` before it prices a
 pipeline, and the runtime raises the same reason if it is given one anyway.
 
-Pipelines (pp > 1) run in one of two ways today:
-- the zoo's GPT and Llama (family "gpt" / "llama"): the module-level program
-  (autopar/runtime.py: chunks by the family tables, Megatron TP, FSDP2 / ZeRO-1);
-- any other model with a repeated layer stack (Hugging Face models, factories):
-  autopar/runtime_pipe.py, stages cut at the layers by torch.distributed.pipelining,
-  data parallelism by a gradient all-reduce (ZeRO 0) or FSDP2 on each stage (ZeRO 2/3):
-  tp = 1, no ZeRO-1, no recompute.
+Pipelines (pp > 1) run one way, for any model with a repeated layer stack (the zoo's and
+Hugging Face models alike): autopar/pipe_spmd.py cuts the traced step at the layers
+(torch.distributed.pipelining's tracer) and compiles every stage by the per-op path on its
+(dp, tp) submesh (the intra-op ILP under the configuration's rules, solver/forced.py), so
+tp, dp and ZeRO come from the ILP as for pp = 1; torch's GPipe, 1F1B and interleaved
+1F1B schedules run the stages; recompute is the joint graph's rewrite (autopar/recompute.py)
+on each stage, the recomputed ops running in the stage's backward graph. Not there yet:
+ScheduleInterleavedZeroBubble (`zb`: a per-op stage's backward computes input and weight
+gradients in one graph, so there is no weight half to fill the bubbles with).
 
 The planner asks `runnable(PlanShape)` about every priced candidate (solver/pipeline_search.py):
 a candidate it refuses is recorded as a runner-up with the reason, never ranked as a plan.
 Large described clusters (h100:128x8) are never run here, but a plan for them is still only
 one whose shape this runtime could build. Both predicates read one rule set
 (`_pipeline_reason`), so what the search ranks and what `autopar train` accepts agree.
-PIPELINE_STAGES_PER_OP says whether a pipeline stage runs the ILP's per-op placements; while
-it is False the planner prices pp > 1 stages under the forced (dp, tp) layout the pipeline
-runtimes run (batch over dp, weights over tp; solver/forced.py), so the price stays close
-to what runs.
+PIPELINE_STAGES_PER_OP says whether the planner prices a pipeline stage by the ILP solved
+freely on its whole (dp, tp) submesh; while it is False the planner prices pp > 1 stages
+under the forced (dp, tp) layout (batch over dp, weights over tp; solver/forced.py), which
+is the rule set the per-op stages are solved under (autopar/pipe_spmd.py solve_stage), so
+the price stays close to what runs.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ PIPELINE_STAGES_PER_OP = False
 """True once pipeline stages run their per-op placements (issue 14, runtime side)."""
 
 RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-"""Pipeline schedules the planner may rank (autopar/runtime.py and runtime_pipe.py build them;
-`zb`, torch's ScheduleInterleavedZeroBubble, also runs but is not priced apart from 1f1b)."""
+"""Pipeline schedules the planner may rank and the per-op pipeline runs (autopar/pipe_spmd.py);
+`zb` is refused (module docstring)."""
 
 ZOO_FAMILIES = ("gpt", "llama")
 """Families the module-level pipeline (rule tables, Megatron TP, FSDP2) runs."""
@@ -116,6 +119,9 @@ def pipeline_support(model_or_graph: Any, config: ParallelConfig) -> str | None:
     always pass here (the per-op program runs any model the ILP can shard)."""
     if config.pp == 1:
         return None
+    if config.schedule not in RUNTIME_SCHEDULES:
+        return (f"--schedule {config.schedule} is not run by per-op pipeline stages (their backward computes input "
+                f"and weight gradients together); use one of {', '.join(RUNTIME_SCHEDULES)}")
     family, num_layers, name, heads = _structure(model_or_graph)
     return _pipeline_reason(family, num_layers, name, heads, pp=config.pp, dp=config.dp, tp=config.tp,
                             zero=config.zero, recompute=config.recompute, chunks=config.pp * config.interleave)
@@ -130,26 +136,6 @@ def _pipeline_reason(family: str, num_layers: int, name: str, heads: tuple[int, 
     if num_layers < chunks:
         return (f"pp * interleave = {chunks} pipeline chunks but {name} has only {num_layers} layers; lower --pp "
                 "or --interleave")
-    if family in ZOO_FAMILIES:
-        for count, what in zip(heads, ("attention heads", "key/value heads")):
-            if count and count % tp:  # Megatron TP splits whole heads
-                return (f"--tp {tp} does not divide {name}'s {count} {what} (its pipeline splits whole "
-                        f"heads over tp); pick a tp that divides {count}")
-        if zero == 1 and dp > 1 and tp > 1:
-            return ("--zero 1 with --tp > 1 and --pp > 1 is not supported (ZeroRedundancyOptimizer takes plain "
-                    "tensors, TP parameters are DTensors); use --zero 2, which also shards the optimizer state")
-        return None
-    unsupported = []
-    if tp > 1:
-        unsupported.append(f"--tp {tp}")
-    if zero == 1 and dp > 1:
-        unsupported.append("--zero 1")
-    if recompute != "none":
-        unsupported.append(f"--recompute {recompute}")
-    if unsupported:
-        return (f"a pipeline of {name} (stages cut at its {num_layers} repeated layers) runs data parallel "
-                f"stages (--zero 0, 2 or 3) without recompute; {', '.join(unsupported)} is not supported there yet. "
-                f"Use --pp 1 for tensor parallelism and ZeRO on this model, or drop {', '.join(unsupported)}")
     return None
 
 

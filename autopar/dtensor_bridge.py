@@ -177,18 +177,28 @@ def _expand(op_schema: OpSchema, single: list[list[Any]], num_outputs: int) -> A
     return expand_to_full_mesh_op_strategy(mesh, op_schema, single, input_index=num_outputs)
 
 
+def _attention_masks(op_schema: OpSchema) -> int:
+    """Tensor kwargs of an attention op (its `attn_mask`, as torch.export's graphs of
+    Hugging Face models pass it: shape (batch, 1, q, k), broadcast over heads). They follow
+    the batch split and stay whole under a head split (the placements list ends with them)."""
+    return sum(1 for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy))
+
+
 def _cpu_flash_attention(op_schema: OpSchema) -> Any:
-    # (q, k, v) -> (out, logsumexp); as DTensor's rule for the CUDA kernels: replicated,
-    # batch-sharded or head-sharded, every tensor alike
+    # (q, k, v[, attn_mask]) -> (out, logsumexp); as DTensor's rule for the CUDA kernels:
+    # replicated, batch-sharded or head-sharded, every tensor alike (a mask: see above)
     r, b, h = DReplicate(), DShard(0), DShard(1)
-    return _expand(op_schema, [[r] * 5, [b] * 5, [h] * 5], num_outputs=2)
+    masks = _attention_masks(op_schema)
+    return _expand(op_schema, [[r] * (5 + masks), [b] * (5 + masks), [h] * 5 + [r] * masks], num_outputs=2)
 
 
 def _cpu_flash_attention_backward(op_schema: OpSchema) -> Any:
-    # (grad_out, q, k, v, out, logsumexp) -> (grad_q, grad_k, grad_v)
+    # (grad_out, q, k, v, out, logsumexp[, attn_mask]) -> (grad_q, grad_k, grad_v)
     tensors = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
+    masks = _attention_masks(op_schema)
     r, b, h = DReplicate(), DShard(0), DShard(1)
-    return _expand(op_schema, [[r] * (3 + tensors), [b] * (3 + tensors), [h] * (3 + tensors)], num_outputs=3)
+    return _expand(op_schema, [[r] * (3 + tensors + masks), [b] * (3 + tensors + masks),
+                               [h] * (3 + tensors) + [r] * masks], num_outputs=3)
 
 
 PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {

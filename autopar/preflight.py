@@ -8,9 +8,9 @@ launcher raises once, before spawning, and the CLI exits 2 with the message alon
 
 What is checked (config vs model, plan vs model, devices): the degrees multiply to the
 devices and divide the batch (ParallelConfig.check); one-stage jobs run the per-op program,
-which takes any model; pipelines need what `autopar.capabilities.pipeline_support` says (a
-repeated layer stack; tp and ZeRO for the zoo's families only, heads divisible by tp) and
-stage cuts that fit the layers.
+which takes any model; pipelines (per-op stages, autopar/pipe_spmd.py) need what
+`autopar.capabilities.pipeline_support` says (a repeated layer stack, a schedule they run,
+no recompute) and stage cuts that fit the layers.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from torch import nn
 from autopar.capabilities import layer_stack, pipeline_support, split_layers
 from autopar.config import ParallelConfig
 from autopar.runtime import model_dims
-from codegen.rules import rules_for
-from codegen.tp import check_tp
 
 
 def check_job(model: nn.Module, config: ParallelConfig, *, num_devices: int, global_batch: int,
@@ -34,9 +32,7 @@ def check_job(model: nn.Module, config: ParallelConfig, *, num_devices: int, glo
     reason = pipeline_support(model, config)
     if reason is not None:
         raise ValueError(reason)
-    rules = rules_for(model)
-    check_tp(rules, model, config.tp)
-    num_layers = model_dims(model)["num_layers"] if rules is not None else layer_stack(model)[1]
+    num_layers = layer_stack(model)[1]
     num_chunks = config.pp * config.interleave
     if stage_layers is not None and not (config.interleave > 1 and len(stage_layers) == config.pp):
         split_layers(num_layers, num_chunks, stage_layers)  # raises on a misfit

@@ -74,14 +74,13 @@ class StepStats:
 def model_dims(model: nn.Module, config: ParallelConfig | None = None) -> dict[str, int]:
     """Heads, key/value heads and layers of a zoo model (0 where unknown), for config.check.
 
-    One-stage plans (pp = 1) run the per-op program, which splits any op the ILP can
-    shard, so no head count constrains tp there: only pipelines (built from the family
-    tables until they are per-op too) need them."""
+    Every program is per-op (one stage, or pipeline stages each compiled by the per-op
+    path: autopar/pipe_spmd.py), which splits any op the ILP can shard, so no head count
+    constrains tp (0 here); a pipeline still needs as many layers as chunks."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or rules_for(model) is None or (config is not None and config.pp == 1):
         return {"heads": 0, "kv_heads": 0, "num_layers": 0}
-    kv = getattr(cfg, "num_kv_heads", cfg.heads)
-    return {"heads": cfg.heads, "kv_heads": kv, "num_layers": cfg.layers}
+    return {"heads": 0, "kv_heads": 0, "num_layers": cfg.layers}
 
 
 def _split_optimizer(factory: OptimizerFactory) -> tuple[type, dict[str, Any]]:
@@ -395,8 +394,10 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
 
     pp = 1: the per-op program (autopar/runtime_spmd.py): the plan's per-op placements, or
     the ILP's for `config`, applied to the traced graph of one global microbatch of
-    `example_inputs` (needed). pp > 1: the pipeline stage builder below (stages cut by the
-    family rule tables until the pipelined per-op path lands).
+    `example_inputs` (needed). pp > 1: the model cut at its repeated layers, every stage a
+    per-op program on its (dp, tp) submesh (autopar/pipe_spmd.py). The module-level
+    builder (`build_module_program`, family rule tables) is not on this path: benchmarks
+    keep it as a baseline.
 
     `fused_kernels` (default: on where CUDA is present) swaps the zoo's norms and MLP
     activations for the fused Triton ops of codegen/kernels before sharding; parameter
@@ -419,17 +420,19 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
                              "(one global batch)")
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
-    if rules_for(model) is None:
-        # any other model with a repeated layer stack: stages cut at its layers (autopar/runtime_pipe.py)
-        from autopar.runtime_pipe import build_pipe_program
+    # pp > 1, any model with a repeated layer stack (the zoo's included): stages cut at its
+    # layers, each compiled by the per-op path on its (dp, tp) submesh (autopar/pipe_spmd.py)
+    from autopar.capabilities import pipeline_support
+    from autopar.pipe_spmd import build_pipe_spmd_program
 
-        if example_inputs is None:
-            raise ValueError("a pipeline of a model without a family table is cut from its traced training step: "
-                             "pass example_inputs= (one global batch)")
-        return build_pipe_program(model, config, example_inputs, loss_fn=loss_fn,
-                                  optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh)
-    return build_module_program(model, config, loss_fn=loss_fn, optimizer=optimizer, stage_layers=stage_layers,
-                                compile_stages=compile_stages, mesh=mesh, fused_kernels=fused_kernels)
+    reason = pipeline_support(model, config)
+    if reason is not None:
+        raise ValueError(reason)
+    if example_inputs is None:
+        raise ValueError("a pipeline is cut from the traced training step: pass example_inputs= (one global batch)")
+    return build_pipe_spmd_program(model, config, example_inputs, loss_fn=loss_fn,
+                                   optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh,
+                                   cluster=cluster)
 
 
 def build_module_program(model: nn.Module, config: ParallelConfig, *,

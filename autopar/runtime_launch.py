@@ -156,7 +156,14 @@ def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[i
             return err.read_text().strip().splitlines()[-1]
         return f"exit code {codes[rank]} (killed or crashed without a Python error)"
 
-    causes = [r for r in failed if not any(e in detail(r) for e in _PEER_ERRORS)]
+    def peer_error(rank: int) -> bool:
+        # the whole text: a peer's timeout may be the cause of the error the rank raised last
+        # (torch's pipeline stages wrap an error of a stage's forward, collectives included)
+        err = Path(tmp, f"{rank}.err")
+        text = err.read_text() if err.exists() else detail(rank)
+        return any(e in text for e in _PEER_ERRORS)
+
+    causes = [r for r in failed if not peer_error(r)]
     if causes:
         rank = causes[0]
         return RankFailure(rank, detail(rank), user_error=Path(tmp, f"{rank}.user").exists())

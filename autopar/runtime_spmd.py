@@ -161,13 +161,28 @@ class SpmdProgram:
                 loss_sum += outs[0].detach().float()
                 grads = list(outs[1:])
                 raw = grads if raw is None else [a + b for a, b in zip(raw, grads)]
+            grads, outs = None, None
+            grad_bytes = self.set_gradients(raw)  # empties `raw`
+            raw = None
+        loss = self._global_loss(loss_sum / m)
+        from autopar.runtime import optimizer_update
+
+        optimizer_update(self, loss)
+        self.last_stats = self._stats(grad_bytes)
+        return loss
+
+    def set_gradients(self, raw: list[torch.Tensor]) -> int:
+        """Bring the raw gradients accumulated over a step's microbatches (outputs of the
+        step graph, in order; the list is emptied) to their parameters' placements with the
+        gradient-sync graph, and set them as the parameters' `.grad`; returns their bytes.
+        Shared with the per-op pipeline stages (autopar/pipe_spmd.py)."""
+        with torch.no_grad():
             names = [name for name, _, _ in self.graphs.grads]
             skip = os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
             # test-only hook: this parameter keeps its unsynchronised gradient, a deliberately
             # broken program that `train --check` must catch (tests/dist/test_check_random.py)
             unsynced = raw[names.index(skip)] if skip in names else None
-            boxed, grads, raw, outs = raw, None, None, None
-            synced = self.graphs.grad_sync(boxed)  # boxed call: the graph empties the list as it goes
+            synced = self.graphs.grad_sync(raw)  # boxed call: the graph empties the list as it goes
         by_name = dict(zip(names, synced))
         if unsynced is not None:
             by_name[skip] = unsynced
@@ -177,12 +192,7 @@ class SpmdProgram:
             grad_bytes += g.numel() * g.element_size()
             param.grad = DTensor.from_local(g, self.mesh, param.placements, run_check=False, shape=param.shape,
                                             stride=param.stride())
-        loss = self._global_loss(loss_sum / m)
-        from autopar.runtime import optimizer_update
-
-        optimizer_update(self, loss)
-        self.last_stats = self._stats(grad_bytes)
-        return loss
+        return grad_bytes
 
     def _global_loss(self, local: torch.Tensor) -> float:
         d = DTensor.from_local(local, self.mesh, bridge.to_dtensor_placements(self.graphs.loss_placements),

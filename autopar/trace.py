@@ -78,12 +78,20 @@ class _LossStep(nn.Module):
     (or carry it as `.loss`, as Hugging Face models do when given labels).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn | None) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None, aux_outputs: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.aux_outputs = aux_outputs
+        """The model returns (scalar loss, values that need no gradient...): a pipeline
+        stage's joint graph (autopar/pipe_spmd.py). The graph's outputs follow the loss."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.aux_outputs:
+            out = self.model(*args, **kwargs)
+            if not (isinstance(out, tuple) and isinstance(out[0], torch.Tensor) and out[0].dim() == 0):
+                raise TraceError(f"{type(self.model).__name__} must return (scalar loss, *values)")
+            return out
         if self.loss_fn is not None:
             if not args:
                 raise TraceError("loss_fn given but no example inputs: pass (inputs..., target)")
@@ -158,11 +166,18 @@ def trace(
     loss_fn: LossFn | None = None,
     example_kwargs: dict[str, Any] | None = None,
     recompute: str = "none",
+    aux_outputs: bool = False,
+    layer_prefix: str | None = None,
 ) -> Traced:
     """Capture the joint forward+backward graph of `model` (+ `loss_fn`) on the inputs.
 
     `recompute` rewrites the graph for a recomputation policy (autopar/recompute.py), so
     everything downstream prices and runs the recomputed ops.
+
+    `aux_outputs`: the model returns (scalar loss, *values needing no gradient) (see
+    `_LossStep`); inputs that require grad get gradient outputs too. `layer_prefix`: the
+    repeated layers' container path, where the model cannot show it (a pipeline chunk's
+    flat graph, whose nodes carry their module paths in their meta: autopar/pipe_spmd.py).
 
     Real inputs and parameters are fine for small models; for large ones build the model
     and inputs under a `FakeTensorMode` first (see `trace_model`). Raises TraceError naming
@@ -172,8 +187,9 @@ def trace(
         raise TraceError(f"trace needs an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise TraceError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
-    step = _LossStep(model, loss_fn)
-    layer_prefix, num_layers = _find_layer_container(model)
+    step = _LossStep(model, loss_fn, aux_outputs)
+    found_prefix, num_layers = _find_layer_container(model)
+    layer_prefix = found_prefix if layer_prefix is None else layer_prefix
     active: list[str] = []
     start = time.perf_counter()
     try:
@@ -258,7 +274,7 @@ def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
     output = next(n for n in graph.nodes if n.op == "output")
     values, descs = list(output.args[0]), list(output.meta.get("desc", ()))
     grad_pos = {d.grad_of.target.removeprefix("model."): i for i, d in enumerate(descs)
-                if type(d).__name__ == "GradAOTOutput"}
+                if type(d).__name__ == "GradAOTOutput" and hasattr(d.grad_of, "target")}  # not inputs' grads
     drop = []
     for alias, canon in tied:
         if alias not in inputs or canon not in inputs:
@@ -457,7 +473,8 @@ def lower(
         kind = type(desc).__name__
         if kind == "PlainAOTOutput" and getattr(desc, "idx", None) == 0:
             loss_fx = value
-        elif kind == "GradAOTOutput" and isinstance(value, fx.Node):
+        elif kind == "GradAOTOutput" and isinstance(value, fx.Node) and hasattr(desc.grad_of, "target"):
+            # (a gradient of a plain input, as a pipeline stage's joint graph has, is an activation)
             param_of_grad[value] = desc.grad_of.target.removeprefix("model.")
     if loss_fx is None:
         raise TraceError("traced graph has no loss output; the model must return a scalar loss")

@@ -28,6 +28,7 @@ at every node: a mismatch is a bug in the strategy space and raises.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import re
@@ -37,6 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch._decomp
 from torch import fx
+import torch.fx.traceback as fx_traceback
 from torch.fx.graph import _BoxedCodeGen
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
@@ -207,6 +209,10 @@ class _Interpreter:
         self.edge_group, self.groups = self._gather_groups()
         self.gathered: dict[tuple, DTensor] = {}
         self.issuing: set[tuple] = set()
+        self.keep_phases = False
+        self.extra_outputs: tuple[tuple[NodeId, Placements], ...] = ()
+        """(node, placements) returned after the gradients, each brought to its placements
+        (a pipeline stage's boundary values: autopar/pipe_spmd.py)."""
 
     def _gather_groups(self) -> tuple[dict[tuple[NodeId, int], tuple], dict[tuple, list[tuple]]]:
         """Parameter gathers that travel together (autopar/buckets.py gather_group, priced so
@@ -281,10 +287,22 @@ class _Interpreter:
             if node.op == "placeholder" or node in env:  # computed early for a parameter gather
                 continue
             nid = self.ids[node]
-            env[node] = self._run_node(node, nid, env)
+            # under `keep_phases`, the ops recorded for this node (collectives included) carry
+            # its meta: its partitioner tag says forward or backward (autopar/pipe_spmd.py)
+            with fx_traceback.set_current_meta(node) if self.keep_phases else contextlib.nullcontext():
+                env[node] = self._run_node(node, nid, env)
         loss = env[self.output.args[0][0]]
         grads = [env[g] for g in self._grad_outputs()]
-        return (loss._local_tensor, *[g._local_tensor for g in grads])
+        extras = []
+        for nid, want in self.extra_outputs:
+            t = env[self.fx_nodes[nid]]
+            if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
+                # tagged: these collectives are the pipeline's boundary reshards, not priced
+                # by the ILP (counted apart: autopar/pipe_spmd.py collectives_per_step)
+                with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
+                    t = _redistribute(t, want, True)
+            extras.append(t._local_tensor.contiguous())
+        return (loss._local_tensor, *[g._local_tensor for g in grads], *extras)
 
     def _grad_outputs(self) -> list[fx.Node]:
         grad_ids = {g for _, g in self.graph.param_grads}
@@ -376,11 +394,20 @@ def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
     gm.recompile()
 
 
-def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh) -> RankGraphs:
-    """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`."""
+def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh, *,
+          extra_outputs: Sequence[tuple[NodeId, Placements]] = (), keep_phases: bool = False) -> RankGraphs:
+    """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`.
+
+    `extra_outputs`: (node, placements) pairs the step also returns, after the gradients,
+    each redistributed to its placements (a pipeline stage's outputs and input gradients
+    in the layout the stages exchange; autopar/pipe_spmd.py). `keep_phases`: every node of
+    the step graph keeps its source node's meta (its `partitioner_tag`: recomputed forward
+    ops are tagged backward), for splitting it into forward and backward graphs."""
     bridge.register_project_rules()
     mesh_shape = tuple(mesh.shape)
     interp = _Interpreter(gm, graph, choices, mesh)
+    interp.extra_outputs = tuple(extra_outputs)
+    interp.keep_phases = keep_phases
     slots = []
     inputs = 0
     for node in interp.placeholders():
@@ -391,7 +418,8 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
         slots.append(Slot(node=nid, role=ir.role, name=name, shape=ir.output.shape, dtype=ir.output.dtype,
                           placements=choices[nid].outputs[0]))
     examples = [_example(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots]
-    step = make_fx(interp.run, tracing_mode="fake")(*examples)
+    with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
+        step = make_fx(interp.run, tracing_mode="fake")(*examples)
     _share_repeated_collectives(step)
     _name_placeholders(step, [_slot_name(s) for s in slots])
 
@@ -533,12 +561,15 @@ def _source(program: RankGraphs) -> str:
     return "\n".join(header) + "\n" + program.step.code + "\n\n# grad_sync\n" + program.grad_sync.code
 
 
-def count_collectives(gm: fx.GraphModule) -> dict[tuple[str, str], list[int]]:
+def count_collectives(gm: fx.GraphModule, where: Any = None) -> dict[tuple[str, str], list[int]]:
     """{(kind, process group name): [bytes per call, ...]} over a per-rank graph, bytes as
-    solver/intra_op/costs.py `Collective` defines them (all_gather: gathered output)."""
+    solver/intra_op/costs.py `Collective` defines them (all_gather: gathered output); `where(node)`,
+    if given, picks the collective nodes counted."""
     out: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not str(node.target).startswith("_c10d_functional."):
+            continue
+        if where is not None and not where(node):
             continue
         kind = str(node.target).split(".")[1]
         if kind == "wait_tensor":

@@ -71,8 +71,8 @@ GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
 def _hang_in_step_2(rank: int, stamp: str) -> None:
     source = resolve(GPT)
     torch.manual_seed(0)
-    program = build_program(source.build(), ParallelConfig(pp=2, dp=2, schedule="gpipe"))
     batch = source.example_inputs(4, generator=torch.Generator().manual_seed(1))
+    program = build_program(source.build(), ParallelConfig(pp=2, dp=2, schedule="gpipe"), example_inputs=batch)
     program.step(batch)
     if rank == 1:
         with open(stamp, "w") as f:

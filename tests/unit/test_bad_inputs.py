@@ -93,8 +93,6 @@ CLI_CASES = [
      "expected a positive integer, got -8"),
     ("negative memory", [*PRICE, "--memory-gb", "-1"], "--memory-gb: expected a positive number"),
     ("zero devices", ["train", G, "--devices", "0"], "--devices: expected a positive integer, got 0"),
-    ("heads not divisible by tp in a pipeline", ["train", G, "--devices", "8", "--tp", "4", "--pp", "2"],
-     "--tp 4 does not divide the model's 2 attention heads (each tp rank takes whole heads); pick --tp from 1, 2"),
     ("batch not divisible by dp x microbatch", ["train", G, "--devices", "2", "--global-batch", "3"],
      "global batch 3 is not divisible by dp * micro-batch = 2 * 1 = 2"),
     ("tp*pp does not divide devices", [*PRICE, "--tp", "3"], "pick --tp/--pp whose product divides 4"),

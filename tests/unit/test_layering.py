@@ -56,7 +56,8 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "costs": ("cost_model",),
     "solve": ("solver",),
     "apply": ("codegen",),
-    "run": ("autopar.runtime", "autopar.runtime_spmd", "autopar.runtime_pipe", "autopar.runtime_jobs",
+    "run": ("autopar.runtime", "autopar.runtime_spmd", "autopar.runtime_pipe", "autopar.pipe_spmd",
+            "autopar.runtime_jobs",
             "autopar.runtime_launch",
             "autopar.checkpoint", "autopar.determinism", "autopar.preflight"),
     # Outside the flow, reading its data: calibrate measures a Hardware profile for the
@@ -112,8 +113,6 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     ("autopar.runtime", "codegen.tp", "TP is applied by codegen's parallelize_module helpers"),
     ("autopar.runtime", "codegen.kernels.modules", "fused-kernel module swap is done by the runtime"),
     ("autopar.checkpoint", "codegen.rules", "GPT's qkv row permutation for TP lives in the rule tables"),
-    ("autopar.preflight", "codegen.rules", "pre-spawn checks re-run the runtime's family-table checks"),
-    ("autopar.preflight", "codegen.tp", "pre-spawn checks re-run the TP divisibility check"),
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
     ("autopar.runtime_spmd", "autopar.trace", "each rank traces its own training step"),
@@ -122,6 +121,12 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     ("autopar.runtime_spmd", "codegen.apply", "each rank applies the plan to its traced step"),
     ("autopar.runtime_pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
      "and SDPA backends"),
+    # (i14pop) per-op pipeline stages: each rank traces, solves (a submesh's first rank) and
+    # applies its own chunks, as runtime_spmd does for one stage
+    ("autopar.pipe_spmd", "autopar.trace", "each rank traces its chunks' joint graphs"),
+    ("autopar.pipe_spmd", "solver.intra_op", "a submesh's first rank solves its chunk's ILP"),
+    ("autopar.pipe_spmd", "solver.forced", "the configuration's rules as the chunk ILP's constraints"),
+    ("autopar.pipe_spmd", "codegen.apply", "each rank applies its chunks' solutions"),
     # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
     # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
     ("solver.intra_op.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),

@@ -57,16 +57,18 @@ def test_pipeline_support_says_what_runs():
     gpt = resolve("gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16").build()
     assert layer_stack(hf) == ("hf.transformer.h", 2) and layer_stack(mlp) == ("", 0)
     assert pipeline_support(hf, C(pp=2)) is None
-    assert pipeline_support(hf, C(pp=2, dp=2, schedule="zb")) is None
+    assert "--schedule zb is not run" in pipeline_support(hf, C(pp=2, dp=2, schedule="zb"))
     assert pipeline_support(mlp, C(pp=1, dp=2)) is None
     assert "repeated layer stack" in pipeline_support(mlp, C(pp=2))
-    assert "--tp 2 is not supported there yet" in pipeline_support(hf, C(pp=2, tp=2))
-    assert "--zero 1" in pipeline_support(hf, C(pp=2, dp=2, zero=1))
+    # per-op stages (autopar/pipe_spmd.py): tp and every ZeRO stage, for any model
+    assert pipeline_support(hf, C(pp=2, tp=2)) is None
+    assert pipeline_support(hf, C(pp=2, dp=2, zero=1)) is None
     assert pipeline_support(hf, C(pp=2, dp=2, zero=3)) is None
+    assert pipeline_support(hf, C(pp=2, recompute="full")) is None
     assert "only 2 layers" in pipeline_support(hf, C(pp=2, schedule="interleaved", interleave=2))
-    assert pipeline_support(gpt, C(pp=2, tp=2)) is None  # the zoo's module-level program
-    assert "does not divide" in pipeline_support(gpt, C(pp=2, tp=4))  # 2 heads
-    assert "--zero 1 with --tp > 1" in pipeline_support(gpt, C(pp=2, tp=2, dp=2, zero=1))
+    assert pipeline_support(gpt, C(pp=2, tp=2)) is None
+    assert pipeline_support(gpt, C(pp=2, tp=4)) is None  # 2 heads: the ILP shards what divides
+    assert pipeline_support(gpt, C(pp=2, tp=2, dp=2, zero=1)) is None
 
 
 def test_pipeline_support_reads_a_traced_graph_too():
