@@ -175,11 +175,12 @@ def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequen
     """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
     from autopar.plan import Plan
 
-    box: list[Any] = [None]
+    from autopar.runtime_launch import gather_build_results
+
+    text = None
     if dist.get_rank() == 0:
-        box[0] = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn).dumps()
-    dist.broadcast_object_list(box, src=0)
-    return Plan.loads(box[0])
+        text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn).dumps()
+    return Plan.loads(gather_build_results(text)[0])  # the others wait out the search, however long
 
 
 class Compiled:

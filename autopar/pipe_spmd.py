@@ -55,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
 from autopar.placement import Placements, Replicate, Shard
+from autopar.runtime_launch import gather_build_results
 
 log = logging.getLogger(__name__)
 
@@ -652,8 +653,7 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
                 mine = solve_stage(graph, config, cluster, num_microbatches=num_mb, rows=rows)
             except ValueError as exc:  # InfeasiblePlanError too: every rank raises it
                 mine = exc
-        box: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(box, mine)
+        box = gather_build_results(mine)  # the other ranks wait out the solves, however long
         got = box[int(mesh.mesh[pp_rank, 0, 0])]
         failed = next((b for b in box if isinstance(b, Exception)), None)
         if failed is not None:

@@ -89,22 +89,23 @@ def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFA
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
 
 
-def broadcast_build_result(value: Any, *, src: int = 0, timeout_s: float = BUILD_EXCHANGE_TIMEOUT_S) -> Any:
-    """`value` from rank `src` on every rank (others pass anything), over a gloo group whose
-    timeout is `timeout_s`, not the world's collective timeout: the other ranks wait here
-    while `src` computes something alone (the ILP solve), which can outlast a step's
-    collective timeout; a plain broadcast would make them give up and fail the job."""
+def gather_build_results(value: Any, *, timeout_s: float = BUILD_EXCHANGE_TIMEOUT_S) -> list[Any]:
+    """Every rank's `value`, by rank, on every rank, over a gloo group whose timeout is
+    `timeout_s`, not the world's collective timeout: ranks wait here while one rank (or
+    one per submesh) computes something alone (the ILP solve, the plan search), which can
+    outlast a step's collective timeout; a plain collective would make the others give up
+    and fail the job."""
     import torch.distributed as dist
 
     # every rank makes the group at this call (new_group is collective) and frees it after,
     # so no group outlives the world into interpreter shutdown
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        box = [value if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src, group=group)
+        box: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(box, value, group=group)
     finally:
         dist.destroy_process_group(group)
-    return box[0]
+    return box
 
 
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable[..., Any],

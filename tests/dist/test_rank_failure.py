@@ -69,13 +69,13 @@ def _slow_rank0_exchange(rank: int, use_build_exchange: bool) -> object:
     the world's collective timeout is 1 s."""
     import torch.distributed as dist
 
-    from autopar.runtime_launch import broadcast_build_result
+    from autopar.runtime_launch import gather_build_results
 
     if rank == 0:
         time.sleep(3.0)
     value = {"solved": [1, 2, 3]} if rank == 0 else None
     if use_build_exchange:
-        return broadcast_build_result(value)
+        return gather_build_results(value)[0]
     box = [value]
     dist.broadcast_object_list(box, src=0)  # bound by the 1 s collective timeout
     return box[0]

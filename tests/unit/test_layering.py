@@ -124,7 +124,7 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # (i14pop) per-op pipeline stages: each rank traces, solves (a submesh's first rank) and
     # applies its own chunks, as runtime_spmd does for one stage
     ("autopar.pipe_spmd", "autopar.trace", "each rank traces its chunks' joint graphs"),
-    ("autopar.pipe_spmd", "solver.intra_op", "a submesh's first rank solves its chunk's ILP"),
+    ("autopar.pipe_spmd", "solver.intra_op.ilp", "a submesh's first rank solves its chunk's ILP"),
     ("autopar.pipe_spmd", "solver.forced", "the configuration's rules as the chunk ILP's constraints"),
     ("autopar.pipe_spmd", "codegen.apply", "each rank applies its chunks' solutions"),
     # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
