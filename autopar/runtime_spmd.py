@@ -5,8 +5,9 @@ stages (pp = 1). On every rank of an initialised process group:
 1. trace the model's training step (forward + backward + loss) on fake tensors at the
    global microbatch the plan runs (dp * micro_batch sequences), and lower it;
 2. take each op's placements from the plan (matched by node key, autopar/plan.py), or
-   solve the intra-op ILP for a configuration given by flags (rank 0 solves, every rank
-   receives the choice: one solve, identical programs);
+   solve the intra-op ILP for a configuration given by flags (rank 0 solves, in a
+   short-lived child process, and every rank receives the choice: one solve, identical
+   programs);
 3. apply them (codegen/apply.py): the per-rank graph of ATen ops and collectives;
 4. hold the parameters as DTensors with the chosen placements (in the model's own
    modules, so `named_parameters()`, checkpoints and `full_tensor()` see them) and step
@@ -304,6 +305,63 @@ def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micr
                           gather_free_axes=forced.gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches)
 
 
+def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:
+    """`solve_config` in a forked child process (where the platform forks): its solution,
+    or the InfeasiblePlanError / ValueError it raised, returned (not raised) for the caller
+    to broadcast.
+
+    Why a child: the solve's own allocations (PuLP's model objects, HiGHS's native
+    buffers, the allocator arenas they grow) stayed resident in rank 0 after the solve,
+    and rank 0 alone solves, so it ran every step about 9-13 MiB above the other ranks on
+    the benchmark Llama (benchmarks/results/per_op_memory_cpu.md), and the per-rank peak
+    is the max over ranks. A forked child shares the traced graph copy-on-write and gives
+    everything back when it exits; only the solution (about 100 KB pickled) comes back.
+    Where fork is unavailable (or the child cannot start) the solve runs in this process."""
+    import multiprocessing
+
+    def solve() -> Any:
+        try:
+            return solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+        except (InfeasiblePlanError, ValueError) as exc:
+            return exc
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return solve()
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive fork
+        try:
+            out = solve()
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
+            out = RuntimeError(f"the ILP solve failed in its child process: {type(exc).__name__}: {exc}")
+        try:
+            writer.send(out)
+        except Exception as exc:  # noqa: BLE001 (an unpicklable exception)
+            writer.send(RuntimeError(f"the ILP solve failed in its child process: {out!r} ({exc})"))
+        writer.close()
+
+    proc = ctx.Process(target=child, name="autopar-ilp-solve")
+    try:
+        proc.start()
+    except (AssertionError, OSError):  # e.g. a daemonic process may not have children
+        reader.close()
+        writer.close()
+        return solve()
+    writer.close()
+    try:
+        out = reader.recv()
+    except EOFError:
+        out = RuntimeError(f"the ILP solve's child process ended without a result (exit code {proc.exitcode})")
+    finally:
+        reader.close()
+        proc.join()
+    if isinstance(out, RuntimeError):
+        raise out
+    return out
+
+
 def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:
     """What a solution prices per step: {(kind, axis name): (calls, bytes)} (per-microbatch
     edges m times, the bucketed gradient sync once; a traced layer counts `weight` times)."""
@@ -408,10 +466,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
         box: list[Any] = [None]
         if dist.get_rank() == 0:
-            try:
-                box[0] = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
-            except (InfeasiblePlanError, ValueError) as exc:
-                box[0] = exc  # every rank raises it, rather than waiting for a solution that never comes
+            box[0] = _solve_in_child(graph, config, cluster, num_microbatches)
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]

@@ -485,6 +485,11 @@ def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: De
     buckets = [[order[k] for k in bucket] for bucket in plan_buckets(items)]
 
     def sync(*raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Each bucket is one flat buffer, filled piece by piece: a raw gradient is copied in
+        # and (boxed call, fx frees a value after its last use) freed at once, and the
+        # buffer's pages are touched as they are filled, so the sync holds about one copy
+        # of the gradients, not raw + flat (+ the all-reduce's own output): the all-reduce
+        # runs in place on the buffer (the functional all_reduce would clone it).
         out: list[torch.Tensor | None] = [None] * len(raw)
         for bucket in buckets:
             key = keys[bucket[0]]
@@ -495,26 +500,41 @@ def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: De
                         _dtensor(raw[i], mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
                 continue
             steps, _ = key
+            shapes = {i: raw[i].shape for i in bucket}
             if steps[0][0] == "all_reduce":
-                reduced = torch.cat([raw[i].reshape(-1) for i in bucket])
-                for _, axis, reduce_op in steps:
-                    reduced = funcol.all_reduce(reduced, reduce_op, (mesh, axis))
+                flat = raw[bucket[0]].new_empty(sum(raw[i].numel() for i in bucket))
                 offset = 0
                 for i in bucket:
                     n = raw[i].numel()
-                    out[i] = reduced[offset:offset + n].view(raw[i].shape)
+                    flat[offset:offset + n].copy_(raw[i].reshape(-1))
+                    offset += n
+                for _, axis, reduce_op in steps:
+                    group = funcol._resolve_group_name((mesh, axis))
+                    flat = torch.ops._c10d_functional.wait_tensor(
+                        torch.ops._c10d_functional.all_reduce_(flat, reduce_op.lower(), group))
+                offset = 0
+                for i in bucket:
+                    n = shapes[i].numel()
+                    out[i] = flat[offset:offset + n].view(shapes[i])
                     offset += n
                 continue
             ((_, axis, reduce_op),) = steps
             n = mesh_shape[axis]
             pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
-            flat = torch.cat([pieces[i][r].reshape(-1) for r in range(n) for i in bucket])
+            local = {i: pieces[i][0].shape for i in bucket}
+            stride = sum(local[i].numel() for i in bucket)  # one rank's share of the bucket
+            flat = raw[bucket[0]].new_empty(n * stride)
+            offset = 0
+            for i in bucket:
+                size = local[i].numel()
+                for r in range(n):
+                    flat[r * stride + offset:r * stride + offset + size].copy_(pieces[i][r].reshape(-1))
+                offset += size
             reduced = funcol.reduce_scatter_tensor(flat, reduce_op, 0, (mesh, axis))
             offset = 0
             for i in bucket:
-                shape = pieces[i][0].shape
-                size = pieces[i][0].numel()
-                out[i] = reduced[offset:offset + size].view(shape)
+                size = local[i].numel()
+                out[i] = reduced[offset:offset + size].view(local[i])
                 offset += size
         return tuple(out)
 
