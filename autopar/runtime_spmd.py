@@ -18,7 +18,9 @@ this rank's input shards are taken per the plan's input placements, the per-rank
 runs (no autograd: the graph is the joint forward+backward) with the loss tangent 1/m,
 and the raw gradients accumulate locally; after the last one, the gradient-sync graph
 brings each gradient to its parameter's placement once (all-reduce / reduce-scatter) and
-the optimizer steps. The loss is reduced for reporting outside the priced program.
+the optimizer steps. With one microbatch per step the step graph syncs each gradient
+bucket itself, during the backward (codegen/apply.py `sync_in_step`), and there is no
+gradient-sync graph to run. The loss is reduced for reporting outside the priced program.
 """
 
 from __future__ import annotations
@@ -168,7 +170,10 @@ class SpmdProgram:
             # broken program that `train --check` must catch (tests/dist/test_check_random.py)
             unsynced = raw[names.index(skip)] if skip in names else None
             boxed, grads, raw, outs = raw, None, None, None
-            synced = self.graphs.grad_sync(boxed)  # boxed call: the graph empties the list as it goes
+            if self.graphs.grad_sync is None:  # the step synced each bucket during its backward
+                synced = boxed
+            else:
+                synced = self.graphs.grad_sync(boxed)  # boxed call: the graph empties the list as it goes
         by_name = dict(zip(names, synced))
         if unsynced is not None:
             by_name[skip] = unsynced
@@ -237,6 +242,8 @@ class SpmdProgram:
                    for i, name in enumerate(self.mesh.mesh_dim_names)}
         out: dict[tuple[str, str], list[int]] = {}
         for gm, times in ((self.graphs.step, num_microbatches), (self.graphs.grad_sync, 1)):
+            if gm is None:  # gradients synced in the step (compiled for one microbatch)
+                continue
             for (kind, group), sizes in count_collectives(gm).items():
                 ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
                 entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
@@ -263,6 +270,8 @@ def release_build_memory(graphs: Any) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for gm in (graphs.step, graphs.grad_sync):
+        if gm is None:
+            continue
         keep: set[Any] = set()
         for node in gm.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
@@ -472,7 +481,11 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             raise box[0]
         choices = solution_choices(graph, box[0])
         priced = priced_per_step(box[0], num_microbatches, ("dp", "tp"))
-    graphs = apply(traced.gm, graph, choices, mesh)
+    # one microbatch: nothing to accumulate, so the step reduces each gradient bucket as soon
+    # as its last gradient is computed (raw gradients freed during the backward). The
+    # test-only hook AUTOPAR_TEST_DROP_GRAD_SYNC needs the raw gradients: separate sync.
+    sync_in_step = num_microbatches == 1 and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
+    graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step)
     del traced
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
              dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),
