@@ -41,6 +41,18 @@ def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap_bytes: int = 
     return buckets
 
 
+def gradient_bucket_key(key: tuple | None, layer: int | None) -> tuple | None:
+    """The bucket key of a gradient whose reduction has bucket key `key` ((steps, dtype),
+    steps ((kind, axis, reduce op), ...)) and which belongs to layer `layer`:
+    reduce-scatters are bucketed per layer, as FSDP reduce-scatters each unit's gradients
+    (a layer's full-size gradients are freed once it is reduced, not held for the whole
+    backward); all-reduces by DDP's rule alone (the reduced gradients are kept whole
+    anyway)."""
+    if key is None or key[0][0][0] != "reduce_scatter":
+        return key
+    return (key, layer)
+
+
 # ---- parameter gathers ------------------------------------------------------------------
 
 def gather_group(layer: int | None, phase: str, axis: int, dtype: str) -> tuple:

@@ -309,7 +309,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     are its boundary values at the global microbatch. `solve(graph)` gives the ILP's
     solution (default: `solve_stage` here). Returns (runner, the solution, the lowered graph)."""
     from codegen.apply import apply
-    from autopar.runtime_spmd import SpmdProgram, solution_choices
+    from autopar.runtime_spmd import SpmdProgram, distribute_parameters, solution_choices
     from autopar.trace import lower, trace
 
     rows = config.dp * config.micro_batch
@@ -369,6 +369,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
         # backward through the loss tangent, and is reduced for reporting once per step,
         # outside the priced program (as the pp = 1 program reports it)
         extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
+    params = distribute_parameters(chunk, graph, choices, mesh)  # before the build: its peak holds shards only
     graphs = apply(traced.gm, graph, choices, mesh, extra_outputs=extra, keep_phases=True)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
     num_grads = len(graphs.grads)
@@ -381,7 +382,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
         graphs.step, seeds, list(range(first_extra, first_extra + num_fwd)),
         list(range(1, 1 + num_grads)) + list(range(first_extra + num_fwd, first_extra + num_fwd + len(grad_inputs))))
     program = SpmdProgram(config=config, mesh=mesh, model=chunk, graphs=graphs, graph=graph,
-                          optimizer_factory=optimizer, choices=choices)
+                          optimizer_factory=optimizer, choices=choices, params=params)
     runner = StageRunner(index=index, program=program, forward=forward, backward=backward, num_saved=num_saved,
                          slots=graphs.slots, num_inputs=len(inputs), grad_inputs=grad_inputs, outputs=tuple(outputs),
                          grad_outputs=grad_outputs, last=last)

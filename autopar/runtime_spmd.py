@@ -5,8 +5,9 @@ stages (pp = 1). On every rank of an initialised process group:
 1. trace the model's training step (forward + backward + loss) on fake tensors at the
    global microbatch the plan runs (dp * micro_batch sequences), and lower it;
 2. take each op's placements from the plan (matched by node key, autopar/plan.py), or
-   solve the intra-op ILP for a configuration given by flags (rank 0 solves, every rank
-   receives the choice: one solve, identical programs);
+   solve the intra-op ILP for a configuration given by flags (rank 0 solves, in a
+   short-lived child process, and every rank receives the choice: one solve, identical
+   programs);
 3. apply them (codegen/apply.py): the per-rank graph of ATen ops and collectives;
 4. hold the parameters as DTensors with the chosen placements (in the model's own
    modules, so `named_parameters()`, checkpoints and `full_tensor()` see them) and step
@@ -17,7 +18,9 @@ this rank's input shards are taken per the plan's input placements, the per-rank
 runs (no autograd: the graph is the joint forward+backward) with the loss tangent 1/m,
 and the raw gradients accumulate locally; after the last one, the gradient-sync graph
 brings each gradient to its parameter's placement once (all-reduce / reduce-scatter) and
-the optimizer steps. The loss is reduced for reporting outside the priced program.
+the optimizer steps. With one microbatch per step the step graph syncs each gradient
+bucket itself, during the backward (codegen/apply.py `sync_in_step`), and there is no
+gradient-sync graph to run. The loss is reduced for reporting outside the priced program.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class SpmdProgram:
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, model: nn.Module, graphs: Any,
                  graph: Graph, optimizer_factory: OptimizerFactory, choices: Sequence[NodeStrategy],
-                 priced: dict[tuple[str, str], tuple[int, int]] | None = None) -> None:
+                 params: dict[str, nn.Parameter], priced: dict[tuple[str, str], tuple[int, int]] | None = None) -> None:
         self.config = config
         self.priced = priced
         """What the plan priced per step: {(kind, mesh axis name): (calls, bytes)}."""
@@ -85,34 +88,12 @@ class SpmdProgram:
         self.pp_rank = 0
         self.dp_rank = self.coords[0]
         self.tp_rank = self.coords[1] if len(self.coords) > 1 else 0
-        self._params = self._distribute_parameters()
+        self._params = params
+        """From `distribute_parameters` (before the graphs were applied)."""
         self._buffers = self._buffer_shards()
         self.optimizer = make_optimizer(optimizer_factory, list(self._params.values()))
 
     # -- state ------------------------------------------------------------------------
-
-    def _distribute_parameters(self) -> dict[str, nn.Parameter]:
-        """Replace each parameter the graph uses by a DTensor parameter in its placement
-        (tied names share one), inside the model's own modules."""
-        placements = {s.name: s.placements for s in self.graphs.slots if s.role is Role.PARAMETER}
-        made: dict[int, nn.Parameter] = {}
-        out: dict[str, nn.Parameter] = {}
-        for fqn, param in list(self.model.named_parameters(remove_duplicate=False)):
-            if id(param) not in made:
-                if fqn not in placements:
-                    raise ValueError(f"parameter {fqn} is not in the traced graph (unused in the loss?); "
-                                     "every trained parameter must reach the loss")
-                d = distribute_tensor(param.detach(), self.mesh, bridge.to_dtensor_placements(placements[fqn]),
-                                      src_data_rank=None)
-                local = owned(d._local_tensor)
-                if local is not d._local_tensor:
-                    d = DTensor.from_local(local, self.mesh, d.placements, run_check=False, shape=d.shape,
-                                           stride=d.stride())
-                made[id(param)] = nn.Parameter(d, requires_grad=param.requires_grad)
-                out[fqn] = made[id(param)]
-            module_name, _, leaf = fqn.rpartition(".")
-            setattr(self.model.get_submodule(module_name), leaf, made[id(param)])
-        return out
 
     def _buffer_shards(self) -> dict[str, torch.Tensor]:
         buffers = dict(self.model.named_buffers())
@@ -182,7 +163,12 @@ class SpmdProgram:
             # test-only hook: this parameter keeps its unsynchronised gradient, a deliberately
             # broken program that `train --check` must catch (tests/dist/test_check_random.py)
             unsynced = raw[names.index(skip)] if skip in names else None
-            synced = self.graphs.grad_sync(raw)  # boxed call: the graph empties the list as it goes
+            if self.graphs.grad_sync is None:  # the step synced each bucket during its backward
+                # (compiled for one microbatch per step; a larger batch fed later is still
+                # right, reductions being linear, but syncs every microbatch)
+                synced = raw
+            else:
+                synced = self.graphs.grad_sync(raw)  # boxed call: the graph empties the list as it goes
         by_name = dict(zip(names, synced))
         if unsynced is not None:
             by_name[skip] = unsynced
@@ -246,12 +232,44 @@ class SpmdProgram:
                    for i, name in enumerate(self.mesh.mesh_dim_names)}
         out: dict[tuple[str, str], list[int]] = {}
         for gm, times in ((self.graphs.step, num_microbatches), (self.graphs.grad_sync, 1)):
+            if gm is None:  # gradients synced in the step (compiled for one microbatch)
+                continue
             for (kind, group), sizes in count_collectives(gm).items():
                 ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
                 entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
                 entry[0] += times * len(sizes)
                 entry[1] += times * sum(sizes)
         return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def distribute_parameters(model: nn.Module, graph: Graph, choices: Sequence[NodeStrategy],
+                          mesh: DeviceMesh) -> dict[str, nn.Parameter]:
+    """Replace each parameter the graph uses by a DTensor parameter in its chosen placement
+    (tied names share one), inside the model's own modules; {name: parameter}.
+
+    Called as soon as the placements are known, before the per-rank graphs are built:
+    the whole parameters are freed here, so building (make_fx of the whole step, the
+    build's peak) does not hold them beside its own objects (ZeRO-3 dp4 on the benchmark
+    Llama: 11.6 MiB of whole parameters, 2.9 MiB of shards per rank)."""
+    placements = {graph[n].param_name: choices[n].outputs[0] for n in range(len(graph))
+                  if graph[n].role is Role.PARAMETER}
+    made: dict[int, nn.Parameter] = {}
+    out: dict[str, nn.Parameter] = {}
+    for fqn, param in list(model.named_parameters(remove_duplicate=False)):
+        if id(param) not in made:
+            if fqn not in placements:
+                raise ValueError(f"parameter {fqn} is not in the traced graph (unused in the loss?); "
+                                 "every trained parameter must reach the loss")
+            d = distribute_tensor(param.detach(), mesh, bridge.to_dtensor_placements(placements[fqn]),
+                                  src_data_rank=None)
+            local = owned(d._local_tensor)
+            if local is not d._local_tensor:
+                d = DTensor.from_local(local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+            made[id(param)] = nn.Parameter(d, requires_grad=param.requires_grad)
+            out[fqn] = made[id(param)]
+        module_name, _, leaf = fqn.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, made[id(param)])
+    return out
 
 
 def release_build_memory(graphs: Any) -> None:
@@ -272,6 +290,8 @@ def release_build_memory(graphs: Any) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for gm in (graphs.step, graphs.grad_sync):
+        if gm is None:
+            continue
         keep: set[Any] = set()
         for node in gm.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
@@ -312,6 +332,61 @@ def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micr
 
     return solve_intra_op(graph, cluster, forced.mesh_shape(config), keep_placeholder=forced.keep_placeholder(config),
                           gather_free_axes=forced.gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches)
+
+
+def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:
+    """`solve_config` in a forked child process (where the platform forks): its solution,
+    or the error it raised (InfeasiblePlanError / ValueError, or a RuntimeError saying the
+    child failed), returned (not raised) for the caller to send to every rank.
+
+    Why a child: the solve's own allocations (PuLP's model objects, HiGHS's native
+    buffers, the allocator arenas they grow) stayed resident in rank 0 after the solve,
+    and rank 0 alone solves, so it ran every step about 9-13 MiB above the other ranks on
+    the benchmark Llama (benchmarks/results/per_op_memory_cpu.md), and the per-rank peak
+    is the max over ranks. A forked child shares the traced graph copy-on-write and gives
+    everything back when it exits; only the solution (about 100 KB pickled) comes back.
+    Where fork is unavailable (or the child cannot start) the solve runs in this process."""
+    import multiprocessing
+
+    def solve() -> Any:
+        try:
+            return solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+        except (InfeasiblePlanError, ValueError) as exc:
+            return exc
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return solve()
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive fork
+        try:
+            out = solve()
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
+            out = RuntimeError(f"the ILP solve failed in its child process: {type(exc).__name__}: {exc}")
+        try:
+            writer.send(out)
+        except Exception as exc:  # noqa: BLE001 (an unpicklable exception)
+            writer.send(RuntimeError(f"the ILP solve failed in its child process: {out!r} ({exc})"))
+        writer.close()
+
+    proc = ctx.Process(target=child, name="autopar-ilp-solve")
+    try:
+        proc.start()
+    except (AssertionError, OSError):  # e.g. a daemonic process may not have children
+        reader.close()
+        writer.close()
+        return solve()
+    writer.close()
+    try:
+        out = reader.recv()
+    except EOFError:
+        out = RuntimeError(f"the ILP solve's child process ended without a result (exit code {proc.exitcode})")
+    finally:
+        reader.close()
+        proc.join()
+    return out  # an exception too: the caller sends it to every rank, which all raise it
 
 
 def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:
@@ -416,24 +491,26 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             from autopar.cluster import Cluster
 
             cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                box[0] = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
-            except (InfeasiblePlanError, ValueError) as exc:
-                box[0] = exc  # every rank raises it, rather than waiting for a solution that never comes
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        choices = solution_choices(graph, box[0])
-        priced = priced_per_step(box[0], num_microbatches, ("dp", "tp"))
-    graphs = apply(traced.gm, graph, choices, mesh)
+        from autopar.runtime_launch import gather_build_results
+
+        mine = _solve_in_child(graph, config, cluster, num_microbatches) if dist.get_rank() == 0 else None
+        solution = gather_build_results(mine)[0]  # the other ranks wait out the solve, however long
+        if isinstance(solution, Exception):
+            raise solution
+        choices = solution_choices(graph, solution)
+        priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
+    # one microbatch: nothing to accumulate, so the step reduces each gradient bucket as soon
+    # as its last gradient is computed (raw gradients freed during the backward). The
+    # test-only hook AUTOPAR_TEST_DROP_GRAD_SYNC needs the raw gradients: separate sync.
+    sync_in_step = num_microbatches == 1 and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
+    params = distribute_parameters(model, graph, choices, mesh)
+    graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step)
     del traced
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
              dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),
              sum(1 for n in graphs.step.graph.nodes if str(n.target).startswith("_c10d_functional.")
                  and "wait" not in str(n.target)))
     program = SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph,
-                          optimizer_factory=optimizer, choices=choices, priced=priced)
+                          optimizer_factory=optimizer, choices=choices, params=params, priced=priced)
     release_build_memory(graphs)  # after the whole parameters were replaced by their shards
     return program

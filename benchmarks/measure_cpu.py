@@ -271,12 +271,16 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
                for k in range(WARMUP_STEPS + TIMED_STEPS)]
     results: dict[str, Any] = {}
     if phase == "memory" and world_cases:
-        # one throwaway build + step of each program first: the process's one-time set-up
-        # (lazy imports, gloo and mesh state, allocator arenas) must not be charged to
-        # whichever program happens to be measured first
-        first = world_cases[0]
-        for kind in kinds(first):
-            _run_one(first, kind, batches[:1], measure_memory=False)
+        # one throwaway build + step of every program first: the process's one-time set-up
+        # (lazy imports, gloo and mesh state, the collectives' and DTensor's first-use
+        # state for this configuration's placements, allocator arenas) must not be charged
+        # to whichever program happens to be measured first. Per configuration, not only
+        # for the first one: a configuration's first program (autopar's) otherwise paid
+        # for its collectives' and placements' first use and the template measured after
+        # it did not (benchmarks/results/per_op_memory_cpu.md item 9).
+        for case in world_cases:
+            for kind in kinds(case):
+                _run_one(case, kind, batches[:1], measure_memory=False)
     if phase == "timing":
         return _time_round_robin(rank, world_cases, searched_label, batches)
     for case in world_cases:  # alone: memory, first loss, forward calls (one steady-state step)

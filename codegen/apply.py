@@ -21,6 +21,14 @@ Two graphs come out:
   this one edge). The runtime runs it once per step, after the last microbatch, so
   gradient accumulation does not communicate (the cost model weighs these edges 1/m).
 
+With one microbatch per step (`sync_in_step=True`) there is nothing to accumulate: each
+gradient bucket's all-reduce / reduce-scatter is issued inside `step`, where the bucket's
+last gradient is produced during the backward, and `step` returns the gradients in their
+parameters' placements (no `grad_sync` graph). Reduce-scatter buckets are per layer
+(autopar/buckets.py `gradient_bucket_key`, as FSDP reduce-scatters per unit), so a
+layer's full-size gradients are freed during the backward. Same buckets, same
+collectives, same bytes: the price (these edges weighed 1/m = 1) is unchanged.
+
 Every collective in the two graphs is one the ILP priced on an edge (price = run; the
 test counts them). The dispatcher's output placement is checked against the chosen one
 at every node: a mismatch is a bug in the strategy space and raises.
@@ -77,7 +85,8 @@ class RankGraphs:
     """The per-rank program of one plan on one mesh (torch objects: not plan data)."""
 
     step: fx.GraphModule
-    grad_sync: fx.GraphModule
+    grad_sync: fx.GraphModule | None
+    """None when `step` syncs each gradient bucket itself (one microbatch per step)."""
     slots: tuple[Slot, ...]
     """Inputs of `step`, in order (parameters, buffers, data inputs, loss tangent)."""
     loss_placements: Placements
@@ -213,6 +222,9 @@ class _Interpreter:
         self.extra_outputs: tuple[tuple[NodeId, Placements], ...] = ()
         """(node, placements) returned after the gradients, each brought to its placements
         (a pipeline stage's boundary values: autopar/pipe_spmd.py)."""
+        self.sync: _GradSync | None = None
+        """Set: `run` reduces each gradient bucket as soon as its last gradient is computed
+        and returns synced gradients (one microbatch per step)."""
 
     def _gather_groups(self) -> tuple[dict[tuple[NodeId, int], tuple], dict[tuple, list[tuple]]]:
         """Parameter gathers that travel together (autopar/buckets.py gather_group, priced so
@@ -283,6 +295,19 @@ class _Interpreter:
             nid = self.ids[node]
             meta = self.graph[nid].output
             env[node] = _dtensor(local, self.mesh, self.choices[nid].outputs[0], meta.shape, meta.strides)
+        grad_nodes = self._grad_outputs()
+        synced: dict[int, torch.Tensor] = {}
+        waiting: dict[fx.Node, list[int]] = {}  # gradient node -> the buckets it is in
+        left: list[set[fx.Node]] = []  # per bucket, its gradients not computed yet
+        for k, bucket in enumerate(self.sync.buckets if self.sync is not None else ()):
+            left.append({grad_nodes[i] for i in bucket})
+            for g in left[-1]:
+                waiting.setdefault(g, []).append(k)
+
+        def reduce(k: int) -> None:
+            bucket = self.sync.buckets[k]
+            synced.update(self.sync.reduce(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket}))
+
         for node in self.fx_nodes:
             if node.op == "placeholder" or node in env:  # computed early for a parameter gather
                 continue
@@ -291,8 +316,18 @@ class _Interpreter:
             # its meta: its partitioner tag says forward or backward (autopar/pipe_spmd.py)
             with fx_traceback.set_current_meta(node) if self.keep_phases else contextlib.nullcontext():
                 env[node] = self._run_node(node, nid, env)
+            for k in waiting.get(node, ()):
+                left[k].discard(node)
+                if not left[k]:  # the bucket's last gradient: reduce it now, in the backward
+                    reduce(k)
+        for k, rest in enumerate(left):  # a gradient that is a placeholder or computed early
+            if rest:
+                reduce(k)
         loss = env[self.output.args[0][0]]
-        grads = [env[g] for g in self._grad_outputs()]
+        if self.sync is not None:
+            grads = [synced[i] for i in range(len(grad_nodes))]
+        else:
+            grads = [env[g]._local_tensor for g in grad_nodes]
         extras = []
         for nid, want in self.extra_outputs:
             t = env[self.fx_nodes[nid]]
@@ -302,7 +337,7 @@ class _Interpreter:
                 with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
                     t = _redistribute(t, want, True)
             extras.append(t._local_tensor.contiguous())
-        return (loss._local_tensor, *[g._local_tensor for g in grads], *extras)
+        return (loss._local_tensor, *grads, *extras)
 
     def _grad_outputs(self) -> list[fx.Node]:
         grad_ids = {g for _, g in self.graph.param_grads}
@@ -395,14 +430,17 @@ def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
 
 
 def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh, *,
-          extra_outputs: Sequence[tuple[NodeId, Placements]] = (), keep_phases: bool = False) -> RankGraphs:
+          extra_outputs: Sequence[tuple[NodeId, Placements]] = (), keep_phases: bool = False,
+          sync_in_step: bool = False) -> RankGraphs:
     """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`.
 
     `extra_outputs`: (node, placements) pairs the step also returns, after the gradients,
     each redistributed to its placements (a pipeline stage's outputs and input gradients
     in the layout the stages exchange; autopar/pipe_spmd.py). `keep_phases`: every node of
     the step graph keeps its source node's meta (its `partitioner_tag`: recomputed forward
-    ops are tagged backward), for splitting it into forward and backward graphs."""
+    ops are tagged backward), for splitting it into forward and backward graphs.
+    `sync_in_step` (for one microbatch per step): `step` reduces each gradient bucket as
+    soon as its last gradient is computed and returns synced gradients; no `grad_sync`."""
     bridge.register_project_rules()
     mesh_shape = tuple(mesh.shape)
     interp = _Interpreter(gm, graph, choices, mesh)
@@ -417,12 +455,6 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
         inputs += ir.role is Role.INPUT
         slots.append(Slot(node=nid, role=ir.role, name=name, shape=ir.output.shape, dtype=ir.output.dtype,
                           placements=choices[nid].outputs[0]))
-    examples = [_example(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots]
-    with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
-        step = make_fx(interp.run, tracing_mode="fake")(*examples)
-    _share_repeated_collectives(step)
-    _name_placeholders(step, [_slot_name(s) for s in slots])
-
     by_grad = {g: p for p, g in graph.param_grads}
     grads, grad_ids = [], []
     for g in interp._grad_outputs():
@@ -433,13 +465,24 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
                       graph[gid].output))
     position = {gid: k for k, gid in enumerate(grad_ids)}
     order = [position[g] for _, g in graph.param_grads if g in position]
-    sync = make_fx(_grad_sync_fn(grads, mesh, order, [graph.weight(g) for g in grad_ids]), tracing_mode="fake")(
-        *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads])
-    _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
-    # boxed: the caller hands over its list of raw gradients and the graph clears it, so each
-    # raw gradient is freed once copied into its bucket (not held until the sync returns)
-    sync.graph.set_codegen(_BoxedCodeGen())
-    sync.recompile()
+    grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order)
+
+    examples = [_example(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots]
+    interp.sync = grad_sync if sync_in_step else None
+    with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
+        step = make_fx(interp.run, tracing_mode="fake")(*examples)
+    _share_repeated_collectives(step)
+    _name_placeholders(step, [_slot_name(s) for s in slots])
+
+    sync = None
+    if not sync_in_step:
+        sync = make_fx(grad_sync, tracing_mode="fake")(
+            *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads])
+        _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
+        # boxed: the caller hands over its list of raw gradients and the graph clears it, so each
+        # raw gradient is freed once copied into its bucket (not held until the sync returns)
+        sync.graph.set_codegen(_BoxedCodeGen())
+        sync.recompile()
     loss_id = interp.ids[interp.output.args[0][0]]
     program = RankGraphs(step=step, grad_sync=sync, slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
                           grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape)
@@ -496,57 +539,91 @@ def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[i
     return (tuple((t[0], t[1], op) for t, op in zip(steps, ops)), meta.dtype)
 
 
-def _grad_sync_fn(grads: list[tuple[str, Placements, Placements, Any]], mesh: DeviceMesh,
-                  order: list[int], weights: list[float]) -> Any:
+class _GradSync:
     """Bring raw gradients to their parameters' placements, bucketed: one flat all-reduce
     or reduce-scatter per bucket (autopar/buckets.py, in `order`: graph order of the
-    gradients, as the pricing takes them), other gradients through DTensor one by one."""
-    import torch.distributed._functional_collectives as funcol
+    gradients, as the pricing takes them; reduce-scatters per layer), other gradients
+    through DTensor one by one.
 
-    from autopar.buckets import plan_buckets
+    Called on all raw gradients, it is the `grad_sync` graph's function; `reduce` syncs one
+    bucket (what the step calls where the bucket's last gradient is computed).
 
-    mesh_shape = tuple(mesh.shape)
-    keys = {i: _bucket_key(grads[i][3], grads[i][1], grads[i][2], mesh_shape) if grads[i][1] != grads[i][2] else None
-            for i in order}
-    sizes = {i: grads[i][3].size_bytes for i in order}  # as the pricing sizes them
-    items = [(keys[i], sizes[i]) for i in order]
-    buckets = [[order[k] for k in bucket] for bucket in plan_buckets(items)]
+    Each bucket is one flat buffer, filled piece by piece: a raw gradient is copied in and
+    (fx frees a value after its last use; the grad_sync graph is called boxed) freed at
+    once, and the buffer's pages are touched as they are filled, so a bucket's sync holds
+    about one copy of its gradients, not raw + flat + the collective's output: the
+    all-reduce runs in place on the buffer (the functional all_reduce clones its input)."""
 
-    def sync(*raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out: list[torch.Tensor | None] = [None] * len(raw)
-        for bucket in buckets:
-            key = keys[bucket[0]]
-            if key is None:
-                for i in bucket:
-                    _, src, dst, meta = grads[i]
-                    out[i] = raw[i] if src == dst else _redistribute(
-                        _dtensor(raw[i], mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
-                continue
-            steps, _ = key
-            if steps[0][0] == "all_reduce":
-                reduced = torch.cat([raw[i].reshape(-1) for i in bucket])
-                for _, axis, reduce_op in steps:
-                    reduced = funcol.all_reduce(reduced, reduce_op, (mesh, axis))
-                offset = 0
-                for i in bucket:
-                    n = raw[i].numel()
-                    out[i] = reduced[offset:offset + n].view(raw[i].shape)
-                    offset += n
-                continue
-            ((_, axis, reduce_op),) = steps
-            n = mesh_shape[axis]
-            pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
-            flat = torch.cat([pieces[i][r].reshape(-1) for r in range(n) for i in bucket])
-            reduced = funcol.reduce_scatter_tensor(flat, reduce_op, 0, (mesh, axis))
+    def __init__(self, grads: list[tuple[str, Placements, Placements, Any]], layers: list[int | None],
+                 mesh: DeviceMesh, order: list[int]) -> None:
+        from autopar.buckets import gradient_bucket_key, plan_buckets
+
+        self.grads = grads
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.keys = {i: _bucket_key(grads[i][3], grads[i][1], grads[i][2], self.mesh_shape)
+                     if grads[i][1] != grads[i][2] else None for i in order}
+        sizes = {i: grads[i][3].size_bytes for i in order}  # as the pricing sizes them
+        items = [(gradient_bucket_key(self.keys[i], layers[i]), sizes[i]) for i in order]
+        self.buckets = [[order[k] for k in bucket] for bucket in plan_buckets(items)]
+
+    def __call__(self, *raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            out.update(self.reduce(bucket, {i: raw[i] for i in bucket}))
+        return tuple(out[i] for i in range(len(raw)))
+
+    def reduce(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{gradient index: synced local gradient} of one bucket, from its raw local ones."""
+        import torch.distributed._functional_collectives as funcol
+
+        mesh, grads, mesh_shape = self.mesh, self.grads, self.mesh_shape
+        out: dict[int, torch.Tensor] = {}
+        key = self.keys[bucket[0]]
+        if key is None:
+            for i in bucket:
+                _, src, dst, meta = grads[i]
+                out[i] = raw[i] if src == dst else _redistribute(
+                    _dtensor(raw[i], mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
+            return out
+        steps, _ = key
+        if steps[0][0] == "all_reduce":
+            shapes = {i: raw[i].shape for i in bucket}
+            flat = raw[bucket[0]].new_empty(sum(raw[i].numel() for i in bucket))
             offset = 0
             for i in bucket:
-                shape = pieces[i][0].shape
-                size = pieces[i][0].numel()
-                out[i] = reduced[offset:offset + size].view(shape)
-                offset += size
-        return tuple(out)
-
-    return sync
+                n = raw[i].numel()
+                flat[offset:offset + n].copy_(raw[i].reshape(-1))
+                offset += n
+            for _, axis, reduce_op in steps:
+                group = funcol._resolve_group_name((mesh, axis))
+                flat = torch.ops._c10d_functional.wait_tensor(
+                    torch.ops._c10d_functional.all_reduce_(flat, reduce_op.lower(), group))
+            offset = 0
+            for i in bucket:
+                n = shapes[i].numel()
+                out[i] = flat[offset:offset + n].view(shapes[i])
+                offset += n
+            return out
+        ((_, axis, reduce_op),) = steps
+        n = mesh_shape[axis]
+        pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
+        local = {i: pieces[i][0].shape for i in bucket}
+        stride = sum(local[i].numel() for i in bucket)  # one rank's share of the bucket
+        flat = raw[bucket[0]].new_empty(n * stride)
+        offset = 0
+        for i in bucket:
+            size = local[i].numel()
+            for r in range(n):
+                flat[r * stride + offset:r * stride + offset + size].copy_(pieces[i][r].reshape(-1))
+            offset += size
+        reduced = funcol.reduce_scatter_tensor(flat, reduce_op, 0, (mesh, axis))
+        offset = 0
+        for i in bucket:
+            size = local[i].numel()
+            out[i] = reduced[offset:offset + size].view(local[i])
+            offset += size
+        return out
 
 
 def _source(program: RankGraphs) -> str:
@@ -556,9 +633,12 @@ def _source(program: RankGraphs) -> str:
         "# inputs: " + ", ".join(f"{_slot_name(s)}{s.placements and ' ' + '(' + ', '.join(map(str, s.placements)) + ')'}"
                                  for s in program.slots),
         f"# returns (loss {tuple(map(str, program.loss_placements))}, raw gradients); grad_sync below brings each "
-        "gradient to its parameter's placement once per step.",
+        "gradient to its parameter's placement once per step." if program.grad_sync is not None else
+        f"# returns (loss {tuple(map(str, program.loss_placements))}, gradients in their parameters' placements): "
+        "each gradient bucket is reduced in the step, where its last gradient is computed.",
     ]
-    return "\n".join(header) + "\n" + program.step.code + "\n\n# grad_sync\n" + program.grad_sync.code
+    sync = "" if program.grad_sync is None else "\n\n# grad_sync\n" + program.grad_sync.code
+    return "\n".join(header) + "\n" + program.step.code + sync
 
 
 def count_collectives(gm: fx.GraphModule, where: Any = None) -> dict[tuple[str, str], list[int]]:

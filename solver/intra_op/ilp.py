@@ -70,7 +70,7 @@ from autopar.sharding import (
     PricedCollective,
     StrategySpace,
 )
-from autopar.buckets import gather_group, gather_share, plan_buckets
+from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
 from cost_model import STATE_BYTES_PER_PARAM
 from solver.intra_op.costs import CostTable, ReshardPricer, cost_table
 from solver.intra_op.sharing import Reduction, reduce_graph
@@ -540,11 +540,14 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
     (autopar/buckets.py); `syncs` are (gradient node, its placement, its parameter's) in
     graph order. A traced layer's gradient stands for `weight` real layers: its bucket
     share counts that many times."""
-    items = []
+    items, per_layer = [], []
     for g, src, dst in syncs:
         steps = pricer.collectives(graph[g].output, src, dst) or ()
-        key = pricer.bucket_key(graph[g].output, src, dst) if steps else None
-        items.append((key, graph[g].output.size_bytes * graph.weight(g)))
+        key = gradient_bucket_key(pricer.bucket_key(graph[g].output, src, dst) if steps else None, graph[g].layer)
+        # a per-layer bucket (autopar/buckets.py gradient_bucket_key) is one of a traced
+        # layer's `weight` real layers: sized as one layer, counted `weight` times below
+        per_layer.append(key is not None and steps[0].kind == "reduce_scatter")
+        items.append((key, graph[g].output.size_bytes * (1.0 if per_layer[-1] else graph.weight(g))))
     out = []
     for bucket in plan_buckets(items):
         first_g, src, dst = syncs[bucket[0]]
@@ -555,11 +558,12 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
             out.extend(PricedCollective(src=first_g, dst=first_g, kind=c.kind, axis=c.axis, bytes=c.bytes,
                                         weight=graph.weight(first_g), gradient_sync=True) for c in steps)
             continue
+        weight = graph.weight(first_g) if per_layer[bucket[0]] else 1.0
         for k, step in enumerate(steps):  # one collective per step, over the whole bucket
             size = sum(pricer.collectives(graph[syncs[i][0]].output, syncs[i][1], syncs[i][2])[k].bytes
-                       * graph.weight(syncs[i][0]) for i in bucket)
+                       * (1.0 if per_layer[i] else graph.weight(syncs[i][0])) for i in bucket)
             out.append(PricedCollective(src=first_g, dst=first_g, kind=step.kind, axis=step.axis,
-                                        bytes=int(size), weight=1.0, gradient_sync=True))
+                                        bytes=int(size), weight=weight, gradient_sync=True))
     return out
 
 
