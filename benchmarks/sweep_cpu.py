@@ -79,6 +79,10 @@ PREDICTION_KEYS = ("predicted_calibrated_s", "predicted_default_s", "predicted_c
 """Headline predictions (what the product ranks by), then price_profile for every row."""
 WARMUP_ROUNDS = 2
 TIMED_ROUNDS = 7
+REFERENCE_CALLS = 8
+"""The reference workload runs as one window of this many calls per round (about the length
+of a step), its time per call recorded: `autopar calibrate` times it the same way (the
+fastest of a few windows), so the sweep's fastest window compares like with like."""
 REPEAT_SUFFIX = " (repeat)"
 """Label suffix of the noise estimate: the world's first configuration compiled and timed a
 second time (an identical program measured in the same rounds)."""
@@ -155,10 +159,11 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
     for k, batch in enumerate(batches):
         dist.barrier()
         start = time.perf_counter()
-        reference()
+        for _ in range(REFERENCE_CALLS):
+            reference()
         dist.barrier()
         if k >= warmup:
-            reference_s.append(time.perf_counter() - start)
+            reference_s.append((time.perf_counter() - start) / REFERENCE_CALLS)
         rotated = programs[k % len(programs):] + programs[:k % len(programs)]
         order = rotated if k % 2 == 0 else rotated[::-1]
         for label, compiled in order:
@@ -283,8 +288,8 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 def load_factor(hardware: Any, world: int, reference_s: list[float]) -> float:
     """How much slower the shared machine ran the reference workload during the sweep than
     when `hardware` was calibrated (both per dedicated core); 1.0 for an uncalibrated profile.
-    The sweep's reference timings (timed rounds only) are reduced like the step times: their
-    minimum."""
+    The sweep's reference timings (one window of REFERENCE_CALLS calls per timed round) are
+    reduced like the step times and like `autopar calibrate` reduces its windows: the fastest."""
     if not hardware.reference_s or not reference_s:
         return 1.0
     share = max(1.0, world / hardware.cores_per_node) if hardware.cores_per_node else 1.0
