@@ -8,10 +8,18 @@ What runs: for each model size and world size, every configuration is compiled t
 public entry point (`autopar.compile(model, "cpu:N", example_inputs=..., config=...)`) on
 the same spawned gloo ranks (`autopar.runtime_launch.spawn`), side by side, and timed in
 rounds: each round runs one step (`compiled.step(batch)`, barrier before and after, timed on
-rank 0) of every configuration, in order on even rounds and reversed on odd ones, after
-WARMUP_ROUNDS untimed rounds. A configuration's step time is the median over the rounds,
-so slow phases of the shared 2-core machine hit all configurations of a group alike: the
-ranking and the predicted/measured ratios are measured side by side in one run.
+rank 0) of every configuration, interleaved round-robin (round k starts at configuration k
+and runs the list in order on even rounds, reversed on odd ones), after WARMUP_ROUNDS
+untimed rounds, so slow phases of the shared 2-core machine hit all configurations of a
+group alike: the ranking and the predicted/measured ratios are measured side by side.
+Measurement protocol (the noise): other users' processes only ever slow a step down, so a
+configuration's step time is the MINIMUM over its timed rounds (the convention of Python's
+`timeit`: higher values are "typically not caused by variability in Python's speed, but by
+other processes interfering with your timing accuracy"); the median is kept beside it
+(`measured_median_s`). The reference workload that scales the predictions (`load_factor`)
+is reduced the same way. Noise estimate: every world runs its first configuration twice, as
+two separately compiled programs (`REPEAT_SUFFIX`); the report gives how far apart the two
+identical programs measured under each estimator. Repeats are left out of the rankings.
 
 Predicted: what the product ranks a configuration by (price = run), on `cpu:N`, with a
 freshly calibrated profile (`autopar calibrate --devices 4 --out ...`; per dedicated core,
@@ -70,7 +78,14 @@ PREDICTION_KEYS = ("predicted_calibrated_s", "predicted_default_s", "predicted_c
                    "predicted_default_analytic_s")
 """Headline predictions (what the product ranks by), then price_profile for every row."""
 WARMUP_ROUNDS = 2
-TIMED_ROUNDS = 5
+TIMED_ROUNDS = 7
+REFERENCE_CALLS = 8
+"""The reference workload runs as one window of this many calls per round (about the length
+of a step), its time per call recorded: `autopar calibrate` times it the same way (the
+fastest of a few windows), so the sweep's fastest window compares like with like."""
+REPEAT_SUFFIX = " (repeat)"
+"""Label suffix of the noise estimate: the world's first configuration compiled and timed a
+second time (an identical program measured in the same rounds)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +104,7 @@ def cases(world: int) -> list[SweepCase]:
     if world == 4:
         return [
             c("dp4 mb4", dp=4, micro_batch=4),
+            c("dp4 mb4" + REPEAT_SUFFIX, dp=4, micro_batch=4),
             c("dp4 mb1", dp=4, micro_batch=1),
             c("dp4 z1", dp=4, zero=1, micro_batch=4),
             c("dp4 z3", dp=4, zero=3, micro_batch=4),
@@ -103,6 +119,7 @@ def cases(world: int) -> list[SweepCase]:
     if world == 8:
         return [
             c("dp8", dp=8, micro_batch=2),
+            c("dp8" + REPEAT_SUFFIX, dp=8, micro_batch=2),
             c("dp8 z3", dp=8, zero=3, micro_batch=2),
             c("dp8 full-rc", dp=8, micro_batch=2, recompute="full"),
             c("dp4 tp2", dp=4, tp=2, micro_batch=4),
@@ -142,10 +159,13 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
     for k, batch in enumerate(batches):
         dist.barrier()
         start = time.perf_counter()
-        reference()
+        for _ in range(REFERENCE_CALLS):
+            reference()
         dist.barrier()
-        reference_s.append(time.perf_counter() - start)
-        order = programs if k % 2 == 0 else programs[::-1]
+        if k >= warmup:
+            reference_s.append((time.perf_counter() - start) / REFERENCE_CALLS)
+        rotated = programs[k % len(programs):] + programs[:k % len(programs)]
+        order = rotated if k % 2 == 0 else rotated[::-1]
         for label, compiled in order:
             dist.barrier()
             start = time.perf_counter()
@@ -267,11 +287,31 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def load_factor(hardware: Any, world: int, reference_s: list[float]) -> float:
     """How much slower the shared machine ran the reference workload during the sweep than
-    when `hardware` was calibrated (both per dedicated core); 1.0 for an uncalibrated profile."""
+    when `hardware` was calibrated (both per dedicated core); 1.0 for an uncalibrated profile.
+    The sweep's reference timings (one window of REFERENCE_CALLS calls per timed round) are
+    reduced like the step times and like `autopar calibrate` reduces its windows: the fastest."""
     if not hardware.reference_s or not reference_s:
         return 1.0
     share = max(1.0, world / hardware.cores_per_node) if hardware.cores_per_node else 1.0
-    return statistics.median(reference_s) / share / hardware.reference_s
+    return min(reference_s) / share / hardware.reference_s
+
+
+def noise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per repeated configuration: how far apart two identical programs measured, under the
+    headline estimator (minimum over rounds) and under the median."""
+    by_label = {(r["size"], r["world"], r["label"]): r for r in rows}
+    out = []
+    for r in rows:
+        if not r["label"].endswith(REPEAT_SUFFIX):
+            continue
+        twin = by_label.get((r["size"], r["world"], r["label"].removesuffix(REPEAT_SUFFIX)))
+        if twin is None:
+            continue
+        pair = sorted((twin["measured_s"], r["measured_s"]))
+        med = sorted((statistics.median(twin["measured_times_s"]), statistics.median(r["measured_times_s"])))
+        out.append({"group": f"{r['size']} x {r['world']}", "label": twin["label"],
+                    "min_apart": pair[1] / pair[0] - 1, "median_apart": med[1] / med[0] - 1})
+    return out
 
 
 def group_figures(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -328,12 +368,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             got = measure(spec, world_cases, warmup=warmup, timed=timed)
             load_default = load_factor(HARDWARE["cpu"], world, got["reference_s"])
             load_cal = load_factor(hw_cal, world, got["reference_s"]) if hw_cal is not None else None
-            print(f"  reference workload {statistics.median(got['reference_s']) * 1e3:.0f} ms: load x{load_default:.2f} "
+            print(f"  reference workload {min(got['reference_s']) * 1e3:.0f} ms: load x{load_default:.2f} "
                   f"vs the built-in profile's calibration" + (f", x{load_cal:.2f} vs the calibrated one"
                                                                 if load_cal is not None else ""), flush=True)
             for case in world_cases:
                 row = {"size": size, "model": spec, "world": world, "label": case.label,
-                       "config": case.config.to_json(), "measured_s": statistics.median(got["times"][case.label]),
+                       "config": case.config.to_json(), "measured_s": min(got["times"][case.label]),
+                       "measured_median_s": statistics.median(got["times"][case.label]),
                        "measured_times_s": got["times"][case.label], "first_loss": got["first_loss"][case.label],
                        "reference_s": got["reference_s"]}
                 row.update(predictions(profile, spec, case, HARDWARE["cpu"], hw_cal, reference_s=got["reference_s"]))
@@ -350,6 +391,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    pairs = noise(rows)
+    rows = [r for r in rows if not r["label"].endswith(REPEAT_SUFFIX)]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(f"{r['size']} x {r['world']}", []).append(r)
@@ -375,7 +418,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if figures[g]["predicted_calibrated_s"]["pick"] == figures[g]["predicted_default_s"]["pick"]]
         summary.append(f"built-in profile picks the calibrated profile's configuration in {len(same)} of "
                        f"{len(figures)} groups")
-    return {"groups": figures, "summary": summary}
+    if pairs:
+        summary.append("noise (two identical programs in the same rounds): "
+                       + ", ".join(f"{p['group']} {p['label']}: {p['min_apart']:.1%} apart (minimum over rounds), "
+                                   f"{p['median_apart']:.1%} (median)" for p in pairs))
+    return {"groups": figures, "summary": summary, "noise": pairs}
 
 
 def _key_name(key: str) -> str:
@@ -389,8 +436,10 @@ def write_markdown(out: dict[str, Any], path: Path) -> None:
         f"Generated by `python benchmarks/sweep_cpu.py` (via `benchmarks/run_all.py`). Global batch "
         f"{out['global_batch']}, AdamW, fp32; every configuration compiled with `autopar.compile(..., config=...)` "
         f"and stepped with `compiled.step` on the same spawned gloo ranks, side by side: {out['warmup_rounds']} "
-        f"warm-up rounds, then {out['timed_rounds']} timed rounds of one step of every configuration (order "
-        "reversed every other round); measured = median over rounds. One-stage configurations (pp = 1) run "
+        f"warm-up rounds, then {out['timed_rounds']} timed rounds of one step of every configuration, interleaved "
+        "round-robin (each round starts one configuration later; order reversed every other round); measured = "
+        "minimum over rounds (other users only slow a step down; the median is in the JSON), and the "
+        "first configuration of every world runs twice as two identical programs, a noise estimate (below). One-stage configurations (pp = 1) run "
         "the per-op program (the intra-op ILP's placements for the configuration); pipelines run the "
         "module-level stage program. Predicted = what the product ranks by: for pp = 1 the ILP's own price "
         "of the program that runs (solver/spmd_search.py `estimate` of `solve_config`), for pp > 1 "

@@ -233,7 +233,8 @@ def _ranking_section(rows: list[dict[str, Any]], sweep: dict[str, Any] | None) -
                   "| group | profile | runs | median abs error | Spearman | regret of the pick | pick | measured best |",
                   "|---|---|---|---|---|---|---|---|"]
         for g, per in sweep["groups"].items():
-            runs = sum(1 for r in sweep["rows"] if f"{r['size']} x {r['world']}" == g)
+            runs = sum(1 for r in sweep["rows"] if f"{r['size']} x {r['world']}" == g
+                       and not r["label"].endswith(" (repeat)"))  # sweep_cpu.REPEAT_SUFFIX: the noise estimate
             for key, f in per.items():
                 name = key.removeprefix("predicted_").removesuffix("_s")
                 name = name.replace("_analytic", " (price_profile for all)")

@@ -31,7 +31,7 @@ from cost_model.collectives import (
     reshard_time_s,
     send_recv_time_s,
 )
-from cost_model.compute import compute_time_s, optimizer_time_s
+from cost_model.compute import compute_time_s, grad_accumulation_time_s, optimizer_time_s
 from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from autopar.estimate import Estimate
 from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, state_bytes_per_param
@@ -62,7 +62,7 @@ def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batc
 __all__ = [
     "AxisLink", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile", "RuntimeOptions",
     "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
-    "compute_time_s", "default_stage_layers", "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
+    "compute_time_s", "default_stage_layers", "grad_accumulation_time_s", "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
     "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",
 ]

@@ -93,7 +93,8 @@ def compute_time_s(flops: float, bytes_moved: float, hardware: Hardware, dtype: 
     return max(t_flops, t_mem) + min(t_flops, t_mem) + eff.gemm_overhead_s
 
 
-__all__ = ["OP_CLASSES", "compute_time_s", "gemm_shape_efficiency", "gemm_time_s"]
+__all__ = ["OP_CLASSES", "compute_time_s", "gemm_shape_efficiency", "gemm_time_s", "grad_accumulation_time_s",
+           "optimizer_time_s"]
 
 
 def optimizer_time_s(local_parameters: float, hardware: Hardware, efficiency: Efficiency | None = None) -> float:
@@ -101,3 +102,21 @@ def optimizer_time_s(local_parameters: float, hardware: Hardware, efficiency: Ef
     Efficiency.optimizer_bytes_per_param bytes per element at achievable HBM bandwidth."""
     eff = efficiency_for(hardware, efficiency)
     return local_parameters * eff.optimizer_bytes_per_param / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
+
+
+def grad_accumulation_time_s(gradient_elements: float, num_microbatches: int, element_bytes: int,
+                             hardware: Hardware, efficiency: Efficiency | None = None) -> float:
+    """Accumulating the microbatches' gradients of one step, a memory-bound term of its own:
+        (m - 1) * elements * 3 * element_bytes / (HBM bandwidth * memory_efficiency)
+    The first microbatch's backward writes the gradients; every later one adds into them
+    (read both, write one): autograd accumulates into `.grad` across backward calls (PyTorch
+    autograd docs: gradients "will be accumulated"), Megatron-LM's per-parameter hook adds
+    each microbatch's grad into `main_grad`, FSDP adds each reduce-scattered shard into the
+    sharded gradient, and autopar's per-op program adds each microbatch's raw gradients.
+    `gradient_elements`: the gradient elements one rank accumulates (its whole local
+    replica, or its shard when the gradients are reduce-scattered every microbatch)."""
+    if num_microbatches <= 1 or gradient_elements <= 0:
+        return 0.0
+    eff = efficiency_for(hardware, efficiency)
+    moved = (num_microbatches - 1) * gradient_elements * 3 * element_bytes
+    return moved / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)

@@ -48,7 +48,12 @@ T_i per microbatch (`_stage_times`). With m microbatches and v chunks per stage:
                 all-gather updated weights after the step
     optimizer (`_optimizer_s`)
               = local parameters * optimizer_bytes_per_param / achievable HBM bandwidth
-    step      (`_estimate`) = pipeline + exposed dp sync + optimizer
+    grad accumulation (`_grad_accumulation_s`)
+              = (m - 1) microbatches adding into the step's gradients, a memory-bound pass
+                of 3 * grad_reduce_bytes per local gradient element (compute.py
+                grad_accumulation_time_s); the whole local replica under zero 0-1, the
+                shard under zero 2-3 (reduce-scattered every microbatch)
+    step      (`_estimate`) = pipeline + exposed dp sync + optimizer + grad accumulation
 Model FLOPs are the traced forward+backward FLOPs (attention counted as the full s x s
 square, the convention of torchtitan, llm-foundry and Megatron); MFU divides them per
 device per second by the dense peak (`_estimate`; peak memory: cost_model/memory.py).
@@ -70,7 +75,7 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
     send_recv_time_s,
 )
-from cost_model.compute import compute_time_s, gemm_time_s
+from cost_model.compute import compute_time_s, gemm_time_s, grad_accumulation_time_s
 from cost_model.efficiency import Efficiency, efficiency_for
 from autopar.estimate import Estimate
 from cost_model.memory import BYTES_WEIGHT, stage_memory, stage_params
@@ -364,15 +369,24 @@ def _optimizer_s(config: ParallelConfig, psi: float, share: float, hw: Hardware,
     return share * local * eff.optimizer_bytes_per_param / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
 
 
+def _grad_accumulation_s(config: ParallelConfig, opts: RuntimeOptions, psi: float, num_microbatches: int,
+                         share: float, hw: Hardware, eff: Efficiency) -> float:
+    """share * grad_accumulation_time_s(local gradients, m, grad_reduce_bytes): local =
+    psi (zero 0-1: each rank accumulates its whole replica) or psi / dp (zero 2-3: the
+    gradients are reduce-scattered every microbatch and the shard accumulates)."""
+    local = psi / config.dp if config.zero >= 2 else psi
+    return share * grad_accumulation_time_s(local, num_microbatches, opts.grad_reduce_bytes, hw, eff)
+
+
 def _estimate(profile: GraphProfile, config: ParallelConfig, cluster: Cluster, global_batch: int,
               stage_layers: tuple[int, ...], num_microbatches: int, checkpoint_every: int, pipe: _Pipeline,
-              dp_sync_s: float, optimizer_s: float) -> Estimate:
-    """step = pipeline + dp sync + optimizer; tokens/s, model TFLOP/s (traced fwd+bwd FLOPs
+              dp_sync_s: float, optimizer_s: float, accumulate_s: float) -> Estimate:
+    """step = pipeline + dp sync + optimizer + gradient accumulation; tokens/s, model TFLOP/s (traced fwd+bwd FLOPs
     scaled to the global batch), hardware TFLOP/s (+ recomputed layer forwards), MFU over
     the dense peak; memory of the stage with the largest total (cost_model/memory.py)."""
     p, t, d, v, m = config.pp, config.tp, config.dp, config.interleave, num_microbatches
     hw = cluster.hardware
-    step = pipe.pipeline_s + dp_sync_s + optimizer_s
+    step = pipe.pipeline_s + dp_sync_s + optimizer_s + accumulate_s
     tokens = global_batch * profile.seq
     model_flops = profile.model_flops_per_step * global_batch / profile.batch
     rec_flops = 0.0
@@ -402,7 +416,7 @@ def _estimate(profile: GraphProfile, config: ParallelConfig, cluster: Cluster, g
         time_breakdown=(
             ("compute_s", pipe.compute_s), ("recompute_s", pipe.recompute_s), ("comm_tp_s", pipe.tp_s),
             ("comm_pp_s", pipe.pp_s), ("comm_zero3_s", pipe.zero3_s), ("comm_dp_s", dp_sync_s),
-            ("bubble_s", pipe.bubble_s), ("optimizer_s", optimizer_s),
+            ("bubble_s", pipe.bubble_s), ("optimizer_s", optimizer_s), ("grad_accum_s", accumulate_s),
         ),
         memory_breakdown=(
             ("params_bytes", int(mem.params_bytes)), ("grads_bytes", int(mem.grads_bytes)),
@@ -458,8 +472,9 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     psi = stage_params(profile, config, stage_layers[crit], crit == 0, crit == p - 1)
     dp_sync = _dp_sync_s(config, opts, psi, stage_layers[crit], m, layer, z3_layer, dp_link, eff, hw.comm_overlap)
     optimizer = _optimizer_s(config, psi, share, hw, eff)
+    accumulate = _grad_accumulation_s(config, opts, psi, m, share, hw, eff)
     return _estimate(profile, config, cluster, global_batch, stage_layers, m, opts.checkpoint_every, pipe,
-                     dp_sync, optimizer)
+                     dp_sync, optimizer, accumulate)
 
 
 __all__ = ["AxisLink", "SELECTIVE_POLICIES", "default_stage_layers", "price_profile"]

@@ -25,12 +25,14 @@ any of them needs.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import cost_model
+from cost_model import grad_accumulation_time_s
 from solver.intra_op.costs import core_share
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
@@ -119,6 +121,20 @@ def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
     return total
 
 
+def _raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> float:
+    """Gradient bytes one rank accumulates over the microbatches: the per-op program adds
+    each microbatch's raw gradients, whose size is the weight as the compute uses it (sharded
+    over the tensor-parallel axes only; a dp-sharded (ZeRO) weight is gathered for compute)."""
+    by_node = {c.node: c for c in solution.choices}
+    total = 0.0
+    for node in graph.by_role(Role.PARAMETER):
+        c = by_node.get(node.id)
+        if c is not None:
+            tp_shard = math.prod(n for n, p in zip(solution.mesh_shape[1:], c.outputs[0][1:]) if isinstance(p, Shard))
+            total += node.output.size_bytes * graph.weight(node.id) / tp_shard
+    return total
+
+
 def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     """3 when most parameter bytes are sharded over the first (dp) axis, else 0: a label
     for tables; the placements are the plan."""
@@ -140,7 +156,10 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
     per_micro = solution.cost.total_s  # gradient-sync edges already weighted 1/m
     optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware) \
         * core_share(cluster)
-    step = m * per_micro + optimizer
+    # i15c: the microbatches' gradient accumulation (cost_model.compute.grad_accumulation_time_s)
+    accumulate = grad_accumulation_time_s(_raw_gradient_bytes(graph, solution), m, 1, cluster.hardware) \
+        * core_share(cluster)
+    step = m * per_micro + optimizer + accumulate
     devices = cluster.num_devices
     tokens = global_batch * graph.model.seq
     flops = graph.flops_per_step * m
@@ -156,7 +175,7 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
         mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0, peak_memory_bytes=peak, fits=peak <= budget,
         memory_limit_bytes=int(budget),
         time_breakdown=(("compute_s", m * solution.cost.compute_s), ("reshard_s", m * solution.cost.reshard_s),
-                        ("optimizer_s", optimizer)),
+                        ("optimizer_s", optimizer), ("grad_accum_s", accumulate)),
         memory_breakdown=(("peak_bytes", peak),), config=tuple(sorted(cfg.items())), hardware_tflops_per_device=tflops)
 
 

@@ -139,3 +139,25 @@ def test_dtensor_and_view_overheads_apply_to_tp_and_eager(profile) -> None:
     assert price_profile(profile, dp, cluster(dt), global_batch=8).step_time_s == pytest.approx(
         price_profile(profile, dp, cluster(base), global_batch=8).step_time_s)
     assert sum(profile.layer.view_ops) > 0 and not math.isnan(with_dt)
+
+
+def test_gradient_accumulation_term(profile) -> None:
+    """(m - 1) microbatches add into the step's gradients: 3 * element bytes per local
+    gradient element per extra microbatch; the replica under zero 0-1, the shard under zero 3."""
+    from cost_model.compute import grad_accumulation_time_s
+
+    hw = HARDWARE["a100-80gb"]
+    rate = hw.memory_bandwidth_bytes_per_s * efficiency_for(hw).memory_efficiency
+    assert grad_accumulation_time_s(1e9, 1, 2, hw) == 0.0
+    assert grad_accumulation_time_s(1e9, 5, 2, hw) == pytest.approx(4 * 1e9 * 3 * 2 / rate)
+    cluster = Cluster.parse("a100-80gb:1x8")
+
+    def accum(**kw) -> float:
+        est = price_profile(profile, ParallelConfig(dp=8, micro_batch=1, **kw), cluster, global_batch=32)
+        return dict(est.time_breakdown)["grad_accum_s"]
+
+    # 4 microbatches per rank: 3 extra passes; zero 3 accumulates an eighth of the gradients
+    assert accum() > 0
+    assert accum(zero=3) == pytest.approx(accum() / 8)
+    single = price_profile(profile, ParallelConfig(dp=8, micro_batch=4), cluster, global_batch=32)
+    assert dict(single.time_breakdown)["grad_accum_s"] == 0.0

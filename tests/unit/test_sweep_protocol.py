@@ -1,0 +1,58 @@
+"""The CPU sweep's measurement protocol (benchmarks/sweep_cpu.py): what is a step time, what
+is the noise estimate, and that the repeated program stays out of the rankings.
+
+Pure functions on hand-made rows: no process starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import sweep_cpu  # noqa: E402
+
+
+def _row(label: str, times: list[float], predicted: float, size: str = "M", world: int = 4) -> dict:
+    return {"size": size, "world": world, "label": label, "measured_s": min(times),
+            "measured_times_s": times, "predicted_calibrated_s": predicted}
+
+
+def test_every_world_times_its_first_configuration_twice():
+    for world in (4, 8):
+        got = sweep_cpu.cases(world)
+        assert got[1].label == got[0].label + sweep_cpu.REPEAT_SUFFIX
+        assert got[1].config == got[0].config
+
+
+def test_noise_compares_the_two_identical_programs_under_both_estimators():
+    rows = [_row("dp4 mb4", [0.20, 0.50, 0.21], 0.2),
+            _row("dp4 mb4" + sweep_cpu.REPEAT_SUFFIX, [0.22, 0.90, 0.30], 0.2),
+            _row("pp4", [0.4, 0.41, 0.5], 0.3)]
+    (pair,) = sweep_cpu.noise(rows)
+    assert pair["group"] == "M x 4" and pair["label"] == "dp4 mb4"
+    assert pair["min_apart"] == pytest.approx(0.22 / 0.20 - 1)
+    assert pair["median_apart"] == pytest.approx(0.30 / 0.21 - 1)
+
+
+def test_the_repeat_is_not_ranked():
+    rows = [_row("a", [1.0], 1.0), _row("a" + sweep_cpu.REPEAT_SUFFIX, [5.0], 0.1), _row("b", [2.0], 2.0),
+            _row("c", [3.0], 3.0)]
+    out = sweep_cpu.summarize(rows)
+    fig = out["groups"]["M x 4"]["predicted_calibrated_s"]
+    # with the repeat ranked, its low prediction would make it the pick and break the order
+    assert fig["pick"] == "a" and fig["spearman"] == pytest.approx(1.0)
+    assert out["noise"][0]["min_apart"] == pytest.approx(4.0)
+    assert any(s.startswith("noise") for s in out["summary"])
+
+
+def test_load_factor_takes_the_fastest_reference_window():
+    class Hw:
+        reference_s = 0.02
+        cores_per_node = 2
+
+    # 4 ranks on 2 cores: per dedicated core the fastest window is 0.05 / 2
+    assert sweep_cpu.load_factor(Hw(), 4, [0.09, 0.05, 0.3]) == pytest.approx(0.05 / 2 / 0.02)
