@@ -2,10 +2,10 @@
 
 Where it sits: with autopar/cli.py, the only place that wires stages together. It
 resolves the mesh to a world size, joins or checks the process group (torchrun's env://
-world, ranks started by `autopar.runtime_launch.spawn`, or a one-rank world it creates),
+world, ranks started by `autopar.runtime.launch.spawn`, or a one-rank world it creates),
 takes the configuration from `plan=` (replayed after a fingerprint check), `config=`, or
 else searches one (trace on the example inputs, price with the cost model, solver/search.py),
-and builds the per-rank program (autopar/runtime.py).
+and builds the per-rank program (autopar/runtime/program.py).
 
 Batches: `step(batch)` takes the *global* batch, identical on every rank (as synthetic
 data or a seeded loader gives it); each rank takes its data-parallel slice. Weight init:
@@ -31,12 +31,12 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import fingerprint_source, module_fingerprint
-from autopar.runtime_launch import init_from_env, launched_by_torchrun
+from autopar.runtime.launch import init_from_env, launched_by_torchrun
 from autopar.trace import trace_model, trace_step
 from codegen.rules import rules_for
 
 if TYPE_CHECKING:
-    from autopar.runtime import OptimizerFactory
+    from autopar.runtime.program import OptimizerFactory
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _ensure_process_group(num_devices: int) -> None:
             raise ValueError(
                 f"autopar.compile for {num_devices} devices needs a process group: run under "
                 f"`torchrun --nproc_per_node {num_devices}`, or inside ranks started by "
-                "autopar.runtime_launch.spawn (or `autopar train --devices N`)"
+                "autopar.runtime.launch.spawn (or `autopar train --devices N`)"
             )
     world = dist.get_world_size()
     if world != num_devices:
@@ -175,7 +175,7 @@ def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequen
     """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
     from autopar.plan import Plan
 
-    from autopar.runtime_launch import gather_build_results
+    from autopar.runtime.launch import gather_build_results
 
     text = None
     if dist.get_rank() == 0:
@@ -242,10 +242,10 @@ class Compiled:
         return self.program.full_parameters()
 
     def save_checkpoint(self, directory: str, *, step: int | None = None) -> str:
-        """Write a sharded, plan-independent checkpoint (autopar/checkpoint.py) under
+        """Write a sharded, plan-independent checkpoint (autopar/runtime/checkpoint.py) under
         `directory`; collective. `step` defaults to the steps done so far. Unlike
         `state_dict()` (this plan's layout, GPT qkv rows in TP order), it loads under any plan."""
-        from autopar import checkpoint
+        from autopar.runtime import checkpoint
 
         done = self.program.steps_done if step is None else step
         return str(checkpoint.save(self.program, directory, step=done))
@@ -253,7 +253,7 @@ class Compiled:
     def load_checkpoint(self, path: str) -> Any:
         """Load the newest complete checkpoint under `path` (or that `step_<N>` directory),
         resharding it to this plan; collective. Returns its `CheckpointInfo`."""
-        from autopar import checkpoint
+        from autopar.runtime import checkpoint
 
         return checkpoint.load(self.program, path)
 
@@ -261,7 +261,7 @@ class Compiled:
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
                     plan: Any, config: ParallelConfig | None, compile_stages: bool | None) -> Compiled:
-    from autopar.runtime import build_program, model_dims
+    from autopar.runtime.program import build_program, model_dims
 
     num_devices = _num_devices(mesh)
     _ensure_process_group(num_devices)

@@ -341,7 +341,7 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     if repeats > 1:
         return combine([calibrate(devices) for _ in range(repeats)])
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     if devices < 2:
         raise ValueError(f"--devices must be at least 2 to measure collectives, got {devices}")

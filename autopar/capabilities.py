@@ -7,7 +7,7 @@ cuts them, and which pipelines run. A plan the runtime cannot execute is never r
 pipeline, and the runtime raises the same reason if it is given one anyway.
 
 Pipelines (pp > 1) run one way, for any model with a repeated layer stack (the zoo's and
-Hugging Face models alike): autopar/pipe_spmd.py cuts the traced step at the layers
+Hugging Face models alike): autopar/runtime/pipe_spmd.py cuts the traced step at the layers
 (torch.distributed.pipelining's tracer) and compiles every stage by the per-op path on its
 (dp, tp) submesh (the intra-op ILP under the configuration's rules, solver/forced.py), so
 tp, dp and ZeRO come from the ILP as for pp = 1; torch's GPipe, 1F1B and interleaved
@@ -24,7 +24,7 @@ one whose shape this runtime could build. Both predicates read one rule set
 PIPELINE_STAGES_PER_OP says whether the planner prices a pipeline stage by the ILP solved
 freely on its whole (dp, tp) submesh; while it is False the planner prices pp > 1 stages
 under the forced (dp, tp) layout (batch over dp, weights over tp; solver/forced.py), which
-is the rule set the per-op stages are solved under (autopar/pipe_spmd.py solve_stage), so
+is the rule set the per-op stages are solved under (autopar/runtime/pipe_spmd.py solve_stage), so
 the price stays close to what runs.
 """
 
@@ -39,7 +39,7 @@ PIPELINE_STAGES_PER_OP = False
 """True once pipeline stages run their per-op placements (issue 14, runtime side)."""
 
 RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-"""Pipeline schedules the planner may rank and the per-op pipeline runs (autopar/pipe_spmd.py);
+"""Pipeline schedules the planner may rank and the per-op pipeline runs (autopar/runtime/pipe_spmd.py);
 `zb` is refused (module docstring)."""
 
 ZOO_FAMILIES = ("gpt", "llama")

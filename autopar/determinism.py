@@ -1,7 +1,7 @@
 """Random ops in a training step, and a mode that makes them deterministic for `--check`.
 
 Where it sits: beside the runtime, used by `autopar train --check` (autopar/commands/train.py)
-and the training jobs (autopar/runtime_jobs.py). The check compares a parallel run with a
+and the training jobs (autopar/runtime/jobs.py). The check compares a parallel run with a
 single-process reference; with dropout the two draw different masks (different RNG
 streams, batch slices and call orders), so their losses differ by noise that a broken
 plan could hide behind. Two pieces make the check meaningful again:

@@ -1,14 +1,14 @@
 """Checks of a training job that need no process group, run once before any rank starts.
 
 Where it sits: between the CLI (autopar/commands/train.py) and the launcher
-(autopar/runtime_launch.py). The runtime (autopar/runtime.py, codegen/) refuses the same
+(autopar/runtime/launch.py). The runtime (autopar/runtime/program.py, codegen/) refuses the same
 inputs when it builds a rank's program, but there each of N ranks would raise after
 N processes were started and the user would read `rank 0 failed: ...`; here the
 launcher raises once, before spawning, and the CLI exits 2 with the message alone.
 
 What is checked (config vs model, plan vs model, devices): the degrees multiply to the
 devices and divide the batch (ParallelConfig.check); one-stage jobs run the per-op program,
-which takes any model; pipelines (per-op stages, autopar/pipe_spmd.py) need what
+which takes any model; pipelines (per-op stages, autopar/runtime/pipe_spmd.py) need what
 `autopar.capabilities.pipeline_support` says (a repeated layer stack, a schedule they run,
 no recompute) and stage cuts that fit the layers.
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from autopar.capabilities import layer_stack, pipeline_support, split_layers
 from autopar.config import ParallelConfig
-from autopar.runtime import model_dims
+from autopar.runtime.program import model_dims
 
 
 def check_job(model: nn.Module, config: ParallelConfig, *, num_devices: int, global_batch: int,

@@ -84,7 +84,7 @@ class _LossStep(nn.Module):
         self.loss_fn = loss_fn
         self.aux_outputs = aux_outputs
         """The model returns (scalar loss, values that need no gradient...): a pipeline
-        stage's joint graph (autopar/pipe_spmd.py). The graph's outputs follow the loss."""
+        stage's joint graph (autopar/runtime/pipe_spmd.py). The graph's outputs follow the loss."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.aux_outputs:
@@ -177,7 +177,7 @@ def trace(
     `aux_outputs`: the model returns (scalar loss, *values needing no gradient) (see
     `_LossStep`); inputs that require grad get gradient outputs too. `layer_prefix`: the
     repeated layers' container path, where the model cannot show it (a pipeline chunk's
-    flat graph, whose nodes carry their module paths in their meta: autopar/pipe_spmd.py).
+    flat graph, whose nodes carry their module paths in their meta: autopar/runtime/pipe_spmd.py).
 
     Real inputs and parameters are fine for small models; for large ones build the model
     and inputs under a `FakeTensorMode` first (see `trace_model`). Raises TraceError naming

@@ -6,7 +6,7 @@
 For every model (the zoo's GPT and Llama; Hugging Face GPT-2, Llama and DistilBERT built from
 configs, tests/hf_factories.py) and every cluster `cpu:N` (N in --worlds), the search
 (`autopar.api.search_plans`, what `autopar search` runs) returns its top plans;
-each plan trains --steps steps on N real gloo ranks (`autopar.runtime_jobs.train_worker`,
+each plan trains --steps steps on N real gloo ranks (`autopar.runtime.jobs.train_worker`,
 what `autopar train --plan` runs; all plans of one world in one set of ranks), and its
 losses are compared with the single-process reference (`reference_run`, rtol 1e-4), and the
 collectives its program ran with those its plan priced (price = run). The suite runs a
@@ -46,7 +46,7 @@ def _jobs_worker(rank: int, jobs: tuple[Any, ...]) -> list[Any]:
     """One set of ranks trains every job; a job that raises is reported, not fatal."""
     import torch.distributed as dist
 
-    from autopar.runtime_jobs import train_worker
+    from autopar.runtime.jobs import train_worker
 
     out = []
     for job in jobs:
@@ -68,8 +68,8 @@ def check_world(world: int, models: dict[str, str], top: int, steps: int) -> lis
     import torch
 
     from autopar.plan import describe_config
-    from autopar.runtime_jobs import TrainJob, reference_run
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.jobs import TrainJob, reference_run
+    from autopar.runtime.launch import spawn
 
     rows, jobs = [], []
     for name, spec in models.items():

@@ -7,7 +7,7 @@ well the calibrated cost model ranks the same configurations.
 For each configuration (4 processes: dp4, zero3 dp4, dp2xtp2, dp2xpp2, tp2xpp2, plus the
 plan `autopar search` finds for cpu:4 with the calibrated profile; 8 processes:
 dp2xtp2xpp2) the same spawned ranks run, on the same model, seed and global batch:
-  A  autopar's program (autopar.runtime.build_program with the ParallelConfig, as
+  A  autopar's program (autopar.runtime.program.build_program with the ParallelConfig, as
      `autopar train` / `autopar.compile` build it), and
   H  the hand-tuned torchtitan-style baseline (benchmarks/handtuned.py),
 with every program of one world size built side by side and timed in rounds (one step of
@@ -144,7 +144,7 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
     import torch
 
     from autopar.models import resolve
-    from autopar.runtime import build_module_program, build_program
+    from autopar.runtime.program import build_module_program, build_program
     from handtuned import build
 
     source = resolve(MODEL)
@@ -297,7 +297,7 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
 # ---- diagnostic: autopar's pipeline schedule rebuilt every step ----------------------------
 
 def _cached_pipeline_step(self: Any, local: tuple[Any, ...], num_mb: int) -> Any:
-    """autopar.runtime.RankProgram._pipeline_step, but the schedule object is built once and
+    """autopar.runtime.program.RankProgram._pipeline_step, but the schedule object is built once and
     reused, so torch.distributed.pipelining's per-schedule stage initialisation (p2p warm-up,
     forward/backward metadata inference) runs on the first step only, as in handtuned.py."""
     import torch
@@ -338,7 +338,7 @@ def diagnose_worker(rank: int, case: Case) -> dict[str, Any]:
 
 
 def diagnose(label: str) -> None:
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     case = next(c for c in cases(4) + cases(8) if c.label == label)
     if case.config.pp == 1:
@@ -354,7 +354,7 @@ def diagnose(label: str) -> None:
 # ---- in the parent ---------------------------------------------------------------------
 
 def run_world(world: int, world_cases: list[Case], searched_label: str | None = None) -> dict[str, Any]:
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     # Memory and timing in separate process sets: the memory phase makes glibc return freed
     # tensors to the OS (mmap threshold 64 KiB, read by the ranks' glibc at start) so
@@ -608,7 +608,7 @@ def write_markdown(out: dict[str, Any], path: Path, *, summary: list[str]) -> No
     if templated:
         lines += ["", "Per-op program (what `autopar train`/`autopar.compile` run: the ILP's placements applied to "
                   "the traced step) vs the template program (the module-level rule-table program autopar ran "
-                  "before, `autopar.runtime.build_module_program`) vs hand-tuned, same rounds:", "",
+                  "before, `autopar.runtime.program.build_module_program`) vs hand-tuned, same rounds:", "",
                   "| config | per-op tok/s | template tok/s | hand-tuned tok/s | per-op/hand | template/hand | "
                   "per-op MiB/rank | template MiB/rank | loss per-op | loss template |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

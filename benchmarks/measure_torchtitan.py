@@ -360,7 +360,7 @@ def oracle(world_cases: list[Case], memory: list[dict[str, Any]], reference: lis
 
 
 def run_world(world: int, world_cases: list[Case], reference: list[float], rounds: int) -> dict[str, Any]:
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
     os.environ.update({k: "65536" for k in saved})
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     shape = replace(SHAPE, fuse_qkv=True) if args.fused_qkv else SHAPE
     all_cases = cases(4, shape) + ([] if args.no_world8 else cases(8, shape))

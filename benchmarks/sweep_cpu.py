@@ -6,7 +6,7 @@ measured against the cost model's prediction (calibrated profile and built-in `c
 
 What runs: for each model size and world size, every configuration is compiled through the
 public entry point (`autopar.compile(model, "cpu:N", example_inputs=..., config=...)`) on
-the same spawned gloo ranks (`autopar.runtime_launch.spawn`), side by side, and timed in
+the same spawned gloo ranks (`autopar.runtime.launch.spawn`), side by side, and timed in
 rounds: each round runs one step (`compiled.step(batch)`, barrier before and after, timed on
 rank 0) of every configuration, interleaved round-robin (round k starts at configuration k
 and runs the list in order on even rounds, reversed on odd ones), after WARMUP_ROUNDS
@@ -25,7 +25,7 @@ Predicted: what the product ranks a configuration by (price = run), on `cpu:N`, 
 freshly calibrated profile (`autopar calibrate --devices 4 --out ...`; per dedicated core,
 so it prices 8 processes too) when given, and with the built-in `cpu` profile:
 - pp = 1: the per-op program's own price. The runtime solves the intra-op ILP for the
-  configuration (autopar/runtime_spmd.py `solve_config`, solver/forced.py rules) on the
+  configuration (autopar/runtime/spmd.py `solve_config`, solver/forced.py rules) on the
   traced step at one global microbatch, and `autopar search` ranks one-stage candidates by
   that ILP's step time (solver/spmd_search.py `estimate`); the sweep prices the same
   solution (m x the ILP's per-microbatch cost + the optimizer step);
@@ -178,7 +178,7 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
 
 
 def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int) -> dict[str, Any]:
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     per_rank = spawn(_worker, world_cases[0].world, (spec, world_cases, warmup, timed), collective_timeout_s=300.0)
     return per_rank[0]
@@ -223,7 +223,7 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -
     """The per-op program's price of a pp = 1 configuration: the intra-op ILP the runtime
     solves for it (`solve_config`), priced as `autopar search` ranks it (`estimate`)."""
     from autopar.cluster import Cluster
-    from autopar.runtime_spmd import solve_config
+    from autopar.runtime.spmd import solve_config
     from solver.spmd_search import SpmdCandidate, estimate
 
     config = case.config

@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def no_ranks_started(monkeypatch):
-    """Records (and refuses) every process start: autopar.runtime_launch.spawn and
+    """Records (and refuses) every process start: autopar.runtime.launch.spawn and
     torch.multiprocessing both start ranks through multiprocessing's Process.start."""
     started: list[str] = []
 

@@ -3,7 +3,7 @@
 Each function returns `(model, example_inputs)` with a forward that returns the scalar
 loss, the form `autopar train package.module:function` and `autopar.compile` take.
 Dropout is 0 unless a test asks otherwise; weights come from `torch.manual_seed` set by
-the caller (autopar.runtime_jobs builds every rank's copy under the job's seed).
+the caller (autopar.runtime.jobs builds every rank's copy under the job's seed).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`autopar train MODEL --devices N`: run a configuration (or a saved plan) on real ranks.
 
-Spawns N local gloo processes (autopar/runtime_launch.py) unless started by torchrun,
-trains `--steps` AdamW steps on synthetic data (autopar/runtime_jobs.py) and prints the
+Spawns N local gloo processes (autopar/runtime/launch.py) unless started by torchrun,
+trains `--steps` AdamW steps on synthetic data (autopar/runtime/jobs.py) and prints the
 loss per step and tokens/s. Every check that needs no process group (config vs model,
 plan vs model, devices; autopar/preflight.py) runs once here, before any rank starts.
 
@@ -21,7 +21,7 @@ exit codes (the other ranks exit 0 after training); torchrun itself exits 1 when
 rank exits non-zero.
 
 Checkpoints: `--checkpoint-dir D --save-every K` writes a sharded checkpoint after every
-K-th step (autopar/checkpoint.py: plan-independent, atomic); `--resume` continues from the
+K-th step (autopar/runtime/checkpoint.py: plan-independent, atomic); `--resume` continues from the
 newest complete one in D, under this run's plan and device count (resharded on load),
 up to `--steps` in total; `losses` then start at step `first_step`. A rank that fails,
 crashes or hangs stops the job with exit 1 (exit 2 when a rank raised a user error, such
@@ -39,8 +39,8 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.preflight import check_job
-from autopar.runtime_jobs import RunResult, TrainJob, reference_run, train_worker
-from autopar.runtime_launch import RankFailure, init_from_env, launched_by_torchrun, spawn
+from autopar.runtime.jobs import RunResult, TrainJob, reference_run, train_worker
+from autopar.runtime.launch import RankFailure, init_from_env, launched_by_torchrun, spawn
 
 LOSS_RTOL = 1e-4
 EXIT_CRASH = 1
@@ -92,7 +92,7 @@ def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None
 
 def _check_resume(args: argparse.Namespace, model: Any) -> None:
     """Refuse a resume that cannot work before any rank starts (files only, no process group)."""
-    from autopar import checkpoint
+    from autopar.runtime import checkpoint
     from autopar.plan import module_fingerprint
 
     info = checkpoint.latest(args.checkpoint_dir)
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         _check_resume(args, model)
     if plan is not None and config.pp == 1 and getattr(plan, "placements", None):
-        from autopar.runtime_spmd import check_plan_placements
+        from autopar.runtime.spmd import check_plan_placements
 
         check_plan_placements(model, config, example if source.factory is not None
                               else source.example_inputs(global_batch), plan)

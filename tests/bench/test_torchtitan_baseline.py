@@ -27,7 +27,7 @@ _why = tb.available()
 if _why is not None:
     pytest.skip(f"{_why}; `make bench-install` installs the torchtitan baseline", allow_module_level=True)
 
-from autopar.runtime_launch import spawn  # noqa: E402
+from autopar.runtime.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

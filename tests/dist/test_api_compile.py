@@ -12,7 +12,7 @@ from torch import nn
 from autopar.api import compile as ap_compile
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime_launch import spawn
+from autopar.runtime.launch import spawn
 from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ import torch
 
 from autopar.api import compile as ap_compile
 from autopar.models import resolve
-from autopar.runtime_launch import spawn
+from autopar.runtime.launch import spawn
 from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import autopar
-from autopar import checkpoint
+from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime import build_program
-from autopar.runtime_launch import RankFailure, spawn
+from autopar.runtime.program import build_program
+from autopar.runtime.launch import RankFailure, spawn
 
 pytestmark = pytest.mark.dist
 

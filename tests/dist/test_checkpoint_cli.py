@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from autopar import checkpoint, cli
+from autopar import cli
+from autopar.runtime import checkpoint
 
 pytestmark = pytest.mark.dist
 

@@ -22,8 +22,8 @@ from torch import nn
 from autopar import cli
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime import build_program
-from autopar.runtime_launch import RankFailure, spawn
+from autopar.runtime.program import build_program
+from autopar.runtime.launch import RankFailure, spawn
 
 pytestmark = pytest.mark.dist
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig
-from autopar.runtime import build_program
-from autopar.runtime_jobs import TrainJob, build_model_and_batches, reference_run
-from autopar.runtime_launch import spawn
+from autopar.runtime.program import build_program
+from autopar.runtime.jobs import TrainJob, build_model_and_batches, reference_run
+from autopar.runtime.launch import spawn
 from codegen.kernels.ops import LIB
 
 pytestmark = pytest.mark.dist

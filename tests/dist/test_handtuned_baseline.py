@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.runtime_jobs import TrainJob, build_model_and_batches, reference_run
-from autopar.runtime_launch import spawn
+from autopar.runtime.jobs import TrainJob, build_model_and_batches, reference_run
+from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
 

@@ -18,7 +18,7 @@ import torch
 
 import autopar
 from autopar import cli
-from autopar.runtime_launch import spawn
+from autopar.runtime.launch import spawn
 from tests import factories
 from tests.reference import reference_losses
 

@@ -1,6 +1,6 @@
 """Pipelines of models the family tables do not know: Hugging Face GPT-2 cut at its blocks.
 
-autopar/pipe_spmd.py cuts a model at its repeated layer stack with torch's pipeline tracer,
+autopar/runtime/pipe_spmd.py cuts a model at its repeated layer stack with torch's pipeline tracer,
 compiles every chunk by the per-op path on its (dp, tp) submesh and runs the chunks with
 torch's schedules. Checked against the single-process reference (same seed, data,
 AdamW): losses to rtol 1e-4 on every rank, parameters to atol 1e-3, the tied
@@ -21,8 +21,8 @@ import torch
 
 from autopar import cli
 from autopar.config import ParallelConfig as C
-from autopar.runtime_jobs import TrainJob, reference_run, train_worker
-from autopar.runtime_launch import spawn
+from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
 

@@ -16,8 +16,8 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime import build_program
-from autopar.runtime_launch import RankFailure, spawn
+from autopar.runtime.program import build_program
+from autopar.runtime.launch import RankFailure, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -69,7 +69,7 @@ def _slow_rank0_exchange(rank: int, use_build_exchange: bool) -> object:
     the world's collective timeout is 1 s."""
     import torch.distributed as dist
 
-    from autopar.runtime_launch import gather_build_results
+    from autopar.runtime.launch import gather_build_results
 
     if rank == 0:
         time.sleep(3.0)

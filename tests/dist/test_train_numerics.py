@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime_jobs import TrainJob, reference_run, train_worker
-from autopar.runtime_launch import spawn
+from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
 

@@ -7,12 +7,12 @@ full logits computed in one process. Each worker checks the reference (CPU) path
 the Triton kernels in the interpreter; a spawned worker is a fresh process, so setting
 TRITON_INTERPRET=1 before its first `import triton` is enough.
 
-The ranks start through autopar.runtime_launch.spawn, as autopar's own ranks do. This test
+The ranks start through autopar.runtime.launch.spawn, as autopar's own ranks do. This test
 used to abort now and then at exit ("terminate called without an active exception"): the
 custom op's first call imports torch._dynamo, which imported torch.distributed.nn.functional
 after the group existed and pinned it in default arguments, so destroy_process_group left
 its gloo threads running into interpreter shutdown. The launcher now imports that module
-first (runtime_launch.import_before_process_group); the worker checks the group is not pinned.
+first (autopar/runtime/launch.py import_before_process_group); the worker checks the group is not pinned.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime_launch import spawn
+from autopar.runtime.launch import spawn
 
 WORLD = 2
 TOKENS, HIDDEN, VOCAB = 37, 16, 90  # 37 tokens over chunks of 8: ragged last chunk

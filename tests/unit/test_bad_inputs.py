@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 import autopar
-from autopar import checkpoint, cli
+from autopar import cli
+from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import Plan, PlanFileError
-from autopar.runtime import NonFiniteLossError
+from autopar.runtime.program import NonFiniteLossError
 from autopar.trace import TraceError
 
 G = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"

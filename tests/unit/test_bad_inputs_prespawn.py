@@ -76,7 +76,7 @@ def test_refused_before_any_rank_starts(argv, phrase, tmp_path, capsys, no_ranks
 
 def test_the_instrumentation_sees_a_rank_start(no_ranks_started):
     """The fixture is a real measurement: a spawn under it is seen (and stopped)."""
-    from autopar.runtime_launch import spawn
+    from autopar.runtime.launch import spawn
 
     with pytest.raises(AssertionError, match="was started: bad input must be refused before any rank starts"):
         spawn(print, 2)

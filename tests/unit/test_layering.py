@@ -56,10 +56,8 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
     "costs": ("cost_model",),
     "solve": ("solver",),
     "apply": ("codegen",),
-    "run": ("autopar.runtime", "autopar.runtime_spmd", "autopar.runtime_pipe", "autopar.pipe_spmd",
-            "autopar.runtime_jobs",
-            "autopar.runtime_launch",
-            "autopar.checkpoint", "autopar.determinism", "autopar.preflight"),
+    "run": ("autopar.runtime", "autopar.determinism", "autopar.preflight"),  # the package: program, spmd,
+    # pipe, pipe_spmd, jobs (train loop), launch, checkpoint
     # Outside the flow, reading its data: calibrate measures a Hardware profile for the
     # cost model (spawning ranks as `train` does); plots draws a Plan.
     "tools": ("autopar.calibrate", "autopar.plots"),
@@ -89,7 +87,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "costs": ("cost_model",),
     "solve": ("solver.search", "solver.spmd_search"),
     "apply": ("codegen", "codegen.apply"),
-    "run": ("autopar.runtime_launch", "autopar.runtime_jobs"),
+    "run": ("autopar.runtime.launch", "autopar.runtime.jobs"),
     "tools": (),
 }
 
@@ -108,25 +106,25 @@ ALLOWED_EDGES: dict[tuple[str, str], str] = {
 KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # run -> apply internals: the module-level runtime still cuts and shards models with the
     # per-family rule tables (DESIGN: no rule table on the execution path; issue 13).
-    ("autopar.runtime", "codegen.rules", "pipeline/TP runtime reads the per-family rule tables"),
-    ("autopar.runtime", "codegen.stages", "pipeline chunks are built by codegen's stage splitter"),
-    ("autopar.runtime", "codegen.tp", "TP is applied by codegen's parallelize_module helpers"),
-    ("autopar.runtime", "codegen.kernels.modules", "fused-kernel module swap is done by the runtime"),
-    ("autopar.checkpoint", "codegen.rules", "GPT's qkv row permutation for TP lives in the rule tables"),
+    ("autopar.runtime.program", "codegen.rules", "pipeline/TP runtime reads the per-family rule tables"),
+    ("autopar.runtime.program", "codegen.stages", "pipeline chunks are built by codegen's stage splitter"),
+    ("autopar.runtime.program", "codegen.tp", "TP is applied by codegen's parallelize_module helpers"),
+    ("autopar.runtime.program", "codegen.kernels.modules", "fused-kernel module swap is done by the runtime"),
+    ("autopar.runtime.checkpoint", "codegen.rules", "GPT's qkv row permutation for TP lives in the rule tables"),
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
-    ("autopar.runtime_spmd", "autopar.trace", "each rank traces its own training step"),
-    ("autopar.runtime_spmd", "solver.intra_op.ilp", "rank 0 solves the ILP for a configuration given by flags"),
-    ("autopar.runtime_spmd", "solver.forced", "the flags' configuration as ILP constraints"),
-    ("autopar.runtime_spmd", "codegen.apply", "each rank applies the plan to its traced step"),
-    ("autopar.runtime_pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
+    ("autopar.runtime.spmd", "autopar.trace", "each rank traces its own training step"),
+    ("autopar.runtime.spmd", "solver.intra_op.ilp", "rank 0 solves the ILP for a configuration given by flags"),
+    ("autopar.runtime.spmd", "solver.forced", "the flags' configuration as ILP constraints"),
+    ("autopar.runtime.spmd", "codegen.apply", "each rank applies the plan to its traced step"),
+    ("autopar.runtime.pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
      "and SDPA backends"),
     # (i14pop) per-op pipeline stages: each rank traces, solves (a submesh's first rank) and
-    # applies its own chunks, as runtime_spmd does for one stage
-    ("autopar.pipe_spmd", "autopar.trace", "each rank traces its chunks' joint graphs"),
-    ("autopar.pipe_spmd", "solver.intra_op.ilp", "a submesh's first rank solves its chunk's ILP"),
-    ("autopar.pipe_spmd", "solver.forced", "the configuration's rules as the chunk ILP's constraints"),
-    ("autopar.pipe_spmd", "codegen.apply", "each rank applies its chunks' solutions"),
+    # applies its own chunks, as runtime.spmd does for one stage
+    ("autopar.runtime.pipe_spmd", "autopar.trace", "each rank traces its chunks' joint graphs"),
+    ("autopar.runtime.pipe_spmd", "solver.intra_op.ilp", "a submesh's first rank solves its chunk's ILP"),
+    ("autopar.runtime.pipe_spmd", "solver.forced", "the configuration's rules as the chunk ILP's constraints"),
+    ("autopar.runtime.pipe_spmd", "codegen.apply", "each rank applies its chunks' solutions"),
     # solve -> costs internals: the ILP's cost table prices collectives and ops with the cost
     # model's formulas directly (issue 18: cost_model hands the solver a cost table as data).
     ("solver.intra_op.costs", "cost_model.collectives", "ILP edge/gradient prices call the alpha-beta formulas"),
@@ -373,6 +371,6 @@ def test_known_list_must_shrink() -> None:
     found = [Violation("solver.intra_op.costs", "cost_model.compute", 1, "x")]
     new, stale = compare_with_known(found, KNOWN_VIOLATIONS)
     assert new == [] and ("solver.intra_op.costs", "cost_model.collectives") in stale
-    new, stale = compare_with_known(found + [Violation("codegen.apply", "autopar.runtime", 3, "x")],
+    new, stale = compare_with_known(found + [Violation("codegen.apply", "autopar.runtime.program", 3, "x")],
                                     KNOWN_VIOLATIONS)
-    assert [(v.importer, v.imported) for v in new] == [("codegen.apply", "autopar.runtime")]
+    assert [(v.importer, v.imported) for v in new] == [("codegen.apply", "autopar.runtime.program")]

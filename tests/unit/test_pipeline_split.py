@@ -1,6 +1,6 @@
 """Cutting any model with a repeated layer stack into pipeline stages (no process group).
 
-autopar/runtime_pipe.py `split_model` cuts the traced step at the layers; run one after the
+autopar/runtime/pipe.py `split_model` cuts the traced step at the layers; run one after the
 other in one process, the stages give the unsplit model's loss, each stage reads only
 values its predecessor sends (skip values relayed), and parameter names are the unsplit
 model's. `autopar.capabilities.pipeline_support` says which pipelines run, with reasons.
@@ -16,7 +16,7 @@ import torch
 from autopar.capabilities import layer_stack, pipeline_support
 from autopar.config import ParallelConfig as C
 from autopar.models import resolve
-from autopar.runtime_pipe import _canonical_names, split_model
+from autopar.runtime.pipe import _canonical_names, split_model
 from tests import factories, hf_factories
 
 
@@ -60,7 +60,7 @@ def test_pipeline_support_says_what_runs():
     assert "--schedule zb is not run" in pipeline_support(hf, C(pp=2, dp=2, schedule="zb"))
     assert pipeline_support(mlp, C(pp=1, dp=2)) is None
     assert "repeated layer stack" in pipeline_support(mlp, C(pp=2))
-    # per-op stages (autopar/pipe_spmd.py): tp and every ZeRO stage, for any model
+    # per-op stages (autopar/runtime/pipe_spmd.py): tp and every ZeRO stage, for any model
     assert pipeline_support(hf, C(pp=2, tp=2)) is None
     assert pipeline_support(hf, C(pp=2, dp=2, zero=1)) is None
     assert pipeline_support(hf, C(pp=2, dp=2, zero=3)) is None

@@ -1,9 +1,9 @@
 """Per-op pipeline stages: the intra-op ILP's placements inside every stage of a pipeline.
 
-Where it sits: runtime, behind `autopar.runtime.build_program` for pp > 1 plans. It joins
-the pipeline cut of autopar/runtime_pipe.py (torch's tracer, split at the repeated layers)
+Where it sits: runtime, behind `autopar.runtime.program.build_program` for pp > 1 plans. It joins
+the pipeline cut of autopar/runtime/pipe.py (torch's tracer, split at the repeated layers)
 and the per-op compiler of pp = 1 plans (autopar/trace.py, solver/intra_op.py,
-codegen/apply.py, autopar/runtime_spmd.py). On every rank, for each of its chunks:
+codegen/apply.py, autopar/runtime/spmd.py). On every rank, for each of its chunks:
 
 1. the chunk's boundary values are found by running the cut model once on one global
    microbatch (dp * micro_batch rows): its inputs, its outputs, and which outputs carry
@@ -24,7 +24,7 @@ codegen/apply.py, autopar/runtime_spmd.py). On every rank, for each of its chunk
    Function so torch.distributed.pipelining's PipelineStage and schedules run it:
    forward, send the outputs, later backward with the received gradients.
 
-Parameters are DTensors in the ILP's placements (autopar/runtime_spmd.py SpmdProgram per
+Parameters are DTensors in the ILP's placements (autopar/runtime/spmd.py SpmdProgram per
 chunk); backward accumulates their raw gradients, and after the schedule each chunk's
 gradient-sync graph brings them to their placements (SpmdProgram.set_gradients: the ILP's
 data parallelism / ZeRO) and one stock optimizer steps every chunk's parameters. A tensor
@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
 from autopar.placement import Placements, Replicate, Shard
-from autopar.runtime_launch import gather_build_results
+from autopar.runtime.launch import gather_build_results
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     are its boundary values at the global microbatch. `solve(graph)` gives the ILP's
     solution (default: `solve_stage` here). Returns (runner, the solution, the lowered graph)."""
     from codegen.apply import apply
-    from autopar.runtime_spmd import SpmdProgram, distribute_parameters, solution_choices
+    from autopar.runtime.spmd import SpmdProgram, distribute_parameters, solution_choices
     from autopar.trace import lower, trace
 
     rows = config.dp * config.micro_batch
@@ -459,7 +459,7 @@ class PipeSpmdProgram:
         scaling is off: the last chunk's loss tangent is 1 / num_mb already."""
         from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        from autopar.runtime_pipe import _output_is_loss
+        from autopar.runtime.pipe import _output_is_loss
 
         if num_mb not in self._schedules:
             kind = self.config.schedule
@@ -467,7 +467,7 @@ class PipeSpmdProgram:
                 self._schedules[num_mb] = ScheduleInterleaved1F1B(self.stages, n_microbatches=num_mb,
                                                                   loss_fn=_output_is_loss, scale_grads=False)
             else:
-                # as autopar/runtime_pipe.py: 1F1B needs as many microbatches as stages
+                # as autopar/runtime/pipe.py: 1F1B needs as many microbatches as stages
                 cls = Schedule1F1B if kind == "1f1b" and num_mb >= self.config.pp else ScheduleGPipe
                 self._schedules[num_mb] = cls(self.stages[0], n_microbatches=num_mb, loss_fn=_output_is_loss,
                                               scale_grads=False)
@@ -476,7 +476,7 @@ class PipeSpmdProgram:
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step on the global `batch` (identical on every rank); returns the
         mean loss over the whole batch, on every rank."""
-        from autopar.runtime import optimizer_update
+        from autopar.runtime.program import optimizer_update
 
         dp, rows = self.config.dp, self.config.micro_batch
         tensors = [t for t in batch if isinstance(t, torch.Tensor)]
@@ -518,7 +518,7 @@ class PipeSpmdProgram:
         pp ranks holding it, then each copy takes its own shard of the sum."""
         from torch.distributed.tensor import DTensor
 
-        from autopar.runtime_spmd import local_shard
+        from autopar.runtime.spmd import local_shard
         from autopar import dtensor_bridge as bridge
 
         holders: dict[str, list[Any]] = {}
@@ -541,7 +541,7 @@ class PipeSpmdProgram:
     def _stats(self, grad_bytes: int) -> Any:
         import resource
 
-        from autopar.runtime import StepStats, _local
+        from autopar.runtime.program import StepStats, _local
 
         params = [p for _, p in self.named_parameters()]
         state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
@@ -600,12 +600,12 @@ class PipeSpmdProgram:
     def state_dict(self) -> dict[str, Any]:
         """Sharded model and optimizer state, as the module-level pipeline forms it (its
         chunks hold the DTensor parameters under the model's names)."""
-        from autopar.runtime import RankProgram
+        from autopar.runtime.program import RankProgram
 
         return RankProgram.state_dict(self)  # reads .chunks and .optimizer only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from autopar.runtime import RankProgram
+        from autopar.runtime.program import RankProgram
 
         RankProgram.load_state_dict(self, state)
 
@@ -619,9 +619,9 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
     is one global batch (its first dp * micro_batch rows are traced)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from autopar.runtime import make_mesh
-    from autopar.runtime_pipe import _canonical_names, _tie_groups, split_model
-    from autopar.runtime_spmd import local_shard, make_optimizer, priced_per_step
+    from autopar.runtime.program import make_mesh
+    from autopar.runtime.pipe import _canonical_names, _tie_groups, split_model
+    from autopar.runtime.spmd import local_shard, make_optimizer, priced_per_step
 
     if config.schedule == "zb":
         raise ValueError("--schedule zb is not run by per-op pipeline stages (their backward computes input and "

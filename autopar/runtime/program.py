@@ -2,7 +2,7 @@
 
 Where it sits: the last stage of the flow (DESIGN.md). `build_program(model, config, ...)`
 runs on every rank of an initialised process group (torchrun or autopar's spawner, see
-autopar/runtime_launch.py) and returns a `RankProgram` whose `step(batch)` trains once.
+autopar/runtime/launch.py) and returns a `RankProgram` whose `step(batch)` trains once.
 
 How each knob is realised (all with torch.distributed's own pieces):
 - mesh: `init_device_mesh` with axes ("pp", "dp", "tp"), tp innermost (fastest links).
@@ -75,7 +75,7 @@ def model_dims(model: nn.Module, config: ParallelConfig | None = None) -> dict[s
     """Heads, key/value heads and layers of a zoo model (0 where unknown), for config.check.
 
     Every program is per-op (one stage, or pipeline stages each compiled by the per-op
-    path: autopar/pipe_spmd.py), which splits any op the ILP can shard, so no head count
+    path: autopar/runtime/pipe_spmd.py), which splits any op the ILP can shard, so no head count
     constrains tp (0 here); a pipeline still needs as many layers as chunks."""
     cfg = getattr(model, "cfg", None)
     if cfg is None or rules_for(model) is None or (config is not None and config.pp == 1):
@@ -148,7 +148,7 @@ class RankProgram:
         self._schedules: dict[int, Any] = {}
         self.last_stats: StepStats | None = None
         self.steps_done = 0
-        """Optimizer steps applied so far (restored by autopar.checkpoint.load)."""
+        """Optimizer steps applied so far (restored by autopar.runtime.checkpoint.load)."""
         if config.pp > 1:
             self.schedule = self._build_schedule()
 
@@ -392,10 +392,10 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
                   plan: Any = None, cluster: Any = None) -> Any:
     """Shard `model` (built identically on every rank) as `config` (or `plan`) says; collective.
 
-    pp = 1: the per-op program (autopar/runtime_spmd.py): the plan's per-op placements, or
+    pp = 1: the per-op program (autopar/runtime/spmd.py): the plan's per-op placements, or
     the ILP's for `config`, applied to the traced graph of one global microbatch of
     `example_inputs` (needed). pp > 1: the model cut at its repeated layers, every stage a
-    per-op program on its (dp, tp) submesh (autopar/pipe_spmd.py). The module-level
+    per-op program on its (dp, tp) submesh (autopar/runtime/pipe_spmd.py). The module-level
     builder (`build_module_program`, family rule tables) is not on this path: benchmarks
     keep it as a baseline.
 
@@ -404,7 +404,7 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     names and values are unchanged, so plans and checkpoints do not notice. Not with
     tp > 1 (the fused ops have no DTensor sharding rules yet)."""
     if config.pp == 1:
-        from autopar.runtime_spmd import build_spmd_program
+        from autopar.runtime.spmd import build_spmd_program
 
         plan = plan if plan is not None and getattr(plan, "placements", None) else None
         if (fused_kernels if fused_kernels is not None else torch.cuda.is_available()) and plan is None:
@@ -421,9 +421,9 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
         return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
                                   plan=plan, cluster=cluster)
     # pp > 1, any model with a repeated layer stack (the zoo's included): stages cut at its
-    # layers, each compiled by the per-op path on its (dp, tp) submesh (autopar/pipe_spmd.py)
+    # layers, each compiled by the per-op path on its (dp, tp) submesh (autopar/runtime/pipe_spmd.py)
     from autopar.capabilities import pipeline_support
-    from autopar.pipe_spmd import build_pipe_spmd_program
+    from autopar.runtime.pipe_spmd import build_pipe_spmd_program
 
     reason = pipeline_support(model, config)
     if reason is not None:

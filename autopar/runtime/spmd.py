@@ -1,6 +1,6 @@
 """Run the per-op (SPMD) program of a plan: the ILP's placements, applied to the traced graph.
 
-Where it sits: runtime, behind `autopar.runtime.build_program` for plans without pipeline
+Where it sits: runtime, behind `autopar.runtime.program.build_program` for plans without pipeline
 stages (pp = 1). On every rank of an initialised process group:
 1. trace the model's training step (forward + backward + loss) on fake tensors at the
    global microbatch the plan runs (dp * micro_batch sequences), and lower it;
@@ -146,7 +146,7 @@ class SpmdProgram:
             grad_bytes = self.set_gradients(raw)  # empties `raw`
             raw = None
         loss = self._global_loss(loss_sum / m)
-        from autopar.runtime import optimizer_update
+        from autopar.runtime.program import optimizer_update
 
         optimizer_update(self, loss)
         self.last_stats = self._stats(grad_bytes)
@@ -156,7 +156,7 @@ class SpmdProgram:
         """Bring the raw gradients accumulated over a step's microbatches (outputs of the
         step graph, in order; the list is emptied) to their parameters' placements with the
         gradient-sync graph, and set them as the parameters' `.grad`; returns their bytes.
-        Shared with the per-op pipeline stages (autopar/pipe_spmd.py)."""
+        Shared with the per-op pipeline stages (autopar/runtime/pipe_spmd.py)."""
         with torch.no_grad():
             names = [name for name, _, _ in self.graphs.grads]
             skip = os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
@@ -186,7 +186,7 @@ class SpmdProgram:
         return float(d.full_tensor())
 
     def _stats(self, grad_bytes: int) -> Any:
-        from autopar.runtime import StepStats
+        from autopar.runtime.program import StepStats
 
         state_bytes = sum(v._local_tensor.numel() * v._local_tensor.element_size() if isinstance(v, DTensor)
                           else v.numel() * v.element_size()
@@ -308,7 +308,7 @@ def release_build_memory(graphs: Any) -> None:
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
     """The (dp, tp) mesh of a pp = 1 plan over the whole world, with the job's timeout."""
-    from autopar.runtime import _default_group_timeout
+    from autopar.runtime.program import _default_group_timeout
 
     world = dist.get_world_size()
     if config.dp * config.tp != world:
@@ -471,7 +471,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     from codegen.apply import apply
 
     if config.pp != 1:
-        raise ValueError("build_spmd_program runs pp = 1 plans; pipelines use autopar.runtime.build_program")
+        raise ValueError("build_spmd_program runs pp = 1 plans; pipelines use autopar.runtime.program.build_program")
     rows = config.dp * config.micro_batch
     tensors = [t for t in example if isinstance(t, torch.Tensor)]
     size = tensors[0].shape[0]
@@ -491,7 +491,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             from autopar.cluster import Cluster
 
             cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
-        from autopar.runtime_launch import gather_build_results
+        from autopar.runtime.launch import gather_build_results
 
         mine = _solve_in_child(graph, config, cluster, num_microbatches) if dist.get_rank() == 0 else None
         solution = gather_build_results(mine)[0]  # the other ranks wait out the solve, however long

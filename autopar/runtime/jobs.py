@@ -27,12 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar import checkpoint
+from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.determinism import deterministic_random
 from autopar.models import resolve
 from autopar.plan import Plan, module_fingerprint
-from autopar.runtime import build_program
+from autopar.runtime.program import build_program
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,7 +54,7 @@ class TrainJob:
     """Return unsharded parameters (from the ranks with dp = tp = 0) for comparisons."""
     compile_stages: bool = False
     checkpoint_dir: str | None = None
-    """Where `save_every` writes sharded checkpoints (autopar/checkpoint.py) and `resume` reads."""
+    """Where `save_every` writes sharded checkpoints (autopar/runtime/checkpoint.py) and `resume` reads."""
     save_every: int = 0
     """Save after every K-th step (0: never)."""
     resume: bool = False

@@ -1,6 +1,6 @@
 """Pipelines for any model with a repeated layer stack: stages cut at the layers' boundaries.
 
-Where it sits: runtime, behind `autopar.runtime.build_program` for pp > 1 plans of models
+Where it sits: runtime, behind `autopar.runtime.program.build_program` for pp > 1 plans of models
 the family rule tables do not know (Hugging Face models, factories). On every rank:
 1. find the repeated layer stack (the model's largest ModuleList / Sequential / numbered
    ModuleDict: the container autopar/trace.py groups layers by) and cut it into
@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
-from autopar.runtime import RankProgram, _local
+from autopar.runtime.program import RankProgram, _local
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def relay_skips(pipe: Any) -> int:
             s = source(value)
             if s < 0 and k > 0:
                 raise ValueError(f"stage {k} reads model input {value.name} directly; inputs must reach later "
-                                 "stages through the first (autopar.runtime_pipe.routed)")
+                                 "stages through the first (autopar.runtime.pipe.routed)")
             for j in range(s + 1, k):
                 key = (value, j)
                 if key not in relayed:
@@ -332,7 +332,7 @@ class PipeProgram:
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step on the global `batch` (identical on every rank); returns the
         mean loss over the whole batch, on every rank."""
-        from autopar.runtime import optimizer_update
+        from autopar.runtime.program import optimizer_update
 
         dp, rows = self.config.dp, self.config.micro_batch
         tensors = [t for t in batch if isinstance(t, torch.Tensor)]
@@ -375,7 +375,7 @@ class PipeProgram:
     def _stats(self, grad_bytes: int) -> Any:
         import resource
 
-        from autopar.runtime import StepStats
+        from autopar.runtime.program import StepStats
 
         state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
                           for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -402,7 +402,7 @@ def _tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, me
                 mine: set[str]) -> dict[str, dist.ProcessGroup]:
     """Groups of the pp ranks (per dp/tp coordinate) that hold one tied tensor, for every
     tensor held on more than one pp rank. Every rank creates every group, in one order."""
-    from autopar.runtime import _default_group_timeout
+    from autopar.runtime.program import _default_group_timeout
 
     holders: dict[str, set[int]] = {}
     for index in range(pipe.num_stages):
@@ -433,7 +433,7 @@ def build_pipe_program(model: nn.Module, config: ParallelConfig, example_inputs:
     from torch.distributed.pipelining.stage import build_stage
 
     from autopar.capabilities import pipeline_support
-    from autopar.runtime import make_mesh
+    from autopar.runtime.program import make_mesh
 
     reason = pipeline_support(model, config)
     if reason is not None:

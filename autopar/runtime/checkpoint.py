@@ -1,6 +1,6 @@
 """Sharded, plan-independent, crash-safe checkpoints with torch.distributed.checkpoint (DCP).
 
-Where it sits: runtime, beside autopar/runtime.py. `save(program, directory, step=...)`
+Where it sits: runtime, beside autopar/runtime/program.py. `save(program, directory, step=...)`
 runs on every rank of a job (collective) and writes one checkpoint; `load(program, path)`
 fills a program built under *any* plan (other dp/tp/pp/ZeRO, other device count) from it;
 `latest(directory)` finds the newest complete checkpoint without a process group.
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.runtime import RankProgram
+from autopar.runtime.program import RankProgram
 from codegen.rules import Permutation, permutation_for
 
 log = logging.getLogger(__name__)
