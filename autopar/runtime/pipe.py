@@ -1,7 +1,7 @@
-"""Pipelines for any model with a repeated layer stack: stages cut at the layers' boundaries.
+"""Cutting any model with a repeated layer stack into pipeline chunks at the layers' boundaries.
 
-Where it sits: runtime, behind `autopar.runtime.program.build_program` for pp > 1 plans of models
-the family rule tables do not know (Hugging Face models, factories). On every rank:
+Where it sits: runtime, read by autopar/runtime/pipe_spmd.py (which compiles each chunk by
+the per-op path and runs the chunks with torch's schedules). On every rank:
 1. find the repeated layer stack (the model's largest ModuleList / Sequential / numbered
    ModuleDict: the container autopar/trace.py groups layers by) and cut it into
    pp * interleave chunks (the plan's `stage_layers` or an even split, codegen/stages.py);
@@ -10,27 +10,17 @@ the family rule tables do not know (Hugging Face models, factories). On every ra
    the first layer of every chunk but the first: chunk 0 holds everything before its last
    layer's successor (embeddings, masks, position ids), the last chunk everything after
    its first layer (final norm, head, loss). Parameter names inside each stage module are
-   the unsplit model's, so checkpoints and comparisons need no renaming;
-3. keep this rank's chunks (rank r on the pp axis owns chunks r, r + pp, ...) and run them
-   with torch's schedules (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and
-   ScheduleInterleavedZeroBubble for `zb`: each backward split into its input- and
-   weight-gradient halves, the latter filling the bubbles); the last
-   stage's output is the loss (the schedule's loss function passes it through), and the
-   schedule scales gradients by 1 / num_microbatches.
+   the unsplit model's, so checkpoints and comparisons need no renaming.
 
 Model inputs reach later stages through the first: every tensor input is copied at the
 top of the traced step, so the copy is made in chunk 0 and sent on like an activation
 (torch's traced stages feed root inputs to the first stage only; labels are consumed by
-the last).
+the last); values a later chunk reads from an earlier, non-adjacent one are relayed
+(`relay_skips`). A parameter that several chunks use (a tied embedding and head) is held
+by each; `_tie_groups` makes the groups of pp ranks holding one tied tensor, over which
+their gradients are summed (Megatron's embedding group).
 
-Gradients: data parallelism (zero 0) is one flat all-reduce over the dp axis after the
-last microbatch; ZeRO-2/3 put FSDP2 on each stage module (gradients reduce-scattered,
-parameters gathered per stage; 3 also frees them after forward). A parameter that several chunks use (a tied embedding and head) is held
-by each; within a rank its chunks share one tensor, across pp ranks their gradients are
-summed over a group of the ranks holding it (Megatron's embedding group), so every copy
-takes the same optimizer step.
-
-`pipeline_support` (autopar/capabilities.py) says which configurations this runs.
+`pipeline_support` (autopar/capabilities.py) says which configurations run.
 """
 
 from __future__ import annotations
@@ -42,14 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
-from autopar.runtime.program import RankProgram, _local
 
 log = logging.getLogger(__name__)
-
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
 def _output_is_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -267,137 +253,6 @@ def _canonicalize(stage: nn.Module, canonical: dict[str, str]) -> None:
         stage.recompile()
 
 
-def _retie(chunks: list[nn.Module], canonical: dict[str, str]) -> dict[str, nn.Parameter]:
-    """Make every name of one tied tensor, in all of this rank's chunks, one parameter (the
-    splitter may copy a tensor used by several stages); returns canonical name -> it."""
-    shared: dict[str, nn.Parameter] = {}
-    for chunk in chunks:
-        for name, p in list(chunk.named_parameters(remove_duplicate=False)):
-            keep = shared.setdefault(canonical.get(name, name), p)
-            if keep is not p:
-                module_name, _, leaf = name.rpartition(".")
-                setattr(chunk.get_submodule(module_name), leaf, keep)
-    return shared
-
-
-class PipeProgram:
-    """One rank's share of a pipeline cut at the repeated layers. Build with `build_pipe_program`."""
-
-    def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, chunks: list[nn.Module], stages: list[Any],
-                 chunk_ids: tuple[int, ...], num_chunks: int, optimizer: torch.optim.Optimizer,
-                 params: dict[str, nn.Parameter], tie_groups: dict[str, dist.ProcessGroup]) -> None:
-        self.config = config
-        self.mesh = mesh
-        self.chunks = chunks
-        self.stages = stages
-        self.chunk_ids = chunk_ids
-        self.num_chunks = num_chunks
-        self.optimizer = optimizer
-        self._params = params
-        self.tie_groups = tie_groups
-        """Canonical parameter name -> the group of pp ranks (this dp/tp coordinate) holding it."""
-        self.rules = None
-        self.tied_fqns: tuple[str, ...] = ()
-        self.pp_rank = mesh.get_local_rank("pp")
-        self.dp_rank = mesh.get_local_rank("dp")
-        self.tp_rank = mesh.get_local_rank("tp")
-        self.steps_done = 0
-        self.last_stats: Any = None
-        self._schedules: dict[int, Any] = {}
-
-    # issue 18 (i18c): one home for which chunks a rank holds, RankProgram's properties
-    has_first = RankProgram.has_first
-    has_last = RankProgram.has_last
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self._params.items())
-
-    def _schedule(self, num_mb: int) -> Any:
-        """The schedule for `num_mb` microbatches, built once (a new one re-runs shape inference)."""
-        from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                            ScheduleInterleavedZeroBubble)
-
-        if num_mb not in self._schedules:
-            kind = self.config.schedule
-            if kind in ("interleaved", "zb"):
-                cls = ScheduleInterleaved1F1B if kind == "interleaved" else ScheduleInterleavedZeroBubble
-                self._schedules[num_mb] = cls(self.stages, n_microbatches=num_mb, loss_fn=_output_is_loss)
-            else:
-                # torch's 1F1B refuses fewer microbatches than stages; with so few its warm-up
-                # runs every forward first anyway: GPipe's order and memory
-                cls = Schedule1F1B if kind == "1f1b" and num_mb >= self.config.pp else ScheduleGPipe
-                self._schedules[num_mb] = cls(self.stages[0], n_microbatches=num_mb, loss_fn=_output_is_loss)
-        return self._schedules[num_mb]
-
-    def step(self, batch: Sequence[torch.Tensor]) -> float:
-        """One optimizer step on the global `batch` (identical on every rank); returns the
-        mean loss over the whole batch, on every rank."""
-        from autopar.runtime.program import optimizer_update
-
-        dp, rows = self.config.dp, self.config.micro_batch
-        tensors = [t for t in batch if isinstance(t, torch.Tensor)]
-        size = tensors[0].shape[0]
-        if size % (dp * rows):
-            raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {dp} * {rows}; "
-                             f"use a global batch that is a multiple of {dp * rows}")
-        local = tuple(t.chunk(dp, dim=0)[self.dp_rank] for t in tensors)
-        num_mb = local[0].shape[0] // rows
-        losses: list[torch.Tensor] = []
-        args = local if self.has_first else ()
-        self._schedule(num_mb).step(*args, target=local[-1] if self.has_last else None, losses=losses)
-        loss_sum = torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else torch.zeros(())
-        grad_bytes = self._sync_grads()
-        value = loss_sum.clone() if self.has_last and self.tp_rank == 0 else torch.zeros(())
-        dist.all_reduce(value)
-        loss = float(value) / dp
-        optimizer_update(self, loss)
-        self.last_stats = self._stats(grad_bytes)
-        return loss
-
-    def _sync_grads(self) -> int:
-        named = [(n, p) for n, p in self._params.items() if p.grad is not None]
-        grads = [p.grad for _, p in named]
-        fsdp = self.config.zero >= 2 and self.config.dp > 1  # FSDP reduce-scattered them already
-        if self.config.dp > 1 and grads and not fsdp:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.mesh.get_group("dp"))
-            flat /= self.config.dp
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
-        for name, group in self.tie_groups.items():
-            p = self._params[name]
-            if p.grad is None:  # held but unused on this stage: it still joins the sum
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(_local(p.grad), group=group)  # same dp shard on every holder
-        return sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in self._params.values()
-                   if p.grad is not None)
-
-    def _stats(self, grad_bytes: int) -> Any:
-        import resource
-
-        from autopar.runtime.program import StepStats
-
-        state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
-                          for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return StepStats(parameter_bytes=sum(_local(p).numel() * _local(p).element_size()
-                                             for p in self._params.values()),
-                         gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
-                         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Whole copies of this rank's parameters, under their canonical names (collective
-        over dp under ZeRO-2/3: call on every rank)."""
-        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for name, p in self._params.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        raise ValueError("checkpoints of pipelines cut at a model's layers (models without a family table) are not "
-                         "supported yet; train without --save-every / --resume, or use --pp 1")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state_dict()  # raises the same reason
-
-
 def _tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, mesh: DeviceMesh,
                 mine: set[str]) -> dict[str, dist.ProcessGroup]:
     """Groups of the pp ranks (per dp/tp coordinate) that hold one tied tensor, for every
@@ -423,53 +278,3 @@ def _tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, me
                 if dist.get_rank() in ranks and name in mine:
                     groups[name] = made[ranks]
     return groups
-
-
-def build_pipe_program(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
-                       loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
-                       stage_layers: tuple[int, ...] | None = None, mesh: DeviceMesh | None = None) -> PipeProgram:
-    """This rank's chunks of `model` cut at its repeated layers, with their schedule; collective.
-    `example_inputs` is one global batch (its first micro_batch rows are traced)."""
-    from torch.distributed.pipelining.stage import build_stage
-
-    from autopar.capabilities import pipeline_support
-    from autopar.runtime.program import make_mesh
-
-    reason = pipeline_support(model, config)
-    if reason is not None:
-        raise ValueError(reason)
-    mesh = mesh if mesh is not None else make_mesh(config)
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    size = tensors[0].shape[0]
-    micro = tuple(t[:config.micro_batch] if t.dim() and t.shape[0] == size else t for t in tensors)
-    num_chunks = config.pp * config.interleave
-    canonical = _canonical_names(model)
-    pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks, stage_layers=stage_layers,
-                                       loss_fn=loss_fn)
-    pp_rank = mesh.get_local_rank("pp")
-    chunk_ids = tuple(pp_rank + v * config.pp for v in range(config.interleave))
-    chunks = [pipe.get_stage_module(i) for i in chunk_ids]
-    shared = _retie(chunks, canonical)
-    tie_groups = _tie_groups(pipe, canonical, config, mesh, set(shared))
-    device = torch.device(mesh.device_type)
-    info = pipe.info()
-    stages = [build_stage(chunk, cid, info, device, group=mesh.get_group("pp")) for chunk, cid in zip(chunks, chunk_ids)]
-    # sorted by name: the flat dp all-reduce needs one order on every dp rank, and torch's
-    # splitter places a tied tensor's names in set order (it varies between processes)
-    if config.zero >= 2 and config.dp > 1:
-        # ZeRO-2/3: FSDP2 over dp on each stage module; the schedule drives its gradient
-        # reduce-scatter and resharding (its REDUCE_GRAD / RESHARD actions)
-        from torch.distributed.fsdp import fully_shard
-
-        for chunk in chunks:
-            fully_shard(chunk, mesh=mesh["dp"], reshard_after_forward=config.zero == 3)
-        shared = _retie(chunks, canonical)  # the DTensor parameters FSDP put in place
-    params = {name: shared[name] for name in sorted(shared) if shared[name].requires_grad}
-    opt = optimizer(list(params.values()))
-    log.info("rank %d: pipeline chunks %s of %d (layers %s of %s), %d parameters", dist.get_rank(), chunk_ids,
-             num_chunks, [(ranges[i].start, ranges[i].stop) for i in chunk_ids], prefix, len(params))
-    return PipeProgram(config=config, mesh=mesh, chunks=chunks, stages=stages, chunk_ids=chunk_ids,
-                       num_chunks=num_chunks, optimizer=opt, params=params, tie_groups=tie_groups)
-
-
-__all__ = ["PipeProgram", "build_pipe_program", "routed", "split_model"]

@@ -349,15 +349,20 @@ def make_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceM
             f"dp * tp * pp = {config.dp} * {config.tp} * {config.pp} = {config.num_devices} but the "
             f"process group has {world} ranks; choose degrees whose product is {world}"
         )
+    return init_mesh((config.pp, config.dp, config.tp), ("pp", "dp", "tp"), device_type)
+
+
+def init_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str | None = None) -> DeviceMesh:
+    """A device mesh over the whole world whose gloo groups keep the job's collective
+    timeout (init_device_mesh's subgroups would otherwise get gloo's 30-minute default)."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     override = None
     timeout = _default_group_timeout()
     if timeout is not None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        override = {axis: ("gloo", options) for axis in ("pp", "dp", "tp")}
-    return init_device_mesh(device_type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"),
-                            backend_override=override)
+        override = {axis: ("gloo", options) for axis in names}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
 def _default_group_timeout() -> Any:

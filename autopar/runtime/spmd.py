@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar import dtensor_bridge as bridge
@@ -308,21 +308,13 @@ def release_build_memory(graphs: Any) -> None:
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
     """The (dp, tp) mesh of a pp = 1 plan over the whole world, with the job's timeout."""
-    from autopar.runtime.program import _default_group_timeout
+    from autopar.runtime.program import init_mesh
 
     world = dist.get_world_size()
     if config.dp * config.tp != world:
         raise ValueError(f"dp * tp = {config.dp} * {config.tp} = {config.dp * config.tp} but the process group "
                          f"has {world} ranks; choose degrees whose product is {world}")
-    device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
-    override = None
-    timeout = _default_group_timeout()
-    if timeout is not None:
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        override = {axis: ("gloo", options) for axis in ("dp", "tp")}
-    return init_device_mesh(device_type, (config.dp, config.tp), mesh_dim_names=("dp", "tp"),
-                            backend_override=override)
+    return init_mesh((config.dp, config.tp), ("dp", "tp"), device_type)
 
 
 def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
