@@ -50,8 +50,12 @@ unevenly, so this is a heuristic for the true peak, exact at the checked points.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
 import shutil
+import sys
 import time
 from collections import defaultdict
 
@@ -309,6 +313,25 @@ def _make_solver(solver: str, time_limit_s: float | None, *, msg: bool = False) 
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Any:
+    """Native writes to stdout (fd 1) go to stderr meanwhile. HiGHS >= 1.16 prints its
+    banner from the C++ `Highs` constructor whatever `output_flag` says (PuLP creates one
+    per solve), which would corrupt `autopar search --json` and plan files written to
+    stdout. C stdio buffers stdout when it is a pipe, so it is flushed before fd 1 returns."""
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _solve(model: "_Model", solver: str, time_limit_s: float | None, cutoff_s: float | None = None) -> int:
     """Solve `model`, returning PuLP's solution status.
 
@@ -319,8 +342,9 @@ def _solve(model: "_Model", solver: str, time_limit_s: float | None, cutoff_s: f
     objective (a lower bound of the ILP's) already reaches `cutoff_s`: CutoffExceeded."""
     start = time.perf_counter()
     if solver == "highs":
-        model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=time_limit_s,
-                                    random_seed=SOLVER_SEED))
+        with _native_stdout_to_stderr():
+            model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=time_limit_s,
+                                        random_seed=SOLVER_SEED))
         fractional = sum(1 for xs in model.x.values() for v in xs
                          if abs((v.varValue or 0.0) - round(v.varValue or 0.0)) > INTEGRALITY_TOL)
         log.info("LP relaxation: %s in %.2f s, %d fractional choice variables",
@@ -334,7 +358,8 @@ def _solve(model: "_Model", solver: str, time_limit_s: float | None, cutoff_s: f
                 raise CutoffExceeded(bound_s, cutoff_s)
         if time_limit_s is not None:
             time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - start))
-    model.prob.solve(_make_solver(solver, time_limit_s))
+    with _native_stdout_to_stderr():
+        model.prob.solve(_make_solver(solver, time_limit_s))
     return model.prob.sol_status
 
 
@@ -439,7 +464,8 @@ def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], 
     m.prob += peak
     for t, coef in terms:
         m.prob += m.memory_expr(coef) <= peak, f"memory/t={t}"
-    m.prob.solve(_make_solver(solver, time_limit_s))
+    with _native_stdout_to_stderr():
+        m.prob.solve(_make_solver(solver, time_limit_s))
     return float(peak.value()) / MEMORY_SCALE
 
 

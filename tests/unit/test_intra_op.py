@@ -342,3 +342,28 @@ def test_ilp_objective_is_the_reported_cost(caplog) -> None:
     objective_s, extracted_s = (float(x) for x in re.search(r"objective (\S+) s \(extracted (\S+) s\)", line).groups())
     assert extracted_s == pytest.approx(sol.cost.total_s, rel=1e-5)
     assert objective_s == pytest.approx(sol.cost.total_s, rel=1e-5)  # tie-breaks are ~1e-10 s
+
+
+_NATIVE_PRINT_SCRIPT = """
+import ctypes, sys
+from solver.intra_op.ilp import _native_stdout_to_stderr
+libc = ctypes.CDLL(None)
+print("before", flush=True)
+with _native_stdout_to_stderr():
+    libc.printf(b"banner from native code\\n")  # as HiGHS >= 1.16 prints from its constructor
+print("after", flush=True)
+"""
+
+
+def test_native_solver_output_stays_off_stdout() -> None:
+    """A solver's native banner must not reach stdout (where `search --json` and plans go),
+    even when stdout is a pipe (C stdio buffers it): it goes to stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _NATIVE_PRINT_SCRIPT], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "before\nafter\n"
+    assert "banner from native code" in proc.stderr
