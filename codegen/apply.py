@@ -1,7 +1,7 @@
 """Apply a solved plan to the traced joint graph: the per-rank SPMD program.
 
 Where it sits: codegen, between the intra-op solution (per-node strategies, solver/) and
-the runtime (autopar/runtime.py). `apply(traced, graph, choices, mesh)` interprets the
+the runtime (autopar/runtime/program.py). `apply(traced, graph, choices, mesh)` interprets the
 traced joint forward+backward graph on DTensors whose placements are the ILP's: before
 each op, every tensor argument is redistributed from its producer's placement to the one
 the op's chosen strategy takes (the collectives of `_c10d_functional`, plus local
@@ -221,7 +221,7 @@ class _Interpreter:
         self.keep_phases = False
         self.extra_outputs: tuple[tuple[NodeId, Placements], ...] = ()
         """(node, placements) returned after the gradients, each brought to its placements
-        (a pipeline stage's boundary values: autopar/pipe_spmd.py)."""
+        (a pipeline stage's boundary values: autopar/runtime/pipe_spmd.py)."""
         self.sync: _GradSync | None = None
         """Set: `run` reduces each gradient bucket as soon as its last gradient is computed
         and returns synced gradients (one microbatch per step)."""
@@ -313,7 +313,7 @@ class _Interpreter:
                 continue
             nid = self.ids[node]
             # under `keep_phases`, the ops recorded for this node (collectives included) carry
-            # its meta: its partitioner tag says forward or backward (autopar/pipe_spmd.py)
+            # its meta: its partitioner tag says forward or backward (autopar/runtime/pipe_spmd.py)
             with fx_traceback.set_current_meta(node) if self.keep_phases else contextlib.nullcontext():
                 env[node] = self._run_node(node, nid, env)
             for k in waiting.get(node, ()):
@@ -333,7 +333,7 @@ class _Interpreter:
             t = env[self.fx_nodes[nid]]
             if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
                 # tagged: these collectives are the pipeline's boundary reshards, not priced
-                # by the ILP (counted apart: autopar/pipe_spmd.py collectives_per_step)
+                # by the ILP (counted apart: autopar/runtime/pipe_spmd.py collectives_per_step)
                 with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
                     t = _redistribute(t, want, True)
             extras.append(t._local_tensor.contiguous())
@@ -436,7 +436,7 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
 
     `extra_outputs`: (node, placements) pairs the step also returns, after the gradients,
     each redistributed to its placements (a pipeline stage's outputs and input gradients
-    in the layout the stages exchange; autopar/pipe_spmd.py). `keep_phases`: every node of
+    in the layout the stages exchange; autopar/runtime/pipe_spmd.py). `keep_phases`: every node of
     the step graph keeps its source node's meta (its `partitioner_tag`: recomputed forward
     ops are tagged backward), for splitting it into forward and backward graphs.
     `sync_in_step` (for one microbatch per step): `step` reduces each gradient bucket as

@@ -1,6 +1,6 @@
 """Pipeline chunks: cut a zoo model into per-stage modules with the original parameter names.
 
-Where it sits: codegen, used by autopar/runtime.py. A `Chunk` owns a contiguous run of
+Where it sits: codegen, used by autopar/runtime/program.py. A `Chunk` owns a contiguous run of
 layers (`layers.<i>` keep their global index, so parameter FQNs equal the unsplit model's
 and checkpoints/comparisons need no renaming), the embedding if it is the first chunk and
 the head if it is the last. Its forward maps tokens (first chunk) or hidden states to

@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron column/row split, optional sequence parallelism) for chunks.
 
-Where it sits: codegen, called by autopar/runtime.py on each pipeline chunk before ZeRO
+Where it sits: codegen, called by autopar/runtime/program.py on each pipeline chunk before ZeRO
 wrapping. The rule table (codegen/rules.py) names which module gets which style; this
 file only maps style names to `torch.distributed.tensor.parallel` styles and applies the
 family's fix-ups (per-rank head counts, fused-qkv row regrouping, shape-agnostic forwards).
