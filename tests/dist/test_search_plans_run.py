@@ -1,10 +1,12 @@
-"""Every plan `autopar search` ranks runs: the top 5 plans for a zoo model and for a
-Hugging Face model (GPT-2 from a config, with dropout: `--check` draws the masks
-deterministically) each train on real gloo ranks with `autopar train --plan P --check`, the
-losses matching the single-process reference, and for one-stage (per-op) plans the
-collectives each program ran equal to those its plan priced. Pipelines (pp > 1) run the
-module-level program today (autopar/capabilities.py), which reports no per-op
-collectives; the factory model is never given one."""
+"""Every plan `autopar search` ranks runs, driven through the CLI as a user would: `autopar
+search --top 5 --json --out best.json` for a zoo model and for a factory model (Hugging Face
+GPT-2 built from a config, with dropout: `--check` draws the masks deterministically); the
+best plan trains with `autopar train --plan best.json --check`, every other ranked plan with
+`autopar train` forced to its configuration (`--tp --pp --dp --zero --micro-batch --schedule
+--interleave --recompute --attention`). Each trains 2 steps on 4 real gloo ranks, its losses
+match the single-process reference, and the collectives each program ran equal those its
+plan priced (pipelines: inside each stage). A plan the search ranks but `train` refuses
+fails this test. The whole grid (cpu:2/4/8, five models) is benchmarks/check_search_plans.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import json
 import pytest
 
 from autopar import cli
-from autopar.api import search_plans
 
 pytestmark = pytest.mark.dist
 
@@ -22,29 +23,45 @@ CASES = [
     ("tests.factories:hf_gpt2_dropout", None),
 ]
 
+FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "zero": "--zero", "micro_batch": "--micro-batch",
+         "schedule": "--schedule", "interleave": "--interleave", "recompute": "--recompute",
+         "attention": "--attention"}
+
+
+def _forced_flags(config: dict) -> list[str]:
+    return [arg for key, flag in FLAGS.items() for arg in (flag, str(config[key]))]
+
 
 @pytest.mark.parametrize("model, global_batch", CASES, ids=["zoo-llama", "hf-gpt2"])
-def test_top5_plans_train_and_match(model, global_batch, tmp_path, capsys):
+def test_cli_search_top5_then_cli_train(model, global_batch, tmp_path, capsys):
     if model.startswith("tests.factories:hf"):
         pytest.importorskip("transformers", reason="transformers not installed (extra 'test')")
         from tests.factories import hf_gpt2_dropout
 
         global_batch = int(hf_gpt2_dropout()[1][0].shape[0])
-    result = search_plans(model, "cpu:4", global_batch=global_batch, top=5)
-    assert len(result.plans) == len(result.ranked) >= 2
-    assert result.plans[0] is result.plan
+    best = tmp_path / "best.json"
+    capsys.readouterr()
+    code = cli.main(["search", model, "--cluster", "cpu:4", "--global-batch", str(global_batch), "--top", "5",
+                     "--json", "--out", str(best)])
+    ranked = json.loads(capsys.readouterr().out)["plans"]
+    assert code == 0 and len(ranked) >= 2 and best.exists()
+    saved = json.loads(best.read_text())
+    best_config = {k: v for k, v in ranked[0]["config"].items() if k != "num_microbatches"}  # derived, shown
+    assert saved["config"] == best_config, (saved["config"], best_config)
     meshes = set()
-    for i, plan in enumerate(result.plans):
-        assert plan.config == result.ranked[i].config and (plan.placements or plan.config.pp > 1)
-        if model.startswith("tests.factories:") and plan.config.pp > 1:
-            assert plan.config.tp == 1, plan.config  # a factory's pipeline runs data-parallel stages
-        meshes.add((plan.config.dp, plan.config.tp))
-        path = tmp_path / f"plan{i}.json"
-        plan.save(path)
+    for i, entry in enumerate(ranked):
+        config = entry["config"]
+        meshes.add((config["dp"], config["tp"], config["pp"]))
+        if config["pp"] > 1 and len(set(entry["stage_layers"])) > 1:
+            pytest.fail(f"plan {i} has uneven stages {entry['stage_layers']}: not expressible by train's flags")
+        how = ["--plan", str(best)] if i == 0 else _forced_flags(config)
+        argv = ["train", model, "--devices", "4", "--global-batch", str(global_batch), "--steps", "2", "--check",
+                "--json", *how]
         capsys.readouterr()
-        code = cli.main(["train", model, "--devices", "4", "--plan", str(path), "--steps", "2", "--check", "--json"])
-        out = json.loads(capsys.readouterr().out)
-        assert code == 0 and out["match"], (i, plan.config, out)
-        if plan.config.pp == 1:
-            assert out["price_equals_run"], (i, plan.config, out)
+        code = cli.main(argv)
+        captured = capsys.readouterr()
+        assert code == 0, (i, config, captured.err[-2000:])
+        out = json.loads(captured.out)
+        assert out["match"], (i, config, out)
+        assert out["price_equals_run"], (i, config, out)
     assert len(meshes) >= 2, meshes  # the ranked plans are not one mesh
