@@ -58,7 +58,7 @@ def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
     data = json.loads(text)
-    assert data["version"] == 3
+    assert data["version"] == 4
     assert data["predicted"]["config"]["num_microbatches"] == 4 and data["bubble_fraction"] == 0.25
     assert list(data) == sorted(data)
     assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
@@ -201,6 +201,6 @@ def test_version_2_plan_file_loads() -> None:
     assert config["num_microbatches"] == 4 and config["tp"] == 2 and config["attention"] == "flash"
     assert loaded.predicted.time_breakdown == plan.predicted.time_breakdown
     assert loaded.explain() == plan.explain()
-    assert json.loads(loaded.dumps())["version"] == 3
+    assert json.loads(loaded.dumps())["version"] == 4
     with pytest.raises(PlanFileError, match=r"plan\.predicted: missing keys \['fits'\]"):
         Plan.loads(json.dumps({**old, "predicted": {k: v for k, v in old["predicted"].items() if k != "fits"}}))
