@@ -230,7 +230,12 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
         return plan
     recorded = []
     for stage in stages:
-        solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
+        try:
+            solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
+        except ValueError as exc:  # InfeasiblePlanError: the build's own solve will say so where it runs
+            log.warning("%s: chunk %d's placements were not recorded (%s); each build solves the chunks", plan.model,
+                        stage.index, exc)
+            return plan
         priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
         recorded.append(StagePlacements(
             chunk=stage.index, placements=op_placements(stage.graph, solution),

@@ -379,6 +379,20 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
                        outputs=tuple(outputs), grad_inputs=grad_inputs, grad_outputs=grad_outputs, last=last)
 
 
+def chunk_layers(stage_layers: Sequence[int] | None, config: ParallelConfig) -> tuple[int, ...] | None:
+    """Layers per chunk from a plan's `stage_layers`: one count per chunk as given, or, for
+    an interleaved plan that gives one per stage (what the search writes), each stage's
+    layers split evenly over its `interleave` chunks (chunk c is stage c % pp). Counts that
+    fit neither are passed on for the cut to refuse with its message."""
+    if not stage_layers:
+        return None
+    counts = tuple(int(n) for n in stage_layers)
+    v = config.interleave
+    if v > 1 and len(counts) == config.pp and all(n % v == 0 for n in counts):
+        return tuple(counts[c % config.pp] // v for c in range(config.pp * v))
+    return counts
+
+
 def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, stage_layers: tuple[int, ...] | None = None,
                  chunk_ids: Sequence[int] | None = None) -> list[TracedStage]:
@@ -397,7 +411,8 @@ def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Seque
                          f"{config.micro_batch}; use a global batch that is a multiple of {rows}")
     micro = tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors)
     num_chunks = config.pp * config.interleave
-    pipe, prefix, _ = split_model(model, micro, num_chunks=num_chunks, stage_layers=stage_layers, loss_fn=loss_fn)
+    pipe, prefix, _ = split_model(model, micro, num_chunks=num_chunks, stage_layers=chunk_layers(stage_layers, config),
+                                  loss_fn=loss_fn)
     boundaries = capture_boundaries(pipe, micro)
     return [trace_stage(pipe.get_stage_module(cid), cid, inputs=boundaries[cid][0], outputs=boundaries[cid][1],
                         last=cid == num_chunks - 1, config=config, layer_prefix=prefix)
@@ -756,8 +771,8 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
     num_mb = size // rows
     num_chunks = config.pp * config.interleave
     canonical = _canonical_names(model)
-    pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks, stage_layers=stage_layers,
-                                       loss_fn=loss_fn)
+    pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks,
+                                       stage_layers=chunk_layers(stage_layers, config), loss_fn=loss_fn)
     boundaries = capture_boundaries(pipe, micro)
     pp_rank = mesh.get_local_rank("pp")
     leader = {int(mesh.mesh[p, 0, 0]) for p in range(config.pp)}
@@ -831,5 +846,5 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
 
 
 __all__ = ["PerOpStage", "PipeSpmdProgram", "StageRunner", "TracedStage", "boundary_placements",
-           "build_pipe_spmd_program", "build_stage_runner", "capture_boundaries", "check_stage_placements", "runner_source", "split_joint",
+           "build_pipe_spmd_program", "build_stage_runner", "capture_boundaries", "check_stage_placements", "chunk_layers", "runner_source", "split_joint",
            "stage_sources", "trace_chunks", "trace_stage"]

@@ -14,7 +14,8 @@ placements recorded (autopar.api.record_stage_placements), saved and loaded, run
 same spawn with chunk 0's placements edited to all-replicated: the ranks run exactly that
 (no tp collective in chunk 0, which the stage ILP never chooses under tp 2), so they replayed
 the file rather than solved. The same plan with an op renamed is refused by `autopar train`
-before any rank starts, and `--emit` writes each chunk's per-rank forward/backward graphs.
+before any rank starts; `autopar search` records a pipeline's chunk placements in the plan
+file and `--emit` writes each chunk's per-rank forward/backward graphs.
 """
 
 from __future__ import annotations
@@ -160,15 +161,27 @@ def test_mismatched_stage_placements_refused_before_any_rank_starts(pp2_plan, tm
     assert "aten.weird_op.default in the plan" in err, err
 
 
-def test_emit_writes_each_chunks_per_rank_graphs(pp2_plan, tmp_path):
+def test_search_records_stage_placements_and_emits_each_chunk(tmp_path, capsys):
+    """`autopar search --out --emit` where only a pipeline fits the memory budget (an
+    interleaved pp2 x dp2 ZeRO-3 plan of 4 chunks here): the plan file carries each chunk's
+    placements and the emitted source is each chunk's per-rank forward/backward graphs."""
+    from autopar import cli
     from autopar.plan import Plan
-    from autopar.runtime.pipe_spmd import stage_sources
-    from codegen.emit import emit_plan
 
-    paths = emit_plan(Plan.load(pp2_plan), tmp_path, stage_sources=stage_sources)
-    assert sorted(p.name for p in paths) == ["stage0.py", "stage1.py"]
-    for k, path in enumerate(sorted(paths)):
-        code = path.read_text()
+    model = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=256,seq=16"
+    out, emitted = tmp_path / "plan.json", tmp_path / "emit"
+    assert cli.main(["search", model, "--cluster", "a100-80gb:4x1", "--global-batch", "8", "--memory-gb", "0.01",
+                     "--top", "1", "--out", str(out), "--emit", str(emitted)]) == 0
+    capsys.readouterr()
+    plan = Plan.load(out)
+    chunks = plan.config.pp * plan.config.interleave
+    assert plan.config.pp > 1, f"the premise: only a pipeline fits 0.01 GiB/device, got {plan.config}"
+    assert [s.chunk for s in plan.stage_placements] == list(range(chunks))
+    assert all(s.placements and s.collectives for s in plan.stage_placements)
+    assert "replayed at build" in plan.explain()
+    assert sorted(p.name for p in emitted.iterdir()) == [f"stage{k}.py" for k in range(chunks)]
+    for k in range(chunks):
+        code = (emitted / f"stage{k}.py").read_text()
         assert f"per-rank program of pipeline chunk {k}, placements: the plan's stage placements" in code
         assert "# forward:" in code and "# backward:" in code and "# grad_sync:" in code
-        assert "_c10d_functional.all_gather" in code and "wait_tensor" in code  # tp inside the stage
+        assert "_c10d_functional." in code and "wait_tensor" in code
