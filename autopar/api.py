@@ -301,17 +301,8 @@ class Compiled:
         the forward/backward graphs of each of this rank's chunks (`stage<k>`)."""
         if self._code is None:
             program = self.program
-            if hasattr(program, "sources"):  # a pipeline: this rank's chunks, by chunk
-                self._code = dict(program.sources)
-            elif hasattr(program, "code"):
-                self._code = {"stage0": program.code}
-            else:
-                from codegen.emit import emit
-
-                if self._example_inputs is None:
-                    raise ValueError("compiled.code needs example_inputs= at compile time (a global batch)")
-                self._code = emit(self._pristine, self.config, example_inputs=self._example_inputs,
-                                  mesh=program.mesh, stage_layers=getattr(self.plan, "stage_layers", None))
+            # a pipeline: this rank's chunks, by chunk; one stage: its step
+            self._code = dict(program.sources) if hasattr(program, "sources") else {"stage0": program.code}
         return self._code
 
     def state_dict(self) -> dict[str, Any]:
@@ -360,9 +351,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         config = plan.config
     if example_inputs is not None:
         config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model, config))
-    # a pipeline's code is traced by codegen.emit from an unsharded copy; a one-stage
-    # program carries its own source, so no copy is kept (it would undo ZeRO's sharding)
-    pristine = copy.deepcopy(model) if config.pp > 1 else None
+    # every program carries its own source (`code`, a pipeline's `sources`): no unsharded copy is kept
+    pristine = None
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
     cluster = _cluster_of(mesh)
 

@@ -452,8 +452,8 @@ class Plan(JsonData):
         if self.pipeline is not None and len(self.pipeline.stages) > 1:
             lines.append("  see the pipeline stages above")
         elif not self.stages and c.pp > 1:
-            lines.append(f"  {c.pp} stages of {list(self.stage_layers)} layers (the first also holds the embedding, the "
-                         "last the head and loss)")
+            lines.append(f"  {c.pp} stages of {list(self.stage_layers)} layers (the first also holds the embedding, "
+                         "the last the head and loss)")
         elif not self.stages:
             held = f"{self.num_layers} repeated layers" if self.num_layers else "every module, no repeated layer stack"
             lines.append(f"  one stage: the whole model ({held}) on the (dp, tp) mesh")

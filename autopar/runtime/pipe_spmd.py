@@ -434,7 +434,8 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
         # backward through the loss tangent, and is reduced for reporting once per step,
         # outside the priced program (as the pp = 1 program reports it)
         extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
-    params = distribute_parameters(stage.chunk, stage.graph, choices, mesh)  # before the build: its peak holds shards only
+    # before the build: its peak holds shards only
+    params = distribute_parameters(stage.chunk, stage.graph, choices, mesh)
     graphs = apply(stage.traced.gm, stage.graph, choices, mesh, extra_outputs=extra, keep_phases=True)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
     num_inputs, outputs, grad_inputs = stage.num_inputs, stage.outputs, stage.grad_inputs
@@ -730,7 +731,8 @@ def stage_sources(plan: Any, model: nn.Module, example_inputs: Sequence[Any], me
         else:
             from autopar.cluster import Cluster
 
-            solution = solve_stage(stage.graph, config, Cluster.parse(plan.cluster), num_microbatches=num_mb, rows=rows)
+            solution = solve_stage(stage.graph, config, Cluster.parse(plan.cluster), num_microbatches=num_mb,
+                                   rows=rows)
             choices, how = solution_choices(stage.graph, solution), "solved here (the plan has no stage placements)"
         runner = build_stage_runner(stage, choices=choices, config=config, mesh=mesh, optimizer=default_optimizer())
         out[f"stage{stage.index}"] = (f"# autopar {plan.model}: per-rank program of pipeline chunk {stage.index}, "
@@ -846,5 +848,5 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
 
 
 __all__ = ["PerOpStage", "PipeSpmdProgram", "StageRunner", "TracedStage", "boundary_placements",
-           "build_pipe_spmd_program", "build_stage_runner", "capture_boundaries", "check_stage_placements", "chunk_layers", "runner_source", "split_joint",
-           "stage_sources", "trace_chunks", "trace_stage"]
+           "build_pipe_spmd_program", "build_stage_runner", "capture_boundaries", "check_stage_placements",
+           "chunk_layers", "runner_source", "split_joint", "stage_sources", "trace_chunks", "trace_stage"]
