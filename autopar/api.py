@@ -158,9 +158,89 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
                     family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
                     **extra)
-    log.info("searched plan: %s", result.plan.config)
-    return SearchResult(ranked=result.ranked, plan=result.plan, phases=phases + result.phases,
-                        search_time_s=time.perf_counter() - t0, plans=result.plans)
+    best, plans = result.plan, result.plans
+    if best.config.pp > 1:
+        # the pipeline's program: each chunk traced as the ranks trace it and solved, recorded
+        t = time.perf_counter()
+        zoo = source is not None and source.config is not None
+        best = record_stage_placements(best, None if zoo else module, None if zoo else example, loss_fn=loss_fn)
+        plans = (best, *plans[1:]) if plans else plans
+        phases += (("stages", time.perf_counter() - t),)
+    log.info("searched plan: %s", best.config)
+    return SearchResult(ranked=result.ranked, plan=best, phases=phases + result.phases,
+                        search_time_s=time.perf_counter() - t0, plans=plans)
+
+
+MAX_STAGE_TRACE_PARAMETERS = 5e8
+"""Largest zoo model whose pipeline chunks the search traces with real weights (2 GB in
+float32) to record their per-op placements; a larger one's plan carries none and each
+build solves the chunks (what every rank does anyway; `explain` says so)."""
+
+
+def record_stage_placements(plan: Any, model: nn.Module | None = None, example_inputs: Sequence[Any] | None = None,
+                            *, loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
+    """`plan` (pp > 1) with every chunk's per-op placements (`Plan.stage_placements`), the
+    program its stages run: the chunks traced in this process exactly as each rank traces
+    its own at build (autopar/runtime/pipe_spmd.py `trace_chunks`), each solved by the same
+    stage ILP under the plan's configuration, on the plan's cluster. `autopar search` calls
+    it for the pipeline it returns; call it to record them in an older plan.
+
+    `model` (left whole: a copy is cut) with `example_inputs` (one global batch), else the
+    plan's model is built from its name with real weights (the cut runs one forward); a
+    zoo model over MAX_STAGE_TRACE_PARAMETERS is left unrecorded (each build solves)."""
+    from dataclasses import replace
+
+    from autopar.plan import StagePlacements
+    from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
+    from autopar.runtime.spmd import priced_per_step
+    from solver.spmd_search import op_placements
+
+    config = plan.config
+    if config.pp == 1:
+        raise ValueError("record_stage_placements is for pipeline plans (pp > 1); a one-stage plan carries its "
+                         "per-op placements in `placements`")
+    if model is None:
+        source = resolve(plan.model)
+        if source.config is None:
+            model, example_inputs = source.factory()
+        else:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            source = source.with_overrides(seq=plan.seq)
+            with FakeTensorMode():
+                size = sum(p.numel() for p in source.build().parameters())
+            if size > MAX_STAGE_TRACE_PARAMETERS:
+                log.info("%s: %.2gB parameters, over %.2gB: its plan's chunks are solved at build", plan.model,
+                         size / 1e9, MAX_STAGE_TRACE_PARAMETERS / 1e9)
+                return plan
+            torch.manual_seed(0)
+            model, example_inputs = source.build(), source.example_inputs(plan.global_batch)
+    elif example_inputs is None:
+        raise ValueError("record_stage_placements(plan, model) needs example_inputs= (one global batch)")
+    else:
+        model = copy.deepcopy(model)
+    rows = config.dp * config.micro_batch
+    num_microbatches = plan.global_batch // rows
+    cluster = Cluster.parse(plan.cluster)
+    try:  # the cut the build makes (autopar/runtime/program.py build_program, given the plan's stage_layers)
+        stages = trace_chunks(model, config, example_inputs, loss_fn=loss_fn,
+                              stage_layers=tuple(plan.stage_layers) or None)
+    except ValueError as exc:  # the build refuses it the same way; the plan is still the search's answer
+        log.warning("%s: the plan's pipeline chunks were not traced (%s); each build solves them", plan.model, exc)
+        return plan
+    recorded = []
+    for stage in stages:
+        try:
+            solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
+        except ValueError as exc:  # InfeasiblePlanError: the build's own solve will say so where it runs
+            log.warning("%s: chunk %d's placements were not recorded (%s); each build solves the chunks", plan.model,
+                        stage.index, exc)
+            return plan
+        priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
+        recorded.append(StagePlacements(
+            chunk=stage.index, placements=op_placements(stage.graph, solution),
+            collectives=tuple(sorted((kind, axis, calls, nbytes) for (kind, axis), (calls, nbytes) in priced.items()))))
+    return replace(plan, stage_placements=tuple(recorded))
 
 
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
@@ -216,20 +296,13 @@ class Compiled:
 
     @property
     def code(self) -> dict[str, str]:
-        """Source of this rank's program: for a one-stage plan, the per-rank graph that
-        runs (ATen ops and collectives, codegen/apply.py); for a pipeline, each stage's
-        program traced by codegen.emit."""
+        """Source of this rank's program as it runs (ATen ops and collectives on local
+        shards, codegen/apply.py): for a one-stage plan the per-rank step, for a pipeline
+        the forward/backward graphs of each of this rank's chunks (`stage<k>`)."""
         if self._code is None:
             program = self.program
-            if hasattr(program, "code"):
-                self._code = {"stage0": program.code}
-            else:
-                from codegen.emit import emit
-
-                if self._example_inputs is None:
-                    raise ValueError("compiled.code needs example_inputs= at compile time (a global batch)")
-                self._code = emit(self._pristine, self.config, example_inputs=self._example_inputs,
-                                  mesh=program.mesh, stage_layers=getattr(self.plan, "stage_layers", None))
+            # a pipeline: this rank's chunks, by chunk; one stage: its step
+            self._code = dict(program.sources) if hasattr(program, "sources") else {"stage0": program.code}
         return self._code
 
     def state_dict(self) -> dict[str, Any]:
@@ -278,9 +351,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         config = plan.config
     if example_inputs is not None:
         config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model, config))
-    # a pipeline's code is traced by codegen.emit from an unsharded copy; a one-stage
-    # program carries its own source, so no copy is kept (it would undo ZeRO's sharding)
-    pristine = copy.deepcopy(model) if config.pp > 1 else None
+    # every program carries its own source (`code`, a pipeline's `sources`): no unsharded copy is kept
+    pristine = None
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
     cluster = _cluster_of(mesh)
 

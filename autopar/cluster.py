@@ -210,6 +210,17 @@ class Cluster:
     def spec(self) -> str:
         return f"{self.hardware.name}:{self.num_nodes}x{self.devices_per_node}"
 
+    def stage(self, devices: int) -> "Cluster":
+        """The devices one pipeline stage runs on (`devices` of this cluster). Where ranks
+        share a node's cores (the cpu profile), the other stages' ranks still share them:
+        the cores are scaled with the devices, keeping the node's contention. (The pipeline
+        search prices a stage on this: solver/pipeline_search.py `_stage_cluster`.)"""
+        per_node = min(self.devices_per_node, devices)
+        hw = self.hardware
+        if hw.cores_per_node and per_node < self.devices_per_node:
+            hw = replace(hw, cores_per_node=hw.cores_per_node * per_node / self.devices_per_node)
+        return replace(self, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
+
     def with_memory_gb(self, memory_gb: float | None) -> "Cluster":
         if memory_gb is None:
             return self

@@ -32,11 +32,13 @@ from autopar.estimate import Estimate
 from autopar.json_codec import JsonData, JsonFormatError, decode
 from autopar.placement import parse_placements
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 """2: plans carry the ILP's per-op placements (`placements`), which is what runs.
 3: `predicted` is the whole `Estimate` the search priced (autopar/estimate.py) and the
 bubble fraction moved beside it (`Plan.bubble_fraction`); version-2 files are read by
-`_from_version_2`."""
+`_from_version_2`.
+4: pipelines carry each chunk's per-op placements (`stage_placements`), replayed at build;
+version-3 files (without them: each build solves the stages) load unchanged."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 GIB = 1024**3
 
@@ -121,6 +123,19 @@ class OpPlacement(JsonData):
     op: str
     outputs: tuple[str, ...]
     inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlacements(JsonData):
+    """One pipeline chunk's per-op placements: the intra-op ILP's solution for the chunk's
+    joint graph (autopar/runtime/pipe_spmd.py traces it as every rank does) on its (dp, tp)
+    submesh. Keys name the chunk's ops as `OpPlacement.key` does (Graph.node_keys)."""
+
+    chunk: int
+    """Pipeline chunk index (0 .. pp * interleave - 1; the stage is chunk % pp)."""
+    placements: tuple[OpPlacement, ...]
+    collectives: tuple[tuple[str, str, int, int], ...] = ()
+    """(kind, mesh axis name, calls per step, bytes per step) the chunk's ILP priced."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -249,6 +264,9 @@ class Plan(JsonData):
     pipeline: PipelineInfo | None = None
     """The inter-op decision (per-stage submesh, recompute, schedule, runners-up); written
     null for plans the search did not make (a configuration given by flags)."""
+    stage_placements: tuple[StagePlacements, ...] = ()
+    """pp > 1: every chunk's per-op placements, the program each stage runs (replayed at
+    build); empty where the plan lacks them (a version-3 file): each build then solves."""
 
     def __post_init__(self) -> None:
         # the file holds the prediction's breakdowns and config as JSON objects (read back
@@ -268,7 +286,7 @@ class Plan(JsonData):
         c = self.config
         if self.version != PLAN_VERSION:
             raise PlanFileError(f"plan version {self.version!r} is not supported; this autopar reads "
-                                f"version {PLAN_VERSION} (and version 2 files). Re-run `autopar search` to write a "
+                                f"version {PLAN_VERSION} (and versions 2 and 3). Re-run `autopar search` to write a "
                                 "new plan")
         try:
             cluster = Cluster.parse(self.cluster)
@@ -301,18 +319,16 @@ class Plan(JsonData):
         if self.pipeline is not None and len(self.pipeline.stages) > 1 \
                 and [st.num_layers for st in self.pipeline.stages] != list(self.stage_layers):
             raise PlanFileError("plan pipeline.stages[].num_layers disagree with stage_layers")
-        keys = [p.key for p in self.placements]
-        if len(set(keys)) != len(keys):
-            raise PlanFileError("plan placements name an op twice; the file was edited. Re-run `autopar search`")
-        mesh_axes = 2
-        for p in self.placements:
-            for text in p.outputs + p.inputs:
-                try:
-                    axes = len(parse_placements(text))
-                except ValueError as exc:
-                    raise PlanFileError(f"plan placements[{p.key!r}]: {exc}") from None
-                if axes != mesh_axes:
-                    raise PlanFileError(f"plan placements[{p.key!r}] {text} do not match the (dp, tp) mesh")
+        _check_op_placements(self.placements, "placements")
+        if self.stage_placements:
+            chunks = [s.chunk for s in self.stage_placements]
+            want = list(range(c.pp * c.interleave))
+            if c.pp == 1 or chunks != want:
+                raise PlanFileError(f"plan stage_placements are for chunks {chunks} but its config (pp {c.pp}, "
+                                    f"interleave {c.interleave}) has chunks {want}; the file was edited. Re-run "
+                                    "`autopar search`")
+            for s in self.stage_placements:
+                _check_op_placements(s.placements, f"stage_placements[{s.chunk}]")
 
     # -- JSON ------------------------------------------------------------------------------
 
@@ -326,15 +342,17 @@ class Plan(JsonData):
     @classmethod
     def from_json(cls, data: Any, where: str = "plan") -> "Plan":
         """A Plan from parsed JSON, by the generic codec (autopar/json_codec.py) after two
-        checks that speak of plan files: the version (version 2 is read as 3), and a
+        checks that speak of plan files: the version (versions 2 and 3 are read as 4), and a
         fingerprint that is a digest."""
         if not isinstance(data, Mapping):
             raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
         if data.get("version") == 2:
             data = _from_version_2(data)
+        if data.get("version") == 3:  # version 4 added stage_placements (absent: each build solves the stages)
+            data = dict(data, version=4)
         if "version" in data and data["version"] != PLAN_VERSION:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
-                                f"version {PLAN_VERSION} (and version 2 files). Re-run `autopar search` to write a "
+                                f"version {PLAN_VERSION} (and versions 2 and 3). Re-run `autopar search` to write a "
                                 "new plan")
         if "model_fingerprint" in data and not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
             raise PlanFileError(f"plan model_fingerprint {str(data['model_fingerprint'])[:80]!r} is not a (sha256) hex "
@@ -374,22 +392,18 @@ class Plan(JsonData):
     def placements_for(self, graph: Any) -> tuple[Any, ...]:
         """The plan's per-op placements as one NodeStrategy per node of `graph` (the traced
         step of the model it runs on, at the plan's microbatch; any traced depth)."""
-        from autopar.sharding import NodeStrategy
+        return _match_placements(self.placements, graph, f"plan {self.model!r} does not match this model's traced step")
 
-        by_key = {p.key: p for p in self.placements}
-        out = []
-        for node, key in zip(graph.nodes, graph.node_keys()):
-            p = by_key.get(key)
-            if p is None or p.op != node.op:
-                raise PlanFileError(
-                    f"plan {self.model!r} does not match this model's traced step: op {node.op} "
-                    f"({node.name}, {node.module_path or 'top level'}) "
-                    + ("is not in the plan" if p is None else f"is {p.op} in the plan")
-                    + "; the model or its input shapes differ from the search's. Re-run `autopar search` for "
-                      "this model and batch")
-            out.append(NodeStrategy(outputs=tuple(parse_placements(t) for t in p.outputs),
-                                    inputs=tuple(parse_placements(t) for t in p.inputs)))
-        return tuple(out)
+    def stage_placements_for(self, chunk: int, graph: Any) -> tuple[Any, ...]:
+        """Pipeline chunk `chunk`'s per-op placements as one NodeStrategy per node of
+        `graph` (that chunk's joint graph as autopar/runtime/pipe_spmd.py traces it).
+        Raises PlanFileError where the plan has none for it or they do not match."""
+        found = next((s for s in self.stage_placements if s.chunk == chunk), None)
+        if found is None:
+            raise PlanFileError(f"plan {self.model!r} has no per-op placements for pipeline chunk {chunk}; "
+                                "re-run `autopar search` to write them")
+        return _match_placements(found.placements, graph,
+                                 f"plan {self.model!r} does not match this model's pipeline chunk {chunk}", exact=True)
 
     def _explain_per_op(self) -> list[str]:
         return _per_op_lines(self)
@@ -432,9 +446,14 @@ class Plan(JsonData):
             lines.extend(self._explain_per_op())
         if self.pipeline is not None and len(self.pipeline.stages) > 1:
             lines.extend(_pipeline_lines(self.pipeline))
+        if c.pp > 1:
+            lines.extend(_stage_placement_lines(self))
         lines.append("stages:")
         if self.pipeline is not None and len(self.pipeline.stages) > 1:
             lines.append("  see the pipeline stages above")
+        elif not self.stages and c.pp > 1:
+            lines.append(f"  {c.pp} stages of {list(self.stage_layers)} layers (the first also holds the embedding, "
+                         "the last the head and loss)")
         elif not self.stages:
             held = f"{self.num_layers} repeated layers" if self.num_layers else "every module, no repeated layer stack"
             lines.append(f"  one stage: the whole model ({held}) on the (dp, tp) mesh")
@@ -477,6 +496,50 @@ class Plan(JsonData):
                 lines.append(f"  {describe_config(a.config, a.stage_layers, self.global_batch)}: step "
                              f"{a.step_time_s:.4g} s ({rel:+.1%}), peak {a.peak_memory_bytes / GIB:.2f} GiB")
         return "\n".join(lines)
+
+
+def _check_op_placements(placements: Sequence[OpPlacement], where: str) -> None:
+    """Each op named once, each placement text one placement per (dp, tp) mesh axis."""
+    keys = [p.key for p in placements]
+    if len(set(keys)) != len(keys):
+        raise PlanFileError(f"plan {where} name an op twice; the file was edited. Re-run `autopar search`")
+    mesh_axes = 2
+    for p in placements:
+        for text in p.outputs + p.inputs:
+            try:
+                axes = len(parse_placements(text))
+            except ValueError as exc:
+                raise PlanFileError(f"plan {where}[{p.key!r}]: {exc}") from None
+            if axes != mesh_axes:
+                raise PlanFileError(f"plan {where}[{p.key!r}] {text} do not match the (dp, tp) mesh")
+
+
+def _match_placements(placements: Sequence[OpPlacement], graph: Any, what: str, *, exact: bool = False
+                      ) -> tuple[Any, ...]:
+    """`placements` as one NodeStrategy per node of `graph`, matched by node key and op;
+    PlanFileError (starting with `what`) naming the first op that does not match, or with
+    `exact` an op the plan places that the graph lacks (a chunk is traced as it was solved)."""
+    from autopar.sharding import NodeStrategy
+
+    by_key = {p.key: p for p in placements}
+    keys = graph.node_keys()
+    out = []
+    for node, key in zip(graph.nodes, keys):
+        p = by_key.get(key)
+        if p is None or p.op != node.op:
+            raise PlanFileError(
+                f"{what}: op {node.op} ({node.name}, {node.module_path or 'top level'}) "
+                + ("is not in the plan" if p is None else f"is {p.op} in the plan")
+                + "; the model or its input shapes differ from the search's. Re-run `autopar search` for "
+                  "this model and batch")
+        out.append(NodeStrategy(outputs=tuple(parse_placements(t) for t in p.outputs),
+                                inputs=tuple(parse_placements(t) for t in p.inputs)))
+    if exact and len(set(keys)) != len(by_key):
+        extra = sorted(set(by_key) - set(keys))
+        raise PlanFileError(f"{what}: the plan places {len(extra)} ops this trace does not have (e.g. "
+                            f"{extra[0]} {by_key[extra[0]].op}); the model or its input shapes differ from the "
+                            "search's. Re-run `autopar search` for this model and batch")
+    return tuple(out)
 
 
 def _from_version_2(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -570,6 +633,20 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
             tp_text = " / ".join(tp_desc)
         out.append(f"{group} ({len(rows)} params): {tp_text}; {' / '.join(dp_desc)}")
     return out
+
+
+def _stage_placement_lines(plan: "Plan") -> list[str]:
+    if not plan.stage_placements:
+        return ["per-stage per-op placements: not in this plan (a file from before version 4, or a model the search "
+                "did not trace by chunks); every build solves each chunk's intra-op ILP under the configuration's "
+                "rules instead (same solver, so the same program; re-run `autopar search` to record them)"]
+    lines = [f"per-stage per-op placements (the program each stage runs, replayed at build): "
+             f"{len(plan.stage_placements)} chunks"]
+    for s in plan.stage_placements:
+        lines.append(f"  chunk {s.chunk} (stage {s.chunk % plan.config.pp}): {len(s.placements)} ops; collectives per "
+                     "step: " + (", ".join(f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)"
+                                           for kind, axis, n, b in s.collectives) or "none"))
+    return lines
 
 
 def _pipeline_lines(pipe: PipelineInfo) -> list[str]:

@@ -1,8 +1,12 @@
 """Readable per-stage sharded programs: trace one rank's stage step to Python source.
 
-Where it sits: codegen, behind `compiled.code` (autopar/api.py) and `autopar search
---emit DIR`. `emit(model, config, example_inputs=...)` builds each pipeline chunk exactly
-as the runtime does (codegen/stages.py, codegen/tp.py), then traces one microbatch of
+Where it sits: codegen, behind `autopar search --emit DIR` (`emit_plan`): a one-stage
+plan's per-op placements applied to its traced step (`emit_per_op`), a pipeline plan's
+chunks as the runtime builds them (autopar/runtime/pipe_spmd.py `stage_sources`, handed in
+by the wiring), both on a `fake` process group (`fake_world`). The module-level
+`emit(model, config, example_inputs=...)` below is the template's program (the
+hand-written baseline, not what `autopar train` runs): it builds each pipeline chunk
+by the rule tables (codegen/stages.py, codegen/tp.py), then traces one microbatch of
 that chunk's forward + backward + data-parallel gradient sync with `make_fx` on fake
 tensors, so the source is ATen ops plus `_c10d_functional.*` collectives (+ `wait_tensor`)
 where placements change. Nothing runs and nothing is communicated: with no process
@@ -21,10 +25,12 @@ the schedule between stage programs, so it is not in a stage's source.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -236,38 +242,85 @@ def count_collectives(source: str) -> dict[tuple[str, str], int]:
     return counts
 
 
-def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9) -> list[Path]:
-    """`autopar search --emit DIR`: write each stage's per-rank program for a saved plan.
+def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
+              stage_sources: Callable[..., dict[str, str]] | None = None) -> list[Path]:
+    """`autopar search --emit DIR`: write the per-rank program of a saved plan, as it runs.
 
-    The model is rebuilt from the plan's model string with real weights (tracing converts
-    them to fake tensors itself), so this is for models up to `max_parameters`; the source
-    of a large model's stage has the same shape as that of a shallower spec."""
-    from autopar.models import resolve
-
+    pp = 1: the plan's per-op placements applied to the traced step (`emit_per_op`).
+    pp > 1: every chunk's per-rank forward/backward graphs, from
+    `stage_sources(plan, model, example_inputs, mesh)` (the runtime's builder,
+    autopar/runtime/pipe_spmd.py, handed in by the wiring: codegen does not import the
+    runtime), on a `fake` (dp, tp) world. The model is rebuilt from the plan's model
+    string with real weights (the pipeline cut runs one forward), so this is for models up
+    to `max_parameters`; the source of a large model's stage has the same shape as that of
+    a shallower spec."""
     if getattr(plan, "placements", None):
         return write(emit_per_op(plan), directory)
-    source = resolve(plan.model).with_overrides(seq=plan.seq)
+    if plan.config.pp == 1:  # a one-stage plan without per-op placements: the template's module program
+        return write(_emit_module_plan(plan, max_parameters), directory)
+    if stage_sources is None:
+        raise ValueError("emitting a pipeline plan needs the runtime's stage builder: pass "
+                         "stage_sources=autopar.runtime.pipe_spmd.stage_sources (as `autopar search --emit` does)")
+    from autopar.models import resolve
+
+    source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
     if source.config is None:
-        raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
-                         "call codegen.emit.emit(model, config, example_inputs=...) from Python")
-    num_parameters = plan.prediction.num_parameters if hasattr(plan, "prediction") and hasattr(
-        plan.prediction, "num_parameters") else None
-    if num_parameters is None:
+        model, example = source.factory()
+    else:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode():
             num_parameters = sum(p.numel() for p in source.build().parameters())
+        if num_parameters > max_parameters:
+            raise ValueError(
+                f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
+                f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
+                "to read the per-stage program, or call codegen.emit.emit_plan from Python on a machine with the "
+                "memory")
+        torch.manual_seed(0)
+        model, example = source.build(), source.example_inputs(plan.global_batch)
+    with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
+        sources = stage_sources(plan, model, example, mesh)
+    return write(sources, directory)
+
+
+def _emit_module_plan(plan: Any, max_parameters: float) -> dict[str, str]:
+    from autopar.models import resolve
+
+    source = resolve(plan.model).with_overrides(seq=plan.seq)
+    if source.config is None:
+        raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
+                         "call codegen.emit.emit(model, config, example_inputs=...) from Python")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        num_parameters = sum(p.numel() for p in source.build().parameters())
     if num_parameters > max_parameters:
         raise ValueError(
             f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
             f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
-            "to read the per-stage program, or call codegen.emit.emit from Python on a machine with the memory"
-        )
+            "to read the per-stage program, or call codegen.emit.emit from Python on a machine with the memory")
     torch.manual_seed(0)
     model = source.build()
-    example = source.example_inputs(plan.config.micro_batch)
-    sources = emit(model, plan.config, example_inputs=example, stage_layers=plan.stage_layers)
-    return write(sources, directory)
+    return emit(model, plan.config, example_inputs=source.example_inputs(plan.config.micro_batch),
+                stage_layers=plan.stage_layers)
+
+
+@contextlib.contextmanager
+def fake_world(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[DeviceMesh]:
+    """A DeviceMesh of `shape` on a `fake` process group, as its rank 0: programs are
+    built and traced against it, nothing runs and nothing is communicated."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ValueError("emitting a plan needs no process group; call it outside a job")
+    _clear_dtensor_caches()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    try:
+        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
+    finally:
+        dist.destroy_process_group()
+        _clear_dtensor_caches()
 
 
 def emit_per_op(plan: Any) -> dict[str, str]:
@@ -275,14 +328,11 @@ def emit_per_op(plan: Any) -> dict[str, str]:
     fake tensors at the plan's microbatch, the plan's per-op placements applied on a
     `fake` process group of the plan's world (nothing runs, nothing is communicated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autopar.models import resolve
     from autopar.trace import trace_step
     from codegen.apply import apply
 
-    if dist.is_initialized():
-        raise ValueError("emitting a plan needs no process group; call it outside a job")
     source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
     rows = plan.config.dp * plan.config.micro_batch
     if source.config is None:
@@ -294,14 +344,8 @@ def emit_per_op(plan: Any) -> dict[str, str]:
             micro = list(source.example_inputs(rows))
     traced, graph = trace_step(model, micro, recompute=plan.config.recompute)
     choices = plan.placements_for(graph)
-    _clear_dtensor_caches()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.config.dp * plan.config.tp)
-    try:
-        mesh = init_device_mesh("cpu", (plan.config.dp, plan.config.tp), mesh_dim_names=("dp", "tp"))
+    with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
         graphs = apply(traced.gm, graph, choices, mesh)
-    finally:
-        dist.destroy_process_group()
-        _clear_dtensor_caches()
     note = ("" if source.config is None or source.config.layers <= 2 else
             f"# (the model's first 2 of {source.config.layers} layers: every further layer repeats the second's ops)\n")
     return {"rank0": note + graphs.source}

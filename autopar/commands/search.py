@@ -10,7 +10,6 @@ Progress goes to stderr so `--json` stdout stays clean.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any, Callable
@@ -40,16 +39,12 @@ def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | N
 
 
 def _emit(plan: Any, directory: str) -> None:
-    """Hook for the code generator (codegen/ owns `emit_plan(plan, directory)`)."""
-    try:
-        codegen = importlib.import_module("codegen")
-    except ModuleNotFoundError:
-        codegen = None
-    emit = getattr(codegen, "emit_plan", None)
-    if emit is None:
-        raise ValueError("--emit needs the code generator (codegen.emit_plan), which this version does not have; "
-                         "save the plan with --out and emit later")
-    emit(plan, directory)
+    """Write the plan's per-rank program (codegen/emit.py `emit_plan`); a pipeline's chunks
+    are built by the runtime's stage builder, which this wiring hands to codegen."""
+    from autopar.runtime.pipe_spmd import stage_sources
+    from codegen.emit import emit_plan
+
+    emit_plan(plan, directory, stage_sources=stage_sources)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -171,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
 
         check_plan_placements(model, config, example if source.factory is not None
                               else source.example_inputs(global_batch), plan)
+    if plan is not None and config.pp > 1 and getattr(plan, "stage_placements", None):
+        from autopar.runtime.pipe_spmd import check_stage_placements
+
+        check_stage_placements(model, config, example if source.factory is not None
+                               else source.example_inputs(global_batch), plan)
     found = _random_ops(model, example if source.factory is not None else source.example_inputs(global_batch)) \
         if args.check else {}
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,

@@ -12,10 +12,13 @@ codegen/apply.py, autopar/runtime/spmd.py). On every rank, for each of its chunk
    inputs, output tangents): its "loss" is sum(output_i * tangent_i) over the outputs
    that carry a gradient (the last chunk: its own loss), with the inputs that carry a
    gradient differentiated too; values that carry none are returned beside the loss;
-3. the intra-op ILP solves it on the chunk's (dp, tp) submesh under the configuration's
-   rules (solver/forced.py), with the boundary values in one layout both neighbours agree
-   on: split by batch over dp where dim 0 is the microbatch's rows, whole over tp (the
-   first rank of the submesh solves, every rank of it receives the solution);
+3. its per-op placements are the plan's for that chunk (`Plan.stage_placements`, recorded
+   by the search from this same trace, `trace_chunks`; matched by node key and op, a
+   mismatch refused), or, where the plan has none (a version-3 file, a configuration given
+   by flags), the intra-op ILP solves it on the chunk's (dp, tp) submesh under the
+   configuration's rules (solver/forced.py), with the boundary values in one layout both
+   neighbours agree on: split by batch over dp where dim 0 is the microbatch's rows, whole
+   over tp (the first rank of the submesh solves, every rank of it receives the solution);
 4. codegen/apply.py applies it: one per-rank joint graph that also returns the outputs
    and the input gradients redistributed to the boundary layout;
 5. that graph is split into a forward graph (every node that does not depend on a
@@ -45,6 +48,7 @@ point-to-point sends.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -299,17 +303,30 @@ def _annotate_modules(chunk: fx.GraphModule) -> None:
             node.meta["custom"] = {**(node.meta.get("custom") or {}), "module": path}
 
 
-def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
-                       outputs: Sequence[torch.Tensor], last: bool, config: ParallelConfig, mesh: DeviceMesh,
-                       layer_prefix: str = "",
-                       num_microbatches: int, optimizer: OptimizerFactory,
-                       solve: Callable[[Graph], Any] | None = None,
-                       cluster: Any = None) -> tuple[StageRunner, Any, Graph]:
-    """Trace, solve and apply one chunk on `mesh` (its (dp, tp) submesh); `inputs`/`outputs`
-    are its boundary values at the global microbatch. `solve(graph)` gives the ILP's
-    solution (default: `solve_stage` here). Returns (runner, the solution, the lowered graph)."""
-    from codegen.apply import apply
-    from autopar.runtime.spmd import SpmdProgram, distribute_parameters, solution_choices
+@dataclass(slots=True, kw_only=True)
+class TracedStage:
+    """One chunk's joint graph as every rank traces it (`trace_stage`): what the ILP solves
+    (or a plan's stage placements are matched to) and codegen/apply.py applies."""
+
+    index: int
+    chunk: nn.Module
+    traced: Any
+    """autopar.trace.Traced: the joint graph (FX) with its descriptors."""
+    graph: Graph
+    extra: list[tuple[int, Placements]]
+    """(graph node, layout) of the boundary values the applied graph also returns: the
+    outputs (the last chunk: its loss, placed as the ILP placed it), then the input gradients."""
+    num_inputs: int
+    outputs: tuple[torch.Tensor, ...]
+    grad_inputs: tuple[int, ...]
+    grad_outputs: tuple[int, ...]
+    last: bool
+
+
+def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                last: bool, config: ParallelConfig, layer_prefix: str = "") -> TracedStage:
+    """Trace and lower one chunk's joint graph; `inputs`/`outputs` are its boundary values
+    at the global microbatch (`capture_boundaries`). No process group needed."""
     from autopar.trace import lower, trace
 
     rows = config.dp * config.micro_batch
@@ -342,7 +359,7 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
     # the boundary values, as (graph node, layout) pairs the applied graph also returns
     extra: list[tuple[int, Placements]] = []
     if last:
-        extra.append((ids[values[0]], ()))  # the loss, left as the ILP placed it (set below)
+        extra.append((ids[values[0]], ()))  # the loss, left as the ILP placed it (set at build)
     else:
         aux = iter(values[1:1 + len(outputs) - len(grad_outputs)])
         tangent_of = dict(zip(grad_outputs, plain[len(inputs):]))
@@ -358,40 +375,91 @@ def build_stage_runner(chunk: nn.Module, index: int, *, inputs: Sequence[torch.T
         if not isinstance(g, fx.Node):
             raise RuntimeError(f"chunk {index}: input {i} requires grad but the joint graph has no gradient for it")
         extra.append((ids[g], boundary_placements(inputs[i].shape, rows, config.dp)))
+    return TracedStage(index=index, chunk=chunk, traced=traced, graph=graph, extra=extra, num_inputs=len(inputs),
+                       outputs=tuple(outputs), grad_inputs=grad_inputs, grad_outputs=grad_outputs, last=last)
 
-    if solve is None:
-        solution = solve_stage(graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
-    else:
-        solution = solve(graph)
-    choices = solution_choices(graph, solution)
-    if last:
+
+def chunk_layers(stage_layers: Sequence[int] | None, config: ParallelConfig) -> tuple[int, ...] | None:
+    """Layers per chunk from a plan's `stage_layers`: one count per chunk as given, or, for
+    an interleaved plan that gives one per stage (what the search writes), each stage's
+    layers split evenly over its `interleave` chunks (chunk c is stage c % pp). Counts that
+    fit neither are passed on for the cut to refuse with its message."""
+    if not stage_layers:
+        return None
+    counts = tuple(int(n) for n in stage_layers)
+    v = config.interleave
+    if v > 1 and len(counts) == config.pp and all(n % v == 0 for n in counts):
+        return tuple(counts[c % config.pp] // v for c in range(config.pp * v))
+    return counts
+
+
+def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, stage_layers: tuple[int, ...] | None = None,
+                 chunk_ids: Sequence[int] | None = None) -> list[TracedStage]:
+    """`model`'s pipeline chunks (`chunk_ids`, default all) traced as every rank traces
+    its own at build, in this process with no process group: what the search records
+    per-stage placements from, what a plan's are checked against before ranks start, and
+    what `--emit` applies. `example_inputs` is one global batch (its first dp * micro_batch
+    rows are traced); `model` is cut in place (its modules are shared with the chunks)."""
+    from autopar.runtime.pipe import split_model
+
+    rows = config.dp * config.micro_batch
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0]
+    if size % rows:
+        raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {config.dp} * "
+                         f"{config.micro_batch}; use a global batch that is a multiple of {rows}")
+    micro = tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors)
+    num_chunks = config.pp * config.interleave
+    pipe, prefix, _ = split_model(model, micro, num_chunks=num_chunks, stage_layers=chunk_layers(stage_layers, config),
+                                  loss_fn=loss_fn)
+    boundaries = capture_boundaries(pipe, micro)
+    return [trace_stage(pipe.get_stage_module(cid), cid, inputs=boundaries[cid][0], outputs=boundaries[cid][1],
+                        last=cid == num_chunks - 1, config=config, layer_prefix=prefix)
+            for cid in (range(num_chunks) if chunk_ids is None else chunk_ids)]
+
+
+def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: ParallelConfig, mesh: DeviceMesh,
+                       optimizer: OptimizerFactory) -> StageRunner:
+    """Apply `choices` (one NodeStrategy per node of `stage.graph`: the ILP's, or a plan's
+    stage placements) to one traced chunk on `mesh` (its (dp, tp) submesh) and split the
+    per-rank joint graph into the forward and backward graphs a PipelineStage runs. The
+    chunk's parameters become DTensors in their placements."""
+    from codegen.apply import apply
+    from autopar.runtime.spmd import SpmdProgram, distribute_parameters
+
+    extra = list(stage.extra)
+    if stage.last:
         # the loss leaves in its own placement (a pending sum over dp, say): it seeds the
         # backward through the loss tangent, and is reduced for reporting once per step,
         # outside the priced program (as the pp = 1 program reports it)
         extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
-    params = distribute_parameters(chunk, graph, choices, mesh)  # before the build: its peak holds shards only
-    graphs = apply(traced.gm, graph, choices, mesh, extra_outputs=extra, keep_phases=True)
+    # before the build: its peak holds shards only
+    params = distribute_parameters(stage.chunk, stage.graph, choices, mesh)
+    graphs = apply(stage.traced.gm, stage.graph, choices, mesh, extra_outputs=extra, keep_phases=True)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
+    num_inputs, outputs, grad_inputs = stage.num_inputs, stage.outputs, stage.grad_inputs
     num_grads = len(graphs.grads)
-    num_fwd = 1 if last else len(outputs)
+    num_fwd = 1 if stage.last else len(outputs)
     first_extra = 1 + num_grads
     seeds = {s for s, slot in zip([n.name for n in graphs.step.graph.nodes if n.op == "placeholder"], graphs.slots)
              if slot.role is Role.TANGENT or (slot.role is Role.INPUT
-                                              and int(slot.name.removeprefix("input_")) >= len(inputs))}
+                                              and int(slot.name.removeprefix("input_")) >= num_inputs)}
     forward, backward, num_saved = split_joint(
         graphs.step, seeds, list(range(first_extra, first_extra + num_fwd)),
         list(range(1, 1 + num_grads)) + list(range(first_extra + num_fwd, first_extra + num_fwd + len(grad_inputs))))
-    program = SpmdProgram(config=config, mesh=mesh, model=chunk, graphs=graphs, graph=graph,
-                          optimizer_factory=optimizer, choices=choices, params=params)
-    runner = StageRunner(index=index, program=program, forward=forward, backward=backward, num_saved=num_saved,
-                         slots=graphs.slots, num_inputs=len(inputs), grad_inputs=grad_inputs, outputs=tuple(outputs),
-                         grad_outputs=grad_outputs, last=last)
-    return runner, solution, graph
+    program = SpmdProgram(config=config, mesh=mesh, model=stage.chunk, graphs=graphs, graph=stage.graph,
+                          optimizer_factory=optimizer, choices=tuple(choices), params=params)
+    return StageRunner(index=stage.index, program=program, forward=forward, backward=backward, num_saved=num_saved,
+                       slots=graphs.slots, num_inputs=num_inputs, grad_inputs=grad_inputs, outputs=outputs,
+                       grad_outputs=stage.grad_outputs, last=stage.last)
 
 
 def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int, rows: int) -> Any:
     """The intra-op ILP on one chunk's (dp, tp) submesh under `config`'s rules
-    (solver/forced.py), its boundary inputs and tangents in the boundary layout."""
+    (solver/forced.py), its boundary inputs and tangents in the boundary layout. `cluster`:
+    the whole job's (one stage's devices of it are priced, as the pipeline search prices
+    a stage), default dp * tp cpu devices."""
     from solver import forced
     from solver.intra_op.ilp import solve_intra_op
 
@@ -399,6 +467,8 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
         from autopar.cluster import Cluster
 
         cluster = Cluster.parse(f"cpu:1x{config.dp * config.tp}")
+    if cluster.num_devices != config.dp * config.tp:
+        cluster = cluster.stage(config.dp * config.tp)
     base = forced.keep_placeholder(config)
 
     def keep(node: Any, placements: Placements) -> bool:
@@ -420,7 +490,8 @@ class PipeSpmdProgram:
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, runners: list[StageRunner],
                  stages: list[Any], chunk_ids: tuple[int, ...], num_chunks: int, optimizer: torch.optim.Optimizer,
-                 tie_groups: dict[str, dist.ProcessGroup], priced: dict[tuple[str, str], tuple[int, int]]) -> None:
+                 tie_groups: dict[str, dist.ProcessGroup], priced: dict[tuple[str, str], tuple[int, int]],
+                 replayed: bool = False) -> None:
         self.config = config
         self.mesh = mesh
         self.submesh = mesh["dp", "tp"]
@@ -433,6 +504,8 @@ class PipeSpmdProgram:
         """Canonical parameter name -> the group of pp ranks (this dp/tp coordinate) holding it."""
         self.priced = priced
         """What the stages' ILP solutions priced per step (this rank's chunks)."""
+        self.replayed = replayed
+        """True when the chunks' placements came from the plan (no ILP solved at build)."""
         self.chunks = [r.program.model for r in runners]
         self.rules = None
         self.tied_fqns: tuple[str, ...] = ()
@@ -560,17 +633,17 @@ class PipeSpmdProgram:
         return out
 
     @property
+    def sources(self) -> dict[str, str]:
+        """Source of this rank's chunks as they run, by chunk (`stage<k>`): per chunk the
+        forward and backward graphs (ATen ops and collectives on local shards) and the
+        gradient sync."""
+        return {f"stage{r.index}": runner_source(r, self.config, self.num_chunks, tuple(self.submesh.shape))
+                for r in self.runners}
+
+    @property
     def code(self) -> str:
-        """Source of this rank's chunks as they run: per chunk, the forward and backward
-        graphs (ATen ops and collectives on local shards) and the gradient sync."""
-        parts = []
-        for r in self.runners:
-            parts.append(f"# chunk {r.index} of {self.num_chunks} on a (dp, tp) = {tuple(self.submesh.shape)} submesh\n"
-                         f"# forward: (parameters, buffers, inputs) -> (outputs, saved values)\n"
-                         f"{r.forward_gm.code}\n# backward: (saved values, output gradients, loss tangent) -> "
-                         f"(raw gradients, input gradients)\n{r.backward_gm.code}\n# grad_sync\n"
-                         f"{r.program.graphs.grad_sync.code}")
-        return "\n\n".join(parts)
+        """`sources`, every chunk of this rank in one text."""
+        return "\n\n".join(self.sources.values())
 
     def collectives_per_step(self, num_microbatches: int, *, boundary: bool = False
                              ) -> dict[tuple[str, str], tuple[int, int]]:
@@ -610,18 +683,80 @@ class PipeSpmdProgram:
         RankProgram.load_state_dict(self, state)
 
 
+def check_stage_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], plan: Any, *,
+                           loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+    """Raise PlanFileError where `plan`'s stage placements do not match `model`'s chunks as
+    the ranks will trace them (node keys and ops, every chunk): found once, in this process
+    with no process group, before any rank starts (the launcher calls this)."""
+    import copy
+
+    for stage in trace_chunks(copy.deepcopy(model), config, example_inputs, loss_fn=loss_fn,
+                              stage_layers=tuple(plan.stage_layers) or None):
+        plan.stage_placements_for(stage.index, stage.graph)
+
+
+def runner_source(runner: StageRunner, config: ParallelConfig, num_chunks: int, submesh_shape: tuple[int, ...]
+                  ) -> str:
+    """One chunk's per-rank program as Python source: forward, backward and gradient sync."""
+    return (f"# chunk {runner.index} of {num_chunks} (pipeline stage {runner.index % config.pp}) on a (dp, tp) = "
+            f"{submesh_shape} submesh; config: {config.to_json()}\n"
+            f"# forward: (parameters, buffers, inputs) -> (outputs, saved values)\n"
+            f"{runner.forward_gm.code}\n# backward: (saved values, output gradients, loss tangent) -> "
+            f"(raw gradients, input gradients)\n{runner.backward_gm.code}\n# grad_sync: raw gradients -> gradients "
+            f"in their parameters' placements (once per step)\n{runner.program.graphs.grad_sync.code}")
+
+
+def stage_sources(plan: Any, model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, *,
+                  loss_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, str]:
+    """Every chunk's per-rank program of a pp > 1 `plan` as Python source, by chunk
+    (`stage<k>`), as the rank at (dp, tp) coordinate `mesh.get_coordinate()` of its stage
+    builds it: the chunk traced as at build, the plan's stage placements applied (or, for
+    a plan without them, the stage ILP's solution), split into forward and backward.
+    `mesh` is a ("dp", "tp") mesh of dp * tp ranks (a `fake` process group will do:
+    nothing runs); `model` is cut and its parameters replaced by shards."""
+    from autopar.runtime.program import default_optimizer
+    from autopar.runtime.spmd import solution_choices
+
+    config = plan.config
+    rows = config.dp * config.micro_batch
+    num_mb = plan.global_batch // rows
+    num_chunks = config.pp * config.interleave
+    stages = trace_chunks(model, config, example_inputs, loss_fn=loss_fn,
+                          stage_layers=tuple(plan.stage_layers) or None)
+    out: dict[str, str] = {}
+    for stage in stages:
+        if plan.stage_placements:
+            choices = plan.stage_placements_for(stage.index, stage.graph)
+            how = "the plan's stage placements"
+        else:
+            from autopar.cluster import Cluster
+
+            solution = solve_stage(stage.graph, config, Cluster.parse(plan.cluster), num_microbatches=num_mb,
+                                   rows=rows)
+            choices, how = solution_choices(stage.graph, solution), "solved here (the plan has no stage placements)"
+        runner = build_stage_runner(stage, choices=choices, config=config, mesh=mesh, optimizer=default_optimizer())
+        out[f"stage{stage.index}"] = (f"# autopar {plan.model}: per-rank program of pipeline chunk {stage.index}, "
+                                      f"placements: {how}\n" + runner_source(runner, config, num_chunks,
+                                                                              tuple(mesh.shape)))
+    return out
+
+
 def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
                             loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
                             stage_layers: tuple[int, ...] | None = None, mesh: DeviceMesh | None = None,
-                            cluster: Any = None) -> PipeSpmdProgram:
+                            cluster: Any = None, plan: Any = None) -> PipeSpmdProgram:
     """This rank's chunks of `model`, cut at its repeated layers, each compiled by the
     per-op path on its (dp, tp) submesh, with their schedule; collective. `example_inputs`
-    is one global batch (its first dp * micro_batch rows are traced)."""
+    is one global batch (its first dp * micro_batch rows are traced).
+
+    Each chunk's placements: `plan`'s stage placements where it has them (matched to the
+    chunk's traced graph; a mismatch raises PlanFileError on every rank), else the ILP
+    solves the chunk under `config`'s rules (the first rank of each submesh solves)."""
     from torch.distributed.pipelining import PipelineStage
 
     from autopar.runtime.program import make_mesh
     from autopar.runtime.pipe import _canonical_names, _tie_groups, split_model
-    from autopar.runtime.spmd import local_shard, make_optimizer, priced_per_step
+    from autopar.runtime.spmd import local_shard, make_optimizer, priced_per_step, solution_choices
 
     if config.schedule == "zb":
         raise ValueError("--schedule zb is not run by per-op pipeline stages (their backward computes input and "
@@ -638,40 +773,55 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
     num_mb = size // rows
     num_chunks = config.pp * config.interleave
     canonical = _canonical_names(model)
-    pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks, stage_layers=stage_layers,
-                                       loss_fn=loss_fn)
+    pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks,
+                                       stage_layers=chunk_layers(stage_layers, config), loss_fn=loss_fn)
     boundaries = capture_boundaries(pipe, micro)
     pp_rank = mesh.get_local_rank("pp")
     leader = {int(mesh.mesh[p, 0, 0]) for p in range(config.pp)}
     chunk_ids = tuple(pp_rank + v * config.pp for v in range(config.interleave))
+    replay = plan is not None and bool(getattr(plan, "stage_placements", ()))
 
-    def solve(graph: Graph) -> Any:
-        # the first rank of each submesh solves its chunk; every rank receives its own
-        # submesh's solution (one solve per chunk, identical programs on its ranks)
+    def choose(stage: TracedStage) -> tuple[tuple[Any, ...], dict[tuple[str, str], tuple[int, int]]]:
+        # replayed: every rank matches its chunk to the plan; solved: the first rank of each
+        # submesh solves its chunk and every rank receives its own submesh's solution. Either
+        # way a failure on any rank (PlanFileError, InfeasiblePlanError) is raised on every rank.
         mine: Any = None
-        if dist.get_rank() in leader:
+        if replay:
             try:
-                mine = solve_stage(graph, config, cluster, num_microbatches=num_mb, rows=rows)
+                choices = plan.stage_placements_for(stage.index, stage.graph)
+                recorded = next(s for s in plan.stage_placements if s.chunk == stage.index)
+                mine = (choices, {(kind, axis): (calls, nbytes) for kind, axis, calls, nbytes in recorded.collectives})
+            except ValueError as exc:  # PlanFileError
+                mine = exc
+        elif dist.get_rank() in leader:
+            try:
+                mine = solve_stage(stage.graph, config, cluster, num_microbatches=num_mb, rows=rows)
             except ValueError as exc:  # InfeasiblePlanError too: every rank raises it
                 mine = exc
-        box = gather_build_results(mine)  # the other ranks wait out the solves, however long
-        got = box[int(mesh.mesh[pp_rank, 0, 0])]
+        # the other ranks wait out the solves, however long (a replayed rank sends only its error)
+        box = gather_build_results(mine if not replay or isinstance(mine, Exception) else None)
         failed = next((b for b in box if isinstance(b, Exception)), None)
         if failed is not None:
             raise failed
-        return got
+        if replay:
+            return mine
+        solution = box[int(mesh.mesh[pp_rank, 0, 0])]
+        return solution_choices(stage.graph, solution), priced_per_step(solution, num_mb, ("dp", "tp"))
 
-    runners, solutions, stages = [], [], []
+    runners, stages = [], []
+    priced: dict[tuple[str, str], tuple[int, int]] = {}
     coords, mesh_shape = tuple(submesh.get_coordinate()), tuple(submesh.shape)
     for cid in chunk_ids:
         ins, outs = boundaries[cid]
         last = cid == num_chunks - 1
-        runner, solution, _ = build_stage_runner(pipe.get_stage_module(cid), cid, inputs=ins, outputs=outs,
-                                                 last=last, config=config, mesh=submesh, layer_prefix=prefix,
-                                                 num_microbatches=num_mb,
-                                                 optimizer=optimizer, solve=solve, cluster=cluster)
+        stage = trace_stage(pipe.get_stage_module(cid), cid, inputs=ins, outputs=outs, last=last, config=config,
+                            layer_prefix=prefix)
+        choices, chunk_priced = choose(stage)
+        for key, (calls, nbytes) in chunk_priced.items():
+            c, b = priced.get(key, (0, 0))
+            priced[key] = (c + calls, b + nbytes)
+        runner = build_stage_runner(stage, choices=choices, config=config, mesh=submesh, optimizer=optimizer)
         runners.append(runner)
-        solutions.append(solution)
 
         def local(x: torch.Tensor, grad: bool) -> torch.Tensor:
             piece = local_shard(x.detach(), boundary_placements(x.shape, rows, config.dp), coords, mesh_shape)
@@ -689,16 +839,14 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
         for _, p in r.program.named_parameters():
             params.setdefault(id(p), p)
     opt = make_optimizer(optimizer, list(params.values()))
-    priced: dict[tuple[str, str], tuple[int, int]] = {}
-    for solution in solutions:
-        for key, (calls, nbytes) in priced_per_step(solution, num_mb, ("dp", "tp")).items():
-            c, b = priced.get(key, (0, 0))
-            priced[key] = (c + calls, b + nbytes)
-    log.info("rank %d: per-op pipeline chunks %s of %d (layers %s of %s) on a %s submesh", dist.get_rank(), chunk_ids,
-             num_chunks, [(ranges[i].start, ranges[i].stop) for i in chunk_ids], prefix, mesh_shape)
+    log.info("rank %d: per-op pipeline chunks %s of %d (layers %s of %s) on a %s submesh, placements %s",
+             dist.get_rank(), chunk_ids, num_chunks, [(ranges[i].start, ranges[i].stop) for i in chunk_ids], prefix,
+             mesh_shape, "replayed from the plan" if replay else "solved")
     return PipeSpmdProgram(config=config, mesh=mesh, runners=runners, stages=stages, chunk_ids=chunk_ids,
-                           num_chunks=num_chunks, optimizer=opt, tie_groups=tie_groups, priced=priced)
+                           num_chunks=num_chunks, optimizer=opt, tie_groups=tie_groups, priced=priced,
+                           replayed=replay)
 
 
-__all__ = ["PerOpStage", "PipeSpmdProgram", "StageRunner", "boundary_placements", "build_pipe_spmd_program",
-           "build_stage_runner", "capture_boundaries", "split_joint"]
+__all__ = ["PerOpStage", "PipeSpmdProgram", "StageRunner", "TracedStage", "boundary_placements",
+           "build_pipe_spmd_program", "build_stage_runner", "capture_boundaries", "check_stage_placements",
+           "chunk_layers", "runner_source", "split_joint", "stage_sources", "trace_chunks", "trace_stage"]

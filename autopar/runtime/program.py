@@ -437,7 +437,7 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
         raise ValueError("a pipeline is cut from the traced training step: pass example_inputs= (one global batch)")
     return build_pipe_spmd_program(model, config, example_inputs, loss_fn=loss_fn,
                                    optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh,
-                                   cluster=cluster)
+                                   cluster=cluster, plan=plan)
 
 
 def build_module_program(model: nn.Module, config: ParallelConfig, *,

@@ -58,7 +58,7 @@ def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
     data = json.loads(text)
-    assert data["version"] == 3
+    assert data["version"] == 4
     assert data["predicted"]["config"]["num_microbatches"] == 4 and data["bubble_fraction"] == 0.25
     assert list(data) == sorted(data)
     assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
@@ -201,6 +201,70 @@ def test_version_2_plan_file_loads() -> None:
     assert config["num_microbatches"] == 4 and config["tp"] == 2 and config["attention"] == "flash"
     assert loaded.predicted.time_breakdown == plan.predicted.time_breakdown
     assert loaded.explain() == plan.explain()
-    assert json.loads(loaded.dumps())["version"] == 3
+    assert json.loads(loaded.dumps())["version"] == 4
     with pytest.raises(PlanFileError, match=r"plan\.predicted: missing keys \['fits'\]"):
         Plan.loads(json.dumps({**old, "predicted": {k: v for k, v in old["predicted"].items() if k != "fits"}}))
+
+
+def _staged(**overrides) -> Plan:
+    """The pp2 plan above with per-op placements recorded for both its chunks."""
+    from autopar.plan import OpPlacement, StagePlacements
+
+    ops = (OpPlacement(key="N0", op="placeholder", outputs=("(R, S(0))",), inputs=()),
+           OpPlacement(key="N1", op="aten.mm.default", outputs=("(R, R)",), inputs=("(R, S(0))", "(R, S(1))")))
+    stages = tuple(StagePlacements(chunk=k, placements=ops, collectives=(("all_reduce", "tp", 4, 1024),))
+                   for k in (0, 1))
+    return _plan(stage_placements=stages, **overrides)
+
+
+def test_stage_placements_round_trip_validate_and_explain() -> None:
+    plan = _staged()
+    assert Plan.loads(plan.dumps()) == plan
+    text = plan.explain()
+    assert "per-stage per-op placements (the program each stage runs, replayed at build): 2 chunks" in text
+    assert "chunk 1 (stage 1): 2 ops; collectives per step: all_reduce over tp x4" in text
+    data = plan.to_json()
+    bad = json.loads(json.dumps(data))
+    bad["stage_placements"] = bad["stage_placements"][:1]
+    with pytest.raises(PlanFileError, match=r"stage_placements are for chunks \[0\] but its config .* has chunks \[0, 1\]"):
+        Plan.loads(json.dumps(bad))
+    bad = json.loads(json.dumps(data))
+    bad["stage_placements"][1]["placements"][1][0] = "N0"
+    with pytest.raises(PlanFileError, match=r"stage_placements\[1\] name an op twice"):
+        Plan.loads(json.dumps(bad))
+    bad = json.loads(json.dumps(data))
+    bad["stage_placements"][0]["placements"][0][2] = ["(R, R, R)"]
+    with pytest.raises(PlanFileError, match=r"stage_placements\[0\]\['N0'\] \(R, R, R\) do not match the \(dp, tp\) mesh"):
+        Plan.loads(json.dumps(bad))
+
+
+def test_version_3_pipeline_plan_loads_and_says_the_build_solves() -> None:
+    """A version-3 pipeline plan (no stage placements) loads; explain says each build solves."""
+    old = _plan().to_json()
+    old.pop("stage_placements")
+    old["version"] = 3
+    loaded = Plan.loads(json.dumps(old))
+    assert loaded == _plan() and loaded.stage_placements == ()
+    assert "per-stage per-op placements: not in this plan" in loaded.explain()
+    assert "every build solves each chunk's intra-op ILP" in loaded.explain()
+
+
+def test_stage_placements_for_matches_the_chunk_graph_or_says_why() -> None:
+    from types import SimpleNamespace
+
+    from autopar.placement import Replicate, Shard
+
+    def graph(*ops: str):
+        nodes = [SimpleNamespace(op=op, name=f"n{i}", module_path="layers.0") for i, op in enumerate(ops)]
+        return SimpleNamespace(nodes=nodes, node_keys=lambda: tuple(f"N{i}" for i in range(len(ops))))
+
+    plan = _staged()
+    got = plan.stage_placements_for(1, graph("placeholder", "aten.mm.default"))
+    assert got[0].outputs == ((Replicate(), Shard(0)),) and got[1].inputs[1] == (Replicate(), Shard(1))
+    with pytest.raises(PlanFileError, match=r"pipeline chunk 1: op aten.bmm.default \(n1, layers.0\) is "
+                                            r"aten.mm.default in the plan"):
+        plan.stage_placements_for(1, graph("placeholder", "aten.bmm.default"))
+    with pytest.raises(PlanFileError, match=r"pipeline chunk 0: the plan places 1 ops this trace does not have"):
+        plan.stage_placements_for(0, graph("placeholder"))
+    with pytest.raises(PlanFileError, match="has no per-op placements for pipeline chunk 0"):
+        _plan().stage_placements_for(0, graph("placeholder"))
