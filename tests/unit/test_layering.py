@@ -104,13 +104,8 @@ ALLOWED_EDGES: dict[tuple[str, str], str] = {
 # Violations as of today: (importer module, imported module, why it is there). Delete an
 # entry when its import goes; never add one to make a new import pass.
 KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
-    # run -> apply internals: the module-level runtime still cuts and shards models with the
-    # per-family rule tables (DESIGN: no rule table on the execution path; issue 13).
-    ("autopar.runtime.program", "codegen.rules", "pipeline/TP runtime reads the per-family rule tables"),
-    ("autopar.runtime.program", "codegen.stages", "pipeline chunks are built by codegen's stage splitter"),
-    ("autopar.runtime.program", "codegen.tp", "TP is applied by codegen's parallelize_module helpers"),
+    # run -> apply internals: build_program swaps in the fused-kernel modules before tracing.
     ("autopar.runtime.program", "codegen.kernels.modules", "fused-kernel module swap is done by the runtime"),
-    ("autopar.runtime.checkpoint", "codegen.rules", "GPT's qkv row permutation for TP lives in the rule tables"),
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
     ("autopar.runtime.spmd", "autopar.trace", "each rank traces its own training step"),
@@ -133,6 +128,15 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     ("codegen.kernels.modules", "autopar.models.gpt", "fused-module swap matches the zoo's GPT blocks"),
     ("codegen.kernels.modules", "autopar.models.llama", "fused-module swap matches the zoo's Llama blocks"),
 )
+
+# The per-family rule tables and what applies them (the module-level template, a baseline:
+# benchmarks/template_program.py). DESIGN: no rule table on the execution path, so no module
+# of autopar/ (runtime, api, commands: the wiring included) and no other stage imports them;
+# only these modules themselves and RULE_TABLE_USERS do.
+RULE_TABLES = ("codegen.rules", "codegen.tp", "codegen.stages")
+RULE_TABLE_USERS: dict[str, str] = {
+    "codegen.emit": "emit of pipeline plans still builds module-level chunks (issue 13: emit per op)",
+}
 
 # --- the checker ----------------------------------------------------------------------
 
@@ -295,6 +299,22 @@ def test_solver_reads_cost_model_only_through_its_surface() -> None:
     assert any(i.imported == "cost_model" and group_of(i.importer) == "solve" for i in project_imports())
 
 
+def rule_table_imports(imports: list[Import]) -> list[Import]:
+    """Imports of a rule table (RULE_TABLES) by any module but the tables and RULE_TABLE_USERS."""
+    return [i for i in imports if i.imported in RULE_TABLES and i.importer not in RULE_TABLES
+            and i.importer not in RULE_TABLE_USERS]
+
+
+def test_nothing_on_the_execution_path_reads_the_rule_tables() -> None:
+    found = rule_table_imports(project_imports())
+    assert found == [], "per-family rule tables imported on the execution path (the template baseline " \
+        "lives in benchmarks/template_program.py):\n  " + "\n  ".join(
+            f"{i.importer} (line {i.line}) -> {i.imported}" for i in found)
+    users = {i.importer for i in project_imports() if i.imported in RULE_TABLES and i.importer not in RULE_TABLES}
+    assert users == set(RULE_TABLE_USERS), f"RULE_TABLE_USERS no longer import the rule tables: " \
+        f"{sorted(set(RULE_TABLE_USERS) - users)}; delete them from the list"
+
+
 def test_imports_follow_the_flow() -> None:
     new, stale = compare_with_known(check(project_imports()), KNOWN_VIOLATIONS)
     assert new == [], "imports against DESIGN.md's flow:\n  " + "\n  ".join(
@@ -374,6 +394,20 @@ def test_solver_surface_check_fails_on_a_submodule() -> None:
     # the same import from a module of another stage is not this rule's business
     assert solver_cost_model_internals(imports_of("from cost_model.table import cost_table\n", "autopar.api",
                                                   is_package=False, modules=MODULES)) == []
+
+
+def test_rule_table_check_fails_on_an_autopar_import() -> None:
+    def found(source: str, module: str) -> list[tuple[str, str]]:
+        imports = imports_of(source, module, is_package=False, modules=MODULES)
+        return [(i.importer, i.imported) for i in rule_table_imports(imports)]
+
+    assert found("from codegen.rules import rules_for\n", "autopar.api") == [("autopar.api", "codegen.rules")]
+    assert found("def f():\n    from codegen.stages import build_chunks\n", "autopar.runtime.checkpoint") == [
+        ("autopar.runtime.checkpoint", "codegen.stages")]
+    assert found("import codegen\n\ndef f(m):\n    return codegen.tp.apply_tp(m)\n", "autopar.commands.train") == [
+        ("autopar.commands.train", "codegen.tp")]
+    assert found("from codegen.rules import rules_for\n", "codegen.emit") == []     # a listed user
+    assert found("from codegen.apply import apply\n", "autopar.api") == []          # not a rule table
 
 
 def test_checker_flags_wiring_outside_the_wiring_modules() -> None:
