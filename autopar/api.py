@@ -27,13 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.capabilities import zoo_family
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import fingerprint_source, module_fingerprint
 from autopar.runtime.launch import init_from_env, launched_by_torchrun
 from autopar.trace import trace_model, trace_step
-from codegen.rules import rules_for
 
 if TYPE_CHECKING:
     from autopar.runtime.program import OptimizerFactory
@@ -131,9 +131,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
             name, family = model, ""
         elif isinstance(model, nn.Module) and example_inputs is not None:
             module, example = model, example_inputs
-            # a module the runtime can cut by the rule tables (codegen/rules.py) may get tp pipelines
-            rules = rules_for(model)
-            name, family = type(model).__name__, rules.name if rules is not None else ""
+            name, family = type(model).__name__, zoo_family(model)
         else:
             raise ValueError(f"search a zoo or factory name, or an nn.Module with example_inputs= (one global "
                              f"batch); got {type(model).__name__} with example_inputs={example_inputs!r}")

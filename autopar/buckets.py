@@ -1,7 +1,7 @@
 """Buckets: which gradient reductions, and which parameter gathers, travel in one collective.
 
 Where it sits: shared by the pricing of a plan (solver/intra_op/ilp.py reports the bucketed
-collectives; solver/intra_op/costs.py prices a gradient's share of a bucket's latency) and the
+collectives; cost_model/table.py prices a gradient's share of a bucket's latency) and the
 program (codegen/apply.py flattens each bucket into one all-reduce or reduce-scatter),
 so both count the same collectives. Torch-free.
 

@@ -43,7 +43,7 @@ RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 `zb` is refused (module docstring)."""
 
 ZOO_FAMILIES = ("gpt", "llama")
-"""Families the module-level pipeline (rule tables, Megatron TP, FSDP2) runs."""
+"""The zoo's model families (autopar/models), as `zoo_family` names them."""
 
 _ZOO_MODULES = {"autopar.models.gpt": "gpt", "autopar.models.llama": "llama"}
 """Where the zoo's model classes live (by name: this module imports no stage)."""
@@ -98,6 +98,11 @@ def split_layers(num_layers: int, num_chunks: int, stage_layers: tuple[int, ...]
     return tuple(ranges)
 
 
+def zoo_family(model: Any) -> str:
+    """The zoo family ("gpt", "llama") of a model built from autopar/models, else ""."""
+    return next((_ZOO_MODULES[c.__module__] for c in type(model).__mro__ if c.__module__ in _ZOO_MODULES), "")
+
+
 def _structure(model_or_graph: Any) -> tuple[str, int, str, tuple[int, ...]]:
     """(family or '', repeated layers, model name, (heads, key/value heads) of a zoo model)
     of a model or its traced Graph."""
@@ -107,7 +112,7 @@ def _structure(model_or_graph: Any) -> tuple[str, int, str, tuple[int, ...]]:
         info = model_or_graph.model
         return info.family, info.num_layers, info.name, (info.heads, info.kv_heads)
     model = model_or_graph
-    family = next((_ZOO_MODULES[c.__module__] for c in type(model).__mro__ if c.__module__ in _ZOO_MODULES), "")
+    family = zoo_family(model)
     cfg = getattr(model, "cfg", None)
     heads = (cfg.heads, getattr(cfg, "num_kv_heads", cfg.heads)) if family and cfg is not None else (0, 0)
     return family, layer_stack(model)[1], type(model).__name__, heads
@@ -191,4 +196,4 @@ def runnable(shape: PlanShape) -> str | None:
 
 
 __all__ = ["PIPELINE_STAGES_PER_OP", "RUNTIME_SCHEDULES", "ZOO_FAMILIES", "PlanShape", "StageShape", "layer_container",
-           "layer_stack", "pipeline_support", "runnable", "split_layers"]
+           "layer_stack", "pipeline_support", "runnable", "split_layers", "zoo_family"]

@@ -1,7 +1,7 @@
 """The torch side of placements: DTensor's sharding registry and redistribution planner.
 
 Where it sits: shared by the strategy enumeration (solver/intra_op/space.py), the pricing of
-resharding (solver/intra_op/costs.py) and the apply step (codegen/apply.py), so that the three
+resharding (cost_model/table.py) and the apply step (codegen/apply.py), so that the three
 agree by construction: the strategies the ILP chooses from are DTensor's own, the
 collectives an edge is priced for are the ones DTensor's redistribute performs, and the
 program runs the chosen strategies through DTensor's dispatcher.

@@ -82,7 +82,7 @@ class NodeChoice:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PricedCollective:
     """One collective the solution pays for: on the edge src -> dst (for a gradient sync,
-    gradient -> parameter), its kind, mesh axis and bytes per device (solver/intra_op/costs.py
+    gradient -> parameter), its kind, mesh axis and bytes per device (cost_model/table.py
     `Collective`). `weight` is how many real-model copies the traced edge stands for."""
 
     src: NodeId

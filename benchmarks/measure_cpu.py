@@ -144,8 +144,9 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
     import torch
 
     from autopar.models import resolve
-    from autopar.runtime.program import build_module_program, build_program
+    from autopar.runtime.program import build_program
     from handtuned import build
+    from template_program import build_module_program
 
     source = resolve(MODEL)
     if which == "autopar":
@@ -608,7 +609,7 @@ def write_markdown(out: dict[str, Any], path: Path, *, summary: list[str]) -> No
     if templated:
         lines += ["", "Per-op program (what `autopar train`/`autopar.compile` run: the ILP's placements applied to "
                   "the traced step) vs the template program (the module-level rule-table program autopar ran "
-                  "before, `autopar.runtime.program.build_module_program`) vs hand-tuned, same rounds:", "",
+                  "before, `benchmarks/template_program.py` build_module_program) vs hand-tuned, same rounds:", "",
                   "| config | per-op tok/s | template tok/s | hand-tuned tok/s | per-op/hand | template/hand | "
                   "per-op MiB/rank | template MiB/rank | loss per-op | loss template |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

@@ -522,7 +522,7 @@ def _slot_name(slot: Slot) -> str:
 
 
 def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple | None:
-    """The key solver/intra_op/costs.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
+    """The key cost_model/table.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
     from the same DTensor plan): all-reduces over one or more axes, or one reduce-scatter,
     every other axis unchanged; None for any other reshard."""
     steps = [(transfer_kind(a, b), axis, logical) for axis, a, b, logical in
@@ -643,7 +643,7 @@ def _source(program: RankGraphs) -> str:
 
 def count_collectives(gm: fx.GraphModule, where: Any = None) -> dict[tuple[str, str], list[int]]:
     """{(kind, process group name): [bytes per call, ...]} over a per-rank graph, bytes as
-    solver/intra_op/costs.py `Collective` defines them (all_gather: gathered output); `where(node)`,
+    cost_model/table.py `Collective` defines them (all_gather: gathered output); `where(node)`,
     if given, picks the collective nodes counted."""
     out: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:

@@ -1,8 +1,10 @@
 """Rule tables: how a known model family is cut into pipeline chunks and split for TP.
 
 Where it sits: codegen, read by codegen/stages.py (pipeline chunks) and codegen/tp.py
-(tensor parallel). Everything family-specific lives here as data, so adding a family is
-adding one `FamilyRules` entry, not editing ifs scattered over the runtime.
+(tensor parallel), for the module-level template baseline (benchmarks/template_program.py)
+and codegen/emit.py. Everything family-specific lives here as data. Nothing on the
+execution path reads it (DESIGN: the plan is the program; tests/unit/test_layering.py
+checks that no module of autopar/ imports these tables).
 
 Terms: a *chunk* is one pipeline stage's module (a contiguous run of layers, plus the
 embedding on the first chunk and the head on the last); *tp* is the tensor-parallel

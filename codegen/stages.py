@@ -1,6 +1,7 @@
 """Pipeline chunks: cut a zoo model into per-stage modules with the original parameter names.
 
-Where it sits: codegen, used by autopar/runtime/program.py. A `Chunk` owns a contiguous run of
+Where it sits: codegen, used by the template baseline (benchmarks/template_program.py) and
+codegen/emit.py's module-level chunks, never by the runtime. A `Chunk` owns a contiguous run of
 layers (`layers.<i>` keep their global index, so parameter FQNs equal the unsplit model's
 and checkpoints/comparisons need no renaming), the embedding if it is the first chunk and
 the head if it is the last. Its forward maps tokens (first chunk) or hidden states to

@@ -11,6 +11,12 @@ Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
 - zero3.py       ZeRO-3 / FSDP runtimes: collective granularity, prefetch, overlap
 - step.py        `price_profile`: step time, throughput, MFU, peak memory of a config
   returning an `Estimate` (autopar/estimate.py: shared, a Plan embeds it)
+- table.py       the solver's cost table: `cost_table` (per node and strategy: compute,
+                 communication, memory), `ReshardPricer` (resharding and gradient-sync
+                 time of an edge), `collective_time_s`, `core_share`
+
+This package's namespace is the cost model's public surface: the solver (solver/) imports
+only `cost_model` itself, never a submodule (tests/unit/test_layering.py fails otherwise).
 
 The graph may be traced at any batch (with the job's seq): per-microbatch quantities are
 scaled by micro_batch / graph.model.batch, exact for these models (linear in batch).
@@ -38,6 +44,16 @@ from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, state_by
 from cost_model.options import RuntimeOptions
 from cost_model.profile import GraphProfile, profile_graph
 from cost_model.step import default_stage_layers, price_profile
+from cost_model.table import (
+    Collective,
+    CostTable,
+    ReshardPricer,
+    StrategyCost,
+    collective_time_s,
+    core_share,
+    cost_table,
+    reshard_collectives,
+)
 from cost_model.zero3 import ZERO3_RUNTIMES, Zero3Runtime
 
 
@@ -60,9 +76,11 @@ def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batc
 
 
 __all__ = [
-    "AxisLink", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile", "RuntimeOptions",
-    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s",
-    "compute_time_s", "default_stage_layers", "grad_accumulation_time_s", "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
-    "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_time_s", "send_recv_time_s",
-    "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",
+    "AxisLink", "Collective", "CostTable", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile",
+    "ReshardPricer", "RuntimeOptions", "StrategyCost",
+    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "collective_time_s",
+    "compute_time_s", "core_share", "cost_table", "default_stage_layers", "grad_accumulation_time_s",
+    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
+    "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",
+    "send_recv_time_s", "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",
 ]

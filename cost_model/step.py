@@ -77,6 +77,7 @@ from cost_model.collectives import (
 )
 from cost_model.compute import compute_time_s, gemm_time_s, grad_accumulation_time_s
 from cost_model.efficiency import Efficiency, efficiency_for
+from cost_model.table import core_share
 from autopar.estimate import Estimate
 from cost_model.memory import BYTES_WEIGHT, stage_memory, stage_params
 from cost_model.options import SELECTIVE_POLICIES, RuntimeOptions
@@ -453,7 +454,7 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     hw = cluster.hardware
     eff = efficiency_for(hw, efficiency)
     pp_link, dp_link, tp_link = mesh_axis_links(cluster, (p, d, t), eff)
-    share = max(1.0, cluster.devices_per_node / hw.cores_per_node) if hw.cores_per_node else 1.0
+    share = core_share(cluster)
     ctx = _Ctx(config=config, cluster=cluster, ratio=config.micro_batch / profile.batch, dtype=profile.dtype,
                dtype_bytes=profile.dtype_bytes, eff=eff,
                memory_scale=eff.compiled_memory_factor if opts.compiled else 1.0, dtensor=opts.dtensor_tp)

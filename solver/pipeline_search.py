@@ -51,7 +51,7 @@ from autopar.plan import (
     SearchInfo,
     describe_config,
 )
-from solver.intra_op.costs import core_share
+from cost_model import core_share
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.spmd_search import (
     MAX_MICROBATCH_CHOICES,
@@ -137,7 +137,7 @@ class PipelineResult:
 def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     """The devices one stage (or its tp group) runs on. Where ranks share a node's cores
     (the cpu profile), the other stages' ranks still share them: the cores are scaled with
-    the devices, keeping the contention (solver/intra_op/costs.py core_share) of the whole node."""
+    the devices, keeping the contention (cost_model/table.py core_share) of the whole node."""
     per_node = min(cluster.devices_per_node, devices)
     hw = cluster.hardware
     if hw.cores_per_node and per_node < cluster.devices_per_node:

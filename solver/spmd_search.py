@@ -32,8 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import cost_model
-from cost_model import grad_accumulation_time_s
-from solver.intra_op.costs import core_share
+from cost_model import core_share, grad_accumulation_time_s
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role

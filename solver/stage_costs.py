@@ -49,10 +49,11 @@ from cost_model import (
     AxisLink,
     all_gather_time_s,
     all_reduce_time_s,
+    collective_time_s,
     compute_time_s,
+    core_share,
     reduce_scatter_time_s,
 )
-from solver.intra_op.costs import collective_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")

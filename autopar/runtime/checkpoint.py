@@ -14,12 +14,11 @@ DCP records each tensor's global shape and every rank's shard offsets, and on lo
 the overlap of whatever shards the new layout asks for: that is the resharding (FSDP2's
 dp shards, TP's DTensor shards and plain replicated tensors all mix). Tied weights (GPT/
 Llama embedding = head) are stored once, under the embedding's name, wherever pipeline
-stages keep their copies. GPT's qkv rows are kept in TP order inside a running program
-(codegen/rules.py, Permutation); in the checkpoint they are in the model's own
-[q; k; v] order, so one file serves any tp: with tp > 1 such a parameter (and its Adam
-moments) is gathered on its stage's ranks, put back in canonical order, and written
-once; on load it is read whole and resharded locally. Only that parameter family pays
-a gather; everything else is written shard by shard by the rank that holds it.
+stages keep their copies. The per-op programs keep every parameter in the model's own
+layout (GPT's fused qkv rows included: the ILP shards the op, no row regrouping), so each
+tensor is written shard by shard by the rank that holds it and one file serves any tp.
+(The module-level template, benchmarks/template_program.py, regroups qkv rows for TP; it
+is a baseline and is not checkpointed.)
 
 Crash safety. A checkpoint is written to `step_000006.tmp/`; after every rank's DCP write
 returned (DCP writes its `.metadata` last, on the coordinator), rank 0 writes
@@ -43,14 +42,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from autopar.runtime.program import RankProgram
-from codegen.rules import Permutation, permutation_for
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +55,20 @@ CHECKPOINT_VERSION = 1
 META_FILE = "autopar.json"
 LATEST_FILE = "latest"
 QKV_ORDER = "canonical"
-"""How permuted (TP-regrouped) parameters are stored: the unsplit model's row order."""
+"""Recorded in each checkpoint: parameters are stored in the unsplit model's row order."""
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class RankProgram(Protocol):
+    """What save/load read of a program (autopar/runtime/spmd.py SpmdProgram,
+    autopar/runtime/pipe_spmd.py PipeSpmdProgram)."""
+
+    config: Any
+    optimizer: Any
+    tied_fqns: tuple[str, ...]
+    steps_done: int
+
+    def named_parameters(self) -> Any: ...
 
 
 class CheckpointError(ValueError):
@@ -98,28 +107,16 @@ def _canonical_name(program: RankProgram, fqn: str) -> str:
     return fqn
 
 
-def _permutation(program: RankProgram, fqn: str) -> Permutation | None:
-    return permutation_for(fqn, program.rules) if program.config.tp > 1 else None
-
-
-def _entries(program: RankProgram) -> list[tuple[str, str, torch.nn.Parameter, Permutation | None]]:
-    """(canonical key, local name, parameter, permutation) for this rank's parameters."""
+def _entries(program: RankProgram) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(canonical key, local name, parameter) for this rank's parameters."""
     out, seen = [], set()
     for fqn, p in program.named_parameters():
         key = _canonical_name(program, fqn)
         if key in seen:
             continue
         seen.add(key)
-        out.append((key, fqn, p, _permutation(program, fqn)))
+        out.append((key, fqn, p))
     return out
-
-
-def _to_canonical(t: torch.Tensor, perm: Permutation | None, tp: int) -> torch.Tensor:
-    t = t.detach()
-    if perm is None:
-        return t
-    full = t.full_tensor() if isinstance(t, DTensor) else t  # collective over the stage's mesh
-    return perm.from_tp(full, tp)
 
 
 def _owned(program: RankProgram) -> set[int]:
@@ -127,16 +124,15 @@ def _owned(program: RankProgram) -> set[int]:
 
 
 def _state_to_save(program: RankProgram) -> dict[str, torch.Tensor]:
-    tp = program.config.tp
     owned, opt = _owned(program), _inner_optimizer(program)
     state: dict[str, torch.Tensor] = {}
-    for key, _, p, perm in _entries(program):
-        state[f"model/{key}"] = _to_canonical(p, perm, tp)
+    for key, _, p in _entries(program):
+        state[f"model/{key}"] = p.detach()
         if id(p) not in owned:
             continue  # ZeRO-1: another dp rank owns (and writes) this parameter's state
         for name, value in sorted(opt.state.get(p, {}).items()):
             if isinstance(value, torch.Tensor):
-                state[f"optim/{key}/{name}"] = _to_canonical(value, perm, tp) if value.dim() else value.detach()
+                state[f"optim/{key}/{name}"] = value.detach()
     state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
     return state
 
@@ -276,25 +272,14 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
             f"{info.model_fingerprint[:12]}; this model {model_fingerprint[:12]}): parameter names or shapes "
             "differ. Resume with the same model, or use another --checkpoint-dir")
     _materialize_optimizer_state(program)
-    tp = program.config.tp
     owned, opt = _owned(program), _inner_optimizer(program)
-    targets: dict[str, torch.Tensor] = {}
-    regroup: list[tuple[torch.Tensor, torch.Tensor, Permutation]] = []  # (canonical buffer, live tensor, perm)
-
-    def target(key: str, live: torch.Tensor, perm: Permutation | None) -> None:
-        if perm is None or live.dim() == 0:
-            targets[key] = live.detach()  # DCP copies its shard(s) in place
-            return
-        buffer = torch.empty(live.shape, dtype=live.dtype)  # the whole canonical tensor
-        targets[key] = buffer
-        regroup.append((buffer, live, perm))
-
-    for key, _, p, perm in _entries(program):
-        target(f"model/{key}", p, perm)
+    targets: dict[str, torch.Tensor] = {}  # DCP copies its shard(s) into each in place
+    for key, _, p in _entries(program):
+        targets[f"model/{key}"] = p.detach()
         if id(p) in owned:
             for name, value in sorted(opt.state[p].items()):
                 if isinstance(value, torch.Tensor):
-                    target(f"optim/{key}/{name}", value, perm)
+                    targets[f"optim/{key}/{name}"] = value.detach()
     rng_key = f"rng/rank{dist.get_rank()}"
     if dist.get_rank() < info.world_size:
         targets[rng_key] = torch.get_rng_state()
@@ -304,14 +289,6 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
         raise CheckpointError(
             f"checkpoint {info.path} does not fit this model: {str(exc).strip().splitlines()[-1][:400]}. "
             "Resume with the model it was written for (its autopar.json names it)") from None
-    with torch.no_grad():
-        for buffer, live, perm in regroup:
-            tp_order = perm.to_tp(buffer, tp)
-            if isinstance(live, DTensor):
-                shard = distribute_tensor(tp_order, live.device_mesh, live.placements, src_data_rank=None)
-                live.to_local().copy_(shard.to_local())
-            else:
-                live.copy_(tp_order)
     if rng_key in targets:
         torch.set_rng_state(targets[rng_key])
     program.steps_done = info.step

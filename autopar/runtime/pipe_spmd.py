@@ -671,16 +671,16 @@ class PipeSpmdProgram:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Sharded model and optimizer state, as the module-level pipeline forms it (its
-        chunks hold the DTensor parameters under the model's names)."""
-        from autopar.runtime.program import RankProgram
+        """Sharded model and optimizer state (the chunks hold the DTensor parameters under
+        the model's names)."""
+        from autopar.runtime.program import chunks_state_dict
 
-        return RankProgram.state_dict(self)  # reads .chunks and .optimizer only
+        return chunks_state_dict(self.chunks, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from autopar.runtime.program import RankProgram
+        from autopar.runtime.program import load_chunks_state_dict
 
-        RankProgram.load_state_dict(self, state)
+        load_chunks_state_dict(self.chunks, self.optimizer, state)
 
 
 def check_stage_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], plan: Any, *,

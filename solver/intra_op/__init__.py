@@ -2,11 +2,12 @@
 
 Where it sits: solver/, after tracing (a frozen Graph) and before the whole-plan searches
 (solver/spmd_search.py, solver/pipeline_search.py) and codegen. The modules, in the
-order one solve runs them (`ilp.solve_intra_op` calls the first three):
+order one solve runs them (`ilp.solve_intra_op` calls space, the cost table and sharing):
 - space.py         `enumerate_strategies(graph, mesh_shape) -> StrategySpace`: each node's
                    Shard/Replicate/Partial choices, from DTensor's registry
-- costs.py         `cost_table(graph, space, cluster) -> CostTable`: compute, resharding,
-                   gradient sync and memory of every strategy (cost_model's formulas)
+- (prices)         `cost_model.cost_table(graph, space, cluster) -> CostTable`: compute,
+                   resharding, gradient sync and memory of every strategy, handed over as
+                   data by the cost model (cost_model/table.py)
 - sharing.py       `reduce_graph`: layer sharing and strategy following, so the ILP grows
                    with one layer, not with depth
 - ilp.py           `solve_intra_op(graph, cluster, mesh_shape) -> IntraOpSolution`: the ILP

@@ -1,7 +1,7 @@
 """Intra-op sharding ILP: choose every op's placements on a device mesh.
 
 Where it sits: `solve_intra_op(graph, cluster, mesh_shape)` runs
-strategies (solver/intra_op/space.py) -> prices (solver/intra_op/costs.py) -> simplification
+strategies (solver/intra_op/space.py) -> prices (cost_model/table.py) -> simplification
 (solver/intra_op/sharing.py) -> this ILP, and returns a frozen `IntraOpSolution`
 (autopar/sharding.py) for the whole-plan search and codegen. Data, tensor, sequence and
 ZeRO-3/FSDP parallelism are not special cases: they are what the minimum below picks.
@@ -75,8 +75,7 @@ from autopar.sharding import (
     StrategySpace,
 )
 from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
-from cost_model import STATE_BYTES_PER_PARAM
-from solver.intra_op.costs import CostTable, ReshardPricer, cost_table
+from cost_model import STATE_BYTES_PER_PARAM, CostTable, ReshardPricer, cost_table
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.space import enumerate_strategies
 

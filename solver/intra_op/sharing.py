@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from autopar.ir import Graph, NodeId
 from autopar.sharding import StrategySpace
-from solver.intra_op.costs import CostTable
+from cost_model import CostTable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

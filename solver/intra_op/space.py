@@ -1,7 +1,7 @@
 """Strategy enumeration: which placements each op of the joint graph can run in.
 
 Where it sits: `enumerate_strategies(graph, mesh_shape) -> StrategySpace`, read by
-solver/intra_op/costs.py and the intra-op ILP; its output is torch-free. The strategies come from
+cost_model/table.py and the intra-op ILP; its output is torch-free. The strategies come from
 DTensor's sharding registry (torch 2.13: ~160 op-strategy functions and ~1,000
 single-dim strategies, `DTensor._op_dispatcher.sharding_propagator`), so what the ILP
 chooses among is exactly what DTensor's dispatcher executes (codegen/apply.py runs the

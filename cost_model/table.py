@@ -1,9 +1,19 @@
-"""Per-strategy cost tables for the intra-op ILP: compute, communication, memory, resharding.
+"""The solver's cost table: every price the intra-op ILP and the stage pricer use, as data.
 
-Where it sits: `cost_table(graph, space, cluster) -> CostTable` after
-`solver.intra_op.space.enumerate_strategies` and before the ILP (solver/intra_op/ilp.py); it calls the
-formulas of cost_model/ (roofline compute, alpha-beta collectives per mesh axis) and
-returns new frozen tables (the strategy space is not touched).
+Where it sits: cost_model/, between the strategies and the solve (DESIGN.md flow):
+`cost_table(graph, space, cluster) -> CostTable` after
+`solver.intra_op.space.enumerate_strategies` and before the ILP (solver/intra_op/ilp.py).
+The solver reads these prices and imports nothing else of cost_model's internals (the
+`cost_model` package re-exports this module's names; tests/unit/test_layering.py checks).
+What it hands over:
+- `CostTable`: per node, per strategy, compute time, communication time and per-device
+  memory (`strategy_cost`), with the mesh axes' links;
+- `ReshardPricer`: resharding, grouped-gather and bucketed gradient-sync times of an edge
+  (None where DTensor cannot reshard), memoised per solve, and the collectives behind them;
+- `collective_time_s(Collective, links)`: one collective on its mesh axis;
+- `core_share(cluster)`: the CPU contention factor every op time is multiplied by.
+It calls the formulas of cost_model/ (roofline compute.py, alpha-beta collectives.py per
+mesh axis) and returns new frozen tables (the strategy space is not touched).
 
 Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     local(t, pl)   = bytes of tensor t on one device: sharded dims divided by the axis
@@ -49,7 +59,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
-from cost_model import STATE_BYTES_PER_PARAM
+from cost_model.memory import STATE_BYTES_PER_PARAM
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -115,7 +125,8 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
 
 def core_share(cluster: Cluster) -> float:
     """Ranks per core on a node (the cpu profile's cores_per_node; 1 on GPUs): ranks sharing
-    cores run their ops that much slower (cost_model/step.py prices the same)."""
+    cores run their ops that much slower (the one definition: cost_model/step.py and the
+    solver's stage and plan pricers multiply by it too)."""
     cores = getattr(cluster.hardware, "cores_per_node", 0)
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
