@@ -279,12 +279,17 @@ def release_build_memory(graphs: Any) -> None:
     recorded (about 2,700 fake tensors for the benchmark Llama); running needs none of
     it, and only collective nodes' values are read afterwards (codegen/apply.py
     `count_collectives`: price = run). FakeTensorMode's class-wide dispatch cache keeps an
-    entry per traced op signature. Then collect and, on glibc, hand freed heap pages back
-    (`malloc_trim`): tracing, the solve and make_fx leave many small freed blocks between
-    live ones, which glibc keeps resident otherwise, and every rank would carry them into
-    training. On the benchmark Llama (zero3 dp4) the graphs' metadata alone was about 9 MiB
-    of Python objects per rank (benchmarks/results/per_op_memory_cpu.md)."""
-    import ctypes
+    entry per traced op signature. Then collect: on the benchmark Llama (zero3 dp4) the
+    graphs' metadata alone was about 9 MiB of Python objects per rank
+    (benchmarks/results/per_op_memory_cpu.md).
+
+    The freed heap stays with the process (no `malloc_trim`): the first step allocates
+    about as much again (optimizer state, small shards, the step's Python objects) and
+    reuses it. Handing it back to the OS lowered the resident set between build and
+    first step but not the peak, which the step then reached by faulting the same pages
+    in again. zero3 dp4's peak per rank over the template's, with the trim / without:
+    1.16 / 1.11-1.12 in full benchmark runs, 1.09-1.12 / 1.04-1.05 in its memory phase
+    alone (per_op_memory_cpu.md item 10)."""
     import gc
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -300,10 +305,6 @@ def release_build_memory(graphs: Any) -> None:
             node.meta = {"val": node.meta["val"]} if node in keep and "val" in node.meta else {}
     FakeTensorMode.cache_clear()
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
-        pass
 
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
