@@ -393,6 +393,19 @@ def chunk_layers(stage_layers: Sequence[int] | None, config: ParallelConfig) -> 
     return counts
 
 
+def first_microbatch(config: ParallelConfig, example_inputs: Sequence[Any]) -> tuple[tuple[Any, ...], int, int]:
+    """One global batch's first global microbatch (its first dp * micro_batch rows, what a
+    chunk is traced on), the batch's size and the rows per global microbatch; a batch that
+    does not split so is refused with what to use instead."""
+    rows = config.dp * config.micro_batch
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0]
+    if size % rows:
+        raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {config.dp} * "
+                         f"{config.micro_batch}; use a global batch that is a multiple of {rows}")
+    return tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors), size, rows
+
+
 def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, stage_layers: tuple[int, ...] | None = None,
                  chunk_ids: Sequence[int] | None = None) -> list[TracedStage]:
@@ -403,13 +416,7 @@ def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Seque
     rows are traced); `model` is cut in place (its modules are shared with the chunks)."""
     from autopar.runtime.pipe import split_model
 
-    rows = config.dp * config.micro_batch
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    size = tensors[0].shape[0]
-    if size % rows:
-        raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {config.dp} * "
-                         f"{config.micro_batch}; use a global batch that is a multiple of {rows}")
-    micro = tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors)
+    micro, _, _ = first_microbatch(config, example_inputs)
     num_chunks = config.pp * config.interleave
     pipe, prefix, _ = split_model(model, micro, num_chunks=num_chunks, stage_layers=chunk_layers(stage_layers, config),
                                   loss_fn=loss_fn)
@@ -763,13 +770,7 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
                          "weight gradients together); use 1f1b, gpipe or interleaved")
     mesh = mesh if mesh is not None else make_mesh(config)
     submesh = mesh["dp", "tp"]
-    rows = config.dp * config.micro_batch
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    size = tensors[0].shape[0]
-    if size % rows:
-        raise ValueError(f"batch of {size} sequences does not split into dp * micro-batch = {config.dp} * "
-                         f"{config.micro_batch}; use a global batch that is a multiple of {rows}")
-    micro = tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors)
+    micro, size, rows = first_microbatch(config, example_inputs)
     num_mb = size // rows
     num_chunks = config.pp * config.interleave
     canonical = _canonical_names(model)

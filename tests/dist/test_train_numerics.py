@@ -59,31 +59,42 @@ def _check(result_by_rank: list, ref_losses: list[float], ref_params: dict[str, 
         torch.testing.assert_close(value, ref_params[name], atol=1e-3, rtol=0, msg=name)
 
 
+NAMES = {
+    GPT: tuple(WORLD4),
+    # Llama's pipelines are tests/dist/test_pipeline_per_op.py's (pp2 x tp2 GPipe, pp2 x dp2
+    # ZeRO-1 1F1B) and test_3d_on_8_ranks' (interleaved, ZeRO-2); ZeRO-1/2 at pp = 1 are the
+    # same forced rules as GPT's: left out here to keep the suite inside 15 minutes
+    LLAMA: ("dp4", "zero3", "tp2xdp2_sp"),
+}
+CASES = [(m, n) for m in (GPT, LLAMA) for n in NAMES[m]]
+
+
 @pytest.fixture(scope="module")
 def world4():
-    jobs = tuple(TrainJob(model=m, configs=tuple(WORLD4.values()), steps=3, global_batch=8,
+    jobs = tuple(TrainJob(model=m, configs=tuple(WORLD4[n] for n in NAMES[m]), steps=3, global_batch=8,
                           return_parameters=True) for m in (GPT, LLAMA))
     results = spawn(_jobs_worker, 4, (jobs,))
     return {job.model: ([results[r][j] for r in range(4)], reference_run(job)) for j, job in enumerate(jobs)}
 
 
-@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("name", list(WORLD4))
+@pytest.mark.parametrize("model, name", CASES, ids=[f"{n}-{'gpt' if m == GPT else 'llama'}" for m, n in CASES])
 def test_world4_matches_reference(world4, model, name):
     per_rank, (ref_losses, ref_params) = world4[model]
-    index = list(WORLD4).index(name)
+    index = NAMES[model].index(name)
     _check([r[index] for r in per_rank], ref_losses, ref_params)
 
 
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_zero_stages_shard_memory(world4, model):
     per_rank, _ = world4[model]
-    stats = {name: per_rank[0][i] for i, name in enumerate(WORLD4)}
+    stats = {name: per_rank[0][i] for i, name in enumerate(NAMES[model])}
     base = stats["dp4"]
     # dp = 4, one stage (the per-op program): a parameter's gradient and optimizer state follow
     # its placement, so every ZeRO stage shards parameters, gradients and state over dp (about
-    # a quarter each); the stages differ only in pipelines (module-level program)
-    for name in ("zero1", "zero2", "zero3"):
+    # a quarter each)
+    zero_stages = [name for name in ("zero1", "zero2", "zero3") if name in stats]
+    assert "zero3" in zero_stages
+    for name in zero_stages:
         assert stats[name].optimizer_state_bytes < 0.3 * base.optimizer_state_bytes
         assert stats[name].gradient_bytes < 0.3 * base.gradient_bytes
         assert stats[name].parameter_bytes < 0.3 * base.parameter_bytes
