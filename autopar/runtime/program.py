@@ -163,8 +163,8 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     the ILP's for `config`, applied to the traced graph of one global microbatch of
     `example_inputs` (needed). pp > 1: the model cut at its repeated layers, every stage a
     per-op program on its (dp, tp) submesh (autopar/runtime/pipe_spmd.py). The module-level
-    builder (`build_module_program`, family rule tables) is not on this path: benchmarks
-    keep it as a baseline.
+    builder (`build_module_program`, family rule tables) is not on this path: it lives in
+    benchmarks/template_program.py as a baseline.
 
     `fused_kernels` (default: on where CUDA is present) swaps the zoo's norms and MLP
     activations for the fused Triton ops of codegen/kernels before sharding; parameter
