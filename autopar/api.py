@@ -123,8 +123,8 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         name, family = model, source.family
         dtype = "float32" if cluster.hardware.name == "cpu" else "bfloat16"
 
-        def trace_at(rows: int) -> Any:
-            return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED)
+        def trace_at(rows: int, recompute: str = "none") -> Any:
+            return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED, recompute=recompute)
     else:
         if source is not None:  # a factory: runs as one stage or cut at its layers, never by the rule tables
             module, example = source.factory()
@@ -143,10 +143,10 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
             what = f"factory {model!r} gives" if source is not None else "example_inputs give"
             raise ValueError(f"{what} batches of {batch}; search it with --global-batch {batch}")
 
-        def trace_at(rows: int) -> Any:
+        def trace_at(rows: int, recompute: str = "none") -> Any:
             micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
                      for t in example]
-            return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn)[1]
+            return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute)[1]
     if global_batch is None:
         raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
     t = time.perf_counter()

@@ -324,16 +324,18 @@ def trace_model(
     batch: int,
     dtype: str = "float32",
     layers_traced: int | None = None,
+    recompute: str = "none",
 ) -> Graph:
     """Trace a zoo model on fake tensors and lower it.
 
     `layers_traced` traces only that many layers and scales the layer group to the real
     depth (costs of a uniform model are per-layer sums, so this is exact for them).
+    `recompute` rewrites the step for that policy, as the runtime traces it.
     """
     if source.config is None:
         assert source.factory is not None
         model, inputs = source.factory()
-        traced = trace(model, inputs)
+        traced = trace(model, inputs, recompute=recompute)
         return lower(traced, name=source.name, batch=_batch_of(inputs), seq=_seq_of(inputs))
     if batch <= 0:
         raise ValueError(f"global batch must be a positive integer, got {batch}")
@@ -350,7 +352,7 @@ def trace_model(
             tokens, labels = source.example_inputs(batch)
     finally:
         torch.set_default_dtype(previous)
-    traced = trace(model, (tokens, labels))
+    traced = trace(model, (tokens, labels), recompute=recompute)
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
 
 

@@ -47,7 +47,10 @@ from autopar.models import resolve  # noqa: E402
 from autopar.plan import InfeasiblePlanError, Plan, describe_config  # noqa: E402
 from autopar.trace import trace_model  # noqa: E402
 from cost_model import core_share  # noqa: E402
+from solver import forced  # noqa: E402
+from solver.intra_op.ilp import solve_intra_op  # noqa: E402
 from solver.pipeline_search import MAX_RANK_MICROBATCH, _StageCostCache, search  # noqa: E402
+from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
 
@@ -141,14 +144,60 @@ def even_cuts(num_layers: int, pp: int, chunks: int) -> tuple[int, ...] | None:
     return None if any(n % chunks for n in cuts) else cuts
 
 
-def price_template(cfg: ParallelConfig, cache: _StageCostCache, cluster: Cluster, global_batch: int,
+class GridCache(_StageCostCache):
+    """The search's stage costs plus the forced one-stage solves of the grid (memoised)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.one_stage: dict[tuple[Any, ...], Priced | None] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Solution:
+    graph: Any
+    solution: Any
+
+
+def price_one_stage(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, global_batch: int,
+                    num_layers: int) -> Priced | None:
+    """A pp = 1 configuration priced as `autopar train --dp --tp --zero --recompute` runs it
+    and as the search prices its one-stage candidates: the step traced under the recompute
+    policy at the global microbatch dp x b, the intra-op ILP under the configuration's rules
+    (solver/forced.py, what runtime/spmd.solve_config solves, no memory row), assembled by
+    spmd_search.estimate (m microbatches + gradient accumulation + optimizer)."""
+    g = cfg.dp * cfg.micro_batch
+    zero = 3 if cfg.zero and cfg.dp > 1 else 0
+    key = (cfg.dp, cfg.tp, g, zero, cfg.recompute)
+    if key not in cache.one_stage:
+        graph = traced(cache.graphs, cache.trace_at, g, cfg.recompute)
+        rules = replace(cfg, zero=zero)
+        m = global_batch // g
+        try:
+            sol = solve_intra_op(graph, cluster, forced.mesh_shape(rules), keep_placeholder=forced.keep_placeholder(rules),
+                                 gather_free_axes=forced.gather_free_axes(rules), grad_sync_weight=1.0 / m)
+        except InfeasiblePlanError:
+            cache.one_stage[key] = None
+        else:
+            cand = SpmdCandidate(mesh=(cfg.dp, cfg.tp), microbatch=g, num_microbatches=m, recompute=cfg.recompute)
+            est = estimate(graph, sol, cand, cluster, global_batch)
+            cache.one_stage[key] = Priced(config=replace(cfg, zero=zero), stage_layers=(num_layers,),
+                                          step_time_s=est.step_time_s, peak_memory_bytes=est.peak_memory_bytes,
+                                          fits=bool(est.fits), costs=_Solution(graph=graph, solution=sol))
+    got = cache.one_stage[key]
+    return None if got is None else replace(got, config=replace(cfg, zero=zero))
+
+
+def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, global_batch: int,
                    num_layers: int) -> Priced | None:
-    """One template configuration priced by the search's own stage costs: the (1, tp) ILP
-    with the rule tables' layout plus a dp axis (ZeRO-3 when zero > 0), even cuts, the
-    stage_dp formulas (pp = 1: one stage, plain accumulation). None: not expressible."""
+    """One template configuration priced as the product prices its kind: pp = 1 as the
+    one-stage search does (price_one_stage); pp > 1 by the search's own stage costs: the
+    (1, tp) ILP with the rule tables' layout plus a dp axis (ZeRO-3 when zero > 0), even
+    cuts, the stage_dp formulas. None: not expressible."""
     g = cfg.dp * cfg.micro_batch
     if global_batch % g:
         return None
+    if cfg.pp == 1:
+        return price_one_stage(cfg, cache, cluster, global_batch, num_layers)
     m = global_batch // g
     schedule = Schedule(name=cfg.schedule if cfg.pp > 1 else "1f1b",
                         chunks=cfg.interleave if cfg.pp > 1 and cfg.schedule == "interleaved" else 1)
@@ -173,7 +222,7 @@ def price_template(cfg: ParallelConfig, cache: _StageCostCache, cluster: Cluster
                   peak_memory_bytes=peak, fits=peak <= cluster.device_memory_bytes, costs=sc)
 
 
-def grid(cache: _StageCostCache, cluster: Cluster, global_batch: int, info: Any) -> Priced | None:
+def grid(cache: GridCache, cluster: Cluster, global_batch: int, info: Any) -> Priced | None:
     """The best fitting template configuration (module docstring)."""
     n, L = cluster.num_devices, info.num_layers
     best: Priced | None = None
@@ -198,10 +247,12 @@ def grid(cache: _StageCostCache, cluster: Cluster, global_batch: int, info: Any)
                             got = price_template(cfg, cache, cluster, global_batch, L)
                             if got is not None and got.fits and (best is None or got.step_time_s < best.step_time_s):
                                 best = got
+                            if pp == 1 and got is not None and got.fits:
+                                break  # more recomputation only adds forward compute (solved apart at pp = 1)
     return best
 
 
-def beyond_grid(plan: Plan, cache: _StageCostCache, cluster: Cluster, global_batch: int,
+def beyond_grid(plan: Plan, cache: GridCache, cluster: Cluster, global_batch: int,
                 num_layers: int) -> str | None:
     """The choice of `plan` the template grid cannot express and what it bought, or None."""
     cfg = plan.config
@@ -209,8 +260,7 @@ def beyond_grid(plan: Plan, cache: _StageCostCache, cluster: Cluster, global_bat
     if cfg.pp == 1:
         # a one-stage plan: its per-op placements against the template on the same mesh,
         # microbatch and ZeRO (priced as the grid prices it)
-        tmpl = price_template(replace(cfg, recompute="none", schedule="1f1b", interleave=1), cache, cluster,
-                              global_batch, num_layers)
+        tmpl = price_template(replace(cfg, schedule="1f1b", interleave=1), cache, cluster, global_batch, num_layers)
         if tmpl is not None and tmpl.fits and plan.predicted.step_time_s >= tmpl.step_time_s * (1 - TOL):
             return None
         ours = dict(plan.intra_op_info.parameters) if plan.intra_op_info else {}
@@ -253,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         groups.setdefault(_job(row), []).append(row)
     # smallest clusters first: a cut-short run still covers most groups
     jobs = sorted(groups, key=lambda j: Cluster.parse(j.cluster).num_devices)[: args.limit]
-    traces: dict[tuple[str, int, int], Any] = {}
+    traces: dict[tuple[str, int, int, str], Any] = {}
     lines = ["| model | cluster | batch | hand-tuned (published) | grid (template) | autopar plan | autopar/hand | "
              "autopar/grid | search s | beyond the grid |", "|---|---|---|---|---|---|---|---|---|---|"]
     skipped: list[str] = []
@@ -265,17 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         source = resolve(job.spec).with_overrides(seq=job.seq)
 
-        def trace_at(rows_: int, _s: Any = source, _k: str = job.spec, _q: int = job.seq) -> Any:
-            key = (_k, _q, rows_)
+        def trace_at(rows_: int, recompute: str = "none", _s: Any = source, _k: str = job.spec,
+                     _q: int = job.seq) -> Any:
+            key = (_k, _q, rows_, recompute)
             if key not in traces:
-                traces[key] = trace_model(_s, batch=rows_, dtype="bfloat16", layers_traced=2)
+                traces[key] = trace_model(_s, batch=rows_, dtype="bfloat16", layers_traced=2, recompute=recompute)
             return traces[key]
 
         info = trace_at(1).model
         L = info.num_layers
         cluster = Cluster.parse(job.cluster).with_memory_gb(job.memory_gb)
         label = f"{job.model} on {job.cluster}, batch {job.global_batch} x seq {job.seq}"
-        cache = _StageCostCache(trace_at, cluster, job.global_batch, {}, None)
+        cache = GridCache(trace_at, cluster, job.global_batch, {}, None)
         hand: Priced | None = None
         reasons = []
         for row in groups[job]:

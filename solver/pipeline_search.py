@@ -39,7 +39,7 @@ from typing import Any
 import cost_model
 from autopar.capabilities import PIPELINE_STAGES_PER_OP, PlanShape, StageShape, runnable
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
+from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
 from autopar.plan import (
     GIB,
@@ -60,6 +60,7 @@ from solver.spmd_search import (
     SpmdCandidate,
     TraceAt,
     _plan as spmd_plan,
+    traced,
     candidates as spmd_candidates,
     solve_candidate,
 )
@@ -91,11 +92,14 @@ MAX_RUNNERS_UP = 8
 MAX_UNRUNNABLE_SHOWN = 3
 """Of the runners-up a plan lists, at most this many are candidates the runtime cannot run."""
 
-MEMORY_BOUND_SLACK = 1.1
+MEMORY_BOUND_SLACK = 1.02
 """A one-stage candidate is not solved when its memory lower bound
-(stage_costs.memory_lower_bound_bytes) exceeds the budget by this factor: the ILP checks
-liveness at a few points only (solver/intra_op/ilp.py MEMORY_POINTS), so the bound keeps a
-margin for a checked peak below the true one."""
+(stage_costs.memory_lower_bound_bytes: the ILP's own memory row at its largest point, every
+tensor split over all devices) exceeds the budget by this factor. The margin covers what
+the bound scales but a real trace does not (batch-independent tensors such as rotary
+tables, scaled with the batch from a one-sequence trace): on llama3-70b the bound was 2 MB
+over the ILP's smallest need at 81 GiB (tests/unit/test_pipeline_search.py checks the
+margin on every recompute policy)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,7 +189,7 @@ def stage_submeshes(cluster: Cluster, devices: int, microbatch: int, *, heads: i
 class _StageCostCache:
     """SubmeshCosts per (mesh, microbatch, zero), and traces per microbatch: owned by one search."""
 
-    def __init__(self, trace_at: TraceAt, cluster: Cluster, global_batch: int, graphs: dict[int, Graph],
+    def __init__(self, trace_at: TraceAt, cluster: Cluster, global_batch: int, graphs: dict[Any, Graph],
                  time_limit_s: float | None) -> None:
         self.trace_at, self.cluster, self.global_batch = trace_at, cluster, global_batch
         self.graphs = graphs
@@ -194,9 +198,7 @@ class _StageCostCache:
         self.tp_solutions: dict[tuple[int, int], tuple[Graph, Any, Any]] = {}
 
     def graph(self, g: int) -> Graph:
-        if g not in self.graphs:
-            self.graphs[g] = self.trace_at(g)
-        return self.graphs[g]
+        return traced(self.graphs, self.trace_at, g)
 
     def get(self, mesh: tuple[int, int], g: int, zero: int) -> SubmeshCosts | None:
         """The stage costs of submesh `mesh` at global microbatch g (memoised). While pipeline
@@ -439,9 +441,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     if not spmd and min_pp == 1:
         raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
                                   f"use a global batch that is a multiple of the device count")
-    graphs: dict[int, Graph] = {}
+    graphs: dict[Any, Graph] = {}
     ref_g = 1  # the bounds scale a one-sequence trace (stage_costs.lower_bound_s)
-    ref = graphs[ref_g] = trace_at(ref_g)
+    ref = traced(graphs, trace_at, ref_g)
     L = num_layers if num_layers is not None else ref.model.num_layers
     allow_pp = L >= 2 and max_pp != 1  # capabilities.runnable decides which pipelines run
     pipes = pipeline_candidates(cluster, global_batch, L, max_pp=max_pp) if allow_pp else []
@@ -449,37 +451,50 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
         raise InfeasiblePlanError(f"no pipeline of {model} splits over {cluster.spec} with at least pp >= {min_pp}: "
                                   "it needs a model the runtime can cut into stages and a global batch of at least "
                                   "2 pp microbatches; search with pp 1")
+    # one-stage recompute: the step traced under each policy (what the runtime traces); a
+    # policy that rewrites nothing (no repeated layers) is the same candidate as none
+    refs = {"none": ref}
+    if spmd:
+        for rc in RECOMPUTE_CHOICES[1:]:
+            g_rc = traced(graphs, trace_at, ref_g, rc)
+            if len(g_rc.nodes) != len(ref.nodes):
+                refs[rc] = g_rc
     t_trace = time.perf_counter() - t0
     share = core_share(cluster)
     opt_lb = cost_model.optimizer_time_s(ref.model.num_parameters / n, cluster.hardware) * share
-    bounds: dict[tuple[int, int], dict[str, float]] = {}
+    bounds: dict[tuple[int, int, str], dict[str, float]] = {}
 
-    def per_micro_lb(devices: int, g: int) -> float:
-        if (devices, g) not in bounds:
-            bounds[(devices, g)] = lower_bound_s(ref, cluster, devices, g / ref_g)
-        b = bounds[(devices, g)]
+    def per_micro_lb(devices: int, g: int, rc: str = "none") -> float:
+        if (devices, g, rc) not in bounds:
+            bounds[(devices, g, rc)] = lower_bound_s(refs[rc], cluster, devices, g / ref_g)
+        b = bounds[(devices, g, rc)]
         return b["pre"] + L * b["layer"] + b["post"]
 
     queue: list[tuple[float, int, Any]] = []
     pruned_memory = 0
-    kept_per_mesh: dict[tuple[int, int], int] = {}
-    for i, c in enumerate(spmd):
-        if kept_per_mesh.get(c.mesh, 0) >= microbatch_choices:
+    kept_per_mesh: dict[tuple[tuple[int, int], str], int] = {}
+    for i, c in enumerate(replace(c, recompute=rc) for c in spmd for rc in refs):
+        key = (c.mesh, c.recompute)
+        if kept_per_mesh.get(key, 0) >= microbatch_choices:
             continue  # smaller microbatches than enough fitting ones: only memory to gain
-        if memory_lower_bound_bytes(ref, n, c.microbatch / ref_g) > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
+        if memory_lower_bound_bytes(refs[c.recompute], n, c.microbatch / ref_g) \
+                > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
             pruned_memory += 1
             continue
-        kept_per_mesh[c.mesh] = kept_per_mesh.get(c.mesh, 0) + 1
-        queue.append((c.num_microbatches * per_micro_lb(n, c.microbatch) + opt_lb, i, c))
+        kept_per_mesh[key] = kept_per_mesh.get(key, 0) + 1
+        queue.append((c.num_microbatches * per_micro_lb(n, c.microbatch, c.recompute) + opt_lb, i, c))
     for j, c in enumerate(pipes):
         lb = c.num_microbatches * per_micro_lb(n // c.pp, c.microbatch) / c.pp + opt_lb
-        queue.append((lb, len(spmd) + j, c))
+        queue.append((lb, len(spmd) * len(refs) + j, c))
     queue.sort(key=lambda q: (q[0], q[1]))
     cache = _StageCostCache(trace_at, cluster, global_batch, graphs,
                             None if time_limit_s is None else max(1.0, time_limit_s / max(1, len(queue))))
     entries: list[_Entry] = []
     smallest: list[float] = []
-    solved_count = pruned = pruned_lp = not_fit = 0
+    solved_count = pruned = pruned_lp = not_fit = pruned_dominated = 0
+    settled: dict[tuple[tuple[int, int], int], int] = {}
+    """(mesh, microbatch) -> the least recompute policy (index) at which a one-stage
+    candidate fit or lost on its LP bound."""
     complete = True
     for idx, (lb, _i, cand) in enumerate(queue):
         runnable_times = sorted(e.step_time_s for e in entries if e.reason is None)
@@ -494,6 +509,12 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             complete = False
             pruned = len(queue) - idx
             break
+        if isinstance(cand, SpmdCandidate) and \
+                RECOMPUTE.index(cand.recompute) > settled.get((cand.mesh, cand.microbatch), len(RECOMPUTE)):
+            # dominance: the same mesh and microbatch with less recomputation fit, or its LP
+            # bound already lost; recomputation only adds forward compute (module docstring)
+            pruned_dominated += 1
+            continue
         if progress:
             progress("solve", idx, len(queue))
         solved_count += 1
@@ -503,12 +524,15 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                     time_limit_s=cache.time_limit_s, smallest=smallest,
                                     cutoff_step_s=cutoff if math.isfinite(cutoff) else None)
             except CutoffExceeded as exc:
-                log.info("one-stage %s: %s x %d microbatches: pruned", cand.mesh, exc, cand.num_microbatches)
+                log.info("one-stage %s rc-%s: %s x %d microbatches: pruned", cand.mesh, cand.recompute, exc,
+                         cand.num_microbatches)
                 pruned_lp += 1
+                settled.setdefault((cand.mesh, cand.microbatch), RECOMPUTE.index(cand.recompute))
                 continue
             if s is None or not s.estimate.fits:
                 not_fit += 1
                 continue
+            settled.setdefault((cand.mesh, cand.microbatch), RECOMPUTE.index(cand.recompute))
             e = s.estimate
             label = describe_config(replace(cand.config, zero=dict(e.config)["zero"]), (L,), global_batch)
             entries.append(_Entry(step_time_s=e.step_time_s, peak_memory_bytes=int(e.peak_memory_bytes),
@@ -532,7 +556,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     if not ranked_entries and not smallest and spmd:
         # every one-stage candidate was skipped by its memory bound: solve the leanest one for
         # the exact smallest memory the error message reports
-        leanest = min(spmd, key=lambda c: (memory_lower_bound_bytes(ref, n, c.microbatch / ref_g), c.mesh))
+        lean_rc = list(refs)[-1]
+        leanest = min((replace(c, recompute=lean_rc) for c in spmd),
+                      key=lambda c: (memory_lower_bound_bytes(refs[lean_rc], n, c.microbatch / ref_g), c.mesh))
         solve_candidate(trace_at, leanest, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
                         smallest=smallest)
     if not ranked_entries:
@@ -546,7 +572,7 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     info = SearchInfo(cost_model="solver.intra_op ILP per stage + solver.stage_dp inter-op DP",
                       num_candidates=len(queue) + pruned_memory, num_priced=solved_count - pruned_lp,
                       num_pruned_memory=pruned_memory,
-                      num_pruned_dominated=pruned + pruned_lp, num_not_fitting=not_fit, complete=complete, alternatives=())
+                      num_pruned_dominated=pruned + pruned_lp + pruned_dominated, num_not_fitting=not_fit, complete=complete, alternatives=())
     ranked = tuple(_ranked(e, L) for e in ranked_entries)
     plans = []
     for i, e in enumerate(ranked_entries[:top]):
@@ -592,7 +618,7 @@ def _one_stage_info(e: _Entry, num_layers: int, why: tuple[tuple[str, float, str
     s = e.spmd
     c = s.candidate
     stage = PipelineStage(index=0, first_layer=0, num_layers=num_layers, has_embedding=True, has_head=True,
-                          submesh=c.mesh, recompute="none", zero=dict(s.estimate.config)["zero"],
+                          submesh=c.mesh, recompute=c.recompute, zero=dict(s.estimate.config)["zero"],
                           time_per_microbatch_s=s.solution.cost.total_s, memory_bytes=int(s.estimate.peak_memory_bytes),
                           inflight_microbatches=1.0, placements=(), collectives=())
     return PipelineInfo(schedule="none", chunks=1, microbatch=c.microbatch, num_microbatches=c.num_microbatches,

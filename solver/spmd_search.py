@@ -34,7 +34,7 @@ from typing import Any, Callable
 import cost_model
 from cost_model import core_share, grad_accumulation_time_s
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
+from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph, Role
 from autopar.placement import Shard, format_placements, shard_factor
 from autopar.plan import (
@@ -59,8 +59,19 @@ microbatches only save activation memory, so beyond a few the ILP re-solves for 
 
 AXIS_NAMES = ("dp", "tp")
 
-TraceAt = Callable[[int], Graph]
-"""trace_at(global microbatch sequences) -> the lowered training step at that batch."""
+TraceAt = Callable[..., Graph]
+"""trace_at(global microbatch sequences, recompute="none") -> the lowered training step at
+that batch, rewritten for the recomputation policy (autopar/recompute.py) as the runtime
+traces it."""
+
+
+def traced(graphs: dict[Any, Graph], trace_at: TraceAt, microbatch: int, recompute: str = "none") -> Graph:
+    """The memoised trace at `microbatch` sequences under `recompute` (keys: the microbatch
+    for no recompute, shared with the pipeline stage costs; (microbatch, policy) else)."""
+    key: Any = microbatch if recompute == "none" else (microbatch, recompute)
+    if key not in graphs:
+        graphs[key] = trace_at(microbatch) if recompute == "none" else trace_at(microbatch, recompute=recompute)
+    return graphs[key]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,11 +80,14 @@ class SpmdCandidate:
     microbatch: int
     """Sequences per global microbatch (over the whole mesh)."""
     num_microbatches: int
+    recompute: str = "none"
+    """The step is traced under this policy (autopar/recompute.py): the ILP prices the
+    recomputed ops and the shorter lifetimes, and the runtime traces the same graph."""
 
     @property
     def config(self) -> ParallelConfig:
         return ParallelConfig(dp=self.mesh[0], tp=self.mesh[1], micro_batch=self.microbatch // self.mesh[0],
-                              zero=0)
+                              zero=0, recompute=self.recompute)  # type: ignore[arg-type]
 
 
 def mesh_candidates(cluster: Cluster) -> list[tuple[int, int]]:
@@ -179,16 +193,14 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
 
 
 def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,
-                    graphs: dict[int, Graph], time_limit_s: float | None,
+                    graphs: dict[Any, Graph], time_limit_s: float | None,
                     smallest: list[float] | None = None, cutoff_step_s: float | None = None) -> Solved | None:
     """The ILP for one candidate (None when nothing fits its memory; the smallest memory it
     needs is appended to `smallest`). With `cutoff_step_s`, raises
     solver.intra_op.CutoffExceeded when the ILP's LP relaxation proves the step time at
     least that (m x its per-microbatch bound; the optimizer term is left out of the bound,
     which keeps it a lower bound)."""
-    graph = graphs.get(cand.microbatch)
-    if graph is None:
-        graph = graphs[cand.microbatch] = trace_at(cand.microbatch)
+    graph = traced(graphs, trace_at, cand.microbatch, cand.recompute)
     space = enumerate_strategies(graph, cand.mesh)
     try:
         solution = solve_intra_op(graph, cluster, cand.mesh, memory_budget_bytes=cluster.device_memory_bytes,
@@ -209,7 +221,8 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
 
 def _sort_key(s: Solved) -> tuple[Any, ...]:
     c = s.candidate
-    return (s.estimate.step_time_s, s.estimate.peak_memory_bytes, c.mesh, c.num_microbatches)
+    return (s.estimate.step_time_s, s.estimate.peak_memory_bytes, c.mesh, c.num_microbatches,
+            RECOMPUTE.index(c.recompute))
 
 
 def op_placements(graph: Graph, solution: IntraOpSolution) -> tuple[OpPlacement, ...]:
@@ -264,7 +277,7 @@ def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model
     if not cands:
         raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
                                   f"use a global batch that is a multiple of the device count")
-    graphs: dict[int, Graph] = {}
+    graphs: dict[Any, Graph] = {}
     solved: list[Solved] = []
     not_fit = 0
     smallest: list[float] = []

@@ -316,21 +316,28 @@ def placement_summary(graph: Graph, solution: IntraOpSolution, pieces: tuple[str
 
 def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0) -> float:
     """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
-    microbatch of `scale` x the traced one (activations are linear in the batch): every
-    parameter's state (STATE_BYTES_PER_PARAM per element) and every activation the backward
-    reads are live together at the end of the forward, and no layout holds less than an
-    even share of them."""
+    microbatch of `scale` x the traced one: the intra-op ILP's memory row at the time of
+    the largest live bytes (solver/intra_op/ilp.py: every parameter's state,
+    STATE_BYTES_PER_PARAM per element, plus every tensor live then, the same liveness),
+    with every tensor split evenly over all devices, which no layout beats. Activations
+    scale with the batch, weights and their casts do not. Under a recompute policy the
+    graph holds the recomputed copies, so the peak inside a layer's backward is counted."""
+    from solver.intra_op.ilp import live_intervals
+
     aliases = {alias for alias, _ in graph.tied_params}
     derived = graph.parameter_derived()
-    state = sum(graph.weight(n.id) * n.output.numel * STATE_BYTES_PER_PARAM
-                for n in graph.by_role(Role.PARAMETER) if n.id not in aliases)
-    saved: set[NodeId] = set()
-    for node in graph.nodes:
-        if node.phase is not Phase.BACKWARD:
-            continue
-        for u in node.inputs:
-            b = _base(graph, u)
-            if graph[b].phase is Phase.FORWARD and b not in derived and graph[b].role in (Role.ACTIVATION, Role.INPUT):
-                saved.add(b)
-    acts = sum(graph.weight(b) * graph[b].output_bytes for b in saved)
-    return (state + scale * acts) / devices
+    static, live, end = live_intervals(graph, range(len(graph)))
+    state = sum(graph.weight(n) * graph[n].output.numel * STATE_BYTES_PER_PARAM for n in static if n not in aliases)
+    scaled: dict[int, float] = {}
+    fixed: dict[int, float] = {}
+    for n in live:
+        size = graph.weight(n) * graph[n].output.size_bytes
+        delta = fixed if n in derived else scaled
+        delta[n] = delta.get(n, 0.0) + size
+        delta[end[n] + 1] = delta.get(end[n] + 1, 0.0) - size
+    peak = running_scaled = running_fixed = 0.0
+    for t in range(len(graph)):
+        running_scaled += scaled.get(t, 0.0)
+        running_fixed += fixed.get(t, 0.0)
+        peak = max(peak, scale * running_scaled + running_fixed)
+    return (state + peak) / devices

@@ -61,7 +61,7 @@ from collections import defaultdict
 
 import pulp
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.ir import Graph, Node, NodeId, Role
@@ -90,6 +90,11 @@ the solvers' default tolerances."""
 
 MEMORY_SCALE = 1.0 / 2**20
 """Memory rows are written in MiB for the same reason."""
+
+LP_SIMPLEX_TIME_S = 3.0
+"""The LP relaxation's simplex gets this long before the interior point takes over
+(`_solve`): every relaxation of the 70B / 405B searches that the simplex finishes takes
+under 0.5 s here, the ones it struggles on run 30 s or more."""
 
 MEMORY_POINTS = 4
 """Liveness points checked by memory rows (largest replicated live bytes first)."""
@@ -255,12 +260,14 @@ def _classes(vectors: list[tuple[float, ...]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _memory_terms(graph: Graph, space, table: CostTable, red: Reduction) -> list[tuple[int, dict[NodeId, list[float]]]]:
-    """Per checked time point T: coefficients mem[o][j] of the live bytes at T."""
-    active = set(red.active)
-    end = {n: n for n in red.active}
+def live_intervals(graph: Graph, nodes: Sequence[NodeId]) -> tuple[list[NodeId], list[NodeId], dict[NodeId, NodeId]]:
+    """What the memory rows count, over `nodes` (in order): (parameters, live tensors, the
+    last use of each live tensor). A view aliases its base, which lives until the last use
+    of any alias; gradients and multi-output nodes own no storage of their own."""
+    active = set(nodes)
+    end = {n: n for n in nodes}
     base: dict[NodeId, NodeId] = {}
-    for n in red.active:  # views alias their base tensor; the base lives until the last alias use
+    for n in nodes:  # views alias their base tensor; the base lives until the last alias use
         node = graph[n]
         if node.is_view and node.op not in ("getitem", "placeholder") and node.inputs and node.inputs[0] in active:
             base[n] = base.get(node.inputs[0], node.inputs[0])
@@ -270,13 +277,19 @@ def _memory_terms(graph: Graph, space, table: CostTable, red: Reduction) -> list
             if u in active:
                 end[base[u]] = max(end[base[u]], n)
     static, live = [], []
-    for n in red.active:
+    for n in nodes:
         node = graph[n]
         if node.role is Role.PARAMETER:
             static.append(n)
         elif base[n] == n and node.role is not Role.GRADIENT and len(node.outputs) == 1 \
                 and node.op != "placeholder" or node.role in (Role.INPUT, Role.TANGENT):
             live.append(n)
+    return static, live, end
+
+
+def _memory_terms(graph: Graph, space, table: CostTable, red: Reduction) -> list[tuple[int, dict[NodeId, list[float]]]]:
+    """Per checked time point T: coefficients mem[o][j] of the live bytes at T."""
+    static, live, end = live_intervals(graph, red.active)
     # replicated profile via a sweep over interval starts/ends
     delta: dict[int, float] = defaultdict(float)
     for n in live:
@@ -338,18 +351,36 @@ def _solve(model: "_Model", solver: str, time_limit_s: float | None, cutoff_s: f
     the zoo models its optimum is usually integral, which proves it optimal for the ILP
     without MIP presolve and heuristics (about half the time on llama3-8b). Otherwise
     (or with CBC) the ILP is solved with branch and bound, unless the relaxation's
-    objective (a lower bound of the ILP's) already reaches `cutoff_s`: CutoffExceeded."""
+    objective (a lower bound of the ILP's) already reaches `cutoff_s`: CutoffExceeded.
+    The relaxation runs the dual simplex without HiGHS's presolve, for at most
+    LP_SIMPLEX_TIME_S, then HiGHS's interior point (with crossover: a vertex, so an
+    integral optimum is still recognised). Why: on memory-bound instances (a 70B step whose
+    activations barely miss the budget) presolve ran 30 s and gave up ("not solved") and
+    the simplex without it took 31 s on some, where the interior point proves
+    infeasibility in about 1 s; on the other instances the simplex without presolve is
+    the fastest (0.2-0.3 s on llama3-70b's vs 0.4-0.7 s with presolve, 1.1-1.4 s interior
+    point). The relaxation's optimum is the same either way."""
     start = time.perf_counter()
     if solver == "highs":
+        simplex_s = LP_SIMPLEX_TIME_S if time_limit_s is None else min(LP_SIMPLEX_TIME_S, time_limit_s)
         with _native_stdout_to_stderr():
-            model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=time_limit_s,
-                                        random_seed=SOLVER_SEED))
+            model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=simplex_s,
+                                        random_seed=SOLVER_SEED, presolve="off"))
+        if model.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionInfeasible):
+            log.info("LP relaxation: simplex stopped after %.2f s (%s); interior point",
+                     time.perf_counter() - start, pulp.LpStatus[model.prob.status])
+            left = None if time_limit_s is None else max(1.0, time_limit_s - (time.perf_counter() - start))
+            with _native_stdout_to_stderr():
+                model.prob.solve(pulp.HiGHS(mip=False, msg=False, threads=1, timeLimit=left,
+                                            random_seed=SOLVER_SEED, solver="ipm"))
         fractional = sum(1 for xs in model.x.values() for v in xs
                          if abs((v.varValue or 0.0) - round(v.varValue or 0.0)) > INTEGRALITY_TOL)
         log.info("LP relaxation: %s in %.2f s, %d fractional choice variables",
                  pulp.LpStatus[model.prob.status], time.perf_counter() - start, fractional)
         if model.prob.sol_status == pulp.LpSolutionOptimal and not fractional:
             return pulp.LpSolutionOptimal
+        if model.prob.status == pulp.LpStatusInfeasible:
+            return pulp.LpSolutionInfeasible  # no relaxed plan fits, so no integral one does
         if cutoff_s is not None and model.prob.sol_status == pulp.LpSolutionOptimal:
             # i14s: the tie-break terms (1e-10 s per collective) are far below this margin
             bound_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
