@@ -67,3 +67,24 @@ def test_cli_search_top3_then_cli_train(model, global_batch, tmp_path, capsys):
         assert out["match"], (i, config, out)
         assert out["price_equals_run"], (i, config, out)
     assert len(meshes) >= 2, meshes  # the ranked plans are not one mesh
+
+
+def test_searched_one_stage_recompute_plan_trains(tmp_path, capsys):
+    """Under a tight memory limit the search's best is a one-stage plan whose step is traced
+    under a recompute policy (its placements are for the recomputed graph); `train --plan`
+    replays exactly that program: losses match the reference and the collectives are the
+    priced ones."""
+    plan = tmp_path / "plan.json"
+    capsys.readouterr()
+    code = cli.main(["search", "llama-small", "--cluster", "cpu:4", "--global-batch", "8", "--memory-gb", "0.006",
+                     "--top", "1", "--json", "--out", str(plan)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    capsys.readouterr()
+    saved = json.loads(plan.read_text())
+    assert saved["config"]["pp"] == 1 and saved["config"]["recompute"] != "none", saved["config"]
+    code = cli.main(["train", "llama-small", "--devices", "4", "--global-batch", "8", "--steps", "2", "--check",
+                     "--json", "--plan", str(plan)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    out = json.loads(captured.out)
+    assert out["match"] and out["price_equals_run"], out
