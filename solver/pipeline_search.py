@@ -2,8 +2,10 @@
 
 Where it sits: solver/, the planner `autopar search` and `autopar.compile` call (through
 autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
-- one-stage plans (pp = 1): every (dp, tp) mesh x microbatch, priced by the intra-op ILP
-  on the whole step under the memory limit (solver/spmd_search.py, unchanged), and
+- one-stage plans (pp = 1): every (dp, tp) mesh x microbatch x recompute policy (none,
+  selective, full: the step traced under the policy, autopar/recompute.py, as the runtime
+  traces it; a policy that rewrites nothing is dropped), priced by the intra-op ILP on the
+  whole step under the memory limit (solver/spmd_search.py), and
 - pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g (every
   dp x b with b <= MAX_RANK_MICROBATCH sequences per rank) the
   intra-op ILP is solved once per stage submesh (dp, tp) (dp tp = D, tp inside a node,
@@ -25,7 +27,11 @@ split perfectly, no communication; for a pipeline m S / p with S the per-microba
 bound of the whole model on D devices, plus the optimizer over P / N parameters).
 Candidates are solved in bound order; the search stops once the next bound reaches the
 top-th runnable step time. Tensor-parallel axes stay inside a node on multi-node
-clusters (a mesh with tp across nodes is not tried).
+clusters (a mesh with tp across nodes is not tried). A one-stage candidate is not solved
+when its memory lower bound (stage_costs.memory_lower_bound_bytes, per policy) is over
+the budget, nor when the same mesh and microbatch with less recomputation fit or lost on
+its LP bound (dominance: recomputation only adds forward compute; the one assumption
+here that is not exact, as a memory-bound layout could cost more than recomputing).
 """
 
 from __future__ import annotations
