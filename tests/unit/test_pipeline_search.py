@@ -142,3 +142,5 @@ def test_lower_bound_is_below_the_ilp():
             assert lb["pre"] + 8 * lb["layer"] + lb["post"] <= sol.cost.total_s
             bound = memory_lower_bound_bytes(ref, 4, 8.0)
             assert bound <= pipeline_search.MEMORY_BOUND_SLACK * sol.cost.peak_memory_bytes, (rc, mesh)
+            # on the candidate's own trace the bound is exact: no plan beats it
+            assert memory_lower_bound_bytes(graph, 4) <= sol.cost.peak_memory_bytes, (rc, mesh)
