@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the best plan to this JSON file")
     p.add_argument("--emit", default=None, help="write the per-stage sharded program source here")
     p.add_argument("--time-limit", type=_positive_float, default=None, help="solver time limit, seconds")
+    p.add_argument("--min-pp", type=_positive_int, default=1,
+                   help="rank only plans with at least this many pipeline stages (2: pipelines only)")
 
     p = sub.add_parser("explain", help="explain a saved plan")
     p.add_argument("plan", metavar="PLAN_JSON")

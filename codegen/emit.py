@@ -339,9 +339,19 @@ def emit_per_op(plan: Any) -> dict[str, str]:
         model, example = source.factory()
         micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in example]
     else:
-        with FakeTensorMode():
-            model = source.build(layers=min(source.config.layers, 2))
-            micro = list(source.example_inputs(rows))
+        from autopar.cluster import Cluster
+
+        # built in the dtype the search traced it in (autopar/api.py: float32 on the cpu
+        # profile, else bfloat16): the node keys the placements are stored under hash it
+        dtype = torch.float32 if Cluster.parse(plan.cluster).hardware.name == "cpu" else torch.bfloat16
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with FakeTensorMode():
+                model = source.build(layers=min(source.config.layers, 2))
+                micro = list(source.example_inputs(rows))
+        finally:
+            torch.set_default_dtype(previous)
     traced, graph = trace_step(model, micro, recompute=plan.config.recompute)
     choices = plan.placements_for(graph)
     with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:

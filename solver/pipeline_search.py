@@ -461,7 +461,8 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     ref = traced(graphs, trace_at, ref_g)
     L = num_layers if num_layers is not None else ref.model.num_layers
     allow_pp = L >= 2 and max_pp != 1  # capabilities.runnable decides which pipelines run
-    pipes = pipeline_candidates(cluster, global_batch, L, max_pp=max_pp) if allow_pp else []
+    pipes = [c for c in pipeline_candidates(cluster, global_batch, L, max_pp=max_pp) if c.pp >= min_pp] \
+        if allow_pp else []
     if not spmd and not pipes:
         raise InfeasiblePlanError(f"no pipeline of {model} splits over {cluster.spec} with at least pp >= {min_pp}: "
                                   "it needs a model the runtime can cut into stages and a global batch of at least "

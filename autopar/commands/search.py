@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     start()
     try:
         result = search_plans(args.model, args.cluster, global_batch=args.global_batch, seq=args.seq,
-                              memory_gb=args.memory_gb, top=args.top, time_limit_s=args.time_limit, progress=progress)
+                              memory_gb=args.memory_gb, top=args.top, time_limit_s=args.time_limit, progress=progress,
+                              min_pp=args.min_pp)
     finally:
         stop()
     plan = result.plan

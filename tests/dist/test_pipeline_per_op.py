@@ -162,20 +162,20 @@ def test_mismatched_stage_placements_refused_before_any_rank_starts(pp2_plan, tm
 
 
 def test_search_records_stage_placements_and_emits_each_chunk(tmp_path, capsys):
-    """`autopar search --out --emit` where only a pipeline fits the memory budget (an
-    interleaved pp2 x dp2 ZeRO-3 plan of 4 chunks here): the plan file carries each chunk's
-    placements and the emitted source is each chunk's per-rank forward/backward graphs."""
+    """`autopar search --min-pp 2 --out --emit` under a tight memory budget (an interleaved
+    pp2 x dp2 ZeRO-3 plan of 4 chunks here): the plan file carries each chunk's placements
+    and the emitted source is each chunk's per-rank forward/backward graphs."""
     from autopar import cli
     from autopar.plan import Plan
 
     model = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=256,seq=16"
     out, emitted = tmp_path / "plan.json", tmp_path / "emit"
     assert cli.main(["search", model, "--cluster", "a100-80gb:4x1", "--global-batch", "8", "--memory-gb", "0.01",
-                     "--top", "1", "--out", str(out), "--emit", str(emitted)]) == 0
+                     "--min-pp", "2", "--top", "1", "--out", str(out), "--emit", str(emitted)]) == 0
     capsys.readouterr()
     plan = Plan.load(out)
     chunks = plan.config.pp * plan.config.interleave
-    assert plan.config.pp > 1, f"the premise: only a pipeline fits 0.01 GiB/device, got {plan.config}"
+    assert plan.config.pp > 1, f"--min-pp 2 ranks pipelines only, got {plan.config}"
     assert [s.chunk for s in plan.stage_placements] == list(range(chunks))
     assert all(s.placements and s.collectives for s in plan.stage_placements)
     assert "replayed at build" in plan.explain()

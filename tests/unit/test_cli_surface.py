@@ -72,6 +72,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--out VALUE",
         "--emit VALUE",
         "--time-limit VALUE",
+        "--min-pp VALUE (default 1)",
     ),
     "explain": (
         "PLAN_JSON",
