@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vs_hand_tuned.md"))
     parser.add_argument("--limit", type=int, default=None, help="only the first N groups (quick look)")
     parser.add_argument("--all-sources", action="store_true", help="every row, not only the development set's")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="only groups whose label ('MODEL on CLUSTER, batch B x seq S') contains TEXT")
     args = parser.parse_args(argv)
 
     rows = [r for r in csv.DictReader(CSV.open()) if args.all_sources or r["source_id"] in DEV_SOURCES]
@@ -302,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         groups.setdefault(_job(row), []).append(row)
     # smallest clusters first: a cut-short run still covers most groups
-    jobs = sorted(groups, key=lambda j: Cluster.parse(j.cluster).num_devices)[: args.limit]
+    jobs = sorted(groups, key=lambda j: Cluster.parse(j.cluster).num_devices)
+    if args.only:
+        jobs = [j for j in jobs if args.only in _label(j)]
+        if not jobs:
+            parser.error(f"--only {args.only!r} matches no group; labels look like {_label(sorted(groups, key=str)[0])!r}")
+    jobs = jobs[: args.limit]
     traces: dict[tuple[str, int, int, str], Any] = {}
     lines = ["| model | cluster | batch | hand-tuned (published) | grid (template) | autopar plan | autopar/hand | "
              "autopar/grid | search s | beyond the grid |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -325,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         info = trace_at(1).model
         L = info.num_layers
         cluster = Cluster.parse(job.cluster).with_memory_gb(job.memory_gb)
-        label = f"{job.model} on {job.cluster}, batch {job.global_batch} x seq {job.seq}"
+        label = _label(job)
         cache = GridCache(trace_at, cluster, job.global_batch, {}, None)
         hand: Priced | None = None
         reasons = []
@@ -412,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     _write(args.out, lines + summary)
     print("\n".join(summary))
     return 0 if not worse else 1
+
+
+def _label(job: Job) -> str:
+    return f"{job.model} on {job.cluster}, batch {job.global_batch} x seq {job.seq}"
 
 
 def _write(out: str, body: list[str]) -> None:

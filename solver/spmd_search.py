@@ -5,10 +5,10 @@ autopar/api.py `search_plans`, which supplies how to trace the model at a
 given microbatch). Output: ranked candidates and the best `Plan`, whose per-op placements
 (`Plan.placements`) are exactly the program the runtime builds.
 
-The space: every 2-D mesh (a, b) with a * b = devices (axes of one node are
-interchangeable, so (a, b) and (b, a) are one candidate there) x every global
-microbatch g (a multiple of a dividing the global batch B; m = B / g microbatches,
-at most MAX_MICROBATCH_CHOICES of the largest g). For each, the graph is traced at g
+The space: every 2-D mesh (a, b) with a * b = devices x every global microbatch g
+(a multiple of a dividing the global batch B; m = B / g microbatches, at most
+MAX_MICROBATCH_CHOICES of the largest g); axes of one node are interchangeable, so there
+(a, b) with b > a only takes the g that (b, a) cannot split (`candidates`). For each, the graph is traced at g
 sequences and the intra-op ILP solves every op's placements jointly over both axes,
 under the per-device memory limit, with no template: data, tensor, sequence and
 ZeRO-style parallelism are whatever minimises
@@ -91,26 +91,25 @@ class SpmdCandidate:
 
 
 def mesh_candidates(cluster: Cluster) -> list[tuple[int, int]]:
-    """2-D meshes over all devices; on one node the axes are interchangeable."""
+    """2-D meshes (a, b) over all devices, both orientations."""
     n = cluster.num_devices
-    out = []
-    for a in range(n, 0, -1):
-        if n % a:
-            continue
-        b = n // a
-        if cluster.num_nodes == 1 and b > a:
-            continue
-        out.append((a, b))
-    return out
+    return [(a, n // a) for a in range(n, 0, -1) if n % a == 0]
 
 
 def candidates(cluster: Cluster, global_batch: int, microbatch_choices: int = MAX_MICROBATCH_CHOICES
                ) -> list[SpmdCandidate]:
+    """(mesh, microbatch g) pairs: g sequences split over the mesh's first axis (g % a == 0).
+    On one node the two axes are interchangeable (same links, the ILP places freely), so
+    (a, b) with b > a is kept only for the microbatches (b, a) cannot split: e.g. a pure
+    tensor-parallel (1, 8) mesh at g = 1 on 8 GPUs (vs_hand_tuned.py's MPT-7b at 16 x 65536:
+    the grid's tp8 mb1 beat the search, which had only (8, 1) and g in {16, 8})."""
     out = []
-    for mesh in mesh_candidates(cluster):
-        sizes = [g for g in range(global_batch, 0, -1) if global_batch % g == 0 and g % mesh[0] == 0]
+    for a, b in mesh_candidates(cluster):
+        sizes = [g for g in range(global_batch, 0, -1) if global_batch % g == 0 and g % a == 0]
+        if cluster.num_nodes == 1 and b > a:
+            sizes = [g for g in sizes if g % b]
         for g in sizes[:microbatch_choices]:
-            out.append(SpmdCandidate(mesh=mesh, microbatch=g, num_microbatches=global_batch // g))
+            out.append(SpmdCandidate(mesh=(a, b), microbatch=g, num_microbatches=global_batch // g))
     return out
 
 

@@ -48,5 +48,5 @@ def test_cli_search_of_a_layerless_factory(tmp_path, capsys):
     assert cli.main(["search", "tests.factories:cnn", "--cluster", "cpu:2", "--global-batch", "8",
                      "--out", str(out), "--json"]) == 0
     ranked = json.loads(capsys.readouterr().out)["plans"]
-    assert ranked and all(p["stage_layers"] == [0] and p["config"]["tp"] == 1 for p in ranked)
+    assert ranked and all(p["stage_layers"] == [0] and p["config"]["pp"] == 1 for p in ranked)
     assert Plan.load(str(out)).stage_layers == (0,)
