@@ -14,8 +14,10 @@ rest: final norm, head, loss). With w_n the node's multiplicity and L the real d
 
     layer_s   = sum_{n in layer} w_n (compute + comm + reshard)_n / L   (one real layer)
     pre_s, post_s likewise without the division; gradient-sync edges carry the ILP's
-    1/m weight and the optimizer step over the piece's local parameters is added / m, so
-    the critical stage's m t pays both once per step (stage_dp.py).
+    1/m weight, and the optimizer step over the piece's local parameters and the
+    microbatches' gradient accumulation into its tp-local gradients
+    (cost_model.grad_accumulation_time_s, as one-stage plans pay it) are added / m, so the
+    critical stage's m t pays them once per step (stage_dp.py).
 
 Memory per device (bytes): state = sum over parameters of w_n STATE_BYTES_PER_PARAM x
 local elements (the ILP's memory of a parameter node); saved = activations the backward
@@ -38,7 +40,9 @@ memory bound exceeds the budget.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
 import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
@@ -163,7 +167,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
     aliases = {alias for alias, _ in graph.tied_params}
     expensive = EXPENSIVE_OPS
     acc = {p: dict(time=0.0, fwd=0.0, cheap=0.0, state=0.0, saved=0.0, sel=0.0, params=0.0, grad_bytes=0.0,
-                   sync=0.0, gather=0.0) for p in PIECES}
+                   raw_grad_bytes=0.0, sync=0.0, gather=0.0) for p in PIECES}
     for c in solution.choices:
         node, w = graph[c.node], c.weight
         a = acc[pieces[c.node]]
@@ -176,6 +180,10 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
             a["state"] += w * c.memory_bytes
             a["params"] += w * node.output.numel / shard_factor(c.outputs[0], mesh)
             a["grad_bytes"] += w * node.output.size_bytes / shard_factor(c.outputs[0], mesh)
+            # what a rank accumulates over the microbatches: the gradient as the compute uses
+            # the weight (sharded over the tensor-parallel axes only), as spmd_search prices it
+            tp_shard = math.prod(n for n, p in zip(mesh[1:], c.outputs[0][1:]) if isinstance(p, Shard))
+            a["raw_grad_bytes"] += w * node.output.size_bytes / tp_shard
     saved: set[NodeId] = set()
     for node in graph.nodes:
         if node.phase is not Phase.BACKWARD or node.id not in by_node:
@@ -212,6 +220,11 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
         mesh = (dp, mesh[1])
     optimizer = {p: cost_model.optimizer_time_s(acc[p]["params"], cluster.hardware) * core_share(cluster)
                  for p in PIECES}
+    # the microbatches' gradient accumulation, once per step like the optimizer (the same
+    # term one-stage plans pay: spmd_search.estimate, cost_model.grad_accumulation_time_s)
+    for p in PIECES:
+        acc[p]["time"] += cost_model.grad_accumulation_time_s(acc[p]["raw_grad_bytes"], m, 1, cluster.hardware) \
+            * core_share(cluster) / m
     out = []
     for p in PIECES:
         a, div = acc[p], (L if p == "layer" else 1)
