@@ -29,8 +29,10 @@ so it prices 8 processes too) when given, and with the built-in `cpu` profile:
   traced step at one global microbatch, and `autopar search` ranks one-stage candidates by
   that ILP's step time (solver/spmd_search.py `estimate`); the sweep prices the same
   solution (m x the ILP's per-microbatch cost + the optimizer step);
-- pp > 1: `cost_model.price_profile` (float32 trace of the same model at the same global
-  batch), what `autopar price` and the pipelined runtime's configurations are priced by.
+- pp > 1: the pipeline search's price (`predict_pipeline`): the intra-op ILP's stage costs
+  on the (dp, tp) submesh, split into pre / layer / post pieces and assembled by the
+  inter-op formulas (solver/stage_costs.py, solver/stage_dp.py) for the configuration's
+  even cuts, what `autopar search` ranks pipelines by; each stage runs the per-op program.
 The whole-model formula `price_profile` is kept for every row too (`*_analytic_s`), so the
 two pricings of one-stage plans can be compared against the same measurements.
 The machine is shared (load averages of 10-20 on 2 cores were seen while developing this),
@@ -235,10 +237,46 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -
     return load * estimate(graph, solution, cand, cluster, GLOBAL_BATCH).step_time_s
 
 
+_STAGE_COSTS: dict[tuple[str, int, int], Any] = {}
+"""Per (model, world, profile): the pipeline search's stage-cost cache, its cluster and depth."""
+
+
+def predict_pipeline(spec: str, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
+    """A pp > 1 configuration priced as `autopar search` ranks pipelines: the intra-op ILP's
+    stage costs on the (dp, tp) submesh (solver/pipeline_search.py's stage-cost cache,
+    solver/stage_costs.py) assembled by the inter-op formulas (solver/stage_dp.py) for the
+    configuration's even cuts, schedule and microbatches (vs_hand_tuned.price_template, the
+    template grid's pricing of one point)."""
+    from vs_hand_tuned import GridCache, price_template
+
+    from autopar.cluster import Cluster
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+
+    key = (spec, case.world, id(hardware))
+    if key not in _STAGE_COSTS:
+        source, traces = resolve(spec), {}
+
+        def trace_at(rows: int, recompute: str = "none") -> Any:
+            if (rows, recompute) not in traces:
+                traces[(rows, recompute)] = trace_model(source, batch=rows, dtype="float32", layers_traced=2,
+                                                        recompute=recompute)
+            return traces[(rows, recompute)]
+
+        cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
+        _STAGE_COSTS[key] = (GridCache(trace_at, cluster, GLOBAL_BATCH, {}, None), cluster,
+                             trace_at(1).model.num_layers)
+    cache, cluster, layers = _STAGE_COSTS[key]
+    got = price_template(case.config, cache, cluster, GLOBAL_BATCH, layers)
+    if got is None:
+        raise ValueError(f"{case.label}: not expressible by the pipeline search's stage costs")
+    return load * got.step_time_s
+
+
 def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_cal: Any | None,
                 reference_s: list[float] | None = None, graph: Any = None) -> dict[str, Any]:
     """A row's predicted columns: `predicted_<profile>_s` (what the product ranks by: the
-    ILP's price for pp = 1, price_profile for pp > 1), `..._analytic_s` (price_profile for
+    ILP's price for pp = 1, the ILP stage costs for pp > 1), `..._analytic_s` (price_profile for
     every row), their `_raw` values before the load factor, and the load factors."""
     out: dict[str, Any] = {}
     if case.config.pp == 1 and graph is None:
@@ -248,7 +286,7 @@ def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_ca
             continue
         load = load_factor(hw, case.world, reference_s if reference_s is not None else [])
         analytic = predict(profile, case, hw)
-        product = predict_ilp(graph, case, hw) if case.config.pp == 1 else analytic
+        product = predict_ilp(graph, case, hw) if case.config.pp == 1 else predict_pipeline(spec, case, hw)
         out.update({f"load_{name}": load, f"predicted_{name}_s": load * product, f"predicted_{name}_raw_s": product,
                     f"predicted_{name}_analytic_s": load * analytic})
     return out

@@ -218,7 +218,7 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
     times = [stage_time_s(opt, n, k, cfg.pp, schedule) for k, n in enumerate(cuts)]
     mems = [stage_memory_bytes(opt, n, k, cfg.pp, m, schedule) for k, n in enumerate(cuts)]
     peak = max(mems)
-    return Priced(config=replace(cfg, zero=zero), stage_layers=cuts, step_time_s=step_time_s(times, m, schedule),
+    return Priced(config=replace(cfg, zero=zero), stage_layers=cuts, step_time_s=step_time_s(times, m, schedule, core_share(cluster)),
                   peak_memory_bytes=peak, fits=peak <= cluster.device_memory_bytes, costs=sc)
 
 
@@ -297,7 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-sources", action="store_true", help="every row, not only the development set's")
     parser.add_argument("--only", default=None, metavar="TEXT",
                         help="only groups whose label ('MODEL on CLUSTER, batch B x seq S') contains TEXT")
+    parser.add_argument("--reverse", action="store_true",
+                        help="largest clusters first (a second process from the other end; join with --merge)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="MD",
+                        help="no pricing: join the groups of partial runs' tables (each group once) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
 
     rows = [r for r in csv.DictReader(CSV.open()) if args.all_sources or r["source_id"] in DEV_SOURCES]
     groups: dict[Job, list[dict[str, str]]] = {}
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [j for j in jobs if args.only in _label(j)]
         if not jobs:
             parser.error(f"--only {args.only!r} matches no group; labels look like {_label(sorted(groups, key=str)[0])!r}")
+    if args.reverse:
+        jobs.reverse()
     jobs = jobs[: args.limit]
     traces: dict[tuple[str, int, int, str], Any] = {}
     lines = ["| model | cluster | batch | hand-tuned (published) | grid (template) | autopar plan | autopar/hand | "
@@ -396,8 +404,23 @@ def main(argv: list[str] | None = None) -> int:
                      f"{plan_text}: {auto_step:.3g} s | {ratio_hand_text} | {ratio_grid_text} | {search_s:.1f} | "
                      f"{'yes' if why else 'no'} |")
         print(lines[-1], flush=True)
-        _write(args.out, lines + ["", f"(partial: {len(lines) - 2} of {len(jobs)} groups so far)"])
+        _write(args.out, lines + _summary(ratios_hand, ratios_grid, worse, beyond, skipped, len(lines) - 2,
+                                          f"total wall time {time.perf_counter() - start:.0f} s.")
+               + ["", f"(partial: {len(lines) - 2} of {len(jobs)} groups so far)"])
     total_s = time.perf_counter() - start
+    summary = _summary(ratios_hand, ratios_grid, worse, beyond, skipped, len(lines) - 2,
+                       f"total wall time {total_s:.0f} s.")
+    _write(args.out, lines + summary)
+    print("\n".join(summary))
+    return 0 if not worse else 1
+
+
+SECTIONS = {"worse": "Groups where autopar is worse:", "beyond": "Choices beyond the grid (what made the difference):",
+            "skipped": "Skipped groups:"}
+
+
+def _summary(ratios_hand: list[float], ratios_grid: list[float], worse: list[str], beyond: list[str],
+             skipped: list[str], groups: int, timing: str) -> list[str]:
     summary = [
         "",
         f"{len(ratios_hand)} groups compared with a fitting published config; autopar/hand: "
@@ -407,18 +430,52 @@ def main(argv: list[str] | None = None) -> int:
         f"{sorted(ratios_grid)[len(ratios_grid) // 2]:.3f}, max {max(ratios_grid):.3f}." if ratios_grid else "",
         f"Never worse than the grid and than a published config that fits: "
         f"{'yes' if not worse else f'NO, {len(worse)} groups'}.",
-        f"Groups whose plan uses a choice the grid cannot express: {len(beyond)} of {len(lines) - 2}.",
-        f"total wall time {total_s:.0f} s.",
+        f"Groups whose plan uses a choice the grid cannot express: {len(beyond)} of {groups}.",
+        timing,
     ]
-    if worse:
-        summary += ["", "Groups where autopar is worse:"] + [f"- {w}" for w in worse]
-    if beyond:
-        summary += ["", "Choices beyond the grid (what made the difference):"] + [f"- {b}" for b in beyond]
-    if skipped:
-        summary += ["", "Skipped groups:"] + [f"- {s}" for s in skipped]
-    _write(args.out, lines + summary)
+    for key, items in (("worse", worse), ("beyond", beyond), ("skipped", skipped)):
+        if items:
+            summary += ["", SECTIONS[key]] + [f"- {x}" for x in items]
+    return summary
+
+
+def merge(paths: list[str], out: str) -> int:
+    """One table from partial runs (e.g. one process from each end of the group list): each
+    group's row once (the first file's on overlap), in the full run's order (smallest
+    cluster first), the ratios and lists recomputed from the rows."""
+    rows: dict[str, str] = {}
+    bullets: dict[str, dict[str, str]] = {k: {} for k in SECTIONS}
+    timings = []
+    for path in paths:
+        section = None
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("| ") and not line.startswith(("| model", "|---")):
+                key = "|".join(line.split("|")[1:4])
+                rows.setdefault(key, line)
+            elif line in SECTIONS.values():
+                section = next(k for k, v in SECTIONS.items() if v == line)
+            elif line.startswith("- ") and section:
+                label = line[2:].split(": ", 1)[0]
+                bullets[section].setdefault(label, line[2:])
+            elif line.startswith("total wall time"):
+                timings.append(line.split()[3])
+    def order(line: str) -> tuple[int, int]:
+        cluster = line.split("|")[2].strip()
+        return Cluster.parse(cluster).num_devices, list(rows.values()).index(line)
+
+    table = sorted(rows.values(), key=order)
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table]
+    labels = {f"{c[0]} on {c[1]}, batch {c[2].split('x')[0]} x seq {c[2].split('x')[1]}" for c in cells}
+    ratios_hand = [float(c[6]) for c in cells if c[6] != "-" and "(" not in c[6]]
+    ratios_grid = [float(c[7]) for c in cells if c[7] != "-"]
+    keep = {k: [v for label, v in b.items() if label in labels or k == "skipped"] for k, b in bullets.items()}
+    summary = _summary(ratios_hand, ratios_grid, keep["worse"], keep["beyond"], keep["skipped"], len(table),
+                       f"merged from {len(paths)} partial runs (wall times {', '.join(timings) or 'not recorded'} s).")
+    header = ["| model | cluster | batch | hand-tuned (published) | grid (template) | autopar plan | autopar/hand | "
+              "autopar/grid | search s | beyond the grid |", "|---|---|---|---|---|---|---|---|---|---|"]
+    _write(out, header + table + summary)
     print("\n".join(summary))
-    return 0 if not worse else 1
+    return 0 if not keep["worse"] else 1
 
 
 def _label(job: Job) -> str:

@@ -309,7 +309,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
         seen: set[tuple] = set()
         for subset in sets:
             sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
-                                 budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s)
+                                 budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s, share=share)
             if sol is None:
                 if len(subset) == len(options):
                     break  # no uniform option can beat the cutoff (or fit) either
@@ -343,8 +343,9 @@ def _pipeline_estimate(r: PipelineResult, cluster: Cluster, global_batch: int) -
     peak = int(max(sol.stage_memory_bytes))
     budget = cluster.device_memory_bytes
     k = max(range(len(sol.stage_times_s)), key=lambda i: sol.stage_times_s[i])
-    critical = m * sol.stage_times_s[k]
-    p2p = m * r.p2p_s[k] * r.schedule.chunks * ((k > 0) + (k < cand.pp - 1))
+    # ranks sharing cores (stage_dp): the step may be under m x the slowest stage
+    critical = min(m * sol.stage_times_s[k], step)
+    p2p = min(critical, m * r.p2p_s[k] * r.schedule.chunks * ((k > 0) + (k < cand.pp - 1)))
     cfg = _config(r)
     return cost_model.Estimate(
         step_time_s=step, tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / devices,

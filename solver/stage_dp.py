@@ -36,6 +36,15 @@ Step time (Alpa's objective, generalised by a schedule constant beta):
   take equal time), 2 chunks per rank (n_k even), pipeline communication x 2, activation
   memory as 1F1B's; needs m >= 2p microbatches.
 
+Ranks sharing cores (the cpu profile: more ranks than cores on a node, cost_model.core_share
+= share > 1, every t_k priced contended): a rank waiting in a bubble frees its core for the
+others, so the step is the longer of the schedule's critical path run uncontended and all
+ranks' work over the cores (the same model as cost_model/step.py's price_profile):
+
+    T_shared = max(T / share, m * sum_k t_k / p)
+
+(each stage's ranks are 1/p of the node's ranks). With share = 1 (GPUs) T_shared = T.
+
 Solution (exact): T is nondecreasing in every t_k, so for a bound B on max_k t_k the best
 option for (stage k, n layers) is the fastest one that fits stage k's memory:
 tmin_k(n). Then
@@ -136,9 +145,13 @@ def stage_memory_bytes(o: StageOption, layers: int, stage: int, num_stages: int,
     return state + schedule.inflight(stage, num_stages, num_microbatches) * act + o.temp_bytes
 
 
-def step_time_s(times: Sequence[float], num_microbatches: int, schedule: Schedule) -> float:
+def step_time_s(times: Sequence[float], num_microbatches: int, schedule: Schedule, share: float = 1.0) -> float:
+    """T (module docstring); with ranks sharing cores (share > 1), max(T / share, m sum / p)."""
     beta = schedule.beta
-    return beta * sum(times) + (num_microbatches - beta) * max(times)
+    standard = beta * sum(times) + (num_microbatches - beta) * max(times)
+    if share <= 1.0:
+        return standard
+    return max(standard / share, num_microbatches * sum(times) / len(times))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,8 +166,9 @@ class PipelineSolution:
 
     @property
     def bubble_s(self) -> float:
-        """What the schedule adds over m x the slowest stage: beta (sum - max)."""
-        return self.step_time_s - self.num_microbatches * max(self.stage_times_s)
+        """What the schedule adds over m x the slowest stage: beta (sum - max); 0 where ranks
+        share cores and the step is their shared work (module docstring)."""
+        return max(0.0, self.step_time_s - self.num_microbatches * max(self.stage_times_s))
 
 
 def option_tables(num_layers: int, num_stages: int, num_microbatches: int, option: StageOption,
@@ -223,7 +237,8 @@ def _shortest(gathered: np.ndarray, bound: float, num_layers: int) -> tuple[floa
 
 def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, options: Sequence[StageOption],
                    schedule: Schedule, memory_budget_bytes: float,
-                   tables: Sequence[np.ndarray] | None = None, cutoff_s: float = math.inf) -> PipelineSolution | None:
+                   tables: Sequence[np.ndarray] | None = None, cutoff_s: float = math.inf,
+                   share: float = 1.0) -> PipelineSolution | None:
     """The exact optimum of T over cuts x per-stage options (module docstring), or None
     when no assignment fits the memory budget. L = 0 (no repeated layers) needs p = 1.
     `tables` are the options' `option_tables` when the caller reuses them across subsets.
@@ -231,7 +246,11 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
     `cutoff_s`: only an optimum with T < cutoff_s is returned (None otherwise), so the
     search stops as soon as a bound reaches it. Bounds, from T >= (beta + (m - beta) / p) S
     (the slowest stage is at least the mean) with S = sum_k t_k: S >= L min_(k,n) tmin_k(n) / n
-    (before any path is computed), then S >= S_free."""
+    (before any path is computed), then S >= S_free.
+
+    `share` > 1: ranks share cores (cost_model.core_share; the times are priced contended),
+    T = max(T_sched / share, m S / p) (module docstring), still nondecreasing in S for a
+    fixed bound B, so the scan stays exact."""
     p, m, L = num_stages, num_microbatches, num_layers
     if p < 1 or (L < p and not (L == 0 and p == 1)) or not options or not schedule.allows(p, m):
         return None
@@ -239,7 +258,14 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
         tables = [option_tables(L, p, m, o, schedule, memory_budget_bytes) for o in options]
     tmin, arg = _tmin_tables(tables)
     beta = schedule.beta
-    scale = beta + (m - beta) / p
+    shared = share > 1.0
+    div = share if shared else 1.0
+    scale = max((beta + (m - beta) / p) / div, m / p if shared else 0.0)
+
+    def objective(total: float, bound: float) -> float:
+        t = (beta * total + (m - beta) * bound) / div
+        return max(t, m * total / p) if shared else t
+
     if L and math.isfinite(cutoff_s):
         per_layer = (tmin[:, 1:] / np.arange(1, L + 1)[None, :]).min()
         if not math.isfinite(per_layer) or scale * L * per_layer >= cutoff_s:
@@ -264,12 +290,12 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
     best: list[int] | None = None
     best_t = cutoff_s
     for bound in bounds[lo:]:
-        if beta * s_free + (m - beta) * bound >= best_t:
+        if objective(s_free, float(bound)) >= best_t:
             break
         found = _shortest(gathered, float(bound), L)
         assert found is not None  # every bound above a feasible one is feasible
         total, cuts = found
-        t = beta * total + (m - beta) * float(bound)
+        t = objective(total, float(bound))
         if t < best_t:
             best_t, best = t, cuts
     if best is None:  # with no cutoff, the largest bound admits the unbounded optimum
@@ -279,5 +305,5 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
     chosen = tuple(int(arg[k, n]) for k, n in enumerate(cuts))
     times = tuple(stage_time_s(options[i], n, k, p, schedule) for k, (n, i) in enumerate(zip(cuts, chosen)))
     mems = tuple(stage_memory_bytes(options[i], n, k, p, m, schedule) for k, (n, i) in enumerate(zip(cuts, chosen)))
-    return PipelineSolution(step_time_s=step_time_s(times, m, schedule), stage_layers=tuple(cuts), options=chosen,
+    return PipelineSolution(step_time_s=step_time_s(times, m, schedule, share), stage_layers=tuple(cuts), options=chosen,
                             stage_times_s=times, stage_memory_bytes=mems, num_microbatches=m)

@@ -17,7 +17,7 @@ def _compositions(total, parts):
         yield tuple(edges[i + 1] - edges[i] for i in range(parts))
 
 
-def brute_force(L, p, m, options, schedule, budget):
+def brute_force(L, p, m, options, schedule, budget, share=1.0):
     """Every composition of L into p stages x every option per stage, priced directly."""
     if not schedule.allows(p, m):
         return None
@@ -30,7 +30,7 @@ def brute_force(L, p, m, options, schedule, budget):
                    for k, (n, i) in enumerate(zip(cuts, assign))):
                 continue
             times = [stage_time_s(options[i], n, k, p, schedule) for k, (n, i) in enumerate(zip(cuts, assign))]
-            t = step_time_s(times, m, schedule)
+            t = step_time_s(times, m, schedule, share)
             if best is None or t < best[0]:
                 best = (t, cuts, assign)
     return best
@@ -51,17 +51,22 @@ SCHEDULES = [Schedule(name="gpipe"), Schedule(name="1f1b"), Schedule(name="inter
              Schedule(name="zbv", chunks=2)]
 
 
+SHARES = [1.0, 1.5, 4.0]
+"""Ranks per core: 1 on GPUs; above 1 the step is max(T / share, m sum / p) (stage_dp.py)."""
+
+
+@pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_dp_equals_brute_force(seed, schedule):
+def test_dp_equals_brute_force(seed, schedule, share):
     rng = random.Random(seed)
     L = rng.randint(4, 8)
     p = rng.randint(2, min(4, L // schedule.chunks))
     m = rng.choice([p, 2 * p, 2 * p + 1, 8])
     options = _random_options(rng, rng.randint(1, 3))
     budget = rng.uniform(15, 60)
-    oracle = brute_force(L, p, m, options, schedule, budget)
-    got = solve_pipeline(L, p, m, options, schedule, budget)
+    oracle = brute_force(L, p, m, options, schedule, budget, share)
+    got = solve_pipeline(L, p, m, options, schedule, budget, share=share)
     if oracle is None:
         assert got is None
         return
@@ -70,13 +75,14 @@ def test_dp_equals_brute_force(seed, schedule):
     # the returned assignment is one the brute force prices at that time, within memory
     assert sum(got.stage_layers) == L and len(got.stage_layers) == p
     times = [stage_time_s(options[i], n, k, p, schedule) for k, (n, i) in enumerate(zip(got.stage_layers, got.options))]
-    assert step_time_s(times, m, schedule) == pytest.approx(got.step_time_s, rel=1e-12)
+    assert step_time_s(times, m, schedule, share) == pytest.approx(got.step_time_s, rel=1e-12)
     assert max(got.stage_memory_bytes) <= budget
 
 
+@pytest.mark.parametrize("share", SHARES)
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_cutoff_returns_the_optimum_below_it_else_none(seed, schedule):
+def test_cutoff_returns_the_optimum_below_it_else_none(seed, schedule, share):
     """The search's pruning: with a cutoff the DP returns the exact optimum when it is below
     the cutoff and None otherwise (a cutoff just above, at and below the brute-force optimum)."""
     rng = random.Random(100 + seed)
@@ -84,14 +90,14 @@ def test_cutoff_returns_the_optimum_below_it_else_none(seed, schedule):
     p = rng.randint(2, min(4, L // schedule.chunks))
     m = rng.choice([p, 2 * p, 8])
     options = _random_options(rng, rng.randint(1, 3))
-    oracle = brute_force(L, p, m, options, schedule, 60.0)
+    oracle = brute_force(L, p, m, options, schedule, 60.0, share)
     if oracle is None:
-        assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=1e9) is None
+        assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=1e9, share=share) is None
         return
-    above = solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0] * 1.001)
+    above = solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0] * 1.001, share=share)
     assert above is not None and above.step_time_s == pytest.approx(oracle[0], rel=1e-12)
-    assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0]) is None
-    assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0] * 0.5) is None
+    assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0], share=share) is None
+    assert solve_pipeline(L, p, m, options, schedule, 60.0, cutoff_s=oracle[0] * 0.5, share=share) is None
 
 
 def test_stages_differ_in_option_when_faster():
@@ -116,3 +122,18 @@ def test_infeasible_is_none_and_one_stage_is_accumulation():
     assert one.step_time_s == pytest.approx(5 * t) and one.stage_layers == (4,)
     assert solve_pipeline(0, 1, 3, o, Schedule(name="1f1b"), 1e9).step_time_s == pytest.approx(
         3 * (o[0].pre_s + o[0].post_s))
+    # one stage on shared cores: its (contended) work m t, whatever the share
+    assert solve_pipeline(4, 1, 5, o, Schedule(name="1f1b"), 1e9, share=4.0).step_time_s == pytest.approx(5 * t)
+
+
+def test_shared_cores_price_the_bubble_free():
+    """Ranks sharing cores (share > 1, times priced contended): a rank idle in a bubble
+    frees its core, so a balanced pipeline costs its total work over the stages, m sum / p,
+    unless the schedule's critical path run uncontended (T / share) is longer."""
+    o = StageOption(key=0, pre_s=0, layer_s=1.0, post_s=0, p2p_s=0, pre_state_bytes=0, layer_state_bytes=0,
+                    post_state_bytes=0, pre_act_bytes=0, layer_act_bytes=0, post_act_bytes=0)
+    sched = Schedule(name="1f1b")
+    got = solve_pipeline(4, 4, 2, [o], sched, 1e9, share=4.0)
+    assert got.step_time_s == pytest.approx(2 * 4 / 4) and got.bubble_s == 0.0  # T = 5 would be 5 / 4 < 2
+    assert solve_pipeline(4, 4, 2, [o], sched, 1e9).step_time_s == pytest.approx(5.0)  # GPUs: 1 * 4 + 1 * 1
+    assert solve_pipeline(4, 4, 2, [o], sched, 1e9, share=1.5).step_time_s == pytest.approx(5.0 / 1.5)
