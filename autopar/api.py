@@ -33,7 +33,7 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import fingerprint_source, module_fingerprint
 from autopar.runtime.launch import init_from_env, launched_by_torchrun
-from autopar.trace import trace_model, trace_step
+from autopar.trace import search_dtype, trace_model, trace_step
 
 if TYPE_CHECKING:
     from autopar.runtime.program import OptimizerFactory
@@ -122,7 +122,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     num_layers = source.config.layers if source is not None and source.config is not None else None
     if source is not None and source.config is not None:
         name, family = model, source.family
-        dtype = "float32" if cluster.hardware.name == "cpu" else "bfloat16"
+        dtype = search_dtype(cluster)
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
             return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED, recompute=recompute)

@@ -318,6 +318,14 @@ def _sdpa_backends() -> list[Any]:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
+def search_dtype(cluster: Any) -> str:
+    """The dtype a zoo model is traced in for a search on `cluster`: float32 on the cpu
+    profile (what its ranks train in), else bfloat16 (mixed-precision training on
+    accelerators). A plan's per-op placements are keyed by nodes that hash it, so every
+    re-trace of a searched plan (codegen/emit.py) uses this too."""
+    return "float32" if cluster.hardware.name == "cpu" else "bfloat16"
+
+
 def trace_model(
     source: ModelSource,
     *,

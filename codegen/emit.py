@@ -340,10 +340,10 @@ def emit_per_op(plan: Any) -> dict[str, str]:
         micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in example]
     else:
         from autopar.cluster import Cluster
+        from autopar.trace import search_dtype
 
-        # built in the dtype the search traced it in (autopar/api.py: float32 on the cpu
-        # profile, else bfloat16): the node keys the placements are stored under hash it
-        dtype = torch.float32 if Cluster.parse(plan.cluster).hardware.name == "cpu" else torch.bfloat16
+        # built in the dtype the search traced it in: the node keys the placements are stored under hash it
+        dtype = getattr(torch, search_dtype(Cluster.parse(plan.cluster)))
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
