@@ -49,7 +49,7 @@ from autopar.trace import trace_model  # noqa: E402
 from cost_model import core_share  # noqa: E402
 from solver import forced  # noqa: E402
 from solver.intra_op.ilp import solve_intra_op  # noqa: E402
-from solver.pipeline_search import MAX_RANK_MICROBATCH, _StageCostCache, search  # noqa: E402
+from solver.pipeline_search import MAX_RANK_MICROBATCH, _StageCostCache, search, whole_nodes  # noqa: E402
 from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
@@ -198,6 +198,8 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
         return None
     if cfg.pp == 1:
         return price_one_stage(cfg, cache, cluster, global_batch, num_layers)
+    if not whole_nodes(cluster, cfg.dp * cfg.tp):
+        return None  # a stage over a fraction of nodes: the stage costs price whole nodes
     m = global_batch // g
     schedule = Schedule(name=cfg.schedule if cfg.pp > 1 else "1f1b",
                         chunks=cfg.interleave if cfg.pp > 1 and cfg.schedule == "interleaved" else 1)
@@ -230,7 +232,7 @@ def grid(cache: GridCache, cluster: Cluster, global_batch: int, info: Any) -> Pr
         if cluster.devices_per_node % tp or n % tp or info.heads % tp or (info.kv_heads and info.kv_heads % tp):
             continue
         for pp in range(1, n // tp + 1):
-            if (n // tp) % pp or pp > L:
+            if (n // tp) % pp or pp > L or not whole_nodes(cluster, n // pp):
                 continue
             dp = n // (tp * pp)
             if global_batch % dp:

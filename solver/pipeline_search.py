@@ -164,17 +164,27 @@ def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
 
 
+def whole_nodes(cluster: Cluster, devices: int) -> bool:
+    """A stage of `devices` holds whole nodes or a divisor of one (what _stage_cluster prices)."""
+    per_node = cluster.devices_per_node
+    return devices % per_node == 0 if devices >= per_node else per_node % devices == 0
+
+
 def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *,
                         max_pp: int | None = None) -> list[PipelineCandidate]:
     """(p, g) for every pipeline degree p and every global microbatch g = dp b that some
     stage submesh (dp, tp) runs with b <= MAX_RANK_MICROBATCH sequences per rank, with at
-    least p microbatches (fewer would leave most of the pipeline idle)."""
+    least p microbatches (fewer would leave most of the pipeline idle). A stage holds whole
+    nodes or a divisor of one (the stage's costs are priced on that many nodes x devices:
+    _stage_cluster; e.g. pp 2 on 315 nodes of 8 would put 157.5 nodes in a stage)."""
     n = cluster.num_devices
     out = []
     for p in range(2, n + 1):
         if n % p or p > num_layers or (max_pp is not None and p > max_pp):
             continue
         D = n // p
+        if not whole_nodes(cluster, D):
+            continue
         sizes: set[int] = set()
         for tp in range(1, min(D, cluster.devices_per_node) + 1):
             if D % tp or cluster.devices_per_node % tp:
