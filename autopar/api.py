@@ -93,7 +93,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
                  example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                  seq: int | None = None, memory_gb: float | None = None, top: int = 5,
                  time_limit_s: float | None = None, progress: Any = None,
-                 microbatch_choices: int | None = None, min_pp: int = 1) -> Any:
+                 microbatch_choices: int | None = None, min_pp: int = 1, max_pp: int | None = None) -> Any:
     """The one wiring of the whole-plan search (`autopar search`, `search_plan`,
     `autopar.compile`): trace the step at each microbatch the search asks for, fingerprint
     the model, run solver/pipeline_search.py; returns its SearchResult (ranked plans, the
@@ -107,7 +107,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     plan's per-op placements are the program that runs), pipelines by the inter-op DP over
     ILP stage costs, ranked only where the runtime runs them. `progress(phase, done, total)`
     is told of the phases; deterministic unless `time_limit_s` stops the solver. `min_pp` > 1
-    ranks pipelines only."""
+    ranks pipelines only, `max_pp` = 1 one-stage plans only."""
     # the solver (and through it cost_model) is imported on use: `import autopar` imports
     # this module, and cost_model imports autopar's types, so a module-level import here
     # would make `import cost_model` (before autopar) a cycle
@@ -156,7 +156,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
     result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
                     family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
-                    min_pp=min_pp, **extra)
+                    min_pp=min_pp, max_pp=max_pp, **extra)
     best, plans = result.plan, result.plans
     if best.config.pp > 1:
         # the pipeline's program: each chunk traced as the ranks trace it and solved, recorded

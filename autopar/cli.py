@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_positive_float, default=None, help="solver time limit, seconds")
     p.add_argument("--min-pp", type=_positive_int, default=1,
                    help="rank only plans with at least this many pipeline stages (2: pipelines only)")
+    p.add_argument("--max-pp", type=_positive_int, default=None,
+                   help="rank only plans with at most this many pipeline stages (1: one-stage plans only)")
 
     p = sub.add_parser("explain", help="explain a saved plan")
     p.add_argument("plan", metavar="PLAN_JSON")

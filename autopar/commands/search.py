@@ -48,12 +48,15 @@ def _emit(plan: Any, directory: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_pp is not None and args.max_pp < args.min_pp:
+        raise ValueError(f"--max-pp {args.max_pp} is below --min-pp {args.min_pp}: no plan has that many stages; "
+                         "give --max-pp >= --min-pp")
     start, progress, stop = _progress_display(sys.stderr.isatty() or not args.json)
     start()
     try:
         result = search_plans(args.model, args.cluster, global_batch=args.global_batch, seq=args.seq,
                               memory_gb=args.memory_gb, top=args.top, time_limit_s=args.time_limit, progress=progress,
-                              min_pp=args.min_pp)
+                              min_pp=args.min_pp, max_pp=args.max_pp)
     finally:
         stop()
     plan = result.plan

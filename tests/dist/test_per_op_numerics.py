@@ -41,7 +41,7 @@ TP rules) expresses."""
 def _budget_plan():
     free = search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1).plan
     budget_gb = 0.6 * free.predicted.peak_memory_bytes / 2**30
-    return search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1,
+    return search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1, max_pp=1,
                        memory_gb=budget_gb).plan, free
 
 

@@ -77,7 +77,7 @@ def test_searched_one_stage_recompute_plan_trains(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     capsys.readouterr()
     code = cli.main(["search", "llama-small", "--cluster", "cpu:4", "--global-batch", "8", "--memory-gb", "0.006",
-                     "--top", "1", "--json", "--out", str(plan)])
+                     "--max-pp", "1", "--top", "1", "--json", "--out", str(plan)])
     assert code == 0, capsys.readouterr().err[-2000:]
     capsys.readouterr()
     saved = json.loads(plan.read_text())

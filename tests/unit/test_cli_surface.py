@@ -73,6 +73,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--emit VALUE",
         "--time-limit VALUE",
         "--min-pp VALUE (default 1)",
+        "--max-pp VALUE",
     ),
     "explain": (
         "PLAN_JSON",

@@ -133,6 +133,17 @@ def test_cli_infeasible_exits_2_with_message(capsys) -> None:
     assert "No plan fits" in err and "the smallest needs" in err
 
 
+def test_cli_pipeline_degree_bounds(capsys) -> None:
+    """--max-pp 1 ranks one-stage plans only; a --max-pp below --min-pp is refused (exit 2)."""
+    assert main(["search", "gpt-tiny", "--cluster", "cpu:2", "--global-batch", "4", "--max-pp", "1", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all(p["config"]["pp"] == 1 for p in plans)
+    assert main(["search", "gpt-tiny", "--cluster", "cpu:2", "--global-batch", "4", "--min-pp", "2",
+                 "--max-pp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-pp 1 is below --min-pp 2" in err
+
+
 def test_cli_search_json_and_explain(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     code = main(["search", "llama-small", "--cluster", "h100:1x4", "--global-batch", "8", "--json", "--top", "3",
