@@ -264,6 +264,9 @@ def beyond_grid(plan: Plan, cache: GridCache, cluster: Cluster, global_batch: in
         # microbatch and ZeRO (priced as the grid prices it)
         tmpl = price_template(replace(cfg, schedule="1f1b", interleave=1), cache, cluster, global_batch, num_layers)
         if tmpl is not None and tmpl.fits and plan.predicted.step_time_s >= tmpl.step_time_s * (1 - TOL):
+            if cfg.micro_batch > MAX_RANK_MICROBATCH:
+                return (f"micro-batch {cfg.micro_batch} per rank (the grid stops at {MAX_RANK_MICROBATCH}; the "
+                        f"template layout at this micro-batch prices the same, {tmpl.step_time_s:.4g} s)")
             return None
         ours = dict(plan.intra_op_info.parameters) if plan.intra_op_info else {}
         theirs = dict(placement_summary(tmpl.costs.graph, tmpl.costs.solution,
@@ -297,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vs_hand_tuned.md"))
     parser.add_argument("--limit", type=int, default=None, help="only the first N groups (quick look)")
     parser.add_argument("--all-sources", action="store_true", help="every row, not only the development set's")
-    parser.add_argument("--only", default=None, metavar="TEXT",
-                        help="only groups whose label ('MODEL on CLUSTER, batch B x seq S') contains TEXT")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="only groups whose label ('MODEL on CLUSTER, batch B x seq S') contains one TEXT")
     parser.add_argument("--reverse", action="store_true",
                         help="largest clusters first (a second process from the other end; join with --merge)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="MD",
@@ -314,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     # smallest clusters first: a cut-short run still covers most groups
     jobs = sorted(groups, key=lambda j: Cluster.parse(j.cluster).num_devices)
     if args.only:
-        jobs = [j for j in jobs if args.only in _label(j)]
+        jobs = [j for j in jobs if any(text in _label(j) for text in args.only)]
         if not jobs:
-            parser.error(f"--only {args.only!r} matches no group; labels look like {_label(sorted(groups, key=str)[0])!r}")
+            parser.error(f"--only {' '.join(args.only)!r} matches no group; labels look like "
+                         f"{_label(sorted(groups, key=str)[0])!r}")
     if args.reverse:
         jobs.reverse()
     jobs = jobs[: args.limit]
