@@ -174,7 +174,7 @@ def price_one_stage(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glo
         m = global_batch // g
         try:
             sol = solve_intra_op(graph, cluster, forced.mesh_shape(rules), keep_placeholder=forced.keep_placeholder(rules),
-                                 gather_free_axes=forced.gather_free_axes(rules), grad_sync_weight=1.0 / m)
+                                 gather_free_axes=forced.gather_free_axes(rules), num_microbatches=m)
         except InfeasiblePlanError:
             cache.one_stage[key] = None
         else:

@@ -197,13 +197,13 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
     """The ILP for one candidate (None when nothing fits its memory; the smallest memory it
     needs is appended to `smallest`). With `cutoff_step_s`, raises
     solver.intra_op.CutoffExceeded when the ILP's LP relaxation proves the step time at
-    least that (m x its per-microbatch bound; the optimizer term is left out of the bound,
-    which keeps it a lower bound)."""
+    least that (m x its bound on the objective, which is the step time / m: the
+    per-microbatch costs plus the optimizer and accumulation terms / m)."""
     graph = traced(graphs, trace_at, cand.microbatch, cand.recompute)
     space = enumerate_strategies(graph, cand.mesh)
     try:
         solution = solve_intra_op(graph, cluster, cand.mesh, memory_budget_bytes=cluster.device_memory_bytes,
-                                  grad_sync_weight=1.0 / cand.num_microbatches, time_limit_s=time_limit_s,
+                                  num_microbatches=cand.num_microbatches, time_limit_s=time_limit_s,
                                   space=space,
                                   cutoff_s=None if cutoff_step_s is None else cutoff_step_s / cand.num_microbatches)
     except InfeasiblePlanError as exc:

@@ -324,7 +324,7 @@ def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micr
     from solver.intra_op.ilp import solve_intra_op
 
     return solve_intra_op(graph, cluster, forced.mesh_shape(config), keep_placeholder=forced.keep_placeholder(config),
-                          gather_free_axes=forced.gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches)
+                          gather_free_axes=forced.gather_free_axes(config), num_microbatches=num_microbatches)
 
 
 def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:

@@ -34,7 +34,13 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
 
 Gradient edges are weighted by `grad_sync_weight` (1/m with m microbatches: the program
 reduces accumulated gradients once per step, the rest of the graph runs m times; the
-objective is per microbatch). Placeholder restrictions (`restrict_placeholders`) express
+objective is per microbatch). With `num_microbatches` (a one-stage step), each
+parameter's strategy also carries the once-per-step terms the step price adds
+(solver/spmd_search.py `estimate`), over m: the optimizer step over its local shard and
+the microbatches' gradient accumulation into its tp-local gradient
+(cost_model.optimizer_time_s, grad_accumulation_time_s), so the ILP minimises the step
+time it reports, not only the per-microbatch part (a plan keeping a few more parameters
+replicated for a smaller per-microbatch cost paid more optimizer time than it saved). Placeholder restrictions (`restrict_placeholders`) express
 a forced configuration (data parallel over an axis, ZeRO, no tensor parallelism) by
 removing placeholder strategies: infeasible options are absent, not expensive.
 
@@ -504,7 +510,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
                    keep_placeholder: PlaceholderFilter | None = None, grad_sync_weight: float = 1.0,
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
-                   cutoff_s: float | None = None) -> IntraOpSolution:
+                   cutoff_s: float | None = None, num_microbatches: int | None = None) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration);
@@ -515,7 +521,12 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     when no plan fits `memory_budget_bytes`, with the smallest memory any plan needs.
     `cutoff_s` (HiGHS only): raise CutoffExceeded instead of branching when the LP
     relaxation proves the per-microbatch objective is at least this (the search's pruning).
+    `num_microbatches` m: a one-stage step of m microbatches; gradient edges are weighted
+    1/m and the once-per-step optimizer and accumulation terms join the objective / m
+    (module docstring).
     """
+    if num_microbatches is not None:
+        grad_sync_weight = 1.0 / num_microbatches
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     start = time.perf_counter()
@@ -535,6 +546,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         tie = 0.0 if graph[n].role is Role.PARAMETER else MEMORY_TIE_BREAK_S_PER_BYTE
         for j, s in enumerate(red.smap[n]):
             coef[j] += w * (costs[s].compute_s + costs[s].comm_s + tie * costs[s].memory_bytes)
+    if num_microbatches is not None:
+        _add_step_terms(graph, space, red, node_coef, cluster, mesh_shape, num_microbatches)
     forbidden: dict[NodeId, set[int]] = {}
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
                                            grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes),
@@ -588,6 +601,30 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
              solution.num_constraints, built - start, solution.solve_time_s, objective_s,
              solution.cost.total_s, status)
     return solution
+
+
+def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId, list[float]], cluster: Cluster,
+                    mesh_shape: tuple[int, ...], m: int) -> None:
+    """Per parameter strategy, (optimizer step over the local shard + gradient accumulation
+    into the tp-local gradient) / m: the terms spmd_search.estimate adds once per step."""
+    import math
+
+    from autopar.placement import Shard, shard_factor
+    from cost_model import core_share, grad_accumulation_time_s, optimizer_time_s
+
+    share, hw = core_share(cluster), cluster.hardware
+    opt_per_element = optimizer_time_s(1.0, hw) * share / m
+    acc_per_byte = grad_accumulation_time_s(1.0, m, 1, hw) * share / m
+    for n in red.active:
+        node = graph[n]
+        if node.role is not Role.PARAMETER:
+            continue
+        coef, w = node_coef[red.owner[n]], graph.weight(n)
+        for j, s in enumerate(red.smap[n]):
+            out = space[n][s].outputs[0]
+            tp_shard = math.prod(k for k, p in zip(mesh_shape[1:], out[1:]) if isinstance(p, Shard))
+            coef[j] += w * (opt_per_element * node.output.numel / shard_factor(out, mesh_shape)
+                            + acc_per_byte * node.output.size_bytes / tp_shard)
 
 
 def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements, Placements]],

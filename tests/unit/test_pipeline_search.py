@@ -135,12 +135,17 @@ def test_lower_bound_is_below_the_ilp():
     cluster = Cluster.parse("h100:1x4")
     for rc in ("none", "selective", "full"):
         ref = trace_model(source, batch=1, dtype="bfloat16", layers_traced=2, recompute=rc)
+        doubled = trace_model(source, batch=2, dtype="bfloat16", layers_traced=2, recompute=rc)
         graph = trace_model(source, batch=8, dtype="bfloat16", layers_traced=2, recompute=rc)
+        # scaled along each tensor's line through its one- and two-sequence sizes, the
+        # pre-filter's bound is the candidate's own-trace bound (sizes are linear in the rows)
+        assert memory_lower_bound_bytes(ref, 4, 8.0, doubled) == pytest.approx(memory_lower_bound_bytes(graph, 4),
+                                                                                rel=1e-9), rc
         for mesh in ((4, 1), (2, 2)):
             sol = solve_intra_op(graph, cluster, mesh)
             lb = lower_bound_s(ref, cluster, 4, 8.0)
             assert lb["pre"] + 8 * lb["layer"] + lb["post"] <= sol.cost.total_s
-            bound = memory_lower_bound_bytes(ref, 4, 8.0)
+            bound = memory_lower_bound_bytes(ref, 4, 8.0, doubled)
             assert bound <= pipeline_search.MEMORY_BOUND_SLACK * sol.cost.peak_memory_bytes, (rc, mesh)
             # on the candidate's own trace the bound is exact: no plan beats it
             assert memory_lower_bound_bytes(graph, 4) <= sol.cost.peak_memory_bytes, (rc, mesh)
