@@ -134,16 +134,15 @@ def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
 
 
 def _raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> float:
-    """Gradient bytes one rank accumulates over the microbatches: the per-op program adds
-    each microbatch's raw gradients, whose size is the weight as the compute uses it (sharded
-    over the tensor-parallel axes only; a dp-sharded (ZeRO) weight is gathered for compute)."""
+    """Gradient bytes one rank accumulates over the microbatches: each raw gradient as the
+    backward leaves it (its own placement; a pending sum over dp is whole, a gradient of a
+    tensor-parallel weight is sharded like the weight's use), before the once-per-step sync."""
     by_node = {c.node: c for c in solution.choices}
     total = 0.0
-    for node in graph.by_role(Role.PARAMETER):
-        c = by_node.get(node.id)
+    for _param, grad in graph.param_grads:
+        c = by_node.get(grad)
         if c is not None:
-            tp_shard = math.prod(n for n, p in zip(solution.mesh_shape[1:], c.outputs[0][1:]) if isinstance(p, Shard))
-            total += node.output.size_bytes * graph.weight(node.id) / tp_shard
+            total += graph[grad].output.size_bytes * graph.weight(grad) / shard_factor(c.outputs[0], solution.mesh_shape)
     return total
 
 

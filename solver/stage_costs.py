@@ -15,7 +15,7 @@ rest: final norm, head, loss). With w_n the node's multiplicity and L the real d
     layer_s   = sum_{n in layer} w_n (compute + comm + reshard)_n / L   (one real layer)
     pre_s, post_s likewise without the division; gradient-sync edges carry the ILP's
     1/m weight, and the optimizer step over the piece's local parameters and the
-    microbatches' gradient accumulation into its tp-local gradients
+    microbatches' gradient accumulation into its raw gradients
     (cost_model.grad_accumulation_time_s, as one-stage plans pay it) are added / m, so the
     critical stage's m t pays them once per step (stage_dp.py).
 
@@ -40,7 +40,6 @@ memory bound exceeds the budget.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cost_model
@@ -180,10 +179,13 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
             a["state"] += w * c.memory_bytes
             a["params"] += w * node.output.numel / shard_factor(c.outputs[0], mesh)
             a["grad_bytes"] += w * node.output.size_bytes / shard_factor(c.outputs[0], mesh)
-            # what a rank accumulates over the microbatches: the gradient as the compute uses
-            # the weight (sharded over the tensor-parallel axes only), as spmd_search prices it
-            tp_shard = math.prod(n for n, p in zip(mesh[1:], c.outputs[0][1:]) if isinstance(p, Shard))
-            a["raw_grad_bytes"] += w * node.output.size_bytes / tp_shard
+    # what a rank accumulates over the microbatches: each raw gradient as the backward leaves
+    # it (its own placement), as spmd_search prices it
+    for _param, grad in graph.param_grads:
+        if grad in by_node:
+            c = by_node[grad]
+            acc[pieces[grad]]["raw_grad_bytes"] += c.weight * graph[grad].output.size_bytes \
+                / shard_factor(c.outputs[0], mesh)
     saved: set[NodeId] = set()
     for node in graph.nodes:
         if node.phase is not Phase.BACKWARD or node.id not in by_node:

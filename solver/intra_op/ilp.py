@@ -37,8 +37,8 @@ reduces accumulated gradients once per step, the rest of the graph runs m times;
 objective is per microbatch). With `num_microbatches` (a one-stage step), each
 parameter's strategy also carries the once-per-step terms the step price adds
 (solver/spmd_search.py `estimate`), over m: the optimizer step over its local shard and
-the microbatches' gradient accumulation into its tp-local gradient
-(cost_model.optimizer_time_s, grad_accumulation_time_s), so the ILP minimises the step
+(on its gradient's strategies) the microbatches' accumulation into the raw gradient as
+the backward leaves it (cost_model.optimizer_time_s, grad_accumulation_time_s), so the ILP minimises the step
 time it reports, not only the per-microbatch part (a plan keeping a few more parameters
 replicated for a smaller per-microbatch cost paid more optimizer time than it saved). Placeholder restrictions (`restrict_placeholders`) express
 a forced configuration (data parallel over an axis, ZeRO, no tensor parallelism) by
@@ -605,26 +605,30 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
 
 def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId, list[float]], cluster: Cluster,
                     mesh_shape: tuple[int, ...], m: int) -> None:
-    """Per parameter strategy, (optimizer step over the local shard + gradient accumulation
-    into the tp-local gradient) / m: the terms spmd_search.estimate adds once per step."""
-    import math
-
-    from autopar.placement import Shard, shard_factor
+    """(optimizer step over each parameter's local shard, on the parameter's strategies) +
+    (gradient accumulation into each raw gradient as the backward leaves it, on the
+    gradient's strategies: before the once-per-step sync a pending sum is whole), / m: the
+    terms spmd_search.estimate adds once per step."""
+    from autopar.placement import shard_factor
     from cost_model import core_share, grad_accumulation_time_s, optimizer_time_s
 
     share, hw = core_share(cluster), cluster.hardware
     opt_per_element = optimizer_time_s(1.0, hw) * share / m
     acc_per_byte = grad_accumulation_time_s(1.0, m, 1, hw) * share / m
+    active = set(red.active)
     for n in red.active:
         node = graph[n]
         if node.role is not Role.PARAMETER:
             continue
         coef, w = node_coef[red.owner[n]], graph.weight(n)
         for j, s in enumerate(red.smap[n]):
-            out = space[n][s].outputs[0]
-            tp_shard = math.prod(k for k, p in zip(mesh_shape[1:], out[1:]) if isinstance(p, Shard))
-            coef[j] += w * (opt_per_element * node.output.numel / shard_factor(out, mesh_shape)
-                            + acc_per_byte * node.output.size_bytes / tp_shard)
+            coef[j] += w * opt_per_element * node.output.numel / shard_factor(space[n][s].outputs[0], mesh_shape)
+    for _param, grad in graph.param_grads:
+        if grad not in active:
+            continue
+        coef, w, size = node_coef[red.owner[grad]], graph.weight(grad), graph[grad].output.size_bytes
+        for j, s in enumerate(red.smap[grad]):
+            coef[j] += w * acc_per_byte * size / shard_factor(space[grad][s].outputs[0], mesh_shape)
 
 
 def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements, Placements]],
