@@ -1,5 +1,5 @@
 """Every plan `autopar search` ranks runs, driven through the CLI as a user would: `autopar
-search --top 3 --json --out best.json` for a zoo model and for a factory model (Hugging Face
+search --top 2 --json --out best.json` for a zoo model and for a factory model (Hugging Face
 GPT-2 built from a config, with dropout: `--check` draws the masks deterministically); the
 best plan trains with `autopar train --plan best.json --check`, every other ranked plan with
 `autopar train` forced to its configuration (`--tp --pp --dp --zero --micro-batch --schedule
@@ -8,7 +8,7 @@ match the single-process reference, and the collectives each program ran equal t
 plan priced (pipelines: inside each stage). A plan the search ranks but `train` refuses
 fails this test. The whole grid (cpu:2/4/8, five models, top 5: 75 plans, pipelines for
 Hugging Face models among them) is benchmarks/check_search_plans.py, its last run in
-benchmarks/results/search_plans_run.md; the suite keeps this slice (top 3, cpu:4) for time."""
+benchmarks/results/search_plans_run.md; the suite keeps this slice (top 2, cpu:4) for time."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _forced_flags(config: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("model, global_batch", CASES, ids=["zoo-llama", "hf-gpt2"])
-def test_cli_search_top3_then_cli_train(model, global_batch, tmp_path, capsys):
+def test_cli_search_top2_then_cli_train(model, global_batch, tmp_path, capsys):
     if model.startswith("tests.factories:hf"):
         pytest.importorskip("transformers", reason="transformers not installed (extra 'test')")
         from tests.factories import hf_gpt2_dropout
@@ -43,7 +43,7 @@ def test_cli_search_top3_then_cli_train(model, global_batch, tmp_path, capsys):
         global_batch = int(hf_gpt2_dropout()[1][0].shape[0])
     best = tmp_path / "best.json"
     capsys.readouterr()
-    code = cli.main(["search", model, "--cluster", "cpu:4", "--global-batch", str(global_batch), "--top", "3",
+    code = cli.main(["search", model, "--cluster", "cpu:4", "--global-batch", str(global_batch), "--top", "2",
                      "--json", "--out", str(best)])
     ranked = json.loads(capsys.readouterr().out)["plans"]
     assert code == 0 and len(ranked) >= 2 and best.exists()
