@@ -146,11 +146,14 @@ def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None 
     return min(per_call)
 
 
-def reference_workload() -> Callable[[], None]:
+def reference_workload(group: Any = None) -> Callable[[], None]:
     """A fixed mix of what training steps do here (GEMMs, small autograd ops, a gloo
-    all-reduce), to be called on every rank of a process group at once; returns the callable.
-    Its time, set against `Calibration.reference_s`, says how much slower or faster the
-    shared machine is now than when the profile was measured."""
+    all-reduce), to be called on every rank of `group` (default: the process group) at once;
+    returns the callable. Its time, set against `Calibration.reference_s`, says how much slower
+    or faster the shared machine is now than when the profile was measured; it compares like
+    with like only on as many ranks as the calibration ran (its all-reduce has 2 (n - 1) ring
+    steps, and more ranks per core than the calibration's add time-slicing): a later run on
+    more ranks times it on a group of the calibration's size (benchmarks/sweep_cpu.py)."""
     import torch
     import torch.distributed as dist
 
@@ -167,7 +170,7 @@ def reference_workload() -> Callable[[], None]:
             y = y * w
         y.sum().backward()
         for _ in range(3):
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=group)
 
     return run
 

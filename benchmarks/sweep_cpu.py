@@ -85,6 +85,13 @@ REFERENCE_CALLS = 8
 """The reference workload runs as one window of this many calls per round (about the length
 of a step), its time per call recorded: `autopar calibrate` times it the same way (the
 fastest of a few windows), so the sweep's fastest window compares like with like."""
+REFERENCE_RANKS = 4
+"""Ranks the reference workload runs on (the others wait at the barrier): the device count of
+the calibrations it is set against (`autopar calibrate --devices 4`, the default; both
+profiles here). On all 8 ranks it ran 1.33-1.40x slower per dedicated core than on 4 at an
+unchanged machine speed (2 (n - 1) ring steps in its all-reduce, 4 ranks per core), and that
+was read as load: every 8-process prediction came out about 1.4x too slow next to the
+4-process ones."""
 REPEAT_SUFFIX = " (repeat)"
 """Label suffix of the noise estimate: the world's first configuration compiled and timed a
 second time (an identical program measured in the same rounds)."""
@@ -145,7 +152,9 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
     from autopar.calibrate import reference_workload
     from autopar.models import resolve
 
-    reference = reference_workload()
+    ranks = min(REFERENCE_RANKS, dist.get_world_size())
+    group = dist.new_group(list(range(ranks))) if ranks < dist.get_world_size() else None
+    reference = reference_workload(group) if rank < ranks else None
     source = resolve(spec)
     batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
                for k in range(warmup + timed)]
@@ -161,8 +170,9 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
     for k, batch in enumerate(batches):
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(REFERENCE_CALLS):
-            reference()
+        if reference is not None:
+            for _ in range(REFERENCE_CALLS):
+                reference()
         dist.barrier()
         if k >= warmup:
             reference_s.append((time.perf_counter() - start) / REFERENCE_CALLS)
@@ -176,7 +186,7 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
             if k >= warmup:
                 times[label].append(time.perf_counter() - start)
             losses.setdefault(label, float(loss))
-    return {"times": times, "first_loss": losses, "reference_s": reference_s}
+    return {"times": times, "first_loss": losses, "reference_s": reference_s, "reference_ranks": ranks}
 
 
 def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int) -> dict[str, Any]:
@@ -274,7 +284,8 @@ def predict_pipeline(spec: str, case: SweepCase, hardware: Any, load: float = 1.
 
 
 def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_cal: Any | None,
-                reference_s: list[float] | None = None, graph: Any = None) -> dict[str, Any]:
+                reference_s: list[float] | None = None, graph: Any = None,
+                reference_ranks: int | None = None) -> dict[str, Any]:
     """A row's predicted columns: `predicted_<profile>_s` (what the product ranks by: the
     ILP's price for pp = 1, the ILP stage costs for pp > 1), `..._analytic_s` (price_profile for
     every row), their `_raw` values before the load factor, and the load factors."""
@@ -284,7 +295,7 @@ def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_ca
     for name, hw in (("default", hw_default), ("calibrated", hw_cal)):
         if hw is None:
             continue
-        load = load_factor(hw, case.world, reference_s if reference_s is not None else [])
+        load = load_factor(hw, reference_ranks or case.world, reference_s if reference_s is not None else [])
         analytic = predict(profile, case, hw)
         product = predict_ilp(graph, case, hw) if case.config.pp == 1 else predict_pipeline(spec, case, hw)
         out.update({f"load_{name}": load, f"predicted_{name}_s": load * product, f"predicted_{name}_raw_s": product,
@@ -308,7 +319,8 @@ def repredict(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             profiles[r["model"]] = _profile(r["model"])
         kept = {k: v for k, v in r.items() if not k.startswith(("predicted_", "load_"))}
         rows.append({**kept, **predictions(profiles[r["model"]], r["model"], case, HARDWARE["cpu"], hw_cal,
-                                           reference_s=r["reference_s"])})
+                                           reference_s=r["reference_s"],
+                                           reference_ranks=r.get("reference_ranks", r["world"]))})
     out = {**old, **summarize(rows), "rows": rows, "profile": args.profile, "repriced": True}
     return report(out, args)
 
@@ -323,14 +335,15 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def load_factor(hardware: Any, world: int, reference_s: list[float]) -> float:
-    """How much slower the shared machine ran the reference workload during the sweep than
-    when `hardware` was calibrated (both per dedicated core); 1.0 for an uncalibrated profile.
+def load_factor(hardware: Any, ranks: int, reference_s: list[float]) -> float:
+    """How much slower the shared machine ran the reference workload (on `ranks` ranks at once,
+    REFERENCE_RANKS) during the sweep than when `hardware` was calibrated (both per dedicated
+    core); 1.0 for an uncalibrated profile.
     The sweep's reference timings (one window of REFERENCE_CALLS calls per timed round) are
     reduced like the step times and like `autopar calibrate` reduces its windows: the fastest."""
     if not hardware.reference_s or not reference_s:
         return 1.0
-    share = max(1.0, world / hardware.cores_per_node) if hardware.cores_per_node else 1.0
+    share = max(1.0, ranks / hardware.cores_per_node) if hardware.cores_per_node else 1.0
     return min(reference_s) / share / hardware.reference_s
 
 
@@ -378,6 +391,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--merge", default=None, metavar="JSON",
+                    help="keep an earlier run's rows of the (size, processes) groups this run does not measure "
+                         "(e.g. re-measure --worlds 8 only); the tables cover both")
     ap.add_argument("--summarize", default=None, metavar="JSON",
                     help="no measuring: recompute the figures and tables of an earlier run's JSON")
     ap.add_argument("--repredict", default=None, metavar="JSON",
@@ -404,8 +420,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             world_cases = [c for c in cases(world) if not args.only or c.label in args.only.split(",")]
             t = time.perf_counter()
             got = measure(spec, world_cases, warmup=warmup, timed=timed)
-            load_default = load_factor(HARDWARE["cpu"], world, got["reference_s"])
-            load_cal = load_factor(hw_cal, world, got["reference_s"]) if hw_cal is not None else None
+            ranks = got["reference_ranks"]
+            load_default = load_factor(HARDWARE["cpu"], ranks, got["reference_s"])
+            load_cal = load_factor(hw_cal, ranks, got["reference_s"]) if hw_cal is not None else None
             print(f"  reference workload {min(got['reference_s']) * 1e3:.0f} ms: load x{load_default:.2f} "
                   f"vs the built-in profile's calibration" + (f", x{load_cal:.2f} vs the calibrated one"
                                                                 if load_cal is not None else ""), flush=True)
@@ -414,14 +431,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "config": case.config.to_json(), "measured_s": min(got["times"][case.label]),
                        "measured_median_s": statistics.median(got["times"][case.label]),
                        "measured_times_s": got["times"][case.label], "first_loss": got["first_loss"][case.label],
-                       "reference_s": got["reference_s"]}
-                row.update(predictions(profile, spec, case, HARDWARE["cpu"], hw_cal, reference_s=got["reference_s"]))
+                       "reference_s": got["reference_s"], "reference_ranks": ranks}
+                row.update(predictions(profile, spec, case, HARDWARE["cpu"], hw_cal, reference_s=got["reference_s"],
+                                       reference_ranks=ranks))
                 rows.append(row)
                 print(f"  {size} world {world} {case.label:<20} measured {row['measured_s'] * 1e3:7.0f} ms  "
                       f"predicted {row.get('predicted_calibrated_s', float('nan')) * 1e3:7.0f} ms (calibrated) "
                       f"{row['predicted_default_s'] * 1e3:7.0f} ms (built-in)", flush=True)
             print(f"[{size} on {world} processes: {len(world_cases)} configurations in {time.perf_counter() - t:.0f} s]",
                   flush=True)
+    if args.merge:
+        measured = {(r["size"], r["world"]) for r in rows}
+        kept = [r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["size"], r["world"]) not in measured]
+        order = {(s, w): i for i, (s, w) in enumerate((s, w) for s in SIZES for w in (4, 8))}
+        rows = sorted(kept + rows, key=lambda r: order[(r["size"], r["world"])])
     out = summarize(rows)
     out.update(rows=rows, global_batch=GLOBAL_BATCH, warmup_rounds=warmup, timed_rounds=timed,
                wall_s=time.perf_counter() - start, profile=args.profile)
