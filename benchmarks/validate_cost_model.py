@@ -227,7 +227,8 @@ def _ranking_section(rows: list[dict[str, Any]], sweep: dict[str, Any] | None) -
                          + (f"{statistics.median(g['spearman'] for g in multi):.2f} over {len(multi)}" if multi else "-"))
     if sweep:
         lines += ["", "This machine (benchmarks/sweep_cpu.py; measured step times; predicted = what the product ranks "
-                  "by: the intra-op ILP's price of the per-op program for pp = 1, `price_profile` for pp > 1, with the "
+                  "by: the intra-op ILP's price of the per-op program for pp = 1, the pipeline search's ILP stage costs "
+                  "for pp > 1, with the "
                   "calibrated profile and with the built-in `cpu` profile; rows marked `price_profile for all` price "
                   "every configuration with `price_profile`):", "",
                   "| group | profile | runs | median abs error | Spearman | regret of the pick | pick | measured best |",
