@@ -88,3 +88,25 @@ def test_build_exchange_outlasts_the_collective_timeout():
     assert got == [{"solved": [1, 2, 3]}] * 2
     with pytest.raises(RankFailure):
         spawn(_slow_rank0_exchange, 2, (False,), collective_timeout_s=1.0)
+
+
+def _environment(rank: int, name: str) -> tuple[str | None, int, int]:
+    return os.environ.get(name), os.getpid(), torch.get_num_threads()
+
+
+def test_ranks_get_the_callers_environment_each_call(monkeypatch):
+    """Ranks fork from a forkserver started once (autopar/runtime/launch.py): each call's
+    ranks still see the caller's environment as it is at that call, not the server's."""
+    name = "AUTOPAR_TEST_LAUNCH_ENV"
+    monkeypatch.setenv(name, "first")
+    first = spawn(_environment, 2, (name,))
+    monkeypatch.setenv(name, "second")
+    second = spawn(_environment, 2, (name,))
+    monkeypatch.delenv(name)
+    third = spawn(_environment, 2, (name,))
+    assert [v for v, _, _ in first] == ["first"] * 2
+    assert [v for v, _, _ in second] == ["second"] * 2
+    assert [v for v, _, _ in third] == [None] * 2
+    pids = {pid for r in (first, second, third) for _, pid, _ in r}
+    assert len(pids) == 6 and os.getpid() not in pids  # a fresh process per rank and call
+    assert all(threads == 1 for r in (first, second, third) for _, _, threads in r)
