@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.ir import NodeId
-from autopar.placement import Placements, format_placements, parse_placements
+from autopar.ir import Graph, NodeId
+from autopar.placement import Placements, format_placements, parse_placements, shard_factor
 
 
 class InfeasiblePlanError(ValueError):
@@ -214,3 +214,19 @@ class IntraOpSolution:
                 f"{ch.memory_bytes / 2**20:>9.3f}"
             )
         return "\n".join(lines)
+
+
+def raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> dict[NodeId, float]:
+    """Per gradient node: the bytes one rank accumulates over a step's microbatches, each raw
+    gradient as the backward leaves it (its own placement: a pending sum over dp is whole, a
+    tensor-parallel weight's gradient is sharded like the weight's use), before the
+    once-per-step sync, times the node's multiplicity (layers traced once count for all).
+    The accumulation term of the one-stage estimate (solver/spmd_search.py) and of the
+    pipeline stage costs (solver/stage_costs.py, per piece)."""
+    by_node = {c.node: c for c in solution.choices}
+    out: dict[NodeId, float] = {}
+    for _param, grad in graph.param_grads:
+        c = by_node.get(grad)
+        if c is not None:
+            out[grad] = c.weight * graph[grad].output.size_bytes / shard_factor(c.outputs[0], solution.mesh_shape)
+    return out

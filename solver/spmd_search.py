@@ -46,7 +46,7 @@ from autopar.plan import (
     Plan,
     SearchInfo,
 )
-from autopar.sharding import IntraOpSolution
+from autopar.sharding import IntraOpSolution, raw_gradient_bytes
 from solver.intra_op.ilp import solve_intra_op
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.intra_op.space import coverage, enumerate_strategies
@@ -133,19 +133,6 @@ def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
     return total
 
 
-def _raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> float:
-    """Gradient bytes one rank accumulates over the microbatches: each raw gradient as the
-    backward leaves it (its own placement; a pending sum over dp is whole, a gradient of a
-    tensor-parallel weight is sharded like the weight's use), before the once-per-step sync."""
-    by_node = {c.node: c for c in solution.choices}
-    total = 0.0
-    for _param, grad in graph.param_grads:
-        c = by_node.get(grad)
-        if c is not None:
-            total += graph[grad].output.size_bytes * graph.weight(grad) / shard_factor(c.outputs[0], solution.mesh_shape)
-    return total
-
-
 def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     """3 when most parameter bytes are sharded over the first (dp) axis, else 0: a label
     for tables; the placements are the plan."""
@@ -168,7 +155,7 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
     optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware) \
         * core_share(cluster)
     # i15c: the microbatches' gradient accumulation (cost_model.compute.grad_accumulation_time_s)
-    accumulate = grad_accumulation_time_s(_raw_gradient_bytes(graph, solution), m, 1, cluster.hardware) \
+    accumulate = grad_accumulation_time_s(sum(raw_gradient_bytes(graph, solution).values()), m, 1, cluster.hardware) \
         * core_share(cluster)
     step = m * per_micro + optimizer + accumulate
     devices = cluster.num_devices

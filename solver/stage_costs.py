@@ -46,7 +46,7 @@ import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
 from autopar.placement import Shard, format_placements, shard_factor
-from autopar.sharding import IntraOpSolution, StrategySpace
+from autopar.sharding import IntraOpSolution, StrategySpace, raw_gradient_bytes
 from cost_model import (
     STATE_BYTES_PER_PARAM,
     AxisLink,
@@ -181,11 +181,8 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
             a["grad_bytes"] += w * node.output.size_bytes / shard_factor(c.outputs[0], mesh)
     # what a rank accumulates over the microbatches: each raw gradient as the backward leaves
     # it (its own placement), as spmd_search prices it
-    for _param, grad in graph.param_grads:
-        if grad in by_node:
-            c = by_node[grad]
-            acc[pieces[grad]]["raw_grad_bytes"] += c.weight * graph[grad].output.size_bytes \
-                / shard_factor(c.outputs[0], mesh)
+    for grad, nbytes in raw_gradient_bytes(graph, solution).items():
+        acc[pieces[grad]]["raw_grad_bytes"] += nbytes
     saved: set[NodeId] = set()
     for node in graph.nodes:
         if node.phase is not Phase.BACKWARD or node.id not in by_node:
