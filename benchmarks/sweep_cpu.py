@@ -37,9 +37,10 @@ The whole-model formula `price_profile` is kept for every row too (`*_analytic_s
 two pricings of one-stage plans can be compared against the same measurements.
 The machine is shared (load averages of 10-20 on 2 cores were seen while developing this),
 so its speed drifts between a calibration and a sweep: every round also times
-`autopar.calibrate.reference_workload` on the same ranks, and each prediction is scaled by
-the ratio of that time to the profile's own reference time (`load_factor`, per dedicated
-core). The unscaled predictions are kept too (`*_raw_s`); the ranking does not depend on it.
+`autopar.calibrate.reference_workload` on as many of the same ranks as the calibration ran
+(`REFERENCE_RANKS`), and each prediction is scaled by the ratio of that time to the
+profile's own reference time (`load_factor`, per dedicated core). The unscaled predictions
+are kept too (`*_raw_s`); the ranking within a group does not depend on it.
 
 Figures per (size, world) group and over all: median |predicted / measured - 1|, Spearman
 rank correlation of predicted vs measured step time, the regret of the profile's top pick
