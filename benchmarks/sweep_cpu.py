@@ -336,6 +336,18 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _merge_rows(ap: argparse.ArgumentParser, path: str) -> list[dict[str, Any]]:
+    """The rows of the --merge JSON, or an argparse error (exit 2) naming what is wrong."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and {"size", "world"} <= set(r) for r in rows):
+            raise ValueError("its rows lack size/world")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        ap.error(f"--merge {path}: not a sweep_cpu.py JSON ({exc}); give the --json file of an earlier run, "
+                 "e.g. benchmarks/results/sweep_cpu.json")
+    return rows
+
+
 def load_factor(hardware: Any, ranks: int, reference_s: list[float]) -> float:
     """How much slower the shared machine ran the reference workload (on `ranks` ranks at once,
     REFERENCE_RANKS) during the sweep than when `hardware` was calibrated (both per dedicated
@@ -401,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measuring: keep an earlier run's measured times and reference timings, and "
                          "price every row again with the current cost model and --profile")
     args = ap.parse_args(argv)
+    merged_rows = _merge_rows(ap, args.merge) if args.merge else None  # checked before ~20 minutes of measuring
     if args.repredict:
         return repredict(Path(args.repredict), args)
     if args.summarize:
@@ -443,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   flush=True)
     if args.merge:
         measured = {(r["size"], r["world"]) for r in rows}
-        kept = [r for r in json.loads(Path(args.merge).read_text())["rows"] if (r["size"], r["world"]) not in measured]
+        kept = [r for r in merged_rows if (r["size"], r["world"]) not in measured]
         order = {(s, w): i for i, (s, w) in enumerate((s, w) for s in SIZES for w in (4, 8))}
         rows = sorted(kept + rows, key=lambda r: order[(r["size"], r["world"])])
     out = summarize(rows)

@@ -56,3 +56,14 @@ def test_load_factor_takes_the_fastest_reference_window():
 
     # 4 ranks on 2 cores: per dedicated core the fastest window is 0.05 / 2
     assert sweep_cpu.load_factor(Hw(), 4, [0.09, 0.05, 0.3]) == pytest.approx(0.05 / 2 / 0.02)
+
+
+def test_merge_input_is_checked_before_measuring(tmp_path, capsys):
+    """A bad --merge file is refused at once (exit 2, naming it), not after the measuring."""
+    bad = tmp_path / "old.json"
+    bad.write_text('{"groups": {}}')
+    for path in (tmp_path / "missing.json", bad):
+        with pytest.raises(SystemExit) as stop:
+            sweep_cpu.main(["--merge", str(path), "--sizes", "S", "--worlds", "4"])
+        assert stop.value.code == 2
+        assert f"--merge {path}: not a sweep_cpu.py JSON" in capsys.readouterr().err
