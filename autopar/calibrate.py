@@ -19,9 +19,11 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   ranks and inside 2-rank groups, and send/recv pairs; per kind, the latency per ring step
   and the bus bandwidth are fitted to t = L0 + steps(n) alpha + vol(n) S / B_kind
   (steps: 2(n-1) all-reduce, n-1 all-gather/reduce-scatter; vol: 2(n-1)/n, (n-1)/n);
-- rank skew: a small all-reduce between chunks of GEMM work costs more than back to back
-  (every rank waits for the one the OS scheduled last); the excess joins every
-  collective's fixed latency L0.
+- in-step collectives (rank skew): a small all-reduce inside each pair of ranks, issued
+  between chunks of GEMM work while the other ranks work too, costs more than the work and
+  the same all-reduce back to back together (the pair waits for its rank the OS runs a
+  time slice later, and the waiting rank for its turn again); the excess, the mean over two
+  chunk lengths (SKEW_CHUNKS), joins every collective's fixed latency L0.
 
 Load: this machine is shared, and its speed drifts with other users' load. Every
 measurement is preceded by a short run of `reference_workload` and scaled by (the reference
@@ -62,6 +64,11 @@ CHAIN_OPS = 200
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2 * 2**20, 8 * 2**20)
 COLLECTIVE_REPEATS = {4 * 2**10: 20, 256 * 2**10: 8, 2 * 2**20: 4, 8 * 2**20: 2}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+SKEW_CHUNKS = (4, 16)
+"""GEMMs (64 x 384 @ 384 x 384) between two in-step collectives of the skew probe: about
+0.5-2 ms and 2-8 ms of one rank's work at 2 ranks per core, the span of the gaps between a
+per-op program's tensor-parallel collectives in the CPU sweep's models (a few ops to a layer)."""
+SKEW_REPEATS = 20
 MIN_TIME_S = 0.15
 """Length of one timing window of local work."""
 WINDOWS = 3
@@ -87,8 +94,12 @@ class Calibration:
     """(kind, ranks in the group, bytes, seconds): kind in KINDS; bytes = the full tensor."""
     send_recv_s: tuple[tuple[int, float], ...]
     sync_skew_s: float = 0.0
-    """Extra time of a small all-reduce issued between chunks of work over the same all-reduce
-    issued back to back: the wait for the last rank to arrive (rank skew under core sharing)."""
+    """Extra time of a small all-reduce inside a pair of ranks issued between chunks of work,
+    with every other rank working meanwhile, over the work and the same all-reduce back to
+    back (rank skew and rescheduling under core sharing), the mean over SKEW_CHUNKS. An
+    earlier probe ran the all-reduce on all ranks after identical chunks, where nobody else
+    works while the ranks wait, and measured 0; in the CPU sweep's steps the per-op
+    programs' collectives cost 1.5-3 ms each beyond their back-to-back time."""
     reference_s: float = 0.0
     """One call of `reference_workload` on all ranks at once: what a later run on this
     machine compares its own reference time with (`load_factor`), so that predictions made
@@ -266,20 +277,6 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     out["plain_block"] = timed(lambda: block(xl, wl), barrier)
     barrier()
     out["dtensor_block"] = timed(lambda: block(xd, wd), barrier)
-    # rank skew: a collective between chunks of work waits for the last rank to arrive,
-    # which with more ranks than cores is whichever the OS scheduled last
-    ga, gb = torch.randn(192, 192), torch.randn(192, 192)
-    tiny = torch.ones(1024)
-
-    def work() -> None:
-        for _ in range(8):
-            torch.mm(ga, gb)
-
-    barrier()
-    t_work = timed(work, barrier, 20)
-    t_coll = timed(lambda: dist.all_reduce(tiny), barrier, 20)
-    t_both = timed(lambda: (work(), dist.all_reduce(tiny)), barrier, 20)
-    out["sync_skew"] = max(0.0, t_both - t_work - t_coll)
     b_, h_, s_, d_ = 2, 4, 64, 32
     q, kk, vv = (torch.randn(b_, h_, s_, d_, requires_grad=True) for _ in range(3))
 
@@ -309,6 +306,30 @@ def _rank_measure(rank: int) -> dict[str, Any]:
                 out["coll"].append(("reduce_scatter", size, nbytes, timed(
                     lambda: dist.reduce_scatter_tensor(shard, gathered, **kw), sync, count)))
             barrier()
+    # in-step collectives: a small all-reduce inside each pair of ranks, issued between chunks
+    # of work while every other rank works too (a tensor-parallel layer's collectives within a
+    # step), against the same all-reduce back to back and the work alone; what it costs beyond
+    # both is the wait for the pair's later rank (the OS runs it a time slice later when ranks
+    # outnumber cores) and for the waiting rank to be scheduled again
+    ga, gb = torch.randn(64, 384), torch.randn(384, 384)
+    tiny = torch.ones(1024)
+    excess = []
+    for chunk in SKEW_CHUNKS:
+        def work() -> None:
+            for _ in range(chunk):  # noqa: B023 (called inside this iteration only)
+                torch.mm(ga, gb)
+
+        def pair_all_reduce() -> None:
+            if mine is not None:
+                dist.all_reduce(tiny, group=mine)
+
+        barrier()
+        t_work = timed(work, barrier, SKEW_REPEATS)
+        t_coll = timed(pair_all_reduce, barrier, SKEW_REPEATS)
+        t_both = timed(lambda: (work(), pair_all_reduce()), barrier, SKEW_REPEATS)
+        excess.append(max(0.0, t_both - t_work - t_coll))
+    out["sync_skew"] = statistics.mean(excess)
+    out["sync_skew_by_chunk"] = excess
     for nbytes in COLLECTIVE_BYTES:
         x = torch.ones(nbytes // 4)
         if peer < n:

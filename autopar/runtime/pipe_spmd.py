@@ -253,7 +253,9 @@ class StageRunner:
         outs = list(self.backward_gm(*saved, *seeds))
         num_params = len(self.program.graphs.grads)
         raw, input_grads = outs[:num_params], outs[num_params:]
-        self.raw = raw if self.raw is None else [a + b for a, b in zip(self.raw, raw)]
+        from autopar.runtime.spmd import accumulate
+
+        self.raw = accumulate(self.raw, raw, self.program._input_storages)
         out: list[torch.Tensor | None] = [None] * self.num_inputs
         for pos, g in zip(self.grad_inputs, input_grads):
             out[pos] = g
