@@ -19,11 +19,9 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   ranks and inside 2-rank groups, and send/recv pairs; per kind, the latency per ring step
   and the bus bandwidth are fitted to t = L0 + steps(n) alpha + vol(n) S / B_kind
   (steps: 2(n-1) all-reduce, n-1 all-gather/reduce-scatter; vol: 2(n-1)/n, (n-1)/n);
-- in-step collectives (rank skew): a small all-reduce inside each pair of ranks, issued
-  between chunks of GEMM work while the other ranks work too, costs more than the work and
-  the same all-reduce back to back together (the pair waits for its rank the OS runs a
-  time slice later, and the waiting rank for its turn again); the excess, the mean over two
-  chunk lengths (SKEW_CHUNKS), joins every collective's fixed latency L0.
+- rank skew: a small all-reduce between chunks of GEMM work costs more than back to back
+  (every rank waits for the one the OS scheduled last). Measured and reported, not priced:
+  see `Calibration.sync_skew_s`.
 
 Load: this machine is shared, and its speed drifts with other users' load. Every
 measurement is preceded by a short run of `reference_workload` and scaled by (the reference
@@ -64,11 +62,11 @@ CHAIN_OPS = 200
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2 * 2**20, 8 * 2**20)
 COLLECTIVE_REPEATS = {4 * 2**10: 20, 256 * 2**10: 8, 2 * 2**20: 4, 8 * 2**20: 2}
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-SKEW_CHUNKS = (4, 16)
-"""GEMMs (64 x 384 @ 384 x 384) between two in-step collectives of the skew probe: about
-0.5-2 ms and 2-8 ms of one rank's work at 2 ranks per core, the span of the gaps between a
-per-op program's tensor-parallel collectives in the CPU sweep's models (a few ops to a layer)."""
-SKEW_REPEATS = 20
+REFERENCE_STREAM_BYTES = 16 * 2**20
+"""The reference workload's copy: a step streams its weights and activations through memory,
+and another tenant's memory traffic slows that without slowing cache-resident work. With
+GEMMs and small ops alone, one sweep group measured 1.3-1.4x slower than the same programs
+an hour later, while its reference ran as fast as ever."""
 MIN_TIME_S = 0.15
 """Length of one timing window of local work."""
 WINDOWS = 3
@@ -94,12 +92,18 @@ class Calibration:
     """(kind, ranks in the group, bytes, seconds): kind in KINDS; bytes = the full tensor."""
     send_recv_s: tuple[tuple[int, float], ...]
     sync_skew_s: float = 0.0
-    """Extra time of a small all-reduce inside a pair of ranks issued between chunks of work,
-    with every other rank working meanwhile, over the work and the same all-reduce back to
-    back (rank skew and rescheduling under core sharing), the mean over SKEW_CHUNKS. An
-    earlier probe ran the all-reduce on all ranks after identical chunks, where nobody else
-    works while the ranks wait, and measured 0; in the CPU sweep's steps the per-op
-    programs' collectives cost 1.5-3 ms each beyond their back-to-back time."""
+    """Extra time of a small all-reduce issued between chunks of work over the same all-reduce
+    issued back to back: the wait for the last rank to arrive (rank skew under core sharing).
+    Not priced (`fit` leaves it out of the collective latency): it measured 0 while timing
+    windows ended on each rank's own clock; with windows closed on all ranks together it
+    measured 0.25 and 1.4 ms in two consecutive 3-run calibrations, and priced into every
+    collective the larger value moved the CPU sweep's pooled Spearman for the large model
+    from 0.92 to 0.76 (`--repredict`). A wait it stands for was measured inside pairs of
+    ranks (1.8 ms: tensor-parallel collectives while the other pair works), but adding it
+    to subgroup collectives and send/recv priced pipelines and dp x tp too slow next to
+    one-stage data parallelism (predicted / measured 2.1 for S x 8 dp2 pp4 and 1.3 for
+    L x 8 tp2 pp4 against 0.45-0.6 for dp8): the stage DP's schedule already holds the
+    waits between stages."""
     reference_s: float = 0.0
     """One call of `reference_workload` on all ranks at once: what a later run on this
     machine compares its own reference time with (`load_factor`), so that predictions made
@@ -139,28 +143,42 @@ def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None 
     ranks, and single short calls would see only the uninterrupted ones. The fastest
     window is the machine with the least load from other users (this one is shared); runs
     that happen under more load compare their reference time with `reference_s`.
-    Local work sizes its windows to about MIN_TIME_S; collectives need the same `count`
-    on every rank (else the ranks deadlock)."""
+    Local work sizes its windows to about MIN_TIME_S (the largest count any rank asks
+    for, so all ranks run the same work); collectives need the same `count` on every rank
+    (else the ranks deadlock). Every window starts and ends with `sync`: while one rank
+    still works, the others wait, so a window is the time all ranks take together. (It
+    ended on each rank's own clock before: the last ranks then ran with the cores to
+    themselves, and a quiet machine measured GEMMs at 116 GFLOP/s per dedicated core, above
+    what one rank alone gets, 91; steps were priced at 0.5-0.6 of their measured time.)"""
     fn()
     sync()
     if count is None:
         start = time.perf_counter()
         fn()
         count = max(1, min(10_000, int(MIN_TIME_S / max(time.perf_counter() - start, 1e-7))))
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # one count on every rank: the windows are closed together
+            agreed = torch.tensor([count])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            count = int(agreed)
     per_call: list[float] = []
     for _ in range(WINDOWS):
         sync()
         start = time.perf_counter()
         for _ in range(count):
             fn()
+        sync()  # a window ends when every rank's has: the ranks that finish first no longer
+        # leave the last ones a core of their own (what a step's ranks never get)
         per_call.append((time.perf_counter() - start) / count)
     return min(per_call)
 
 
 def reference_workload(group: Any = None) -> Callable[[], None]:
-    """A fixed mix of what training steps do here (GEMMs, small autograd ops, a gloo
-    all-reduce), to be called on every rank of `group` (default: the process group) at once;
-    returns the callable. Its time, set against `Calibration.reference_s`, says how much slower
+    """A fixed mix of what training steps do here (GEMMs, small autograd ops, a copy through
+    memory larger than the caches, a gloo all-reduce), to be called on every rank of `group`
+    (default: the process group) at once; returns the callable. Its time, set against `Calibration.reference_s`, says how much slower
     or faster the shared machine is now than when the profile was measured; it compares like
     with like only on as many ranks as the calibration ran (its all-reduce has 2 (n - 1) ring
     steps, and more ranks per core than the calibration's add time-slicing): a later run on
@@ -172,8 +190,11 @@ def reference_workload(group: Any = None) -> Callable[[], None]:
     x0 = torch.ones(16, requires_grad=True)
     w = torch.full((16,), 1.0001)
     buf = torch.ones(64 * 2**10)
+    src = torch.ones(REFERENCE_STREAM_BYTES // 4)
+    dst = torch.empty_like(src)
 
     def run() -> None:
+        dst.copy_(src)
         for _ in range(8):
             torch.mm(a, b)
         y = x0
@@ -277,6 +298,20 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     out["plain_block"] = timed(lambda: block(xl, wl), barrier)
     barrier()
     out["dtensor_block"] = timed(lambda: block(xd, wd), barrier)
+    # rank skew: a collective between chunks of work waits for the last rank to arrive,
+    # which with more ranks than cores is whichever the OS scheduled last
+    ga, gb = torch.randn(192, 192), torch.randn(192, 192)
+    tiny = torch.ones(1024)
+
+    def work() -> None:
+        for _ in range(8):
+            torch.mm(ga, gb)
+
+    barrier()
+    t_work = timed(work, barrier, 20)
+    t_coll = timed(lambda: dist.all_reduce(tiny), barrier, 20)
+    t_both = timed(lambda: (work(), dist.all_reduce(tiny)), barrier, 20)
+    out["sync_skew"] = max(0.0, t_both - t_work - t_coll)
     b_, h_, s_, d_ = 2, 4, 64, 32
     q, kk, vv = (torch.randn(b_, h_, s_, d_, requires_grad=True) for _ in range(3))
 
@@ -306,30 +341,6 @@ def _rank_measure(rank: int) -> dict[str, Any]:
                 out["coll"].append(("reduce_scatter", size, nbytes, timed(
                     lambda: dist.reduce_scatter_tensor(shard, gathered, **kw), sync, count)))
             barrier()
-    # in-step collectives: a small all-reduce inside each pair of ranks, issued between chunks
-    # of work while every other rank works too (a tensor-parallel layer's collectives within a
-    # step), against the same all-reduce back to back and the work alone; what it costs beyond
-    # both is the wait for the pair's later rank (the OS runs it a time slice later when ranks
-    # outnumber cores) and for the waiting rank to be scheduled again
-    ga, gb = torch.randn(64, 384), torch.randn(384, 384)
-    tiny = torch.ones(1024)
-    excess = []
-    for chunk in SKEW_CHUNKS:
-        def work() -> None:
-            for _ in range(chunk):  # noqa: B023 (called inside this iteration only)
-                torch.mm(ga, gb)
-
-        def pair_all_reduce() -> None:
-            if mine is not None:
-                dist.all_reduce(tiny, group=mine)
-
-        barrier()
-        t_work = timed(work, barrier, SKEW_REPEATS)
-        t_coll = timed(pair_all_reduce, barrier, SKEW_REPEATS)
-        t_both = timed(lambda: (work(), pair_all_reduce()), barrier, SKEW_REPEATS)
-        excess.append(max(0.0, t_both - t_work - t_coll))
-    out["sync_skew"] = statistics.mean(excess)
-    out["sync_skew_by_chunk"] = excess
     for nbytes in COLLECTIVE_BYTES:
         x = torch.ones(nbytes // 4)
         if peer < n:
@@ -449,7 +460,7 @@ class Fitted:
     dtensor_op_overhead_s: float
     attention_efficiency: float
     base_latency_s: float
-    """Per collective: gloo's launch cost (fitted) plus the rank skew (`sync_skew_s`)."""
+    """Per collective: gloo's launch cost (fitted)."""
     hop_latency_s: float
     bus_bytes_per_s: dict[str, float]
     p2p_bytes_per_s: float
@@ -482,7 +493,7 @@ def fit(cal: Calibration) -> Fitted:
         copy_bytes_per_s=copy_bw * s, copy_overhead_s=copy[1] / s, eager_op_s=cal.eager_op_s / s,
         view_op_s=cal.view_op_s / s, dtensor_op_overhead_s=cal.dtensor_op_s / s,
         attention_efficiency=min(1.0, cal.attention_flops_per_s / peak),
-        base_latency_s=(base + cal.sync_skew_s) / s,
+        base_latency_s=base / s,
         hop_latency_s=alpha / s, bus_bytes_per_s={k: v * s for k, v in bus.items()},
         p2p_bytes_per_s=(1 / p2p[0] if p2p[0] > 0 else float("inf")) * s,
     )

@@ -155,14 +155,9 @@ class PipelineResult:
 
 
 def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
-    """The devices one stage (or its tp group) runs on. Where ranks share a node's cores
-    (the cpu profile), the other stages' ranks still share them: the cores are scaled with
-    the devices, keeping the contention (cost_model/table.py core_share) of the whole node."""
-    per_node = min(cluster.devices_per_node, devices)
-    hw = cluster.hardware
-    if hw.cores_per_node and per_node < cluster.devices_per_node:
-        hw = replace(hw, cores_per_node=hw.cores_per_node * per_node / cluster.devices_per_node)
-    return replace(cluster, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
+    """The devices one stage (or its tp group) runs on: `Cluster.stage`, which the
+    per-op runtime's stage solves use too (autopar/runtime/pipe_spmd.py)."""
+    return cluster.stage(devices)
 
 
 def whole_nodes(cluster: Cluster, devices: int) -> bool:

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
           f"DTensor op extra: {f.dtensor_op_overhead_s * 1e6:.1f} us")
     print(f"  fused attention: {f.attention_efficiency:.2f} of the GEMM peak")
     skew_us = cal.sync_skew_s / cal.sharing * 1e6
-    print(f"  gloo: launch + rank skew {f.base_latency_s * 1e6:.0f} us (skew {skew_us:.0f} us) + "
+    print(f"  gloo: launch {f.base_latency_s * 1e6:.0f} us (rank skew {skew_us:.0f} us measured, not priced) + "
           f"{f.hop_latency_s * 1e6:.0f} us per ring step; busBW "
           + ", ".join(f"{k} {v / 1e9:.3f} GB/s" for k, v in f.bus_bytes_per_s.items())
           + f"; send/recv {f.p2p_bytes_per_s / 1e9:.3f} GB/s")
