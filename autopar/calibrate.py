@@ -178,8 +178,9 @@ def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None 
 def reference_workload(group: Any = None) -> Callable[[], None]:
     """A fixed mix of what training steps do here (GEMMs, small autograd ops, a copy through
     memory larger than the caches, a gloo all-reduce), to be called on every rank of `group`
-    (default: the process group) at once; returns the callable. Its time, set against `Calibration.reference_s`, says how much slower
-    or faster the shared machine is now than when the profile was measured; it compares like
+    (default: the process group) at once; returns the callable. Its time, set against
+    `Calibration.reference_s`, says how much slower or faster the shared machine is now than
+    when the profile was measured; it compares like
     with like only on as many ranks as the calibration ran (its all-reduce has 2 (n - 1) ring
     steps, and more ranks per core than the calibration's add time-slicing): a later run on
     more ranks times it on a group of the calibration's size (benchmarks/sweep_cpu.py)."""
