@@ -405,14 +405,13 @@ def _profile(dtype: str = "float32") -> Any:
     return graph, cost_model.profile_graph(graph)
 
 
-def searched_plan(hardware: Any, world: int, graph: Any, profile: Any) -> tuple[Any, tuple[int, ...], Any]:
+def searched_plan(hardware: Any, world: int) -> tuple[Any, tuple[int, ...], Any]:
     """autopar's own plan for cpu:world with the calibrated profile: what `autopar search`
     returns (autopar.api.search_plans: one-stage plans priced by the intra-op ILP, pipelines
     by the inter-op DP over ILP stage costs, float32 on the cpu profile). It used the
     template search priced by the whole-model formula (`price_profile`), which ranks this
     machine's configurations worse (sweep_cpu.md: pooled Spearman 0.79-0.84 vs 0.93-0.95)
-    and, with the re-measured profile, picked a ZeRO-1 pipeline 0.84x as fast as dp4.
-    (`graph` and `profile` are kept for the callers' signature: the search traces itself.)"""
+    and, with the re-measured profile, picked a ZeRO-1 pipeline 0.84x as fast as dp4."""
     from autopar.api import search_plans
     from autopar.cluster import Cluster
 
@@ -455,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     graph, profile = _profile()
     hw = {4: load_hardware(args.profile4) if args.profile4 else HARDWARE["cpu"],
           8: load_hardware(args.profile8) if args.profile8 else None}
-    config, stage_layers, plan = searched_plan(hw[4], 4, graph, profile)
+    config, stage_layers, plan = searched_plan(hw[4], 4)
     print(f"model {MODEL}, global batch {GLOBAL_BATCH} x seq 64; profile cpu:4 "
           f"{'calibrated ' + args.profile4 if args.profile4 else 'built-in (uncalibrated)'}")
     print(f"autopar search (cpu:4): {describe_config(config, stage_layers, GLOBAL_BATCH)}, predicted "
