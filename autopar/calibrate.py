@@ -23,10 +23,11 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   (every rank waits for the one the OS scheduled last). Measured and reported, not priced:
   see `Calibration.sync_skew_s`.
 
-Load: this machine is shared, and its speed drifts with other users' load. Every
-measurement is preceded by a short run of `reference_workload` and scaled by (the reference
-time at the start / the one just before it), so all figures describe the machine as it was
-at the start (`reference_s`), and a later run can set its own reference time against it.
+Load: this machine is shared, and its speed drifts with other users' load. Each run times
+`reference_workload` at its start (`reference_s`, `reference_time`); several runs are set
+to one speed by it and combined by medians (`combine`), and a later run can set its own
+reference time against it (the load factor). Short reference timings between measurements
+record the drift within a run (logged), without scaling the figures (see `timed`).
 
 Core sharing: with more ranks than cores, the OS time-slices them, and every rate above is
 what one rank gets while all ranks work. The profile stores them per dedicated core (times
@@ -70,6 +71,16 @@ an hour later, while its reference ran as fast as ever."""
 MIN_TIME_S = 0.15
 """Length of one timing window of local work."""
 WINDOWS = 3
+REFERENCE_CALLS = 8
+REFERENCE_WINDOWS = 11
+"""`reference_s` is the fastest of REFERENCE_WINDOWS windows of REFERENCE_CALLS calls
+(`reference_time`), and a later run that sets its own reference time against it must
+reduce its timings the same way (benchmarks/sweep_cpu.py: one window per timed round, as
+many rounds, the fastest): the fastest of more or longer windows is a faster time on an
+unchanged machine. Measured back to back on 4 ranks of a quiet machine, the fastest of 3
+windows of 5 calls (what calibrate timed before) came out 28.0-30.6 ms and the fastest of
+7 windows of 8 calls 25.1-26.2 ms: set against each other, every sweep prediction was
+scaled down by 10-15% (load factors 0.85-0.94 on a quiet machine)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,6 +219,22 @@ def reference_workload(group: Any = None) -> Callable[[], None]:
     return run
 
 
+def reference_time(reference: Callable[[], None], sync: Callable[[], None]) -> float:
+    """Seconds per call of `reference` (a `reference_workload`): the fastest of
+    REFERENCE_WINDOWS windows of REFERENCE_CALLS calls, each window opened and closed by
+    `sync` on every rank. `Calibration.reference_s` is this; see REFERENCE_WINDOWS."""
+    reference()
+    per_call = []
+    for _ in range(REFERENCE_WINDOWS):
+        sync()
+        start = time.perf_counter()
+        for _ in range(REFERENCE_CALLS):
+            reference()
+        sync()
+        per_call.append((time.perf_counter() - start) / REFERENCE_CALLS)
+    return min(per_call)
+
+
 def _count_aten_ops(fn: Callable[[], None]) -> int:
     """ATen ops `fn()` dispatches (views included), counted with a dispatch mode."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -239,14 +266,20 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     barrier = dist.barrier
     out: dict[str, Any] = {"gemm": [], "copy": [], "coll": [], "p2p": []}
     reference = reference_workload()
-    baseline = _repeat(reference, barrier, 5)
-    refs: list[float] = [baseline]
+    refs: list[float] = []
+    reference_s = reference_time(reference, barrier)  # what a later run's load factor is set against
 
     def timed(fn: Callable[[], None], sync: Callable[[], None], count: int | None = None) -> float:
-        """Seconds per call, brought to the machine's load at `baseline`: scaled by the
-        baseline reference time over the reference time measured just before."""
+        """Seconds per call (`_repeat`). A short reference timing before it records how
+        the machine's speed drifts over the run (`reference_drift`, logged), but does not
+        scale it: scaled by (first reference timing / the one just before), each figure
+        carried two timings' noise (fastest of 3 windows of 2 calls), and two consecutive
+        3-run calibrations of a quiet machine measured GEMM shapes 0.74-1.33x apart and
+        fitted peaks of 89.5 and 102.3 GFLOP/s; unscaled, 0.94-1.04x apart and 95.2 and
+        97.1. Load between runs is what `combine` corrects (each run at its own
+        `reference_s`)."""
         refs.append(_repeat(reference, barrier, 2))
-        return _repeat(fn, sync, count) * baseline / refs[-1]
+        return _repeat(fn, sync, count)
 
     for m, nn_, k in GEMM_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, nn_)
@@ -356,7 +389,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
             out["p2p"].append((nbytes, timed(pingpong, lambda: None, COLLECTIVE_REPEATS[nbytes]) / 2))
         else:
             barrier()
-    out["reference"] = baseline
+    out["reference"] = reference_s
     out["reference_drift"] = max(refs) / min(refs)
     return out
 
@@ -401,16 +434,19 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
 
 def combine(cals: list[Calibration]) -> Calibration:
     """Several calibrations of this machine as one: each run's times are first set to the
-    calmest run's speed (x its reference time / that run's reference time: every run's
-    figures describe the machine as it was at the run's own start), then every figure is
-    the median over the runs. On a machine shared with other users a single run can catch
-    a burst of load in one measurement only (one GEMM shape, one collective size) and skew
-    the fits; the median of three runs does not follow one such outlier."""
+    median run's speed (x the median reference time / that run's reference time: every
+    run's figures describe the machine as it was at the run's own start), then every
+    figure is the median over the runs. On a machine shared with other users a single run
+    can catch a burst of load in one measurement only (one GEMM shape, one collective size)
+    and skew the fits; the median of three runs does not follow one such outlier. The
+    reference time is the median run's, not the fastest: a later run's single reference
+    time (`reference_time`, one run) is set against it, and the fastest of three runs'
+    would be a faster estimator than that one (see REFERENCE_WINDOWS)."""
     if not cals:
         raise ValueError("combine needs at least one calibration")
     if len({(c.devices, c.cores) for c in cals}) != 1:
         raise ValueError("combine: calibrations of different device or core counts")
-    ref = min(c.reference_s for c in cals)
+    ref = statistics.median(c.reference_s for c in cals)
     scale = [ref / c.reference_s if c.reference_s > 0 else 1.0 for c in cals]
 
     def rows(name: str, width: int) -> tuple[tuple[Any, ...], ...]:

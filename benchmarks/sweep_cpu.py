@@ -81,11 +81,15 @@ PREDICTION_KEYS = ("predicted_calibrated_s", "predicted_default_s", "predicted_c
                    "predicted_default_analytic_s")
 """Headline predictions (what the product ranks by), then price_profile for every row."""
 WARMUP_ROUNDS = 2
-TIMED_ROUNDS = 7
-REFERENCE_CALLS = 8
-"""The reference workload runs as one window of this many calls per round (about the length
-of a step), its time per call recorded: `autopar calibrate` times it the same way (the
-fastest of a few windows), so the sweep's fastest window compares like with like."""
+from autopar.calibrate import REFERENCE_CALLS, REFERENCE_WINDOWS  # noqa: E402
+
+TIMED_ROUNDS = REFERENCE_WINDOWS
+"""The reference workload runs as one window of REFERENCE_CALLS calls per timed round, and
+the load factor takes the fastest: the fastest of REFERENCE_WINDOWS windows of
+REFERENCE_CALLS calls, how `autopar calibrate` reduces its own reference time
+(`autopar.calibrate.reference_time`), so the two compare like with like. (Calibrate took
+the fastest of 3 windows of 5 calls before, 10-15% slower on an unchanged machine, and
+every prediction here was scaled down by that.)"""
 REFERENCE_RANKS = 4
 """Ranks the reference workload runs on (the others wait at the barrier): the device count of
 the calibrations it is set against (`autopar calibrate --devices 4`, the default; both

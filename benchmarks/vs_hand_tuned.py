@@ -49,7 +49,8 @@ from autopar.trace import trace_model  # noqa: E402
 from cost_model import core_share  # noqa: E402
 from solver import forced  # noqa: E402
 from solver.intra_op.ilp import solve_intra_op  # noqa: E402
-from solver.pipeline_search import MAX_RANK_MICROBATCH, _StageCostCache, search, whole_nodes  # noqa: E402
+from solver.pipeline_search import (  # noqa: E402
+    MAX_RANK_MICROBATCH, _StageCostCache, pipeline_loss_report_s, search, whole_nodes)
 from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
@@ -220,7 +221,9 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
     times = [stage_time_s(opt, n, k, cfg.pp, schedule) for k, n in enumerate(cuts)]
     mems = [stage_memory_bytes(opt, n, k, cfg.pp, m, schedule) for k, n in enumerate(cuts)]
     peak = max(mems)
-    return Priced(config=replace(cfg, zero=zero), stage_layers=cuts, step_time_s=step_time_s(times, m, schedule, core_share(cluster)),
+    report = pipeline_loss_report_s(cluster, sc)  # the loss reported, as the search prices it
+    return Priced(config=replace(cfg, zero=zero), stage_layers=cuts,
+                  step_time_s=step_time_s(times, m, schedule, core_share(cluster)) + report,
                   peak_memory_bytes=peak, fits=peak <= cluster.device_memory_bytes, costs=sc)
 
 

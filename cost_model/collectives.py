@@ -218,3 +218,24 @@ def collective_latency_s(kind: str, link: AxisLink) -> float:
     if kind == "all_to_all":
         return (n - 1) * link.latency_s + link.base_latency_s
     raise ValueError(f"unknown collective kind {kind!r}")
+
+
+LOSS_BYTES = 4
+"""The reported loss: one float32 scalar."""
+
+
+def loss_report_time_s(loss_placements: Placements, links: tuple[AxisLink, ...],
+                       world_link: AxisLink | None = None) -> float:
+    """What the runtime spends making a step's loss known (the value `compiled.step`
+    returns): a scalar all-reduce on every mesh axis where the loss is Partial
+    (autopar/runtime/spmd.py `_global_loss`, DTensor's Partial -> Replicate, one axis at a
+    time), and for a pipeline (`world_link`: one flat axis over every rank) one more over
+    every rank, which hands the last stage's loss to all (autopar/runtime/pipe_spmd.py).
+    Latency only, and not small where ranks share cores: a scalar all-reduce measured
+    2.1 / 4.1 / 19.7 ms over 2 / 4 / 8 gloo ranks on 2 cores when issued after a burst of
+    GEMMs, as a step issues it (0.3 / 0.9 / 3.4 ms back to back)."""
+    total = sum(all_reduce_time_s(LOSS_BYTES, link) for p, link in zip(loss_placements, links)
+                if isinstance(p, Partial))
+    if world_link is not None:
+        total += all_reduce_time_s(LOSS_BYTES, world_link)
+    return total

@@ -44,6 +44,7 @@ from typing import Any
 
 import cost_model
 from autopar.capabilities import PIPELINE_STAGES_PER_OP, PlanShape, StageShape, runnable
+from autopar.placement import Partial, Replicate
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
@@ -140,10 +141,13 @@ class PipelineResult:
     reason: str | None
     """None when the runtime runs it; else why not (autopar/capabilities.py)."""
     p2p_s: tuple[float, ...]
+    loss_report_s: float = 0.0
+    """Once per step, after the schedule: the loss reduced on the last stage and handed to
+    every rank (`pipeline_loss_report_s`)."""
 
     @property
     def step_time_s(self) -> float:
-        return self.solution.step_time_s
+        return self.solution.step_time_s + self.loss_report_s
 
     def describe(self) -> str:
         sched = self.schedule.name + (f"/v{self.schedule.chunks}" if self.schedule.name == "interleaved" else "")
@@ -152,6 +156,21 @@ class PipelineResult:
         per_stage = meshes[0] if uniform else " | ".join(meshes)
         return (f"pp{self.candidate.pp} {sched} g{self.candidate.microbatch}x{self.candidate.num_microbatches} "
                 f"cuts {'/'.join(map(str, self.solution.stage_layers))} (dp,tp) {per_stage}")
+
+
+def pipeline_loss_report_s(cluster: Cluster, last: SubmeshCosts) -> float:
+    """The reported loss of a pipeline step (cost_model.loss_report_time_s): reduced over
+    the last stage's (dp, tp) submesh where its loss is Partial, then all-reduced over
+    every rank (autopar/runtime/pipe_spmd.py). Where the stage costs were solved on a
+    (1, tp) mesh with the dp axis added (stage_costs.split_solution), the loss is Partial
+    over dp > 1 (each dp rank's share of the batch's mean) and over tp as that solution
+    places it."""
+    placements = last.solution.choice(last.graph.loss).outputs[0]
+    if tuple(last.solution.mesh_shape) != tuple(last.mesh):
+        placements = (Partial() if last.mesh[0] > 1 else Replicate(), placements[-1])
+    links = cost_model.mesh_axis_links(_stage_cluster(cluster, math.prod(last.mesh)), tuple(last.mesh))
+    world = cost_model.mesh_axis_links(cluster, (cluster.num_devices,))[0]
+    return cost_model.loss_report_time_s(placements, links, world)
 
 
 def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
@@ -306,6 +325,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
         return []
     options = [sc.option(rc, p2p, key=i) for i, (sc, rc, p2p) in enumerate(entries)]
     budget = cluster.device_memory_bytes
+    world_report = cost_model.loss_report_time_s((), (), cost_model.mesh_axis_links(cluster, (cluster.num_devices,))[0])
     out: list[PipelineResult] = []
     for schedule in _schedules(cand.pp, cand.num_microbatches, num_layers):
         if not schedule.allows(cand.pp, cand.num_microbatches):
@@ -314,8 +334,11 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
         sets = [list(range(len(options)))] + ([[i] for i in range(len(options))] if len(options) > 1 else [])
         seen: set[tuple] = set()
         for subset in sets:
+            # every result pays the world's all-reduce of the loss on top (the last stage's
+            # own reduction, where its loss is Partial, is added below)
             sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
-                                 budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s, share=share)
+                                 budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s - world_report,
+                                 share=share)
             if sol is None:
                 if len(subset) == len(options):
                     break  # no uniform option can beat the cutoff (or fit) either
@@ -325,6 +348,9 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
             if key in seen:
                 continue
             seen.add(key)
+            report = pipeline_loss_report_s(cluster, entries[chosen[-1]][0])
+            if sol.step_time_s + report >= cutoff_s:
+                continue
             stages = tuple((entries[i][0], entries[i][1]) for i in chosen)
             shape = PlanShape(family=family, name=info.name, heads=info.heads, kv_heads=info.kv_heads,
                               num_layers=num_layers, schedule=schedule.name, chunks=schedule.chunks,
@@ -332,7 +358,8 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
                                            for n, (s, rc) in zip(sol.stage_layers, stages)))
             sol = replace(sol, options=chosen)
             out.append(PipelineResult(candidate=cand, schedule=schedule, solution=sol, stages=stages,
-                                      reason=runnable(shape), p2p_s=tuple(entries[i][2] for i in chosen)))
+                                      reason=runnable(shape), p2p_s=tuple(entries[i][2] for i in chosen),
+                                      loss_report_s=report))
     return out
 
 
@@ -340,7 +367,7 @@ def _pipeline_estimate(r: PipelineResult, cluster: Cluster, global_batch: int) -
     sol, cand = r.solution, r.candidate
     graph = r.stages[0][0].graph
     m = cand.num_microbatches
-    step = sol.step_time_s
+    step = r.step_time_s
     devices = cluster.num_devices
     tokens = global_batch * graph.model.seq
     flops = graph.flops_per_step * cand.microbatch / graph.model.batch * m
@@ -350,14 +377,15 @@ def _pipeline_estimate(r: PipelineResult, cluster: Cluster, global_batch: int) -
     budget = cluster.device_memory_bytes
     k = max(range(len(sol.stage_times_s)), key=lambda i: sol.stage_times_s[i])
     # ranks sharing cores (stage_dp): the step may be under m x the slowest stage
-    critical = min(m * sol.stage_times_s[k], step)
+    critical = min(m * sol.stage_times_s[k], sol.step_time_s)
     p2p = min(critical, m * r.p2p_s[k] * r.schedule.chunks * ((k > 0) + (k < cand.pp - 1)))
     cfg = _config(r)
     return cost_model.Estimate(
         step_time_s=step, tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / devices,
         model_tflops_per_device=tflops, mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
         peak_memory_bytes=peak, fits=peak <= budget, memory_limit_bytes=int(budget),
-        time_breakdown=(("critical_stage_s", critical - p2p), ("p2p_s", p2p), ("bubble_s", sol.bubble_s)),
+        time_breakdown=(("critical_stage_s", critical - p2p), ("p2p_s", p2p), ("bubble_s", sol.bubble_s),
+                        ("loss_report_s", r.loss_report_s)),
         memory_breakdown=(("peak_bytes", peak),),
         config=tuple(sorted(dict(cfg.to_json(), num_microbatches=m).items())), hardware_tflops_per_device=tflops,
         peak_stage=max(range(len(sol.stage_memory_bytes)), key=lambda i: sol.stage_memory_bytes[i]))
@@ -424,7 +452,7 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=num_layers, seq=seq, global_batch=global_batch,
                 cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes), config=cfg,
                 stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=(), intra_op=(),
-                predicted=est, bubble_fraction=sol.bubble_s / sol.step_time_s if sol.step_time_s else 0.0,
+                predicted=est, bubble_fraction=sol.bubble_s / r.step_time_s if r.step_time_s else 0.0,
                 search=info, placements=(), intra_op_info=None, pipeline=pipe)
 
 

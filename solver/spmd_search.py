@@ -147,6 +147,15 @@ def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     return 3 if whole and sharded / whole > 0.5 else 0
 
 
+def loss_report_s(graph: Graph, solution: IntraOpSolution, cluster: Cluster,
+                  world_link: cost_model.AxisLink | None = None) -> float:
+    """The step's loss reduced for reporting, from the loss's chosen placement on this
+    solution's mesh (cost_model.loss_report_time_s; `world_link` for a pipeline)."""
+    placements = solution.choice(graph.loss).outputs[0]
+    return cost_model.loss_report_time_s(placements, cost_model.mesh_axis_links(cluster, solution.mesh_shape),
+                                         world_link)
+
+
 def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, cluster: Cluster,
              global_batch: int) -> cost_model.Estimate:
     """Step time, throughput and memory of a solved candidate (the ILP's own costs)."""
@@ -157,7 +166,8 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
     # i15c: the microbatches' gradient accumulation (cost_model.compute.grad_accumulation_time_s)
     accumulate = grad_accumulation_time_s(sum(raw_gradient_bytes(graph, solution).values()), m, 1, cluster.hardware) \
         * core_share(cluster)
-    step = m * per_micro + optimizer + accumulate
+    report = loss_report_s(graph, solution, cluster)
+    step = m * per_micro + optimizer + accumulate + report
     devices = cluster.num_devices
     tokens = global_batch * graph.model.seq
     flops = graph.flops_per_step * m
@@ -173,7 +183,7 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
         mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0, peak_memory_bytes=peak, fits=peak <= budget,
         memory_limit_bytes=int(budget),
         time_breakdown=(("compute_s", m * solution.cost.compute_s), ("reshard_s", m * solution.cost.reshard_s),
-                        ("optimizer_s", optimizer), ("grad_accum_s", accumulate)),
+                        ("optimizer_s", optimizer), ("grad_accum_s", accumulate), ("loss_report_s", report)),
         memory_breakdown=(("peak_bytes", peak),), config=tuple(sorted(cfg.items())), hardware_tflops_per_device=tflops)
 
 

@@ -440,8 +440,8 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     extra = list(stage.extra)
     if stage.last:
         # the loss leaves in its own placement (a pending sum over dp, say): it seeds the
-        # backward through the loss tangent, and is reduced for reporting once per step,
-        # outside the priced program (as the pp = 1 program reports it)
+        # backward through the loss tangent, and is reduced for reporting once per step
+        # (as the pp = 1 program reports it; priced: pipeline_search.pipeline_loss_report_s)
         extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
     # before the build: its peak holds shards only
     params = distribute_parameters(stage.chunk, stage.graph, choices, mesh)
@@ -588,7 +588,7 @@ class PipeSpmdProgram:
             whole = self.runners[-1].program._global_loss(local)
             if self.dp_rank == 0 and self.tp_rank == 0:
                 value = torch.tensor(whole)
-        dist.all_reduce(value)  # the loss reported, outside the priced program
+        dist.all_reduce(value)  # the loss to every rank (priced: pipeline_search.pipeline_loss_report_s)
         loss = float(value)
         optimizer_update(self, loss)
         self.last_stats = self._stats(grad_bytes)

@@ -20,7 +20,9 @@ and the raw gradients accumulate locally; after the last one, the gradient-sync 
 brings each gradient to its parameter's placement once (all-reduce / reduce-scatter) and
 the optimizer steps. With one microbatch per step the step graph syncs each gradient
 bucket itself, during the backward (codegen/apply.py `sync_in_step`), and there is no
-gradient-sync graph to run. The loss is reduced for reporting outside the priced program.
+gradient-sync graph to run. The loss is reduced for reporting after the step graphs, a
+scalar all-reduce per mesh axis where it is Partial (`_global_loss`), priced once per step
+(cost_model.loss_report_time_s, solver/spmd_search.py `estimate`).
 """
 
 from __future__ import annotations

@@ -71,15 +71,15 @@ def _slowed(cal: Calibration, factor: float, *, burst: tuple[int, int, int] | No
         send_recv_s=tuple((b, t * factor) for b, t in cal.send_recv_s), reference_s=cal.reference_s * factor)
 
 
-def test_combine_sets_runs_to_the_calmest_speed_and_ignores_one_burst() -> None:
+def test_combine_sets_runs_to_the_median_speed_and_ignores_one_burst() -> None:
     cal = _cal(4)
     runs = [_slowed(cal, 1.0), _slowed(cal, 1.5, burst=(512, 512, 512)), _slowed(cal, 2.0)]
     combined = combine(runs)
-    assert combined.reference_s == pytest.approx(cal.reference_s)
+    assert combined.reference_s == pytest.approx(1.5 * cal.reference_s)  # the median run's, not the fastest
     for got, want in zip(combined.gemm_s, cal.gemm_s):  # the burst in one run is outvoted
-        assert got == pytest.approx(want)
-    assert combined.attention_flops_per_s == pytest.approx(cal.attention_flops_per_s)
-    assert fit(combined).gemm_overhead_s == pytest.approx(OVERHEAD, rel=1e-4)
+        assert got[:3] == want[:3] and got[3] == pytest.approx(1.5 * want[3])
+    assert combined.attention_flops_per_s == pytest.approx(cal.attention_flops_per_s / 1.5)
+    assert fit(combined).gemm_overhead_s == pytest.approx(1.5 * OVERHEAD, rel=1e-4)
     assert fit(runs[1]).gemm_overhead_s != pytest.approx(OVERHEAD, rel=1e-2)  # one run alone is skewed
     with pytest.raises(ValueError, match="different device"):
         combine([cal, _cal(8)])
@@ -129,3 +129,27 @@ def test_bad_profiles_are_user_errors(tmp_path) -> None:
         load_hardware(tmp_path / "absent.json")
     with pytest.raises(ValueError, match="names hardware 'h100'"):
         Cluster.parse("h100:4", hardware=to_hardware(_cal()))
+
+
+def test_reference_time_is_the_fastest_window_of_the_sweeps_shape() -> None:
+    """`reference_s` and the sweep's reference timings are reduced alike: the fastest of
+    REFERENCE_WINDOWS windows of REFERENCE_CALLS calls (one warm-up call first)."""
+    from autopar import calibrate
+
+    clock = {"t": 0.0}
+    calls = []
+    slow = {3}  # the fourth window runs each call 2x as fast; the others at 1 s per call
+
+    def reference() -> None:
+        calls.append(1)
+        window = (len(calls) - 2) // calibrate.REFERENCE_CALLS
+        clock["t"] += 0.5 if window in slow else 1.0
+
+    real = calibrate.time.perf_counter
+    calibrate.time.perf_counter = lambda: clock["t"]
+    try:
+        got = calibrate.reference_time(reference, lambda: None)
+    finally:
+        calibrate.time.perf_counter = real
+    assert got == pytest.approx(0.5)
+    assert len(calls) == 1 + calibrate.REFERENCE_WINDOWS * calibrate.REFERENCE_CALLS

@@ -58,6 +58,15 @@ def test_load_factor_takes_the_fastest_reference_window():
     assert sweep_cpu.load_factor(Hw(), 4, [0.09, 0.05, 0.3]) == pytest.approx(0.05 / 2 / 0.02)
 
 
+def test_reference_reduced_as_calibrate_reduces_it():
+    """The sweep's reference timings (one window per timed round, the fastest) are the
+    estimator of `Calibration.reference_s`: same window length, same number of windows."""
+    from autopar import calibrate
+
+    assert sweep_cpu.REFERENCE_CALLS == calibrate.REFERENCE_CALLS
+    assert sweep_cpu.TIMED_ROUNDS == calibrate.REFERENCE_WINDOWS
+
+
 def test_merge_input_is_checked_before_measuring(tmp_path, capsys):
     """A bad --merge file is refused at once (exit 2, naming it), not after the measuring."""
     bad = tmp_path / "old.json"
