@@ -94,9 +94,9 @@ REFERENCE_RANKS = 4
 """Ranks the reference workload runs on (the others wait at the barrier): the device count of
 the calibrations it is set against (`autopar calibrate --devices 4`, the default; both
 profiles here). On all 8 ranks it ran 1.33-1.40x slower per dedicated core than on 4 at an
-unchanged machine speed (2 (n - 1) ring steps in its all-reduce, 4 ranks per core), and that
-was read as load: every 8-process prediction came out about 1.4x too slow next to the
-4-process ones."""
+unchanged machine speed (4 ranks per core, and 2 (n - 1) ring steps in the all-reduce it
+had then), and that was read as load: every 8-process prediction came out about 1.4x too
+slow next to the 4-process ones."""
 REPEAT_SUFFIX = " (repeat)"
 """Label suffix of the noise estimate: the world's first configuration compiled and timed a
 second time (an identical program measured in the same rounds)."""
@@ -158,8 +158,7 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
     from autopar.models import resolve
 
     ranks = min(REFERENCE_RANKS, dist.get_world_size())
-    group = dist.new_group(list(range(ranks))) if ranks < dist.get_world_size() else None
-    reference = reference_workload(group) if rank < ranks else None
+    reference = reference_workload() if rank < ranks else None
     source = resolve(spec)
     batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
                for k in range(warmup + timed)]

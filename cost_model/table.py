@@ -38,7 +38,8 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     grad_sync(g->p) = reshard(g->p), except for a bucketable gradient (one all-reduce or
                      reduce-scatter, autopar/buckets.py): its bandwidth term plus its share
                      bytes / BUCKET_BYTES of the bucket's latency (the program sends it in a
-                     bucket; the report counts the real buckets).
+                     bucket; the report counts the real buckets), plus copying its local
+                     bytes into the bucket (`bucket_copy_s_per_byte`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,20 @@ def core_share(cluster: Cluster) -> float:
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
 
+def bucket_copy_s_per_byte(cluster: Cluster) -> float:
+    """A bucketed gradient sync copies each raw local gradient into one flat buffer before
+    the collective (codegen/apply.py `_GradSync.reduce`: read it, write the buffer; the
+    all-reduce then runs in place and the synced gradients are views of the buffer):
+    2 bytes of memory traffic per gradient byte at achievable bandwidth, ranks sharing
+    cores (`core_share`). Measured on the CPU sweep's large model (dp4, 4 ranks on 2
+    cores, torch.profiler): `aten::copy_` 9.8-14.0 ms per step, against no price before."""
+    from cost_model.efficiency import efficiency_for
+
+    hw = cluster.hardware
+    eff = efficiency_for(hw)
+    return 2.0 * core_share(cluster) / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
+
+
 def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
     """Cost of every strategy of every node (nodes with identical structure priced once).
     Not `cost_model.price`, which prices one whole configuration into an Estimate."""
@@ -194,10 +209,13 @@ class ReshardPricer:
     """Resharding time (None where DTensor cannot reshard) with a per-solve memo: many
     edges share shapes and placements."""
 
-    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False) -> None:
+    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False, copy_s_per_byte: float = 0.0) -> None:
         self.links = links
         self.mesh_shape = tuple(link.size for link in links)
         self.gloo = gloo
+        self.copy_s_per_byte = copy_s_per_byte
+        """Copying one byte of a raw gradient into its bucket's flat buffer (read + write;
+        `bucket_copy_s_per_byte`), paid by every bucketed gradient sync."""
         self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {}
 
     def collectives(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[Collective, ...] | None:
@@ -254,7 +272,7 @@ class ReshardPricer:
             return 0.0
         if self.bucket_key(meta, src, dst) is None:
             return self(meta, src, dst)
-        total = 0.0
+        total = self.copy_s_per_byte * meta.size_bytes / shard_factor(src, self.mesh_shape)
         for step in self.collectives(meta, src, dst):
             latency = collective_latency_s(step.kind, self.links[step.axis])
             total += collective_time_s(step, self.links) - latency + latency * min(1.0, step.bytes / BUCKET_BYTES)

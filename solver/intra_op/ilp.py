@@ -82,6 +82,7 @@ from autopar.sharding import (
 )
 from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
 from cost_model import STATE_BYTES_PER_PARAM, CostTable, ReshardPricer, cost_table
+from cost_model.table import bucket_copy_s_per_byte
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.space import enumerate_strategies
 
@@ -537,7 +538,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         space = restrict_placeholders(graph, space, keep_placeholder)
     table = cost_table(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
-    pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu")
+    pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu",
+                           copy_s_per_byte=bucket_copy_s_per_byte(cluster))
 
     node_coef: dict[NodeId, list[float]] = {o: [0.0] * len(red.smap[o]) for o in red.owners}
     for n in red.active:

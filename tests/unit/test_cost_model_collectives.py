@@ -85,3 +85,21 @@ def test_compute_roofline_classes() -> None:
     causal = compute_time_s(1e14, 0, hw, "bfloat16", op_class="attention", causal=True)
     full = compute_time_s(1e14, 0, hw, "bfloat16", op_class="attention", causal=False)
     assert causal < full
+
+
+def test_the_reported_loss_pays_a_scalar_all_reduce_per_partial_axis() -> None:
+    """Price = run: the loss `compiled.step` returns is reduced on every mesh axis where it
+    is Partial (DTensor, one axis at a time), and a pipeline hands it to every rank."""
+    from cost_model import loss_report_time_s
+    from cost_model.collectives import LOSS_BYTES
+
+    dp, tp = mesh_axis_links(Cluster.parse("cpu:8"), (4, 2))
+    assert loss_report_time_s((Replicate(), Replicate()), (dp, tp)) == 0.0
+    assert loss_report_time_s((Partial(), Replicate()), (dp, tp)) == pytest.approx(all_reduce_time_s(LOSS_BYTES, dp))
+    both = loss_report_time_s((Partial(), Partial()), (dp, tp))
+    assert both == pytest.approx(all_reduce_time_s(LOSS_BYTES, dp) + all_reduce_time_s(LOSS_BYTES, tp))
+    world = mesh_axis_links(Cluster.parse("cpu:8"), (8,))[0]
+    piped = loss_report_time_s((Partial(), Replicate()), (dp, tp), world)
+    assert piped == pytest.approx(all_reduce_time_s(LOSS_BYTES, dp) + all_reduce_time_s(LOSS_BYTES, world))
+    # latency-bound where ranks share cores: 8 ranks on 2 cores cost more than 4 (14 ring steps vs 6)
+    assert all_reduce_time_s(LOSS_BYTES, world) > all_reduce_time_s(LOSS_BYTES, dp) > 0

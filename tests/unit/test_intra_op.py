@@ -112,8 +112,17 @@ def _dp_closed_form(graph: Graph, cluster: Cluster, n: int) -> float:
         total += compute_time_s(node.flops / split, sum(local(m) for m in metas), cluster.hardware,
                                 graph.model.dtype, op_class="gemm" if node.flops else "memory")
     for param, _grad in graph.param_grads:
-        total += _bucketed(all_reduce_time_s, "all_reduce", graph[param].output.size_bytes, link)
+        size = graph[param].output.size_bytes
+        total += _bucketed(all_reduce_time_s, "all_reduce", size, link) + _bucket_copy(size, cluster)
     return total
+
+
+def _bucket_copy(size: int, cluster: Cluster) -> float:
+    """Copying a gradient into its bucket's flat buffer: read it, write the buffer."""
+    from cost_model.efficiency import efficiency_for
+
+    hw = cluster.hardware
+    return 2 * size / (hw.memory_bandwidth_bytes_per_s * efficiency_for(hw).memory_efficiency)
 
 
 def _bucketed(time_fn, kind: str, size: int, link) -> float:
@@ -151,7 +160,7 @@ def test_mlp_data_parallel_matches_closed_form_and_the_free_ilp_is_no_worse(big_
     # the reshard part is exactly the gradient all-reduces
     (link,) = mesh_axis_links(H100x8, (8,))
     grads = sum(_bucketed(all_reduce_time_s, "all_reduce", big_mlp[p].output.size_bytes, link)
-                for p, _ in big_mlp.param_grads)
+                + _bucket_copy(big_mlp[p].output.size_bytes, H100x8) for p, _ in big_mlp.param_grads)
     assert sol.cost.reshard_s == pytest.approx(grads, rel=1e-9)
     # the program's gradient sync: one all-reduce per bucket (two 16 MiB gradients: two buckets)
     syncs = [c for c in sol.collectives if c.gradient_sync]
@@ -182,7 +191,7 @@ def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
         # one reduce-scatter of the gradient, one all-gather per matmul reading the weight
         readers = readers_of[param]
         assert readers, "the sharded weight must be all-gathered before its matmuls"
-        expected_comm += _bucketed(reduce_scatter_time_s, "reduce_scatter", size, link)
+        expected_comm += _bucketed(reduce_scatter_time_s, "reduce_scatter", size, link) + _bucket_copy(size, H100x8)
         for c in readers:
             share = size / phase_bytes[big_mlp[c.node].phase]
             expected_comm += all_gather_time_s(size, link) - gather_latency + gather_latency * share

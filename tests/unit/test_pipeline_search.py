@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+import cost_model
+
 from autopar.capabilities import PlanShape, StageShape, runnable
 from autopar.cluster import Cluster
 from autopar.models import resolve
@@ -166,3 +168,16 @@ def test_candidate_meshes_and_stages_are_what_the_pricing_can_express():
     assert 2 not in pps and 35 in pps
     assert all(pipeline_search.whole_nodes(big, big.num_devices // p) for p in pps)
     assert {c.pp for c in pipeline_search.pipeline_candidates(Cluster.parse("cpu:8"), 16, 4)} == {2, 4}
+
+
+def test_pipelines_pay_the_reported_loss(searched):
+    """Every ranked pipeline carries the loss handed to every rank once per step, in its step
+    time (what the search ranks by) and in its estimate's breakdown."""
+    from cost_model.collectives import LOSS_BYTES
+
+    result, _, cluster = searched
+    world = cost_model.all_reduce_time_s(LOSS_BYTES, cost_model.mesh_axis_links(cluster, (cluster.num_devices,))[0])
+    assert world > 0
+    for r in result.ranked:
+        report = dict(r.estimate.time_breakdown)["loss_report_s"]
+        assert report >= world * (1 - 1e-9)
