@@ -53,13 +53,7 @@ T_i per microbatch (`_stage_times`). With m microbatches and v chunks per stage:
                 of 3 * grad_reduce_bytes per local gradient element (compute.py
                 grad_accumulation_time_s); the whole local replica under zero 0-1, the
                 shard under zero 2-3 (reduce-scattered every microbatch)
-    loss report (`loss_report_time_s`, collectives.py)
-              = the step's loss made known: a scalar all-reduce over dp (the loss is a
-                mean over the batch), and over every rank when p > 1 (the last stage's
-                loss to all: what autopar's runtimes do, and Megatron-LM averages its
-                logged loss across the data-parallel group every step)
     step      (`_estimate`) = pipeline + exposed dp sync + optimizer + grad accumulation
-                + loss report
 Model FLOPs are the traced forward+backward FLOPs (attention counted as the full s x s
 square, the convention of torchtitan, llm-foundry and Megatron); MFU divides them per
 device per second by the dense peak (`_estimate`; peak memory: cost_model/memory.py).
@@ -73,12 +67,10 @@ from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster, Hardware
 from autopar.config import ParallelConfig, default_stage_layers
-from autopar.placement import Partial, Replicate
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
     all_reduce_time_s,
-    loss_report_time_s,
     mesh_axis_links,
     reduce_scatter_time_s,
     send_recv_time_s,
@@ -389,13 +381,13 @@ def _grad_accumulation_s(config: ParallelConfig, opts: RuntimeOptions, psi: floa
 
 def _estimate(profile: GraphProfile, config: ParallelConfig, cluster: Cluster, global_batch: int,
               stage_layers: tuple[int, ...], num_microbatches: int, checkpoint_every: int, pipe: _Pipeline,
-              dp_sync_s: float, optimizer_s: float, accumulate_s: float, report_s: float = 0.0) -> Estimate:
+              dp_sync_s: float, optimizer_s: float, accumulate_s: float) -> Estimate:
     """step = pipeline + dp sync + optimizer + gradient accumulation; tokens/s, model TFLOP/s (traced fwd+bwd FLOPs
     scaled to the global batch), hardware TFLOP/s (+ recomputed layer forwards), MFU over
     the dense peak; memory of the stage with the largest total (cost_model/memory.py)."""
     p, t, d, v, m = config.pp, config.tp, config.dp, config.interleave, num_microbatches
     hw = cluster.hardware
-    step = pipe.pipeline_s + dp_sync_s + optimizer_s + accumulate_s + report_s
+    step = pipe.pipeline_s + dp_sync_s + optimizer_s + accumulate_s
     tokens = global_batch * profile.seq
     model_flops = profile.model_flops_per_step * global_batch / profile.batch
     rec_flops = 0.0
@@ -426,7 +418,6 @@ def _estimate(profile: GraphProfile, config: ParallelConfig, cluster: Cluster, g
             ("compute_s", pipe.compute_s), ("recompute_s", pipe.recompute_s), ("comm_tp_s", pipe.tp_s),
             ("comm_pp_s", pipe.pp_s), ("comm_zero3_s", pipe.zero3_s), ("comm_dp_s", dp_sync_s),
             ("bubble_s", pipe.bubble_s), ("optimizer_s", optimizer_s), ("grad_accum_s", accumulate_s),
-            ("loss_report_s", report_s),
         ),
         memory_breakdown=(
             ("params_bytes", int(mem.params_bytes)), ("grads_bytes", int(mem.grads_bytes)),
@@ -483,11 +474,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     dp_sync = _dp_sync_s(config, opts, psi, stage_layers[crit], m, layer, z3_layer, dp_link, eff, hw.comm_overlap)
     optimizer = _optimizer_s(config, psi, share, hw, eff)
     accumulate = _grad_accumulation_s(config, opts, psi, m, share, hw, eff)
-    world = mesh_axis_links(cluster, (cluster.num_devices,), eff)[0] if p > 1 else None
-    # the loss is Partial over dp (each dp rank holds its share of the batch's mean)
-    report = loss_report_time_s((Replicate(), Partial(), Replicate()), (pp_link, dp_link, tp_link), world)
     return _estimate(profile, config, cluster, global_batch, stage_layers, m, opts.checkpoint_every, pipe,
-                     dp_sync, optimizer, accumulate, report)
+                     dp_sync, optimizer, accumulate)
 
 
 __all__ = ["AxisLink", "SELECTIVE_POLICIES", "default_stage_layers", "price_profile"]
