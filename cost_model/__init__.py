@@ -50,6 +50,7 @@ from cost_model.table import (
     CostTable,
     ReshardPricer,
     StrategyCost,
+    bucket_copy_s_per_byte,
     collective_time_s,
     core_share,
     cost_table,
@@ -79,7 +80,7 @@ def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batc
 __all__ = [
     "AxisLink", "Collective", "CostTable", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile",
     "ReshardPricer", "RuntimeOptions", "StrategyCost",
-    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "collective_time_s",
+    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "bucket_copy_s_per_byte", "collective_time_s",
     "compute_time_s", "core_share", "cost_table", "default_stage_layers", "grad_accumulation_time_s",
     "loss_report_time_s",
     "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",

@@ -81,8 +81,7 @@ from autopar.sharding import (
     StrategySpace,
 )
 from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
-from cost_model import STATE_BYTES_PER_PARAM, CostTable, ReshardPricer, cost_table
-from cost_model.table import bucket_copy_s_per_byte
+from cost_model import STATE_BYTES_PER_PARAM, CostTable, ReshardPricer, bucket_copy_s_per_byte, cost_table
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.space import enumerate_strategies
 
