@@ -21,11 +21,9 @@ a candidate it refuses is recorded as a runner-up with the reason, never ranked 
 Large described clusters (h100:128x8) are never run here, but a plan for them is still only
 one whose shape this runtime could build. Both predicates read one rule set
 (`_pipeline_reason`), so what the search ranks and what `autopar train` accepts agree.
-PIPELINE_STAGES_PER_OP says whether the planner prices a pipeline stage by the ILP solved
-freely on its whole (dp, tp) submesh; while it is False the planner prices pp > 1 stages
-under the forced (dp, tp) layout (batch over dp, weights over tp; solver/forced.py), which
-is the rule set the per-op stages are solved under (autopar/runtime/pipe_spmd.py solve_stage), so
-the price stays close to what runs.
+The planner prices a pipeline stage by the solve its chunks run (solver/forced.py
+solve_stage: the ILP on the stage's whole (dp, tp) submesh under the configuration's rules),
+so a stage's price is the program it runs.
 """
 
 from __future__ import annotations
@@ -34,9 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import ParallelConfig, default_stage_layers
-
-PIPELINE_STAGES_PER_OP = False
-"""True once pipeline stages run their per-op placements (issue 14, runtime side)."""
 
 RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules the planner may rank and the per-op pipeline runs (autopar/runtime/pipe_spmd.py);
@@ -195,5 +190,5 @@ def runnable(shape: PlanShape) -> str | None:
                             tp=tp, zero=first.zero, recompute=first.recompute, chunks=chunks)
 
 
-__all__ = ["PIPELINE_STAGES_PER_OP", "RUNTIME_SCHEDULES", "ZOO_FAMILIES", "PlanShape", "StageShape", "layer_container",
+__all__ = ["RUNTIME_SCHEDULES", "ZOO_FAMILIES", "PlanShape", "StageShape", "layer_container",
            "layer_stack", "pipeline_support", "runnable", "split_layers", "zoo_family"]

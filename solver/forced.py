@@ -20,8 +20,11 @@ The loss tangent is replicated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from autopar.config import ParallelConfig
-from autopar.ir import Node, Role
+from autopar.ir import Graph, Node, Role
 from autopar.placement import Placements, Replicate, Shard
 
 DP_AXIS, TP_AXIS = 0, 1
@@ -61,3 +64,27 @@ def keep_placeholder(config: ParallelConfig):
 
 def gather_free_axes(config: ParallelConfig) -> tuple[int, ...]:
     return (DP_AXIS,) if config.dp > 1 else ()
+
+
+def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
+                keep_input: Callable[[Node, Placements], bool] | None = None,
+                time_limit_s: float | None = None) -> Any:
+    """The intra-op ILP of a pipeline stage on its (dp, tp) submesh under `config`'s rules,
+    its gradient syncs weighted 1 / num_microbatches (once per step). One solve for both
+    sides of a pipeline plan: the runtime solves each chunk's graph with `keep_input`
+    holding its boundary inputs in the layout they travel in
+    (autopar/runtime/pipe_spmd.py solve_stage), and the pipeline search prices every stage
+    from this solve of the whole traced step (solver/pipeline_search.py), so what a stage
+    is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage)."""
+    from solver.intra_op.ilp import solve_intra_op
+
+    base = keep_placeholder(config)
+
+    def keep(node: Node, placements: Placements) -> bool:
+        if keep_input is not None and node.role is Role.INPUT:
+            return keep_input(node, placements)
+        return base(node, placements)
+
+    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
+                          gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
+                          time_limit_s=time_limit_s)

@@ -43,8 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import cost_model
-from autopar.capabilities import PIPELINE_STAGES_PER_OP, PlanShape, StageShape, runnable
-from autopar.placement import Partial, Replicate
+from autopar.capabilities import PlanShape, StageShape, runnable
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
@@ -72,13 +71,11 @@ from solver.spmd_search import (
     solve_candidate,
 )
 from solver.stage_costs import (
-    DataParallelAxis,
     SubmeshCosts,
     lower_bound_s,
     memory_lower_bound_bytes,
     placement_summary,
     split_solution,
-    zero3_filter,
 )
 from solver.intra_op.ilp import CutoffExceeded
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
@@ -161,13 +158,8 @@ class PipelineResult:
 def pipeline_loss_report_s(cluster: Cluster, last: SubmeshCosts) -> float:
     """The reported loss of a pipeline step (cost_model.loss_report_time_s): reduced over
     the last stage's (dp, tp) submesh where its loss is Partial, then all-reduced over
-    every rank (autopar/runtime/pipe_spmd.py). Where the stage costs were solved on a
-    (1, tp) mesh with the dp axis added (stage_costs.split_solution), the loss is Partial
-    over dp > 1 (each dp rank's share of the batch's mean) and over tp as that solution
-    places it."""
+    every rank (autopar/runtime/pipe_spmd.py), the loss placed as the stage's ILP places it."""
     placements = last.solution.choice(last.graph.loss).outputs[0]
-    if tuple(last.solution.mesh_shape) != tuple(last.mesh):
-        placements = (Partial() if last.mesh[0] > 1 else Replicate(), placements[-1])
     links = cost_model.mesh_axis_links(_stage_cluster(cluster, math.prod(last.mesh)), tuple(last.mesh))
     world = cost_model.mesh_axis_links(cluster, (cluster.num_devices,))[0]
     return cost_model.loss_report_time_s(placements, links, world)
@@ -235,59 +227,33 @@ class _StageCostCache:
         self.graphs = graphs
         self.time_limit_s = time_limit_s
         self.costs: dict[tuple, SubmeshCosts | None] = {}
-        self.tp_solutions: dict[tuple[int, int], tuple[Graph, Any, Any]] = {}
 
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)
 
     def get(self, mesh: tuple[int, int], g: int, zero: int) -> SubmeshCosts | None:
-        """The stage costs of submesh `mesh` at global microbatch g (memoised). While pipeline
-        stages run the rule tables' layout (capabilities.PIPELINE_STAGES_PER_OP False) the
-        dp axis is pure data parallel, so the ILP separates: it is solved once per
-        (tp, per-rank microbatch) on a (1, tp) mesh and the dp axis is added
-        (stage_costs.split_solution); otherwise the ILP runs on the whole (dp, tp) mesh."""
+        """The stage costs of submesh `mesh` at global microbatch g (memoised): the ILP the
+        runtime solves for each of the stage's chunks (solver/forced.py solve_stage, under
+        the (dp, tp, zero) configuration's rules), solved once on the whole traced step
+        and split into pieces (stage_costs.split_solution), so a stage is priced by the
+        placements it runs."""
         key = (mesh, g, zero)
         if key in self.costs:
             return self.costs[key]
-        from solver.intra_op.ilp import solve_intra_op
+        from solver import forced
 
         dp, tp = mesh
         m = self.global_batch // g
         sub = _stage_cluster(self.cluster, dp * tp)
-        if PIPELINE_STAGES_PER_OP:
-            graph = self.graph(g)
-            try:
-                sol = solve_intra_op(graph, sub, mesh, grad_sync_weight=1.0 / m,
-                                     keep_placeholder=zero3_filter(dp) if zero else None,
-                                     time_limit_s=self.time_limit_s)
-            except InfeasiblePlanError as exc:
-                log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
-                self.costs[key] = None
-                return None
-            self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero)
-            return self.costs[key]
-        b = g // dp
-        tp_key = (tp, b)
-        if tp_key not in self.tp_solutions:
-            from solver import forced
-
-            graph = self.graph(b)
-            cfg = ParallelConfig(dp=1, tp=tp)
-            tp_cluster = _stage_cluster(self.cluster, tp)
-            try:
-                sol = solve_intra_op(graph, tp_cluster, (1, tp), grad_sync_weight=0.0,
-                                     keep_placeholder=forced.keep_placeholder(cfg), time_limit_s=self.time_limit_s)
-            except InfeasiblePlanError as exc:
-                log.info("stage ILP (1, %d) b=%d: %s", tp, b, exc)
-                sol = None
-            self.tp_solutions[tp_key] = (graph, sol, cost_model.mesh_axis_links(tp_cluster, (1, tp)))
-        graph, sol, tp_links = self.tp_solutions[tp_key]
-        if sol is None:
+        graph = self.graph(g)
+        config = ParallelConfig(dp=dp, tp=tp, zero=zero)
+        try:
+            sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s)
+        except InfeasiblePlanError as exc:
+            log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
             self.costs[key] = None
             return None
-        axis = DataParallelAxis(size=dp, link=cost_model.mesh_axis_links(sub, mesh)[0], tp_links=tp_links)
-        self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero,
-                                         data_parallel=axis)
+        self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero)
         return self.costs[key]
 
 

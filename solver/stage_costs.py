@@ -46,17 +46,8 @@ import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
 from autopar.placement import Shard, format_placements, shard_factor
-from autopar.sharding import IntraOpSolution, StrategySpace, raw_gradient_bytes
-from cost_model import (
-    STATE_BYTES_PER_PARAM,
-    AxisLink,
-    all_gather_time_s,
-    all_reduce_time_s,
-    collective_time_s,
-    compute_time_s,
-    core_share,
-    reduce_scatter_time_s,
-)
+from autopar.sharding import IntraOpSolution, raw_gradient_bytes
+from cost_model import STATE_BYTES_PER_PARAM, compute_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -141,23 +132,11 @@ EXPENSIVE_OPS = GEMM_OPS | ATTENTION_FWD_OPS
 autopar/recompute.py's policy, from the same autopar/ir.py sets)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DataParallelAxis:
-    """A forced data-parallel axis added to a (1, tp) solution (module docstring)."""
-
-    size: int
-    link: AxisLink
-    tp_links: tuple[AxisLink, ...]
-    """Links of the (1, tp) mesh the ILP was solved on (its gradient syncs are re-priced)."""
-
-
 def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *, microbatch: int,
-                   num_microbatches: int, zero: int, data_parallel: DataParallelAxis | None = None) -> SubmeshCosts:
-    """Per-piece costs of one whole-graph ILP solution (module docstring). With
-    `data_parallel`, `solution` is the (1, tp) ILP solved with gradient-sync weight 0 and
-    the dp axis is added: its gradient sync (all-reduce; ZeRO-3: reduce-scatter plus
-    two parameter all-gathers per microbatch), the tp axis's own gradient syncs, and
-    ZeRO-3's state / dp."""
+                   num_microbatches: int, zero: int) -> SubmeshCosts:
+    """Per-piece costs of one whole-graph ILP solution on the stage's (dp, tp) submesh
+    (module docstring): its gradient syncs (and, under ZeRO, parameter gathers) are the
+    ILP's own collectives."""
     pieces = node_pieces(graph)
     L = max(1, graph.model.num_layers)
     mesh = solution.mesh_shape
@@ -201,22 +180,6 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
         if op in expensive or graph[b].role is Role.INPUT:
             a["sel"] += c.weight * c.memory_bytes
     m = num_microbatches
-    if data_parallel is not None:
-        dp, link = data_parallel.size, data_parallel.link
-        for c in solution.collectives:
-            if c.gradient_sync:
-                acc[pieces[c.src]]["sync"] += c.weight * collective_time_s(c, data_parallel.tp_links)
-        for p in PIECES:
-            a = acc[p]
-            if dp > 1 and zero:
-                a["sync"] += reduce_scatter_time_s(a["grad_bytes"], link)
-                a["gather"] += 2 * all_gather_time_s(a["grad_bytes"], link)  # forward and backward, per microbatch
-                a["state"] /= dp
-                a["params"] /= dp
-            elif dp > 1:
-                a["sync"] += all_reduce_time_s(a["grad_bytes"], link)
-            a["time"] += a["sync"] / m + a["gather"]
-        mesh = (dp, mesh[1])
     optimizer = {p: cost_model.optimizer_time_s(acc[p]["params"], cluster.hardware) * core_share(cluster)
                  for p in PIECES}
     # the microbatches' gradient accumulation, once per step like the optimizer (the same
@@ -257,19 +220,6 @@ def _boundary_bytes(graph: Graph, by_node, mesh: tuple[int, ...], derived: froze
             size = graph[u].output.size_bytes / (shard_factor(placement, mesh) if placement else 1)
             best = max(best, size)
     return best
-
-
-def zero3_filter(dp: int):
-    """keep_placeholder for a forced ZeRO-3 layout: every parameter with a dim divisible by
-    dp is sharded over the dp axis (axis 0); all else stays free for the ILP."""
-    def keep(node, placements) -> bool:
-        if node.role is not Role.PARAMETER or dp == 1:
-            return True
-        if any(d % dp == 0 and d >= dp for d in node.output.shape):
-            return isinstance(placements[0], Shard)
-        return True
-
-    return keep
 
 
 def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1.0) -> dict[str, float]:

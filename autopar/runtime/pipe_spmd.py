@@ -470,7 +470,6 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     the whole job's (one stage's devices of it are priced, as the pipeline search prices
     a stage), default dp * tp cpu devices."""
     from solver import forced
-    from solver.intra_op.ilp import solve_intra_op
 
     if cluster is None:
         from autopar.cluster import Cluster
@@ -478,15 +477,11 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
         cluster = Cluster.parse(f"cpu:1x{config.dp * config.tp}")
     if cluster.num_devices != config.dp * config.tp:
         cluster = cluster.stage(config.dp * config.tp)
-    base = forced.keep_placeholder(config)
 
-    def keep(node: Any, placements: Placements) -> bool:
-        if node.role is Role.INPUT:
-            return tuple(placements) == boundary_placements(node.output.shape, rows, config.dp)
-        return base(node, placements)
+    def keep_input(node: Any, placements: Placements) -> bool:
+        return tuple(placements) == boundary_placements(node.output.shape, rows, config.dp)
 
-    return solve_intra_op(graph, cluster, forced.mesh_shape(config), keep_placeholder=keep,
-                          gather_free_axes=forced.gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches)
+    return forced.solve_stage(graph, config, cluster, num_microbatches=num_microbatches, keep_input=keep_input)
 
 
 # ---------------------------------------------------------------------------------------

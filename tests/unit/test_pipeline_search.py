@@ -104,17 +104,18 @@ def test_unrunnable_candidates_are_kept_with_reasons():
 
 
 def test_stage_ilps_are_memoised(searched, monkeypatch):
-    """Every (tp, per-rank microbatch) solves one ILP, whatever the pipeline degree or cut."""
-    from solver.intra_op import ilp
+    """Every (submesh, global microbatch, ZeRO layout) solves one stage ILP, whatever the
+    pipeline degree or cut."""
+    from solver import forced
 
     calls = []
-    real = ilp.solve_intra_op
+    real = forced.solve_stage
 
-    def counting(graph, cluster, mesh_shape, **kw):
-        calls.append((tuple(mesh_shape), graph.model.batch))
-        return real(graph, cluster, mesh_shape, **kw)
+    def counting(graph, config, cluster, **kw):
+        calls.append((config.dp, config.tp, config.zero, graph.model.batch))
+        return real(graph, config, cluster, **kw)
 
-    monkeypatch.setattr(ilp, "solve_intra_op", counting)
+    monkeypatch.setattr(forced, "solve_stage", counting)
     source = resolve(SPEC)
     cluster = Cluster.parse("h100:1x4")
     cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
@@ -125,6 +126,48 @@ def test_stage_ilps_are_memoised(searched, monkeypatch):
     for cand in cands:
         pipeline_search.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8, info=ref.model)
     assert calls and len(calls) == len(set(calls)), calls
+
+
+def test_a_stage_is_priced_by_the_solve_its_chunks_run():
+    """Price = run for pipeline stages: the search's stage ILP (the whole traced step on the
+    stage's (dp, tp) submesh) performs, per step, the collectives the runtime's chunk ILPs
+    perform together (autopar/runtime/pipe_spmd.py solve_stage on each chunk as a rank
+    traces it): the same kinds on the same axes, and the bytes each axis moves, and each
+    kind that carries a tenth of them, within 10% (the chunks' boundaries add a few small
+    collectives; the chunks sync their gradients in buckets of their own, so calls differ)."""
+    import torch
+
+    from autopar.config import ParallelConfig
+    from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
+    from autopar.runtime.spmd import priced_per_step
+
+    spec = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
+    source = resolve(spec)
+    cluster = Cluster.parse("cpu:1x8")
+    global_batch, dp, tp, pp, micro = 8, 2, 2, 2, 1
+    rows = dp * micro
+    m = global_batch // rows
+    config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch=micro)
+    torch.manual_seed(0)
+    model, example = source.build(), source.example_inputs(global_batch)
+    run: dict[tuple[str, str], list[int]] = {}
+    for stage in trace_chunks(model, config, example):
+        sol = solve_stage(stage.graph, config, cluster, num_microbatches=m, rows=rows)
+        for key, (calls, nbytes) in priced_per_step(sol, m, ("dp", "tp")).items():
+            entry = run.setdefault(key, [0, 0])
+            entry[0] += calls
+            entry[1] += nbytes
+    cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="float32"), cluster,
+                                            global_batch, {}, None)
+    priced = priced_per_step(cache.get((dp, tp), rows, 0).solution, m, ("dp", "tp"))
+    assert ("all_reduce", "dp") in priced and any(axis == "tp" for _, axis in priced), priced
+    assert set(priced) == set(run), (priced, run)
+    for axis in ("dp", "tp"):
+        total = sum(b for (_, a), (_, b) in priced.items() if a == axis)
+        assert total == pytest.approx(sum(b for (_, a), (_, b) in run.items() if a == axis), rel=0.1), (priced, run)
+        for key, (_, nbytes) in priced.items():  # every collective kind that carries a tenth of the axis's bytes
+            if key[1] == axis and max(nbytes, run[key][1]) >= 0.1 * total:
+                assert nbytes == pytest.approx(run[key][1], rel=0.1), (key, priced, run)
 
 
 def test_lower_bound_is_below_the_ilp():
