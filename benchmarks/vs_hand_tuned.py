@@ -11,9 +11,10 @@ into a step time by the pipeline formulas of solver/stage_dp.py:
 - grid:    the template grid kept as a baseline here: every (tp inside a node dividing the
            heads, pp, dp, ZeRO 0|3, per-rank micro-batch <= MAX_RANK_MICROBATCH, schedule
            gpipe | 1f1b | interleaved v2, recompute none | selective | full), stages cut evenly,
-           every stage the template layout: Megatron tensor parallelism from the rule tables
-           on a (1, tp) ILP plus a data-parallel (ZeRO-3: sharded) axis
-           (pipeline_search._StageCostCache, the stage costs the search itself uses).
+           every stage the template layout: data parallel over dp (ZeRO-3: parameters sharded
+           over it), every weight sharded over tp, the ILP placing the rest on the stage's
+           (dp, tp) submesh (pipeline_search._StageCostCache: the stage costs the search itself
+           uses, the solve the runtime's stages run).
 - hand:    the published configuration priced as one grid point (ZeRO 1/2 priced as the
            sharded layout: the ILP has one; unstated micro-batch, interleave chunks and
            recompute take their best value). Several rows of one group: the best.
@@ -191,9 +192,9 @@ def price_one_stage(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glo
 def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, global_batch: int,
                    num_layers: int) -> Priced | None:
     """One template configuration priced as the product prices its kind: pp = 1 as the
-    one-stage search does (price_one_stage); pp > 1 by the search's own stage costs: the
-    (1, tp) ILP with the rule tables' layout plus a dp axis (ZeRO-3 when zero > 0), even
-    cuts, the stage_dp formulas. None: not expressible."""
+    one-stage search does (price_one_stage); pp > 1 by the search's own stage costs (the
+    stage ILP on the (dp, tp) submesh under the configuration's rules, ZeRO-3 when
+    zero > 0), even cuts, the stage_dp formulas. None: not expressible."""
     g = cfg.dp * cfg.micro_batch
     if global_batch % g:
         return None
@@ -272,8 +273,7 @@ def beyond_grid(plan: Plan, cache: GridCache, cluster: Cluster, global_batch: in
                         f"template layout at this micro-batch prices the same, {tmpl.step_time_s:.4g} s)")
             return None
         ours = dict(plan.intra_op_info.parameters) if plan.intra_op_info else {}
-        theirs = dict(placement_summary(tmpl.costs.graph, tmpl.costs.solution,
-                                        zero_over_dp=bool(tmpl.config.zero) and cfg.dp > 1)) if tmpl else {}
+        theirs = dict(placement_summary(tmpl.costs.graph, tmpl.costs.solution)) if tmpl else {}
         diffs = [f"{k}: {ours[k]} (template {theirs[k]})" for k in ours if k in theirs and ours[k] != theirs[k]]
         base = ("the template does not fit" if tmpl is None or not tmpl.fits else
                 f"template {tmpl.step_time_s:.4g} s -> {plan.predicted.step_time_s:.4g} s")

@@ -68,14 +68,15 @@ def gather_free_axes(config: ParallelConfig) -> tuple[int, ...]:
 
 def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
                 keep_input: Callable[[Node, Placements], bool] | None = None,
-                time_limit_s: float | None = None) -> Any:
+                time_limit_s: float | None = None, space: Any = None) -> Any:
     """The intra-op ILP of a pipeline stage on its (dp, tp) submesh under `config`'s rules,
     its gradient syncs weighted 1 / num_microbatches (once per step). One solve for both
     sides of a pipeline plan: the runtime solves each chunk's graph with `keep_input`
     holding its boundary inputs in the layout they travel in
     (autopar/runtime/pipe_spmd.py solve_stage), and the pipeline search prices every stage
     from this solve of the whole traced step (solver/pipeline_search.py), so what a stage
-    is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage)."""
+    is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage); `space`:
+    the graph's strategy enumeration on this mesh, where the caller has it."""
     from solver.intra_op.ilp import solve_intra_op
 
     base = keep_placeholder(config)
@@ -87,4 +88,4 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
 
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
-                          time_limit_s=time_limit_s)
+                          time_limit_s=time_limit_s, space=space)

@@ -78,6 +78,7 @@ from solver.stage_costs import (
     split_solution,
 )
 from solver.intra_op.ilp import CutoffExceeded
+from solver.intra_op.space import enumerate_strategies
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,8 @@ class _StageCostCache:
         self.graphs = graphs
         self.time_limit_s = time_limit_s
         self.costs: dict[tuple, SubmeshCosts | None] = {}
+        self.spaces: dict[tuple, Any] = {}
+        """Strategy enumerations per (mesh, microbatch): shared by the ZeRO layouts' solves."""
 
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)
@@ -247,8 +250,11 @@ class _StageCostCache:
         sub = _stage_cluster(self.cluster, dp * tp)
         graph = self.graph(g)
         config = ParallelConfig(dp=dp, tp=tp, zero=zero)
+        if (mesh, g) not in self.spaces:
+            self.spaces[(mesh, g)] = enumerate_strategies(graph, forced.mesh_shape(config))
         try:
-            sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s)
+            sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s,
+                                     space=self.spaces[(mesh, g)])
         except InfeasiblePlanError as exc:
             log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
             self.costs[key] = None
@@ -407,7 +413,7 @@ def _pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster
             memory_bytes=int(sol.stage_memory_bytes[k]),
             inflight_microbatches=r.schedule.inflight(k, len(sol.stage_layers), r.candidate.num_microbatches),
             placements=placement_summary(sc.graph, sc.solution, ("pre",) * (k == 0) + ("layer",) + (
-                ("post",) if k == len(sol.stage_layers) - 1 else ()), zero_over_dp=bool(sc.zero) and sc.mesh[0] > 1),
+                ("post",) if k == len(sol.stage_layers) - 1 else ())),
             collectives=_collectives_per_microbatch(sc)))
         first += n
     cfg = _config(r)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
-from autopar.placement import Shard, format_placements, shard_factor
+from autopar.placement import format_placements, shard_factor
 from autopar.sharding import IntraOpSolution, raw_gradient_bytes
 from cost_model import STATE_BYTES_PER_PARAM, compute_time_s, core_share
 from solver.stage_dp import StageOption
@@ -251,12 +251,11 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
     return out
 
 
-def placement_summary(graph: Graph, solution: IntraOpSolution, pieces: tuple[str, ...] = PIECES,
-                      zero_over_dp: bool = False) -> tuple[tuple[str, str], ...]:
+def placement_summary(graph: Graph, solution: IntraOpSolution,
+                      pieces: tuple[str, ...] = PIECES) -> tuple[tuple[str, str], ...]:
     """(parameter inside a layer group or outside, its (dp, tp) placement), one per name, for
     the parameters of `pieces`: the layers' once per layer group (layer sharing gives each
-    group one choice). `zero_over_dp`: the solution is a (1, tp) one whose stage shards
-    parameters over its data-parallel axis (ZeRO-3 on dim 0, as FSDP does)."""
+    group one choice)."""
     import re
 
     by_node = {c.node: c for c in solution.choices}
@@ -269,10 +268,7 @@ def placement_summary(graph: Graph, solution: IntraOpSolution, pieces: tuple[str
         if node.layer is not None:
             name = re.sub(r"\.\d+\.", ".*.", name, count=1)
         if node.id in by_node:
-            placements = by_node[node.id].outputs[0]
-            if zero_over_dp and node.output.shape and node.output.shape[0] > 1:
-                placements = (Shard(0),) + tuple(placements[1:])
-            out.setdefault(name, format_placements(placements))
+            out.setdefault(name, format_placements(by_node[node.id].outputs[0]))
     return tuple(out.items())
 
 

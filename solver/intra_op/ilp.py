@@ -159,6 +159,99 @@ def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderF
                          fallback_ops=space.fallback_ops, follows=space.follows)
 
 
+def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...], *,
+                      gloo: bool) -> StrategySpace:
+    """`space` without the strategies no plan can use under `gather_free_axes`: a node's
+    strategy goes when one of its activation inputs (an edge `_edge_matrices` prices, from
+    a tensor not derived from a parameter) has no remaining producer strategy that DTensor
+    can reshard to it without an all-gather or all-to-all on such an axis (exactly the
+    edges `_edge_matrices` forbids, so every plan of the pruned space is a plan of the
+    whole one and the optimum is unchanged). Propagated in topological order to a fixed
+    point; layer-shared nodes (reduce_graph) take one choice together, so they keep the
+    strategies all of them can use and their lists stay identical. On a (dp, tp) mesh with data-parallel dp, most of the
+    product space is such strategies (an activation can only stay split by batch over dp),
+    and the ILP's build grew with it. Returns `space` itself when nothing is pruned or a
+    node would be left with none (the ILP then says why it is infeasible)."""
+    from cost_model import reshard_collectives
+
+    if not gather_free_axes:
+        return space
+    mesh = space.mesh_shape
+    derived = graph.parameter_derived()
+    twins: dict[NodeId, list[NodeId]] = {}
+    for group in graph.layer_groups:
+        for k in range(len(group.nodes[0])):
+            members = [layer[k] for layer in group.nodes]
+            for nid in members:
+                twins[nid] = members
+    # placements interned as ints (hashing placement objects dominated the pass)
+    ids: dict[Placements, int] = {}
+    layouts: list[Placements] = []
+
+    def intern(pl: Placements) -> int:
+        i = ids.get(pl)
+        if i is None:
+            i = ids[pl] = len(layouts)
+            layouts.append(pl)
+        return i
+
+    out_ids = [[tuple(intern(o) for o in st.outputs) for st in options] for options in space.strategies]
+    in_ids = [[tuple(intern(x) for x in st.inputs) for st in options] for options in space.strategies]
+    compatible: dict[tuple, bool] = {}
+
+    def ok(meta, src: int, dst: int) -> bool:
+        if src == dst:
+            return True
+        key = (meta.shape, meta.dtype, src, dst)
+        found = compatible.get(key)
+        if found is None:
+            steps = reshard_collectives(meta, layouts[src], layouts[dst], mesh, gloo=gloo)
+            found = compatible[key] = steps is not None and not any(
+                c.axis in gather_free_axes and c.kind in ("all_gather", "all_to_all") for c in steps)
+        return found
+
+    edges: list[list[tuple[int, int, int, bool]]] = [[] for _ in graph.nodes]  # (position, producer, output, reshard)
+    for node in graph.nodes:
+        for p, u in enumerate(node.inputs):
+            if u in derived:
+                continue
+            if len(graph[u].outputs) == 1:
+                edges[node.id].append((p, u, 0, True))
+            elif node.op == "getitem":  # read as produced: reduce_graph ties it to its producer's choice
+                edges[node.id].append((p, u, graph[u].output_position(node.args[1]), False))
+    kept: list[list[int]] = [list(range(len(options))) for options in space.strategies]
+    changed = True
+    while changed:  # in topological order, each node sees its producers' latest sets
+        changed = False
+        for node in graph.nodes:
+            v = node.id
+            alive = kept[v]
+            for p, u, idx, reshard in edges[v]:
+                produced = {out_ids[u][i][idx] for i in kept[u]}
+                need = {in_ids[v][j][p] for j in alive}
+                if reshard:
+                    meta = graph[u].output
+                    reachable = {d for d in need if any(ok(meta, s, d) for s in produced)}
+                else:
+                    reachable = need & produced
+                if len(reachable) != len(need):
+                    alive = [j for j in alive if in_ids[v][j][p] in reachable]
+            if len(alive) == len(kept[v]):
+                continue
+            if not alive:
+                log.debug("prune_gather_free: node %d (%s) would keep no strategy; nothing pruned", v, node.op)
+                return space
+            alive_set = set(alive)
+            for n in twins.get(v, [v]):  # layer-shared nodes take one choice together
+                kept[n] = [j for j in kept[n] if j in alive_set]
+            changed = True
+    if all(len(k) == len(options) for k, options in zip(kept, space.strategies)):
+        return space
+    return StrategySpace(mesh_shape=mesh, strategies=tuple(tuple(options[j] for j in k)
+                                                           for k, options in zip(kept, space.strategies)),
+                         fallback_ops=space.fallback_ops, follows=space.follows)
+
+
 def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:
     """Per (consumer layer, phase): the bytes of the distinct parameter-derived tensors
     (a weight, its transpose, a cast of it) that compute ops there consume, the size of
@@ -535,6 +628,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         space = enumerate_strategies(graph, mesh_shape)
     if keep_placeholder is not None:
         space = restrict_placeholders(graph, space, keep_placeholder)
+    if nodes is None:
+        space = prune_gather_free(graph, space, gather_free_axes, gloo=cluster.hardware.name == "cpu")
     table = cost_table(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
     pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu",

@@ -117,8 +117,7 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # (i14pop) per-op pipeline stages: each rank traces, solves (a submesh's first rank) and
     # applies its own chunks, as runtime.spmd does for one stage
     ("autopar.runtime.pipe_spmd", "autopar.trace", "each rank traces its chunks' joint graphs"),
-    ("autopar.runtime.pipe_spmd", "solver.intra_op.ilp", "a submesh's first rank solves its chunk's ILP"),
-    ("autopar.runtime.pipe_spmd", "solver.forced", "the configuration's rules as the chunk ILP's constraints"),
+    ("autopar.runtime.pipe_spmd", "solver.forced", "a submesh's first rank solves its chunk's stage ILP (forced.solve_stage)"),
     ("autopar.runtime.pipe_spmd", "codegen.apply", "each rank applies its chunks' solutions"),
     # apply wires trace and models: emit builds and traces the model itself for the source.
     ("codegen.emit", "autopar.models", "emit resolves the model name to build its chunks"),
