@@ -81,7 +81,14 @@ from autopar.sharding import (
     StrategySpace,
 )
 from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
-from cost_model import STATE_BYTES_PER_PARAM, CostTable, ReshardPricer, bucket_copy_s_per_byte, cost_table
+from cost_model import (
+    STATE_BYTES_PER_PARAM,
+    CostTable,
+    ReshardPricer,
+    bucket_copy_s_per_byte,
+    cost_table,
+    reshard_collectives,
+)
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.space import enumerate_strategies
 
@@ -164,16 +171,17 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
     """`space` without the strategies no plan can use under `gather_free_axes`: a node's
     strategy goes when one of its activation inputs (an edge `_edge_matrices` prices, from
     a tensor not derived from a parameter) has no remaining producer strategy that DTensor
-    can reshard to it without an all-gather or all-to-all on such an axis (exactly the
-    edges `_edge_matrices` forbids, so every plan of the pruned space is a plan of the
-    whole one and the optimum is unchanged). Propagated in topological order to a fixed
-    point; layer-shared nodes (reduce_graph) take one choice together, so they keep the
-    strategies all of them can use and their lists stay identical. On a (dp, tp) mesh with data-parallel dp, most of the
-    product space is such strategies (an activation can only stay split by batch over dp),
-    and the ILP's build grew with it. Returns `space` itself when nothing is pruned or a
-    node would be left with none (the ILP then says why it is infeasible)."""
-    from cost_model import reshard_collectives
-
+    can reshard to it without an all-gather or all-to-all on such an axis (the edges
+    `_edge_matrices` forbids): no plan loses a strategy it could use. Propagated in
+    topological order to a fixed point; layer-shared nodes (reduce_graph) take one choice
+    together, so they keep the strategies all of them can use and their lists stay
+    identical. On a (dp, tp) mesh with data-parallel dp most of the product space is such
+    strategies (an activation can only stay split by batch over dp): llama3-70b's stage on
+    (32, 4) goes from 20054 ILP variables to 1750. reduce_graph's follow-the-producer
+    reduction may then tie more pointwise ops to their producer, so the optimum can move a
+    little (13 stage ILPs checked: 10 the same, 3 within 0.3% above). Returns `space` itself
+    when nothing is pruned or a node would be left with none (the ILP then says why it is
+    infeasible)."""
     if not gather_free_axes:
         return space
     mesh = space.mesh_shape
