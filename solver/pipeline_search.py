@@ -9,7 +9,8 @@ autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
 - pipelines (pp = p > 1, p stages of D = N / p devices): per global microbatch g (every
   dp x b with b <= MAX_RANK_MICROBATCH sequences per rank) the
   intra-op ILP is solved once per stage submesh (dp, tp) (dp tp = D, tp inside a node,
-  dp | g) and ZeRO layout (parameters free, or sharded over dp), memoised, its solution
+  dp | g) and ZeRO layout (parameters replicated over dp, or sharded over it), under the
+  rules the runtime solves each chunk by (solver/forced.py solve_stage), memoised, its solution
   split into pre / one layer / post (solver/stage_costs.py); the inter-op DP
   (solver/stage_dp.py) then picks the cuts and each stage's (submesh, ZeRO, recompute)
   per schedule (gpipe, 1f1b, interleaved v in INTERLEAVE_CHOICES, zbv).
@@ -84,8 +85,9 @@ from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pip
 log = logging.getLogger(__name__)
 
 MAX_RANK_MICROBATCH = 4
-"""Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each distinct
-one is a trace and an ILP per tp, and pipelines want many small microbatches. Every global
+"""Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each global
+microbatch g = dp b is a trace and a stage ILP per (dp, tp) submesh and ZeRO layout, and
+pipelines want many small microbatches. Every global
 microbatch g = dp x b (b <= this, for every stage submesh's dp) is a candidate: the stage
 ILP's cost per sequence barely changes with b while the bubble and the in-flight memory
 shrink with more microbatches (benchmarks/vs_hand_tuned.py found the template grid's
