@@ -85,10 +85,10 @@ from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pip
 log = logging.getLogger(__name__)
 
 MAX_RANK_MICROBATCH = 4
-"""Largest per-rank microbatch (sequences) a pipeline stage's submesh may get: each global
-microbatch g = dp b is a trace and a stage ILP per (dp, tp) submesh and ZeRO layout, and
-pipelines want many small microbatches. Every global
-microbatch g = dp x b (b <= this, for every stage submesh's dp) is a candidate: the stage
+"""Largest per-rank microbatch (sequences) a pipeline stage's submesh may get. Every global
+microbatch g = dp x b (b <= this, for every stage submesh's dp) is a candidate, each a
+trace and a stage ILP per (dp, tp) submesh and ZeRO layout, and pipelines want many small
+microbatches: the stage
 ILP's cost per sequence barely changes with b while the bubble and the in-flight memory
 shrink with more microbatches (benchmarks/vs_hand_tuned.py found the template grid's
 dp 1 x 168 microbatches beating the three largest g this search used to try)."""
