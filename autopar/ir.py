@@ -29,8 +29,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Sequence
 
 NodeId = int
 
@@ -359,3 +359,88 @@ class Graph:
             "trace_time_s": round(self.trace_time_s, 3),
             "fingerprint": self.fingerprint(),
         }
+
+
+def layer_signature(nodes: Sequence[Node], members: Sequence[NodeId]) -> str:
+    """Structural hash of one layer: ops, shapes, dtypes, and wiring relative to the layer
+    (`LayerGroup.signature`)."""
+    pos = {nid: k for k, nid in enumerate(members)}
+    h = hashlib.sha256()
+    for nid in members:
+        nd = nodes[nid]
+        wiring = [pos[i] if i in pos else f"ext:{nodes[i].role.value}" for i in nd.inputs]
+        scalars = tuple(a for a in nd.args if not isinstance(a, Ref)
+                        and not (isinstance(a, tuple) and any(isinstance(x, Ref) for x in a)))
+        h.update(repr((nd.op, nd.phase.value, [(t.shape, t.dtype) for t in nd.outputs], wiring, scalars)).encode())
+    return h.hexdigest()
+
+
+class _NotABatchScaling(Exception):
+    pass
+
+
+def extrapolate_batch(one: Graph, two: Graph, batch: int) -> Graph | None:
+    """The traced step at `batch` sequences from its traces at b and 2b sequences (`one`,
+    `two`: the same model, tracer and options; `batch` a multiple of b), or None where the
+    two do not differ as a batch scaling.
+
+    Every integer the two traces hold at the same place (shapes, strides, scalar arguments)
+    must be equal (independent of the batch) or double (proportional to it); FLOPs and bytes
+    moved are affine in the batch (weights' bytes are fixed, activations' grow); every other
+    value (ops, wiring, dtypes, floats, names) must be equal. Anything else gives None and
+    the caller traces. b = 1 is not used: a one-sequence trace records the strides of its
+    size-1 batch dimension as the input slice had them. A search traces a model at many
+    microbatches of one structure (solver/spmd_search.py `traced`); a trace costs about a
+    second, this a few milliseconds. tests/unit/test_trace.py checks it equals the trace
+    for the zoo's families and recompute policies."""
+    b = one.model.batch
+    if b < 2 or two.model.batch != 2 * b or len(one.nodes) != len(two.nodes) or batch < 1 or batch % b:
+        return None
+    if batch in (b, 2 * b):
+        return one if batch == b else two
+    k = batch // b
+
+    def same(x: Any, y: Any) -> Any:
+        if type(x) is not type(y):
+            raise _NotABatchScaling
+        if isinstance(x, int) and not isinstance(x, bool):
+            if x == y:
+                return x
+            if y == 2 * x:
+                return x * k
+            raise _NotABatchScaling
+        if isinstance(x, TensorMeta):
+            if x.dtype != y.dtype:
+                raise _NotABatchScaling
+            return TensorMeta(shape=same(x.shape, y.shape), dtype=x.dtype, stride=same(x.stride, y.stride))
+        if isinstance(x, (tuple, list)):
+            if len(x) != len(y):
+                raise _NotABatchScaling
+            return type(x)(same(u, v) for u, v in zip(x, y))
+        if x != y:
+            raise _NotABatchScaling
+        return x
+
+    def affine(x: int, y: int) -> int:
+        return x + (y - x) * (k - 1)
+
+    try:
+        nodes = []
+        for x, y in zip(one.nodes, two.nodes):
+            if (x.op, x.inputs, x.role, x.phase, x.layer, x.module_path, x.param_name, x.is_view, x.segment,
+                    x.output_slots, x.name) != (y.op, y.inputs, y.role, y.phase, y.layer, y.module_path, y.param_name,
+                                                y.is_view, y.segment, y.output_slots, y.name):
+                raise _NotABatchScaling
+            nodes.append(replace(x, args=same(x.args, y.args), kwargs=same(x.kwargs, y.kwargs),
+                                 outputs=same(x.outputs, y.outputs), flops=affine(x.flops, y.flops),
+                                 bytes_moved=affine(x.bytes_moved, y.bytes_moved)))
+    except _NotABatchScaling:
+        return None
+    if (one.loss, one.param_grads, one.tied_params) != (two.loss, two.param_grads, two.tied_params) \
+            or [(g.layers, g.nodes, g.multiplicity) for g in one.layer_groups] \
+            != [(g.layers, g.nodes, g.multiplicity) for g in two.layer_groups] \
+            or replace(one.model, batch=two.model.batch) != two.model:
+        return None
+    groups = tuple(replace(g, signature=layer_signature(nodes, g.nodes[0])) for g in one.layer_groups)
+    return Graph(model=replace(one.model, batch=batch), nodes=tuple(nodes), loss=one.loss,
+                 param_grads=one.param_grads, layer_groups=groups, tied_params=one.tied_params)

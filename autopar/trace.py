@@ -30,7 +30,8 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.capabilities import layer_container as _find_layer_container
-from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role, TensorMeta
+from autopar.ir import (ATTENTION_FWD_OPS, ATTENTION_OPS, Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role,
+                        TensorMeta, layer_signature)
 from autopar.models.zoo import ModelSource
 
 log = logging.getLogger(__name__)
@@ -609,22 +610,6 @@ def _flat_nodes(args: Any) -> tuple[fx.Node, ...]:
     return tuple(out)
 
 
-def _layer_signature(nodes: list[Node], members: list[NodeId]) -> str:
-    """Structural hash of one layer: ops, shapes, dtypes, and wiring relative to the layer."""
-    pos = {nid: k for k, nid in enumerate(members)}
-    h = hashlib.sha256()
-    for nid in members:
-        nd = nodes[nid]
-        wiring = [pos[i] if i in pos else f"ext:{nodes[i].role.value}" for i in nd.inputs]
-        h.update(repr((nd.op, nd.phase.value, [(t.shape, t.dtype) for t in nd.outputs], wiring,
-                       _scalar_args(nd.args))).encode())
-    return h.hexdigest()
-
-
-def _scalar_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(a for a in args if not isinstance(a, Ref) and not (isinstance(a, tuple) and any(isinstance(x, Ref) for x in a)))
-
-
 def _group_layers(nodes: list[Node], traced_layers: list[int], real_layers: int) -> tuple[LayerGroup, ...]:
     if not traced_layers:
         return ()
@@ -634,7 +619,7 @@ def _group_layers(nodes: list[Node], traced_layers: list[int], real_layers: int)
             members[nd.layer].append(nd.id)
     by_sig: dict[str, list[int]] = {}
     for layer in traced_layers:
-        by_sig.setdefault(_layer_signature(nodes, members[layer]), []).append(layer)
+        by_sig.setdefault(layer_signature(nodes, members[layer]), []).append(layer)
     scale = real_layers / len(traced_layers) if real_layers else 1.0
     groups = []
     for index, (sig, layers) in enumerate(sorted(by_sig.items(), key=lambda kv: kv[1][0])):

@@ -79,7 +79,7 @@ from solver.stage_costs import (
     split_solution,
 )
 from solver.intra_op.ilp import CutoffExceeded
-from solver.intra_op.space import enumerate_strategies
+from solver.intra_op.space import divisibility_signature, enumerate_strategies
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,10 @@ class _StageCostCache:
         self.time_limit_s = time_limit_s
         self.costs: dict[tuple, SubmeshCosts | None] = {}
         self.spaces: dict[tuple, Any] = {}
-        """Strategy enumerations per (mesh, microbatch): shared by the ZeRO layouts' solves."""
+        """Strategy enumerations per divisibility signature of (traced step, mesh): shared by
+        the ZeRO layouts' solves and by the microbatches whose sizes every mesh product
+        divides alike (solver/intra_op/space.py divisibility_signature)."""
+        self.signatures: dict[tuple, tuple] = {}
 
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)
@@ -252,11 +255,15 @@ class _StageCostCache:
         sub = _stage_cluster(self.cluster, dp * tp)
         graph = self.graph(g)
         config = ParallelConfig(dp=dp, tp=tp, zero=zero)
-        if (mesh, g) not in self.spaces:
-            self.spaces[(mesh, g)] = enumerate_strategies(graph, forced.mesh_shape(config))
+        shape = forced.mesh_shape(config)
+        if (mesh, g) not in self.signatures:
+            self.signatures[(mesh, g)] = divisibility_signature(graph, shape)
+        sig = self.signatures[(mesh, g)]
+        if sig not in self.spaces:
+            self.spaces[sig] = enumerate_strategies(graph, shape)
         try:
             sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s,
-                                     space=self.spaces[(mesh, g)])
+                                     space=self.spaces[sig])
         except InfeasiblePlanError as exc:
             log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
             self.costs[key] = None

@@ -35,7 +35,7 @@ import cost_model
 from cost_model import core_share, grad_accumulation_time_s
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
-from autopar.ir import Graph, Role
+from autopar.ir import Graph, Role, extrapolate_batch
 from autopar.placement import Shard, format_placements, shard_factor
 from autopar.plan import (
     Alternative,
@@ -68,9 +68,20 @@ traces it."""
 def traced(graphs: dict[Any, Graph], trace_at: TraceAt, microbatch: int, recompute: str = "none") -> Graph:
     """The memoised trace at `microbatch` sequences under `recompute` (keys: the microbatch
     for no recompute, shared with the pipeline stage costs; (microbatch, policy) else)."""
-    key: Any = microbatch if recompute == "none" else (microbatch, recompute)
+    def key_at(b: int) -> Any:
+        return b if recompute == "none" else (b, recompute)
+
+    key = key_at(microbatch)
     if key not in graphs:
-        graphs[key] = trace_at(microbatch) if recompute == "none" else trace_at(microbatch, recompute=recompute)
+        got = None
+        if microbatch > 4 and microbatch % 2 == 0:
+            # the traces at 2 and 4 sequences give every other even microbatch (autopar.ir
+            # extrapolate_batch: exact where the two differ as a batch scaling, else None)
+            got = extrapolate_batch(traced(graphs, trace_at, 2, recompute), traced(graphs, trace_at, 4, recompute),
+                                    microbatch)
+        if got is None:
+            got = trace_at(microbatch) if recompute == "none" else trace_at(microbatch, recompute=recompute)
+        graphs[key] = got
     return graphs[key]
 
 

@@ -378,6 +378,45 @@ def enumerate_strategies(graph: Graph, mesh_shape: tuple[int, ...]) -> StrategyS
                          fallback_ops=tuple(sorted(fallback)), follows=follows)
 
 
+def divisibility_signature(graph: Graph, mesh_shape: tuple[int, ...]) -> tuple:
+    """What `enumerate_strategies(graph, mesh_shape)` reads of the graph's numbers: the graph's
+    structure (ops, wiring, dtypes, roles) and, for every integer in its shapes, strides and
+    scalar arguments in order, whether it is 1 and which products of mesh axes divide it.
+    The strategies depend on sizes only through these (even sharding, size-1 dims, DTensor's
+    rules), so two graphs with equal signatures get equal strategy spaces: the pipeline
+    search enumerates once per signature, not per microbatch, for the traces of one model
+    at several microbatches (solver/pipeline_search.py). tests/unit/test_intra_op.py checks
+    the spaces are equal wherever the signatures are."""
+    products = sorted({math.prod(c) for r in range(1, len(mesh_shape) + 1)
+                       for c in itertools.combinations(mesh_shape, r)} - {1})
+    ints: list[int] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, bool):
+            return
+        if isinstance(x, int):
+            ints.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+
+    structure = []
+    for n in graph.nodes:
+        walk(n.args)
+        walk(n.kwargs)
+        for t in n.outputs:
+            walk(t.shape)
+            walk(t.stride)
+        structure.append((n.op, n.inputs, n.role.value, n.output_slots, tuple(t.dtype for t in n.outputs),
+                          tuple(len(t.shape) for t in n.outputs), _scalar_types(n.args)))
+    return (tuple(mesh_shape), tuple(structure), graph.layer_groups and tuple(g.nodes for g in graph.layer_groups),
+            tuple((v == 1,) + tuple(v % p == 0 for p in products) for v in ints))
+
+
+def _scalar_types(args: tuple) -> tuple:
+    return tuple(type(a).__name__ if not isinstance(a, tuple) else _scalar_types(a) for a in args)
+
+
 def _pointwise_lead(graph: Graph, node: Node, strategies: list[tuple[NodeStrategy, ...]]) -> int | None:
     """For a pointwise op with several tensor operands: the operand whose layout it follows
     (solver/intra_op/sharing.py): of the operands shaped like the output, the one whose producer

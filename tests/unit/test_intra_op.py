@@ -407,3 +407,32 @@ def test_gather_free_pruning_keeps_every_usable_strategy(spec, mesh, zero, monke
         assert any(s.outputs == c.outputs and s.inputs == c.inputs for s in pruned[c.node]), graph[c.node]
     assert with_pruning.cost.total_s == pytest.approx(without.cost.total_s, rel=1e-9)
     assert with_pruning.num_variables < without.num_variables
+
+
+def test_equal_divisibility_signatures_give_equal_strategy_spaces() -> None:
+    """The pipeline search enumerates strategies once per divisibility signature, not per
+    microbatch (solver/pipeline_search.py): wherever two microbatches' signatures match on a
+    mesh, the enumerations match; where they differ the test sees both kinds."""
+    from autopar.ir import extrapolate_batch
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+    from solver.intra_op.space import divisibility_signature, enumerate_strategies
+
+    src = resolve("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32")
+    two, four = (trace_model(src, batch=b) for b in (2, 4))
+    graphs = {g: extrapolate_batch(two, four, g) for g in (2, 4, 8, 16)}
+    shared = distinct = 0
+    for mesh in ((2, 2), (4, 1), (2, 4)):
+        seen: dict[tuple, object] = {}
+        for g, graph in graphs.items():
+            if g % mesh[0]:
+                continue
+            sig = divisibility_signature(graph, mesh)
+            space = enumerate_strategies(graph, mesh)
+            if sig in seen:
+                shared += 1
+                assert space == seen[sig], (mesh, g)
+            else:
+                distinct += 1
+                seen[sig] = space
+    assert shared >= 3 and distinct >= 4

@@ -258,3 +258,38 @@ def test_segments_are_stamped_and_a_wrapper_module_does_not_move_the_head_to_pre
     assert all(s == "layer" for n, s in zip(bare.nodes, segments) if n.layer is not None)
     head = [n for n in bare.nodes if n.op == "aten.mm.default" and n.layer is None and n.phase is Phase.FORWARD]
     assert head and all(n.segment == "post" for n in head)
+
+
+TINY_LLAMA = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
+
+
+@pytest.mark.parametrize("spec,recompute", [(TINY_LLAMA, "none"), (TINY_LLAMA, "full"), ("gpt-tiny", "selective")])
+def test_a_trace_extrapolated_from_two_batches_equals_the_trace(spec, recompute):
+    """autopar.ir.extrapolate_batch (what the search uses instead of re-tracing at every
+    microbatch) gives exactly the graph the tracer gives: every node, shape, stride,
+    argument, FLOP and byte count, and the layer signatures."""
+    import dataclasses
+
+    from autopar.ir import extrapolate_batch
+
+    src = resolve(spec)
+    two, four = (trace_model(src, batch=b, recompute=recompute) for b in (2, 4))
+    for batch in (6, 8, 32):
+        got = extrapolate_batch(two, four, batch)
+        want = dataclasses.replace(trace_model(src, batch=batch, recompute=recompute), trace_time_s=0.0)
+        assert got is not None and got.model.batch == batch
+        assert got == want
+        assert [g.signature for g in got.layer_groups] == [g.signature for g in want.layer_groups]
+        assert got.flops_per_step == want.flops_per_step
+
+
+def test_extrapolation_refuses_what_is_not_a_batch_scaling():
+    from autopar.ir import extrapolate_batch
+
+    two, four = (trace_model(resolve(TINY_LLAMA), batch=b) for b in (2, 4))
+    other_seq = trace_model(resolve(TINY_LLAMA.replace("seq=32", "seq=48")), batch=4)
+    one = trace_model(resolve(TINY_LLAMA), batch=1)
+    assert extrapolate_batch(two, other_seq, 8) is None  # the sequence changed, not only the batch
+    assert extrapolate_batch(one, two, 8) is None  # a one-sequence trace is not a base
+    assert extrapolate_batch(two, four, 5) is None  # not a multiple of the base batch
+    assert extrapolate_batch(two, four, 4) is four
