@@ -59,7 +59,13 @@ _MASK_PARTIAL: list[type] = []
 cost about a second of the 70B search's strategy enumeration)."""
 
 
+_PLAIN_PLACEMENTS = frozenset({"Shard", "Replicate", "Partial"})
+"""DTensor placement class names that are not its _MaskPartial (a subclass of Partial)."""
+
+
 def _is_mask(p: Any) -> bool:
+    if type(p).__name__ in _PLAIN_PLACEMENTS:  # torch's opaque placement metaclass makes isinstance misses slow
+        return False
     if not _MASK_PARTIAL:
         from torch.distributed.tensor.placement_types import _MaskPartial
 
