@@ -68,7 +68,7 @@ def gather_free_axes(config: ParallelConfig) -> tuple[int, ...]:
 
 def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
                 keep_input: Callable[[Node, Placements], bool] | None = None,
-                time_limit_s: float | None = None, space: Any = None) -> Any:
+                time_limit_s: float | None = None, space: Any = None, prune_memo: dict | None = None) -> Any:
     """The intra-op ILP of a pipeline stage on its (dp, tp) submesh under `config`'s rules,
     its gradient syncs weighted 1 / num_microbatches (once per step). One solve for both
     sides of a pipeline plan: the runtime solves each chunk's graph with `keep_input`
@@ -76,7 +76,8 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     (autopar/runtime/pipe_spmd.py solve_stage), and the pipeline search prices every stage
     from this solve of the whole traced step (solver/pipeline_search.py), so what a stage
     is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage); `space`:
-    the graph's strategy enumeration on this mesh, where the caller has it."""
+    the graph's strategy enumeration on this mesh, where the caller has it; `prune_memo`:
+    solver/intra_op/ilp.py prune_gather_free's, shared by the caller's solves."""
     from solver.intra_op.ilp import solve_intra_op
 
     base = keep_placeholder(config)
@@ -88,4 +89,4 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
 
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
-                          time_limit_s=time_limit_s, space=space)
+                          time_limit_s=time_limit_s, space=space, prune_memo=prune_memo)

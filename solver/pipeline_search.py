@@ -235,6 +235,8 @@ class _StageCostCache:
         the ZeRO layouts' solves and by the microbatches whose sizes every mesh product
         divides alike (solver/intra_op/space.py divisibility_signature)."""
         self.signatures: dict[tuple, tuple] = {}
+        self.prune_memo: dict[tuple, Any] = {}
+        """The stage solves' gather-free pruning passes (solver/intra_op/ilp.py prune_gather_free)."""
 
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)
@@ -263,7 +265,7 @@ class _StageCostCache:
             self.spaces[sig] = enumerate_strategies(graph, shape)
         try:
             sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s,
-                                     space=self.spaces[sig])
+                                     space=self.spaces[sig], prune_memo=self.prune_memo)
         except InfeasiblePlanError as exc:
             log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
             self.costs[key] = None

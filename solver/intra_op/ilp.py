@@ -167,7 +167,7 @@ def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderF
 
 
 def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...], *,
-                      gloo: bool) -> StrategySpace:
+                      gloo: bool, memo: dict | None = None) -> StrategySpace:
     """`space` without the strategies no plan can use under `gather_free_axes`: a node's
     strategy goes when one of its activation inputs (an edge `_edge_matrices` prices, from
     a tensor not derived from a parameter) has no remaining producer strategy that DTensor
@@ -181,11 +181,32 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
     reduction may then tie more pointwise ops to their producer, so the optimum can move a
     little (13 stage ILPs checked: 10 the same, 3 within 0.3% above). Returns `space` itself
     when nothing is pruned or a node would be left with none (the ILP then says why it is
-    infeasible)."""
+    infeasible).
+
+    `memo` (one search's, for spaces it shares between solves): the pass reads only the
+    strategies of nodes not derived from parameters, and only which collective kinds on
+    which axes a reshard runs (not the sizes), so solves whose spaces hold the same
+    strategy lists there (the ZeRO layouts of one stage, microbatches with one
+    divisibility signature: solver/pipeline_search.py) share one pass. Keyed by those
+    lists (placeholders' by value: restrict_placeholders rebuilds them per solve, the
+    others by identity, kept alive in the memo)."""
     if not gather_free_axes:
         return space
     mesh = space.mesh_shape
     derived = graph.parameter_derived()
+    key = None
+    if memo is not None:
+        key = (gather_free_axes, gloo, len(graph.nodes),
+               tuple(0 if i in derived else options if graph[i].op == "placeholder" else id(options)
+                     for i, options in enumerate(space.strategies)))
+        if key in memo:
+            kept_hit = memo[key][0]
+            if kept_hit is None:
+                return space
+            return StrategySpace(mesh_shape=mesh, strategies=tuple(
+                options if k is None else tuple(options[j] for j in k)
+                for k, options in zip(kept_hit, space.strategies)), fallback_ops=space.fallback_ops,
+                follows=space.follows)
     twins: dict[NodeId, list[NodeId]] = {}
     for group in graph.layer_groups:
         for k in range(len(group.nodes[0])):
@@ -248,13 +269,19 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
                 continue
             if not alive:
                 log.debug("prune_gather_free: node %d (%s) would keep no strategy; nothing pruned", v, node.op)
+                if key is not None:
+                    memo[key] = (None, space.strategies)  # the lists stay alive: their ids key the memo
                 return space
             alive_set = set(alive)
             for n in twins.get(v, [v]):  # layer-shared nodes take one choice together
                 kept[n] = [j for j in kept[n] if j in alive_set]
             changed = True
     if all(len(k) == len(options) for k, options in zip(kept, space.strategies)):
+        if key is not None:
+            memo[key] = (None, space.strategies)
         return space
+    if key is not None:  # derived nodes keep the caller's lists (the pass never reads or changes them)
+        memo[key] = ([None if i in derived else k for i, k in enumerate(kept)], space.strategies)
     return StrategySpace(mesh_shape=mesh, strategies=tuple(tuple(options[j] for j in k)
                                                            for k, options in zip(kept, space.strategies)),
                          fallback_ops=space.fallback_ops, follows=space.follows)
@@ -611,7 +638,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
                    keep_placeholder: PlaceholderFilter | None = None, grad_sync_weight: float = 1.0,
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
-                   cutoff_s: float | None = None, num_microbatches: int | None = None) -> IntraOpSolution:
+                   cutoff_s: float | None = None, num_microbatches: int | None = None,
+                   prune_memo: dict | None = None) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration);
@@ -624,7 +652,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     relaxation proves the per-microbatch objective is at least this (the search's pruning).
     `num_microbatches` m: a one-stage step of m microbatches; gradient edges are weighted
     1/m and the once-per-step optimizer and accumulation terms join the objective / m
-    (module docstring).
+    (module docstring). `prune_memo`: shares `prune_gather_free` passes between solves.
     """
     if num_microbatches is not None:
         grad_sync_weight = 1.0 / num_microbatches
@@ -637,7 +665,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if keep_placeholder is not None:
         space = restrict_placeholders(graph, space, keep_placeholder)
     if nodes is None:
-        space = prune_gather_free(graph, space, gather_free_axes, gloo=cluster.hardware.name == "cpu")
+        space = prune_gather_free(graph, space, gather_free_axes, gloo=cluster.hardware.name == "cpu",
+                                  memo=prune_memo)
     table = cost_table(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
     pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu",

@@ -401,7 +401,7 @@ def test_gather_free_pruning_keeps_every_usable_strategy(spec, mesh, zero, monke
     pruned = ilp.prune_gather_free(graph, whole, forced.gather_free_axes(config), gloo=True)
     assert pruned.num_strategies * 2 < whole.num_strategies, (pruned.num_strategies, whole.num_strategies)
     with_pruning = forced.solve_stage(graph, config, cluster, num_microbatches=2)
-    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo: space)
+    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None: space)
     without = forced.solve_stage(graph, config, cluster, num_microbatches=2)
     for c in without.choices:
         assert any(s.outputs == c.outputs and s.inputs == c.inputs for s in pruned[c.node]), graph[c.node]
@@ -436,3 +436,34 @@ def test_equal_divisibility_signatures_give_equal_strategy_spaces() -> None:
                 distinct += 1
                 seen[sig] = space
     assert shared >= 3 and distinct >= 4
+
+
+def test_memoised_gather_free_pruning_is_the_pass_it_stands_for() -> None:
+    """prune_gather_free's memo (the pipeline search shares one pass between the ZeRO
+    layouts of a stage and the microbatches of one divisibility signature) returns what
+    the pass itself returns for each of them, and it is shared."""
+    from autopar.config import ParallelConfig
+    from autopar.ir import extrapolate_batch
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+    from solver import forced
+    from solver.intra_op.ilp import prune_gather_free, restrict_placeholders
+    from solver.intra_op.space import enumerate_strategies
+
+    src = resolve("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32")
+    two, four = (trace_model(src, batch=b) for b in (2, 4))
+    g8, g16 = extrapolate_batch(two, four, 8), extrapolate_batch(two, four, 16)
+    space = enumerate_strategies(g8, (2, 2))  # g16 has the same divisibility signature on (2, 2)
+    memo: dict = {}
+    calls = 0
+    for graph in (g8, g16):
+        for zero in (0, 3):
+            config = ParallelConfig(dp=2, tp=2, zero=zero)
+            restricted = restrict_placeholders(graph, space, forced.keep_placeholder(config))
+            axes = forced.gather_free_axes(config)
+            want = prune_gather_free(graph, restricted, axes, gloo=True)
+            got = prune_gather_free(graph, restricted, axes, gloo=True, memo=memo)
+            calls += 1
+            assert got == want, (graph.model.batch, zero)
+            assert sum(map(len, want.strategies)) < sum(map(len, restricted.strategies))  # it prunes
+    assert 1 <= len(memo) < calls
