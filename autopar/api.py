@@ -126,6 +126,8 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
             return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED, recompute=recompute)
+
+        trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
     else:
         if source is not None:  # a factory: runs as one stage or cut at its layers, never by the rule tables
             module, example = source.factory()

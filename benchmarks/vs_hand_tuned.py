@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 traces[key] = trace_model(_s, batch=rows_, dtype="bfloat16", layers_traced=2, recompute=recompute)
             return traces[key]
 
+        trace_at.batch_scaling = True  # type: ignore[attr-defined]  # zoo models (solver/spmd_search.py traced)
         info = trace_at(1).model
         L = info.num_layers
         cluster = Cluster.parse(job.cluster).with_memory_gb(job.memory_gb)

@@ -62,7 +62,10 @@ AXIS_NAMES = ("dp", "tp")
 TraceAt = Callable[..., Graph]
 """trace_at(global microbatch sequences, recompute="none") -> the lowered training step at
 that batch, rewritten for the recomputation policy (autopar/recompute.py) as the runtime
-traces it."""
+traces it. A trace_at with the attribute `batch_scaling = True` (the zoo's models, whose
+structure does not depend on the batch: autopar/api.py) lets `traced` extrapolate the
+traces at 2 and 4 sequences to other microbatches instead of tracing each; any other
+model (a user's or Hugging Face module may branch on its batch size) is traced at each."""
 
 
 def traced(graphs: dict[Any, Graph], trace_at: TraceAt, microbatch: int, recompute: str = "none") -> Graph:
@@ -74,7 +77,7 @@ def traced(graphs: dict[Any, Graph], trace_at: TraceAt, microbatch: int, recompu
     key = key_at(microbatch)
     if key not in graphs:
         got = None
-        if microbatch > 4 and microbatch % 2 == 0:
+        if getattr(trace_at, "batch_scaling", False) and microbatch > 4 and microbatch % 2 == 0:
             # the traces at 2 and 4 sequences give every other even microbatch (autopar.ir
             # extrapolate_batch: exact where the two differ as a batch scaling, else None)
             got = extrapolate_batch(traced(graphs, trace_at, 2, recompute), traced(graphs, trace_at, 4, recompute),

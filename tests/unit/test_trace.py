@@ -293,3 +293,29 @@ def test_extrapolation_refuses_what_is_not_a_batch_scaling():
     assert extrapolate_batch(one, two, 8) is None  # a one-sequence trace is not a base
     assert extrapolate_batch(two, four, 5) is None  # not a multiple of the base batch
     assert extrapolate_batch(two, four, 4) is four
+
+
+def test_the_search_extrapolates_only_models_marked_batch_scaling():
+    """solver/spmd_search.py traced: a zoo trace_at (batch_scaling) is traced at 2 and 4
+    sequences and extrapolated to 8 and 16, equal to their traces; an unmarked one (a user
+    module may branch on its batch) is traced at every microbatch."""
+    import dataclasses
+
+    from solver.spmd_search import traced
+
+    src = resolve(TINY_LLAMA)
+    calls: list[int] = []
+
+    def trace_at(rows, recompute="none"):
+        calls.append(rows)
+        return trace_model(src, batch=rows, recompute=recompute)
+
+    graphs: dict = {}
+    got = [traced(graphs, trace_at, g) for g in (8, 16)]
+    assert calls == [8, 16]
+    trace_at.batch_scaling = True
+    calls.clear()
+    graphs = {}
+    got_scaled = [traced(graphs, trace_at, g) for g in (8, 16)]
+    assert calls == [2, 4]
+    assert got_scaled == [dataclasses.replace(g, trace_time_s=0.0) for g in got]
