@@ -8,6 +8,16 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   overhead are fitted (least squares) to t = 2 m n k / peak * (k + k0) / k + overhead;
 - memory-bound ops: copies of several sizes, t = bytes / bandwidth + overhead (bytes = read +
   write);
+- the step's two memory-bound passes over whole parameter sets, each timed as the runtime
+  runs it, per element: the optimizer step (fused fp32 AdamW, the default optimizer,
+  autopar/runtime/spmd.py) and the in-place accumulation of a microbatch's gradients
+  (`a.add_(b)`, autopar.runtime.spmd.accumulate). The profile stores them as the traffic
+  they are worth at the copy bandwidth (`optimizer_bytes_per_param`,
+  `accumulate_bytes_per_byte`): measured here (2026-11-24, 1- and 3-run calibrations), an AdamW step
+  took the time of 14-16 bytes of copy traffic per parameter, not the 36 of the default
+  (mixed precision on a GPU) nor the 28 fp32 AdamW reads and writes, and an in-place add 1.4
+  bytes per byte, not 3 (torch's `copy_` is the slower kernel here), so the default traffic
+  priced both 2-3x too slow;
 - eager per-op cost: a chain of small elementwise ops under autograd, forward and backward,
   per ATen op (what every op of a training step pays on the host: dispatch, autograd
   recording, the backward engine); a chain of views; a small tensor-parallel block on
@@ -58,6 +68,11 @@ GEMM_SHAPES = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), 
                (1024, 256, 64), (256, 1024, 1024), (1024, 1024, 32))
 """(m, n, k): square sizes for the peak, thin ones for the K-ramp and per-call overhead."""
 COPY_BYTES = (4 * 2**10, 256 * 2**10, 4 * 2**20, 32 * 2**20)
+OPTIMIZER_SHAPES = ((1024, 1024), (1024, 1024), (2048, 512), (512,), (512,))
+"""Parameters of the optimizer probe (3.1M elements, 12 MiB per state tensor: beyond the
+caches, as a model's parameters are), stepped by the runtime's default optimizer."""
+ACCUMULATE_ELEMENTS = 4 * 2**20
+"""The in-place gradient accumulation probe: two fp32 tensors of 16 MiB."""
 CHAIN_OPS = 200
 """Length of the small-op chains (eager+autograd, views, DTensor)."""
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2 * 2**20, 8 * 2**20)
@@ -102,6 +117,12 @@ class Calibration:
     collective_s: tuple[tuple[str, int, int, float], ...]
     """(kind, ranks in the group, bytes, seconds): kind in KINDS; bytes = the full tensor."""
     send_recv_s: tuple[tuple[int, float], ...]
+    optimizer_s: float = 0.0
+    """Seconds per parameter element of one optimizer step (fused fp32 AdamW over
+    OPTIMIZER_SHAPES), all ranks busy; 0 = not measured (a profile written before it)."""
+    accumulate_s: float = 0.0
+    """Seconds per gradient byte of an in-place fp32 add (`a.add_(b)`, ACCUMULATE_ELEMENTS),
+    all ranks busy; 0 = not measured."""
     sync_skew_s: float = 0.0
     """Extra time of a small all-reduce issued between chunks of work over the same all-reduce
     issued back to back: the wait for the last rank to arrive (rank skew under core sharing).
@@ -133,6 +154,7 @@ class Calibration:
             "dtensor_op_s": self.dtensor_op_s, "attention_flops_per_s": self.attention_flops_per_s,
             "collective_s": [list(x) for x in self.collective_s], "send_recv_s": [list(x) for x in self.send_recv_s],
             "reference_s": self.reference_s, "sync_skew_s": self.sync_skew_s,
+            "optimizer_s": self.optimizer_s, "accumulate_s": self.accumulate_s,
         }
 
     @classmethod
@@ -144,7 +166,8 @@ class Calibration:
                    attention_flops_per_s=float(data["attention_flops_per_s"]),
                    collective_s=tuple(tuple(x) for x in data["collective_s"]),
                    send_recv_s=tuple(tuple(x) for x in data["send_recv_s"]),
-                   reference_s=float(data.get("reference_s", 0.0)), sync_skew_s=float(data.get("sync_skew_s", 0.0)))
+                   reference_s=float(data.get("reference_s", 0.0)), sync_skew_s=float(data.get("sync_skew_s", 0.0)),
+                   optimizer_s=float(data.get("optimizer_s", 0.0)), accumulate_s=float(data.get("accumulate_s", 0.0)))
 
 
 def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None = None) -> float:
@@ -293,6 +316,18 @@ def _rank_measure(rank: int) -> dict[str, Any]:
         barrier()
         out["copy"].append((2 * nbytes, timed(lambda: dst.copy_(src), barrier)))
 
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in OPTIMIZER_SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    barrier()
+    out["optimizer"] = timed(opt.step, barrier) / sum(p.numel() for p in params)
+    del opt, params
+    acc, grad = torch.zeros(ACCUMULATE_ELEMENTS), torch.randn(ACCUMULATE_ELEMENTS)
+    barrier()
+    out["accumulate"] = timed(lambda: acc.add_(grad), barrier) / (4 * ACCUMULATE_ELEMENTS)
+    del acc, grad
+
     x0 = torch.ones(16, requires_grad=True)
     w = torch.full((16,), 1.0001)
 
@@ -431,6 +466,8 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         collective_s=_median_rows(results, "coll", 3), send_recv_s=_median_rows(results, "p2p", 1),
         reference_s=statistics.median(r["reference"] for r in results),
         sync_skew_s=statistics.median(r["sync_skew"] for r in results),
+        optimizer_s=statistics.median(r["optimizer"] for r in results),
+        accumulate_s=statistics.median(r["accumulate"] for r in results),
     )
 
 
@@ -465,7 +502,8 @@ def combine(cals: list[Calibration]) -> Calibration:
                        copy_s=rows("copy_s", 1), eager_op_s=med("eager_op_s"), view_op_s=med("view_op_s"),
                        dtensor_op_s=med("dtensor_op_s"), attention_flops_per_s=med("attention_flops_per_s", rate=True),
                        collective_s=rows("collective_s", 3), send_recv_s=rows("send_recv_s", 1),
-                       sync_skew_s=med("sync_skew_s"), reference_s=ref)
+                       sync_skew_s=med("sync_skew_s"), reference_s=ref, optimizer_s=med("optimizer_s"),
+                       accumulate_s=med("accumulate_s"))
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -503,6 +541,10 @@ class Fitted:
     hop_latency_s: float
     bus_bytes_per_s: dict[str, float]
     p2p_bytes_per_s: float
+    optimizer_s: float = 0.0
+    """Seconds per parameter element of the optimizer step (0: not measured)."""
+    accumulate_s: float = 0.0
+    """Seconds per gradient byte of the in-place accumulation (0: not measured)."""
 
 
 def fit(cal: Calibration) -> Fitted:
@@ -535,6 +577,7 @@ def fit(cal: Calibration) -> Fitted:
         base_latency_s=base / s,
         hop_latency_s=alpha / s, bus_bytes_per_s={k: v * s for k, v in bus.items()},
         p2p_bytes_per_s=(1 / p2p[0] if p2p[0] > 0 else float("inf")) * s,
+        optimizer_s=cal.optimizer_s / s, accumulate_s=cal.accumulate_s / s,
     )
 
 
@@ -547,6 +590,10 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     base = HARDWARE["cpu"]
     # every small op pays the eager+autograd cost (its roofline on tiny tensors is ~0)
     per_op = max(f.eager_op_s, f.copy_overhead_s)
+    # the optimizer step and the accumulation as the copy traffic they are worth, so that
+    # cost_model.optimizer_time_s / grad_accumulation_time_s give the measured times
+    measured_passes = {"optimizer_bytes_per_param": f.optimizer_s * f.copy_bytes_per_s,
+                       "accumulate_bytes_per_byte": f.accumulate_s * f.copy_bytes_per_s}
     return Hardware(
         name=name,
         peak_flops_per_s=(("bfloat16", f.gemm_flops_per_s), ("float32", f.gemm_flops_per_s)),
@@ -566,6 +613,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
             "collective_base_latency_s": f.base_latency_s, "gemm_overhead_s": max(f.gemm_overhead_s, per_op),
             "memory_overhead_s": per_op, "gemm_k_ramp": f.gemm_k_ramp, "view_overhead_s": f.view_op_s,
             "dtensor_op_overhead_s": f.dtensor_op_overhead_s, "flash_attention_efficiency": f.attention_efficiency,
+            **{k: v for k, v in measured_passes.items() if v > 0},
         }.items())),
     )
 

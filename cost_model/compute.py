@@ -107,7 +107,8 @@ def optimizer_time_s(local_parameters: float, hardware: Hardware, efficiency: Ef
 def grad_accumulation_time_s(gradient_elements: float, num_microbatches: int, element_bytes: int,
                              hardware: Hardware, efficiency: Efficiency | None = None) -> float:
     """Accumulating the microbatches' gradients of one step, a memory-bound term of its own:
-        (m - 1) * elements * 3 * element_bytes / (HBM bandwidth * memory_efficiency)
+        (m - 1) * elements * element_bytes * accumulate_bytes_per_byte (3: read both,
+        write one) / (HBM bandwidth * memory_efficiency)
     The first microbatch's backward writes the gradients; every later one adds into them
     (read both, write one): autograd accumulates into `.grad` across backward calls (PyTorch
     autograd docs: gradients "will be accumulated"), Megatron-LM's per-parameter hook adds
@@ -118,5 +119,5 @@ def grad_accumulation_time_s(gradient_elements: float, num_microbatches: int, el
     if num_microbatches <= 1 or gradient_elements <= 0:
         return 0.0
     eff = efficiency_for(hardware, efficiency)
-    moved = (num_microbatches - 1) * gradient_elements * 3 * element_bytes
+    moved = (num_microbatches - 1) * gradient_elements * element_bytes * eff.accumulate_bytes_per_byte
     return moved / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)

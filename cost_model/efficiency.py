@@ -91,7 +91,13 @@ class Efficiency:
     """Of math_attention_passes, the forward's share."""
     optimizer_bytes_per_param: float = 36.0
     """Fused AdamW step, mixed precision: read+write fp32 master, m, v (24), read the fp32
-    gradient (4), write the 16-bit weight (2), grad-norm read (4) and zeroing (2)."""
+    gradient (4), write the 16-bit weight (2), grad-norm read (4) and zeroing (2).
+    The calibrated `cpu` profile overrides it with what `autopar calibrate` measured (the
+    runtime's fused fp32 AdamW step per parameter x the measured copy bandwidth)."""
+    accumulate_bytes_per_byte: float = 3.0
+    """Memory traffic per gradient byte of one microbatch's in-place accumulation (read
+    both, write one). The calibrated `cpu` profile overrides it with what `autopar
+    calibrate` measured (an in-place fp32 add per byte x the measured copy bandwidth)."""
     tp_comm_overlap: float = 0.0
     """Share of tensor-parallel collectives hidden behind compute without async TP: none
     (Megatron SC'21, plain DTensor TP put them on the critical path)."""
