@@ -237,16 +237,22 @@ def _step_graph(spec: str, config: Any) -> Any:
 
 def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
     """The per-op program's price of a pp = 1 configuration: the intra-op ILP the runtime
-    solves for it (`solve_config`), priced as `autopar search` ranks it (`estimate`)."""
-    from autopar.cluster import Cluster
-    from autopar.runtime.spmd import solve_config
+    solves for it (`solve_config`), priced as `autopar search` ranks it (`estimate`).
+
+    The program that ran is the one `autopar.compile(model, "cpu:N", config=...)` built:
+    solved on the built-in `cpu` profile. Another profile prices those same placements
+    (`price_solution`), not its own solve's: for dp x tp and tp4 a solve on the calibrated
+    profile placed 0.3-31% of the nodes differently (2026-11-24), a different program."""
+    from autopar.cluster import HARDWARE, Cluster
+    from autopar.runtime.spmd import price_solution, solve_config
     from solver.spmd_search import SpmdCandidate, estimate
 
     config = case.config
     cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
     rows = config.dp * config.micro_batch
     m = GLOBAL_BATCH // rows
-    solution = solve_config(graph, config, cluster, num_microbatches=m)
+    ran = solve_config(graph, config, Cluster.parse(f"cpu:{case.world}"), num_microbatches=m)
+    solution = ran if hardware == HARDWARE["cpu"] else price_solution(graph, config, ran, cluster, num_microbatches=m)
     cand = SpmdCandidate(mesh=(config.dp, config.tp), microbatch=rows, num_microbatches=m)
     return load * estimate(graph, solution, cand, cluster, GLOBAL_BATCH).step_time_s
 
