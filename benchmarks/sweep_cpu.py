@@ -244,7 +244,8 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -
     (`price_solution`), not its own solve's: for dp x tp and tp4 a solve on the calibrated
     profile placed 0.3-31% of the nodes differently (2026-11-24), a different program."""
     from autopar.cluster import HARDWARE, Cluster
-    from autopar.runtime.spmd import price_solution, solve_config
+    from autopar.runtime.spmd import solve_config
+    from solver.forced import price_solution
     from solver.spmd_search import SpmdCandidate, estimate
 
     config = case.config

@@ -21,6 +21,7 @@ The loss tangent is replicated.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from autopar.config import ParallelConfig
@@ -90,3 +91,34 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
                           time_limit_s=time_limit_s, space=space, prune_memo=prune_memo)
+
+
+def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,
+                   num_microbatches: int) -> Any:
+    """`solution`'s placements (an `autopar.runtime.spmd.solve_config` solution) priced on
+    `cluster`: the same ILP restricted to the strategy `solution` chose for every node, so
+    the result is what another hardware profile charges for the program `solution` runs
+    (a fresh solve on that profile may choose, and price, another program)."""
+    from solver.intra_op.ilp import solve_intra_op
+    from solver.intra_op.space import enumerate_strategies
+
+    mesh = mesh_shape(config)
+    if tuple(solution.mesh_shape) != tuple(mesh):
+        raise ValueError(f"price_solution: the solution is on mesh {solution.mesh_shape}, the configuration "
+                         f"{config} on {mesh}")
+    space = enumerate_strategies(graph, mesh)
+    chosen = {c.node: (c.outputs, c.inputs) for c in solution.choices}
+    kept = []
+    for n, options in enumerate(space.strategies):
+        if n not in chosen:
+            kept.append(options)
+            continue
+        match = tuple(o for o in options if (o.outputs, o.inputs) == chosen[n])
+        if not match:
+            raise ValueError(f"price_solution: node {n} ({graph[n].name}) chose {chosen[n]}, which the strategy "
+                             "space of this graph and mesh does not offer: the solution is of another graph")
+        kept.append(match)
+    restricted = replace(space, strategies=tuple(kept))
+    return solve_intra_op(graph, cluster, mesh, keep_placeholder=keep_placeholder(config),
+                          gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches,
+                          space=restricted)

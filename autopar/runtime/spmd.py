@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -352,38 +351,6 @@ def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micr
 
     return solve_intra_op(graph, cluster, forced.mesh_shape(config), keep_placeholder=forced.keep_placeholder(config),
                           gather_free_axes=forced.gather_free_axes(config), num_microbatches=num_microbatches)
-
-
-def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,
-                   num_microbatches: int) -> Any:
-    """`solution`'s placements (a `solve_config` solution) priced on `cluster`: the same ILP
-    restricted to the strategy `solution` chose for every node, so the result is what
-    another hardware profile charges for the program that `solution` runs (a fresh
-    `solve_config` on that profile may choose, and price, another program)."""
-    from solver import forced
-    from solver.intra_op.ilp import solve_intra_op
-    from solver.intra_op.space import enumerate_strategies
-
-    mesh = forced.mesh_shape(config)
-    if tuple(solution.mesh_shape) != tuple(mesh):
-        raise ValueError(f"price_solution: the solution is on mesh {solution.mesh_shape}, the configuration "
-                         f"{config} on {mesh}")
-    space = enumerate_strategies(graph, mesh)
-    chosen = {c.node: (c.outputs, c.inputs) for c in solution.choices}
-    kept = []
-    for n, options in enumerate(space.strategies):
-        if n not in chosen:
-            kept.append(options)
-            continue
-        match = tuple(o for o in options if (o.outputs, o.inputs) == chosen[n])
-        if not match:
-            raise ValueError(f"price_solution: node {n} ({graph[n].name}) chose {chosen[n]}, which the strategy "
-                             "space of this graph and mesh does not offer: the solution is of another graph")
-        kept.append(match)
-    restricted = replace(space, strategies=tuple(kept))
-    return solve_intra_op(graph, cluster, mesh, keep_placeholder=forced.keep_placeholder(config),
-                          gather_free_axes=forced.gather_free_axes(config), num_microbatches=num_microbatches,
-                          space=restricted)
 
 
 def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:

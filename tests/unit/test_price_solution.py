@@ -1,4 +1,4 @@
-"""`autopar.runtime.spmd.price_solution`: a solution's own placements priced on another
+"""`solver.forced.price_solution`: a solution's own placements priced on another
 hardware profile (what the CPU sweep's calibrated column charges for the program that ran,
 benchmarks/sweep_cpu.py `predict_ilp`). Oracles: on the profile it was solved on, it
 gives back the solve's own choices and cost; on another profile, the same placements as
@@ -15,7 +15,8 @@ import torch
 from autopar.cluster import HARDWARE, Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.spmd import price_solution, solve_config
+from autopar.runtime.spmd import solve_config
+from solver.forced import price_solution
 from autopar.trace import trace_step
 
 
