@@ -93,13 +93,23 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
                           time_limit_s=time_limit_s, space=space, prune_memo=prune_memo)
 
 
+def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
+                    space: Any = None) -> Any:
+    """The intra-op ILP of a one-stage configuration under its rules (what the runtime solves:
+    autopar/runtime/spmd.py `solve_config`); `space`: the strategies to choose from (default:
+    the graph's enumeration on the configuration's mesh)."""
+    from solver.intra_op.ilp import solve_intra_op
+
+    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep_placeholder(config),
+                          gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches, space=space)
+
+
 def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,
                    num_microbatches: int) -> Any:
-    """`solution`'s placements (an `autopar.runtime.spmd.solve_config` solution) priced on
+    """`solution`'s placements (a `solve_one_stage` solution) priced on
     `cluster`: the same ILP restricted to the strategy `solution` chose for every node, so
     the result is what another hardware profile charges for the program `solution` runs
     (a fresh solve on that profile may choose, and price, another program)."""
-    from solver.intra_op.ilp import solve_intra_op
     from solver.intra_op.space import enumerate_strategies
 
     mesh = mesh_shape(config)
@@ -119,6 +129,4 @@ def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster:
                              "space of this graph and mesh does not offer: the solution is of another graph")
         kept.append(match)
     restricted = replace(space, strategies=tuple(kept))
-    return solve_intra_op(graph, cluster, mesh, keep_placeholder=keep_placeholder(config),
-                          gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches,
-                          space=restricted)
+    return solve_one_stage(graph, config, cluster, num_microbatches=num_microbatches, space=restricted)

@@ -346,11 +346,9 @@ def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> De
 
 def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
     """The ILP's solution for a configuration given by flags (solver/forced.py rules)."""
-    from solver import forced
-    from solver.intra_op.ilp import solve_intra_op
+    from solver.forced import solve_one_stage
 
-    return solve_intra_op(graph, cluster, forced.mesh_shape(config), keep_placeholder=forced.keep_placeholder(config),
-                          gather_free_axes=forced.gather_free_axes(config), num_microbatches=num_microbatches)
+    return solve_one_stage(graph, config, cluster, num_microbatches=num_microbatches)
 
 
 def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:

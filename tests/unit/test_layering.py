@@ -109,8 +109,7 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     # run wires trace -> solve -> apply itself: each rank traces, (rank 0) solves a forced
     # configuration and applies the plan after spawn, since a GraphModule is not sent to ranks.
     ("autopar.runtime.spmd", "autopar.trace", "each rank traces its own training step"),
-    ("autopar.runtime.spmd", "solver.intra_op.ilp", "rank 0 solves the ILP for a configuration given by flags"),
-    ("autopar.runtime.spmd", "solver.forced", "the flags' configuration as ILP constraints"),
+    ("autopar.runtime.spmd", "solver.forced", "rank 0 solves the ILP for the flags' configuration (solve_one_stage)"),
     ("autopar.runtime.spmd", "codegen.apply", "each rank applies the plan to its traced step"),
     ("autopar.runtime.pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
      "and SDPA backends"),
