@@ -51,7 +51,7 @@ from cost_model import core_share  # noqa: E402
 from solver import forced  # noqa: E402
 from solver.intra_op.ilp import solve_intra_op  # noqa: E402
 from solver.pipeline_search import (  # noqa: E402
-    MAX_RANK_MICROBATCH, _StageCostCache, pipeline_loss_report_s, search, whole_nodes)
+    MAX_RANK_MICROBATCH, _StageCostCache, boundary_p2p_s, pipeline_loss_report_s, search, whole_nodes)
 from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
@@ -216,8 +216,7 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
         return None
     p2p = 0.0
     if cfg.pp > 1:
-        link = cost_model.mesh_axis_links(cluster, (cfg.pp, cfg.dp * cfg.tp))[0]
-        p2p = 2 * cost_model.send_recv_time_s(sc.boundary_bytes, link) * core_share(cluster)
+        p2p = boundary_p2p_s(cluster, cfg.pp, cfg.dp * cfg.tp, sc.boundary_messages)
     opt = sc.option(cfg.recompute, p2p, key=0)
     times = [stage_time_s(opt, n, k, cfg.pp, schedule) for k, n in enumerate(cuts)]
     mems = [stage_memory_bytes(opt, n, k, cfg.pp, m, schedule) for k, n in enumerate(cuts)]

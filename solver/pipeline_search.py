@@ -158,6 +158,23 @@ class PipelineResult:
                 f"cuts {'/'.join(map(str, self.solution.stage_layers))} (dp,tp) {per_stage}")
 
 
+def boundary_p2p_s(cluster: Cluster, pp: int, stage_devices: int,
+                   messages: tuple[tuple[float, bool], ...]) -> float:
+    """One pipeline boundary per microbatch (stage_costs `_boundary_messages`): every value
+    sent forward as its own message, and the gradients sent back, each
+    cost_model.send_recv_time_s over the pp axis of the (pp, stage devices) mesh.
+
+    Counted as the runtime sends them (2026-11-24, S llama pp2 on 2 ranks: 4 sends and 1
+    receive per microbatch on the first stage: the residual stream, the rotary cos and sin,
+    the labels; the stream's gradient back); until then one message each way of the
+    largest value was priced. The link carries the
+    core sharing of ranks on a node (mesh_axis_links scales latency and bandwidth by
+    `core_share`), like every ILP collective in a stage's time: no second factor (until
+    2026-11-24 it was multiplied by core_share once more, 4x on 8 ranks over 2 cores)."""
+    link = cost_model.mesh_axis_links(cluster, (pp, stage_devices))[0]
+    return sum(cost_model.send_recv_time_s(size, link) * (2 if grad else 1) for size, grad in messages)
+
+
 def pipeline_loss_report_s(cluster: Cluster, last: SubmeshCosts) -> float:
     """The reported loss of a pipeline step (cost_model.loss_report_time_s): reduced over
     the last stage's (dp, tp) submesh where its loss is Partial, then all-reduced over
@@ -292,7 +309,6 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     is not below the cutoff the schedule's uniform DPs are skipped."""
     D = cand.stage_devices(cluster)
     meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
-    pp_link = cost_model.mesh_axis_links(cluster, (cand.pp, D))[0]
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
     for mesh in meshes:
@@ -300,8 +316,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
             sc = cache.get(mesh, cand.microbatch, zero)
             if sc is None:
                 continue
-            # the activation forward and its gradient back, per microbatch
-            p2p = 2 * cost_model.send_recv_time_s(sc.boundary_bytes, pp_link) * share
+            p2p = boundary_p2p_s(cluster, cand.pp, D, sc.boundary_messages)
             for rc in RECOMPUTE_CHOICES:
                 entries.append((sc, rc, p2p))
     if not entries:

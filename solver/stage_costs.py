@@ -28,8 +28,10 @@ forward; "selective" keeps the outputs of matmuls and attention (EXPENSIVE_OPS)
 and re-runs the other forward ops. Pre and post are never recomputed. The transient
 workspace is one layer's full saved set (two under full recompute: the recomputed copy).
 
-The pipeline boundary activation (p2p) is the layer's largest outside input (the
-residual stream) at the placement its first consumer reads.
+A pipeline boundary passes every value that crosses it, each its own message
+(`_boundary_messages`: the residual stream and its gradient back; a llama's rotary tables
+and the labels forward only), at the placement its first consumer reads; full recompute
+keeps the largest (the residual stream).
 
 `lower_bound_s` bounds any plan's per-microbatch compute on D devices from below (every
 op's FLOPs and bytes split perfectly over D devices, no communication) and
@@ -81,7 +83,11 @@ class SubmeshCosts:
     """0: parameter placements free; 3: parameters forced to shard over dp (ZeRO-3/FSDP)."""
     pieces: tuple[PieceCost, PieceCost, PieceCost]
     boundary_bytes: float
-    """Per device: the activation one pipeline boundary passes per microbatch."""
+    """Per device: the largest activation one pipeline boundary passes per microbatch (what
+    full recompute keeps)."""
+    boundary_messages: tuple[tuple[float, bool], ...] = ()
+    """Every value a pipeline boundary passes forward per microbatch: (bytes per device,
+    whether its gradient comes back). `_boundary_messages`."""
     solution: IntraOpSolution
     graph: Graph
 
@@ -194,32 +200,61 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
                              cheap_forward_s=a["cheap"] / div, state_bytes=a["state"] / div,
                              saved_bytes=a["saved"] / div, selective_saved_bytes=a["sel"] / div,
                              local_params=a["params"] / div))
-    boundary = _boundary_bytes(graph, by_node, solution.mesh_shape, derived)
+    messages = _boundary_messages(graph, by_node, solution.mesh_shape, derived)
+    boundary = max((b for b, _ in messages), default=0.0)
     # selective keeps the layer input too (it is what the recomputed ops start from)
     layer = out[1]
     out[1] = PieceCost(time_s=layer.time_s, forward_s=layer.forward_s, cheap_forward_s=layer.cheap_forward_s,
                        state_bytes=layer.state_bytes, saved_bytes=layer.saved_bytes,
                        selective_saved_bytes=layer.selective_saved_bytes + boundary, local_params=layer.local_params)
     return SubmeshCosts(mesh=(int(mesh[0]), int(mesh[1])), microbatch=microbatch, num_microbatches=m, zero=zero,
-                        pieces=(out[0], out[1], out[2]), boundary_bytes=boundary, solution=solution, graph=graph)
+                        pieces=(out[0], out[1], out[2]), boundary_bytes=boundary, boundary_messages=messages,
+                        solution=solution, graph=graph)
 
 
-def _boundary_bytes(graph: Graph, by_node, mesh: tuple[int, ...], derived: frozenset[NodeId]) -> float:
+def _boundary_messages(graph: Graph, by_node, mesh: tuple[int, ...],
+                       derived: frozenset[NodeId]) -> tuple[tuple[float, bool], ...]:
+    """The values that cross a pipeline boundary between two layers, each sent forward as
+    its own message at the placement its first consumer after the cut reads, with its
+    gradient sent back where it depends on a parameter:
+
+    - what a layer reads from outside it: the residual stream (its gradient comes back)
+      and, in a llama, the rotary cos and sin tables (computed from buffers: forward only);
+    - what the post piece (head, loss) reads from before the layers: a model's labels, fed
+      to the first stage with the tokens, ride through every boundary to the last.
+
+    Parameters and what is computed from them alone stay on their stage. Checked against
+    the runtime's sends (2026-11-24, the CPU sweep's S llama, pp2: per microbatch the first
+    stage sends the stream, cos, sin and the labels and receives the stream's gradient)."""
     if not graph.layer_groups:
-        return 0.0
+        return ()
     layer = set(graph.layer_groups[0].nodes[0])
-    best = 0.0
-    for nid in graph.layer_groups[0].nodes[0]:
+    pieces = node_pieces(graph)
+    depends: set[NodeId] = set()
+    for node in graph.nodes:
+        if node.role is Role.PARAMETER or any(i in depends for i in node.inputs):
+            depends.add(node.id)
+
+    def crosses(u: NodeId, reader: str) -> bool:
+        if u in derived or len(graph[u].outputs) != 1 or graph[u].layer is not None:
+            return False
+        if reader == "layer":
+            return u not in layer
+        return graph[u].role is Role.INPUT or pieces[u] == "pre"  # read by post from before the layers
+
+    sizes: dict[NodeId, float] = {}
+    readers = [(nid, "layer") for nid in graph.layer_groups[0].nodes[0]] + \
+        [(n.id, "post") for n in graph.nodes if pieces[n.id] == "post" and n.layer is None]
+    for nid, reader in readers:
         node = graph[nid]
         if node.phase is not Phase.FORWARD:
             continue
         for pos, u in enumerate(node.inputs):
-            if u in layer or u in derived or len(graph[u].outputs) != 1:
+            if u in sizes or not crosses(u, reader):
                 continue
             placement = by_node[nid].inputs[pos] if nid in by_node else None
-            size = graph[u].output.size_bytes / (shard_factor(placement, mesh) if placement else 1)
-            best = max(best, size)
-    return best
+            sizes[u] = graph[u].output.size_bytes / (shard_factor(placement, mesh) if placement else 1)
+    return tuple((size, u in depends) for u, size in sizes.items())
 
 
 def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1.0) -> dict[str, float]:

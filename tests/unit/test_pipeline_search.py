@@ -224,3 +224,46 @@ def test_pipelines_pay_the_reported_loss(searched):
     for r in result.ranked:
         report = dict(r.estimate.time_breakdown)["loss_report_s"]
         assert report >= world * (1 - 1e-9)
+
+
+def test_boundary_p2p_pays_core_sharing_once():
+    """A pipeline boundary's price carries the ranks' core sharing through the link, as
+    every ILP collective in a stage's time does: with 8 ranks on 2 cores it is 4x the price
+    with a core per rank, not 16x (the double count the search had until 2026-11-24)."""
+    from dataclasses import replace
+
+    from autopar.cluster import HARDWARE
+
+    hw = HARDWARE["cpu"]
+    assert hw.cores_per_node == 2
+    shared = Cluster.parse("cpu:8", hardware=hw)
+    dedicated = Cluster.parse("cpu:8", hardware=replace(hw, cores_per_node=8))
+    messages = ((64 * 1024, True), (8192, False))
+    got = pipeline_search.boundary_p2p_s(shared, 4, 2, messages)
+    link = cost_model.mesh_axis_links(shared, (4, 2))[0]
+    one = cost_model.send_recv_time_s
+    assert got == pytest.approx(2 * one(64 * 1024, link) + one(8192, link))
+    assert got / pipeline_search.boundary_p2p_s(dedicated, 4, 2, messages) == pytest.approx(4.0)
+
+
+def test_a_llama_boundary_sends_the_stream_its_rotary_tables_and_the_labels():
+    """What a boundary passes per microbatch, as the runtime sends it: a llama layer reads
+    the residual stream (its gradient comes back) and the rotary cos and sin tables
+    (computed from buffers: forward only); the loss reads the labels, which ride along
+    from the first stage. Each its own message."""
+    from solver.intra_op.ilp import solve_intra_op
+    from solver.stage_costs import split_solution
+
+    spec = "llama:layers=2,hidden=64,heads=4,kv_heads=4,ffn=128,vocab=128,seq=32"
+    graph = trace_model(resolve(spec), batch=4, dtype="float32", layers_traced=2)
+    cluster = Cluster.parse("cpu:2")
+    sol = solve_intra_op(graph, cluster, mesh_shape=(2, 1))
+    sc = split_solution(graph, sol, cluster, microbatch=4, num_microbatches=1, zero=0)
+    stream = 4 * 32 * 64 * 4  # (rows, seq, hidden) fp32
+    table = 32 * (64 // 4) * 4  # (seq, head_dim) fp32: no batch dim, whole on every rank
+    back = [size for size, grad in sc.boundary_messages if grad]
+    forward_only = [size for size, grad in sc.boundary_messages if not grad]
+    assert len(back) == 1 and back[0] in (stream, stream / 2)  # whole or split over dp
+    labels = 4 * 32 * 8  # (rows, seq) int64
+    assert sorted(forward_only) in (sorted([table, table, labels]), sorted([table, table, labels / 2]))
+    assert sc.boundary_bytes == back[0]
