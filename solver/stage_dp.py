@@ -15,7 +15,7 @@ priced per microbatch as
     M_k = state_o(n_k, k) + f_k act_o(n_k, k) + temp_o                          (memory)
 
 with c_k the stage's pipeline neighbours times the schedule's chunks per rank (each
-boundary passes an activation forward and its gradient back), state the parameters,
+boundary passes its values forward and their gradients back), state the parameters,
 gradients and optimizer state the stage holds per device, act the activations one
 microbatch keeps for the backward, and f_k the microbatches the schedule keeps in
 flight on stage k. Once-per-step terms (gradient sync, optimizer) are folded into the
@@ -85,7 +85,8 @@ class StageOption:
     """One real layer's time per microbatch (forward + backward + amortised sync)."""
     post_s: float
     p2p_s: float
-    """Sending one boundary activation forward and its gradient back, per microbatch."""
+    """One boundary's messages per microbatch: every value crossing it sent forward, the
+    gradients sent back (solver/pipeline_search.py boundary_p2p_s)."""
     pre_state_bytes: float
     layer_state_bytes: float
     post_state_bytes: float
