@@ -220,8 +220,10 @@ def _boundary_messages(graph: Graph, by_node, mesh: tuple[int, ...],
 
     - what a layer reads from outside it: the residual stream (its gradient comes back)
       and, in a llama, the rotary cos and sin tables (computed from buffers: forward only);
-    - what the post piece (head, loss) reads from before the layers: a model's labels, fed
-      to the first stage with the tokens, ride through every boundary to the last.
+    - what the head and loss (computed from the layers' output) read from before the
+      layers: a model's labels, fed to the first stage with the tokens, ride through every
+      boundary to the last. (Not node_pieces' "post": that also holds ops before the layers
+      outside any module, such as GPT's sum of token and position embeddings.)
 
     Parameters and what is computed from them alone stay on their stage. Checked against
     the runtime's sends (2026-11-24, the CPU sweep's S llama, pp2: per microbatch the first
@@ -229,28 +231,22 @@ def _boundary_messages(graph: Graph, by_node, mesh: tuple[int, ...],
     if not graph.layer_groups:
         return ()
     layer = set(graph.layer_groups[0].nodes[0])
-    pieces = node_pieces(graph)
-    depends: set[NodeId] = set()
-    for node in graph.nodes:
+    depends: set[NodeId] = set()  # on a parameter: its gradient comes back
+    after: set[NodeId] = set()  # in a layer or computed from one: behind the cut
+    for node in graph.nodes:  # topological order
         if node.role is Role.PARAMETER or any(i in depends for i in node.inputs):
             depends.add(node.id)
-
-    def crosses(u: NodeId, reader: str) -> bool:
-        if u in derived or len(graph[u].outputs) != 1 or graph[u].layer is not None:
-            return False
-        if reader == "layer":
-            return u not in layer
-        return graph[u].role is Role.INPUT or pieces[u] == "pre"  # read by post from before the layers
-
+        if node.phase is Phase.FORWARD and (node.layer is not None or any(i in after for i in node.inputs)):
+            after.add(node.id)
     sizes: dict[NodeId, float] = {}
-    readers = [(nid, "layer") for nid in graph.layer_groups[0].nodes[0]] + \
-        [(n.id, "post") for n in graph.nodes if pieces[n.id] == "post" and n.layer is None]
-    for nid, reader in readers:
+    readers = [nid for nid in graph.layer_groups[0].nodes[0]] + \
+        [nid for nid in sorted(after) if graph[nid].layer is None]  # the layers', then head and loss
+    for nid in readers:
         node = graph[nid]
         if node.phase is not Phase.FORWARD:
             continue
         for pos, u in enumerate(node.inputs):
-            if u in sizes or not crosses(u, reader):
+            if u in sizes or u in layer or u in after or u in derived or len(graph[u].outputs) != 1:
                 continue
             placement = by_node[nid].inputs[pos] if nid in by_node else None
             sizes[u] = graph[u].output.size_bytes / (shard_factor(placement, mesh) if placement else 1)
