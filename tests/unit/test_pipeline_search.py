@@ -267,3 +267,14 @@ def test_a_llama_boundary_sends_the_stream_its_rotary_tables_and_the_labels():
     labels = 4 * 32 * 8  # (rows, seq) int64
     assert sorted(forward_only) in (sorted([table, table, labels]), sorted([table, table, labels / 2]))
     assert sc.boundary_bytes == back[0]
+
+
+def test_a_gpt_boundary_sends_the_stream_and_the_labels_once():
+    """GPT sums its token and position embeddings outside any module (node_pieces counts
+    that op as "post"): the sum is the stream, sent once, not again as a head input."""
+    from solver.stage_costs import _boundary_messages
+
+    spec = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"
+    graph = trace_model(resolve(spec), batch=4, dtype="float32", layers_traced=2)
+    messages = _boundary_messages(graph, {}, (1, 1), graph.parameter_derived())
+    assert sorted(messages) == sorted([(4 * 32 * 64 * 4, True), (4 * 32 * 8, False)])
