@@ -14,6 +14,7 @@ Terms: an *axis* is a mesh axis, a *dim* a tensor dimension.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -193,3 +194,10 @@ def single_gather_axis(src: Placements, dst: Placements) -> int | None:
     if any(isinstance(p, Shard) and p.dim == a.dim for i, p in enumerate(src) if i != k):
         return None
     return k
+
+
+def boundary_placements(shape: Sequence[int], rows: int, dp: int) -> Placements:
+    """The layout a boundary value travels in between two chunks on a (dp, tp) submesh:
+    split over dp by its first dim where that dim is the microbatch's rows, else whole."""
+    split = dp > 1 and len(shape) > 0 and shape[0] == rows and rows % dp == 0
+    return (Shard(0) if split else Replicate(), Replicate())

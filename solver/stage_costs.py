@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
-from autopar.placement import format_placements, shard_factor
+from autopar.placement import boundary_placements, format_placements, shard_factor
 from autopar.sharding import IntraOpSolution, raw_gradient_bytes
 from cost_model import STATE_BYTES_PER_PARAM, compute_time_s, core_share
 from solver.stage_dp import StageOption
@@ -200,7 +200,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
                              cheap_forward_s=a["cheap"] / div, state_bytes=a["state"] / div,
                              saved_bytes=a["saved"] / div, selective_saved_bytes=a["sel"] / div,
                              local_params=a["params"] / div))
-    messages = _boundary_messages(graph, by_node, solution.mesh_shape, derived)
+    messages = _boundary_messages(graph, solution.mesh_shape, derived, microbatch)
     boundary = max((b for b, _ in messages), default=0.0)
     # selective keeps the layer input too (it is what the recomputed ops start from)
     layer = out[1]
@@ -212,11 +212,12 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
                         solution=solution, graph=graph)
 
 
-def _boundary_messages(graph: Graph, by_node, mesh: tuple[int, ...],
-                       derived: frozenset[NodeId]) -> tuple[tuple[float, bool], ...]:
+def _boundary_messages(graph: Graph, mesh: tuple[int, ...], derived: frozenset[NodeId],
+                       rows: int) -> tuple[tuple[float, bool], ...]:
     """The values that cross a pipeline boundary between two layers, each sent forward as
-    its own message at the placement its first consumer after the cut reads, with its
-    gradient sent back where it depends on a parameter:
+    its own message in the layout the runtime sends it (`autopar.placement.
+    boundary_placements`: split over dp where its first dim is the microbatch's `rows`,
+    whole over tp), with its gradient sent back where it depends on a parameter:
 
     - what a layer reads from outside it: the residual stream (its gradient comes back)
       and, in a llama, the rotary cos and sin tables (computed from buffers: forward only);
@@ -245,11 +246,13 @@ def _boundary_messages(graph: Graph, by_node, mesh: tuple[int, ...],
         node = graph[nid]
         if node.phase is not Phase.FORWARD:
             continue
-        for pos, u in enumerate(node.inputs):
+        for v in node.inputs:
+            u = _base(graph, v)  # a view (labels.reshape(-1)) is taken after the boundary: its base travels
             if u in sizes or u in layer or u in after or u in derived or len(graph[u].outputs) != 1:
                 continue
-            placement = by_node[nid].inputs[pos] if nid in by_node else None
-            sizes[u] = graph[u].output.size_bytes / (shard_factor(placement, mesh) if placement else 1)
+            out = graph[u].output
+            dp = mesh[0] if len(mesh) > 1 else 1
+            sizes[u] = out.size_bytes / shard_factor(boundary_placements(out.shape, rows, dp)[:len(mesh)], mesh)
     return tuple((size, u in depends) for u, size in sizes.items())
 
 

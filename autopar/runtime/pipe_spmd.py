@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
-from autopar.placement import Placements, Replicate, Shard
+from autopar.placement import Placements, Replicate, Shard, boundary_placements
 from autopar.runtime.launch import gather_build_results
 
 log = logging.getLogger(__name__)
@@ -68,13 +68,6 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 # ---------------------------------------------------------------------------------------
 # boundary values
-
-
-def boundary_placements(shape: Sequence[int], rows: int, dp: int) -> Placements:
-    """The layout a boundary value travels in between two chunks on a (dp, tp) submesh:
-    split over dp by its first dim where that dim is the microbatch's rows, else whole."""
-    split = dp > 1 and len(shape) > 0 and shape[0] == rows and rows % dp == 0
-    return (Shard(0) if split else Replicate(), Replicate())
 
 
 def capture_boundaries(pipe: Any, microbatch: Sequence[torch.Tensor]) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:

@@ -263,9 +263,9 @@ def test_a_llama_boundary_sends_the_stream_its_rotary_tables_and_the_labels():
     table = 32 * (64 // 4) * 4  # (seq, head_dim) fp32: no batch dim, whole on every rank
     back = [size for size, grad in sc.boundary_messages if grad]
     forward_only = [size for size, grad in sc.boundary_messages if not grad]
-    assert len(back) == 1 and back[0] in (stream, stream / 2)  # whole or split over dp
+    assert back == [stream / 2]  # split over dp 2, as the runtime sends it
     labels = 4 * 32 * 8  # (rows, seq) int64
-    assert sorted(forward_only) in (sorted([table, table, labels]), sorted([table, table, labels / 2]))
+    assert sorted(forward_only) == sorted([table, table, labels / 2])
     assert sc.boundary_bytes == back[0]
 
 
@@ -276,5 +276,6 @@ def test_a_gpt_boundary_sends_the_stream_and_the_labels_once():
 
     spec = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"
     graph = trace_model(resolve(spec), batch=4, dtype="float32", layers_traced=2)
-    messages = _boundary_messages(graph, {}, (1, 1), graph.parameter_derived())
-    assert sorted(messages) == sorted([(4 * 32 * 64 * 4, True), (4 * 32 * 8, False)])
+    messages = _boundary_messages(graph, (2, 2), graph.parameter_derived(), 4)
+    # split over dp (dim 0 is the microbatch's rows), whole over tp: as the runtime sends them
+    assert sorted(messages) == sorted([(4 * 32 * 64 * 4 / 2, True), (4 * 32 * 8 / 2, False)])
