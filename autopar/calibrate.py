@@ -18,6 +18,14 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   (mixed precision on a GPU) nor the 28 fp32 AdamW reads and writes, and an in-place add 1.4
   bytes per byte, not 3 (torch's `copy_` is the slower kernel here), so the default traffic
   priced both 2-3x too slow;
+- the step's epilogue per parameter tensor: every step, every local parameter gets its
+  gradient as a DTensor (autopar.runtime.program.gradient_for), and the optimizer steps and
+  clears them, all on DTensor parameters: a fixed host cost per tensor (DTensor's dispatch
+  of the fused AdamW kernel over lists of DTensors, the wrapping) that a per-element pass
+  cannot show. Timed on PARAM_TENSORS[0] and [1] tiny parameters of a (1, N, 1) mesh; the
+  slope per tensor is `optimizer_tensor_overhead_s` (measured here 2026-11-24: the sweep's
+  small model, 39 parameter tensors, spent 1.7 ms of CPU per rank in the optimizer step
+  against 0.6 ms its elements were worth);
 - eager per-op cost: a chain of small elementwise ops under autograd, forward and backward,
   per ATen op (what every op of a training step pays on the host: dispatch, autograd
   recording, the backward engine); a chain of views; a small tensor-parallel block on
@@ -73,6 +81,9 @@ OPTIMIZER_SHAPES = ((1024, 1024), (1024, 1024), (2048, 512), (512,), (512,))
 caches, as a model's parameters are), stepped by the runtime's default optimizer."""
 ACCUMULATE_ELEMENTS = 4 * 2**20
 """The in-place gradient accumulation probe: two fp32 tensors of 16 MiB."""
+PARAM_TENSORS = (8, 48)
+"""Parameter counts of the per-tensor epilogue probe (tiny tensors: the per-element work is ~0)."""
+PARAM_TENSOR_ELEMENTS = 64
 CHAIN_OPS = 200
 """Length of the small-op chains (eager+autograd, views, DTensor)."""
 COLLECTIVE_BYTES = (4 * 2**10, 256 * 2**10, 2 * 2**20, 8 * 2**20)
@@ -123,6 +134,10 @@ class Calibration:
     accumulate_s: float = 0.0
     """Seconds per gradient byte of an in-place fp32 add (`a.add_(b)`, ACCUMULATE_ELEMENTS),
     all ranks busy; 0 = not measured."""
+    param_tensor_s: float = 0.0
+    """Seconds per local parameter tensor of the step's epilogue (gradient set as a DTensor,
+    optimizer step, zero_grad on DTensor parameters; the slope between PARAM_TENSORS), all
+    ranks busy; 0 = not measured."""
     sync_skew_s: float = 0.0
     """Extra time of a small all-reduce issued between chunks of work over the same all-reduce
     issued back to back: the wait for the last rank to arrive (rank skew under core sharing).
@@ -155,6 +170,7 @@ class Calibration:
             "collective_s": [list(x) for x in self.collective_s], "send_recv_s": [list(x) for x in self.send_recv_s],
             "reference_s": self.reference_s, "sync_skew_s": self.sync_skew_s,
             "optimizer_s": self.optimizer_s, "accumulate_s": self.accumulate_s,
+            "param_tensor_s": self.param_tensor_s,
         }
 
     @classmethod
@@ -167,7 +183,36 @@ class Calibration:
                    collective_s=tuple(tuple(x) for x in data["collective_s"]),
                    send_recv_s=tuple(tuple(x) for x in data["send_recv_s"]),
                    reference_s=float(data.get("reference_s", 0.0)), sync_skew_s=float(data.get("sync_skew_s", 0.0)),
-                   optimizer_s=float(data.get("optimizer_s", 0.0)), accumulate_s=float(data.get("accumulate_s", 0.0)))
+                   optimizer_s=float(data.get("optimizer_s", 0.0)), accumulate_s=float(data.get("accumulate_s", 0.0)),
+                   param_tensor_s=float(data.get("param_tensor_s", 0.0)))
+
+
+def _param_tensor_s(mesh: Any, timed: Callable[..., float], barrier: Callable[[], None]) -> float:
+    """Seconds per parameter tensor of the step's epilogue as the runtime runs it on DTensor
+    parameters (autopar.runtime.jobs.step_epilogue: `gradient_for` per parameter, the default
+    optimizer built by `make_optimizer`, `optimizer.step()`, `zero_grad(set_to_none=True)`): the slope
+    between PARAM_TENSORS[0] and [1] tiny parameters replicated over `mesh`, so the per-step fixed part
+    and the per-element work (priced per element) drop out."""
+    import torch
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from autopar.runtime.jobs import step_epilogue
+
+    def epilogue_s(count: int) -> float:
+        params = [torch.nn.Parameter(distribute_tensor(torch.zeros(PARAM_TENSOR_ELEMENTS), mesh,
+                                                       [Replicate()] * mesh.ndim)) for _ in range(count)]
+        grads = [torch.full((PARAM_TENSOR_ELEMENTS,), 1e-3) for _ in range(count)]
+        run = step_epilogue(params)
+
+        def epilogue() -> None:
+            run(grads)
+
+        epilogue()  # the optimizer's state is created on its first step
+        barrier()
+        return timed(epilogue, barrier)
+
+    few, many = PARAM_TENSORS
+    return max(0.0, (epilogue_s(many) - epilogue_s(few)) / (many - few))
 
 
 def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None = None) -> float:
@@ -327,6 +372,11 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     barrier()
     out["accumulate"] = timed(lambda: acc.add_(grad), barrier) / (4 * ACCUMULATE_ELEMENTS)
     del acc, grad
+    world_mesh = init_device_mesh("cpu", (n,))
+    # on a mesh shaped as the runtime's ((pp, dp, tp), autopar.runtime.program.make_mesh):
+    # DTensor's per-tensor work grows with the mesh's dimensions (18 vs 16 us a tensor, 3-D vs 1-D)
+    out["param_tensor"] = _param_tensor_s(init_device_mesh("cpu", (1, n, 1), mesh_dim_names=("pp", "dp", "tp")),
+                                          timed, barrier)
 
     x0 = torch.ones(16, requires_grad=True)
     w = torch.full((16,), 1.0001)
@@ -351,7 +401,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     # DTensor: the same small block (column-parallel linear, elementwise, view, reduction,
     # forward and backward) on local tensors and on DTensors; the extra time per ATen op of
     # the plain block is what a tensor-parallel layer's ops pay for DTensor dispatch
-    mesh = init_device_mesh("cpu", (n,))
+    mesh = world_mesh
     wl = torch.randn(8 * n, 16, requires_grad=True)
     wd = distribute_tensor(wl.detach(), mesh, [Shard(0)]).requires_grad_()
     xl = torch.randn(8, 16)
@@ -468,6 +518,7 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         sync_skew_s=statistics.median(r["sync_skew"] for r in results),
         optimizer_s=statistics.median(r["optimizer"] for r in results),
         accumulate_s=statistics.median(r["accumulate"] for r in results),
+        param_tensor_s=statistics.median(r.get("param_tensor", 0.0) for r in results),
     )
 
 
@@ -503,7 +554,7 @@ def combine(cals: list[Calibration]) -> Calibration:
                        dtensor_op_s=med("dtensor_op_s"), attention_flops_per_s=med("attention_flops_per_s", rate=True),
                        collective_s=rows("collective_s", 3), send_recv_s=rows("send_recv_s", 1),
                        sync_skew_s=med("sync_skew_s"), reference_s=ref, optimizer_s=med("optimizer_s"),
-                       accumulate_s=med("accumulate_s"))
+                       accumulate_s=med("accumulate_s"), param_tensor_s=med("param_tensor_s"))
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -545,6 +596,8 @@ class Fitted:
     """Seconds per parameter element of the optimizer step (0: not measured)."""
     accumulate_s: float = 0.0
     """Seconds per gradient byte of the in-place accumulation (0: not measured)."""
+    param_tensor_s: float = 0.0
+    """Seconds per local parameter tensor of the step's epilogue (0: not measured)."""
 
 
 def fit(cal: Calibration) -> Fitted:
@@ -577,7 +630,7 @@ def fit(cal: Calibration) -> Fitted:
         base_latency_s=base / s,
         hop_latency_s=alpha / s, bus_bytes_per_s={k: v * s for k, v in bus.items()},
         p2p_bytes_per_s=(1 / p2p[0] if p2p[0] > 0 else float("inf")) * s,
-        optimizer_s=cal.optimizer_s / s, accumulate_s=cal.accumulate_s / s,
+        optimizer_s=cal.optimizer_s / s, accumulate_s=cal.accumulate_s / s, param_tensor_s=cal.param_tensor_s / s,
     )
 
 
@@ -614,6 +667,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
             "memory_overhead_s": per_op, "gemm_k_ramp": f.gemm_k_ramp, "view_overhead_s": f.view_op_s,
             "dtensor_op_overhead_s": f.dtensor_op_overhead_s, "flash_attention_efficiency": f.attention_efficiency,
             **{k: v for k, v in measured_passes.items() if v > 0},
+            **({"optimizer_tensor_overhead_s": f.param_tensor_s} if f.param_tensor_s > 0 else {}),
         }.items())),
     )
 

@@ -97,11 +97,15 @@ __all__ = ["OP_CLASSES", "compute_time_s", "gemm_shape_efficiency", "gemm_time_s
            "optimizer_time_s"]
 
 
-def optimizer_time_s(local_parameters: float, hardware: Hardware, efficiency: Efficiency | None = None) -> float:
-    """The optimizer step over `local_parameters` elements: a memory-bound pass moving
-    Efficiency.optimizer_bytes_per_param bytes per element at achievable HBM bandwidth."""
+def optimizer_time_s(local_parameters: float, hardware: Hardware, efficiency: Efficiency | None = None, *,
+                     tensors: float = 0.0) -> float:
+    """The optimizer step over `local_parameters` elements in `tensors` local parameter
+    tensors: a memory-bound pass moving Efficiency.optimizer_bytes_per_param bytes per
+    element at achievable HBM bandwidth, plus Efficiency.optimizer_tensor_overhead_s per
+    tensor (the host's per-tensor epilogue; 0 on GPUs)."""
     eff = efficiency_for(hardware, efficiency)
-    return local_parameters * eff.optimizer_bytes_per_param / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
+    return local_parameters * eff.optimizer_bytes_per_param / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency) \
+        + tensors * eff.optimizer_tensor_overhead_s
 
 
 def grad_accumulation_time_s(gradient_elements: float, num_microbatches: int, element_bytes: int,

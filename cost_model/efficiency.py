@@ -94,6 +94,12 @@ class Efficiency:
     gradient (4), write the 16-bit weight (2), grad-norm read (4) and zeroing (2).
     The calibrated `cpu` profile overrides it with what `autopar calibrate` measured (the
     runtime's fused fp32 AdamW step per parameter x the measured copy bandwidth)."""
+    optimizer_tensor_overhead_s: float = 0.0
+    """Host time per local parameter tensor per step of the step's epilogue: the gradient
+    set as a DTensor, DTensor's dispatch of the fused optimizer kernel over its tensor
+    lists, zero_grad. 0 on GPUs (one multi-tensor kernel launch, hidden behind the
+    backward's tail); measured by `autopar calibrate` on the cpu profile (on the sweep's
+    small model, 39 tensors, this epilogue took 3x the per-element optimizer price)."""
     accumulate_bytes_per_byte: float = 3.0
     """Memory traffic per gradient byte of one microbatch's in-place accumulation (read
     both, write one). The calibrated `cpu` profile overrides it with what `autopar

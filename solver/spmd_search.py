@@ -147,6 +147,15 @@ def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
     return total
 
 
+def _local_parameter_tensors(graph: Graph, solution: IntraOpSolution) -> float:
+    """The parameter tensors a rank holds (one local shard each, whatever its placement; a
+    tied alias is the same tensor): what the optimizer's per-tensor epilogue is paid on."""
+    chosen = {c.node for c in solution.choices}
+    aliases = {alias for alias, _ in graph.tied_params}
+    return sum(graph.weight(node.id) for node in graph.by_role(Role.PARAMETER)
+               if node.id in chosen and node.id not in aliases)
+
+
 def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     """3 when most parameter bytes are sharded over the first (dp) axis, else 0: a label
     for tables; the placements are the plan."""
@@ -175,8 +184,8 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
     """Step time, throughput and memory of a solved candidate (the ILP's own costs)."""
     m = cand.num_microbatches
     per_micro = solution.cost.total_s  # gradient-sync edges already weighted 1/m
-    optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware) \
-        * core_share(cluster)
+    optimizer = cost_model.optimizer_time_s(_local_parameters(graph, solution), cluster.hardware,
+                                            tensors=_local_parameter_tensors(graph, solution)) * core_share(cluster)
     # i15c: the microbatches' gradient accumulation (cost_model.compute.grad_accumulation_time_s)
     accumulate = grad_accumulation_time_s(sum(raw_gradient_bytes(graph, solution).values()), m, 1, cluster.hardware) \
         * core_share(cluster)

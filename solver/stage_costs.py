@@ -150,7 +150,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
     derived = graph.parameter_derived()
     aliases = {alias for alias, _ in graph.tied_params}
     expensive = EXPENSIVE_OPS
-    acc = {p: dict(time=0.0, fwd=0.0, cheap=0.0, state=0.0, saved=0.0, sel=0.0, params=0.0, grad_bytes=0.0,
+    acc = {p: dict(time=0.0, fwd=0.0, cheap=0.0, state=0.0, saved=0.0, sel=0.0, params=0.0, tensors=0.0, grad_bytes=0.0,
                    raw_grad_bytes=0.0, sync=0.0, gather=0.0) for p in PIECES}
     for c in solution.choices:
         node, w = graph[c.node], c.weight
@@ -163,6 +163,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
         if node.role is Role.PARAMETER and c.node not in aliases:
             a["state"] += w * c.memory_bytes
             a["params"] += w * node.output.numel / shard_factor(c.outputs[0], mesh)
+            a["tensors"] += w
             a["grad_bytes"] += w * node.output.size_bytes / shard_factor(c.outputs[0], mesh)
     # what a rank accumulates over the microbatches: each raw gradient as the backward leaves
     # it (its own placement), as spmd_search prices it
@@ -186,8 +187,8 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
         if op in expensive or graph[b].role is Role.INPUT:
             a["sel"] += c.weight * c.memory_bytes
     m = num_microbatches
-    optimizer = {p: cost_model.optimizer_time_s(acc[p]["params"], cluster.hardware) * core_share(cluster)
-                 for p in PIECES}
+    optimizer = {p: cost_model.optimizer_time_s(acc[p]["params"], cluster.hardware, tensors=acc[p]["tensors"])
+                 * core_share(cluster) for p in PIECES}
     # the microbatches' gradient accumulation, once per step like the optimizer (the same
     # term one-stage plans pay: spmd_search.estimate, cost_model.grad_accumulation_time_s)
     for p in PIECES:

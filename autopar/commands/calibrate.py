@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  optimizer step (fused AdamW): {f.optimizer_s * 1e9:.2f} ns per parameter "
               f"({f.optimizer_s * f.copy_bytes_per_s:.1f} bytes of copy traffic); in-place gradient accumulation: "
               f"{f.accumulate_s * 1e12:.1f} ps per byte ({f.accumulate_s * f.copy_bytes_per_s:.2f} bytes per byte)")
+    if f.param_tensor_s:
+        print(f"  step epilogue per parameter tensor (DTensor gradient, fused AdamW dispatch, zero_grad): "
+              f"{f.param_tensor_s * 1e6:.1f} us")
     skew_us = cal.sync_skew_s / cal.sharing * 1e6
     print(f"  gloo: launch {f.base_latency_s * 1e6:.0f} us (rank skew {skew_us:.0f} us measured, not priced) + "
           f"{f.hop_latency_s * 1e6:.0f} us per ring step; busBW "

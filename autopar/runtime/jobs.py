@@ -83,6 +83,26 @@ class RunResult:
     """... and those its plan (or the ILP for its configuration) priced, for price = run checks."""
 
 
+def step_epilogue(params: list[torch.nn.Parameter]) -> Any:
+    """The end of every per-op program's step on its (DTensor) parameters, as a callable
+    of the local gradient shards: each set as its parameter's `.grad`
+    (autopar.runtime.program.gradient_for), the default optimizer (built as the programs
+    build it: autopar.runtime.spmd.make_optimizer) stepped, the gradients cleared. What
+    `autopar calibrate` times per parameter tensor (`optimizer_tensor_overhead_s`)."""
+    from autopar.runtime.program import default_optimizer, gradient_for
+    from autopar.runtime.spmd import make_optimizer
+
+    opt = make_optimizer(default_optimizer(), params)
+
+    def run(grads: list[torch.Tensor]) -> None:
+        for p, g in zip(params, grads):
+            p.grad = gradient_for(p, g)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
 def build_model_and_batches(job: TrainJob) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]], Any]:
     source = resolve(job.model).with_overrides(seq=job.seq)
     torch.manual_seed(job.seed)

@@ -69,6 +69,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def gradient_for(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's gradient shard) as the `.grad` of the DTensor `param`: a DTensor
+    sharing the parameter's spec where the shard has the parameter's local shape, stride and
+    dtype (the usual case), else `DTensor.from_local`. The spec is the parameter's own (same
+    mesh, placements, global shape and stride); `from_local` rebuilds it through an autograd
+    Function, ~14 us a call against ~2 us (2026-11-24, torch 2.13 on this CPU), paid per
+    parameter every step: the step's epilogue `autopar calibrate` times per parameter
+    tensor (`optimizer_tensor_overhead_s`)."""
+    if not isinstance(param, DTensor):
+        return local
+    mine = param._local_tensor
+    if local.shape == mine.shape and local.dtype == mine.dtype and local.stride() == mine.stride() \
+            and not local.requires_grad:
+        return DTensor(local, param._spec, requires_grad=False)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 class NonFiniteLossError(ValueError):
     """The global loss of a step is NaN or infinite: training stops instead of applying it."""
 

@@ -183,6 +183,8 @@ class SpmdProgram:
         step graph, in order; the list is emptied) to their parameters' placements with the
         gradient-sync graph, and set them as the parameters' `.grad`; returns their bytes.
         Shared with the per-op pipeline stages (autopar/runtime/pipe_spmd.py)."""
+        from autopar.runtime.program import gradient_for
+
         with torch.no_grad():
             names = [name for name, _, _ in self.graphs.grads]
             skip = os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
@@ -202,8 +204,7 @@ class SpmdProgram:
         for name, param in self._params.items():
             g = by_name[name]
             grad_bytes += g.numel() * g.element_size()
-            param.grad = DTensor.from_local(g, self.mesh, param.placements, run_check=False, shape=param.shape,
-                                            stride=param.stride())
+            param.grad = gradient_for(param, g)
         return grad_bytes
 
     def _global_loss(self, local: torch.Tensor) -> float:

@@ -28,6 +28,9 @@ def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path) -> None:
     hw = load_hardware(out)
     assert hw.name == "cpu" and hw.peak_flops("float32") > 1e8 and hw.intra_node_latency_s >= 0
     assert hw.cores_per_node == m["cores"] and dict(hw.efficiency)["gemm_efficiency"] == 1.0
+    # the step's per-tensor epilogue (DTensor gradient, fused AdamW dispatch, zero_grad) was timed
+    assert m["param_tensor_s"] > 0
+    assert dict(hw.efficiency)["optimizer_tensor_overhead_s"] == pytest.approx(m["param_tensor_s"] / max(1, 2 / m["cores"]))
     scale = dict(hw.collective_bandwidth_scale)
     assert set(scale) == {"all_gather", "reduce_scatter"} and all(0 < v < 100 for v in scale.values())
     (link,) = mesh_axis_links(Cluster.parse("cpu:2", hardware=hw), (2,))

@@ -16,7 +16,7 @@ from cost_model.compute import gemm_time_s
 PEAK, K0, OVERHEAD = 10e9, 32.0, 20e-6
 BW, ALPHA, L0 = 0.4e9, 1e-3, 2e-3
 BUS = {"all_reduce": 0.4e9, "all_gather": 0.2e9, "reduce_scatter": 0.1e9}
-OPTIMIZER_S, ACCUMULATE_S = 25e-9, 4e-9
+OPTIMIZER_S, ACCUMULATE_S, PARAM_TENSOR_S = 25e-9, 4e-9, 30e-6
 """Per parameter and per gradient byte, one dedicated core (10 and 1.6 bytes of copy traffic at BW)."""
 
 
@@ -40,7 +40,7 @@ def _cal(devices: int = 4, cores: int = 2) -> Calibration:
         collective_s=tuple((kind, n, b, coll(kind, n, b)) for kind in KINDS for n in (2, devices)
                            for b in (2**12, 2**21, 2**23)),
         send_recv_s=tuple((b, s * (b / 2e9 + 1e-4)) for b in (2**12, 2**21)), reference_s=s * 0.05,
-        optimizer_s=s * OPTIMIZER_S, accumulate_s=s * ACCUMULATE_S,
+        optimizer_s=s * OPTIMIZER_S, accumulate_s=s * ACCUMULATE_S, param_tensor_s=s * PARAM_TENSOR_S,
     )
 
 
@@ -171,20 +171,26 @@ def test_profile_prices_the_measured_optimizer_step_and_accumulation(devices: in
     assert eff["accumulate_bytes_per_byte"] == pytest.approx(ACCUMULATE_S * BW)
     share = core_share(Cluster.parse(f"cpu:{devices}", hardware=hw))
     assert share == max(1.0, devices / 2)
-    params, grad_bytes, m = 3e6, 12e6, 4
+    params, grad_bytes, m, tensors = 3e6, 12e6, 4, 39
     assert optimizer_time_s(params, hw) * share == pytest.approx(share * params * OPTIMIZER_S)
+    # the per-tensor epilogue: what calibrate timed per parameter tensor, on top
+    assert optimizer_time_s(params, hw, tensors=tensors) * share == \
+        pytest.approx(share * (params * OPTIMIZER_S + tensors * PARAM_TENSOR_S))
+    assert eff["optimizer_tensor_overhead_s"] == pytest.approx(PARAM_TENSOR_S)
+    assert optimizer_time_s(params, HARDWARE["h100"], tensors=tensors) == optimizer_time_s(params, HARDWARE["h100"])
     assert grad_accumulation_time_s(grad_bytes / 4, m, 4, hw) * share == \
         pytest.approx(share * (m - 1) * grad_bytes * ACCUMULATE_S)
     # a calibration written before these were measured keeps the default traffic
-    old = dataclasses.replace(_cal(4), optimizer_s=0.0, accumulate_s=0.0)
+    old = dataclasses.replace(_cal(4), optimizer_s=0.0, accumulate_s=0.0, param_tensor_s=0.0)
     kept = dict(to_hardware(old).efficiency)
-    assert "optimizer_bytes_per_param" not in kept and "accumulate_bytes_per_byte" not in kept
+    assert not {"optimizer_bytes_per_param", "accumulate_bytes_per_byte", "optimizer_tensor_overhead_s"} & set(kept)
     data = _cal(4).to_json()
-    del data["optimizer_s"], data["accumulate_s"]
-    assert Calibration.from_json(data).optimizer_s == 0.0
+    del data["optimizer_s"], data["accumulate_s"], data["param_tensor_s"]
+    assert Calibration.from_json(data).optimizer_s == 0.0 and Calibration.from_json(data).param_tensor_s == 0.0
 
 
 def test_combine_keeps_the_optimizer_and_accumulation_measurements() -> None:
-    runs = [_cal(4), _cal(4), dataclasses.replace(_cal(4), optimizer_s=1.0, accumulate_s=1.0)]
+    runs = [_cal(4), _cal(4), dataclasses.replace(_cal(4), optimizer_s=1.0, accumulate_s=1.0, param_tensor_s=1.0)]
     both = combine(runs)
     assert both.optimizer_s == pytest.approx(2 * OPTIMIZER_S) and both.accumulate_s == pytest.approx(2 * ACCUMULATE_S)
+    assert both.param_tensor_s == pytest.approx(2 * PARAM_TENSOR_S)
