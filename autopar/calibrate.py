@@ -36,11 +36,7 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
 - gloo collectives: all-reduce, all-gather and reduce-scatter at several sizes, on all N
   ranks and inside 2-rank groups, and send/recv pairs; per kind, the latency per ring step
   and the bus bandwidth are fitted to t = L0 + steps(n) alpha + vol(n) S / B_kind
-  (steps: 2(n-1) all-reduce, n-1 all-gather; vol: 2(n-1)/n, (n-1)/n); a reduce-scatter is
-  fitted as what gloo runs, an all-reduce of the whole tensor (`Hardware.reduce_scatter_via_all_reduce`:
-  fitted with n-1 steps, its latency went into the per-step term and its bandwidth came out
-  at 0.14-0.26 of the all-reduce's; fitted as an all-reduce it keeps a rate of its own, the
-  clone and chunk copy around the all-reduce);
+  (steps: 2(n-1) all-reduce, n-1 all-gather/reduce-scatter; vol: 2(n-1)/n, (n-1)/n);
 - rank skew: a small all-reduce between chunks of GEMM work costs more than back to back
   (every rank waits for the one the OS scheduled last). Measured and reported, not priced:
   see `Calibration.sync_skew_s`.
@@ -616,15 +612,11 @@ def fit(cal: Calibration) -> Fitted:
     peak = 1 / inv_peak if inv_peak > 0 else max(2 * m * n * k / t for m, n, k, t in cal.gemm_s)
     copy = _least_squares([[b, 1.0] for b, _ in cal.copy_s], [t for _, t in cal.copy_s])
     copy_bw = 1 / copy[0] if copy[0] > 0 else max(b / t for b, t in cal.copy_s)
-    # collectives: t = L0 + steps(n) alpha + vol(n) S / B_kind  (unknowns L0, alpha, 1/B per
-    # kind); gloo's reduce-scatter is an all-reduce of the whole tensor (Hardware's
-    # reduce_scatter_via_all_reduce): the all-reduce's steps and volume, at its own rate
-    # (the clone and the chunk copy around it make it slower)
+    # collectives: t = L0 + steps(n) alpha + vol(n) S / B_kind  (unknowns L0, alpha, 1/B per kind)
     crow, cy = [], []
     for kind, n, nbytes, t in cal.collective_s:
-        ring = kind in ("all_reduce", "reduce_scatter")
-        steps = 2 * (n - 1) if ring else n - 1
-        vol = (2 if ring else 1) * (n - 1) / n * nbytes
+        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+        vol = (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
         crow.append([1.0, steps] + [vol if kind == k else 0.0 for k in KINDS])
         cy.append(t)
     base, alpha, *inv_bw = _least_squares(crow, cy)
@@ -667,7 +659,6 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
         default_gpus_per_node=base.default_gpus_per_node,
         comm_overlap=base.comm_overlap,
         collective_bandwidth_scale=tuple((k, f.bus_bytes_per_s[k] / bus) for k in ("all_gather", "reduce_scatter")),
-        reduce_scatter_via_all_reduce=True,
         cores_per_node=cal.cores,
         reference_s=cal.reference_s / cal.sharing,
         efficiency=tuple(sorted({

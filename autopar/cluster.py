@@ -23,8 +23,7 @@ GIB = 1024**3
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 OPTIONAL_KEYS = ("default_gpus_per_node", "comm_overlap", "collective_bandwidth_scale", "sm_count",
-                 "matmul_fraction", "attention_fraction", "efficiency", "cores_per_node", "reference_s",
-                 "reduce_scatter_via_all_reduce")
+                 "matmul_fraction", "attention_fraction", "efficiency", "cores_per_node", "reference_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,13 +49,6 @@ class Hardware:
     bus bandwidth relative to the link's (missing kinds: 1.0). Empty for the GPU profiles
     (NCCL's ring kinds run at the same busBW); `autopar calibrate` measures it on gloo,
     whose all-gather and reduce-scatter are markedly slower than its all-reduce."""
-    reduce_scatter_via_all_reduce: bool = False
-    """The backend runs a reduce-scatter as an all-reduce of the whole tensor, each rank then
-    keeping its chunk: gloo does (torch's ProcessGroupGloo::reduce_scatter_tensor_coalesced
-    clones the input, all-reduces it and copies the rank's chunk out;
-    pytorch/pytorch torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), and on this machine a
-    reduce-scatter measured as long as an all-reduce of the same tensor at 4 KiB-2 MiB on 4
-    and 8 ranks (2026-11-24). The cpu profiles set it; NCCL (GPU profiles) has a real one."""
     sm_count: int = 0
     """Streaming multiprocessors (GEMM wave quantization); 0 = not modelled (CPU)."""
     matmul_fraction: float = 1.0
@@ -118,9 +110,7 @@ class Hardware:
                              f"collective_bandwidth_scale; expected some of {list(COLLECTIVE_KINDS)}")
         eff = data.get("efficiency", {})
         eff = eff.items() if isinstance(eff, dict) else eff
-        # profiles written before this key: the cpu ones are gloo
-        via_all_reduce = bool(data.get("reduce_scatter_via_all_reduce", str(data["name"]).startswith("cpu")))
-        return cls(**{**data, "comm_overlap": float(overlap), "reduce_scatter_via_all_reduce": via_all_reduce,
+        return cls(**{**data, "comm_overlap": float(overlap),
                       "efficiency": tuple(sorted((str(k), float(v)) for k, v in eff)),
                       "peak_flops_per_s": tuple(sorted((str(k), float(v)) for k, v in peaks)),
                       "collective_bandwidth_scale": tuple(sorted((str(k), float(v)) for k, v in scale))})

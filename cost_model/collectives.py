@@ -71,9 +71,6 @@ class AxisLink:
     base_latency_s: float = 0.0
     """Fixed launch latency of one collective (L0 in the module docstring)."""
 
-    reduce_scatter_via_all_reduce: bool = False
-    """A reduce-scatter here is an all-reduce of the whole tensor (Hardware's field: gloo)."""
-
     def kind_bandwidth(self, kind: str) -> float:
         return self.bandwidth_bytes_per_s * dict(self.bandwidth_scale).get(kind, 1.0)
 
@@ -102,7 +99,6 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     nvlink = hw.intra_node_bandwidth_bytes_per_s * nvlink_bus_efficiency(hw.name, eff)
     nic = hw.inter_node_bandwidth_bytes_per_s * eff.nic_bus_efficiency
     scale = hw.collective_bandwidth_scale
-    via = hw.reduce_scatter_via_all_reduce
     # core sharing (the cpu profile): ranks time-slice the cores, gloo's steps wait their turn
     share = max(1.0, per_node / hw.cores_per_node) if hw.cores_per_node else 1.0
     nvlink, nic = nvlink / share, nic / share
@@ -114,19 +110,18 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
         if n == 1 or stride * n <= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
                                   tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,
-                                  base_latency_s=base, reduce_scatter_via_all_reduce=via))
+                                  base_latency_s=base))
         elif stride >= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=inter_lat,
                                   tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale,
-                                  base_latency_s=base, reduce_scatter_via_all_reduce=via))
+                                  base_latency_s=base))
         else:
             inner = per_node // stride
             hop = (inter_lat + (inner - 1) * intra_lat) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
                                   latency_s=inter_lat, tier="mixed",
                                   p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop,
-                                  bandwidth_scale=scale, base_latency_s=base,
-                                  reduce_scatter_via_all_reduce=via))
+                                  bandwidth_scale=scale, base_latency_s=base))
     return tuple(links)
 
 
@@ -154,15 +149,7 @@ def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
 
 
 def reduce_scatter_time_s(size_bytes: float, link: AxisLink) -> float:
-    """`size_bytes` is the full input tensor (each device keeps 1/n of the sum). Where the
-    backend reduce-scatters by all-reducing the whole tensor (gloo), that all-reduce's steps
-    and volume at the reduce-scatter's own measured rate (clone and chunk copy included)."""
-    if link.reduce_scatter_via_all_reduce:
-        n = link.size
-        if n <= 1 or size_bytes <= 0:
-            return 0.0
-        return all_reduce_time_s(size_bytes, link) + 2 * (n - 1) / n * size_bytes * (
-            1 / link.kind_bandwidth("reduce_scatter") - 1 / link.kind_bandwidth("all_reduce"))
+    """`size_bytes` is the full input tensor (each device keeps 1/n of the sum)."""
     return _ring_half_time_s(size_bytes, link, "reduce_scatter")
 
 

@@ -47,9 +47,7 @@ def test_zero2_pays_one_collective_pair_per_module(graph):
     single flat collectives pay it once."""
     cpu = HARDWARE["cpu"]
     # one rank per core and no per-collective launch cost: only the ring steps' latency counts
-    # (and a ring reduce-scatter, not gloo's all-reduce: 3 hops for it too)
     hw = replace(cpu, intra_node_latency_s=5e-3, inter_node_latency_s=5e-3, cores_per_node=0,
-                 reduce_scatter_via_all_reduce=False,
                  efficiency=tuple(sorted({**dict(cpu.efficiency), "collective_base_latency_s": 0.0}.items())))
     cluster = Cluster(hardware=hw, num_nodes=1, devices_per_node=4)
     z1 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=1), cluster, global_batch=4).time_breakdown)
