@@ -38,9 +38,12 @@ two pricings of one-stage plans can be compared against the same measurements.
 The machine is shared (load averages of 10-20 on 2 cores were seen while developing this),
 so its speed drifts between a calibration and a sweep: every round also times
 `autopar.calibrate.reference_workload` on as many of the same ranks as the calibration ran
-(`REFERENCE_RANKS`), and each prediction is scaled by the ratio of that time to the
-profile's own reference time (`load_factor`, per dedicated core). The unscaled predictions
-are kept too (`*_raw_s`); the ranking within a group does not depend on it.
+(`REFERENCE_RANKS`), and the ratio of that time to the profile's own reference time
+(`load_factor`, per dedicated core) slows the profile's local work (GEMM peak, copy
+bandwidth, per-op overheads: `at_load`) before it prices the group; the collectives keep
+their calibrated latency and bandwidth, since the reference workload times no collective
+(until 2026-11-25 the whole prediction was multiplied by the factor). The predictions at
+the profile's own speed are kept too (`*_raw_s`).
 
 Figures per (size, world) group and over all: median |predicted / measured - 1|, Spearman
 rank correlation of predicted vs measured step time, the regret of the profile's top pick
@@ -210,14 +213,14 @@ def _profile(spec: str) -> Any:
     return cost_model.profile_graph(trace_model(resolve(spec), batch=1, dtype="float32", layers_traced=2))
 
 
-def predict(profile: Any, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
-    """`price_profile`'s step time (the whole-model formula), times the machine's load now
-    relative to when `hardware` was measured (`load_factor`)."""
+def predict(profile: Any, case: SweepCase, hardware: Any) -> float:
+    """`price_profile`'s step time (the whole-model formula) on `hardware` (for a load
+    other than the calibration's: `at_load`)."""
     import cost_model
     from autopar.cluster import Cluster
 
     cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
-    return load * cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH).step_time_s
+    return cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH).step_time_s
 
 
 def _step_graph(spec: str, config: Any) -> Any:
@@ -235,7 +238,7 @@ def _step_graph(spec: str, config: Any) -> Any:
     return trace_step(source.build(), batch, recompute=config.recompute)[1]
 
 
-def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
+def predict_ilp(graph: Any, case: SweepCase, hardware: Any) -> float:
     """The per-op program's price of a pp = 1 configuration: the intra-op ILP the runtime
     solves for it (`solve_config`), priced as `autopar search` ranks it (`estimate`).
 
@@ -255,14 +258,14 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any, load: float = 1.0) -
     ran = solve_config(graph, config, Cluster.parse(f"cpu:{case.world}"), num_microbatches=m)
     solution = ran if hardware == HARDWARE["cpu"] else price_solution(graph, config, ran, cluster, num_microbatches=m)
     cand = SpmdCandidate(mesh=(config.dp, config.tp), microbatch=rows, num_microbatches=m)
-    return load * estimate(graph, solution, cand, cluster, GLOBAL_BATCH).step_time_s
+    return estimate(graph, solution, cand, cluster, GLOBAL_BATCH).step_time_s
 
 
-_STAGE_COSTS: dict[tuple[str, int, int], Any] = {}
+_STAGE_COSTS: dict[tuple[str, int, Any], Any] = {}
 """Per (model, world, profile): the pipeline search's stage-cost cache, its cluster and depth."""
 
 
-def predict_pipeline(spec: str, case: SweepCase, hardware: Any, load: float = 1.0) -> float:
+def predict_pipeline(spec: str, case: SweepCase, hardware: Any) -> float:
     """A pp > 1 configuration priced as `autopar search` ranks pipelines: the intra-op ILP's
     stage costs on the (dp, tp) submesh (solver/pipeline_search.py's stage-cost cache,
     solver/stage_costs.py) assembled by the inter-op formulas (solver/stage_dp.py) for the
@@ -274,7 +277,7 @@ def predict_pipeline(spec: str, case: SweepCase, hardware: Any, load: float = 1.
     from autopar.models import resolve
     from autopar.trace import trace_model
 
-    key = (spec, case.world, id(hardware))
+    key = (spec, case.world, hardware)
     if key not in _STAGE_COSTS:
         source, traces = resolve(spec), {}
 
@@ -291,7 +294,7 @@ def predict_pipeline(spec: str, case: SweepCase, hardware: Any, load: float = 1.
     got = price_template(case.config, cache, cluster, GLOBAL_BATCH, layers)
     if got is None:
         raise ValueError(f"{case.label}: not expressible by the pipeline search's stage costs")
-    return load * got.step_time_s
+    return got.step_time_s
 
 
 def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_cal: Any | None,
@@ -299,7 +302,8 @@ def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_ca
                 reference_ranks: int | None = None) -> dict[str, Any]:
     """A row's predicted columns: `predicted_<profile>_s` (what the product ranks by: the
     ILP's price for pp = 1, the ILP stage costs for pp > 1), `..._analytic_s` (price_profile for
-    every row), their `_raw` values before the load factor, and the load factors."""
+    every row), each on the profile slowed by the load factor (`at_load`); the product's
+    price on the profile as calibrated (`_raw`), and the load factors."""
     out: dict[str, Any] = {}
     if case.config.pp == 1 and graph is None:
         graph = _step_graph(spec, case.config)
@@ -307,10 +311,11 @@ def predictions(profile: Any, spec: str, case: SweepCase, hw_default: Any, hw_ca
         if hw is None:
             continue
         load = load_factor(hw, reference_ranks or case.world, reference_s if reference_s is not None else [])
-        analytic = predict(profile, case, hw)
-        product = predict_ilp(graph, case, hw) if case.config.pp == 1 else predict_pipeline(spec, case, hw)
-        out.update({f"load_{name}": load, f"predicted_{name}_s": load * product, f"predicted_{name}_raw_s": product,
-                    f"predicted_{name}_analytic_s": load * analytic})
+        now = at_load(hw, load)
+        raw = predict_ilp(graph, case, hw) if case.config.pp == 1 else predict_pipeline(spec, case, hw)
+        product = predict_ilp(graph, case, now) if case.config.pp == 1 else predict_pipeline(spec, case, now)
+        out.update({f"load_{name}": load, f"predicted_{name}_s": product, f"predicted_{name}_raw_s": raw,
+                    f"predicted_{name}_analytic_s": predict(profile, case, now)})
     return out
 
 
@@ -356,6 +361,37 @@ def _merge_rows(ap: argparse.ArgumentParser, path: str) -> list[dict[str, Any]]:
         ap.error(f"--merge {path}: not a sweep_cpu.py JSON ({exc}); give the --json file of an earlier run, "
                  "e.g. benchmarks/results/sweep_cpu.json")
     return rows
+
+
+LOCAL_WORK_OVERHEADS = ("gemm_overhead_s", "memory_overhead_s", "view_overhead_s", "dtensor_op_overhead_s",
+                        "optimizer_tensor_overhead_s")
+"""The per-call overheads of local work (eager dispatch, DTensor, the optimizer's epilogue):
+what the reference workload's small ops and autograd time, so they follow its load."""
+
+
+def at_load(hardware: Any, load: float) -> Any:
+    """`hardware` with its local work `load` times slower: the GEMM peaks and the copy
+    bandwidth divided by it, the per-call overheads (LOCAL_WORK_OVERHEADS) multiplied; the
+    collectives' latency and bandwidth kept as calibrated.
+
+    The load factor is measured by the reference workload, which is local work only (GEMMs,
+    small autograd ops, a copy): it says nothing of gloo. Measured in the other direction:
+    the reference workload's gloo all-reduce, when it had one, ran 20% faster inside a
+    process that had built and stepped training programs than at the start of a
+    calibration, while its local parts ran the same (`autopar.calibrate.reference_workload`).
+    So the load scales the local work, not the whole prediction."""
+    from dataclasses import replace
+
+    from cost_model.efficiency import efficiency_for
+
+    if load == 1.0:
+        return hardware
+    eff = efficiency_for(hardware)
+    overrides = dict(hardware.efficiency)
+    overrides.update({k: getattr(eff, k) * load for k in LOCAL_WORK_OVERHEADS})
+    return replace(hardware, peak_flops_per_s=tuple((k, v / load) for k, v in hardware.peak_flops_per_s),
+                   memory_bandwidth_bytes_per_s=hardware.memory_bandwidth_bytes_per_s / load,
+                   efficiency=tuple(sorted(overrides.items())), reference_s=hardware.reference_s * load)
 
 
 def load_factor(hardware: Any, ranks: int, reference_s: list[float]) -> float:
@@ -531,8 +567,9 @@ def write_markdown(out: dict[str, Any], path: Path) -> None:
         "of `solve_config`), for pp > 1 the pipeline search's price (ILP stage costs assembled by "
         "solver/stage_dp.py, `predict_pipeline`); the whole-model formula `cost_model.price_profile` of every "
         "row is in the last column for comparison. "
-        "Each with the calibrated profile and the built-in `cpu` profile, scaled by the load factor of the "
-        "reference workload timed in the same run. The machine has 2 cores shared with other users.", "",
+        "Each with the calibrated profile and the built-in `cpu` profile, their local work (GEMM peak, copy "
+        "bandwidth, per-op overheads; not the collectives) slowed by the load factor of the reference workload "
+        "timed in the same run (`at_load`). The machine has 2 cores shared with other users.", "",
         "| size | procs | configuration | measured ms | predicted ms (calibrated) | ratio | predicted ms (built-in) | "
         "ratio | price_profile ms (calibrated) | ratio |", "|---|---|---|---|---|---|---|---|---|---|",
     ]

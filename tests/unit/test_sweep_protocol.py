@@ -76,3 +76,28 @@ def test_merge_input_is_checked_before_measuring(tmp_path, capsys):
             sweep_cpu.main(["--merge", str(path), "--sizes", "S", "--worlds", "4"])
         assert stop.value.code == 2
         assert f"--merge {path}: not a sweep_cpu.py JSON" in capsys.readouterr().err
+
+
+def test_load_slows_local_work_not_collectives():
+    """`at_load`: the reference workload times local work only, so the load factor slows the
+    profile's GEMMs, copies, per-op and optimizer overheads by exactly the factor and leaves
+    gloo's latency and bandwidth as calibrated."""
+    import cost_model
+    from autopar.cluster import HARDWARE, Cluster
+
+    hw = HARDWARE["cpu"]
+    assert sweep_cpu.at_load(hw, 1.0) is hw
+    slow = sweep_cpu.at_load(hw, 1.5)
+    for op_class, flops, nbytes in (("gemm", 2 * 256 * 384 * 1024, 4 * (256 * 384 + 384 * 1024)),
+                                    ("memory", 0.0, 1 << 20), ("attention", 1e8, 1 << 16)):
+        before = cost_model.compute_time_s(flops, nbytes, hw, "float32", op_class=op_class)
+        after = cost_model.compute_time_s(flops, nbytes, slow, "float32", op_class=op_class)
+        assert after == pytest.approx(1.5 * before, rel=1e-9), op_class
+    assert cost_model.optimizer_time_s(1e6, slow, tensors=40) == pytest.approx(
+        1.5 * cost_model.optimizer_time_s(1e6, hw, tensors=40), rel=1e-9)
+    for world in (4, 8):
+        links = cost_model.mesh_axis_links(Cluster.parse(f"cpu:{world}", hardware=hw), (world,))
+        slow_links = cost_model.mesh_axis_links(Cluster.parse(f"cpu:{world}", hardware=slow), (world,))
+        for size in (4096, 8 << 20):
+            assert cost_model.all_reduce_time_s(size, slow_links[0]) == cost_model.all_reduce_time_s(size, links[0])
+    assert slow.reference_s == pytest.approx(1.5 * hw.reference_s)
