@@ -194,3 +194,51 @@ def test_combine_keeps_the_optimizer_and_accumulation_measurements() -> None:
     both = combine(runs)
     assert both.optimizer_s == pytest.approx(2 * OPTIMIZER_S) and both.accumulate_s == pytest.approx(2 * ACCUMULATE_S)
     assert both.param_tensor_s == pytest.approx(2 * PARAM_TENSOR_S)
+
+
+def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
+    """gloo's latency rows (2-rank groups far faster per ring step than 4-rank ones) pull an
+    unconstrained per-call latency below 0. The fit must then re-solve the per-step latency
+    with the per-call term held at 0 (the least squares line through the origin), not keep
+    the unconstrained slope and clip the intercept (what it did until 2026-11-25: per-step
+    latencies 20-55% too high in three real calibrations)."""
+    import itertools
+
+    import numpy as np
+
+    from autopar.calibrate import _least_squares
+
+    # t = L0 + steps * alpha: 2-rank rows (2 steps) at 0.2 ms, 4-rank rows (6 steps) at 4 ms
+    rows = [[1.0, 2.0], [1.0, 2.0], [1.0, 6.0], [1.0, 6.0]]
+    ys = [0.2e-3, 0.25e-3, 4.0e-3, 4.2e-3]
+    a, y = np.array(rows), np.array(ys)
+    unconstrained = np.linalg.lstsq(a, y, rcond=None)[0]
+    assert unconstrained[0] < 0  # the case: a negative per-call latency
+    base, alpha = _least_squares(rows, ys)
+    assert base == 0.0
+    assert alpha == pytest.approx(float(a[:, 1] @ y / (a[:, 1] @ a[:, 1])), rel=1e-9)
+    assert alpha < unconstrained[1]  # the clipped fit kept this too-steep slope
+
+    # random problems: the result is feasible and no better feasible point exists among the
+    # free-set solutions (brute force with numpy), and KKT holds: zero gradient on the free
+    # coefficients, a non-negative one on those held at 0
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = rng.uniform(0.0, 1.0, size=(9, 4))
+        y = a @ rng.normal(size=4) + rng.normal(scale=0.1, size=9)
+        x = np.array(_least_squares(a.tolist(), y.tolist()))
+        assert (x >= 0).all()
+        best = float((y ** 2).sum())  # all coefficients 0
+        for k in range(1, 5):
+            for f in itertools.combinations(range(4), k):
+                sub = np.linalg.lstsq(a[:, list(f)], y, rcond=None)[0]
+                if (sub >= 0).all():
+                    best = min(best, float(((a[:, list(f)] @ sub - y) ** 2).sum()))
+        assert float(((a @ x - y) ** 2).sum()) == pytest.approx(best, rel=1e-7, abs=1e-12)
+        grad = a.T @ (a @ x - y)
+        assert np.allclose(grad[x > 0], 0.0, atol=1e-8) and (grad[x == 0] >= -1e-8).all()
+
+    # a non-negative unconstrained solution is returned as is
+    a = rng.uniform(0.5, 1.0, size=(6, 3))
+    truth = np.array([1.0, 2.0, 3.0])
+    assert _least_squares(a.tolist(), (a @ truth).tolist()) == pytest.approx(truth.tolist(), rel=1e-9)
