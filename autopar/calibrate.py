@@ -584,7 +584,7 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     best of the unconstrained solutions over every subset of the unknowns left free (the
     others 0) whose coefficients are all >= 0, which is the exact constrained optimum.
 
-    Until 2026-11-25 the unconstrained solution was solved once and its negative
+    Until session 15 (2026-11-24) the unconstrained solution was solved once and its negative
     coefficients clipped to 0, leaving the others where the negative one had pulled them:
     gloo's per-call latency fitted at -0.5 to -1.5 ms (2-rank groups are far faster per
     ring step than 4-rank ones), clipped to 0, left the per-step latency 20-55% above the

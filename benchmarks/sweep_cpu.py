@@ -42,7 +42,7 @@ so its speed drifts between a calibration and a sweep: every round also times
 (`load_factor`, per dedicated core) slows the profile's local work (GEMM peak, copy
 bandwidth, per-op overheads: `at_load`) before it prices the group; the collectives keep
 their calibrated latency and bandwidth, since the reference workload times no collective
-(until 2026-11-25 the whole prediction was multiplied by the factor). The predictions at
+(until session 15, 2026-11-24, the whole prediction was multiplied by the factor). The predictions at
 the profile's own speed are kept too (`*_raw_s`).
 
 Figures per (size, world) group and over all: median |predicted / measured - 1|, Spearman

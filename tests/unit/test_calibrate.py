@@ -200,7 +200,7 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
     """gloo's latency rows (2-rank groups far faster per ring step than 4-rank ones) pull an
     unconstrained per-call latency below 0. The fit must then re-solve the per-step latency
     with the per-call term held at 0 (the least squares line through the origin), not keep
-    the unconstrained slope and clip the intercept (what it did until 2026-11-25: per-step
+    the unconstrained slope and clip the intercept (what it did until session 15, 2026-11-24: per-step
     latencies 20-55% too high in three real calibrations)."""
     import itertools
 
