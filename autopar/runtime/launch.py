@@ -26,9 +26,11 @@ SIGKILL). The parent raises `RankFailure` naming the rank and its traceback's ta
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -134,6 +136,11 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
 
     torch.set_num_threads(1)
     import_before_process_group()
+    # a rank found hung is sent STACK_SIGNAL before it is stopped: every thread's Python
+    # stack goes to <rank>.stack (faulthandler writes it from the signal handler, so a rank
+    # blocked inside a C++ collective or a solver answers too)
+    stack_file = open(Path(result_dir) / f"{rank}.stack", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -149,12 +156,26 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
         os._exit(1)
 
 
-def _stop(procs: list[Any], grace_s: float) -> list[int]:
-    """Let every process end within `grace_s`, then terminate; returns the ranks still running."""
+STACK_SIGNAL = signal.SIGUSR1
+"""Sent to a rank still running when its peers have failed: it writes its threads' stacks
+(`_worker`) before it is stopped, so a hang names the line it was at."""
+STACK_WAIT_S = 1.0
+
+
+def _stop(procs: list[Any], grace_s: float, stacks: bool = False) -> list[int]:
+    """Let every process end within `grace_s`, then terminate; returns the ranks still running.
+    `stacks`: first ask each one still running for its stacks (STACK_SIGNAL)."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    if stacks and alive:
+        for r in alive:
+            try:
+                os.kill(procs[r].pid, STACK_SIGNAL)
+            except (OSError, TypeError):  # ended meanwhile
+                pass
+        time.sleep(STACK_WAIT_S)
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -164,6 +185,16 @@ def _stop(procs: list[Any], grace_s: float) -> list[int]:
             p.kill()
             p.join()
     return alive
+
+
+def _where(tmp: str, rank: int) -> str:
+    """Where a hung rank's main thread was: the innermost frames of the stack it wrote on
+    STACK_SIGNAL (faulthandler prints the innermost call first), or nothing."""
+    stack = Path(tmp, f"{rank}.stack")
+    text = stack.read_text() if stack.exists() else ""
+    main = text.split("Current thread", 1)[-1] if "Current thread" in text else text
+    frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File ")][:4]
+    return ("; its main thread was at: " + " <- ".join(frames)) if frames else ""
 
 
 def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[int],
@@ -190,8 +221,8 @@ def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[i
     if alive:  # every failed rank gave up waiting for a peer; the peer still running is hung
         others = ", ".join(str(r) for r in failed)
         return RankFailure(alive[0], f"stopped responding (still running, not in the collective) while rank(s) "
-                           f"{others} waited for it {collective_timeout_s:.0f} s and gave up: {detail(failed[0])}",
-                           what="hung")
+                           f"{others} waited for it {collective_timeout_s:.0f} s and gave up: {detail(failed[0])}"
+                           f"{_where(tmp, alive[0])}", what="hung")
     return RankFailure(failed[0], detail(failed[0]))
 
 
@@ -220,12 +251,16 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *
                 codes = [p.exitcode for p in procs]
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    alive = _stop(procs, grace_s)
+                    alive = _stop(procs, grace_s, stacks=True)
                     codes = [p.exitcode for p in procs]
                     failed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in alive]
                     failure = _failure(tmp, codes, failed, alive, collective_timeout_s)
                     err = Path(tmp, f"{failure.rank}.err")
                     log.error("rank %d failed:\n%s", failure.rank, err.read_text() if err.exists() else failure.detail)
+                    for r in alive:
+                        stack = Path(tmp, f"{r}.stack")
+                        if stack.exists() and stack.read_text().strip():
+                            log.error("rank %d was still running; its stacks:\n%s", r, stack.read_text())
                     raise failure
                 if all(c == 0 for c in codes):
                     break

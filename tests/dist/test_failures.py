@@ -88,5 +88,7 @@ def test_hung_rank_is_named_and_peers_time_out(tmp_path):
     elapsed = time.time() - float(stamp.read_text())
     assert info.value.rank == 1, str(info.value)
     assert "rank 1 hung" in str(info.value) and "gave up" in str(info.value)
+    # the hung rank's stack, asked for before it was stopped, says where it was
+    assert "its main thread was at" in str(info.value) and "_hang_in_step_2" in str(info.value), str(info.value)
     # 5 s collective timeout + 5 s grace + teardown; never torch's 30-minute subgroup default
     assert elapsed < 40.0
