@@ -39,9 +39,11 @@ Step time (Alpa's objective, generalised by a schedule constant beta):
 Ranks sharing cores (the cpu profile: more ranks than cores on a node, cost_model.core_share
 = share > 1, every t_k priced contended): a rank waiting in a bubble frees its core for the
 others, so the step is the longer of the schedule's critical path run uncontended and all
-ranks' work over the cores (the same model as cost_model/step.py's price_profile):
+ranks' work over the cores (the same model as cost_model/step.py's price_profile), plus
+the cores left idle while the pipeline fills and drains (`ramp_idle_s`; price_profile,
+shown for comparison only, leaves that out):
 
-    T_shared = max(T / share, m * sum_k t_k / p)
+    T_shared = max(T / share, m * sum_k t_k / p + R)
 
 (each stage's ranks are 1/p of the node's ranks). With share = 1 (GPUs) T_shared = T.
 
@@ -146,13 +148,39 @@ def stage_memory_bytes(o: StageOption, layers: int, stage: int, num_stages: int,
     return state + schedule.inflight(stage, num_stages, num_microbatches) * act + o.temp_bytes
 
 
+def ramp_idle_s(total: float, num_stages: int, schedule: Schedule, share: float) -> float:
+    """Ranks sharing cores (share > 1): the time the cores left idle while the pipeline
+    fills and drains add to the shared work, per core (module docstring):
+
+        R = sum_{j=1}^{p-1} max(0, 1 - j share / p) * S / (p share v)
+
+    While j of p stages run (the first forwards, the last backwards), j r of the node's
+    p r ranks are runnable on its p r / share cores: 1 - j share / p of them idle. Each
+    such slot lasts one stage's forward (filling) or backward (draining) of one
+    microbatch chunk at full speed; a fill slot and its drain slot together are about one
+    stage's time per microbatch uncontended, (S / p) / share, over the v chunks a rank
+    runs. 0 when a stage's ranks alone fill the cores (p <= share: e.g. 2 stages of 2
+    ranks on 2 cores) and on GPUs (share 1). Measured need (benchmarks/sweep_cpu.py, the
+    L model on 4 ranks over 2 cores, six runs): GPipe dp2 pp2 ran 1.5-5.8% faster than
+    pp4, whose 4 one-rank stages leave one core idle for the first forward and the last
+    backward; priced as equal work before, within 1-2% either way round. Here pp4 pays
+    S / 16 on top of its m S / p = S of work: 6.25%."""
+    p = num_stages
+    if share <= 1.0 or p < 2:
+        return 0.0
+    idle = sum(max(0.0, 1.0 - j * share / p) for j in range(1, p))
+    return idle * total / (p * share * schedule.chunks)
+
+
 def step_time_s(times: Sequence[float], num_microbatches: int, schedule: Schedule, share: float = 1.0) -> float:
-    """T (module docstring); with ranks sharing cores (share > 1), max(T / share, m sum / p)."""
+    """T (module docstring); with ranks sharing cores (share > 1), max(T / share,
+    m sum / p + ramp_idle_s)."""
     beta = schedule.beta
     standard = beta * sum(times) + (num_microbatches - beta) * max(times)
     if share <= 1.0:
         return standard
-    return max(standard / share, num_microbatches * sum(times) / len(times))
+    total = sum(times)
+    return max(standard / share, num_microbatches * total / len(times) + ramp_idle_s(total, len(times), schedule, share))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,7 +278,7 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
     (before any path is computed), then S >= S_free.
 
     `share` > 1: ranks share cores (cost_model.core_share; the times are priced contended),
-    T = max(T_sched / share, m S / p) (module docstring), still nondecreasing in S for a
+    T = max(T_sched / share, m S / p + R(S)) (module docstring; R linear in S), still nondecreasing in S for a
     fixed bound B, so the scan stays exact."""
     p, m, L = num_stages, num_microbatches, num_layers
     if p < 1 or (L < p and not (L == 0 and p == 1)) or not options or not schedule.allows(p, m):
@@ -265,7 +293,7 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
 
     def objective(total: float, bound: float) -> float:
         t = (beta * total + (m - beta) * bound) / div
-        return max(t, m * total / p) if shared else t
+        return max(t, m * total / p + ramp_idle_s(total, p, schedule, share)) if shared else t
 
     if L and math.isfinite(cutoff_s):
         per_layer = (tmin[:, 1:] / np.arange(1, L + 1)[None, :]).min()
