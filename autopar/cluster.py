@@ -188,6 +188,11 @@ class Cluster:
     devices_per_node: int
     memory_limit_bytes: int | None = None
     """Per-device memory budget if the user set one (`--memory-gb`), else the hardware's."""
+    node_ranks: int = 0
+    """Ranks that share one node's cores, counting those outside this cluster: a pipeline
+    stage's cluster (`stage`) keeps the whole node's, so that a collective inside the stage
+    knows the other stages' ranks work beside it (cost_model/collectives.py,
+    `subgroup_collective_wait_s`). 0 = devices_per_node."""
 
     def __post_init__(self) -> None:
         if self.num_nodes <= 0 or self.devices_per_node <= 0:
@@ -219,7 +224,8 @@ class Cluster:
         hw = self.hardware
         if hw.cores_per_node and per_node < self.devices_per_node:
             hw = replace(hw, cores_per_node=hw.cores_per_node * per_node / self.devices_per_node)
-        return replace(self, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw)
+        return replace(self, num_nodes=max(1, devices // per_node), devices_per_node=per_node, hardware=hw,
+                       node_ranks=self.node_ranks or self.devices_per_node)
 
     def with_memory_gb(self, memory_gb: float | None) -> "Cluster":
         if memory_gb is None:

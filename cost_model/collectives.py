@@ -28,6 +28,10 @@ crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n =
 
 Core sharing (the cpu profile's `cores_per_node`): with more ranks on a node than cores,
 latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the same cores).
+A collective whose group holds fewer of the node's ranks than share its cores (a tensor-
+parallel pair beside another pair, a stage's group beside the other stages) also pays
+`subgroup_collective_wait_s` in L0: its members are time-sliced with ranks that are not in
+it and wait for each other's turn (benchmarks/fit_cpu_wait.py).
 
 Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
 axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
@@ -104,24 +108,27 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     nvlink, nic = nvlink / share, nic / share
     base = eff.collective_base_latency_s * share
     intra_lat, inter_lat = hw.intra_node_latency_s * share, hw.inter_node_latency_s * share
+    node_ranks = cluster.node_ranks or per_node
     links = []
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
+        members = n if stride * n <= per_node else max(1, per_node // stride)  # of the group, on one node
+        wait = eff.subgroup_collective_wait_s if share > 1.0 and n > 1 and members < node_ranks else 0.0
         if n == 1 or stride * n <= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
                                   tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,
-                                  base_latency_s=base))
+                                  base_latency_s=base + wait))
         elif stride >= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=inter_lat,
                                   tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale,
-                                  base_latency_s=base))
+                                  base_latency_s=base + wait))
         else:
             inner = per_node // stride
             hop = (inter_lat + (inner - 1) * intra_lat) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
                                   latency_s=inter_lat, tier="mixed",
                                   p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop,
-                                  bandwidth_scale=scale, base_latency_s=base))
+                                  bandwidth_scale=scale, base_latency_s=base + wait))
     return tuple(links)
 
 
