@@ -150,7 +150,9 @@ class Calibration:
     to subgroup collectives and send/recv priced pipelines and dp x tp too slow next to
     one-stage data parallelism (predicted / measured 2.1 for S x 8 dp2 pp4 and 1.3 for
     L x 8 tp2 pp4 against 0.45-0.6 for dp8): the stage DP's schedule already holds the
-    waits between stages."""
+    waits between stages. The wait of subgroup collectives alone (not send/recv) is now
+    priced, fitted on the recorded sweeps rather than measured here
+    (`subgroup_collective_wait_s`, benchmarks/fit_cpu_wait.py)."""
     reference_s: float = 0.0
     """One call of `reference_workload` on all ranks at once: what a later run on this
     machine compares its own reference time with (`load_factor`), so that predictions made
@@ -665,6 +667,11 @@ def fit(cal: Calibration) -> Fitted:
     )
 
 
+CARRIED_FROM_BUILT_IN = ("subgroup_collective_wait_s",)
+"""Efficiency fields a calibrated profile takes from the built-in `cpu` profile rather than
+from its own measurements (cost_model/efficiency.py says where each is fitted)."""
+
+
 def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     """The profile whose rates are the measured ones, per dedicated core, with the cost
     model's efficiencies replaced by the measured per-op costs (module docstring)."""
@@ -699,6 +706,9 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
             "dtensor_op_overhead_s": f.dtensor_op_overhead_s, "flash_attention_efficiency": f.attention_efficiency,
             **{k: v for k, v in measured_passes.items() if v > 0},
             **({"optimizer_tensor_overhead_s": f.param_tensor_s} if f.param_tensor_s > 0 else {}),
+            # not measured here (too noisy in one calibration): the built-in profile's, which
+            # benchmarks/fit_cpu_wait.py fits on the recorded sweeps
+            **{k: v for k, v in base.efficiency if k in CARRIED_FROM_BUILT_IN},
         }.items())),
     )
 

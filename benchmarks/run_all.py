@@ -15,7 +15,9 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
 3. benchmarks/fit_cost_model.py: the fit on every published run (a reproducibility check of
    the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
    the leave-one-source-out and leave-one-publication-out fits ->
-   results/loso_by_{source,publication}.json
+   results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_wait.py (the
+   cpu profile's subgroup collective wait refitted on benchmarks/records' sweeps, ~13 min)
+   -> results/fit_cpu_wait.{md,json}, checked against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
    same time (single-process, after the measured part so it does not disturb it)
@@ -49,7 +51,8 @@ def _run(cmd: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--full", action="store_true", help="the complete vs_hand_tuned table (~20 min more)")
+    ap.add_argument("--full", action="store_true",
+                    help="the complete vs_hand_tuned table (~20 min more) and the cpu wait refit (~13 min)")
     ap.add_argument("--skip-measure", action="store_true", help="reuse results/{sweep,measured}_cpu.json and the profile")
     args = ap.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
@@ -86,6 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
           "--holdout", "publication"])
     phases.append(("fit + leave-one-out fits", time.perf_counter() - t))
+    if args.full:  # ~13 min on 2 cores: the recorded sweeps priced at 6 waits
+        t = time.perf_counter()
+        _run([PY, "benchmarks/fit_cpu_wait.py", "--json", str(RESULTS / "fit_cpu_wait.json"),
+              "--md", str(RESULTS / "fit_cpu_wait.md")])
+        fitted = json.loads((RESULTS / "fit_cpu_wait.json").read_text())["chosen_wait_s"]
+        shipped = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["hardware"]["efficiency"].get(
+            "subgroup_collective_wait_s", 0.0)
+        print("refit reproduces the built-in profile's subgroup wait" if fitted == shipped else
+              f"WARNING: refit chose subgroup_collective_wait_s = {fitted}, the built-in profile has {shipped} "
+              "(store it with `fit_cpu_wait.py --write`)", flush=True)
+        phases.append(("fit_cpu_wait", time.perf_counter() - t))
 
     t = time.perf_counter()
     vs_cmd = [PY, "benchmarks/vs_hand_tuned.py"] + (

@@ -161,3 +161,36 @@ def test_gradient_accumulation_term(profile) -> None:
     assert accum(zero=3) == pytest.approx(accum() / 8)
     single = price_profile(profile, ParallelConfig(dp=8, micro_batch=4), cluster, global_batch=32)
     assert dict(single.time_breakdown)["grad_accum_s"] == 0.0
+
+
+def test_subgroup_collectives_wait_only_where_other_ranks_share_the_cores() -> None:
+    """`subgroup_collective_wait_s` is added to a collective whose group holds fewer of the
+    node's ranks than share its cores: a tensor-parallel pair beside another pair, a
+    stage's group beside the other stages (a stage cluster keeps the node's ranks); never
+    the whole node's group, never with a core per rank, never on GPUs."""
+    wait = 1e-3
+    eff = lambda hw: tuple(sorted({**dict(hw.efficiency), "subgroup_collective_wait_s": wait}.items()))  # noqa: E731
+    cpu = replace(HARDWARE["cpu"], cores_per_node=2, efficiency=eff(HARDWARE["cpu"]))
+    plain = replace(cpu, efficiency=tuple((k, v) for k, v in cpu.efficiency if k != "subgroup_collective_wait_s"))
+
+    def bases(hw, spec, mesh, stage=None):
+        cluster = Cluster.parse(spec, hardware=hw)
+        cluster = cluster.stage(stage) if stage else cluster
+        return [link.base_latency_s for link in mesh_axis_links(cluster, mesh)]
+
+    # dp2 x tp2 on 4 ranks over 2 cores: both axes are pairs beside another pair
+    assert [a - b for a, b in zip(bases(cpu, "cpu:4", (2, 2)), bases(plain, "cpu:4", (2, 2)))] == \
+        pytest.approx([wait, wait])
+    # the whole node in one group (dp4): everyone is in the collective, nobody to wait for
+    assert bases(cpu, "cpu:4", (4,)) == pytest.approx(bases(plain, "cpu:4", (4,)))
+    # tp2 inside a 2-stage pipeline on 4 ranks: the stage's cluster has 2 devices, the node 4
+    assert Cluster.parse("cpu:4").stage(2).node_ranks == 4
+    assert bases(cpu, "cpu:4", (2,), stage=2)[0] - bases(plain, "cpu:4", (2,), stage=2)[0] == pytest.approx(wait)
+    # dp4 inside a 2-stage pipeline on 8 ranks: the other stage's 4 ranks work beside it
+    assert bases(cpu, "cpu:8", (4,), stage=4)[0] - bases(plain, "cpu:8", (4,), stage=4)[0] == pytest.approx(wait)
+    # a core per rank (2 ranks on 2 cores): no sharing, no wait
+    assert bases(cpu, "cpu:2", (2,)) == pytest.approx(bases(plain, "cpu:2", (2,)))
+    assert bases(cpu, "cpu:4", (2,), stage=2) != bases(cpu, "cpu:2", (2,))
+    # GPUs: a device each, the field has no effect
+    gpu = replace(HARDWARE["h100"], efficiency=eff(HARDWARE["h100"]))
+    assert bases(gpu, "h100:1x8", (2, 4)) == bases(HARDWARE["h100"], "h100:1x8", (2, 4))
