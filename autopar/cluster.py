@@ -191,7 +191,7 @@ class Cluster:
     node_ranks: int = 0
     """Ranks that share one node's cores, counting those outside this cluster: a pipeline
     stage's cluster (`stage`) keeps the whole node's, so that a collective inside the stage
-    knows the other stages' ranks work beside it (cost_model/collectives.py,
+    knows that the other stages' ranks work beside it (cost_model/collectives.py,
     `subgroup_collective_wait_s`). 0 = devices_per_node."""
 
     def __post_init__(self) -> None:

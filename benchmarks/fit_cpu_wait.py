@@ -1,10 +1,11 @@
 """Fit the cpu profile's `subgroup_collective_wait_s` on the CPU sweep's recorded runs.
 
 What it fits: ranks sharing cores (4 or 8 gloo processes on this machine's 2 cores) that
-run a collective in a group holding fewer of the node's ranks than share its cores (a
-tensor-parallel pair beside another pair, a stage's group beside the other stages) wait
-for each other's turn on a core; cost_model/collectives.py adds the wait to that
-collective's fixed latency (never on GPUs: it needs ranks > cores).
+run a collective inside one pipeline stage (its tensor-parallel pair, its data-parallel
+gradient sync) while the other stages' ranks run different work on the same cores wait for
+each other's turn on a core; cost_model/collectives.py adds the wait to that collective's
+fixed latency (never on GPUs: it needs ranks > cores; never in a one-stage program, whose
+groups all reach the same collective at once).
 
 Why a fit and not a calibrate probe: measured directly (a loop of work and a pair's
 4 KiB all-gather on every rank, 4 ranks on 2 cores, /tmp probes 2026-11-25) the excess

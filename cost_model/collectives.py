@@ -28,10 +28,12 @@ crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n =
 
 Core sharing (the cpu profile's `cores_per_node`): with more ranks on a node than cores,
 latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the same cores).
-A collective whose group holds fewer of the node's ranks than share its cores (a tensor-
-parallel pair beside another pair, a stage's group beside the other stages) also pays
-`subgroup_collective_wait_s` in L0: its members are time-sliced with ranks that are not in
-it and wait for each other's turn (benchmarks/fit_cpu_wait.py).
+A collective inside one pipeline stage whose node's cores other stages' ranks share (a
+stage's cluster keeps the node's `node_ranks`) also pays `subgroup_collective_wait_s` in
+L0: while its members meet, the other stages' ranks run different work on the same cores,
+and the members wait for each other's turn (benchmarks/fit_cpu_wait.py). The groups of a
+one-stage program are not charged: every group runs the same program and reaches the same
+collective at the same time.
 
 Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
 axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
@@ -112,8 +114,7 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     links = []
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
-        members = n if stride * n <= per_node else max(1, per_node // stride)  # of the group, on one node
-        wait = eff.subgroup_collective_wait_s if share > 1.0 and n > 1 and members < node_ranks else 0.0
+        wait = eff.subgroup_collective_wait_s if share > 1.0 and n > 1 and node_ranks > per_node else 0.0
         if n == 1 or stride * n <= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
                                   tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,

@@ -113,9 +113,10 @@ class Efficiency:
     (benchmarks/asyncTP_llama3_h100_2025-06) reports 1.09-1.10x end to end in bf16."""
     subgroup_collective_wait_s: float = 0.0
     """Ranks sharing cores (the cpu profile; never on GPUs): the extra wall time of a
-    collective whose group holds fewer of the node's ranks than share its cores (a tensor-
-    parallel pair, a data-parallel group inside one pipeline stage) while the other ranks
-    work: the members wait for each other's turn on a core. Fitted by
+    collective inside one pipeline stage while the other stages' ranks, on the same cores,
+    run different work (a stage's tensor-parallel pair, its data-parallel gradient sync):
+    the members wait for each other's turn on a core. Not charged in a one-stage program,
+    whose groups all reach the same collective at once. Fitted by
     benchmarks/fit_cpu_wait.py on the CPU sweep's recorded runs (that script's docstring
     and the README's constants table say which); 0 keeps it out."""
     collective_base_latency_s: float = 6.6e-6

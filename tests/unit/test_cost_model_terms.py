@@ -163,34 +163,36 @@ def test_gradient_accumulation_term(profile) -> None:
     assert dict(single.time_breakdown)["grad_accum_s"] == 0.0
 
 
-def test_subgroup_collectives_wait_only_where_other_ranks_share_the_cores() -> None:
-    """`subgroup_collective_wait_s` is added to a collective whose group holds fewer of the
-    node's ranks than share its cores: a tensor-parallel pair beside another pair, a
-    stage's group beside the other stages (a stage cluster keeps the node's ranks); never
-    the whole node's group, never with a core per rank, never on GPUs."""
+def test_stage_collectives_wait_only_where_other_stages_share_the_cores() -> None:
+    """`subgroup_collective_wait_s` is added to a collective inside one pipeline stage whose
+    node's cores other stages' ranks share (a stage cluster keeps the node's ranks); never in
+    a one-stage program (its groups reach the same collective at once), never with a core
+    per rank, never on GPUs."""
     wait = 1e-3
     eff = lambda hw: tuple(sorted({**dict(hw.efficiency), "subgroup_collective_wait_s": wait}.items()))  # noqa: E731
     cpu = replace(HARDWARE["cpu"], cores_per_node=2, efficiency=eff(HARDWARE["cpu"]))
     plain = replace(cpu, efficiency=tuple((k, v) for k, v in cpu.efficiency if k != "subgroup_collective_wait_s"))
 
-    def bases(hw, spec, mesh, stage=None):
-        cluster = Cluster.parse(spec, hardware=hw)
-        cluster = cluster.stage(stage) if stage else cluster
-        return [link.base_latency_s for link in mesh_axis_links(cluster, mesh)]
+    def extra(hw, spec, mesh, stage=None):
+        def bases(h):
+            cluster = Cluster.parse(spec, hardware=h)
+            cluster = cluster.stage(stage) if stage else cluster
+            return [link.base_latency_s for link in mesh_axis_links(cluster, mesh)]
+        return [a - b for a, b in zip(bases(hw), bases(plain))]
 
-    # dp2 x tp2 on 4 ranks over 2 cores: both axes are pairs beside another pair
-    assert [a - b for a, b in zip(bases(cpu, "cpu:4", (2, 2)), bases(plain, "cpu:4", (2, 2)))] == \
-        pytest.approx([wait, wait])
-    # the whole node in one group (dp4): everyone is in the collective, nobody to wait for
-    assert bases(cpu, "cpu:4", (4,)) == pytest.approx(bases(plain, "cpu:4", (4,)))
     # tp2 inside a 2-stage pipeline on 4 ranks: the stage's cluster has 2 devices, the node 4
     assert Cluster.parse("cpu:4").stage(2).node_ranks == 4
-    assert bases(cpu, "cpu:4", (2,), stage=2)[0] - bases(plain, "cpu:4", (2,), stage=2)[0] == pytest.approx(wait)
-    # dp4 inside a 2-stage pipeline on 8 ranks: the other stage's 4 ranks work beside it
-    assert bases(cpu, "cpu:8", (4,), stage=4)[0] - bases(plain, "cpu:8", (4,), stage=4)[0] == pytest.approx(wait)
-    # a core per rank (2 ranks on 2 cores): no sharing, no wait
-    assert bases(cpu, "cpu:2", (2,)) == pytest.approx(bases(plain, "cpu:2", (2,)))
-    assert bases(cpu, "cpu:4", (2,), stage=2) != bases(cpu, "cpu:2", (2,))
+    assert extra(cpu, "cpu:4", (2,), stage=2) == pytest.approx([wait])
+    # dp2 x tp2 stages of a pipeline on 8 ranks, and a stage's whole dp4 group on 8 ranks
+    assert extra(cpu, "cpu:8", (2, 2), stage=4) == pytest.approx([wait, wait])
+    assert extra(cpu, "cpu:8", (4,), stage=4) == pytest.approx([wait])
+    # one stage (dp2 x tp2 on 4 ranks, dp4): every group runs the same collective at once
+    assert extra(cpu, "cpu:4", (2, 2)) == pytest.approx([0.0, 0.0])
+    assert extra(cpu, "cpu:4", (4,)) == pytest.approx([0.0])
+    # a core per rank (2 stages of 1 rank on 2 cores): no sharing, no wait
+    assert extra(cpu, "cpu:2", (1,), stage=1) == pytest.approx([0.0])
     # GPUs: a device each, the field has no effect
     gpu = replace(HARDWARE["h100"], efficiency=eff(HARDWARE["h100"]))
-    assert bases(gpu, "h100:1x8", (2, 4)) == bases(HARDWARE["h100"], "h100:1x8", (2, 4))
+    gpu_stage = Cluster.parse("h100:1x8", hardware=gpu).stage(4)
+    assert [link.base_latency_s for link in mesh_axis_links(gpu_stage, (2, 2))] == \
+        [link.base_latency_s for link in mesh_axis_links(Cluster.parse("h100:1x8").stage(4), (2, 2))]
