@@ -12,10 +12,13 @@ Why a fit and not a calibrate probe: measured directly (a loop of work and a pai
 over the priced pair all-gather was 0 to 0.5 ms per call from one window to the next, and
 an earlier probe of the same wait inside `autopar calibrate` (`Calibration.sync_skew_s`)
 read 0.25 and 1.4 ms in two consecutive 3-run calibrations: too noisy to price from one
-calibration. What it explains is visible in whole programs: the per-rank CPU time of
-tensor-parallel programs (per-op compiled, M model, 4 ranks) left the cores idle 16-18%
-of the step (dp2 tp2: CPU 86-95 ms per rank, wall 212 ms; tp2 pp2: 85-108 ms, wall 233
-ms), against 4% for dp4 (3 collectives per step instead of 50-70).
+calibration. What it explains is visible in whole programs: per rank, tensor parallelism
+inside a pipeline left the cores idle 18% of the step (M model, tp2 pp2 on 4 ranks: CPU
+85-108 ms per rank, wall 233 ms) against 4% for dp4 (3 collectives per step instead of
+50-70), and every sweep priced tp2 pp2 and dp2 tp2 pp2 at 0.62-0.86 of measured.
+Charging one-stage groups too (a first version, 0.4 ms, measured out of sample in
+benchmarks/records/sweep_cpu_run6) priced dp2 tp2 at 1.02-1.10 of measured against
+0.89-1.02 for dp4: the one-stage price of its collectives already holds their wait.
 
 How: every recorded sweep (benchmarks/records/sweep_cpu_*.json, the measured step times
 of the same 57 programs, six runs on four days) is priced again with the built-in `cpu`
@@ -48,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RUNS = ("run1", "rerun", "run2", "run3", "run4", "run5")
 """The recorded sweeps (benchmarks/records/sweep_cpu_<run>.json; records/README.md dates each)."""
-WAITS_S = (0.0, 0.2e-3, 0.4e-3, 0.6e-3, 0.8e-3, 1.0e-3)
+WAITS_S = (0.0, 0.2e-3, 0.4e-3, 0.6e-3, 0.8e-3, 1.0e-3, 1.5e-3, 2.0e-3)
 KEY = "predicted_default_s"
 PROFILE = ROOT / "autopar" / "cpu_profile.json"
 
@@ -113,11 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "fit_cpu_wait.json"))
     ap.add_argument("--md", default=str(ROOT / "benchmarks" / "results" / "fit_cpu_wait.md"))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--reuse", default=None, metavar="JSON",
+                    help="an earlier output of this script: the (run, wait) pairs priced there are not priced again")
     ap.add_argument("--write", action="store_true",
                     help="store the chosen wait in autopar/cpu_profile.json (the built-in profile)")
     args = ap.parse_args(argv)
+    done: dict[str, dict[str, Any]] = json.loads(Path(args.reuse).read_text())["table"] if args.reuse else {}
+    todo = [tuple(w for w in WAITS_S if f"{w:.6f}" not in done.get(run, {})) for run in RUNS]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        table = dict(zip(RUNS, pool.map(price_run, RUNS, [WAITS_S] * len(RUNS))))
+        priced = list(pool.map(price_run, RUNS, todo))
+    table = {run: {f"{w:.6f}": {**done.get(run, {}), **new}[f"{w:.6f}"] for w in WAITS_S}
+             for run, new in zip(RUNS, priced)}
     runs = list(RUNS)
     chosen = choose(table, runs)
     loro = {}
