@@ -150,9 +150,9 @@ class Calibration:
     to subgroup collectives and send/recv priced pipelines and dp x tp too slow next to
     one-stage data parallelism (predicted / measured 2.1 for S x 8 dp2 pp4 and 1.3 for
     L x 8 tp2 pp4 against 0.45-0.6 for dp8): the stage DP's schedule already holds the
-    waits between stages. The wait of subgroup collectives alone (not send/recv) is now
+    waits between stages. The wait of collectives inside a stage (not send/recv) is now
     priced, fitted on the recorded sweeps rather than measured here
-    (`subgroup_collective_wait_s`, benchmarks/fit_cpu_wait.py)."""
+    (`stage_collective_wait_s`, benchmarks/fit_cpu_wait.py)."""
     reference_s: float = 0.0
     """One call of `reference_workload` on all ranks at once: what a later run on this
     machine compares its own reference time with (`load_factor`), so that predictions made
@@ -667,7 +667,7 @@ def fit(cal: Calibration) -> Fitted:
     )
 
 
-CARRIED_FROM_BUILT_IN = ("subgroup_collective_wait_s",)
+CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s",)
 """Efficiency fields a calibrated profile takes from the built-in `cpu` profile rather than
 from its own measurements (cost_model/efficiency.py says where each is fitted)."""
 

@@ -192,7 +192,7 @@ class Cluster:
     """Ranks that share one node's cores, counting those outside this cluster: a pipeline
     stage's cluster (`stage`) keeps the whole node's, so that a collective inside the stage
     knows that the other stages' ranks work beside it (cost_model/collectives.py,
-    `subgroup_collective_wait_s`). 0 = devices_per_node."""
+    `stage_collective_wait_s`). 0 = devices_per_node."""
 
     def __post_init__(self) -> None:
         if self.num_nodes <= 0 or self.devices_per_node <= 0:

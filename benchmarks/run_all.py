@@ -16,7 +16,7 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
    the leave-one-source-out and leave-one-publication-out fits ->
    results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_wait.py (the
-   cpu profile's subgroup collective wait refitted on benchmarks/records' sweeps, ~13 min)
+   cpu profile's stage collective wait refitted on benchmarks/records' sweeps, ~13 min)
    -> results/fit_cpu_wait.{md,json}, checked against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
               "--md", str(RESULTS / "fit_cpu_wait.md")])
         fitted = json.loads((RESULTS / "fit_cpu_wait.json").read_text())["chosen_wait_s"]
         shipped = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["hardware"]["efficiency"].get(
-            "subgroup_collective_wait_s", 0.0)
-        print("refit reproduces the built-in profile's subgroup wait" if fitted == shipped else
-              f"WARNING: refit chose subgroup_collective_wait_s = {fitted}, the built-in profile has {shipped} "
+            "stage_collective_wait_s", 0.0)
+        print("refit reproduces the built-in profile's stage collective wait" if fitted == shipped else
+              f"WARNING: refit chose stage_collective_wait_s = {fitted}, the built-in profile has {shipped} "
               "(store it with `fit_cpu_wait.py --write`)", flush=True)
         phases.append(("fit_cpu_wait", time.perf_counter() - t))
 

@@ -29,7 +29,7 @@ crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n =
 Core sharing (the cpu profile's `cores_per_node`): with more ranks on a node than cores,
 latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the same cores).
 A collective inside one pipeline stage whose node's cores other stages' ranks share (a
-stage's cluster keeps the node's `node_ranks`) also pays `subgroup_collective_wait_s` in
+stage's cluster keeps the node's `node_ranks`) also pays `stage_collective_wait_s` in
 L0: while its members meet, the other stages' ranks run different work on the same cores,
 and the members wait for each other's turn (benchmarks/fit_cpu_wait.py). The groups of a
 one-stage program are not charged: every group runs the same program and reaches the same
@@ -114,7 +114,7 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     links = []
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
-        wait = eff.subgroup_collective_wait_s if share > 1.0 and n > 1 and node_ranks > per_node else 0.0
+        wait = eff.stage_collective_wait_s if share > 1.0 and n > 1 and node_ranks > per_node else 0.0
         if n == 1 or stride * n <= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
                                   tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,

@@ -111,7 +111,7 @@ class Efficiency:
     """With the `async_tp` runtime option (torchtitan's micro-pipelined all-gather/reduce-
     scatter matmuls), share of the TP collectives hidden: torchtitan's async-TP benchmark
     (benchmarks/asyncTP_llama3_h100_2025-06) reports 1.09-1.10x end to end in bf16."""
-    subgroup_collective_wait_s: float = 0.0
+    stage_collective_wait_s: float = 0.0
     """Ranks sharing cores (the cpu profile; never on GPUs): the extra wall time of a
     collective inside one pipeline stage while the other stages' ranks, on the same cores,
     run different work (a stage's tensor-parallel pair, its data-parallel gradient sync):

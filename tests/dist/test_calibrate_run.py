@@ -20,7 +20,7 @@ def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "gloo: launch" in run.stdout and "written to" in run.stdout
-    assert "subgroup collective wait" in run.stdout  # carried from the built-in profile, said so
+    assert "stage collective wait" in run.stdout  # carried from the built-in profile, said so
     data = json.loads(out.read_text())
     m = data["measurements"]
     assert m["devices"] == 2 and m["cores"] >= 1 and m["reference_s"] > 0
@@ -29,8 +29,8 @@ def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path) -> None:
     hw = load_hardware(out)
     assert hw.name == "cpu" and hw.peak_flops("float32") > 1e8 and hw.intra_node_latency_s >= 0
     assert hw.cores_per_node == m["cores"] and dict(hw.efficiency)["gemm_efficiency"] == 1.0
-    assert dict(hw.efficiency)["subgroup_collective_wait_s"] == \
-        dict(HARDWARE["cpu"].efficiency)["subgroup_collective_wait_s"] > 0
+    assert dict(hw.efficiency)["stage_collective_wait_s"] == \
+        dict(HARDWARE["cpu"].efficiency)["stage_collective_wait_s"] > 0
     # the step's per-tensor epilogue (DTensor gradient, fused AdamW dispatch, zero_grad) was timed
     assert m["param_tensor_s"] > 0
     assert dict(hw.efficiency)["optimizer_tensor_overhead_s"] == pytest.approx(m["param_tensor_s"] / max(1, 2 / m["cores"]))

@@ -244,11 +244,11 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
     assert _least_squares(a.tolist(), (a @ truth).tolist()) == pytest.approx(truth.tolist(), rel=1e-9)
 
 
-def test_calibrated_profile_carries_the_fitted_subgroup_wait(monkeypatch) -> None:
-    """calibrate does not measure `subgroup_collective_wait_s` (benchmarks/fit_cpu_wait.py
+def test_calibrated_profile_carries_the_fitted_stage_collective_wait(monkeypatch) -> None:
+    """calibrate does not measure `stage_collective_wait_s` (benchmarks/fit_cpu_wait.py
     fits it on the recorded sweeps): a calibrated profile takes the built-in's value."""
     built_in = HARDWARE["cpu"]
-    for wait in (dict(built_in.efficiency).get("subgroup_collective_wait_s", 0.0), 1.25e-3):
-        eff = tuple(sorted({**dict(built_in.efficiency), "subgroup_collective_wait_s": wait}.items()))
+    for wait in (dict(built_in.efficiency).get("stage_collective_wait_s", 0.0), 1.25e-3):
+        eff = tuple(sorted({**dict(built_in.efficiency), "stage_collective_wait_s": wait}.items()))
         monkeypatch.setitem(HARDWARE, "cpu", dataclasses.replace(built_in, efficiency=eff))
-        assert dict(to_hardware(_cal(4)).efficiency)["subgroup_collective_wait_s"] == wait
+        assert dict(to_hardware(_cal(4)).efficiency)["stage_collective_wait_s"] == wait

@@ -164,14 +164,14 @@ def test_gradient_accumulation_term(profile) -> None:
 
 
 def test_stage_collectives_wait_only_where_other_stages_share_the_cores() -> None:
-    """`subgroup_collective_wait_s` is added to a collective inside one pipeline stage whose
+    """`stage_collective_wait_s` is added to a collective inside one pipeline stage whose
     node's cores other stages' ranks share (a stage cluster keeps the node's ranks); never in
     a one-stage program (its groups reach the same collective at once), never with a core
     per rank, never on GPUs."""
     wait = 1e-3
-    eff = lambda hw: tuple(sorted({**dict(hw.efficiency), "subgroup_collective_wait_s": wait}.items()))  # noqa: E731
+    eff = lambda hw: tuple(sorted({**dict(hw.efficiency), "stage_collective_wait_s": wait}.items()))  # noqa: E731
     cpu = replace(HARDWARE["cpu"], cores_per_node=2, efficiency=eff(HARDWARE["cpu"]))
-    plain = replace(cpu, efficiency=tuple((k, v) for k, v in cpu.efficiency if k != "subgroup_collective_wait_s"))
+    plain = replace(cpu, efficiency=tuple((k, v) for k, v in cpu.efficiency if k != "stage_collective_wait_s"))
 
     def extra(hw, spec, mesh, stage=None):
         def bases(h):
