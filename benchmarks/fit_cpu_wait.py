@@ -121,7 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true",
                     help="store the chosen wait in autopar/cpu_profile.json (the built-in profile)")
     args = ap.parse_args(argv)
-    done: dict[str, dict[str, Any]] = json.loads(Path(args.reuse).read_text())["table"] if args.reuse else {}
+    missing = [run for run in RUNS if not (ROOT / "benchmarks" / "records" / f"sweep_cpu_{run}.json").exists()]
+    if missing:
+        ap.error(f"recorded sweeps {missing} not found in benchmarks/records/ (sweep_cpu_<run>.json); the fit "
+                 f"needs all of {list(RUNS)}: restore them from git")
+    done: dict[str, dict[str, Any]] = {}
+    if args.reuse:
+        try:
+            done = json.loads(Path(args.reuse).read_text())["table"]
+            if not isinstance(done, dict) or not all(isinstance(v, dict) for v in done.values()):
+                raise ValueError("its table is not {run: {wait: figures}}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--reuse {args.reuse}: not an output of this script ({exc}); give an earlier --json file, "
+                     "e.g. benchmarks/results/fit_cpu_wait.json, or leave --reuse out to price every pair")
     todo = [tuple(w for w in WAITS_S if f"{w:.6f}" not in done.get(run, {})) for run in RUNS]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         priced = list(pool.map(price_run, RUNS, todo))
