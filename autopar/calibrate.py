@@ -152,7 +152,7 @@ class Calibration:
     L x 8 tp2 pp4 against 0.45-0.6 for dp8): the stage DP's schedule already holds the
     waits between stages. The wait of collectives inside a stage (not send/recv) is now
     priced, fitted on the recorded sweeps rather than measured here
-    (`stage_collective_wait_s`, benchmarks/fit_cpu_wait.py)."""
+    (`stage_collective_wait_s`, benchmarks/fit_cpu_constants.py)."""
     reference_s: float = 0.0
     """One call of `reference_workload` on all ranks at once: what a later run on this
     machine compares its own reference time with (`load_factor`), so that predictions made
@@ -667,7 +667,7 @@ def fit(cal: Calibration) -> Fitted:
     )
 
 
-CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s",)
+CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency")
 """Efficiency fields a calibrated profile takes from the built-in `cpu` profile rather than
 from its own measurements (cost_model/efficiency.py says where each is fitted)."""
 
@@ -706,8 +706,8 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
             "dtensor_op_overhead_s": f.dtensor_op_overhead_s, "flash_attention_efficiency": f.attention_efficiency,
             **{k: v for k, v in measured_passes.items() if v > 0},
             **({"optimizer_tensor_overhead_s": f.param_tensor_s} if f.param_tensor_s > 0 else {}),
-            # not measured here (too noisy in one calibration): the built-in profile's, which
-            # benchmarks/fit_cpu_wait.py fits on the recorded sweeps
+            # not measured here (a probe here was too noisy, or missed what whole programs show):
+            # the built-in profile's, which benchmarks/fit_cpu_constants.py fits on the recorded sweeps
             **{k: v for k, v in base.efficiency if k in CARRIED_FROM_BUILT_IN},
         }.items())),
     )

@@ -15,9 +15,10 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
 3. benchmarks/fit_cost_model.py: the fit on every published run (a reproducibility check of
    the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
    the leave-one-source-out and leave-one-publication-out fits ->
-   results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_wait.py (the
-   cpu profile's stage collective wait refitted on benchmarks/records' sweeps, ~13 min)
-   -> results/fit_cpu_wait.{md,json}, checked against the built-in profile's
+   results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_constants.py
+   (the cpu profile's GEMM memory efficiency and stage collective wait refitted on
+   benchmarks/records' sweeps, ~20 min) -> results/fit_cpu_constants.{md,json}, checked
+   against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
    same time (single-process, after the measured part so it does not disturb it)
@@ -89,17 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
           "--holdout", "publication"])
     phases.append(("fit + leave-one-out fits", time.perf_counter() - t))
-    if args.full:  # ~13 min on 2 cores: the recorded sweeps priced at 6 waits
+    if args.full:  # ~20 min on 2 cores: the recorded sweeps priced at 7 + 5 values of the two constants
         t = time.perf_counter()
-        _run([PY, "benchmarks/fit_cpu_wait.py", "--json", str(RESULTS / "fit_cpu_wait.json"),
-              "--md", str(RESULTS / "fit_cpu_wait.md")])
-        fitted = json.loads((RESULTS / "fit_cpu_wait.json").read_text())["chosen_wait_s"]
-        shipped = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["hardware"]["efficiency"].get(
-            "stage_collective_wait_s", 0.0)
-        print("refit reproduces the built-in profile's stage collective wait" if fitted == shipped else
-              f"WARNING: refit chose stage_collective_wait_s = {fitted}, the built-in profile has {shipped} "
-              "(store it with `fit_cpu_wait.py --write`)", flush=True)
-        phases.append(("fit_cpu_wait", time.perf_counter() - t))
+        _run([PY, "benchmarks/fit_cpu_constants.py", "--json", str(RESULTS / "fit_cpu_constants.json"),
+              "--md", str(RESULTS / "fit_cpu_constants.md")])
+        fitted = json.loads((RESULTS / "fit_cpu_constants.json").read_text())["chosen"]
+        shipped = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["hardware"]["efficiency"]
+        drift = {k: (shipped.get(k), v) for k, v in fitted.items() if shipped.get(k) != v}
+        print("refit reproduces the built-in profile's sweep-fitted constants" if not drift else
+              f"WARNING: refit differs from the built-in profile (built-in, refit): {drift} "
+              "(store them with `fit_cpu_constants.py --write`)", flush=True)
+        phases.append(("fit_cpu_constants", time.perf_counter() - t))
 
     t = time.perf_counter()
     vs_cmd = [PY, "benchmarks/vs_hand_tuned.py"] + (

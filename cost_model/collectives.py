@@ -31,7 +31,7 @@ latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the s
 A collective inside one pipeline stage whose node's cores other stages' ranks share (a
 stage's cluster keeps the node's `node_ranks`) also pays `stage_collective_wait_s` in
 L0: while its members meet, the other stages' ranks run different work on the same cores,
-and the members wait for each other's turn (benchmarks/fit_cpu_wait.py). The groups of a
+and the members wait for each other's turn (benchmarks/fit_cpu_constants.py). The groups of a
 one-stage program are not charged: every group runs the same program and reaches the same
 collective at the same time.
 

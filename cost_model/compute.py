@@ -11,7 +11,9 @@ E = efficiency_for(hardware) (the cost model's constants, the hardware's overrid
     attention t = max(work / (peak * attention_fraction * E.flash_attention_efficiency), t_memory)
                   + E.gemm_overhead_s  (attention_fraction: the GPU's best fused-attention rate)
                   (work = E.causal_work_fraction of the counted FLOPs when causal)
-    gemm      t = max(t_flops, t_memory) + min(t_flops, t_memory) + E.gemm_overhead_s
+    gemm      t = max(t_flops, t_gemm_mem) + min(t_flops, t_gemm_mem) + E.gemm_overhead_s
+              (t_gemm_mem = t_memory / E.gemm_memory_efficiency: 1 on GPUs; on the cpu
+              profile a step's GEMMs move their bytes slower than a copy, fitted on the sweep)
 
 GEMM shape (`gemm_time_s`, when the local shape B x (M x K) @ (K x N) is known): the
 achievable rate is peak * matmul_fraction (the hardware's best-shape rate) *
@@ -66,7 +68,7 @@ def gemm_time_s(b: float, m: float, n: float, k: float, bytes_moved: float, hard
         return 0.0
     rate = hardware.peak_flops(dtype) * hardware.matmul_fraction * eff.gemm_efficiency
     t_flops = flops / (rate * gemm_shape_efficiency(b, m, n, k, hardware, eff))
-    t_mem = bytes_moved / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
+    t_mem = bytes_moved / (hardware.memory_bandwidth_bytes_per_s * eff.memory_efficiency * eff.gemm_memory_efficiency)
     return max(t_flops, t_mem) + min(t_flops, t_mem) + eff.gemm_overhead_s
 
 
@@ -90,6 +92,7 @@ def compute_time_s(flops: float, bytes_moved: float, hardware: Hardware, dtype: 
     if cls != "gemm":
         raise ValueError(f"unknown op class {cls!r}; expected one of {', '.join(OP_CLASSES)}")
     t_flops = flops / (peak * hardware.matmul_fraction * eff.gemm_efficiency)
+    t_mem /= eff.gemm_memory_efficiency
     return max(t_flops, t_mem) + min(t_flops, t_mem) + eff.gemm_overhead_s
 
 

@@ -117,8 +117,17 @@ class Efficiency:
     run different work (a stage's tensor-parallel pair, its data-parallel gradient sync):
     the members wait for each other's turn on a core. Not charged in a one-stage program,
     whose groups all reach the same collective at once. Fitted by
-    benchmarks/fit_cpu_wait.py on the CPU sweep's recorded runs (that script's docstring
-    and the README's constants table say which); 0 keeps it out."""
+    benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
+    docstring and the README's constants table say which); 0 keeps it out."""
+    gemm_memory_efficiency: float = 1.0
+    """Share of `memory_efficiency` x bandwidth at which a GEMM's operand and output bytes
+    move (the t_memory of a GEMM's roofline, cost_model/compute.py). 1 on GPUs (their
+    GEMM roofline is fitted as it is). On the cpu profile a training step's thin GEMMs (a
+    small microbatch's few rows re-reading a whole weight, a weight gradient written once
+    per microbatch) cost more per FLOP than the copy bandwidth prices their bytes: fitted
+    by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
+    docstring has the measurements behind it; the README's constants table says which
+    runs)."""
     collective_base_latency_s: float = 6.6e-6
     """Fixed launch latency of one NCCL collective (NCCL src/graph/tuning.cc baseLatencies,
     ring/Simple protocol: 6.6 us)."""

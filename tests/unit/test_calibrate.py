@@ -8,7 +8,7 @@ import pytest
 
 import dataclasses
 
-from autopar.calibrate import KINDS, Calibration, combine, fit, to_hardware
+from autopar.calibrate import CARRIED_FROM_BUILT_IN, KINDS, Calibration, combine, fit, to_hardware
 from autopar.cluster import HARDWARE, Cluster, Hardware, load_hardware
 from cost_model.collectives import all_gather_time_s, all_reduce_time_s, mesh_axis_links, reduce_scatter_time_s
 from cost_model.compute import gemm_time_s
@@ -244,11 +244,14 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
     assert _least_squares(a.tolist(), (a @ truth).tolist()) == pytest.approx(truth.tolist(), rel=1e-9)
 
 
-def test_calibrated_profile_carries_the_fitted_stage_collective_wait(monkeypatch) -> None:
-    """calibrate does not measure `stage_collective_wait_s` (benchmarks/fit_cpu_wait.py
-    fits it on the recorded sweeps): a calibrated profile takes the built-in's value."""
+@pytest.mark.parametrize("name,other", [("stage_collective_wait_s", 1.25e-3), ("gemm_memory_efficiency", 0.45)])
+def test_calibrated_profile_carries_the_sweep_fitted_constants(monkeypatch, name: str, other: float) -> None:
+    """calibrate measures neither `stage_collective_wait_s` nor `gemm_memory_efficiency`
+    (benchmarks/fit_cpu_constants.py fits them on the recorded sweeps): a calibrated profile
+    takes the built-in's values."""
+    assert name in CARRIED_FROM_BUILT_IN
     built_in = HARDWARE["cpu"]
-    for wait in (dict(built_in.efficiency).get("stage_collective_wait_s", 0.0), 1.25e-3):
-        eff = tuple(sorted({**dict(built_in.efficiency), "stage_collective_wait_s": wait}.items()))
+    for value in (dict(built_in.efficiency)[name], other):
+        eff = tuple(sorted({**dict(built_in.efficiency), name: value}.items()))
         monkeypatch.setitem(HARDWARE, "cpu", dataclasses.replace(built_in, efficiency=eff))
-        assert dict(to_hardware(_cal(4)).efficiency)["stage_collective_wait_s"] == wait
+        assert dict(to_hardware(_cal(4)).efficiency)[name] == value

@@ -196,3 +196,39 @@ def test_stage_collectives_wait_only_where_other_stages_share_the_cores() -> Non
     gpu_stage = Cluster.parse("h100:1x8", hardware=gpu).stage(4)
     assert [link.base_latency_s for link in mesh_axis_links(gpu_stage, (2, 2))] == \
         [link.base_latency_s for link in mesh_axis_links(Cluster.parse("h100:1x8").stage(4), (2, 2))]
+
+
+def test_gemm_memory_efficiency_slows_only_a_gemms_bytes() -> None:
+    """`gemm_memory_efficiency` divides the bandwidth a GEMM's bytes move at (both GEMM
+    pricers: the ILP's `compute_time_s` and the analytic `gemm_time_s`), and nothing else:
+    the FLOP term, memory-bound ops and GPU profiles (where it is 1) price as before."""
+    built_in = HARDWARE["cpu"]
+
+    def cpu(value: float):  # the profile's overrides win over an `efficiency` argument
+        return replace(built_in, efficiency=tuple(sorted({**dict(built_in.efficiency),
+                                                          "gemm_memory_efficiency": value}.items())))
+
+    thin, one = cpu(0.25), cpu(1.0)
+    flops, moved = 2 * 64 * 384 * 1024, 4 * (64 * 384 + 384 * 1024 + 64 * 1024)
+    base = efficiency_for(one)
+    bw = built_in.memory_bandwidth_bytes_per_s * base.memory_efficiency
+    t_flops = compute_time_s(flops, 0.0, one, "float32", op_class="gemm") - base.gemm_overhead_s
+    for hw, value in ((thin, 0.25), (one, 1.0)):
+        assert efficiency_for(hw).gemm_memory_efficiency == value
+        t = compute_time_s(flops, moved, hw, "float32", op_class="gemm")
+        assert t == pytest.approx(t_flops + moved / (bw * value) + base.gemm_overhead_s, rel=1e-12)
+    extra = moved / bw * (1 / 0.25 - 1)
+    assert compute_time_s(flops, moved, thin, "float32", op_class="gemm") - \
+        compute_time_s(flops, moved, one, "float32", op_class="gemm") == pytest.approx(extra, rel=1e-9)
+    # the analytic GEMM pricer: the same extra for the same bytes
+    assert gemm_time_s(1, 64, 1024, 384, moved, thin, "float32") - gemm_time_s(1, 64, 1024, 384, moved, one, "float32") \
+        == pytest.approx(extra, rel=1e-9)
+    # memory-bound ops and a FLOP-only GEMM do not see it
+    assert compute_time_s(0.0, moved, thin, "float32") == compute_time_s(0.0, moved, one, "float32")
+    assert compute_time_s(flops, 0.0, thin, "float32", op_class="gemm") == \
+        compute_time_s(flops, 0.0, one, "float32", op_class="gemm")
+    # the built-in cpu profile carries the fitted value; GPU profiles keep the fitted roofline
+    assert 0.0 < efficiency_for(built_in).gemm_memory_efficiency < 1.0
+    for name in ("a100-40gb", "a100-80gb", "h100", "h200", "b200"):
+        assert efficiency_for(HARDWARE[name]).gemm_memory_efficiency == 1.0
+    assert DEFAULT_EFFICIENCY.gemm_memory_efficiency == 1.0
