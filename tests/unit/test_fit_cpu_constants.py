@@ -1,0 +1,79 @@
+"""benchmarks/fit_cpu_constants.py: how a value is chosen from priced runs, what the
+committed fit holds, and its errors on bad input (exit 2). No pricing runs here (a full
+fit takes ~20 min; `make bench --full` runs it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fit_cpu_constants as fit  # noqa: E402
+
+import autopar  # noqa: E402, F401
+from autopar.cluster import HARDWARE  # noqa: E402
+
+
+def _figures(spearman: list[float], error: float) -> dict:
+    return {"groups": {f"g{i}": {"spearman": s, "pick_regret": 0.0} for i, s in enumerate(spearman)},
+            "median_abs_error": error}
+
+
+def test_choose_takes_the_best_mean_spearman_and_breaks_ties_by_error() -> None:
+    table = {"a": {"1.000000": _figures([0.90, 0.90], 0.05), "0.500000": _figures([0.95, 0.93], 0.09),
+                   "0.250000": _figures([0.95, 0.93], 0.07)},
+             "b": {"1.000000": _figures([0.92, 0.90], 0.05), "0.500000": _figures([0.96, 0.94], 0.08),
+                   "0.250000": _figures([0.96, 0.94], 0.06)}}
+    assert fit.score(table, ["a"], "1.000000") == pytest.approx((0.90, -0.05))
+    # 0.5 and 0.25 tie on Spearman over both runs: the smaller median error wins
+    assert fit.choose(table, ["a", "b"]) == "0.250000"
+    # a run alone is scored on its own figures
+    table["a"]["1.000000"] = _figures([0.99, 0.99], 0.05)
+    assert fit.choose(table, ["a"]) == "1.000000"
+    assert fit.choose(table, ["b"]) == "0.250000"
+
+
+def test_every_constant_has_a_grid_that_holds_its_neutral_value_and_the_built_in_value() -> None:
+    shipped = dict(HARDWARE["cpu"].efficiency)
+    assert set(fit.GRIDS) == set(fit.NEUTRAL)
+    for name, grid in fit.GRIDS.items():
+        assert fit.NEUTRAL[name] in grid
+        assert shipped[name] in grid, f"the built-in {name} = {shipped[name]} is not a value the fit tries"
+
+
+def test_the_committed_fit_is_the_built_in_profile() -> None:
+    """results/fit_cpu_constants.json chose exactly what autopar/cpu_profile.json ships, and
+    every run of the fit was priced at every value of the grid."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "fit_cpu_constants.json").read_text())
+    shipped = dict(HARDWARE["cpu"].efficiency)
+    assert result["chosen"] == {name: shipped[name] for name in fit.GRIDS}
+    for name, one in result["constants"].items():
+        assert set(one["table"]) == set(fit.RUNS)
+        for run in fit.RUNS:
+            assert set(one["table"][run]) == {fit._tag(v) for v in fit.GRIDS[name]}
+        assert fit._tag(one["chosen"]) == fit.choose(one["table"], list(fit.RUNS))
+
+
+@pytest.mark.parametrize("content", ["{}", "not json", '{"constants": {"x": 1}}'])
+def test_reuse_of_a_file_that_is_not_its_output_exits_2(tmp_path, capsys, content: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        fit.main(["--reuse", str(bad), "--json", str(tmp_path / "o.json"), "--md", str(tmp_path / "o.md")])
+    assert exc.value.code == 2
+    assert "not an output of this script" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_missing_recorded_sweeps_exit_2(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(fit, "ROOT", tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        fit.main(["--json", str(tmp_path / "o.json"), "--md", str(tmp_path / "o.md")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "recorded sweeps" in err and "sweep_cpu_run1.json" in err
