@@ -76,4 +76,4 @@ def test_missing_recorded_sweeps_exit_2(tmp_path, monkeypatch, capsys) -> None:
         fit.main(["--json", str(tmp_path / "o.json"), "--md", str(tmp_path / "o.md")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "recorded sweeps" in err and "sweep_cpu_run1.json" in err
+    assert "recorded sweeps" in err and "run1" in err and "restore them from git" in err
