@@ -141,6 +141,11 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     # blocked inside a C++ collective or a solver answers too)
     stack_file = open(Path(result_dir) / f"{rank}.stack", "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    # a rank that crashes in native code (SIGSEGV, SIGABRT from glibc's heap checks, ...)
+    # writes its threads' stacks there too, and the parent names the line (`_failure`): a
+    # crash seen once in CI (malloc(): unaligned tcache chunk detected, 2026-11-25) left
+    # only its exit code
+    faulthandler.enable(file=stack_file, all_threads=True)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -205,7 +210,8 @@ def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[i
         err = Path(tmp, f"{rank}.err")
         if err.exists():
             return err.read_text().strip().splitlines()[-1]
-        return f"exit code {codes[rank]} (killed or crashed without a Python error)"
+        where = _where(tmp, rank).replace("its main thread was at", "it crashed at")
+        return f"exit code {codes[rank]} (killed or crashed without a Python error){where}"
 
     def peer_error(rank: int) -> bool:
         # the whole text: a peer's timeout may be the cause of the error the rank raised last

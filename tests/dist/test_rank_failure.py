@@ -110,3 +110,28 @@ def test_ranks_get_the_callers_environment_each_call(monkeypatch):
     pids = {pid for r in (first, second, third) for _, pid, _ in r}
     assert len(pids) == 6 and os.getpid() not in pids  # a fresh process per rank and call
     assert all(threads == 1 for r in (first, second, third) for _, _, threads in r)
+
+
+def _abort_in_native_code(rank: int) -> int:
+    """Rank 1 dies of SIGABRT raised outside Python's error handling (as glibc's heap checks
+    end a process): no Python exception, no `.err` file."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        _native_abort()
+    dist.barrier()
+    return rank
+
+
+def _native_abort() -> None:
+    os.abort()
+
+
+def test_a_native_crash_names_the_line_it_crashed_at():
+    with pytest.raises(RankFailure) as info:
+        spawn(_abort_in_native_code, 2, (), collective_timeout_s=60.0, grace_s=2.0)
+    message = str(info.value)
+    assert info.value.rank == 1 and "exit code -6" in message
+    # faulthandler wrote the crashing thread's stack; the parent quotes its innermost frames
+    assert "it crashed at" in message and "_native_abort" in message and "test_rank_failure.py" in message
