@@ -53,7 +53,8 @@ Output: --json (per constant, every run x value: per-group Spearman, median erro
 regret) and --md; --write stores the chosen values in the built-in profile
 (autopar/cpu_profile.json, `efficiency`), which `autopar calibrate` carries into the
 profiles it writes (it measures neither). --reuse skips (constant, run, value) prices an
-earlier output holds at the same values of the other constants.
+earlier output holds at the same values of the other constants and on the same built-in
+measurements (`profile_digest`).
 """
 
 from __future__ import annotations
@@ -145,10 +146,22 @@ def choose(table: dict[str, dict[str, Any]], runs: list[str]) -> str:
     return max(table[runs[0]], key=lambda w: score(table, runs, w))
 
 
+def profile_digest() -> str:
+    """The built-in profile's measured part (every field but the constants fitted here): prices
+    an earlier output holds are reused only if they were priced on the same measurements."""
+    import hashlib
+
+    data = json.loads(PROFILE.read_text())["hardware"]
+    data["efficiency"] = {k: v for k, v in data["efficiency"].items() if k not in GRIDS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _fit_one(name: str, held: dict[str, float], done: dict[str, Any], jobs: int) -> dict[str, Any]:
     """One constant's table, choice and leave-one-run-out, the others at `held`."""
     grid = GRIDS[name]
-    reuse = done.get(name, {}) if done.get(name, {}).get("held") == held else {}
+    digest = profile_digest()
+    old_fit = done.get(name, {})
+    reuse = old_fit if old_fit.get("held") == held and old_fit.get("profile") == digest else {}
     old = reuse.get("table", {})
     todo = [tuple(v for v in grid if _tag(v) not in old.get(run, {})) for run in RUNS]
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -166,7 +179,8 @@ def _fit_one(name: str, held: dict[str, float], done: dict[str, Any], jobs: int)
                      "median_abs_error_neutral": table[out][neutral]["median_abs_error"],
                      "max_regret": max(f["pick_regret"] for f in table[out][v]["groups"].values()),
                      "max_regret_neutral": max(f["pick_regret"] for f in table[out][neutral]["groups"].values())}
-    return {"held": held, "grid": list(grid), "chosen": float(chosen), "table": table, "leave_one_run_out": loro}
+    return {"held": held, "profile": digest, "grid": list(grid), "chosen": float(chosen), "table": table,
+            "leave_one_run_out": loro}
 
 
 def _markdown(name: str, fit: dict[str, Any]) -> list[str]:
