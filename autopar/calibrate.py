@@ -447,31 +447,30 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     pairs = [dist.new_group([2 * j, 2 * j + 1]) for j in range(n // 2)]
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
     peer = rank ^ 1
-    # 2-rank groups: every pair at once, each timing window opened and closed on the world
-    # barrier, so that all ranks are busy for the whole window, as in a program whose
-    # tensor-parallel pairs all reach their collectives together (windows closed per pair
-    # let a pair whose partner pair had finished run with the cores to itself: a 4 KiB
-    # collective then read 0.14-0.31 ms in seven calibrations, and 0.56-1.34 ms with the
-    # windows closed on all ranks, 2026-11-25)
-    for size, group in ((n, None), (2, mine)):
-        if size == 2 and n == 2:
-            continue  # the pair is the whole world: already measured
+    # 2-rank groups: every pair at once, each pair's timing windows opened and closed on its
+    # own barrier. Tried and not kept (2026-11-25/26): windows closed on the world barrier (all
+    # ranks busy for the whole window) read a 4 KiB pair collective at 0.56-1.34 ms instead of
+    # 0.14-0.31, and the built-in profile measured so ranked the recorded CPU sweeps worse
+    # (benchmarks/records/README.md, fit_cpu_constants_contended_pairs).
+    pair_sync = (lambda: dist.barrier(group=mine)) if mine is not None else None
+    passes = [(n, None, barrier)] + ([(2, mine, pair_sync)] if n > 2 else [])  # n = 2: the pair is the world
+    for size, group, sync in passes:
         for nbytes in COLLECTIVE_BYTES:
             count = COLLECTIVE_REPEATS[nbytes]
             x = torch.ones(nbytes // 4)
             shard = torch.ones(nbytes // 4 // size)
             gathered = torch.empty(shard.numel() * size)
             barrier()
-            if size == n or group is not None:
+            if sync is not None:
                 kw = {} if size == n else {"group": group}
-                out["coll"].append(("all_reduce", size, nbytes, timed(lambda: dist.all_reduce(x, **kw), barrier, count)))
+                out["coll"].append(("all_reduce", size, nbytes, timed(lambda: dist.all_reduce(x, **kw), sync, count)))
                 out["coll"].append(("all_gather", size, nbytes, timed(
-                    lambda: dist.all_gather_into_tensor(gathered, shard, **kw), barrier, count)))
+                    lambda: dist.all_gather_into_tensor(gathered, shard, **kw), sync, count)))
                 out["coll"].append(("reduce_scatter", size, nbytes, timed(
-                    lambda: dist.reduce_scatter_tensor(shard, gathered, **kw), barrier, count)))
-            else:  # the rank an odd world leaves without a pair meets every window's barrier
-                for _ in KINDS:
-                    timed(lambda: None, barrier, count)
+                    lambda: dist.reduce_scatter_tensor(shard, gathered, **kw), sync, count)))
+            else:  # the rank an odd world leaves without a pair: its reference timings inside
+                for _ in KINDS:  # `timed` meet the world barriers of the pairs' ones
+                    timed(lambda: None, lambda: None, count)
             barrier()
     for nbytes in COLLECTIVE_BYTES:
         x = torch.ones(nbytes // 4)

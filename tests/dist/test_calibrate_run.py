@@ -44,3 +44,17 @@ def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path) -> None:
     rs_bw = reduce_scatter_time_s(big, link) - fixed
     assert ag_bw / rs_bw == pytest.approx(scale["reduce_scatter"] / scale["all_gather"], rel=1e-6)
     assert all_reduce_time_s(big, link) > 0
+
+
+def test_calibrate_odd_world_measures_its_pair_and_finishes(tmp_path) -> None:
+    """3 ranks: ranks 0 and 1 form the one pair, rank 2 has none and must still meet every
+    timing window's world barrier (it used to run the world's collectives while the pair ran
+    its own, and the calibration hung until its timeout)."""
+    out = tmp_path / "cpu3.json"
+    run = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--devices", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    m = json.loads(out.read_text())["measurements"]
+    sizes = {(row[0], row[1]) for row in m["collective_s"]}
+    assert sizes == {(k, n) for k in ("all_reduce", "all_gather", "reduce_scatter") for n in (2, 3)}
+    assert all(row[3] > 0 for row in m["collective_s"]) and all(t > 0 for _, t in m["send_recv_s"])
