@@ -103,6 +103,11 @@ slow next to the 4-process ones."""
 REPEAT_SUFFIX = " (repeat)"
 """Label suffix of the noise estimate: the world's first configuration compiled and timed a
 second time (an identical program measured in the same rounds)."""
+NOISY_APART = 0.05
+"""Two identical programs measured further apart than this (minimum over rounds) mark the
+group as noisy in the summary: differences of that size between configurations are not
+resolved, and the 3% pick target is below them. Quiet runs measured 0.5-3.3%; a run on a
+loaded machine (2026-11-26, benchmarks/records/sweep_cpu_run8_noisy) 2.1-16.3%."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -543,7 +548,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         summary.append("noise (two identical programs in the same rounds): "
                        + ", ".join(f"{p['group']} {p['label']}: {p['min_apart']:.1%} apart (minimum over rounds), "
                                    f"{p['median_apart']:.1%} (median)" for p in pairs))
-    return {"groups": figures, "summary": summary, "noise": pairs}
+    noisy = [p for p in pairs if p["min_apart"] > NOISY_APART]
+    if noisy:
+        summary.append(f"NOISY RUN: two identical programs more than {NOISY_APART:.0%} apart in "
+                       + ", ".join(f"{p['group']} ({p['min_apart']:.1%})" for p in noisy)
+                       + "; differences of that size are not resolved there: re-measure on a quiet machine "
+                         "before taking this run as a headline")
+    return {"groups": figures, "summary": summary, "noise": pairs, "noisy_groups": [p["group"] for p in noisy]}
 
 
 def _key_name(key: str) -> str:

@@ -49,6 +49,19 @@ def test_the_repeat_is_not_ranked():
     assert any(s.startswith("noise") for s in out["summary"])
 
 
+def test_a_run_whose_identical_programs_differ_beyond_the_noise_bound_is_flagged():
+    quiet = [_row("a", [1.00, 1.1], 1.0), _row("a" + sweep_cpu.REPEAT_SUFFIX, [1.02, 1.1], 1.0),
+             _row("b", [2.0], 2.0)]
+    loud = [_row("a", [1.00, 1.1], 1.0, size="S"), _row("a" + sweep_cpu.REPEAT_SUFFIX, [1.08], 1.0, size="S"),
+            _row("b", [2.0], 2.0, size="S")]
+    out = sweep_cpu.summarize(quiet + loud)
+    assert out["noisy_groups"] == ["S x 4"]
+    (line,) = [s for s in out["summary"] if s.startswith("NOISY RUN")]
+    assert "S x 4 (8.0%)" in line and "M x 4" not in line
+    assert sweep_cpu.summarize(quiet)["noisy_groups"] == []
+    assert not any(s.startswith("NOISY RUN") for s in sweep_cpu.summarize(quiet)["summary"])
+
+
 def test_load_factor_takes_the_fastest_reference_window():
     class Hw:
         reference_s = 0.02
