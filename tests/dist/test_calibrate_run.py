@@ -47,9 +47,10 @@ def test_calibrate_two_ranks_writes_a_usable_profile(tmp_path) -> None:
 
 
 def test_calibrate_odd_world_measures_its_pair_and_finishes(tmp_path) -> None:
-    """3 ranks: ranks 0 and 1 form the one pair, rank 2 has none and must still meet every
-    timing window's world barrier (it used to run the world's collectives while the pair ran
-    its own, and the calibration hung until its timeout)."""
+    """3 ranks: ranks 0 and 1 form the one pair, rank 2 has none and must still meet the world
+    barriers of the reference timings taken before each of the pair's measurements (it used
+    to run the world's collectives while the pair ran its own, and the calibration hung until
+    its timeout)."""
     out = tmp_path / "cpu3.json"
     run = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--devices", "3", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
