@@ -1,0 +1,141 @@
+"""Where a step's wall time goes on this machine: core work or waiting (a probe, not a test).
+
+For each configuration of one sweep group (benchmarks/sweep_cpu.py's model sizes and
+configurations), compiled through `autopar.compile` on spawned gloo ranks as the sweep
+compiles it, every rank times `compiled.step` in interleaved rounds and records, per step:
+- wall: barrier to barrier, as the sweep measures it (the minimum over rounds and ranks);
+- main-thread CPU (`time.thread_time`): the program's ops, the collectives' Python and
+  enqueue work, what the rank's thread spends spinning;
+- process CPU (`time.process_time`, every thread of the rank): the above plus gloo's own
+  threads (the collectives' copies, reductions and socket work).
+The medians over rounds and ranks are compared against wall: if `ranks x process CPU /
+cores` is close to wall, the step is bound by core work (what the ranks compute and what
+their collectives cost the cores), not by waiting; a step with idle cores measures wall
+well above it. The cost model prices one-stage programs as local work (x the ranks per
+core) plus each collective's isolated latency (calibrate's timing windows), and pipelines
+as max(critical path / share, all work / cores) (solver/stage_dp.py).
+
+    .venv/bin/python benchmarks/probe_cpu_accounting.py --size S --world 4 \
+        [--only "dp4 mb4,dp4 z1"] [--rounds 6] [--warmup 2]
+
+Prints one row per configuration; the README's cost-model section says what runs found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    import sweep_cpu as sc
+    from autopar.calibrate import reference_time, reference_workload
+    from autopar.models import resolve
+
+    # the machine's speed now, as the sweep times it (on REFERENCE_RANKS ranks; the others
+    # meet the same barriers)
+    reference = reference_workload() if rank < sc.REFERENCE_RANKS else (lambda: None)
+    reference_s = reference_time(reference, dist.barrier)
+    source = resolve(spec)
+    batch = source.example_inputs(sc.GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
+    programs = []
+    for case in cases:
+        torch.manual_seed(0)
+        programs.append((case.label, autopar.compile(
+            source.build(), f"cpu:{case.world}", example_inputs=batch, config=case.config,
+            optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))))
+    out: dict[str, dict[str, list[float]]] = {label: {"wall": [], "thread": [], "process": []} for label, _ in programs}
+    for k in range(warmup + rounds):
+        order = programs if k % 2 == 0 else programs[::-1]
+        for label, compiled in order:
+            dist.barrier()
+            wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+            compiled.step(batch)
+            thread, process = time.thread_time() - thread, time.process_time() - process
+            dist.barrier()
+            wall = time.perf_counter() - wall
+            if k >= warmup:
+                row = out[label]
+                row["wall"].append(wall)
+                row["thread"].append(thread)
+                row["process"].append(process)
+    return {"steps": out, "reference_s": reference_s, "reference_ranks": min(sc.REFERENCE_RANKS, dist.get_world_size())}
+
+
+def summarize(per_rank: list[dict[str, dict[str, list[float]]]], cores: int) -> list[dict[str, Any]]:
+    """`per_rank`: each rank's {configuration: {"wall" | "thread" | "process": [seconds per
+    timed round]}}."""
+    """One row per configuration: wall (minimum over rounds and ranks, the sweep's
+    estimator; and the median over rounds, then ranks), per-rank main-thread and process CPU
+    (medians over rounds, then ranks), and `core_bound_s` = ranks x process CPU / cores with
+    its ratio to the median wall (medians on both sides: like with like)."""
+    ranks = len(per_rank)
+    rows = []
+    for label in per_rank[0]:
+        wall = min(min(r[label]["wall"]) for r in per_rank)
+        wall_median = statistics.median(statistics.median(r[label]["wall"]) for r in per_rank)
+        thread = statistics.median(statistics.median(r[label]["thread"]) for r in per_rank)
+        process = statistics.median(statistics.median(r[label]["process"]) for r in per_rank)
+        bound = ranks * process / cores
+        rows.append({"label": label, "wall_s": wall, "wall_median_s": wall_median, "thread_cpu_s": thread,
+                     "process_cpu_s": process, "core_bound_s": bound,
+                     "core_bound_over_wall": bound / wall_median if wall_median else 0.0})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    import os
+
+    import sweep_cpu as sc
+    from autopar.cluster import HARDWARE
+    from autopar.runtime.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(sc.SIZES), default="S")
+    ap.add_argument("--world", type=int, choices=(4, 8), default=4)
+    ap.add_argument("--only", default="", help="comma-separated configuration labels (default: the group's all)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args(argv)
+    cases = [c for c in sc.cases(args.world) if not c.label.endswith(sc.REPEAT_SUFFIX)]
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        known = {c.label for c in cases}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            ap.error(f"--only: no configuration {unknown} in the {args.world}-process group; "
+                     f"the group has: {', '.join(sorted(known))}")
+        cases = [c for c in cases if c.label in wanted]
+    spec = sc.SIZES[args.size]
+    results = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)
+    cores = os.cpu_count() or 1
+    rows = summarize([r["steps"] for r in results], cores)
+    timed = results[0]
+    load = sc.load_factor(HARDWARE["cpu"], timed["reference_ranks"], [timed["reference_s"]])
+    print(f"{args.size} x {args.world} on {cores} cores ({args.rounds} rounds after {args.warmup} warm-up); "
+          f"reference workload {timed['reference_s'] * 1e3:.2f} ms on {timed['reference_ranks']} ranks: "
+          f"x{load:.2f} the built-in profile's (load factor)")
+    print(f"{'configuration':<20} {'wall ms (min)':>13} {'(median)':>9} {'thread CPU':>11} {'process CPU':>12} "
+          f"{'ranks x process / cores':>24} {'/ median wall':>14}")
+    for r in rows:
+        print(f"{r['label']:<20} {r['wall_s'] * 1e3:>13.1f} {r['wall_median_s'] * 1e3:>9.1f} "
+              f"{r['thread_cpu_s'] * 1e3:>11.1f} {r['process_cpu_s'] * 1e3:>12.1f} {r['core_bound_s'] * 1e3:>24.1f} "
+              f"{r['core_bound_over_wall']:>14.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

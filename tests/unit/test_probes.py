@@ -1,0 +1,62 @@
+"""The two probes of what a step's time is made of on this machine
+(benchmarks/probe_cpu_accounting.py, benchmarks/probe_funcol_overhead.py): how they reduce
+what the ranks timed, and that bad input is refused before any rank starts.
+
+Pure functions on hand-made per-rank timings: no process starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import probe_cpu_accounting  # noqa: E402
+import probe_funcol_overhead  # noqa: E402
+
+
+def test_cpu_accounting_sets_the_ranks_core_work_against_the_median_wall():
+    # two ranks on one core: a step whose ranks each burn 40 ms of CPU cannot end before 80 ms
+    per_rank = [
+        {"dp2": {"wall": [0.090, 0.080, 0.100], "thread": [0.030, 0.031, 0.029], "process": [0.040, 0.041, 0.039]}},
+        {"dp2": {"wall": [0.085, 0.095, 0.120], "thread": [0.032, 0.030, 0.034], "process": [0.042, 0.044, 0.043]}},
+    ]
+    (row,) = probe_cpu_accounting.summarize(per_rank, cores=1)
+    assert row["label"] == "dp2"
+    assert row["wall_s"] == pytest.approx(0.080)  # the sweep's estimator: fastest round of any rank
+    assert row["wall_median_s"] == pytest.approx((0.090 + 0.095) / 2)  # medians per rank, then over ranks
+    assert row["thread_cpu_s"] == pytest.approx((0.030 + 0.032) / 2)
+    assert row["process_cpu_s"] == pytest.approx((0.040 + 0.043) / 2)
+    assert row["core_bound_s"] == pytest.approx(2 * 0.0415 / 1)
+    assert row["core_bound_over_wall"] == pytest.approx(0.083 / 0.0925)
+
+
+def test_cpu_accounting_refuses_an_unknown_configuration_before_any_rank_starts(capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_cpu_accounting.main(["--size", "S", "--world", "4", "--only", "dp4 mb4,dp9"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "dp9" in err and "dp4 mb4" in err  # what was wrong and what the group has
+
+
+def test_funcol_probe_pairs_each_raw_timing_with_its_functional_one():
+    per_rank = [
+        {("all_gather", 2, 4096, "raw"): 0.2e-3, ("all_gather", 2, 4096, "functional"): 1.0e-3,
+         ("all_reduce", 4, 4096, "raw"): 3.0e-3, ("all_reduce", 4, 4096, "functional"): 4.0e-3},
+        {("all_gather", 2, 4096, "raw"): 0.4e-3, ("all_gather", 2, 4096, "functional"): 1.2e-3,
+         ("all_reduce", 4, 4096, "raw"): 3.2e-3, ("all_reduce", 4, 4096, "functional"): 5.0e-3},
+    ]
+    rows = probe_funcol_overhead.summarize(per_rank)
+    assert [(r["kind"], r["ranks"]) for r in rows] == [("all_gather", 2), ("all_reduce", 4)]
+    assert rows[0]["raw_s"] == pytest.approx(0.3e-3) and rows[0]["functional_s"] == pytest.approx(1.1e-3)
+    assert rows[1]["raw_s"] == pytest.approx(3.1e-3) and rows[1]["functional_s"] == pytest.approx(4.5e-3)
+
+
+def test_funcol_probe_refuses_a_world_without_a_collective(capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_funcol_overhead.main(["--devices", "1"])
+    assert exc.value.code == 2
+    assert "at least 2" in capsys.readouterr().err
