@@ -2,16 +2,23 @@
 
 `autopar calibrate` times gloo collectives as raw `torch.distributed` calls
 (`dist.all_reduce`, `dist.all_gather_into_tensor`, `dist.reduce_scatter_tensor`). The per-rank
-program issues most of its collectives through the functional API instead: DTensor's
-redistribute, codegen/apply.py's flat parameter gathers and its reduce-scatter buckets
-(`funcol.*`, waited by `wait_tensor`); only the bucketed all-reduce gradient sync calls the
-in-place op directly. This probe times both, side by side in the same windows, on the
-world and inside 2-rank groups (every pair at once, each pair's windows on its own barrier,
-as calibrate does), at calibrate's sizes: the fastest of 3 windows, median over ranks.
+program is a `make_fx` graph (codegen/apply.py): its collectives are the
+`_c10d_functional` ops DTensor's redistribute and the runtime's gathers and buckets record
+(`all_gather_into_tensor`, `reduce_scatter_tensor`, `all_reduce` / `all_reduce_`), each
+followed by `wait_tensor`, with no Python wrapper at run time. This probe times three paths
+side by side in the same windows, on the world and inside 2-rank groups (every pair at
+once, each pair's windows on its own barrier, as calibrate does), at calibrate's sizes:
+- raw: what calibrate times;
+- graph: the `_c10d_functional` op plus `wait_tensor`, what the program runs (the
+  out-of-place `all_reduce`, as DTensor's Partial -> Replicate records it);
+- funcol: the Python `funcol.*` API (an `AsyncCollectiveTensor`, waited at once), what
+  DTensor's redistribute calls eagerly; the program does not pay it (make_fx records the
+  ops under it), shown for scale.
+The fastest of `--windows` windows, median over ranks.
 
     .venv/bin/python benchmarks/probe_funcol_overhead.py [--devices 4] [--windows 3]
 
-Prints per (kind, group size, bytes): raw, functional and the difference in ms. The README's
+Prints per (kind, group size, bytes) each path's ms and graph - raw. The README's
 cost-model section says what runs found and what was done with it.
 """
 
@@ -27,7 +34,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PATHS = ("raw", "functional")
+PATHS = ("raw", "graph", "funcol")
 
 
 def _rank(rank: int, windows: int) -> dict[tuple[str, int, int, str], float]:
@@ -52,20 +59,25 @@ def _rank(rank: int, windows: int) -> dict[tuple[str, int, int, str], float]:
             x = torch.ones(nbytes // 4)
             shard = torch.ones(nbytes // 4 // size)
             full = torch.ones(shard.numel() * size)
+            name = funcol._resolve_group_name(group)
+            ops = torch.ops._c10d_functional
             calls: dict[tuple[str, str], Callable[[], Any]] = {
                 ("all_reduce", "raw"): lambda: dist.all_reduce(x, group=group),
-                ("all_reduce", "functional"): lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group)),
+                ("all_reduce", "graph"): lambda: ops.wait_tensor(ops.all_reduce(x, "sum", name)),
+                ("all_reduce", "funcol"): lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group)),
                 ("all_gather", "raw"): lambda: dist.all_gather_into_tensor(full, shard, group=group),
-                ("all_gather", "functional"): lambda: funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)),
+                ("all_gather", "graph"): lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, size, name)),
+                ("all_gather", "funcol"): lambda: funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)),
                 ("reduce_scatter", "raw"): lambda: dist.reduce_scatter_tensor(shard, full, group=group),
-                ("reduce_scatter", "functional"): lambda: funcol.wait_tensor(
+                ("reduce_scatter", "graph"): lambda: ops.wait_tensor(ops.reduce_scatter_tensor(full, "sum", size, name)),
+                ("reduce_scatter", "funcol"): lambda: funcol.wait_tensor(
                     funcol.reduce_scatter_tensor(full, "sum", 0, group)),
             }
-            for call in calls.values():  # first calls (the functional ops' one-time setup) untimed
+            for call in calls.values():  # first calls (the functional API's one-time setup) untimed
                 call()
             count = COLLECTIVE_REPEATS[nbytes]
             for _ in range(windows):
-                for (kind, path), call in calls.items():  # alternating: both paths see the same load
+                for (kind, path), call in calls.items():  # interleaved: every path sees the same load
                     sync()
                     start = time.perf_counter()
                     for _ in range(count):
@@ -78,14 +90,16 @@ def _rank(rank: int, windows: int) -> dict[tuple[str, int, int, str], float]:
 
 
 def summarize(per_rank: list[dict[tuple[str, int, int, str], float]]) -> list[dict[str, Any]]:
-    """Per (kind, group size, bytes): the median over ranks of each path's fastest window."""
+    """Per (kind, group size, bytes): the median over ranks of each path's fastest window
+    (`<path>_s` for every path in PATHS)."""
     rows = []
     for kind, size, nbytes, path in sorted(per_rank[0]):
-        if path != "raw":
+        if path != PATHS[0]:
             continue
-        raw = statistics.median(r[(kind, size, nbytes, "raw")] for r in per_rank)
-        functional = statistics.median(r[(kind, size, nbytes, "functional")] for r in per_rank)
-        rows.append({"kind": kind, "ranks": size, "bytes": nbytes, "raw_s": raw, "functional_s": functional})
+        row: dict[str, Any] = {"kind": kind, "ranks": size, "bytes": nbytes}
+        for p in PATHS:
+            row[f"{p}_s"] = statistics.median(r[(kind, size, nbytes, p)] for r in per_rank)
+        rows.append(row)
     return rows
 
 
@@ -102,10 +116,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ap.error(f"--devices must be at least 2 (a collective needs two ranks), got {args.devices}")
     rows = summarize(spawn(_rank, args.devices, (args.windows,), collective_timeout_s=300.0))
     print(f"{args.devices} gloo ranks on {os.cpu_count()} cores; fastest of {args.windows} windows, median over ranks")
-    print(f"{'collective':<15} {'ranks':>5} {'bytes':>9} {'raw ms':>8} {'functional ms':>14} {'difference':>11}")
+    print(f"{'collective':<15} {'ranks':>5} {'bytes':>9} {'raw ms':>8} {'graph ms':>9} {'funcol ms':>10} "
+          f"{'graph - raw':>12}")
     for r in rows:
-        print(f"{r['kind']:<15} {r['ranks']:>5} {r['bytes']:>9} {r['raw_s'] * 1e3:>8.2f} "
-              f"{r['functional_s'] * 1e3:>14.2f} {(r['functional_s'] - r['raw_s']) * 1e3:>+11.2f}")
+        print(f"{r['kind']:<15} {r['ranks']:>5} {r['bytes']:>9} {r['raw_s'] * 1e3:>8.2f} {r['graph_s'] * 1e3:>9.2f} "
+              f"{r['funcol_s'] * 1e3:>10.2f} {(r['graph_s'] - r['raw_s']) * 1e3:>+12.2f}")
     return rows
 
 

@@ -42,17 +42,17 @@ def test_cpu_accounting_refuses_an_unknown_configuration_before_any_rank_starts(
     assert "dp9" in err and "dp4 mb4" in err  # what was wrong and what the group has
 
 
-def test_funcol_probe_pairs_each_raw_timing_with_its_functional_one():
-    per_rank = [
-        {("all_gather", 2, 4096, "raw"): 0.2e-3, ("all_gather", 2, 4096, "functional"): 1.0e-3,
-         ("all_reduce", 4, 4096, "raw"): 3.0e-3, ("all_reduce", 4, 4096, "functional"): 4.0e-3},
-        {("all_gather", 2, 4096, "raw"): 0.4e-3, ("all_gather", 2, 4096, "functional"): 1.2e-3,
-         ("all_reduce", 4, 4096, "raw"): 3.2e-3, ("all_reduce", 4, 4096, "functional"): 5.0e-3},
-    ]
-    rows = probe_funcol_overhead.summarize(per_rank)
-    assert [(r["kind"], r["ranks"]) for r in rows] == [("all_gather", 2), ("all_reduce", 4)]
-    assert rows[0]["raw_s"] == pytest.approx(0.3e-3) and rows[0]["functional_s"] == pytest.approx(1.1e-3)
-    assert rows[1]["raw_s"] == pytest.approx(3.1e-3) and rows[1]["functional_s"] == pytest.approx(4.5e-3)
+def test_funcol_probe_sets_each_path_beside_calibrates_raw_timing():
+    def rank(raw: float, graph: float, api: float) -> dict:
+        return {("all_gather", 2, 4096, "raw"): raw, ("all_gather", 2, 4096, "graph"): graph,
+                ("all_gather", 2, 4096, "funcol"): api}
+
+    per_rank = [rank(0.2e-3, 0.4e-3, 1.0e-3), rank(0.4e-3, 0.5e-3, 1.2e-3), rank(0.3e-3, 0.9e-3, 1.1e-3)]
+    (row,) = probe_funcol_overhead.summarize(per_rank)
+    assert (row["kind"], row["ranks"], row["bytes"]) == ("all_gather", 2, 4096)
+    assert row["raw_s"] == pytest.approx(0.3e-3)  # medians over ranks, path by path
+    assert row["graph_s"] == pytest.approx(0.5e-3)
+    assert row["funcol_s"] == pytest.approx(1.1e-3)
 
 
 def test_funcol_probe_refuses_a_world_without_a_collective(capsys):
