@@ -7,7 +7,9 @@ compiles it, every rank times `compiled.step` in interleaved rounds and records,
 - main-thread CPU (`time.thread_time`): the program's ops, the collectives' Python and
   enqueue work, what the rank's thread spends spinning;
 - process CPU (`time.process_time`, every thread of the rank): the above plus gloo's own
-  threads (the collectives' copies, reductions and socket work).
+  threads (the collectives' copies, reductions and socket work);
+- the ATen ops and collectives its program runs per step (`graph_ops_per_step`, the most
+  of any rank), against which the ILP prices only the traced model's non-view nodes.
 The medians over rounds and ranks are compared against wall: if `ranks x process CPU /
 cores` is close to wall, the step is bound by core work (what the ranks compute and what
 their collectives cost the cores), not by waiting; a step with idle cores measures wall
@@ -58,6 +60,7 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
             source.build(), f"cpu:{case.world}", example_inputs=batch, config=case.config,
             optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))))
     out: dict[str, dict[str, list[float]]] = {label: {"wall": [], "thread": [], "process": []} for label, _ in programs}
+    ops = {label: graph_ops_per_step(compiled, case.config) for (label, compiled), case in zip(programs, cases)}
     for k in range(warmup + rounds):
         order = programs if k % 2 == 0 else programs[::-1]
         for label, compiled in order:
@@ -72,7 +75,29 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
                 row["wall"].append(wall)
                 row["thread"].append(thread)
                 row["process"].append(process)
-    return {"steps": out, "reference_s": reference_s, "reference_ranks": min(sc.REFERENCE_RANKS, dist.get_world_size())}
+    return {"steps": out, "ops": ops, "reference_s": reference_s,
+            "reference_ranks": min(sc.REFERENCE_RANKS, dist.get_world_size())}
+
+
+def graph_ops_per_step(compiled: Any, config: Any) -> int:
+    """ATen ops and collectives this rank's program runs per training step: a one-stage
+    program's step graph once per microbatch plus its gradient-sync graph
+    (codegen/apply.py `RankGraphs`, call_function nodes); a pipeline's chunk sources
+    (`compiled.code`, one call per `torch.ops.` in them) once per microbatch. The
+    intra-op ILP prices the traced model's non-view nodes (cost_model/table.py: views
+    cost 0), so the rest of these (views, and the local chunking, slicing and copies
+    around collectives that codegen/apply.py adds) are not in its price."""
+    import re
+
+    import sweep_cpu as sc
+
+    m = sc.GLOBAL_BATCH // (config.dp * config.micro_batch)
+    program = compiled.program
+    if config.pp == 1:
+        def calls(gm: Any) -> int:
+            return 0 if gm is None else sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        return calls(program.graphs.step) * m + calls(program.graphs.grad_sync)
+    return m * sum(len(re.findall(r"torch\.ops\.", source)) for source in compiled.code.values())
 
 
 def summarize(per_rank: list[dict[str, dict[str, list[float]]]], cores: int) -> list[dict[str, Any]]:
@@ -94,6 +119,18 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]], cores: int) -> 
                      "process_cpu_s": process, "core_bound_s": bound,
                      "core_bound_over_wall": bound / wall_median if wall_median else 0.0})
     return rows
+
+
+def ilp_priced_nodes(spec: str, config: Any) -> int:
+    """Nodes of the traced step (one microbatch) that the intra-op ILP's cost table prices
+    with a compute time and its per-op overhead (cost_model/table.py `strategy_cost`):
+    not parameters, not views, not free (no bytes and no FLOPs)."""
+    import sweep_cpu as sc
+    from autopar.ir import Role
+
+    graph = sc._step_graph(spec, config)
+    return sum(1 for n in graph.nodes
+               if n.role is not Role.PARAMETER and not n.is_view and not (n.bytes_moved == 0 and n.flops == 0))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -123,17 +160,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     results = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)
     cores = os.cpu_count() or 1
     rows = summarize([r["steps"] for r in results], cores)
+    for row in rows:
+        row["graph_ops_per_step"] = max(r["ops"][row["label"]] for r in results)
     timed = results[0]
+    priced = ilp_priced_nodes(spec, cases[0].config)
     load = sc.load_factor(HARDWARE["cpu"], timed["reference_ranks"], [timed["reference_s"]])
     print(f"{args.size} x {args.world} on {cores} cores ({args.rounds} rounds after {args.warmup} warm-up); "
           f"reference workload {timed['reference_s'] * 1e3:.2f} ms on {timed['reference_ranks']} ranks: "
-          f"x{load:.2f} the built-in profile's (load factor)")
+          f"x{load:.2f} the built-in profile's (load factor); the intra-op ILP prices {priced} nodes of the "
+          f"traced step per microbatch (its non-view nodes)")
     print(f"{'configuration':<20} {'wall ms (min)':>13} {'(median)':>9} {'thread CPU':>11} {'process CPU':>12} "
-          f"{'ranks x process / cores':>24} {'/ median wall':>14}")
+          f"{'ranks x process / cores':>24} {'/ median wall':>14} {'graph ops / step':>17}")
     for r in rows:
         print(f"{r['label']:<20} {r['wall_s'] * 1e3:>13.1f} {r['wall_median_s'] * 1e3:>9.1f} "
               f"{r['thread_cpu_s'] * 1e3:>11.1f} {r['process_cpu_s'] * 1e3:>12.1f} {r['core_bound_s'] * 1e3:>24.1f} "
-              f"{r['core_bound_over_wall']:>14.2f}")
+              f"{r['core_bound_over_wall']:>14.2f} {r['graph_ops_per_step']:>17}")
     return rows
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,6 +33,26 @@ def test_cpu_accounting_sets_the_ranks_core_work_against_the_median_wall():
     assert row["process_cpu_s"] == pytest.approx((0.040 + 0.043) / 2)
     assert row["core_bound_s"] == pytest.approx(2 * 0.0415 / 1)
     assert row["core_bound_over_wall"] == pytest.approx(0.083 / 0.0925)
+
+
+def _gm(*ops: str) -> SimpleNamespace:
+    return SimpleNamespace(graph=SimpleNamespace(nodes=[SimpleNamespace(op=o) for o in ops]))
+
+
+def test_graph_ops_count_what_the_rank_runs_per_step():
+    from autopar.config import ParallelConfig
+
+    # one stage: the step graph once per microbatch (16 / (2 x 2) = 4), the sync graph once
+    one = SimpleNamespace(program=SimpleNamespace(graphs=SimpleNamespace(
+        step=_gm("placeholder", "call_function", "call_function", "output"), grad_sync=_gm("call_function"))))
+    assert probe_cpu_accounting.graph_ops_per_step(one, ParallelConfig(dp=2, micro_batch=2)) == 4 * 2 + 1
+    no_sync = SimpleNamespace(program=SimpleNamespace(graphs=SimpleNamespace(
+        step=_gm("call_function"), grad_sync=None)))
+    assert probe_cpu_accounting.graph_ops_per_step(no_sync, ParallelConfig(dp=4, micro_batch=4)) == 1
+    # a pipeline: its chunks' sources, one op per `torch.ops.` call, once per microbatch (16 / 4)
+    source = "x = torch.ops.aten.mm.default(a, b)\ny = torch.ops.aten.view.default(x, [4])\nz = x[0]\n"
+    piped = SimpleNamespace(program=None, code={"stage0": source, "stage2": source})
+    assert probe_cpu_accounting.graph_ops_per_step(piped, ParallelConfig(pp=2, micro_batch=4)) == 4 * 4
 
 
 def test_cpu_accounting_refuses_an_unknown_configuration_before_any_rank_starts(capsys):
