@@ -82,8 +82,9 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
 def graph_ops_per_step(compiled: Any, config: Any) -> int:
     """ATen ops and collectives this rank's program runs per training step: a one-stage
     program's step graph once per microbatch plus its gradient-sync graph
-    (codegen/apply.py `RankGraphs`, call_function nodes); a pipeline's chunk sources
-    (`compiled.code`, one call per `torch.ops.` in them) once per microbatch. The
+    (codegen/apply.py `RankGraphs`, call_function nodes, the tuple `getitem`s included); a
+    pipeline's chunk sources (`compiled.code`, one call per `torch.ops.` in them, so no
+    `getitem`s) once per microbatch. The
     intra-op ILP prices the traced model's non-view nodes (cost_model/table.py: views
     cost 0), so the rest of these (views, and the local chunking, slicing and copies
     around collectives that codegen/apply.py adds) are not in its price."""
@@ -102,8 +103,9 @@ def graph_ops_per_step(compiled: Any, config: Any) -> int:
 
 def summarize(per_rank: list[dict[str, dict[str, list[float]]]], cores: int) -> list[dict[str, Any]]:
     """`per_rank`: each rank's {configuration: {"wall" | "thread" | "process": [seconds per
-    timed round]}}."""
-    """One row per configuration: wall (minimum over rounds and ranks, the sweep's
+    timed round]}}.
+
+    One row per configuration: wall (minimum over rounds and ranks, the sweep's
     estimator; and the median over rounds, then ranks), per-rank main-thread and process CPU
     (medians over rounds, then ranks), and `core_bound_s` = ranks x process CPU / cores with
     its ratio to the median wall (medians on both sides: like with like)."""
