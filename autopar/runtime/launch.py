@@ -192,14 +192,42 @@ def _stop(procs: list[Any], grace_s: float, stacks: bool = False) -> list[int]:
     return alive
 
 
-def _where(tmp: str, rank: int) -> str:
-    """Where a hung rank's main thread was: the innermost frames of the stack it wrote on
-    STACK_SIGNAL (faulthandler prints the innermost call first), or nothing."""
+def _where(tmp: str, rank: int, *, crashed: bool = False) -> str:
+    """Where a rank was, from the stack faulthandler wrote (`stack_where`), or nothing."""
     stack = Path(tmp, f"{rank}.stack")
-    text = stack.read_text() if stack.exists() else ""
-    main = text.split("Current thread", 1)[-1] if "Current thread" in text else text
-    frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File ")][:4]
-    return ("; its main thread was at: " + " <- ".join(frames)) if frames else ""
+    return stack_where(stack.read_text() if stack.exists() else "", crashed=crashed)
+
+
+def stack_where(text: str, *, crashed: bool = False) -> str:
+    """The innermost frames of the thread a faulthandler dump is about.
+
+    faulthandler writes one block per Python thread, newest thread first (the main thread
+    last), and heads the block of the thread it runs on "Current thread". A rank found hung
+    is sent STACK_SIGNAL, whose handler runs on the main thread: that block says where the
+    main thread was. A crash (`crashed`) dumps from the crashing thread: its block is the
+    line that crashed; when the crash is in a thread with no Python state (gloo's threads,
+    a BLAS or OpenMP pool), no block is "Current thread", and the main thread's (the last)
+    is quoted as such rather than whichever thread happens to be listed first."""
+    if "Fatal Python error" in text:  # a crash after an earlier STACK_SIGNAL dump: the crash's
+        text = text[text.rindex("Fatal Python error"):]
+    blocks: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(("Current thread", "Thread 0x")):
+            blocks.append((line, []))
+        elif blocks and line.startswith("File "):
+            blocks[-1][1].append(line)
+    signal = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                   if line.startswith("Fatal Python error:")), "")
+    current = next((frames for head, frames in blocks if head.startswith("Current thread")), None)
+    if current:
+        return (f"; it crashed{f' ({signal})' if signal else ''} at: " if crashed else "; its main thread was at: ") \
+            + " <- ".join(current[:4])
+    main = blocks[-1][1] if blocks else []
+    if crashed and blocks:
+        return (f"; it crashed{f' ({signal})' if signal else ''} in a thread with no Python frames (native: "
+                "gloo's, a BLAS or OpenMP pool's)") + ("; its main thread was at: " + " <- ".join(main[:4]) if main else "")
+    return ("; its main thread was at: " + " <- ".join(main[:4])) if main else ""
 
 
 def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[int],
@@ -210,8 +238,7 @@ def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[i
         err = Path(tmp, f"{rank}.err")
         if err.exists():
             return err.read_text().strip().splitlines()[-1]
-        where = _where(tmp, rank).replace("its main thread was at", "it crashed at")
-        return f"exit code {codes[rank]} (killed or crashed without a Python error){where}"
+        return f"exit code {codes[rank]} (killed or crashed without a Python error){_where(tmp, rank, crashed=True)}"
 
     def peer_error(rank: int) -> bool:
         # the whole text: a peer's timeout may be the cause of the error the rank raised last

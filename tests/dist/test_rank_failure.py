@@ -134,4 +134,5 @@ def test_a_native_crash_names_the_line_it_crashed_at():
     message = str(info.value)
     assert info.value.rank == 1 and "exit code -6" in message
     # faulthandler wrote the crashing thread's stack; the parent quotes its innermost frames
-    assert "it crashed at" in message and "_native_abort" in message and "test_rank_failure.py" in message
+    # and the fatal signal
+    assert "it crashed (Aborted) at" in message and "_native_abort" in message and "test_rank_failure.py" in message
