@@ -48,3 +48,28 @@ def test_a_crash_after_an_earlier_stack_dump_quotes_the_crash():
 
 def test_no_dump_says_nothing():
     assert stack_where("") == "" and stack_where("", crashed=True) == ""
+
+
+def test_a_real_native_thread_crash_is_told_apart_from_the_python_threads():
+    # a process whose native thread (no Python state, as gloo's) jumps to a bad address
+    # while a Python thread sleeps: faulthandler's own dump, parsed
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import ctypes, faulthandler, sys, threading, time
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        threading.Thread(target=lambda: time.sleep(30), daemon=True).start()
+        time.sleep(0.2)
+        tid = ctypes.c_ulong()
+        ctypes.CDLL(None).pthread_create(ctypes.byref(tid), None, ctypes.c_void_p(8), None)
+        time.sleep(10)  # main_thread_waits_here
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == -11, run.stderr
+    assert "Current thread" not in run.stderr  # what the old parser did not expect
+    where = stack_where(run.stderr, crashed=True)
+    assert "Segmentation fault" in where and "no Python frames" in where
+    assert "its main thread was at" in where and "line 8 in <module>" in where
+    assert "lambda" not in where
