@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0:
+        ap.error(f"--rounds must be at least 1 and --warmup at least 0, got --rounds {args.rounds} "
+                 f"--warmup {args.warmup}")
     cases = [c for c in sc.cases(args.world) if not c.label.endswith(sc.REPEAT_SUFFIX)]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--devices", type=int, default=4, help="gloo ranks (calibrate's default: 4)")
     ap.add_argument("--windows", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.windows < 1:
+        ap.error(f"--windows must be at least 1 (each path is timed in that many windows), got {args.windows}")
     if args.devices < 2:
         ap.error(f"--devices must be at least 2 (a collective needs two ranks), got {args.devices}")
     rows = summarize(spawn(_rank, args.devices, (args.windows,), collective_timeout_s=300.0))

@@ -81,3 +81,18 @@ def test_funcol_probe_refuses_a_world_without_a_collective(capsys):
         probe_funcol_overhead.main(["--devices", "1"])
     assert exc.value.code == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--warmup", "-1"]])
+def test_cpu_accounting_refuses_no_timed_rounds(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_cpu_accounting.main(argv)
+    assert exc.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_funcol_probe_refuses_no_windows(capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_funcol_overhead.main(["--windows", "0"])
+    assert exc.value.code == 2
+    assert "--windows must be at least 1" in capsys.readouterr().err
