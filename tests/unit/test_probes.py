@@ -1,6 +1,7 @@
 """The two probes of what a step's time is made of on this machine
-(benchmarks/probe_cpu_accounting.py, benchmarks/probe_funcol_overhead.py): how they reduce
-what the ranks timed, and that bad input is refused before any rank starts.
+(benchmarks/probe_cpu_accounting.py, benchmarks/probe_funcol_overhead.py,
+benchmarks/probe_collective_replay.py): how they reduce what the ranks timed and read the
+programs' graphs, and that bad input is refused before any rank starts.
 
 Pure functions on hand-made per-rank timings: no process starts.
 """
@@ -15,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import probe_collective_replay  # noqa: E402
 import probe_cpu_accounting  # noqa: E402
 import probe_funcol_overhead  # noqa: E402
 
@@ -96,3 +98,60 @@ def test_funcol_probe_refuses_no_windows(capsys):
         probe_funcol_overhead.main(["--windows", "0"])
     assert exc.value.code == 2
     assert "--windows must be at least 1" in capsys.readouterr().err
+
+
+def _collective(op: str, val, group: str, *extra) -> SimpleNamespace:
+    import torch
+
+    target = getattr(torch.ops._c10d_functional, op).default
+    return SimpleNamespace(op="call_function", target=target,
+                           args=(SimpleNamespace(meta={"val": val}), *extra, group))
+
+
+def test_replay_census_lists_the_step_graphs_collectives_per_microbatch_then_the_syncs():
+    import torch
+
+    x, grads = torch.empty(4, 8), torch.empty(1024)
+    wait = SimpleNamespace(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default,
+                           args=(SimpleNamespace(meta={}),))
+    step = SimpleNamespace(graph=SimpleNamespace(nodes=[
+        SimpleNamespace(op="placeholder", target="x", args=()),
+        _collective("all_gather_into_tensor", x, "tp", 2), wait,
+        SimpleNamespace(op="call_function", target=torch.ops.aten.mm.default, args=()),
+        _collective("reduce_scatter_tensor", x, "tp", "sum", 2), wait]))
+    sync = SimpleNamespace(graph=SimpleNamespace(nodes=[_collective("all_reduce_", grads, "dp", "sum"), wait]))
+    got = probe_collective_replay.census(step, sync, microbatches=3)
+    assert [(c["kind"], c["group"]) for c in got] == [("all_gather", "tp"), ("reduce_scatter", "tp")] * 3 + [
+        ("all_reduce", "dp")]
+    assert got[0]["bytes"] == 4 * 8 * 4 and got[0]["shape"] == (4, 8) and got[-1]["bytes"] == 4096
+    assert probe_collective_replay.census(step, None, microbatches=1)[-1]["kind"] == "reduce_scatter"
+
+
+def test_replay_census_refuses_a_collective_it_cannot_replay():
+    import torch
+
+    odd = SimpleNamespace(graph=SimpleNamespace(nodes=[_collective("all_to_all_single", torch.empty(4), "tp")]))
+    with pytest.raises(ValueError, match="all_to_all_single"):
+        probe_collective_replay.census(odd, None, microbatches=1)
+
+
+def test_replay_prices_collectives_at_calibrates_measured_points():
+    points = [(1000, 1.0), (3000, 2.0), (5000, 4.0)]
+    assert probe_collective_replay.interpolate(points, 500) == 1.0  # below: the smallest point
+    assert probe_collective_replay.interpolate(points, 2000) == pytest.approx(1.5)
+    assert probe_collective_replay.interpolate(points, 7000) == pytest.approx(6.0)  # above: the last line
+    measured = [["all_gather", 2, 1000, 1.0], ["all_gather", 2, 3000, 2.0], ["all_reduce", 2, 1000, 0.5],
+                ["all_reduce", 2, 3000, 0.7]]
+    # an all-gather's census bytes are its input: 2 ranks x 1000 gathered = 2000 -> 1.5 s
+    counts = [("all_gather", 2, 1000, 2), ("all_reduce", 2, 3000, 1)]
+    assert probe_collective_replay.table_price(counts, measured) == pytest.approx(2 * 1.5 + 0.7)
+    assert probe_collective_replay.table_price([("reduce_scatter", 2, 1000, 1)], measured) is None
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--only", "pp4"]])
+def test_replay_probe_refuses_bad_input_before_any_rank_starts(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_collective_replay.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--rounds must be at least 1" in err or ("pp4" in err and "dp4 mb4" in err)

@@ -1,0 +1,218 @@
+"""The collectives a per-rank program runs, replayed alone on the same ranks (a probe, not a test).
+
+For every one-stage configuration (pp = 1) of a sweep group (benchmarks/sweep_cpu.py), each
+rank compiles the program as the sweep does and reads from its graphs the collectives it
+runs per step: every `_c10d_functional` op of the step graph once per microbatch and of the
+gradient-sync graph once (codegen/apply.py `RankGraphs`), with its kind, process group and
+input bytes. Then, in interleaved rounds, it times one training step and one replay: the same
+ops on the same groups in the same order, each waited at once, on buffers of the same
+shapes, with no compute between them. Per configuration it prints:
+- the step (fastest round, and the median) and the replay (the same);
+- the ILP's price of the program's collectives (`m` x its per-microbatch reshard cost:
+  solver/spmd_search.py `estimate`'s `reshard_s`, built-in profile; the loss report is apart);
+- the same collectives priced at the built-in profile's measured points
+  (`autopar/cpu_profile.json` `measurements.collective_s`, linear between calibrate's sizes),
+  where the profile measured the kind on a group of that size.
+
+    .venv/bin/python benchmarks/probe_collective_replay.py [--size S] [--world 4]
+        [--only "dp4 z1,tp4"] [--rounds 5] [--warmup 2]
+
+The README's cost-model section says what runs found and what was done with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_reduce": "all_reduce", "all_reduce_": "all_reduce"}
+"""The `_c10d_functional` ops the programs record, by calibrate's kind names."""
+
+
+def census(step: Any, grad_sync: Any, microbatches: int) -> list[dict[str, Any]]:
+    """The collectives of a one-stage program's graphs in the order one step runs them: the
+    step graph's `microbatches` times, then the gradient-sync graph's once. Each entry: the
+    op's name, kind, group name, input shape and dtype (from the recorded `val`)."""
+    one: list[dict[str, Any]] = []
+    sync: list[dict[str, Any]] = []
+    for gm, out in ((step, one), (grad_sync, sync)):
+        if gm is None:
+            continue
+        for node in gm.graph.nodes:
+            target = str(node.target)
+            if node.op != "call_function" or "_c10d_functional" not in target:
+                continue
+            op = target.split(".")[-2]
+            if op not in KINDS:
+                if op == "wait_tensor":
+                    continue
+                raise ValueError(f"collective {target} is not one this probe replays ({sorted(KINDS)})")
+            val = node.args[0].meta["val"]
+            out.append({"op": op, "kind": KINDS[op], "group": node.args[-1], "shape": tuple(val.shape),
+                        "dtype": val.dtype, "bytes": val.numel() * val.element_size()})
+    return one * microbatches + sync
+
+
+def interpolate(points: list[tuple[int, float]], nbytes: float) -> float:
+    """Seconds at `nbytes` from measured (bytes, seconds) points: linear between neighbours,
+    the smallest point below them, the last two points' line above them."""
+    points = sorted(points)
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (b0, s0), (b1, s1) in zip(points, points[1:]):
+        if nbytes <= b1:
+            return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0)
+    (b0, s0), (b1, s1) = points[-2], points[-1]
+    return s1 + (s1 - s0) * (nbytes - b1) / (b1 - b0)
+
+
+def table_price(counts: list[tuple[str, int, int, int]], measured: list[list[Any]]) -> float | None:
+    """`counts`: (kind, group size, input bytes, per step) rows; `measured`: calibrate's
+    [kind, group size, bytes, seconds] rows, where bytes is the full tensor (the gathered
+    one for all-gather, the input for reduce-scatter and all-reduce). None when a row's
+    (kind, group size) was not measured."""
+    points: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for kind, size, nbytes, seconds in measured:
+        points.setdefault((kind, size), []).append((nbytes, seconds))
+    total = 0.0
+    for kind, size, nbytes, per_step in counts:
+        if (kind, size) not in points:
+            return None
+        full = nbytes * size if kind == "all_gather" else nbytes
+        total += per_step * interpolate(points[(kind, size)], full)
+    return total
+
+
+def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    import autopar
+    import sweep_cpu as sc
+    from autopar.models import resolve
+
+    ops = torch.ops._c10d_functional
+    source = resolve(spec)
+    batch = source.example_inputs(sc.GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
+    programs = []
+    for case in cases:
+        torch.manual_seed(0)
+        compiled = autopar.compile(source.build(), f"cpu:{case.world}", example_inputs=batch, config=case.config,
+                                   optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+        m = sc.GLOBAL_BATCH // (case.config.dp * case.config.micro_batch)
+        graphs = compiled.program.graphs
+        programs.append((case.label, compiled, census(graphs.step, graphs.grad_sync, m)))
+    sizes = {}
+    buffers: dict[tuple[Any, ...], Any] = {}
+
+    def replay(colls: list[dict[str, Any]]) -> None:
+        for c in colls:
+            size = sizes.setdefault(c["group"], _resolve_process_group(c["group"]).size())
+            x = buffers.setdefault((c["shape"], c["dtype"]), torch.ones(c["shape"], dtype=c["dtype"]))
+            if c["kind"] == "all_gather":
+                y = ops.all_gather_into_tensor(x, size, c["group"])
+            elif c["kind"] == "reduce_scatter":
+                y = ops.reduce_scatter_tensor(x, "sum", size, c["group"])
+            else:
+                y = ops.all_reduce(x, "sum", c["group"])
+            ops.wait_tensor(y)
+
+    out: dict[str, dict[str, list[float]]] = {label: {"step": [], "replay": []} for label, _, _ in programs}
+    for k in range(warmup + rounds):
+        order = programs if k % 2 == 0 else programs[::-1]
+        for label, compiled, colls in order:
+            for what, run in (("step", lambda: compiled.step(batch)), ("replay", lambda: replay(colls))):
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                dist.barrier()
+                if k >= warmup:
+                    out[label][what].append(time.perf_counter() - start)
+    counts = {}
+    for label, _, colls in programs:
+        per = Counter((c["kind"], sizes.setdefault(c["group"], _resolve_process_group(c["group"]).size()), c["bytes"])
+                      for c in colls)
+        counts[label] = [[kind, size, nbytes, n] for (kind, size, nbytes), n in sorted(per.items())]
+    return {"times": out, "counts": counts}
+
+
+def ilp_reshard_s(spec: str, case: Any) -> float:
+    """The ILP's price of the program's collectives per step: m x the solution's
+    per-microbatch reshard cost (gradient syncs weighted 1/m), built-in profile."""
+    import sweep_cpu as sc
+    from autopar.cluster import Cluster
+    from autopar.runtime.spmd import solve_config
+    from solver.spmd_search import SpmdCandidate, estimate
+
+    config = case.config
+    graph = sc._step_graph(spec, config)
+    m = sc.GLOBAL_BATCH // (config.dp * config.micro_batch)
+    cluster = Cluster.parse(f"cpu:{case.world}")
+    solution = solve_config(graph, config, cluster, num_microbatches=m)
+    cand = SpmdCandidate(mesh=(config.dp, config.tp), microbatch=config.dp * config.micro_batch, num_microbatches=m)
+    return dict(estimate(graph, solution, cand, cluster, sc.GLOBAL_BATCH).time_breakdown)["reshard_s"]
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    import sweep_cpu as sc
+    from autopar.runtime.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(sc.SIZES), default="S")
+    ap.add_argument("--world", type=int, choices=(4, 8), default=4)
+    ap.add_argument("--only", default="", help="comma-separated one-stage configuration labels (default: all)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default="", help="write the rows here too")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0:
+        ap.error(f"--rounds must be at least 1 and --warmup at least 0, got --rounds {args.rounds} "
+                 f"--warmup {args.warmup}")
+    cases = [c for c in sc.cases(args.world) if not c.label.endswith(sc.REPEAT_SUFFIX) and c.config.pp == 1]
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        known = {c.label for c in cases}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            ap.error(f"--only: no one-stage configuration {unknown} in the {args.world}-process group; "
+                     f"it has: {', '.join(sorted(known))}")
+        cases = [c for c in cases if c.label in wanted]
+    spec = sc.SIZES[args.size]
+    result = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)[0]
+    measured = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["measurements"]["collective_s"]
+    rows = []
+    print(f"{args.size} x {args.world}: step and replayed collectives, {args.rounds} interleaved rounds after "
+          f"{args.warmup} warm-up (rank 0); priced per step with the built-in profile")
+    print(f"{'configuration':<14} {'step ms':>8} {'(median)':>9} {'replay ms':>10} {'(median)':>9} "
+          f"{'ILP price':>10} {'at measured points':>19}  collectives per step (kind, ranks, input bytes x count)")
+    for case in cases:
+        times, counts = result["times"][case.label], result["counts"][case.label]
+        table = table_price([tuple(c) for c in counts], measured)
+        row = {"label": case.label, "step_s": min(times["step"]), "step_median_s": statistics.median(times["step"]),
+               "replay_s": min(times["replay"]), "replay_median_s": statistics.median(times["replay"]),
+               "ilp_reshard_s": ilp_reshard_s(spec, case), "measured_points_s": table, "collectives": counts}
+        rows.append(row)
+        shown = "; ".join(f"{k} {n} {b} x{c}" for k, n, b, c in counts)
+        print(f"{case.label:<14} {row['step_s'] * 1e3:>8.1f} {row['step_median_s'] * 1e3:>9.1f} "
+              f"{row['replay_s'] * 1e3:>10.1f} {row['replay_median_s'] * 1e3:>9.1f} "
+              f"{row['ilp_reshard_s'] * 1e3:>10.1f} {'-' if table is None else f'{table * 1e3:.1f}':>19}  {shown}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
