@@ -102,8 +102,12 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
 
     import autopar
     import sweep_cpu as sc
+    from autopar.calibrate import reference_time, reference_workload
     from autopar.models import resolve
 
+    # the machine's speed now, as the sweep times it (the other ranks meet the same barriers)
+    reference = reference_workload() if rank < sc.REFERENCE_RANKS else (lambda: None)
+    reference_s = reference_time(reference, dist.barrier)
     ops = torch.ops._c10d_functional
     source = resolve(spec)
     batch = source.example_inputs(sc.GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
@@ -146,7 +150,8 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
         per = Counter((c["kind"], sizes.setdefault(c["group"], _resolve_process_group(c["group"]).size()), c["bytes"])
                       for c in colls)
         counts[label] = [[kind, size, nbytes, n] for (kind, size, nbytes), n in sorted(per.items())]
-    return {"times": out, "counts": counts}
+    return {"times": out, "counts": counts, "reference_s": reference_s,
+            "reference_ranks": min(sc.REFERENCE_RANKS, dist.get_world_size())}
 
 
 def ilp_reshard_s(spec: str, case: Any) -> float:
@@ -168,6 +173,7 @@ def ilp_reshard_s(spec: str, case: Any) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import sweep_cpu as sc
+    from autopar.cluster import HARDWARE
     from autopar.runtime.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -194,8 +200,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     result = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)[0]
     measured = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["measurements"]["collective_s"]
     rows = []
+    load = sc.load_factor(HARDWARE["cpu"], result["reference_ranks"], [result["reference_s"]])
     print(f"{args.size} x {args.world}: step and replayed collectives, {args.rounds} interleaved rounds after "
-          f"{args.warmup} warm-up (rank 0); priced per step with the built-in profile")
+          f"{args.warmup} warm-up (rank 0); priced per step with the built-in profile, unloaded; reference "
+          f"workload {result['reference_s'] * 1e3:.2f} ms on {result['reference_ranks']} ranks: x{load:.2f} the "
+          f"built-in profile's")
     print(f"{'configuration':<14} {'step ms':>8} {'(median)':>9} {'replay ms':>10} {'(median)':>9} "
           f"{'ILP price':>10} {'at measured points':>19}  collectives per step (kind, ranks, input bytes x count)")
     for case in cases:
