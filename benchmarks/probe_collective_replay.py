@@ -10,6 +10,8 @@ shapes, with no compute between them. Per configuration it prints:
 - the step (fastest round, and the median) and the replay (the same);
 - the ILP's price of the program's collectives (`m` x its per-microbatch reshard cost:
   solver/spmd_search.py `estimate`'s `reshard_s`, built-in profile; the loss report is apart);
+- per rank, the main thread's CPU and the process's (every thread, gloo's included) during
+  the step and during the replay (median over rounds, then ranks);
 - the same collectives priced at the built-in profile's measured points
   (`autopar/cpu_profile.json` `measurements.collective_s`, linear between calibrate's sizes),
   where the profile measured the kind on a group of that size.
@@ -134,17 +136,22 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
                 y = ops.all_reduce(x, "sum", c["group"])
             ops.wait_tensor(y)
 
-    out: dict[str, dict[str, list[float]]] = {label: {"step": [], "replay": []} for label, _, _ in programs}
+    out: dict[str, dict[str, list[float]]] = {
+        label: {f"{what}{clock}": [] for what in ("step", "replay") for clock in ("", "_thread", "_process")}
+        for label, _, _ in programs}
     for k in range(warmup + rounds):
         order = programs if k % 2 == 0 else programs[::-1]
         for label, compiled, colls in order:
             for what, run in (("step", lambda: compiled.step(batch)), ("replay", lambda: replay(colls))):
                 dist.barrier()
-                start = time.perf_counter()
+                start, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
                 run()
+                thread, process = time.thread_time() - thread, time.process_time() - process
                 dist.barrier()
                 if k >= warmup:
                     out[label][what].append(time.perf_counter() - start)
+                    out[label][f"{what}_thread"].append(thread)
+                    out[label][f"{what}_process"].append(process)
     counts = {}
     for label, _, colls in programs:
         per = Counter((c["kind"], sizes.setdefault(c["group"], _resolve_process_group(c["group"]).size()), c["bytes"])
@@ -152,6 +159,12 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
         counts[label] = [[kind, size, nbytes, n] for (kind, size, nbytes), n in sorted(per.items())]
     return {"times": out, "counts": counts, "reference_s": reference_s,
             "reference_ranks": min(sc.REFERENCE_RANKS, dist.get_world_size())}
+
+
+def cpu_median(per_rank: list[dict[str, Any]], label: str, key: str) -> float:
+    """A rank's CPU seconds of one configuration's step or replay (`key`: "step_thread",
+    "replay_process", ...): the median over rounds, then over ranks."""
+    return statistics.median(statistics.median(r["times"][label][key]) for r in per_rank)
 
 
 def ilp_reshard_s(spec: str, case: Any) -> float:
@@ -197,7 +210,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                      f"it has: {', '.join(sorted(known))}")
         cases = [c for c in cases if c.label in wanted]
     spec = sc.SIZES[args.size]
-    result = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)[0]
+    per_rank = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)
+    result = per_rank[0]
     measured = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["measurements"]["collective_s"]
     rows = []
     load = sc.load_factor(HARDWARE["cpu"], result["reference_ranks"], [result["reference_s"]])
@@ -206,18 +220,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"workload {result['reference_s'] * 1e3:.2f} ms on {result['reference_ranks']} ranks: x{load:.2f} the "
           f"built-in profile's")
     print(f"{'configuration':<14} {'step ms':>8} {'(median)':>9} {'replay ms':>10} {'(median)':>9} "
-          f"{'ILP price':>10} {'at measured points':>19}  collectives per step (kind, ranks, input bytes x count)")
+          f"{'ILP price':>10} {'at measured points':>19} {'CPU step':>14} {'CPU replay':>14}  "
+          f"collectives per step (kind, ranks, input bytes x count)")
     for case in cases:
         times, counts = result["times"][case.label], result["counts"][case.label]
         table = table_price([tuple(c) for c in counts], measured)
         row = {"label": case.label, "step_s": min(times["step"]), "step_median_s": statistics.median(times["step"]),
                "replay_s": min(times["replay"]), "replay_median_s": statistics.median(times["replay"]),
-               "ilp_reshard_s": ilp_reshard_s(spec, case), "measured_points_s": table, "collectives": counts}
+               "ilp_reshard_s": ilp_reshard_s(spec, case), "measured_points_s": table, "collectives": counts,
+               **{f"{key}_cpu_s": cpu_median(per_rank, case.label, key)
+                  for key in ("step_thread", "step_process", "replay_thread", "replay_process")}}
         rows.append(row)
         shown = "; ".join(f"{k} {n} {b} x{c}" for k, n, b, c in counts)
         print(f"{case.label:<14} {row['step_s'] * 1e3:>8.1f} {row['step_median_s'] * 1e3:>9.1f} "
               f"{row['replay_s'] * 1e3:>10.1f} {row['replay_median_s'] * 1e3:>9.1f} "
-              f"{row['ilp_reshard_s'] * 1e3:>10.1f} {'-' if table is None else f'{table * 1e3:.1f}':>19}  {shown}")
+              f"{row['ilp_reshard_s'] * 1e3:>10.1f} {'-' if table is None else f'{table * 1e3:.1f}':>19} "
+              f"{row['step_thread_cpu_s'] * 1e3:>6.1f} / {row['step_process_cpu_s'] * 1e3:>5.1f} "
+              f"{row['replay_thread_cpu_s'] * 1e3:>6.1f} / {row['replay_process_cpu_s'] * 1e3:>5.1f}  {shown}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
     return rows

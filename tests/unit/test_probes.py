@@ -155,3 +155,12 @@ def test_replay_probe_refuses_bad_input_before_any_rank_starts(argv, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--rounds must be at least 1" in err or ("pp4" in err and "dp4 mb4" in err)
+
+
+def test_replay_cpu_is_the_median_over_rounds_then_ranks():
+    def rank(*step_thread: float) -> dict:
+        return {"times": {"dp4 z1": {"step_thread": list(step_thread)}}}
+
+    per_rank = [rank(0.010, 0.030, 0.020), rank(0.040, 0.050, 0.045), rank(0.001, 0.002, 0.090)]
+    # per rank 0.020, 0.045, 0.002 -> 0.020
+    assert probe_collective_replay.cpu_median(per_rank, "dp4 z1", "step_thread") == pytest.approx(0.020)
