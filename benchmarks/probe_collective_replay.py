@@ -238,7 +238,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{row['step_thread_cpu_s'] * 1e3:>6.1f} / {row['step_process_cpu_s'] * 1e3:>5.1f} "
               f"{row['replay_thread_cpu_s'] * 1e3:>6.1f} / {row['replay_process_cpu_s'] * 1e3:>5.1f}  {shown}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+        Path(args.json).write_text(json.dumps({"size": args.size, "world": args.world, "load_factor": load,
+                                               "reference_s": result["reference_s"], "rows": rows},
+                                              indent=1, default=str) + "\n")
     return rows
 
 
