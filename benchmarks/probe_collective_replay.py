@@ -190,25 +190,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from autopar.runtime.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=sorted(sc.SIZES), default="S")
-    ap.add_argument("--world", type=int, choices=(4, 8), default=4)
-    ap.add_argument("--only", default="", help="comma-separated one-stage configuration labels (default: all)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    sc.add_probe_arguments(ap, rounds=5)
     ap.add_argument("--json", default="", help="write the rows here too")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0:
-        ap.error(f"--rounds must be at least 1 and --warmup at least 0, got --rounds {args.rounds} "
-                 f"--warmup {args.warmup}")
-    cases = [c for c in sc.cases(args.world) if not c.label.endswith(sc.REPEAT_SUFFIX) and c.config.pp == 1]
-    if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        known = {c.label for c in cases}
-        unknown = [w for w in wanted if w not in known]
-        if unknown:
-            ap.error(f"--only: no one-stage configuration {unknown} in the {args.world}-process group; "
-                     f"it has: {', '.join(sorted(known))}")
-        cases = [c for c in cases if c.label in wanted]
+    cases = sc.probe_cases(ap, args, one_stage=True)
     spec = sc.SIZES[args.size]
     per_rank = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)
     result = per_rank[0]

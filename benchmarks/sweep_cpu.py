@@ -153,6 +153,37 @@ def cases(world: int) -> list[SweepCase]:
     raise ValueError(f"no sweep defined for {world} processes; use 4 or 8")
 
 
+def add_probe_arguments(ap: argparse.ArgumentParser, *, rounds: int) -> None:
+    """The arguments the probes of one sweep group share (benchmarks/probe_*.py): --size,
+    --world, --only, --rounds, --warmup; `probe_cases` reads them."""
+    ap.add_argument("--size", choices=sorted(SIZES), default="S")
+    ap.add_argument("--world", type=int, choices=(4, 8), default=4)
+    ap.add_argument("--only", default="", help="comma-separated configuration labels (default: the group's all)")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--warmup", type=int, default=2)
+
+
+def probe_cases(ap: argparse.ArgumentParser, args: argparse.Namespace, *, one_stage: bool = False) -> list[SweepCase]:
+    """The configurations a probe runs: the group's (no repeats; with `one_stage`, pp = 1
+    only), narrowed to --only. Bad counts or an unknown label end the probe with the
+    parser's exit 2, saying what was given and what the group has, before any rank starts."""
+    if args.rounds < 1 or args.warmup < 0:
+        ap.error(f"--rounds must be at least 1 and --warmup at least 0, got --rounds {args.rounds} "
+                 f"--warmup {args.warmup}")
+    group = [c for c in cases(args.world) if not c.label.endswith(REPEAT_SUFFIX)
+             and (not one_stage or c.config.pp == 1)]
+    if not args.only:
+        return group
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    known = {c.label for c in group}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        kind = "one-stage configuration" if one_stage else "configuration"
+        ap.error(f"--only: no {kind} {unknown} in the {args.world}-process group; "
+                 f"the group has: {', '.join(sorted(known))}")
+    return [c for c in group if c.label in wanted]
+
+
 # ---- on the ranks ----------------------------------------------------------------------
 
 def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, timed: int) -> dict[str, Any]:
