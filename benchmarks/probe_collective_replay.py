@@ -124,10 +124,16 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
     sizes = {}
     buffers: dict[tuple[Any, ...], Any] = {}
 
+    for _, _, colls in programs:  # groups and buffers made before any timing
+        for c in colls:
+            if c["group"] not in sizes:
+                sizes[c["group"]] = _resolve_process_group(c["group"]).size()
+            if (c["shape"], c["dtype"]) not in buffers:
+                buffers[(c["shape"], c["dtype"])] = torch.ones(c["shape"], dtype=c["dtype"])
+
     def replay(colls: list[dict[str, Any]]) -> None:
         for c in colls:
-            size = sizes.setdefault(c["group"], _resolve_process_group(c["group"]).size())
-            x = buffers.setdefault((c["shape"], c["dtype"]), torch.ones(c["shape"], dtype=c["dtype"]))
+            size, x = sizes[c["group"]], buffers[(c["shape"], c["dtype"])]
             if c["kind"] == "all_gather":
                 y = ops.all_gather_into_tensor(x, size, c["group"])
             elif c["kind"] == "reduce_scatter":
@@ -154,8 +160,7 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
                     out[label][f"{what}_process"].append(process)
     counts = {}
     for label, _, colls in programs:
-        per = Counter((c["kind"], sizes.setdefault(c["group"], _resolve_process_group(c["group"]).size()), c["bytes"])
-                      for c in colls)
+        per = Counter((c["kind"], sizes[c["group"]], c["bytes"]) for c in colls)
         counts[label] = [[kind, size, nbytes, n] for (kind, size, nbytes), n in sorted(per.items())]
     return {"times": out, "counts": counts, "reference_s": reference_s,
             "reference_ranks": min(sc.REFERENCE_RANKS, dist.get_world_size())}
