@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--json", default="", help="write the rows here too")
     args = ap.parse_args(argv)
     cases = sc.probe_cases(ap, args, one_stage=True)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        ap.error(f"--json: the folder of {args.json!r} does not exist; create it or give a path in an existing one")
     spec = sc.SIZES[args.size]
     per_rank = spawn(_worker, args.world, (spec, cases, args.warmup, args.rounds), collective_timeout_s=300.0)
     result = per_rank[0]

@@ -164,3 +164,10 @@ def test_replay_cpu_is_the_median_over_rounds_then_ranks():
     per_rank = [rank(0.010, 0.030, 0.020), rank(0.040, 0.050, 0.045), rank(0.001, 0.002, 0.090)]
     # per rank 0.020, 0.045, 0.002 -> 0.020
     assert probe_collective_replay.cpu_median(per_rank, "dp4 z1", "step_thread") == pytest.approx(0.020)
+
+
+def test_replay_probe_refuses_a_json_path_it_could_not_write_before_any_rank_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_collective_replay.main(["--json", str(tmp_path / "missing" / "out.json")])
+    assert exc.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
