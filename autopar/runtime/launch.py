@@ -120,11 +120,15 @@ def gather_build_results(value: Any, *, timeout_s: float = BUILD_EXCHANGE_TIMEOU
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn.functional", "autopar.runtime.launch",
            "autopar.runtime.jobs", "autopar.runtime.program", "autopar.runtime.spmd", "autopar.runtime.pipe_spmd",
-           "codegen.apply"]
+           "codegen.apply", "torch._functorch.aot_autograd"]
 """What the forkserver imports once, before it forks ranks (module docstring): torch (2.4 s
-per process here) and the runtime every training rank imports (0.8 s more). The server has
-started no thread of its own after these imports (checked: the same 2 tasks as after
-`import torch`), so forking it is safe."""
+per process here), the runtime every training rank imports (0.8 s more), and what tracing
+the step imports on first use (`aot_export_joint_with_descriptors`: torch._functorch.aot_autograd,
+which brings dynamo, inductor's config and caches, networkx, triton's Python package; 1.0-1.4
+s per process on this shared 2-core machine, 2026-11-27), which every rank paid again after
+its fork: 762 modules, counted in a rank of a dp2 x tp2 run. The server has started no
+thread of its own after these imports (checked: the same 2 tasks as after `import torch`,
+aot_autograd included), so forking it is safe."""
 
 
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable[..., Any],
