@@ -11,11 +11,15 @@ equal what the plan or the ILP priced.
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 import torch
 
 from autopar.api import search_plans
 from autopar.config import ParallelConfig as C
+from autopar.plan import Plan
 from autopar.runtime.jobs import TrainJob, reference_run, train_worker
 from autopar.runtime.launch import spawn
 
@@ -45,11 +49,26 @@ them and not the rest, a per-parameter choice no template (uniform ZeRO stage, f
 TP rules) expresses."""
 
 
-def _budget_plan():
-    free = search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1, max_pp=1).plan
-    budget_gb = 0.6 * free.predicted.peak_memory_bytes / 2**30
-    return search_plans(BIG_VOCAB, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1, max_pp=1,
-                       memory_gb=budget_gb).plan, free
+def _searched(model: str, memory_gb: float | None = None) -> str:
+    return search_plans(model, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1, max_pp=1,
+                        memory_gb=memory_gb).plan.dumps()
+
+
+def _budget_plan() -> tuple[str, str]:
+    free = Plan.loads(_searched(BIG_VOCAB))
+    return _searched(BIG_VOCAB, 0.6 * free.predicted.peak_memory_bytes / 2**30), free.dumps()
+
+
+def _search_all() -> tuple[dict[str, Plan], Plan, Plan]:
+    """Every model's searched plan and the budget pair, in two processes: each search is
+    single-threaded, so one process left the second core idle while the fixture's 8
+    searches ran (62 of its 177 s on 2026-11-27). Searches are deterministic across
+    processes (tests/unit/test_search.py::test_plan_json_is_byte_identical_across_processes)."""
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        budget = pool.submit(_budget_plan)  # the longest chain first
+        plans = {name: pool.submit(_searched, model) for name, model in MODELS.items()}
+        return ({name: Plan.loads(f.result()) for name, f in plans.items()},
+                *(Plan.loads(text) for text in budget.result()))
 
 
 def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
@@ -59,14 +78,14 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
 @pytest.fixture(scope="module")
 def runs():
     jobs = []
+    # one stage: the searched plans of these models are one-stage ones anyway; pipelines of
+    # the per-op program are tests/dist/test_pipeline_per_op.py's
+    searched, budget, free = _search_all()
     for name, model in MODELS.items():
-        # one stage: the searched plans of these models are one-stage ones anyway; pipelines
-        # of the per-op program are tests/dist/test_pipeline_per_op.py's
-        plan = search_plans(model, "cpu:4", global_batch=BATCH, microbatch_choices=1, top=1, max_pp=1).plan
+        plan = searched[name]
         forced = [FORCED[c] for c in CONFIGS_OF[name] if c in FORCED]
         jobs.append(TrainJob(model=model, configs=(*forced, plan.config), plans=(*[None] * len(forced), plan.dumps()),
                              steps=3, global_batch=BATCH, return_parameters=True))
-    budget, free = _budget_plan()
     jobs.append(TrainJob(model=BIG_VOCAB, configs=(budget.config,), plans=(budget.dumps(),), steps=3,
                          global_batch=BATCH, return_parameters=True))
     results = spawn(_jobs_worker, 4, (tuple(jobs),))
