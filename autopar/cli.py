@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the measurement R times and keep each figure's median (a shared machine)")
     p.add_argument("--out", default=None, help="write the calibrated profile (JSON) here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--refit", default=None, metavar="PROFILE",
+                   help="measure nothing: derive the profile again from the measurements kept in PROFILE "
+                        "(an earlier --out file), with this version's fits")
     return parser
 
 

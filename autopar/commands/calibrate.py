@@ -7,7 +7,9 @@ Runs autopar/calibrate.py on N local gloo ranks and prints the measured rates an
 the cost model applies the core sharing of whatever N it prices, so a profile measured on
 4 ranks also prices `cpu:8`. `--repeats R` runs the measurement R times and keeps the
 median of each figure (autopar.calibrate.combine): on a shared machine, one burst of load
-then skews no fit.
+then skews no fit. `--refit PROFILE` measures nothing: it derives the profile again from the
+measurements an earlier `--out` file keeps, with this version's fits (a fit that changed
+applies to a profile measured before it; the file's own "hardware" is ignored).
 """
 
 from __future__ import annotations
@@ -16,11 +18,29 @@ import argparse
 import json
 from pathlib import Path
 
-from autopar.calibrate import calibrate, fit, to_hardware
+from autopar.calibrate import Calibration, calibrate, fit, to_hardware
+
+
+def stored_measurements(path: str) -> Calibration:
+    """The measurements an `autopar calibrate --out` file keeps (ValueError: what is wrong)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--refit {path}: cannot read it ({exc}); give a file `autopar calibrate --out` wrote") \
+            from exc
+    if not isinstance(data, dict) or not isinstance(data.get("measurements"), dict):
+        raise ValueError(f"--refit {path}: no \"measurements\" object in it (a bare profile keeps none); give a "
+                         "file `autopar calibrate --out` wrote, e.g. autopar/cpu_profile.json")
+    try:
+        return Calibration.from_json(data["measurements"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"--refit {path}: its measurements are incomplete or malformed ({type(exc).__name__}: "
+                         f"{exc}); measure again with `autopar calibrate --out`") from exc
 
 
 def run(args: argparse.Namespace) -> int:
-    cal = calibrate(args.devices, repeats=getattr(args, "repeats", 1))
+    refit = getattr(args, "refit", None)
+    cal = stored_measurements(refit) if refit else calibrate(args.devices, repeats=getattr(args, "repeats", 1))
     hw = to_hardware(cal)
     f = fit(cal)
     out = {"hardware": hw.to_json(), "measurements": cal.to_json()}
@@ -30,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     runs = getattr(args, "repeats", 1)
+    if refit:
+        print(f"refitted from the measurements kept in {refit} (nothing measured now)")
     print(f"calibrated with {cal.devices} concurrent gloo ranks on {cal.cores} cores (1 thread each; medians "
           f"over ranks and {runs} run(s)); figures below per dedicated core (measured x {cal.sharing:.1f} "
           "ranks per core)")

@@ -255,3 +255,33 @@ def test_calibrated_profile_carries_the_sweep_fitted_constants(monkeypatch, name
         eff = tuple(sorted({**dict(built_in.efficiency), name: value}.items()))
         monkeypatch.setitem(HARDWARE, "cpu", dataclasses.replace(built_in, efficiency=eff))
         assert dict(to_hardware(_cal(4)).efficiency)[name] == value
+
+
+def test_cli_refit_derives_the_profile_from_kept_measurements(tmp_path, capsys) -> None:
+    from autopar.cli import main
+
+    cal = _cal(4)
+    stale = dataclasses.replace(to_hardware(cal), intra_node_latency_s=1.0)  # what an older fit wrote
+    src, out = tmp_path / "old.json", tmp_path / "new.json"
+    src.write_text(json.dumps({"hardware": stale.to_json(), "measurements": cal.to_json()}))
+    assert main(["calibrate", "--refit", str(src), "--out", str(out)]) == 0
+    assert "nothing measured now" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert load_hardware(out) == to_hardware(cal) != stale
+    assert Calibration.from_json(written["measurements"]) == cal
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(stale.to_json()))
+    for bad, says in ((tmp_path / "missing.json", "cannot read it"), (bare, 'no "measurements" object')):
+        assert main(["calibrate", "--refit", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"--refit {bad}" in err and says in err and "autopar calibrate --out" in err
+
+
+def test_built_in_profile_is_what_the_fit_derives_from_its_kept_measurements() -> None:
+    """autopar/cpu_profile.json keeps calibrate's measurements beside the profile: the shipped
+    profile is exactly what this version's fits make of them (`autopar calibrate --refit`
+    reproduces it), so a fit that changes cannot leave the built-in profile behind unnoticed."""
+    from autopar.cluster import CPU_PROFILE_PATH
+
+    kept = Calibration.from_json(json.loads(CPU_PROFILE_PATH.read_text())["measurements"])
+    assert to_hardware(kept) == HARDWARE["cpu"]

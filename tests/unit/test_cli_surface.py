@@ -101,6 +101,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--repeats VALUE (default 1)",
         "--out VALUE",
         "--json",
+        "--refit VALUE",
     ),
 }
 
