@@ -1,4 +1,4 @@
-"""`autopar calibrate [--devices N] [--repeats R] [--out profile.json] [--json]`: measure this machine.
+"""`autopar calibrate [--devices N] [--repeats R] [--out profile.json] [--json] [--refit profile.json]`: measure this machine.
 
 Runs autopar/calibrate.py on N local gloo ranks and prints the measured rates and the
 `cpu` Hardware profile built from them. `--out` writes `{"hardware": ..., "measurements":
@@ -40,7 +40,12 @@ def stored_measurements(path: str) -> Calibration:
 
 def run(args: argparse.Namespace) -> int:
     refit = getattr(args, "refit", None)
+    if refit and getattr(args, "repeats", 1) != 1:
+        raise ValueError(f"--refit measures nothing, so --repeats {args.repeats} does not apply; leave it out")
     cal = stored_measurements(refit) if refit else calibrate(args.devices, repeats=getattr(args, "repeats", 1))
+    if refit and args.devices not in (2, cal.devices):  # 2: the flag's default
+        raise ValueError(f"--refit {refit}: its measurements were made on {cal.devices} ranks, not the --devices "
+                         f"{args.devices} given; leave --devices out (a refit keeps the file's ranks)")
     hw = to_hardware(cal)
     f = fit(cal)
     out = {"hardware": hw.to_json(), "measurements": cal.to_json()}
@@ -49,12 +54,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    runs = getattr(args, "repeats", 1)
     if refit:
-        print(f"refitted from the measurements kept in {refit} (nothing measured now)")
-    print(f"calibrated with {cal.devices} concurrent gloo ranks on {cal.cores} cores (1 thread each; medians "
-          f"over ranks and {runs} run(s)); figures below per dedicated core (measured x {cal.sharing:.1f} "
-          "ranks per core)")
+        print(f"refitted from the measurements kept in {refit} (nothing measured now; they were taken with "
+              f"{cal.devices} concurrent gloo ranks on {cal.cores} cores); figures below per dedicated core "
+              f"(measured x {cal.sharing:.1f} ranks per core)")
+    else:
+        print(f"calibrated with {cal.devices} concurrent gloo ranks on {cal.cores} cores (1 thread each; medians "
+              f"over ranks and {getattr(args, 'repeats', 1)} run(s)); figures below per dedicated core (measured x "
+              f"{cal.sharing:.1f} ranks per core)")
     print(f"  GEMM fp32: peak {f.gemm_flops_per_s / 1e9:.2f} GFLOP/s, K-ramp {f.gemm_k_ramp:.0f}, "
           f"per-call {f.gemm_overhead_s * 1e6:.1f} us")
     print(f"  copy: {f.copy_bytes_per_s / 1e9:.2f} GB/s, per-call {f.copy_overhead_s * 1e6:.1f} us")

@@ -275,6 +275,11 @@ def test_cli_refit_derives_the_profile_from_kept_measurements(tmp_path, capsys) 
         assert main(["calibrate", "--refit", str(bad)]) == 2
         err = capsys.readouterr().err
         assert f"--refit {bad}" in err and says in err and "autopar calibrate --out" in err
+    assert main(["calibrate", "--refit", str(src), "--repeats", "3"]) == 2
+    assert "--repeats 3 does not apply" in capsys.readouterr().err
+    assert main(["calibrate", "--refit", str(src), "--devices", "8"]) == 2
+    assert "made on 4 ranks, not the --devices 8 given" in capsys.readouterr().err
+    assert main(["calibrate", "--refit", str(src), "--devices", "4"]) == 0
 
 
 def test_built_in_profile_is_what_the_fit_derives_from_its_kept_measurements() -> None:
