@@ -348,6 +348,9 @@ def _autopar_step(model: Any, batch: tuple[torch.Tensor, ...], smoke: bool) -> C
                             rank=0, world_size=1)
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
+        # on the GPU before the trace: a CPU model traced with CUDA inputs fails in the
+        # tracer's fake-tensor device propagation (seen on the first run, H100)
+        model = model.to("cuda")
     mesh = "h100:1x1" if torch.cuda.is_available() else "cpu:1"
     compiled = autopar.compile(model, mesh, example_inputs=batch, optimizer=functools.partial(torch.optim.AdamW, lr=LR),
                                config=ParallelConfig(dp=1, tp=1, pp=1, micro_batch=TRAIN_BATCH))

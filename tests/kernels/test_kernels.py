@@ -101,6 +101,19 @@ def test_bias_gelu_matches_eager(backend: str, dtype: torch.dtype) -> None:
     _check(ops.bias_gelu, lambda x, b: F.gelu(x + b, approximate="tanh"), [x, bias], dtype)
 
 
+def test_bias_gelu_backward_over_several_column_blocks(triton_interpret: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's 2-D grid: 50 columns in blocks of 16 (the last one partial), 21 rows
+    split over more row blocks than divide them evenly."""
+    from codegen.kernels import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "COLUMN_BLOCK", 16)
+    monkeypatch.setattr(triton_kernels, "NORM_BWD_PROGRAMS", 20)  # 20 / 4 blocks = 5 row blocks of 5 rows
+    torch.manual_seed(1)
+    x, bias = torch.randn(3, 7, 50) * 3, torch.randn(50)
+    _check(ops.bias_gelu, lambda x, b: F.gelu(x + b, approximate="tanh"), [x, bias], torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_cross_entropy_matches_eager(backend: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
