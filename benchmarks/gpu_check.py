@@ -84,6 +84,23 @@ def bench_ms(fn: Callable[[], Any], *, warmup_ms: float = 50, rep_ms: float = 30
     return statistics.median(times)
 
 
+def gpu_busy_ms(fn: Callable[[], Any], iters: int = 5) -> float:
+    """Device time per call: the sum of the GPU's kernel (and copy) intervals the profiler
+    records over `iters` calls, over iters. Beside `bench_ms`, which also counts the GPU
+    idling while the host launches (Python dispatch of custom ops, Triton's launcher)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        sync()
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return busy_us / iters / 1e3
+
+
 # ---------------------------------------------------------------------------------------
 # env
 
@@ -268,6 +285,8 @@ def section_kernels(out: Path, smoke: bool) -> None:
                 results[f"{label}_ms"] = bench_ms(step)
                 results[f"{label}_peak_mib"] = ((torch.cuda.max_memory_allocated() - base) / 2**20
                                                 if torch.cuda.is_available() else 0.0)
+                if torch.cuda.is_available():
+                    results[f"{label}_busy_ms"] = gpu_busy_ms(step)
             except Exception as exc:  # noqa: BLE001 (recorded: a variant that fails is a finding)
                 results[f"{label}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         emit(out, "kernels", pattern=pattern, shape=list(shape), tokens=tokens,

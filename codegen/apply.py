@@ -203,6 +203,28 @@ def _settle_masks(out: Any) -> Any:
     return DTensor(local, spec, requires_grad=False)
 
 
+def _wrap_replicated_plain_outputs(out: Any, choice: NodeStrategy, mesh: DeviceMesh) -> Any:
+    """A multi-output op whose DTensor rule gives some tensor output no placement returns that
+    output as a plain tensor: CUDA's flash attention returns its philox offset so (its rule
+    places rng_state, not the offset), and the plan, traced on fake tensors, chose a placement
+    for it. Where the plan chose it replicated, it is the same on every rank: wrap it as such,
+    so the backward that takes it receives a DTensor. Seen on an H100 (torch 2.11), the first
+    per-op program run on CUDA; CPU attention has no such output."""
+    if isinstance(out, DTensor) or not isinstance(out, (tuple, list)):
+        return out
+    tensors = [i for i, o in enumerate(out) if isinstance(o, torch.Tensor)]
+    plain = [i for i in tensors if not isinstance(out[i], DTensor)]
+    if not plain or len(tensors) != len(choice.outputs):
+        return out
+    wanted = dict(zip(tensors, choice.outputs))
+    if not all(all(isinstance(p, Replicate) for p in wanted[i]) for i in plain):
+        return out  # a sharded choice cannot be inferred from a whole tensor: _check says so
+    wrapped = list(out)
+    for i in plain:
+        wrapped[i] = _dtensor(out[i], mesh, wanted[i], out[i].shape, out[i].stride())
+    return tuple(wrapped) if isinstance(out, tuple) else wrapped
+
+
 class _Interpreter:
     """Runs the joint graph on DTensors laid out as `choices` say."""
 
@@ -405,6 +427,7 @@ class _Interpreter:
         except Exception as exc:
             raise ApplyError(f"node {node.name} ({node.target}) failed under placements "
                              f"{[str(p) for p in choice.inputs]}: {type(exc).__name__}: {exc}") from exc
+        out = _wrap_replicated_plain_outputs(out, choice, self.mesh)
         self._check(node, ir, choice, out)
         return _settle_masks(out)
 
