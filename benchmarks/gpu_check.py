@@ -384,6 +384,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU check of the code paths")
     args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.smoke and args.section != "env":
+        print(f"SKIPPED {args.section}: no CUDA device (torch.cuda.is_available() is False). The fused kernels are "
+              "Triton GPU kernels; on a CPU Triton runs only in its interpreter, so timings would measure the "
+              "interpreter (tests/kernels checks their numerics there). --smoke runs the code paths at tiny shapes.")
+        return 0
     try:
         if args.section == "env":
             section_env(args.out, args.smoke)
