@@ -441,11 +441,18 @@ class _Interpreter:
                 f"{[tuple(str(p) for p in o) for o in choice.outputs]} (inputs {[str(p) for p in choice.inputs]})")
 
 
-def _example(shape: tuple[int, ...], dtype: str, device: str) -> torch.Tensor:
-    """A placeholder's example on the mesh's device type: one on another device makes
-    DTensor.from_local move it, and the trace would keep that copy, of every parameter and
-    input, in every step (seen on an H100: a `_to_copy(..., device='cuda')` per placeholder)."""
-    return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+def _examples(metas: Sequence[tuple[tuple[int, ...], str]], device: str) -> list[torch.Tensor]:
+    """The placeholders' examples for make_fx: fake tensors (no memory: real ones on a GPU
+    would hold a second copy of the rank's parameters while it traces) on the mesh's device
+    type. One on another device makes DTensor.from_local move it, and the trace would keep
+    that copy, of every parameter and input, in every step (seen on an H100: a
+    `_to_copy(..., device='cuda')` per placeholder). The mode is the one make_fx would make
+    itself (it takes the inputs' mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True):
+        return [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in metas]
 
 
 def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
@@ -493,7 +500,7 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     order = [position[g] for _, g in graph.param_grads if g in position]
     grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order)
 
-    examples = [_example(local_shape(s.shape, s.placements, mesh_shape), s.dtype, mesh.device_type) for s in slots]
+    examples = _examples([(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots], mesh.device_type)
     interp.sync = grad_sync if sync_in_step else None
     with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
         step = make_fx(interp.run, tracing_mode="fake")(*examples)
@@ -503,8 +510,8 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     sync = None
     if not sync_in_step:
         sync = make_fx(grad_sync, tracing_mode="fake")(
-            *[_example(local_shape(meta.shape, raw, mesh_shape), meta.dtype, mesh.device_type)
-              for _, raw, _, meta in grads])
+            *_examples([(local_shape(meta.shape, raw, mesh_shape), meta.dtype) for _, raw, _, meta in grads],
+                       mesh.device_type))
         _name_placeholders(sync, [f"grad_{name}" for name, *_ in grads])
         # boxed: the caller hands over its list of raw gradients and the graph clears it, so each
         # raw gradient is freed once copied into its bucket (not held until the sync returns)
