@@ -174,7 +174,14 @@ def main() -> int:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    text = report(load(args.runs), [str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in args.runs])
+    try:
+        runs = load(args.runs)
+        if not any(r.get("section") == "env" for r in runs[0]):
+            raise ValueError("its first file has no env row")
+    except (OSError, ValueError) as exc:
+        parser.error(f"{exc}; give the gpu_check.jsonl files a GPU run wrote (benchmarks/gpu_check.sh OUT), "
+                     "e.g. benchmarks/results/gpu_h100_run1.jsonl")
+    text = report(runs, [str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in args.runs])
     if args.out:
         args.out.write_text(text)
     print(text)
