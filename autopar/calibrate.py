@@ -36,7 +36,9 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
 - gloo collectives: all-reduce, all-gather and reduce-scatter at several sizes, on all N
   ranks and inside 2-rank groups, and send/recv pairs; per kind, the latency per ring step
   and the bus bandwidth are fitted to t = L0 + steps(n) alpha + vol(n) S / B_kind
-  (steps: 2(n-1) all-reduce, n-1 all-gather/reduce-scatter; vol: 2(n-1)/n, (n-1)/n);
+  (steps: 2(n-1) all-reduce and reduce-scatter, n-1 all-gather; vol: 2(n-1)/n, (n-1)/n:
+  gloo runs a reduce-scatter as an all-reduce of the whole input,
+  `cost_model.collectives.GLOO_REDUCE_SCATTER`);
 - rank skew: a small all-reduce between chunks of GEMM work costs more than back to back
   (every rank waits for the one the OS scheduled last). Measured and reported, not priced:
   see `Calibration.sync_skew_s`.
@@ -656,8 +658,9 @@ def fit(cal: Calibration) -> Fitted:
     # collectives: t = L0 + steps(n) alpha + vol(n) S / B_kind  (unknowns L0, alpha, 1/B per kind)
     crow, cy = [], []
     for kind, n, nbytes, t in cal.collective_s:
-        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-        vol = (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+        twice = kind in ("all_reduce", "reduce_scatter")  # gloo reduce-scatters by an all-reduce
+        steps = 2 * (n - 1) if twice else n - 1  # (cost_model.collectives.GLOO_REDUCE_SCATTER)
+        vol = (2 if twice else 1) * (n - 1) / n * nbytes
         crow.append([1.0, steps] + [vol if kind == k else 0.0 for k in KINDS])
         cy.append(t)
     base, alpha, *inv_bw = _least_squares(crow, cy)
