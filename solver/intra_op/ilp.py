@@ -89,6 +89,7 @@ from cost_model import (
     cost_table,
     reshard_collectives,
 )
+from cost_model.collectives import runs_gloo
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.space import enumerate_strategies
 
@@ -665,11 +666,11 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if keep_placeholder is not None:
         space = restrict_placeholders(graph, space, keep_placeholder)
     if nodes is None:
-        space = prune_gather_free(graph, space, gather_free_axes, gloo=cluster.hardware.name == "cpu",
+        space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
                                   memo=prune_memo)
     table = cost_table(graph, space, cluster)
     red = reduce_graph(graph, space, table, nodes)
-    pricer = ReshardPricer(table.links, gloo=cluster.hardware.name == "cpu",
+    pricer = ReshardPricer(table.links, gloo=runs_gloo(cluster.hardware),
                            copy_s_per_byte=bucket_copy_s_per_byte(cluster))
 
     node_coef: dict[NodeId, list[float]] = {o: [0.0] * len(red.smap[o]) for o in red.owners}
