@@ -36,6 +36,7 @@ from cost_model.collectives import (
     mesh_axis_links,
     reduce_scatter_time_s,
     reshard_time_s,
+    runs_gloo,
     send_recv_time_s,
 )
 from cost_model.compute import compute_time_s, grad_accumulation_time_s, optimizer_time_s
@@ -85,5 +86,6 @@ __all__ = [
     "loss_report_time_s",
     "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",
+    "runs_gloo",
     "send_recv_time_s", "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",
 ]

@@ -88,8 +88,8 @@ from cost_model import (
     bucket_copy_s_per_byte,
     cost_table,
     reshard_collectives,
+    runs_gloo,
 )
-from cost_model.collectives import runs_gloo
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.space import enumerate_strategies
 
