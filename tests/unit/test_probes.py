@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import probe_collective_replay  # noqa: E402
 import probe_cpu_accounting  # noqa: E402
 import probe_funcol_overhead  # noqa: E402
+import probe_program_choice  # noqa: E402
 
 
 def test_cpu_accounting_sets_the_ranks_core_work_against_the_median_wall():
@@ -171,3 +172,32 @@ def test_replay_probe_refuses_a_json_path_it_could_not_write_before_any_rank_sta
         probe_collective_replay.main(["--json", str(tmp_path / "missing" / "out.json")])
     assert exc.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_program_choice_probe_compares_two_solves_under_the_built_in_profile():
+    """The probe's ILP side: the built-in profile against itself moves no node; against a
+    profile whose collectives are 30x slower the solve moves nodes, and the built-in prices
+    the other's placements no cheaper than its own optimum (its own solve is optimal there)."""
+    from dataclasses import replace
+
+    from autopar.cluster import HARDWARE
+    from sweep_cpu import SIZES, cases
+
+    hw = HARDWARE["cpu"]
+    tp4 = next(c for c in cases(4) if c.label == "tp4")
+    (same,) = probe_program_choice.ilp_prices(SIZES["S"], tp4, hw)
+    assert same["moved"] == 0 and "other_s" not in same
+    slow = replace(hw, intra_node_latency_s=hw.intra_node_latency_s * 30)
+    (moved,) = probe_program_choice.ilp_prices(SIZES["S"], tp4, slow)
+    assert moved["nodes"] == same["nodes"] and moved["moved"] > 0
+    assert moved["built_in_s"] == pytest.approx(same["built_in_s"])
+    assert moved["other_s"] >= moved["built_in_s"] * (1 - 1e-6)
+
+
+def test_program_choice_probe_refuses_an_unreadable_profile_before_any_rank_starts(tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as exc:
+        probe_program_choice.main(["--size", "S", "--world", "4", "--only", "tp4", "--other", str(bad)])
+    assert exc.value.code == 2
+    assert str(bad) in capsys.readouterr().err
