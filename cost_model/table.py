@@ -214,8 +214,10 @@ class ReshardPricer:
         self.mesh_shape = tuple(link.size for link in links)
         self.gloo = gloo
         self.copy_s_per_byte = copy_s_per_byte
-        """Copying one byte of a raw gradient into its bucket's flat buffer (read + write;
-        `bucket_copy_s_per_byte`), paid by every bucketed gradient sync."""
+        """Copying one byte (read + write; `bucket_copy_s_per_byte`): paid by every bucketed
+        gradient sync (each raw gradient into its bucket's flat buffer) and every grouped
+        parameter gather (each shard into the group's flat buffer, each gathered parameter
+        out of the gathered rows: `gather_time`)."""
         self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {}
 
     def collectives(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[Collective, ...] | None:
@@ -242,12 +244,17 @@ class ReshardPricer:
 
     def gather_time(self, meta: TensorMeta, src: Placements, dst: Placements, share: float) -> float | None:
         """A grouped parameter gather: its bandwidth term plus `share` of the collective's
-        latency (the group pays one); any other reshard as __call__."""
+        latency (the group pays one), plus the copies the group runs for it
+        (codegen/apply.py `_Interpreter._gather`): its shard packed into the group's flat
+        buffer (1/n of the gathered bytes) and the gathered parameter concatenated out of
+        the n gathered rows (all of them). Any other reshard as __call__."""
         if self.gather_axis(meta, src, dst) is None:
             return self(meta, src, dst)
         (step,) = self.collectives(meta, src, dst)
-        latency = collective_latency_s(step.kind, self.links[step.axis])
-        return collective_time_s(step, self.links) - latency + latency * share
+        link = self.links[step.axis]
+        latency = collective_latency_s(step.kind, link)
+        copies = self.copy_s_per_byte * step.bytes * (1 + 1 / link.size)
+        return collective_time_s(step, self.links) - latency + latency * share + copies
 
     def bucket_key(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple | None:
         """The bucket a gradient reduction `src -> dst` can share (autopar/buckets.py), or
