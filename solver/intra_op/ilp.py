@@ -304,6 +304,21 @@ def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:
     return {k: sum(d.values()) for k, d in seen.items()}
 
 
+def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]:
+    """Per (parameter-derived tensor, consumer layer, phase): how many input edges read it
+    there. The runtime gathers a tensor once per group (codegen/apply.py `_gather_groups`
+    keys members by tensor and placements), so a tensor read twice in one phase (a norm
+    weight under full recompute: the recomputed forward and the backward) pays one gather."""
+    derived = graph.parameter_derived()
+    uses: dict[tuple[NodeId, int | None, str], int] = {}
+    for v in graph.nodes:
+        for u in v.inputs:
+            if u in derived and len(graph[u].outputs) == 1:
+                key = (u, v.layer, v.phase.value)
+                uses[key] = uses.get(key, 0) + 1
+    return uses
+
+
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], *,
                    grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = ()
@@ -322,17 +337,22 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     matrices: dict[tuple, list[list[float]]] = {}
 
     group_bytes = param_gather_bytes(graph)
+    gather_uses = param_gather_uses(graph)
     derived = graph.parameter_derived()
 
     def priced(meta, s: Placements, d: Placements, activation: bool, grad: bool,
-               share: float | None = None) -> float | None:
+               share: float | None = None, uses: int = 1) -> float | None:
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
             return 0.0
-        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad, share)
+        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad, share, uses)
         if key not in pair_cost:
             t = pricer.grad_sync_time(meta, s, d) if grad else pricer(meta, s, d) if share is None \
                 else pricer.gather_time(meta, s, d, share)
+            if t is not None and uses > 1 and pricer.gather_axis(meta, s, d) is not None:
+                # read `uses` times in its group, gathered once: each read pays its part (exact
+                # where every reader asks for the same placement; _extract prices the program)
+                t /= uses
             if t is not None and activation and any(
                     c.axis in gather_free_axes and c.kind in ("all_gather", "all_to_all")
                     for c in pricer.collectives(meta, s, d) or ()):
@@ -342,14 +362,15 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
 
     def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float, grad: bool = False) -> None:
         activation = bool(gather_free_axes) and u not in from_params and not grad
-        share = None
+        share, uses = None, 1
         if not grad and u in derived:
             share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
+            uses = gather_uses[(u, graph[v].layer, graph[v].phase.value)]
         a, b = red.owner[u], red.owner[v]
         if a == b:
             coef = node_coef[a]
             for j in range(len(coef)):
-                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad, share)
+                c = priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad, share, uses)
                 if c is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
@@ -357,11 +378,11 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad, share)
+        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad, share, uses)
         unit = matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-            distinct = {(a, b): priced(meta, a, b, activation, grad, share) for a in us for b in ud}
+            distinct = {(a, b): priced(meta, a, b, activation, grad, share, uses) for a in us for b in ud}
             unit = matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         matrix = edges.get((a, b))
         if matrix is None:
@@ -820,9 +841,10 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
             axis = pricer.gather_axis(meta, src, dst)
             if axis is not None:  # one flat all-gather per group, each parameter once in it
                 members = groups.setdefault(gather_group(graph[v].layer, graph[v].phase.value, axis, meta.dtype), {})
-                if (u, src, dst) not in members:
-                    members[(u, src, dst)] = PricedCollective(src=u, dst=v, kind="all_gather", axis=axis,
-                                                              bytes=steps[0].bytes, weight=graph.weight(v))
+                if (u, src, dst) in members:
+                    return 0.0  # gathered once for its group: its first reader paid
+                members[(u, src, dst)] = PricedCollective(src=u, dst=v, kind="all_gather", axis=axis,
+                                                          bytes=steps[0].bytes, weight=graph.weight(v))
                 share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
                 return pricer.gather_time(meta, src, dst, share) or 0.0
         for c in steps:

@@ -470,3 +470,48 @@ def test_memoised_gather_free_pruning_is_the_pass_it_stands_for() -> None:
             assert got == want, (graph.model.batch, zero)
             assert sum(map(len, want.strategies)) < sum(map(len, restricted.strategies))  # it prunes
     assert 1 <= len(memo) < calls
+
+
+class SquareTwice(nn.Module):
+    """One weight read by two matmuls of the same phase (x @ w, then h @ w)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(d, d))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (((F.gelu(x @ self.w) @ self.w) - y) ** 2).sum()
+
+
+def test_a_weight_read_twice_in_one_phase_pays_one_gather() -> None:
+    """The runtime gathers each parameter-derived tensor once per group (codegen/apply.py
+    `_gather_groups`); the solution's price charges it once too, not once per reader."""
+    from cost_model.table import ReshardPricer, bucket_copy_s_per_byte
+    from solver.intra_op.ilp import param_gather_bytes
+
+    graph = _graph(lambda: SquareTwice(2048), (8192, 2048), (8192, 2048))
+
+    def keep(node, placements) -> bool:  # ZeRO-3-like: the weight sharded, the batch split
+        if node.role is Role.TANGENT:
+            return True
+        return placements == (Shard(0),)
+
+    sol = solve_intra_op(graph, H100x8, (8,), keep_placeholder=keep)
+    assert sol.status == "optimal"
+    (param, _), = graph.param_grads
+    readers = [v for v in graph.nodes if v.op == "aten.mm.default" and param in v.inputs]
+    assert len(readers) == 2 and len({v.phase for v in readers}) == 1
+    dsts = {sol.choice(v.id).inputs[v.inputs.index(param)] for v in readers}
+    src = sol.choice(param).outputs[0]
+    # both read the whole weight (one gather serves both), not a shard of it
+    assert dsts == {(Replicate(),)} and src == (Shard(0),), (src, dsts)
+    (link,) = mesh_axis_links(H100x8, (8,))
+    pricer = ReshardPricer((link,), copy_s_per_byte=bucket_copy_s_per_byte(H100x8))
+    meta = graph[param].output
+    share = meta.size_bytes / param_gather_bytes(graph)[(readers[0].layer, readers[0].phase.value)]
+    once = pricer.gather_time(meta, src, (Replicate(),), share)
+    assert once is not None and once > 0
+    charged = [sol.choice(v.id).reshard_s for v in readers]
+    assert sum(charged) == pytest.approx(once, rel=1e-9), charged
+    gathers = [c for c in sol.collectives if c.kind == "all_gather" and c.src == param]
+    assert len(gathers) == 1 and gathers[0].bytes == meta.size_bytes
