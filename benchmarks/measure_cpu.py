@@ -278,7 +278,7 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
         # to whichever program happens to be measured first. Per configuration, not only
         # for the first one: a configuration's first program (autopar's) otherwise paid
         # for its collectives' and placements' first use and the template measured after
-        # it did not (benchmarks/results/per_op_memory_cpu.md item 9).
+        # it did not (benchmarks/records/per_op_memory_cpu.md item 9).
         for case in world_cases:
             for kind in kinds(case):
                 _run_one(case, kind, batches[:1], measure_memory=False)

@@ -24,8 +24,15 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    same time (single-process, after the measured part so it does not disturb it)
    benchmarks/vs_hand_tuned.py: the first QUICK_GROUPS groups (smallest clusters) ->
    results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md
-5. benchmarks/plots_results.py -> results/*.png
+5. benchmarks/op_coverage.py (share of each model's FLOPs the ILP can shard) ->
+   results/op_coverage.md; benchmarks/gpu_report.py: results/gpu_h100.md re-priced from the
+   rows a lent H100 measured (results/gpu_h100_run*.jsonl; nothing is measured here); with
+   --full also benchmarks/check_search_plans.py (every searched top-5 plan on cpu:2/4/8
+   trains like the single-process reference, ~12 min) -> results/search_plans_run.{md,json}
+6. benchmarks/plots_results.py -> results/*.png
 Nothing outside the repository is read (the published runs ship in benchmarks/data/).
+Dated measurements that no command here re-makes (older runs, superseded layouts) live in
+benchmarks/records/, each with the command that made it.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ def _run(cmd: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true",
-                    help="the complete vs_hand_tuned table (~20 min more) and the cpu wait refit (~13 min)")
+                    help="the complete vs_hand_tuned table (~20 min more), the cpu wait refit (~13 min) and every "
+                         "searched plan run (~12 min)")
     ap.add_argument("--skip-measure", action="store_true", help="reuse results/{sweep,measured}_cpu.json and the profile")
     args = ap.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
@@ -116,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: vs_hand_tuned.py (exit {vs.returncode}) did not write {vs_out.name}; the table there "
               "(if any) is from an earlier run", flush=True)
     phases.append(("validate_cost_model + vs_hand_tuned", time.perf_counter() - t))
+
+    t = time.perf_counter()
+    _run([PY, "benchmarks/op_coverage.py"])
+    _run([PY, "benchmarks/gpu_report.py", *sorted(str(p) for p in RESULTS.glob("gpu_h100_run*.jsonl")),
+          "--out", str(RESULTS / "gpu_h100.md")])
+    if args.full:
+        _run([PY, "benchmarks/check_search_plans.py", "--out", str(RESULTS / "search_plans_run")])
+    phases.append(("op coverage + gpu report" + (" + searched plans run" if args.full else ""),
+                   time.perf_counter() - t))
 
     t = time.perf_counter()
     _run([PY, "benchmarks/plots_results.py"])
