@@ -114,3 +114,21 @@ def test_load_slows_local_work_not_collectives():
         for size in (4096, 8 << 20):
             assert cost_model.all_reduce_time_s(size, slow_links[0]) == cost_model.all_reduce_time_s(size, links[0])
     assert slow.reference_s == pytest.approx(1.5 * hw.reference_s)
+
+
+def test_round_adjusted_estimator_separates_the_machine_from_one_program():
+    """benchmarks/sweep_estimators.py: rounds slowed for everyone (the machine: x1.0-1.6)
+    and one program hit on its own in two of five rounds (x1.3). The round-adjusted reading
+    keeps the programs' true ratio; the minimum and the median over rounds do not."""
+    import sweep_estimators
+
+    machine = [1.0, 1.4, 1.2, 1.6, 1.1]
+    own = {"a": [1.3, 1.0, 1.3, 1.0, 1.0], "b": [1.0] * 5, "c": [1.0] * 5}
+    base = {"a": 0.10, "b": 0.10, "c": 0.40}
+    rows = [{"label": k, "measured_times_s": [v * f * o for f, o in zip(machine, own[k])]} for k, v in base.items()]
+    read = {name: dict(zip(base, fn(rows))) for name, fn in sweep_estimators.ESTIMATORS.items()}
+    adjusted = read["round-adjusted median"]
+    assert adjusted["a"] / adjusted["b"] == pytest.approx(1.0, rel=1e-9)
+    assert adjusted["c"] / adjusted["b"] == pytest.approx(4.0, rel=1e-9)
+    assert read["min"]["a"] / read["min"]["b"] == pytest.approx(1.1, rel=1e-9)
+    assert read["median"]["a"] / read["median"]["b"] == pytest.approx(1.4 / 1.2, rel=1e-9)
