@@ -2,7 +2,7 @@
 measured against the cost model's prediction (calibrated profile and built-in `cpu` profile).
 
     python benchmarks/sweep_cpu.py [--profile cpu.json] [--sizes S,M,L]
-        [--worlds 4,8] [--json out.json] [--md out.md] [--quick]
+        [--worlds 4,8] [--json out.json] [--md out.md] [--quick] [--rounds 22]
 
 What runs: for each model size and world size, every configuration is compiled through the
 public entry point (`autopar.compile(model, "cpu:N", example_inputs=..., config=...)`) on
@@ -17,7 +17,11 @@ configuration's step time is the MINIMUM over its timed rounds (the convention o
 `timeit`: higher values are "typically not caused by variability in Python's speed, but by
 other processes interfering with your timing accuracy"); the median is kept beside it
 (`measured_median_s`). The reference workload that scales the predictions (`load_factor`)
-is reduced the same way. Noise estimate: every world runs its first configuration twice, as
+is reduced the same way, per block of REFERENCE_WINDOWS rounds (`reference_reading`).
+`--rounds` (a multiple of REFERENCE_WINDOWS, 11 by default) gives the minimum more draws:
+on the machine's slow mode (sessions 18-25) the fastest round stood 3.3-5.3% below the second
+fastest at the median against 1.1-2.2% on quiet runs, so the minimum of 11 rested on one or two
+lucky rounds (benchmarks/records/sweep_estimators_2026-11-27.md). Noise estimate: every world runs its first configuration twice, as
 two separately compiled programs (`REPEAT_SUFFIX`); the report gives how far apart the two
 identical programs measured under each estimator. Repeats are left out of the rankings.
 
@@ -439,7 +443,19 @@ def load_factor(hardware: Any, ranks: int, reference_s: list[float]) -> float:
     if not hardware.reference_s or not reference_s:
         return 1.0
     share = max(1.0, ranks / hardware.cores_per_node) if hardware.cores_per_node else 1.0
-    return min(reference_s) / share / hardware.reference_s
+    return reference_reading(reference_s) / share / hardware.reference_s
+
+
+def reference_reading(reference_s: list[float]) -> float:
+    """The sweep's reference time from its windows (one per timed round), read as calibrate
+    reads its REFERENCE_WINDOWS windows: the fastest of REFERENCE_WINDOWS. A sweep of more
+    rounds (`--rounds`, a multiple of REFERENCE_WINDOWS) has one such block of consecutive
+    windows per REFERENCE_WINDOWS rounds: the median over the blocks of each block's
+    fastest, so that more windows do not read faster than calibrate's (the fastest of more
+    draws is lower). Fewer windows than a block (`--quick`): the fastest of them."""
+    w = REFERENCE_WINDOWS
+    blocks = [reference_s[i:i + w] for i in range(0, len(reference_s) - w + 1, w)] or [reference_s]
+    return statistics.median(min(b) for b in blocks)
 
 
 def noise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -484,6 +500,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--only", default="", help="comma-separated configuration labels (for iterating)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed rounds")
+    ap.add_argument("--rounds", type=int, default=TIMED_ROUNDS,
+                    help=f"timed rounds, a multiple of {REFERENCE_WINDOWS} (default {TIMED_ROUNDS}): more rounds "
+                         "give the minimum over rounds more draws on a machine whose speed comes and goes")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--merge", default=None, metavar="JSON",
@@ -495,6 +514,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measuring: keep an earlier run's measured times and reference timings, and "
                          "price every row again with the current cost model and --profile")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.rounds % REFERENCE_WINDOWS:
+        ap.error(f"--rounds must be a positive multiple of {REFERENCE_WINDOWS} (one reference block each), "
+                 f"got {args.rounds}")
     merged_rows = _merge_rows(ap, args.merge) if args.merge else None  # checked before ~20 minutes of measuring
     if args.repredict:
         return repredict(Path(args.repredict), args)
@@ -505,7 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import autopar  # noqa: F401  (autopar before cost_model: import order)
     from autopar.cluster import HARDWARE, load_hardware
 
-    warmup, timed = (1, 3) if args.quick else (WARMUP_ROUNDS, TIMED_ROUNDS)
+    warmup, timed = (1, 3) if args.quick else (WARMUP_ROUNDS, args.rounds)
     hw_cal = load_hardware(args.profile) if args.profile else None
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -519,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ranks = got["reference_ranks"]
             load_default = load_factor(HARDWARE["cpu"], ranks, got["reference_s"])
             load_cal = load_factor(hw_cal, ranks, got["reference_s"]) if hw_cal is not None else None
-            print(f"  reference workload {min(got['reference_s']) * 1e3:.0f} ms: load x{load_default:.2f} "
+            print(f"  reference workload {reference_reading(got['reference_s']) * 1e3:.0f} ms: load x{load_default:.2f} "
                   f"vs the built-in profile's calibration" + (f", x{load_cal:.2f} vs the calibrated one"
                                                                 if load_cal is not None else ""), flush=True)
             for case in world_cases:

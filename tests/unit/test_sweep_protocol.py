@@ -132,3 +132,23 @@ def test_round_adjusted_estimator_separates_the_machine_from_one_program():
     assert adjusted["c"] / adjusted["b"] == pytest.approx(4.0, rel=1e-9)
     assert read["min"]["a"] / read["min"]["b"] == pytest.approx(1.1, rel=1e-9)
     assert read["median"]["a"] / read["median"]["b"] == pytest.approx(1.4 / 1.2, rel=1e-9)
+
+
+def test_reference_reading_per_block_of_calibrates_windows():
+    """The load factor's reference time: calibrate's reading (the fastest of
+    REFERENCE_WINDOWS windows) per block of that many rounds, the median over blocks, so a
+    longer sweep does not read its reference faster than calibrate reads its own."""
+    w = sweep_cpu.REFERENCE_WINDOWS
+    one = [0.010 + 0.001 * k for k in range(w)]
+    assert sweep_cpu.reference_reading(one) == 0.010
+    two = one + [0.014 + 0.001 * k for k in range(w)]
+    assert sweep_cpu.reference_reading(two) == pytest.approx(0.012)
+    assert sweep_cpu.reference_reading([0.02, 0.011, 0.013]) == 0.011  # --quick: fewer than a block
+    three = two + [0.009] * w
+    assert sweep_cpu.reference_reading(three) == 0.010
+
+
+def test_sweep_rounds_must_fill_reference_blocks():
+    with pytest.raises(SystemExit) as err:
+        sweep_cpu.main(["--rounds", str(sweep_cpu.REFERENCE_WINDOWS + 1), "--sizes", "S"])
+    assert err.value.code == 2
