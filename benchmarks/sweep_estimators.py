@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="*")
     ap.add_argument("--md", default=None, help="write the table here as markdown")
     args = ap.parse_args(argv)
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        ap.error(f"no such sweep file: {', '.join(missing)}; give JSON files benchmarks/sweep_cpu.py wrote "
+                 "(--json), or none for every recorded sweep")
     files = [Path(f) for f in args.files] or (
         sorted(p for p in (ROOT / "benchmarks" / "records").glob("sweep_cpu_*.json") if "profile" not in p.name)
         + [ROOT / "benchmarks" / "results" / "sweep_cpu.json"])

@@ -152,3 +152,12 @@ def test_sweep_rounds_must_fill_reference_blocks():
     with pytest.raises(SystemExit) as err:
         sweep_cpu.main(["--rounds", str(sweep_cpu.REFERENCE_WINDOWS + 1), "--sizes", "S"])
     assert err.value.code == 2
+
+
+def test_sweep_estimators_names_a_missing_file(tmp_path, capsys):
+    import sweep_estimators
+
+    with pytest.raises(SystemExit) as err:
+        sweep_estimators.main([str(tmp_path / "nope.json")])
+    assert err.value.code == 2
+    assert "nope.json" in capsys.readouterr().err
