@@ -514,6 +514,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="no measuring: keep an earlier run's measured times and reference timings, and "
                          "price every row again with the current cost model and --profile")
     args = ap.parse_args(argv)
+    if args.quick and args.rounds != TIMED_ROUNDS:
+        ap.error(f"--quick runs 3 timed rounds; it cannot be combined with --rounds {args.rounds} (give one of them)")
     if args.rounds < 1 or args.rounds % REFERENCE_WINDOWS:
         ap.error(f"--rounds must be a positive multiple of {REFERENCE_WINDOWS} (one reference block each), "
                  f"got {args.rounds}")

@@ -152,6 +152,9 @@ def test_sweep_rounds_must_fill_reference_blocks():
     with pytest.raises(SystemExit) as err:
         sweep_cpu.main(["--rounds", str(sweep_cpu.REFERENCE_WINDOWS + 1), "--sizes", "S"])
     assert err.value.code == 2
+    with pytest.raises(SystemExit) as err:
+        sweep_cpu.main(["--quick", "--rounds", str(2 * sweep_cpu.REFERENCE_WINDOWS)])
+    assert err.value.code == 2
 
 
 def test_sweep_estimators_names_a_missing_file(tmp_path, capsys):
