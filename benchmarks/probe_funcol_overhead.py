@@ -67,11 +67,11 @@ def _rank(rank: int, windows: int) -> dict[tuple[str, int, int, str], float]:
                 ("all_reduce", "funcol"): lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group)),
                 ("all_gather", "raw"): lambda: dist.all_gather_into_tensor(full, shard, group=group),
                 ("all_gather", "graph"): lambda: ops.wait_tensor(ops.all_gather_into_tensor(shard, size, name)),
-                ("all_gather", "funcol"): lambda: funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)),
+                ("all_gather", "funcol"): lambda: funcol.wait_tensor(funcol.all_gather_single(shard, 0, group)),
                 ("reduce_scatter", "raw"): lambda: dist.reduce_scatter_tensor(shard, full, group=group),
                 ("reduce_scatter", "graph"): lambda: ops.wait_tensor(ops.reduce_scatter_tensor(full, "sum", size, name)),
                 ("reduce_scatter", "funcol"): lambda: funcol.wait_tensor(
-                    funcol.reduce_scatter_tensor(full, "sum", 0, group)),
+                    funcol.reduce_scatter_single(full, "sum", 0, group)),
             }
             for call in calls.values():  # first calls (the functional API's one-time setup) untimed
                 call()

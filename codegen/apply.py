@@ -287,7 +287,7 @@ class _Interpreter:
             self._ensure(self.fx_nodes[u], env)
         locals_ = [env[self.fx_nodes[u]]._local_tensor for u, _, _ in members]
         flat = torch.cat([t.reshape(-1) for t in locals_])
-        rows = funcol.all_gather_tensor(flat, 0, (self.mesh, axis)).view(n, -1)
+        rows = funcol.all_gather_single(flat, 0, (self.mesh, axis)).view(n, -1)
         offset = 0
         for (u, src, dst), local in zip(members, locals_):
             size = local.numel()
@@ -651,7 +651,7 @@ class _GradSync:
             for r in range(n):
                 flat[r * stride + offset:r * stride + offset + size].copy_(pieces[i][r].reshape(-1))
             offset += size
-        reduced = funcol.reduce_scatter_tensor(flat, reduce_op, 0, (mesh, axis))
+        reduced = funcol.reduce_scatter_single(flat, reduce_op, 0, (mesh, axis))
         offset = 0
         for i in bucket:
             size = local[i].numel()
