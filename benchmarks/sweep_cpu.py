@@ -2,7 +2,9 @@
 measured against the cost model's prediction (calibrated profile and built-in `cpu` profile).
 
     python benchmarks/sweep_cpu.py [--profile cpu.json] [--sizes S,M,L]
-        [--worlds 4,8] [--json out.json] [--md out.md] [--quick] [--rounds 22]
+        [--worlds 4,8] --json out.json --md out.md [--quick] [--rounds 22]
+
+A measuring run needs --json or --md (or both): nothing else is written.
 
 What runs: for each model size and world size, every configuration is compiled through the
 public entry point (`autopar.compile(model, "cpu:N", example_inputs=..., config=...)`) on
@@ -519,6 +521,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.rounds < 1 or args.rounds % REFERENCE_WINDOWS:
         ap.error(f"--rounds must be a positive multiple of {REFERENCE_WINDOWS} (one reference block each), "
                  f"got {args.rounds}")
+    if not (args.repredict or args.summarize or args.json or args.md):
+        ap.error("a measuring run writes its rows only to --json and its tables only to --md, and neither was given: "
+                 "13-30 minutes of measuring would be printed and lost; give one or both, e.g. --json "
+                 "benchmarks/results/sweep_cpu.json --md benchmarks/results/sweep_cpu.md (what benchmarks/run_all.py "
+                 "passes) or a file under benchmarks/records/")
     merged_rows = _merge_rows(ap, args.merge) if args.merge else None  # checked before ~20 minutes of measuring
     if args.repredict:
         return repredict(Path(args.repredict), args)

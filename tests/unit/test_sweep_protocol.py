@@ -86,7 +86,8 @@ def test_merge_input_is_checked_before_measuring(tmp_path, capsys):
     bad.write_text('{"groups": {}}')
     for path in (tmp_path / "missing.json", bad):
         with pytest.raises(SystemExit) as stop:
-            sweep_cpu.main(["--merge", str(path), "--sizes", "S", "--worlds", "4"])
+            sweep_cpu.main(["--merge", str(path), "--sizes", "S", "--worlds", "4",
+                            "--json", str(tmp_path / "out.json")])
         assert stop.value.code == 2
         assert f"--merge {path}: not a sweep_cpu.py JSON" in capsys.readouterr().err
 
@@ -148,13 +149,23 @@ def test_reference_reading_per_block_of_calibrates_windows():
     assert sweep_cpu.reference_reading(three) == 0.010
 
 
-def test_sweep_rounds_must_fill_reference_blocks():
+def test_sweep_rounds_must_fill_reference_blocks(tmp_path):
+    out = ["--json", str(tmp_path / "out.json")]
     with pytest.raises(SystemExit) as err:
-        sweep_cpu.main(["--rounds", str(sweep_cpu.REFERENCE_WINDOWS + 1), "--sizes", "S"])
+        sweep_cpu.main(["--rounds", str(sweep_cpu.REFERENCE_WINDOWS + 1), "--sizes", "S", *out])
     assert err.value.code == 2
     with pytest.raises(SystemExit) as err:
-        sweep_cpu.main(["--quick", "--rounds", str(2 * sweep_cpu.REFERENCE_WINDOWS)])
+        sweep_cpu.main(["--quick", "--rounds", str(2 * sweep_cpu.REFERENCE_WINDOWS), *out])
     assert err.value.code == 2
+
+
+def test_measuring_sweep_needs_an_output_file(capsys, monkeypatch):
+    """A run that would measure for minutes and write nothing is refused before any rank starts."""
+    monkeypatch.setattr(sweep_cpu, "measure", lambda *a, **k: pytest.fail("measured without an output file"))
+    with pytest.raises(SystemExit) as err:
+        sweep_cpu.main(["--sizes", "S", "--worlds", "4", "--quick"])
+    assert err.value.code == 2
+    assert "neither was given" in capsys.readouterr().err
 
 
 def test_sweep_estimators_names_a_missing_file(tmp_path, capsys):
