@@ -678,7 +678,7 @@ def fit(cal: Calibration) -> Fitted:
     )
 
 
-CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency", "shared_core_collective_s")
+CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency")
 """Efficiency fields a calibrated profile takes from the built-in `cpu` profile rather than
 from its own measurements (cost_model/efficiency.py says where each is fitted)."""
 

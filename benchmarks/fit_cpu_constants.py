@@ -1,6 +1,6 @@
-"""Fit the cpu profile's three sweep-fitted constants on the CPU sweep's recorded runs.
+"""Fit the cpu profile's two sweep-fitted constants on the CPU sweep's recorded runs.
 
-The three constants (cost_model/efficiency.py; the README's constants table):
+The two constants (cost_model/efficiency.py; the README's constants table):
 
 1. `gemm_memory_efficiency`: the share of the copy bandwidth at which a GEMM's operand and
    output bytes move in a training step (the roofline's t_memory of a GEMM; 1 on GPUs).
@@ -37,37 +37,17 @@ The three constants (cost_model/efficiency.py; the README's constants table):
    version, 0.4 ms, measured out of sample in benchmarks/records/sweep_cpu_run6) priced
    dp2 tp2 at 1.02-1.10 of measured against 0.89-1.02 for dp4: the one-stage price of its
    collectives already holds their wait.
-3. `shared_core_collective_s`: per dedicated core, the rank's own work for one collective
-   call (issuing it, taking its result back), which ranks sharing cores pay on top of the
-   collective's latency; cost_model/collectives.py adds it x ranks per core to every
-   collective's fixed latency (never on GPUs: it needs ranks > cores). What it explains:
-   calibrate times collectives back to back, where the cores sit partly idle while the
-   ranks wait on the ring and each rank's own work for a call hides in that idle time; in a
-   program the other ranks keep the cores busy. Measured on the sweep's small model
-   (benchmarks/records/cpu_accounting_quiet_2026-11-27.md): ZeRO-1 on 4 ranks spends 23.5
-   ms more CPU per rank than plain data parallelism for its 15 collectives, 9.2 ms of it on
-   the main thread, and torch.profiler puts 0.37-0.45 ms a call on issuing them; every quiet
-   sweep priced the small model's collective-heavy programs on 4 ranks (ZeRO-1/3, tp4, dp2
-   tp2) at 0.77-0.82 of measured against 1.12-1.17 for data parallelism on 8, which
-   ordered 17 of the 21 wrongly ordered pairs of the small model across the two worlds.
-   Why a fit and not a calibrate probe: the main thread's share of a call depends on what
-   else the cores run (a lock-step loop of collectives on 4 ranks read 0.7x the CPU a
-   program spends on the same calls, on 8 ranks 1.5x; same record), so it is fitted on
-   whole programs.
 
 How: every recorded sweep (benchmarks/records/sweep_cpu_<run>.json for RUNS, the measured
 step times of the same 57 programs, six runs on four days) is priced again with the
 built-in `cpu` profile carrying each candidate value (the programs that ran are the
 built-in profile's solves: `sweep_cpu.predict_ilp` prices those placements; pipelines by
 the pipeline search's stage costs). One pass of coordinate search, in GRIDS order: each
-constant's value maximises the mean Spearman over the runs, where a run's Spearman is the
-mean of its per-group ones (model size x processes) and its per-size ones (4 and 8
-processes pooled: the issue's "Spearman per model size" and the sweep report's line); the
-constants before it at their chosen values and the ones after it at the built-in
-profile's; ties go to the smaller median |error|. Until session 28 (2026-11-28) the score
-was the per-group mean alone, which cannot see how 4- and 8-process programs of one model
-are ordered against each other. Leave-one-run-out per constant: each run priced at the
-value the other runs choose, beside the neutral value (1 and 0: the term off).
+constant's value maximises the mean per-group Spearman (model size x processes) over the
+runs, the constants before it at their chosen values and the ones after it at the
+built-in profile's; ties go to the smaller median |error|. Leave-one-run-out per
+constant: each run priced at the value the other runs choose, beside the neutral value
+(1 and 0: the term off).
 
 Output: --json (per constant, every run x value: per-group Spearman, median error,
 regret) and --md; --write stores the chosen values in the built-in profile
@@ -98,10 +78,9 @@ Not run6 nor the headline (benchmarks/results/sweep_cpu.json): those check the f
 GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
-    "shared_core_collective_s": (0.0, 0.25e-3, 0.5e-3, 0.75e-3, 1.0e-3),
 }
 """The constants, in the order they are fitted, and the values tried."""
-NEUTRAL = {"gemm_memory_efficiency": 1.0, "stage_collective_wait_s": 0.0, "shared_core_collective_s": 0.0}
+NEUTRAL = {"gemm_memory_efficiency": 1.0, "stage_collective_wait_s": 0.0}
 """Each constant's value that leaves its term out (the leave-one-run-out baseline)."""
 KEY = "predicted_default_s"
 PROFILE = ROOT / "autopar" / "cpu_profile.json"
@@ -149,24 +128,16 @@ def price_run(run: str, name: str, values: tuple[float, ...], held: dict[str, fl
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in priced:
             groups.setdefault(f"{r['size']} x {r['world']}", []).append(r)
-        sizes = sorted({r["size"] for r in priced})
         out[_tag(value)] = {
             "groups": {g: sc.group_figures(rs, KEY) for g, rs in sorted(groups.items())},
-            "sizes": {z: sc.spearman([r[KEY] for r in priced if r["size"] == z],
-                                     [r["measured_s"] for r in priced if r["size"] == z]) for z in sizes},
             "median_abs_error": statistics.median(abs(r[KEY] / r["measured_s"] - 1) for r in priced),
         }
     return out
 
 
-def run_spearman(figures: dict[str, Any]) -> float:
-    """One run's Spearman at one value: the mean of its per-group and per-size ones."""
-    return statistics.mean([f["spearman"] for f in figures["groups"].values()] + list(figures["sizes"].values()))
-
-
 def score(table: dict[str, dict[str, Any]], runs: list[str], value: str) -> tuple[float, float]:
-    """(mean Spearman, -mean median error) over `runs` at `value`: larger is better."""
-    sp = [run_spearman(table[run][value]) for run in runs]
+    """(mean per-group Spearman, -mean median error) over `runs` at `value`: larger is better."""
+    sp = [f["spearman"] for run in runs for f in table[run][value]["groups"].values()]
     err = [table[run][value]["median_abs_error"] for run in runs]
     return statistics.mean(sp), -statistics.mean(err)
 
@@ -191,8 +162,7 @@ def _fit_one(name: str, held: dict[str, float], done: dict[str, Any], jobs: int)
     digest = profile_digest()
     old_fit = done.get(name, {})
     reuse = old_fit if old_fit.get("held") == held and old_fit.get("profile") == digest else {}
-    old = {run: {v: f for v, f in values.items() if "sizes" in f}  # priced before the per-size score: again
-           for run, values in reuse.get("table", {}).items()}
+    old = reuse.get("table", {})
     todo = [tuple(v for v in grid if _tag(v) not in old.get(run, {})) for run in RUNS]
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         priced = list(pool.map(price_run, RUNS, [name] * len(RUNS), todo, [held] * len(RUNS)))
@@ -234,16 +204,12 @@ def _markdown(name: str, fit: dict[str, Any]) -> list[str]:
                      f"{v['median_abs_error']:.1%} | {v['median_abs_error_neutral']:.1%} | {v['max_regret']:.1%} | "
                      f"{v['max_regret_neutral']:.1%} |")
     groups = list(table[runs[0]][chosen]["groups"])
-    sizes = list(table[runs[0]][chosen]["sizes"])
-    lines += ["", "Per group and per model size (4 and 8 processes pooled) at the chosen value (Spearman; "
-              "neutral in brackets):", "",
-              "| run | " + " | ".join(groups + [f"{z} pooled" for z in sizes]) + " |",
-              "|---|" + "---|" * (len(groups) + len(sizes))]
+    lines += ["", "Per group at the chosen value (Spearman; neutral in brackets):", "",
+              "| run | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
     for r in runs:
         lines.append(f"| {r} | " + " | ".join(
-            [f"{table[r][chosen]['groups'][g]['spearman']:.2f} ({table[r][neutral]['groups'][g]['spearman']:.2f})"
-             for g in groups]
-            + [f"{table[r][chosen]['sizes'][z]:.2f} ({table[r][neutral]['sizes'][z]:.2f})" for z in sizes]) + " |")
+            f"{table[r][chosen]['groups'][g]['spearman']:.2f} ({table[r][neutral]['groups'][g]['spearman']:.2f})"
+            for g in groups) + " |")
     return lines + [""]
 
 
@@ -286,9 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     lines = ["# The cpu profile's sweep-fitted constants", "",
              "Generated by `python benchmarks/fit_cpu_constants.py` (module docstring: what, why, how). Built-in "
-             "profile; Spearman of predicted vs measured step time, per run the mean over its 6 groups "
-             "(S, M, L x 4, 8 processes) and its 3 model sizes (4 and 8 processes pooled); one pass of "
-             "coordinate search in the order below.", ""]
+             "profile; per-group Spearman of predicted vs measured step time, mean over the 6 groups "
+             "(S, M, L x 4, 8 processes) of each recorded run; one pass of coordinate search in the order below.", ""]
     for name, fit in fits.items():
         lines += _markdown(name, fit)
     lines.append("Chosen: " + ", ".join(f"**{k} = {v:g}**" for k, v in current.items()) + ".")

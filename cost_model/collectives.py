@@ -37,11 +37,7 @@ stage's cluster keeps the node's `node_ranks`) also pays `stage_collective_wait_
 L0: while its members meet, the other stages' ranks run different work on the same cores,
 and the members wait for each other's turn (benchmarks/fit_cpu_constants.py). The groups of a
 one-stage program are not charged: every group runs the same program and reaches the same
-collective at the same time. Every collective call on shared cores also pays
-`shared_core_collective_s` x ranks per core in L0 (`AxisLink.call_latency_s`): the rank's
-own work to issue it and take its result back, which calibrate's back-to-back timing windows
-hide in the cores' idle time while ranks wait on the ring, and which a program whose other
-ranks keep the cores busy pays in full (benchmarks/fit_cpu_constants.py).
+collective at the same time.
 
 Mesh convention: axes outermost first, the LAST axis varies fastest over device ids;
 axis k has stride prod(shape[k+1:]). With G devices per node, an axis whose span
@@ -84,10 +80,6 @@ class AxisLink:
 
     base_latency_s: float = 0.0
     """Fixed launch latency of one collective (L0 in the module docstring)."""
-
-    call_latency_s: float = 0.0
-    """Where ranks share cores: what one collective call costs the shared cores on top of its
-    latency (the cpu profile's `shared_core_collective_s` x the ranks per core); 0 elsewhere."""
 
     reduce_scatter_all_reduce: bool = False
     """The backend runs a reduce-scatter as an all-reduce of the whole input and keeps its
@@ -146,22 +138,21 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     for k, n in enumerate(mesh_shape):
         stride = math.prod(mesh_shape[k + 1:])
         wait = eff.stage_collective_wait_s if share > 1.0 and n > 1 and node_ranks > per_node else 0.0
-        call = eff.shared_core_collective_s * share if share > 1.0 else 0.0
         if n == 1 or stride * n <= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nvlink, latency_s=intra_lat,
                                   tier="intra", p2p_bandwidth_bytes_per_s=nvlink, bandwidth_scale=scale,
-                                  base_latency_s=base + wait, call_latency_s=call, reduce_scatter_all_reduce=rs_ar))
+                                  base_latency_s=base + wait, reduce_scatter_all_reduce=rs_ar))
         elif stride >= per_node:
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=nic, latency_s=inter_lat,
                                   tier="inter", p2p_bandwidth_bytes_per_s=nic, bandwidth_scale=scale,
-                                  base_latency_s=base + wait, call_latency_s=call, reduce_scatter_all_reduce=rs_ar))
+                                  base_latency_s=base + wait, reduce_scatter_all_reduce=rs_ar))
         else:
             inner = per_node // stride
             hop = (inter_lat + (inner - 1) * intra_lat) / inner
             links.append(AxisLink(size=n, bandwidth_bytes_per_s=min(nvlink, inner * nic),
                                   latency_s=inter_lat, tier="mixed",
                                   p2p_bandwidth_bytes_per_s=nic, ring_hop_latency_s=hop,
-                                  bandwidth_scale=scale, base_latency_s=base + wait, call_latency_s=call, reduce_scatter_all_reduce=rs_ar))
+                                  bandwidth_scale=scale, base_latency_s=base + wait, reduce_scatter_all_reduce=rs_ar))
     return tuple(links)
 
 
@@ -169,14 +160,18 @@ def all_reduce_time_s(size_bytes: float, link: AxisLink) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return 2 * (n - 1) / n * size_bytes / link.kind_bandwidth("all_reduce") + collective_latency_s("all_reduce", link)
+    if link.tier == "intra":
+        latency = 2 * (n - 1) * link.ring_latency_s
+    else:
+        latency = min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s)
+    return 2 * (n - 1) / n * size_bytes / link.kind_bandwidth("all_reduce") + latency + link.base_latency_s
 
 
 def _ring_half_time_s(size_bytes: float, link: AxisLink, kind: str) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) / n * size_bytes / link.kind_bandwidth(kind) + collective_latency_s(kind, link)
+    return (n - 1) / n * size_bytes / link.kind_bandwidth(kind) + (n - 1) * link.ring_latency_s + link.base_latency_s
 
 
 def all_gather_time_s(size_bytes: float, link: AxisLink) -> float:
@@ -203,7 +198,7 @@ def all_to_all_time_s(size_bytes: float, link: AxisLink) -> float:
     n = link.size
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) / n * size_bytes / link.p2p_bandwidth + collective_latency_s("all_to_all", link)
+    return (n - 1) / n * size_bytes / link.p2p_bandwidth + (n - 1) * link.latency_s + link.base_latency_s
 
 
 def send_recv_time_s(size_bytes: float, link: AxisLink) -> float:
@@ -252,17 +247,15 @@ def collective_latency_s(kind: str, link: AxisLink) -> float:
     n = link.size
     if n <= 1:
         return 0.0
-    if kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        raise ValueError(f"unknown collective kind {kind!r}")
     if kind == "all_reduce" or (kind == "reduce_scatter" and link.reduce_scatter_all_reduce):
         if link.tier == "intra":
-            return 2 * (n - 1) * link.ring_latency_s + link.base_latency_s + link.call_latency_s
+            return 2 * (n - 1) * link.ring_latency_s + link.base_latency_s
         return min(2 * (n - 1) * link.ring_latency_s, 2 * math.ceil(math.log2(n)) * link.latency_s) \
-            + link.base_latency_s + link.call_latency_s
+            + link.base_latency_s
     if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * link.ring_latency_s + link.base_latency_s + link.call_latency_s
+        return (n - 1) * link.ring_latency_s + link.base_latency_s
     if kind == "all_to_all":
-        return (n - 1) * link.latency_s + link.base_latency_s + link.call_latency_s
+        return (n - 1) * link.latency_s + link.base_latency_s
     raise ValueError(f"unknown collective kind {kind!r}")
 
 

@@ -119,15 +119,6 @@ class Efficiency:
     whose groups all reach the same collective at once. Fitted by
     benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
     docstring and the README's constants table say which); 0 keeps it out."""
-    shared_core_collective_s: float = 0.0
-    """Ranks sharing cores (the cpu profile; never on GPUs): per dedicated core, the rank's
-    own work for one collective call (issuing it, taking its result back), added to each
-    collective's latency x the ranks per core (cost_model/collectives.py, L0). Calibrate's
-    back-to-back timing windows hide it in the cores' idle time while the ranks wait on
-    the ring; a program whose other ranks keep the cores busy pays it (torch.profiler on
-    the sweep's small model, ZeRO-1 on 4 ranks: 0.37-0.45 ms a call on the main thread).
-    Fitted by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it
-    out."""
     gemm_memory_efficiency: float = 1.0
     """Share of `memory_efficiency` x bandwidth at which a GEMM's operand and output bytes
     move (the t_memory of a GEMM's roofline, cost_model/compute.py). 1 on GPUs (their

@@ -232,38 +232,3 @@ def test_gemm_memory_efficiency_slows_only_a_gemms_bytes() -> None:
     for name in ("a100-40gb", "a100-80gb", "h100", "h200", "b200"):
         assert efficiency_for(HARDWARE[name]).gemm_memory_efficiency == 1.0
     assert DEFAULT_EFFICIENCY.gemm_memory_efficiency == 1.0
-
-
-def test_shared_core_collective_is_paid_per_call_times_the_ranks_per_core() -> None:
-    """`shared_core_collective_s` adds (its value x ranks per core) to every collective call
-    where ranks share cores, in one-stage programs and pipeline stages alike, for every kind;
-    a bucket or a gather group pays it once (it is part of `collective_latency_s`); no
-    sharing (a core per rank) or a GPU: no change."""
-    from cost_model.collectives import all_gather_time_s, all_reduce_time_s, collective_latency_s, \
-        reduce_scatter_time_s
-
-    call = 0.5e-3
-
-    def with_call(hw, value):
-        return replace(hw, efficiency=tuple(sorted({**dict(hw.efficiency), "shared_core_collective_s": value}.items())))
-
-    cpu = replace(HARDWARE["cpu"], cores_per_node=2)
-    on, off = with_call(cpu, call), with_call(cpu, 0.0)
-
-    def links(hw, spec, mesh, stage=None):
-        cluster = Cluster.parse(spec, hardware=hw)
-        return mesh_axis_links(cluster.stage(stage) if stage else cluster, mesh)
-
-    for spec, mesh, stage, share in (("cpu:4", (4,), None, 2), ("cpu:8", (8,), None, 4), ("cpu:4", (2, 2), None, 2),
-                                     ("cpu:8", (2, 2), 4, 4), ("cpu:4", (2,), 2, 2)):
-        for a, b in zip(links(on, spec, mesh, stage), links(off, spec, mesh, stage)):
-            assert a.call_latency_s == pytest.approx(call * share)
-            for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-                assert collective_latency_s(kind, a) - collective_latency_s(kind, b) == pytest.approx(call * share)
-            for fn in (all_reduce_time_s, all_gather_time_s, reduce_scatter_time_s):
-                assert fn(1 << 20, a) - fn(1 << 20, b) == pytest.approx(call * share)
-    # a core per rank: nothing added
-    assert [x.call_latency_s for x in links(on, "cpu:2", (2,))] == [0.0]
-    # GPUs: a device each, the field has no effect
-    gpu = with_call(HARDWARE["h100"], call)
-    assert [x.call_latency_s for x in mesh_axis_links(Cluster.parse("h100:1x8", hardware=gpu), (2, 4))] == [0.0, 0.0]

@@ -19,10 +19,8 @@ import autopar  # noqa: E402, F401
 from autopar.cluster import HARDWARE  # noqa: E402
 
 
-def _figures(spearman: list[float], error: float, sizes: list[float] | None = None) -> dict:
-    """A run's figures at one value; its per-size (pooled) Spearmans default to the groups' own."""
+def _figures(spearman: list[float], error: float) -> dict:
     return {"groups": {f"g{i}": {"spearman": s, "pick_regret": 0.0} for i, s in enumerate(spearman)},
-            "sizes": {f"z{i}": s for i, s in enumerate(spearman if sizes is None else sizes)},
             "median_abs_error": error}
 
 
@@ -38,17 +36,6 @@ def test_choose_takes_the_best_mean_spearman_and_breaks_ties_by_error() -> None:
     table["a"]["1.000000"] = _figures([0.99, 0.99], 0.05)
     assert fit.choose(table, ["a"]) == "1.000000"
     assert fit.choose(table, ["b"]) == "0.250000"
-
-
-def test_the_score_counts_each_model_size_pooled_over_both_worlds() -> None:
-    """A value that orders the 4- and 8-process programs of one model against each other
-    better (the per-size Spearman) wins even where the per-group figures are slightly worse:
-    the score is the mean over a run's groups and sizes together."""
-    table = {"a": {"0.000000": _figures([0.98, 0.98, 0.98, 0.98], 0.05, sizes=[0.88, 0.98]),
-                   "0.000500": _figures([0.97, 0.97, 0.97, 0.97], 0.06, sizes=[0.95, 0.98])}}
-    assert fit.score(table, ["a"], "0.000000")[0] == pytest.approx((4 * 0.98 + 0.88 + 0.98) / 6)
-    assert fit.choose(table, ["a"]) == "0.000500"
-    assert fit.run_spearman(table["a"]["0.000500"]) == pytest.approx((4 * 0.97 + 0.95 + 0.98) / 6)
 
 
 def test_every_constant_has_a_grid_that_holds_its_neutral_value_and_the_built_in_value() -> None:
