@@ -37,9 +37,17 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
                      shard-to-shard all-to-all is an all-gather and a local chunk.
     grad_sync(g->p) = reshard(g->p), except for a bucketable gradient (one all-reduce or
                      reduce-scatter, autopar/buckets.py): its bandwidth term plus its share
-                     bytes / BUCKET_BYTES of the bucket's latency (the program sends it in a
-                     bucket; the report counts the real buckets), plus copying its local
-                     bytes into the bucket (`bucket_copy_s_per_byte`).
+                     of its bucket's latency, plus copying its local bytes into the bucket
+                     (`bucket_copy_s_per_byte`). The program runs one collective per bucket,
+                     however small, so a bucket's members pay one whole latency together:
+                     in the plan's price (solver/intra_op/ilp.py `_extract`) each pays its
+                     bytes over its real bucket's; in the ILP's objective, before the
+                     buckets are known, over the bucket it is expected to share
+                     (`expected_bucket_bytes`: all gradients, or its layer's for a
+                     reduce-scatter, capped at BUCKET_BYTES). Until 2026-11-28 both charged
+                     bytes / BUCKET_BYTES, so a small model's single all-reduce bucket paid
+                     a few % of its latency and ZeRO's per-layer reduce-scatters almost none
+                     (the CPU sweep's S model: 5 reduce-scatters priced at 0.13 latencies).
 """
 
 from __future__ import annotations
@@ -274,7 +282,13 @@ class ReshardPricer:
             return None
         return (tuple((c.kind, c.axis, op) for c, op in zip(steps, ops)), meta.dtype)
 
-    def grad_sync_time(self, meta: TensorMeta, src: Placements, dst: Placements) -> float | None:
+    def grad_sync_time(self, meta: TensorMeta, src: Placements, dst: Placements,
+                       share: float | None = None, bucket_bytes: tuple[float, float] | None = None) -> float | None:
+        """A gradient's sync: for a bucketable one, its bandwidth term, `share` of its
+        bucket's latency (the bucket runs one collective, so its members' shares sum to
+        one) and its copy into the bucket. Without `share` (the ILP's objective, before the
+        buckets are known): its bytes over `bucket_bytes` (the expected bucket's bytes, for
+        an all-reduce and for a reduce-scatter bucket), else over BUCKET_BYTES."""
         if src == dst:
             return 0.0
         if self.bucket_key(meta, src, dst) is None:
@@ -282,7 +296,14 @@ class ReshardPricer:
         total = self.copy_s_per_byte * meta.size_bytes / shard_factor(src, self.mesh_shape)
         for step in self.collectives(meta, src, dst):
             latency = collective_latency_s(step.kind, self.links[step.axis])
-            total += collective_time_s(step, self.links) - latency + latency * min(1.0, step.bytes / BUCKET_BYTES)
+            if share is not None:
+                part = share
+            elif bucket_bytes is not None:
+                expected = bucket_bytes[1 if step.kind == "reduce_scatter" else 0]
+                part = min(1.0, meta.size_bytes / expected) if expected > 0 else 1.0
+            else:
+                part = min(1.0, step.bytes / BUCKET_BYTES)
+            total += collective_time_s(step, self.links) - latency + latency * part
         return total
 
     def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:

@@ -80,7 +80,7 @@ from autopar.sharding import (
     PricedCollective,
     StrategySpace,
 )
-from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
+from autopar.buckets import BUCKET_BYTES, gather_group, gather_share, gradient_bucket_key, plan_buckets
 from cost_model import (
     STATE_BYTES_PER_PARAM,
     CostTable,
@@ -304,6 +304,21 @@ def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:
     return {k: sum(d.values()) for k, d in seen.items()}
 
 
+def expected_bucket_bytes(graph: Graph) -> dict[NodeId, tuple[float, float]]:
+    """Per gradient: the bytes of the bucket it is expected to travel in, as an all-reduce
+    and as a reduce-scatter (autopar/buckets.py: all-reduces fill DDP-sized buckets over
+    the whole model, reduce-scatters one bucket per layer), assuming every gradient is
+    synced the same way: what the ILP's objective charges a gradient's share of a bucket's
+    latency against, before the placements (and so the real buckets) are known. A small
+    model's gradients fill one bucket, which still runs one collective."""
+    grads = [g for _p, g in graph.param_grads]
+    total = sum(graph[g].output.size_bytes * graph.weight(g) for g in grads)
+    per_layer: dict[int | None, float] = defaultdict(float)
+    for g in grads:
+        per_layer[graph[g].layer] += graph[g].output.size_bytes
+    return {g: (min(float(BUCKET_BYTES), total), min(float(BUCKET_BYTES), per_layer[graph[g].layer])) for g in grads}
+
+
 def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]:
     """Per (parameter-derived tensor, consumer layer, phase): how many input edges read it
     there. The runtime gathers a tensor once per group (codegen/apply.py `_gather_groups`
@@ -339,6 +354,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     group_bytes = param_gather_bytes(graph)
     gather_uses = param_gather_uses(graph)
     derived = graph.parameter_derived()
+    expected_buckets = expected_bucket_bytes(graph)
 
     def priced(meta, s: Placements, d: Placements, activation: bool, grad: bool,
                share: float | None = None, uses: int = 1) -> float | None:
@@ -347,8 +363,8 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
             return 0.0
         key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad, share, uses)
         if key not in pair_cost:
-            t = pricer.grad_sync_time(meta, s, d) if grad else pricer(meta, s, d) if share is None \
-                else pricer.gather_time(meta, s, d, share)
+            t = pricer.grad_sync_time(meta, s, d, bucket_bytes=share) if grad else pricer(meta, s, d) \
+                if share is None else pricer.gather_time(meta, s, d, share)
             if t is not None and uses > 1 and pricer.gather_axis(meta, s, d) is not None:
                 # read `uses` times in its group, gathered once: each read pays its part (exact
                 # where every reader asks for the same placement; _extract prices the program)
@@ -363,7 +379,9 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     def add(u: NodeId, v: NodeId, meta, src_of, dst_of, weight: float, grad: bool = False) -> None:
         activation = bool(gather_free_axes) and u not in from_params and not grad
         share, uses = None, 1
-        if not grad and u in derived:
+        if grad:
+            share = expected_buckets[u]
+        elif u in derived:
             share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
             uses = gather_uses[(u, graph[v].layer, graph[v].phase.value)]
         a, b = red.owner[u], red.owner[v]
@@ -786,22 +804,48 @@ def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId,
             coef[j] += w * acc_per_byte * size / shard_factor(space[grad][s].outputs[0], mesh_shape)
 
 
+def _gradient_buckets(graph: Graph, syncs: list[tuple[NodeId, Placements, Placements]], pricer: ReshardPricer
+                      ) -> tuple[list[tuple[Any, float]], list[bool], list[list[int]]]:
+    """The gradient sync's buckets as the program forms them (autopar/buckets.py): the
+    items (bucket key or None, bytes), whether each is in a per-layer bucket, and the
+    buckets (lists of indices into `syncs`)."""
+    items, per_layer = [], []
+    for g, src, dst in syncs:
+        steps = pricer.collectives(graph[g].output, src, dst) or ()
+        key = gradient_bucket_key(pricer.bucket_key(graph[g].output, src, dst) if steps else None, graph[g].layer)
+        # a per-layer bucket (autopar/buckets.py gradient_bucket_key) is one of a traced
+        # layer's `weight` real layers: sized as one layer, counted `weight` times
+        per_layer.append(key is not None and steps[0].kind == "reduce_scatter")
+        items.append((key, graph[g].output.size_bytes * (1.0 if per_layer[-1] else graph.weight(g))))
+    return items, per_layer, plan_buckets(items)
+
+
+def gradient_bucket_shares(graph: Graph, syncs: list[tuple[NodeId, Placements, Placements]],
+                           pricer: ReshardPricer) -> dict[NodeId, float]:
+    """Per bucketed gradient: its share of its bucket's latency, its bytes over the
+    bucket's, so a bucket's members pay one latency together (the program runs one
+    collective per bucket), however small the bucket. Unbucketed gradients are absent."""
+    items, _per_layer, buckets = _gradient_buckets(graph, syncs, pricer)
+    shares: dict[NodeId, float] = {}
+    for bucket in buckets:
+        if items[bucket[0]][0] is None:
+            continue
+        size = sum(items[i][1] for i in bucket)
+        for i in bucket:
+            g = syncs[i][0]
+            shares[g] = graph[g].output.size_bytes / size if size > 0 else 1.0
+    return shares
+
+
 def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements, Placements]],
                               pricer: ReshardPricer) -> list[PricedCollective]:
     """The collectives of the once-per-step gradient sync, bucketed as the program does it
     (autopar/buckets.py); `syncs` are (gradient node, its placement, its parameter's) in
     graph order. A traced layer's gradient stands for `weight` real layers: its bucket
     share counts that many times."""
-    items, per_layer = [], []
-    for g, src, dst in syncs:
-        steps = pricer.collectives(graph[g].output, src, dst) or ()
-        key = gradient_bucket_key(pricer.bucket_key(graph[g].output, src, dst) if steps else None, graph[g].layer)
-        # a per-layer bucket (autopar/buckets.py gradient_bucket_key) is one of a traced
-        # layer's `weight` real layers: sized as one layer, counted `weight` times below
-        per_layer.append(key is not None and steps[0].kind == "reduce_scatter")
-        items.append((key, graph[g].output.size_bytes * (1.0 if per_layer[-1] else graph.weight(g))))
+    items, per_layer, buckets = _gradient_buckets(graph, syncs, pricer)
     out = []
-    for bucket in plan_buckets(items):
+    for bucket in buckets:
         first_g, src, dst = syncs[bucket[0]]
         steps = pricer.collectives(graph[first_g].output, src, dst) or ()
         if not steps:
@@ -861,12 +905,13 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
         collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
                                             bytes=sum(c.bytes for c in members.values()), weight=first.weight))
     syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
+    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].outputs[0]) for p, g in syncs]
+    shares = gradient_bucket_shares(graph, sync_items, pricer)
     for param, grad in syncs:
         t = pricer.grad_sync_time(graph[grad].output, space[grad][pick[grad]].outputs[0],
-                                  space[param][pick[param]].outputs[0]) or 0.0
+                                  space[param][pick[param]].outputs[0], share=shares.get(grad)) or 0.0
         reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
-    collectives.extend(gradient_sync_collectives(graph, [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].outputs[0])
-                                                         for p, g in syncs], pricer))
+    collectives.extend(gradient_sync_collectives(graph, sync_items, pricer))
     choices = []
     compute = comm = resh = 0.0
     for n in red.active:
