@@ -80,7 +80,7 @@ from autopar.sharding import (
     PricedCollective,
     StrategySpace,
 )
-from autopar.buckets import BUCKET_BYTES, gather_group, gather_share, gradient_bucket_key, plan_buckets
+from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
 from cost_model import (
     STATE_BYTES_PER_PARAM,
     CostTable,
@@ -306,17 +306,22 @@ def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:
 
 def expected_bucket_bytes(graph: Graph) -> dict[NodeId, tuple[float, float]]:
     """Per gradient: the bytes of the bucket it is expected to travel in, as an all-reduce
-    and as a reduce-scatter (autopar/buckets.py: all-reduces fill DDP-sized buckets over
-    the whole model, reduce-scatters one bucket per layer), assuming every gradient is
-    synced the same way: what the ILP's objective charges a gradient's share of a bucket's
-    latency against, before the placements (and so the real buckets) are known. A small
-    model's gradients fill one bucket, which still runs one collective."""
+    and as a reduce-scatter: the buckets autopar/buckets.py forms (the same items and order
+    as `gradient_sync_collectives`: all-reduces fill DDP-sized buckets over the whole
+    model, reduce-scatters one bucket per layer) if every gradient is synced the same way.
+    What the ILP's objective charges a gradient's share of a bucket's latency against,
+    before the placements (and so the real buckets) are known; where every gradient does
+    sync one way (a 1-D data-parallel mesh, say) it is the real bucket. A small model's
+    gradients fill one bucket, which still runs one collective."""
     grads = [g for _p, g in graph.param_grads]
-    total = sum(graph[g].output.size_bytes * graph.weight(g) for g in grads)
-    per_layer: dict[int | None, float] = defaultdict(float)
-    for g in grads:
-        per_layer[graph[g].layer] += graph[g].output.size_bytes
-    return {g: (min(float(BUCKET_BYTES), total), min(float(BUCKET_BYTES), per_layer[graph[g].layer])) for g in grads}
+    expected: dict[NodeId, list[float]] = {g: [0.0, 0.0] for g in grads}
+    for k, (key_of, weighted) in enumerate(((lambda g: "all", True), (lambda g: ("layer", graph[g].layer), False))):
+        items = [(key_of(g), graph[g].output.size_bytes * (graph.weight(g) if weighted else 1.0)) for g in grads]
+        for bucket in plan_buckets(items):
+            size = sum(items[i][1] for i in bucket)
+            for i in bucket:
+                expected[grads[i]][k] = size
+    return {g: (a, b) for g, (a, b) in expected.items()}
 
 
 def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]:
