@@ -43,8 +43,8 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
                      in the plan's price (solver/intra_op/ilp.py `_extract`) each pays its
                      bytes over its real bucket's; in the ILP's objective, before the
                      buckets are known, over the bucket it is expected to share
-                     (`expected_bucket_bytes`: all gradients, or its layer's for a
-                     reduce-scatter, capped at BUCKET_BYTES). Until 2026-11-28 both charged
+                     (`expected_bucket_bytes`: the bucket autopar/buckets.py would put it in
+                     if every gradient synced one way). Until 2026-11-28 both charged
                      bytes / BUCKET_BYTES, so a small model's single all-reduce bucket paid
                      a few % of its latency and ZeRO's per-layer reduce-scatters almost none
                      (the CPU sweep's S model: 5 reduce-scatters priced at 0.13 latencies).
