@@ -51,9 +51,10 @@ record the drift within a run (logged), without scaling the figures (see `timed`
 
 Core sharing: with more ranks than cores, the OS time-slices them, and every rate above is
 what one rank gets while all ranks work. The profile stores them per dedicated core (times
-divided, rates multiplied by s = max(1, N / cores)), with `cores_per_node`; the cost model
-applies the sharing factor of the job's own N (cost_model/step.py, collectives.py), so one
-profile serves `cpu:4` and `cpu:8`. The fastest of a few timing windows, median over ranks (the machine is shared; the load
+divided, rates multiplied by s = max(1, N / cores); the collectives' latencies divided by
+s ** g, g the built-in profile's `collective_latency_share_exponent`), with `cores_per_node`;
+the cost model applies the sharing factor of the job's own N by the same laws
+(cost_model/step.py, collectives.py), so one profile serves `cpu:4` and `cpu:8`. The fastest of a few timing windows, median over ranks (the machine is shared; the load
 of other users drifts: `reference_workload` records how fast the machine was).
 
 From measured rates to a profile: the profile's peaks ARE the measured rates, and its
@@ -643,9 +644,21 @@ class Fitted:
     """Seconds per local parameter tensor of the step's epilogue (0: not measured)."""
 
 
-def fit(cal: Calibration) -> Fitted:
-    """Fit the model's terms to the measurements and normalise them to one dedicated core."""
+def latency_share_exponent(hardware: Hardware | None = None) -> float:
+    """The exponent of the share law of collective latencies (cost_model/efficiency.py
+    `collective_latency_share_exponent`) that `hardware` (default: the built-in `cpu`
+    profile, where benchmarks/fit_cpu_constants.py stores it) carries; 1 where it carries none."""
+    hw = HARDWARE["cpu"] if hardware is None else hardware
+    return float(dict(hw.efficiency).get("collective_latency_share_exponent", 1.0))
+
+
+def fit(cal: Calibration, *, latency_exponent: float | None = None) -> Fitted:
+    """Fit the model's terms to the measurements and normalise them to one dedicated core:
+    rates x s, times / s, the collectives' latencies / s ** `latency_exponent` (default
+    the built-in profile's `collective_latency_share_exponent`: the cost model scales them
+    back up by the same law, so the rank count measured is priced as measured)."""
     s = cal.sharing
+    s_lat = s ** (latency_share_exponent() if latency_exponent is None else latency_exponent)
     # GEMM: t = (2 m n k / P) * (1 + k0 / k) + o  ->  unknowns 1/P, k0/P, o (linear), fitted in
     # relative terms (each row divided by its time): the shapes span 4 decades of time, and
     # an absolute fit lets a few percent of noise on the largest shapes set the intercept o
@@ -671,25 +684,27 @@ def fit(cal: Calibration) -> Fitted:
         copy_bytes_per_s=copy_bw * s, copy_overhead_s=copy[1] / s, eager_op_s=cal.eager_op_s / s,
         view_op_s=cal.view_op_s / s, dtensor_op_overhead_s=cal.dtensor_op_s / s,
         attention_efficiency=min(1.0, cal.attention_flops_per_s / peak),
-        base_latency_s=base / s,
-        hop_latency_s=alpha / s, bus_bytes_per_s={k: v * s for k, v in bus.items()},
+        base_latency_s=base / s_lat,
+        hop_latency_s=alpha / s_lat, bus_bytes_per_s={k: v * s for k, v in bus.items()},
         p2p_bytes_per_s=(1 / p2p[0] if p2p[0] > 0 else float("inf")) * s,
         optimizer_s=cal.optimizer_s / s, accumulate_s=cal.accumulate_s / s, param_tensor_s=cal.param_tensor_s / s,
     )
 
 
-CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency")
+CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency", "collective_latency_share_exponent")
 """Efficiency fields a calibrated profile takes from the built-in `cpu` profile rather than
 from its own measurements (cost_model/efficiency.py says where each is fitted)."""
 
 
-def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
+def to_hardware(cal: Calibration, *, name: str = "cpu", built_in: Hardware | None = None) -> Hardware:
     """The profile whose rates are the measured ones, per dedicated core, with the cost
-    model's efficiencies replaced by the measured per-op costs (module docstring)."""
-    f = fit(cal)
+    model's efficiencies replaced by the measured per-op costs (module docstring). The
+    constants calibrate does not measure (`CARRIED_FROM_BUILT_IN`) come from `built_in`
+    (default: the built-in `cpu` profile; benchmarks/fit_cpu_constants.py passes candidates)."""
+    base = HARDWARE["cpu"] if built_in is None else built_in
+    f = fit(cal, latency_exponent=latency_share_exponent(base))  # the share law this profile carries
     bus = f.bus_bytes_per_s["all_reduce"]
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    base = HARDWARE["cpu"]
     # every small op pays the eager+autograd cost (its roofline on tiny tensors is ~0)
     per_op = max(f.eager_op_s, f.copy_overhead_s)
     # the optimizer step and the accumulation as the copy traffic they are worth, so that
@@ -724,4 +739,4 @@ def to_hardware(cal: Calibration, *, name: str = "cpu") -> Hardware:
     )
 
 
-__all__ = ["Calibration", "Fitted", "calibrate", "combine", "fit", "to_hardware"]
+__all__ = ["Calibration", "Fitted", "calibrate", "combine", "fit", "latency_share_exponent", "to_hardware"]

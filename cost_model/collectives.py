@@ -31,7 +31,8 @@ mean ring step latency: alpha, except on a mixed axis where a ring laid out node
 crosses a NIC on one hop in `inner` and NVLink on the others. All are 0 when n == 1.
 
 Core sharing (the cpu profile's `cores_per_node`): with more ranks on a node than cores,
-latencies grow and bandwidths shrink by ranks / cores (gloo's steps run on the same cores).
+bandwidths shrink by share = ranks / cores (gloo's steps run on the same cores) and
+latencies grow by share ** `collective_latency_share_exponent` (fitted; 1 = linear).
 A collective inside one pipeline stage whose node's cores other stages' ranks share (a
 stage's cluster keeps the node's `node_ranks`) also pays `stage_collective_wait_s` in
 L0: while its members meet, the other stages' ranks run different work on the same cores,
@@ -130,8 +131,9 @@ def mesh_axis_links(cluster: Cluster, mesh_shape: tuple[int, ...],
     # core sharing (the cpu profile): ranks time-slice the cores, gloo's steps wait their turn
     share = max(1.0, per_node / hw.cores_per_node) if hw.cores_per_node else 1.0
     nvlink, nic = nvlink / share, nic / share
-    base = eff.collective_base_latency_s * share
-    intra_lat, inter_lat = hw.intra_node_latency_s * share, hw.inter_node_latency_s * share
+    lat_share = share ** eff.collective_latency_share_exponent
+    base = eff.collective_base_latency_s * lat_share
+    intra_lat, inter_lat = hw.intra_node_latency_s * lat_share, hw.inter_node_latency_s * lat_share
     node_ranks = cluster.node_ranks or per_node
     rs_ar = runs_gloo(hw)
     links = []

@@ -119,6 +119,16 @@ class Efficiency:
     whose groups all reach the same collective at once. Fitted by
     benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
     docstring and the README's constants table say which); 0 keeps it out."""
+    collective_latency_share_exponent: float = 1.0
+    """Ranks sharing cores (the cpu profile; never on GPUs, whose share is 1): a collective's
+    latency terms (per ring step and per call) grow as share ** this with share = ranks per
+    core, where its bandwidth shrinks as 1 / share. 1 (linear) time-slices every ring step
+    in full; below 1, part of a ring step is a rank waiting on a peer whose core it shares,
+    not CPU work. `autopar calibrate` stores the latencies per dedicated core by the same
+    law (measured / share ** this), so a profile prices the rank count it was measured at
+    as measured, whatever the value. Fitted by benchmarks/fit_cpu_constants.py on the CPU
+    sweep's recorded runs (that script's docstring has the measurements behind it; the
+    README's constants table says which runs)."""
     gemm_memory_efficiency: float = 1.0
     """Share of `memory_efficiency` x bandwidth at which a GEMM's operand and output bytes
     move (the t_memory of a GEMM's roofline, cost_model/compute.py). 1 on GPUs (their

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from autopar.calibrate import Calibration, calibrate, fit, to_hardware
+from autopar.calibrate import Calibration, calibrate, fit, latency_share_exponent, to_hardware
 
 
 def stored_measurements(path: str) -> Calibration:
@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  step epilogue per parameter tensor (DTensor gradient, fused AdamW dispatch, zero_grad): "
               f"{f.param_tensor_s * 1e6:.1f} us")
     skew_us = cal.sync_skew_s / cal.sharing * 1e6
-    print(f"  gloo: launch {f.base_latency_s * 1e6:.0f} us (rank skew {skew_us:.0f} us measured, not priced) + "
+    g = latency_share_exponent(hw)
+    print(f"  gloo (latencies: measured / {cal.sharing:.1f} ** {g:g}, the share law of the built-in profile): launch "
+          f"{f.base_latency_s * 1e6:.0f} us (rank skew {skew_us:.0f} us measured, not priced) + "
           f"{f.hop_latency_s * 1e6:.0f} us per ring step; busBW "
           + ", ".join(f"{k} {v / 1e9:.3f} GB/s" for k, v in f.bus_bytes_per_s.items())
           + f"; send/recv {f.p2p_bytes_per_s / 1e9:.3f} GB/s")
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     wait = dict(hw.efficiency).get("stage_collective_wait_s", 0.0)
     gemm_bytes = dict(hw.efficiency).get("gemm_memory_efficiency", 1.0)
     print(f"  not measured, from the built-in profile: stage collective wait {wait * 1e6:.0f} us, GEMM bytes at "
-          f"{gemm_bytes:.2f} of the copy bandwidth (fitted on the recorded CPU sweeps, "
-          "benchmarks/fit_cpu_constants.py)")
+          f"{gemm_bytes:.2f} of the copy bandwidth, collective latency x (ranks per core) ** {g:g} (fitted on the "
+          "recorded CPU sweeps, benchmarks/fit_cpu_constants.py)")
     print(f"written to {args.out}" if args.out else "not written (use --out profile.json)")
     return 0

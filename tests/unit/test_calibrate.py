@@ -246,17 +246,41 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
     assert _least_squares(a.tolist(), (a @ truth).tolist()) == pytest.approx(truth.tolist(), rel=1e-9)
 
 
-@pytest.mark.parametrize("name,other", [("stage_collective_wait_s", 1.25e-3), ("gemm_memory_efficiency", 0.45)])
+@pytest.mark.parametrize("name,other", [("stage_collective_wait_s", 1.25e-3), ("gemm_memory_efficiency", 0.45),
+                                        ("collective_latency_share_exponent", 0.7)])
 def test_calibrated_profile_carries_the_sweep_fitted_constants(monkeypatch, name: str, other: float) -> None:
-    """calibrate measures neither `stage_collective_wait_s` nor `gemm_memory_efficiency`
-    (benchmarks/fit_cpu_constants.py fits them on the recorded sweeps): a calibrated profile
-    takes the built-in's values."""
+    """calibrate measures neither `stage_collective_wait_s`, `gemm_memory_efficiency` nor
+    `collective_latency_share_exponent` (benchmarks/fit_cpu_constants.py fits them on the
+    recorded sweeps): a calibrated profile takes the built-in's values."""
     assert name in CARRIED_FROM_BUILT_IN
     built_in = HARDWARE["cpu"]
     for value in (dict(built_in.efficiency)[name], other):
         eff = tuple(sorted({**dict(built_in.efficiency), name: value}.items()))
         monkeypatch.setitem(HARDWARE, "cpu", dataclasses.replace(built_in, efficiency=eff))
         assert dict(to_hardware(_cal(4)).efficiency)[name] == value
+
+
+@pytest.mark.parametrize("g", [1.0, 0.8, 0.5])
+def test_share_law_prices_the_measured_rank_count_as_measured(monkeypatch, g: float) -> None:
+    """The profile stores collective latencies per dedicated core by the share law it carries
+    (measured / s ** g, s = ranks per core when measured; the cost model multiplies by the
+    priced job's s ** g): whatever g, 4 ranks on 2 cores price as the 4-rank measurements
+    say; 8 ranks pay the measured latency x 2 ** g, and bandwidth / 2 (linear)."""
+    built_in = HARDWARE["cpu"]
+    eff = tuple(sorted({**dict(built_in.efficiency), "collective_latency_share_exponent": g}.items()))
+    monkeypatch.setitem(HARDWARE, "cpu", dataclasses.replace(built_in, efficiency=eff))
+    cal = _cal(4)
+    f, hw = fit(cal), to_hardware(cal)
+    assert f.hop_latency_s == pytest.approx(2 * ALPHA / 2 ** g) and f.base_latency_s == pytest.approx(2 * L0 / 2 ** g)
+    assert fit(cal, latency_exponent=1.0).hop_latency_s == pytest.approx(ALPHA)
+    (four,), (eight,) = (mesh_axis_links(Cluster.parse(f"cpu:{n}", hardware=hw), (n,)) for n in (4, 8))
+    small = 2**12
+    measured_4 = dict(((k, n, b), t) for k, n, b, t in cal.collective_s)[("all_reduce", 4, small)]
+    assert all_reduce_time_s(small, four) == pytest.approx(measured_4, rel=1e-6)
+    latency_4 = 2 * (L0 + 6 * ALPHA)  # 4 ranks on 2 cores, as measured
+    latency_8 = 2 * (L0 + 14 * ALPHA) * 2 ** g  # 14 ring steps at 4 ranks per core
+    assert all_reduce_time_s(small, eight) == pytest.approx(latency_8 + 4 * 2 * 7 / 8 * small / BUS["all_reduce"])
+    assert all_reduce_time_s(small, four) == pytest.approx(latency_4 + 2 * 2 * 3 / 4 * small / BUS["all_reduce"])
 
 
 def test_cli_refit_derives_the_profile_from_kept_measurements(tmp_path, capsys) -> None:

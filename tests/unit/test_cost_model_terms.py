@@ -123,6 +123,30 @@ def test_core_sharing_and_hardware_overrides(profile) -> None:
                               global_batch=8).time_breakdown)["bubble_s"] > 0
 
 
+def test_collective_latency_grows_by_the_share_law_and_bandwidth_linearly() -> None:
+    """`collective_latency_share_exponent` g: with s ranks per core a collective's latency
+    terms are the per-core ones x s ** g (1: linear), its bandwidth the per-core one / s;
+    a rank per core (s = 1) and GPUs are untouched."""
+    def cpu(g: float):
+        eff = {"collective_base_latency_s": 2e-4, "collective_latency_share_exponent": g, "nvlink_bus_efficiency": 1.0}
+        return replace(HARDWARE["cpu"], cores_per_node=2, efficiency=tuple(sorted(eff.items())))
+
+    for g in (1.0, 0.8, 0.5):
+        hw = cpu(g)
+        for n in (2, 4, 8):
+            (link,) = mesh_axis_links(Cluster.parse(f"cpu:{n}", hardware=hw), (n,))
+            s = max(1.0, n / 2)
+            assert link.latency_s == pytest.approx(hw.intra_node_latency_s * s ** g)
+            assert link.base_latency_s == pytest.approx(2e-4 * s ** g)
+            assert link.bandwidth_bytes_per_s == pytest.approx(hw.intra_node_bandwidth_bytes_per_s / s)
+    # below 1 the 8-rank latency is less than linear: 2 ** 0.8 = 1.74x the 4-rank one, not 2x
+    (four,), (eight,) = (mesh_axis_links(Cluster.parse(f"cpu:{n}", hardware=cpu(0.8)), (n,)) for n in (4, 8))
+    assert eight.latency_s / four.latency_s == pytest.approx(2 ** 0.8)
+    gpu = replace(HARDWARE["h100"], efficiency=(("collective_latency_share_exponent", 0.5),))
+    assert mesh_axis_links(Cluster.parse("h100:1x8", hardware=gpu), (8,))[0].latency_s == pytest.approx(
+        mesh_axis_links(Cluster.parse("h100:1x8"), (8,))[0].latency_s)
+
+
 def test_dtensor_and_view_overheads_apply_to_tp_and_eager(profile) -> None:
     base = replace(HARDWARE["cpu"], cores_per_node=0)
     dt = replace(base, efficiency=tuple(sorted({**dict(base.efficiency), "dtensor_op_overhead_s": 1e-3}.items())))

@@ -80,3 +80,28 @@ def test_missing_recorded_sweeps_exit_2(tmp_path, monkeypatch, capsys) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "recorded sweeps" in err and "run1" in err and "restore them from git" in err
+
+
+def test_a_candidate_share_law_keeps_the_measured_rank_count_priced_as_measured() -> None:
+    """Each candidate is priced on the built-in profile derived again from its kept
+    measurements: unchanged with no candidate; a share-law exponent g re-normalises the
+    latencies, so 4 ranks (as calibrated, 2 per core) keep their price and 8 ranks pay
+    2 ** (g - 1) of the linear law's latency; the digest does not see the candidates."""
+    from autopar.cluster import Cluster
+    from cost_model.collectives import mesh_axis_links
+
+    hw = HARDWARE["cpu"]
+    assert fit.with_values(hw, {}) == hw
+
+    def latency(h, n: int) -> float:
+        return mesh_axis_links(Cluster.parse(f"cpu:{n}", hardware=h), (n,))[0].latency_s
+
+    linear = fit.with_values(hw, {fit.LATENCY: 1.0})
+    for g in (0.9, 0.6):
+        cand = fit.with_values(hw, {fit.LATENCY: g})
+        assert dict(cand.efficiency)[fit.LATENCY] == g
+        assert latency(cand, 4) == pytest.approx(latency(linear, 4), rel=1e-12)
+        assert latency(cand, 8) == pytest.approx(latency(linear, 8) * 2 ** (g - 1), rel=1e-12)
+        assert cand.intra_node_bandwidth_bytes_per_s == linear.intra_node_bandwidth_bytes_per_s
+    digest = fit.profile_digest()
+    assert len(digest) == 16 and digest == fit.profile_digest()
