@@ -77,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
               f"{f.param_tensor_s * 1e6:.1f} us")
     skew_us = cal.sync_skew_s / cal.sharing * 1e6
     g = latency_share_exponent(hw)
-    print(f"  gloo (latencies: measured / {cal.sharing:.1f} ** {g:g}, the share law of the built-in profile): launch "
-          f"{f.base_latency_s * 1e6:.0f} us (rank skew {skew_us:.0f} us measured, not priced) + "
-          f"{f.hop_latency_s * 1e6:.0f} us per ring step; busBW "
+    print(f"  gloo: launch {f.base_latency_s * 1e6:.0f} us (rank skew {skew_us:.0f} us measured, not priced) + "
+          f"{f.hop_latency_s * 1e6:.0f} us per ring step (latencies: measured / {cal.sharing:.1f} ** {g:g}, the "
+          "built-in profile's share law); busBW "
           + ", ".join(f"{k} {v / 1e9:.3f} GB/s" for k, v in f.bus_bytes_per_s.items())
           + f"; send/recv {f.p2p_bytes_per_s / 1e9:.3f} GB/s")
     print(f"profile '{hw.name}': cores_per_node {hw.cores_per_node}, busBW vs all-reduce: "
