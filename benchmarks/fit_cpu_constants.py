@@ -61,8 +61,9 @@ step times of the same 57 programs, six runs on four days) is priced again with 
 built-in `cpu` profile carrying each candidate value (the programs that ran are the
 built-in profile's solves: `sweep_cpu.predict_ilp` prices those placements; pipelines by
 the pipeline search's stage costs). One pass of coordinate search, in GRIDS order: each
-constant's value maximises the mean per-group Spearman (model size x processes) over the
-runs, the constants before it at their chosen values and the ones after it at the
+constant's value maximises the mean Spearman over the runs' groups (model size x
+processes) and sizes (4 and 8 processes ranked together: issue 15's target "per model
+size"; per group alone until session 30) over the runs, the constants before it at their chosen values and the ones after it at the
 built-in profile's; ties go to the smaller median |error|. Leave-one-run-out per
 constant: each run priced at the value the other runs choose, beside the neutral value
 (1, 0 and 1: the term off, linear sharing).
@@ -97,7 +98,7 @@ Not run6 nor the headline (benchmarks/results/sweep_cpu.json): those check the f
 GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
-    "collective_latency_share_exponent": (1.0, 0.9, 0.8, 0.7, 0.6, 0.5),
+    "collective_latency_share_exponent": (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3),
 }
 """The constants, in the order they are fitted, and the values tried."""
 LATENCY = "collective_latency_share_exponent"
@@ -163,16 +164,23 @@ def price_run(run: str, name: str, values: tuple[float, ...], held: dict[str, fl
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in priced:
             groups.setdefault(f"{r['size']} x {r['world']}", []).append(r)
+        sizes: dict[str, list[dict[str, Any]]] = {}
+        for r in priced:
+            sizes.setdefault(r["size"], []).append(r)
         out[_tag(value)] = {
             "groups": {g: sc.group_figures(rs, KEY) for g, rs in sorted(groups.items())},
+            "sizes": {z: sc.group_figures(rs, KEY)["spearman"] for z, rs in sorted(sizes.items())},
             "median_abs_error": statistics.median(abs(r[KEY] / r["measured_s"] - 1) for r in priced),
         }
     return out
 
 
 def score(table: dict[str, dict[str, Any]], runs: list[str], value: str) -> tuple[float, float]:
-    """(mean per-group Spearman, -mean median error) over `runs` at `value`: larger is better."""
+    """(mean Spearman, -mean median error) over `runs` at `value`: larger is better. The mean
+    is over each run's per-group Spearmans (size x processes) and its per-size ones (4 and 8
+    processes ranked together, issue 15's "per model size")."""
     sp = [f["spearman"] for run in runs for f in table[run][value]["groups"].values()]
+    sp += [v for run in runs for v in table[run][value].get("sizes", {}).values()]
     err = [table[run][value]["median_abs_error"] for run in runs]
     return statistics.mean(sp), -statistics.mean(err)
 
@@ -199,7 +207,8 @@ def _fit_one(name: str, held: dict[str, float], done: dict[str, Any], jobs: int)
     digest = profile_digest()
     old_fit = done.get(name, {})
     reuse = old_fit if old_fit.get("held") == held and old_fit.get("profile") == digest else {}
-    old = reuse.get("table", {})
+    # prices of an output made before the per-size figures are priced again
+    old = {run: {v: f for v, f in vals.items() if "sizes" in f} for run, vals in reuse.get("table", {}).items()}
     todo = [tuple(v for v in grid if _tag(v) not in old.get(run, {})) for run in RUNS]
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         priced = list(pool.map(price_run, RUNS, [name] * len(RUNS), todo, [held] * len(RUNS)))
@@ -241,12 +250,16 @@ def _markdown(name: str, fit: dict[str, Any]) -> list[str]:
                      f"{v['median_abs_error']:.1%} | {v['median_abs_error_neutral']:.1%} | {v['max_regret']:.1%} | "
                      f"{v['max_regret_neutral']:.1%} |")
     groups = list(table[runs[0]][chosen]["groups"])
-    lines += ["", "Per group at the chosen value (Spearman; neutral in brackets):", "",
-              "| run | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+    sizes = list(table[runs[0]][chosen].get("sizes", {}))
+    lines += ["", "Per group and per size (4 and 8 processes pooled) at the chosen value (Spearman; neutral in "
+              "brackets):", "",
+              "| run | " + " | ".join(groups + [f"{z} pooled" for z in sizes]) + " |",
+              "|---|" + "---|" * (len(groups) + len(sizes))]
     for r in runs:
-        lines.append(f"| {r} | " + " | ".join(
-            f"{table[r][chosen]['groups'][g]['spearman']:.2f} ({table[r][neutral]['groups'][g]['spearman']:.2f})"
-            for g in groups) + " |")
+        cells = [f"{table[r][chosen]['groups'][g]['spearman']:.2f} ({table[r][neutral]['groups'][g]['spearman']:.2f})"
+                 for g in groups]
+        cells += [f"{table[r][chosen]['sizes'][z]:.2f} ({table[r][neutral]['sizes'][z]:.2f})" for z in sizes]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -289,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     lines = ["# The cpu profile's sweep-fitted constants", "",
              "Generated by `python benchmarks/fit_cpu_constants.py` (module docstring: what, why, how). Built-in "
-             "profile; per-group Spearman of predicted vs measured step time, mean over the 6 groups "
-             "(S, M, L x 4, 8 processes) of each recorded run; one pass of coordinate search in the order below.", ""]
+             "profile; Spearman of predicted vs measured step time, mean over the 6 groups (S, M, L x 4, 8 processes) "
+             "and the 3 sizes (4 and 8 processes pooled) of each recorded run; one pass of coordinate search in the "
+             "order below.", ""]
     for name, fit in fits.items():
         lines += _markdown(name, fit)
     lines.append("Chosen: " + ", ".join(f"**{k} = {v:g}**" for k, v in current.items()) + ".")
