@@ -38,6 +38,15 @@ def test_choose_takes_the_best_mean_spearman_and_breaks_ties_by_error() -> None:
     assert fit.choose(table, ["b"]) == "0.250000"
 
 
+def test_the_score_counts_the_per_size_pooled_spearman_beside_the_groups() -> None:
+    """Issue 15's target is per model size (4 and 8 processes ranked together): a value that
+    orders each group alike but the pooled sizes better scores higher."""
+    grouped = _figures([0.95, 0.95], 0.05)
+    table = {"a": {"1.000000": {**grouped, "sizes": {"S": 0.85}}, "0.500000": {**grouped, "sizes": {"S": 0.95}}}}
+    assert fit.score(table, ["a"], "1.000000") == pytest.approx(((0.95 + 0.95 + 0.85) / 3, -0.05))
+    assert fit.choose(table, ["a"]) == "0.500000"
+
+
 def test_every_constant_has_a_grid_that_holds_its_neutral_value_and_the_built_in_value() -> None:
     shipped = dict(HARDWARE["cpu"].efficiency)
     assert set(fit.GRIDS) == set(fit.NEUTRAL)
