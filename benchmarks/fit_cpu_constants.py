@@ -63,8 +63,8 @@ built-in profile's solves: `sweep_cpu.predict_ilp` prices those placements; pipe
 the pipeline search's stage costs). One pass of coordinate search, in GRIDS order: each
 constant's value maximises the mean Spearman over the runs' groups (model size x
 processes) and sizes (4 and 8 processes ranked together: issue 15's target "per model
-size"; per group alone until session 30) over the runs, the constants before it at their chosen values and the ones after it at the
-built-in profile's; ties go to the smaller median |error|. Leave-one-run-out per
+size"; per group alone until session 30), the constants before it at their chosen values
+and the ones after it at the built-in profile's; ties go to the smaller median |error|. Leave-one-run-out per
 constant: each run priced at the value the other runs choose, beside the neutral value
 (1, 0 and 1: the term off, linear sharing).
 

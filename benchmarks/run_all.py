@@ -16,8 +16,8 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
    the leave-one-source-out and leave-one-publication-out fits ->
    results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_constants.py
-   (the cpu profile's GEMM memory efficiency and stage collective wait refitted on
-   benchmarks/records' sweeps, ~20 min) -> results/fit_cpu_constants.{md,json}, checked
+   (the cpu profile's GEMM memory efficiency, stage collective wait and latency share law refitted on
+   benchmarks/records' sweeps, ~30 min) -> results/fit_cpu_constants.{md,json}, checked
    against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
           "--holdout", "publication"])
     phases.append(("fit + leave-one-out fits", time.perf_counter() - t))
-    if args.full:  # ~20 min on 2 cores: the recorded sweeps priced at 7 + 5 values of the two constants
+    if args.full:  # ~30 min on 2 cores: the recorded sweeps priced at 7 + 5 + 8 values of the three constants
         t = time.perf_counter()
         _run([PY, "benchmarks/fit_cpu_constants.py", "--json", str(RESULTS / "fit_cpu_constants.json"),
               "--md", str(RESULTS / "fit_cpu_constants.md")])

@@ -1,6 +1,6 @@
 """benchmarks/fit_cpu_constants.py: how a value is chosen from priced runs, what the
 committed fit holds, and its errors on bad input (exit 2). No pricing runs here (a full
-fit takes ~20 min; `make bench --full` runs it)."""
+fit takes ~30 min; `make bench --full` runs it)."""
 
 from __future__ import annotations
 
