@@ -53,7 +53,7 @@ def test_hardware_json_round_trip(name: str) -> None:
 
 def test_fit_recovers_the_model_terms_per_dedicated_core() -> None:
     for devices in (2, 4, 8):  # 2 ranks on 2 cores: no sharing; 8: four ranks per core
-        f = fit(_cal(devices))
+        f = fit(_cal(devices), latency_exponent=1.0)  # _cal's latencies grow linearly with the sharing
         assert f.gemm_flops_per_s == pytest.approx(PEAK, rel=1e-6)
         assert f.gemm_k_ramp == pytest.approx(K0, rel=1e-4)
         assert f.gemm_overhead_s == pytest.approx(OVERHEAD, rel=1e-4)
@@ -101,8 +101,13 @@ def test_calibrated_profile_file_round_trip(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("devices", [4, 8])
-def test_profile_reproduces_measured_rates(devices: int) -> None:
-    """Priced at the N it was measured with, the profile gives back what was measured."""
+def test_profile_reproduces_measured_rates(monkeypatch, devices: int) -> None:
+    """Priced at the N it was measured with, the profile gives back what was measured (and
+    8 ranks what _cal's linear law says: the built-in's share law set to 1 here; other laws:
+    test_share_law_prices_the_measured_rank_count_as_measured)."""
+    built_in = HARDWARE["cpu"]
+    eff = tuple(sorted({**dict(built_in.efficiency), "collective_latency_share_exponent": 1.0}.items()))
+    monkeypatch.setitem(HARDWARE, "cpu", dataclasses.replace(built_in, efficiency=eff))
     cal = _cal(4)
     hw = to_hardware(cal)
     s = devices / 2

@@ -229,21 +229,27 @@ def test_pipelines_pay_the_reported_loss(searched):
 def test_boundary_p2p_pays_core_sharing_once():
     """A pipeline boundary's price carries the ranks' core sharing through the link, as
     every ILP collective in a stage's time does: with 8 ranks on 2 cores it is 4x the price
-    with a core per rank, not 16x (the double count the search had until 2026-11-24)."""
+    with a core per rank under the linear share law, not 16x (the double count the search
+    had until 2026-11-24); under the built-in's law (latency x 4 ** g) between 4 ** g and 4x."""
     from dataclasses import replace
 
     from autopar.cluster import HARDWARE
 
     hw = HARDWARE["cpu"]
     assert hw.cores_per_node == 2
-    shared = Cluster.parse("cpu:8", hardware=hw)
-    dedicated = Cluster.parse("cpu:8", hardware=replace(hw, cores_per_node=8))
     messages = ((64 * 1024, True), (8192, False))
-    got = pipeline_search.boundary_p2p_s(shared, 4, 2, messages)
-    link = cost_model.mesh_axis_links(shared, (4, 2))[0]
     one = cost_model.send_recv_time_s
-    assert got == pytest.approx(2 * one(64 * 1024, link) + one(8192, link))
-    assert got / pipeline_search.boundary_p2p_s(dedicated, 4, 2, messages) == pytest.approx(4.0)
+    g = dict(hw.efficiency)["collective_latency_share_exponent"]
+    linear = replace(hw, efficiency=tuple(sorted({**dict(hw.efficiency),
+                                                  "collective_latency_share_exponent": 1.0}.items())))
+    for profile, low, high in ((linear, 4.0, 4.0), (hw, 4.0 ** g, 4.0)):
+        shared = Cluster.parse("cpu:8", hardware=profile)
+        dedicated = Cluster.parse("cpu:8", hardware=replace(profile, cores_per_node=8))
+        got = pipeline_search.boundary_p2p_s(shared, 4, 2, messages)
+        link = cost_model.mesh_axis_links(shared, (4, 2))[0]
+        assert got == pytest.approx(2 * one(64 * 1024, link) + one(8192, link))
+        ratio = got / pipeline_search.boundary_p2p_s(dedicated, 4, 2, messages)
+        assert low * (1 - 1e-9) <= ratio <= high * (1 + 1e-9)
 
 
 def test_a_llama_boundary_sends_the_stream_its_rotary_tables_and_the_labels():
