@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import re
 import statistics
 import sys
@@ -126,6 +125,35 @@ def _reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+RETURN_TO_OS_BYTES = 64 * 1024
+"""The memory phase's glibc mmap and trim thresholds: allocations of this size or more are
+mmapped and freed memory above it goes back to the OS, so VmHWM follows the live tensors."""
+
+
+def return_freed_memory_to_os(threshold: int = RETURN_TO_OS_BYTES) -> None:
+    """In this process only: glibc's mmap threshold and trim threshold fixed at `threshold`
+    (mallopt), so freed tensors leave the resident set and VmHWM tracks live memory. Called
+    at the start of a memory-phase rank.
+
+    Not through the environment (MALLOC_MMAP_THRESHOLD_): glibc reads it once, when a
+    process starts, and ranks are forks of one forkserver reused by every later spawn
+    (autopar/runtime/launch.py). Set in the environment around the memory phase's spawn,
+    the first spawn of the run, it reached the forkserver and from there every timed rank
+    after it: every allocation an mmap and page faults, steps 1.7-1.9x slower
+    (benchmarks/records/allocator_in_timed_ranks_2026-11-28.md). Raises where the C
+    library has no mallopt (not glibc): the memory figures would be meaningless."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):
+        raise RuntimeError("the memory phase needs glibc's mallopt to return freed memory to the OS; "
+                           "this C library has none (run the benchmark on glibc Linux)")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    for param in (m_mmap_threshold, m_trim_threshold):
+        if libc.mallopt(param, threshold) != 1:
+            raise RuntimeError(f"mallopt({param}, {threshold}) failed")
 
 
 def _global_loss(value: float | None) -> float:
@@ -271,6 +299,8 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
     batches = [source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1 + k))
                for k in range(WARMUP_STEPS + TIMED_STEPS)]
     results: dict[str, Any] = {}
+    if phase == "memory":
+        return_freed_memory_to_os()
     if phase == "memory" and world_cases:
         # one throwaway build + step of every program first: the process's one-time set-up
         # (lazy imports, gloo and mesh state, the collectives' and DTensor's first-use
@@ -357,20 +387,11 @@ def diagnose(label: str) -> None:
 def run_world(world: int, world_cases: list[Case], searched_label: str | None = None) -> dict[str, Any]:
     from autopar.runtime.launch import spawn
 
-    # Memory and timing in separate process sets: the memory phase makes glibc return freed
-    # tensors to the OS (mmap threshold 64 KiB, read by the ranks' glibc at start) so
-    # VmHWM tracks live tensors; timed that way, every allocation would be an mmap +
-    # page faults (steps ~1.6x slower, more so for allocation-heavy programs).
-    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
-    os.environ.update({k: "65536" for k in saved})
-    try:
-        memory = spawn(measure_worker, world, (world_cases, None, "memory"), collective_timeout_s=180.0)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # Memory and timing in separate process sets: the memory ranks make glibc return freed
+    # tensors to the OS (return_freed_memory_to_os, in those ranks only) so VmHWM tracks
+    # live tensors; timed that way, every allocation would be an mmap + page faults (steps
+    # ~1.6x slower, more so for allocation-heavy programs).
+    memory = spawn(measure_worker, world, (world_cases, None, "memory"), collective_timeout_s=180.0)
     per_rank = spawn(measure_worker, world, (world_cases, searched_label, "timing"), collective_timeout_s=180.0)
     for mem_rank, time_rank in zip(memory, per_rank):
         for case in world_cases:

@@ -1,0 +1,78 @@
+"""The benchmarks' memory phase changes glibc's allocator in its own ranks only.
+
+benchmarks/measure_cpu.py and measure_torchtitan.py measure memory in one set of ranks,
+with glibc returning freed memory to the OS (mmap threshold 64 KiB), and time the programs
+in a second set with glibc's defaults. Ranks are forks of one forkserver reused by every
+spawn (autopar/runtime/launch.py), so a threshold set through the environment around the
+first spawn reached the forkserver and every timed rank after it (steps 1.7-1.9x slower,
+benchmarks/records/allocator_in_timed_ranks_2026-11-28.md).
+
+Read without timing: glibc's `mallinfo2().hblks` counts the live mmapped chunks. A 1 MiB
+block malloc'd after one was freed is mmapped under the fixed 64 KiB threshold (hblks
+>= 1) and comes from the heap under glibc's default, whose threshold rises to the size of
+a freed mmapped chunk (hblks 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.runtime.launch import spawn
+
+pytestmark = pytest.mark.dist
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BLOCK = 1 << 20
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mmapped_blocks_of_second_block() -> int:
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = _Mallinfo2
+    libc.free(libc.malloc(BLOCK))  # under glibc's default, this free raises the threshold past BLOCK
+    before = libc.mallinfo2().hblks
+    p = libc.malloc(BLOCK)
+    after = libc.mallinfo2().hblks
+    libc.free(p)
+    return after - before
+
+
+def _rank(rank: int, memory_phase: bool) -> int:
+    if memory_phase:
+        sys.path.insert(0, str(BENCHMARKS))
+        from measure_cpu import return_freed_memory_to_os
+
+        return_freed_memory_to_os()
+    return _mmapped_blocks_of_second_block()
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_memory_phase_allocator_stays_out_of_later_timed_ranks():
+    memory = spawn(_rank, 2, (True,))
+    timed = spawn(_rank, 2, (False,))  # the same forkserver, as in the benchmarks
+    assert memory == [1, 1], f"memory-phase ranks did not mmap a freed-and-reallocated 1 MiB block: {memory}"
+    assert timed == [0, 0], (f"ranks spawned after the memory phase still mmap every 1 MiB block ({timed}): "
+                             "the memory phase's allocator settings leaked into the timed ranks")
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_environment_threshold_would_leak_through_the_forkserver(monkeypatch):
+    """The mechanism the fix avoids, shown on a fresh forkserver: a rank of a spawn whose
+    environment sets MALLOC_MMAP_THRESHOLD_ keeps glibc's default if the forkserver was
+    started without it. So the environment route is not per-rank; whichever spawn starts the
+    forkserver decides for all."""
+    spawn(_rank, 1, (False,))  # the forkserver exists (started by this or an earlier test)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert spawn(_rank, 1, (False,)) == [0]
