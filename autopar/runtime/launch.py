@@ -11,7 +11,8 @@ of a second where a fresh interpreter importing torch took 3.7 s for 4 ranks and
 8 on this 2-core machine. A fork of the server would carry the server's environment, not
 the caller's: the caller's `os.environ` at the call is sent along and set in the rank
 before anything runs (variables that torch reads while it is imported keep the server's
-values).
+values, and so do those the C library reads at process start: a later spawn that changes one
+of those, PROCESS_START_VARIABLES, is refused, `check_process_start_environment`).
 
 Teardown: each rank imports `torch.distributed.nn.functional` before creating its group
 (`import_before_process_group`), so the group `destroy_process_group` destroys is really
@@ -263,6 +264,46 @@ def _failure(tmp: str, codes: list[int | None], failed: list[int], alive: list[i
     return RankFailure(failed[0], detail(failed[0]))
 
 
+PROCESS_START_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
+"""Environment variables (names, or prefixes ending in _) that the C library reads once,
+when a process starts: glibc's allocator tunables and the preloaded libraries. A rank is a
+fork of the forkserver, so it has the values the server started with, whatever the
+caller's environment says at a later spawn."""
+
+_server_start_environ: dict[str, str] | None = None
+"""PROCESS_START_VARIABLES as they were at this process's first spawn, which starts the
+forkserver (module docstring): what every rank of every later spawn runs with."""
+
+
+def _process_start_values(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items()
+            if any(k.startswith(p) if p.endswith("_") else k == p for p in PROCESS_START_VARIABLES)}
+
+
+def check_process_start_environment(environ: dict[str, str]) -> None:
+    """Raise ValueError, before any rank starts, when `environ` sets a variable the C
+    library reads at process start (PROCESS_START_VARIABLES) to another value than the
+    forkserver started with: the ranks would run with the server's value and the caller's
+    setting would silently not apply (2026-11-28: a benchmark's memory phase set glibc's
+    mmap threshold this way for its first spawn, and every later rank, its timed ones
+    included, inherited it through the server: steps 1.6-1.9x slower). The first spawn of
+    a process records the values (it starts the server)."""
+    global _server_start_environ
+    now = _process_start_values(environ)
+    if _server_start_environ is None:
+        _server_start_environ = now
+        return
+    differ = sorted(k for k in set(now) | set(_server_start_environ) if now.get(k) != _server_start_environ.get(k))
+    if differ:
+        said = ", ".join(f"{k}={now.get(k, '<unset>')!s} (ranks have {_server_start_environ.get(k, '<unset>')})"
+                         for k in differ)
+        raise ValueError(
+            f"spawn: {said}: the C library reads these when a process starts, and ranks are forks of the "
+            "forkserver this process's first spawn started, so the setting would not reach them. Set it before "
+            "the first spawn (e.g. in the shell that starts the job), or in the ranks themselves (for glibc's "
+            "allocator: mallopt, as benchmarks/measure_cpu.py return_freed_memory_to_os does)")
+
+
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *,
           collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, timeout_s: float = 900.0,
           grace_s: float = 2.0) -> list[Any]:
@@ -273,9 +314,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *
 
     if world_size < 1:
         raise ValueError(f"--devices must be a positive integer, got {world_size}")
+    environ = dict(os.environ)
+    check_process_start_environment(environ)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="autopar-") as tmp:
         store = str(Path(tmp) / "store")
         procs = [ctx.Process(target=_worker, args=(r, world_size, store, tmp, fn, args, collective_timeout_s, environ),

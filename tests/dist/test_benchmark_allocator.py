@@ -7,6 +7,9 @@ spawn (autopar/runtime/launch.py), so a threshold set through the environment ar
 first spawn reached the forkserver and every timed rank after it (steps 1.7-1.9x slower,
 benchmarks/records/allocator_in_timed_ranks_2026-11-28.md).
 
+A spawn whose environment changes such a variable after the forkserver started is refused
+(autopar.runtime.launch.check_process_start_environment).
+
 Read without timing: glibc's `mallinfo2().hblks` counts the live mmapped chunks. A 1 MiB
 block malloc'd after one was freed is mmapped under the fixed 64 KiB threshold (hblks
 >= 1) and comes from the heap under glibc's default, whose threshold rises to the size of
@@ -67,12 +70,13 @@ def test_memory_phase_allocator_stays_out_of_later_timed_ranks():
                              "the memory phase's allocator settings leaked into the timed ranks")
 
 
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33 (mallinfo2)")
-def test_environment_threshold_would_leak_through_the_forkserver(monkeypatch):
-    """The mechanism the fix avoids, shown on a fresh forkserver: a rank of a spawn whose
-    environment sets MALLOC_MMAP_THRESHOLD_ keeps glibc's default if the forkserver was
-    started without it. So the environment route is not per-rank; whichever spawn starts the
-    forkserver decides for all."""
-    spawn(_rank, 1, (False,))  # the forkserver exists (started by this or an earlier test)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert spawn(_rank, 1, (False,)) == [0]
+def test_spawn_refuses_a_process_start_variable_the_ranks_would_not_get(monkeypatch):
+    """The environment route, refused before any rank starts: ranks are forks of the
+    forkserver, so a glibc variable set for one later spawn would not reach its ranks (the
+    server keeps the value it started with) and would silently not apply."""
+    spawn(_rank, 1, (False,))  # the forkserver exists, started with this process's environment
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65543")
+    with pytest.raises(ValueError, match=r"MALLOC_MMAP_THRESHOLD_=65543 \(ranks have .*mallopt"):
+        spawn(_rank, 1, (False,))
+    monkeypatch.undo()
+    assert spawn(_rank, 1, (False,)) == [0]  # the server's environment again: accepted
