@@ -141,7 +141,7 @@ def return_freed_memory_to_os(threshold: int = RETURN_TO_OS_BYTES) -> None:
     process starts, and ranks are forks of one forkserver reused by every later spawn
     (autopar/runtime/launch.py). Set in the environment around the memory phase's spawn,
     the first spawn of the run, it reached the forkserver and from there every timed rank
-    after it: every allocation an mmap and page faults, steps 1.7-1.9x slower
+    after it: every allocation an mmap and page faults, steps 1.6-1.9x slower
     (benchmarks/records/allocator_in_timed_ranks_2026-11-28.md). Raises where the C
     library has no mallopt (not glibc): the memory figures would be meaningless."""
     import ctypes
