@@ -1,4 +1,4 @@
-"""How a recorded CPU sweep's step times are read from its rounds, four ways, judged by the
+"""How a recorded CPU sweep's step times are read from its rounds, five ways, judged by the
 sweep's own noise probe.
 
     .venv/bin/python benchmarks/sweep_estimators.py [--md OUT.md] [SWEEP.json ...]
@@ -13,6 +13,8 @@ Estimators of a configuration's step time from its timed rounds:
   step down);
 - median: kept beside it in every row (`measured_median_s`);
 - q25: the lower quartile (linear interpolation);
+- fastest half: the mean of the fastest ceil(n / 2) rounds (added in session 31: a
+  minimum that averages several draws instead of resting on one lucky round);
 - round-adjusted median: log t[c, k] = a[c] + b[k] + noise, with b[k] the median over the
   group's configurations of log t[c, k] - median_k log t[c, k] (how slow round k was for
   everyone), and the step time exp(median_k (log t[c, k] - b[k])).
@@ -46,6 +48,11 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
+def _fastest_half(times: list[float]) -> float:
+    fast = sorted(times)[:math.ceil(len(times) / 2)]
+    return sum(fast) / len(fast)
+
+
 def _round_adjusted(rows: list[dict]) -> list[float]:
     logs = [[math.log(t) for t in r["measured_times_s"]] for r in rows]
     k = min(len(x) for x in logs)
@@ -58,6 +65,7 @@ ESTIMATORS = {
     "min": lambda rows: [min(r["measured_times_s"]) for r in rows],
     "median": lambda rows: [statistics.median(r["measured_times_s"]) for r in rows],
     "q25": lambda rows: [_quantile(r["measured_times_s"], 0.25) for r in rows],
+    "fastest half": lambda rows: [_fastest_half(r["measured_times_s"]) for r in rows],
     "round-adjusted median": _round_adjusted,
 }
 

@@ -133,6 +133,8 @@ def test_round_adjusted_estimator_separates_the_machine_from_one_program():
     assert adjusted["c"] / adjusted["b"] == pytest.approx(4.0, rel=1e-9)
     assert read["min"]["a"] / read["min"]["b"] == pytest.approx(1.1, rel=1e-9)
     assert read["median"]["a"] / read["median"]["b"] == pytest.approx(1.4 / 1.2, rel=1e-9)
+    # fastest half: the mean of the fastest 3 of 5 rounds (b: 1.0, 1.1, 1.2 of its base)
+    assert read["fastest half"]["b"] == pytest.approx(0.10 * (1.0 + 1.1 + 1.2) / 3, rel=1e-9)
 
 
 def test_reference_reading_per_block_of_calibrates_windows():
