@@ -10,10 +10,17 @@ What runs: for each model size and world size, every configuration is compiled t
 public entry point (`autopar.compile(model, "cpu:N", example_inputs=..., config=...)`) on
 the same spawned gloo ranks (`autopar.runtime.launch.spawn`), side by side, and timed in
 rounds: each round runs one step (`compiled.step(batch)`, barrier before and after, timed on
-rank 0) of every configuration, interleaved round-robin (round k starts at configuration k
-and runs the list in order on even rounds, reversed on odd ones), after WARMUP_ROUNDS
-untimed rounds, so slow phases of the shared 2-core machine hit all configurations of a
-group alike: the ranking and the predicted/measured ratios are measured side by side.
+rank 0) of every configuration, interleaved in a fresh random order each round
+(`round_order`; the same on every rank), after WARMUP_ROUNDS untimed rounds, so slow phases
+of the shared 2-core machine hit all configurations of a group alike: the ranking and the
+predicted/measured ratios are measured side by side. Why random (`--order`): a step's time
+depends on the step that ran just before it, and the round-robin order used until session
+32 (round k starting at configuration k, reversed on odd rounds) gave every configuration
+the same two predecessors in every round, so that context was a fixed bias of each row, the
+same in every run (benchmarks/records/round_order_2026-11-28.md). A random order makes it
+noise that every row shares, as Google Benchmark's random interleaving does against
+run-to-run variance (docs/random_interleaving.md, google/benchmark#1051). Each row keeps
+the label that ran just before it in every timed round (`predecessors`).
 Measurement protocol (the noise): other users' processes only ever slow a step down, so a
 configuration's step time is the MINIMUM over its timed rounds (the convention of Python's
 `timeit`: higher values are "typically not caused by variability in Python's speed, but by
@@ -93,6 +100,11 @@ WARMUP_ROUNDS = 2
 from autopar.calibrate import REFERENCE_CALLS, REFERENCE_WINDOWS  # noqa: E402
 
 TIMED_ROUNDS = REFERENCE_WINDOWS
+ORDERS = ("random", "rotate")
+"""How a round orders a group's configurations (`round_order`): "random", a permutation
+drawn afresh each round from a seed that is the round's number (the default since session
+32); "rotate", the round-robin of the earlier recorded runs (round k starts at configuration
+k; odd rounds reversed), kept to reproduce them."""
 """The reference workload runs as one window of REFERENCE_CALLS calls per timed round, and
 the load factor takes the fastest: the fastest of REFERENCE_WINDOWS windows of
 REFERENCE_CALLS calls, how `autopar calibrate` reduces its own reference time
@@ -192,7 +204,22 @@ def probe_cases(ap: argparse.ArgumentParser, args: argparse.Namespace, *, one_st
 
 # ---- on the ranks ----------------------------------------------------------------------
 
-def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, timed: int) -> dict[str, Any]:
+def round_order(n: int, k: int, order: str = "random") -> list[int]:
+    """The order round k runs a group's n configurations in: indices into the group's list.
+    A pure function of (n, k, order), so every rank computes the same order and their
+    collectives match."""
+    import random
+
+    if order == "random":
+        return random.Random(f"sweep_cpu round {k}").sample(range(n), n)
+    if order == "rotate":
+        rotated = list(range(k % n, n)) + list(range(k % n)) if n else []
+        return rotated if k % 2 == 0 else rotated[::-1]
+    raise ValueError(f"round order {order!r}: use one of {', '.join(ORDERS)}")
+
+
+def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, timed: int,
+            order: str = "random") -> dict[str, Any]:
     import functools
 
     import torch
@@ -214,6 +241,7 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
                                    config=case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
         programs.append((case.label, compiled))
     times: dict[str, list[float]] = {label: [] for label, _ in programs}
+    before: dict[str, list[str | None]] = {label: [] for label, _ in programs}
     losses: dict[str, float] = {}
     reference_s: list[float] = []
     for k, batch in enumerate(batches):
@@ -225,23 +253,27 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
         dist.barrier()
         if k >= warmup:
             reference_s.append((time.perf_counter() - start) / REFERENCE_CALLS)
-        rotated = programs[k % len(programs):] + programs[:k % len(programs)]
-        order = rotated if k % 2 == 0 else rotated[::-1]
-        for label, compiled in order:
+        previous = None  # the reference workload ran last
+        for i in round_order(len(programs), k, order):
+            label, compiled = programs[i]
             dist.barrier()
             start = time.perf_counter()
             loss = compiled.step(batch)
             dist.barrier()
             if k >= warmup:
                 times[label].append(time.perf_counter() - start)
+                before[label].append(previous)
             losses.setdefault(label, float(loss))
-    return {"times": times, "first_loss": losses, "reference_s": reference_s, "reference_ranks": ranks}
+            previous = label
+    return {"times": times, "predecessors": before, "first_loss": losses, "reference_s": reference_s,
+            "reference_ranks": ranks}
 
 
-def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int) -> dict[str, Any]:
+def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int, order: str = "random") -> dict[str, Any]:
     from autopar.runtime.launch import spawn
 
-    per_rank = spawn(_worker, world_cases[0].world, (spec, world_cases, warmup, timed), collective_timeout_s=300.0)
+    per_rank = spawn(_worker, world_cases[0].world, (spec, world_cases, warmup, timed, order),
+                     collective_timeout_s=300.0)
     return per_rank[0]
 
 
@@ -505,6 +537,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=TIMED_ROUNDS,
                     help=f"timed rounds, a multiple of {REFERENCE_WINDOWS} (default {TIMED_ROUNDS}): more rounds "
                          "give the minimum over rounds more draws on a machine whose speed comes and goes")
+    ap.add_argument("--order", choices=ORDERS, default="random",
+                    help="how each round orders the configurations: a fresh random order (default) or the "
+                         "round-robin of the runs recorded before session 32")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--merge", default=None, metavar="JSON",
@@ -546,7 +581,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for world in (int(w) for w in args.worlds.split(",")):
             world_cases = [c for c in cases(world) if not args.only or c.label in args.only.split(",")]
             t = time.perf_counter()
-            got = measure(spec, world_cases, warmup=warmup, timed=timed)
+            got = measure(spec, world_cases, warmup=warmup, timed=timed, order=args.order)
             ranks = got["reference_ranks"]
             load_default = load_factor(HARDWARE["cpu"], ranks, got["reference_s"])
             load_cal = load_factor(hw_cal, ranks, got["reference_s"]) if hw_cal is not None else None
@@ -557,7 +592,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row = {"size": size, "model": spec, "world": world, "label": case.label,
                        "config": case.config.to_json(), "measured_s": min(got["times"][case.label]),
                        "measured_median_s": statistics.median(got["times"][case.label]),
-                       "measured_times_s": got["times"][case.label], "first_loss": got["first_loss"][case.label],
+                       "measured_times_s": got["times"][case.label],
+                       "predecessors": got["predecessors"][case.label], "first_loss": got["first_loss"][case.label],
                        "reference_s": got["reference_s"], "reference_ranks": ranks}
                 row.update(predictions(profile, spec, case, HARDWARE["cpu"], hw_cal, reference_s=got["reference_s"],
                                        reference_ranks=ranks))
@@ -573,7 +609,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         order = {(s, w): i for i, (s, w) in enumerate((s, w) for s in SIZES for w in (4, 8))}
         rows = sorted(kept + rows, key=lambda r: order[(r["size"], r["world"])])
     out = summarize(rows)
-    out.update(rows=rows, global_batch=GLOBAL_BATCH, warmup_rounds=warmup, timed_rounds=timed,
+    out.update(rows=rows, global_batch=GLOBAL_BATCH, warmup_rounds=warmup, timed_rounds=timed, order=args.order,
                wall_s=time.perf_counter() - start, profile=args.profile)
     return report(out, args)
 
@@ -631,7 +667,8 @@ def write_markdown(out: dict[str, Any], path: Path) -> None:
         f"{out['global_batch']}, AdamW, fp32; every configuration compiled with `autopar.compile(..., config=...)` "
         f"and stepped with `compiled.step` on the same spawned gloo ranks, side by side: {out['warmup_rounds']} "
         f"warm-up rounds, then {out['timed_rounds']} timed rounds of one step of every configuration, interleaved "
-        "round-robin (each round starts one configuration later; order reversed every other round); measured = "
+        + ("round-robin (each round starts one configuration later; order reversed every other round)"
+           if out.get("order", "rotate") == "rotate" else "in a fresh random order each round") + "; measured = "
         "minimum over rounds (other users only slow a step down; the median is in the JSON), and the "
         "first configuration of every world runs twice as two identical programs, a noise estimate (below). One-stage configurations (pp = 1) run "
         "the per-op program (the intra-op ILP's placements for the configuration); pipelines run the "

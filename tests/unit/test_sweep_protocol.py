@@ -177,3 +177,60 @@ def test_sweep_estimators_names_a_missing_file(tmp_path, capsys):
         sweep_estimators.main([str(tmp_path / "nope.json")])
     assert err.value.code == 2
     assert "nope.json" in capsys.readouterr().err
+
+
+def test_round_order_gives_every_configuration_many_predecessors():
+    """A step's time depends on the step before it. The round-robin order gave each
+    configuration the same two predecessors in every round (a fixed bias per row); the random
+    order, the default, gives it many, and is the same on every rank (a function of the
+    round alone) so the ranks' collectives match."""
+    n, rounds = 9, 22
+
+    def predecessors(order: str) -> dict[int, set]:
+        seen: dict[int, set] = {i: set() for i in range(n)}
+        for k in range(rounds):
+            got = sweep_cpu.round_order(n, k, order)
+            assert sorted(got) == list(range(n))
+            assert got == sweep_cpu.round_order(n, k, order)
+            for prev, i in zip([None, *got], got):
+                seen[i].add(prev)
+        return seen
+
+    rotate = predecessors("rotate")
+    assert all(s - {None} == {(i - 1) % n, (i + 1) % n} for i, s in rotate.items())
+    assert sweep_cpu.round_order(n, 2, "rotate")[0] == 2 and sweep_cpu.round_order(n, 3, "rotate")[-1] == 3
+    shuffled = predecessors("random")
+    assert min(len(s - {None}) for s in shuffled.values()) >= 4
+    assert len({tuple(sweep_cpu.round_order(n, k)) for k in range(rounds)}) == rounds
+    with pytest.raises(ValueError, match="rotate"):
+        sweep_cpu.round_order(n, 0, "reverse")
+
+
+def test_pick_resolution_hindsight_and_paired_rounds(tmp_path, capsys):
+    """benchmarks/pick_resolution.py: where the measured best moves between runs, the one
+    configuration best on average (the hindsight ranker) still loses in the run it is not
+    best in; paired per-round ratios read a constant ratio exactly."""
+    import json
+
+    import pick_resolution
+
+    assert pick_resolution.paired([1.1, 2.2, 3.3], [1.0, 2.0, 3.0]) == pytest.approx((0.1, 0.1, 0.1))
+    a = [_row("a", [1.00, 1.01], 1.0), _row("b", [1.05, 1.06], 2.0), _row("c", [1.3, 1.3], 3.0)]
+    b = [_row("a", [1.06, 1.07], 1.0), _row("b", [1.00, 1.02], 2.0), _row("c", [1.3, 1.3], 3.0)]
+    c = [_row("a", [1.00, 1.00], 2.0), _row("b", [1.04, 1.04], 1.0), _row("c", [1.3, 1.3], 3.0)]
+    got = pick_resolution.analyse({"r1": a, "r2": b, "r3": c}, "min")["M x 4"]
+    assert got["hindsight"] == "a"
+    assert got["hindsight_regret"] == pytest.approx([0.0, 0.06, 0.0])
+    assert [r["pick"] for r in got["runs"]] == ["a", "a", "b"]
+    assert [r["regret"] for r in got["runs"]] == pytest.approx([0.0, 0.06, 0.04])
+    files = []
+    for name, rows in (("r1", a), ("r2", b)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps({"rows": rows}))
+    assert pick_resolution.main([str(f) for f in files]) == 0
+    out = capsys.readouterr().out
+    assert "| M x 4 | a (0.0%), a (6.0%) |" in out and "1 / 1 of 2" in out
+    with pytest.raises(SystemExit) as err:
+        pick_resolution.main([str(tmp_path / "nope.json")])
+    assert err.value.code == 2
+    assert "nope.json" in capsys.readouterr().err
