@@ -44,7 +44,7 @@ The three constants (cost_model/efficiency.py; the README's constants table):
    1.32 and its pipelines at 1.12-1.25 of measured in the headline sweep (run 14), while
    the 4-process rows, priced at the calibration's own sharing, sat at 0.92-1.0. What it
    explains: two calibrations of this machine, 8 and 4 ranks on 2 cores
-   (records/cpu_profile_devices8_2026-11-27.json, results/cpu_profile.json: run 14's),
+   (records/cpu_profile_devices8_2026-11-27.json, records/sweep_cpu_headline_2026-11-27_profile.json: run 14's),
    gave a per-core ring step at 8 ranks 0.906x the one at 4 (242 and 267 us stored at
    g = 1: 2 ** (g - 1) = 0.906, g = 0.86): a ring step is part CPU work, time-sliced,
    and part waiting on a peer. One pair only, and the 4-rank figure spread 187-333 us
@@ -94,7 +94,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RUNS = ("run1", "rerun", "run2", "run3", "run4", "run5")
 """The recorded sweeps (benchmarks/records/sweep_cpu_<run>.json; records/README.md dates each).
-Not run6 nor the headline (benchmarks/results/sweep_cpu.json): those check the fit out of sample."""
+Not run6 nor the later runs and headlines (benchmarks/results/sweep_cpu.json): those check the fit out of sample."""
 GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
