@@ -201,3 +201,24 @@ def test_program_choice_probe_refuses_an_unreadable_profile_before_any_rank_star
         probe_program_choice.main(["--size", "S", "--world", "4", "--only", "tp4", "--other", str(bad)])
     assert exc.value.code == 2
     assert str(bad) in capsys.readouterr().err
+
+
+def test_probe_microbatches_refuses_bad_configs_before_any_rank_starts(capsys, monkeypatch):
+    """benchmarks/probe_microbatches.py: a malformed entry, one that does not fill the world
+    and one whose micro-batch does not divide the global batch each end with exit 2 and a
+    message naming the entry; nothing is measured."""
+    import probe_microbatches
+    import sweep_cpu
+
+    monkeypatch.setattr(sweep_cpu, "measure", lambda *a, **k: pytest.fail("measured a refused configuration"))
+    for bad, says in (("4:2", "dp:pp:micro_batch"), ("2:2:2", "dp x pp = 4"), ("4:2:3", "does not divide"),
+                      ("4:0:1", "positive integers")):
+        with pytest.raises(SystemExit) as err:
+            probe_microbatches.main(["--world", "8", "--configs", f"2:4:2,{bad}"])
+        assert err.value.code == 2
+        msg = capsys.readouterr().err
+        assert says in msg and repr(bad) in msg
+    ap = __import__("argparse").ArgumentParser()
+    got = probe_microbatches.parse_configs(ap, "2:4:1, 4:2:4", 8)
+    assert [c.label for c in got] == ["dp2 pp4 mb1", "dp4 pp2 mb4"]
+    assert [(c.config.dp, c.config.pp, c.config.micro_batch) for c in got] == [(2, 4, 1), (4, 2, 4)]
