@@ -100,17 +100,17 @@ WARMUP_ROUNDS = 2
 from autopar.calibrate import REFERENCE_CALLS, REFERENCE_WINDOWS  # noqa: E402
 
 TIMED_ROUNDS = REFERENCE_WINDOWS
-ORDERS = ("random", "rotate")
-"""How a round orders a group's configurations (`round_order`): "random", a permutation
-drawn afresh each round from a seed that is the round's number (the default since session
-32); "rotate", the round-robin of the earlier recorded runs (round k starts at configuration
-k; odd rounds reversed), kept to reproduce them."""
 """The reference workload runs as one window of REFERENCE_CALLS calls per timed round, and
 the load factor takes the fastest: the fastest of REFERENCE_WINDOWS windows of
 REFERENCE_CALLS calls, how `autopar calibrate` reduces its own reference time
 (`autopar.calibrate.reference_time`), so the two compare like with like. (Calibrate took
 the fastest of 3 windows of 5 calls before, 10-15% slower on an unchanged machine, and
 every prediction here was scaled down by that.)"""
+ORDERS = ("random", "rotate")
+"""How a round orders a group's configurations (`round_order`): "random", a permutation
+drawn afresh each round from a seed that is the round's number (the default since session
+32); "rotate", the round-robin of the earlier recorded runs (round k starts at configuration
+k; odd rounds reversed), kept to reproduce them."""
 REFERENCE_RANKS = 4
 """Ranks the reference workload runs on (the others wait at the barrier): the device count of
 the calibrations it is set against (`autopar calibrate --devices 4`, the default; both
