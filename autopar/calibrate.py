@@ -28,7 +28,10 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   against 0.6 ms its elements were worth);
 - eager per-op cost: a chain of small elementwise ops under autograd, forward and backward,
   per ATen op (what every op of a training step pays on the host: dispatch, autograd
-  recording, the backward engine); a chain of views; a small tensor-parallel block on
+  recording, the backward engine); a chain of views; both chains again as the per-rank
+  program runs its ops (`program_op_s`, `program_view_s`: a make_fx GraphModule calling ATen
+  op overloads under no_grad; the profile's per-op and per-view costs, the ILP charging
+  views too since 2026-11-28, cost_model/table.py `view_host_s`); a small tensor-parallel block on
   DTensors vs on local tensors (the sharding propagation and wrapping a DTensor op adds,
   per ATen op of the block, counted with a dispatch mode);
 - fused attention: `scaled_dot_product_attention` forward+backward at a small shape, its
@@ -157,6 +160,14 @@ class Calibration:
     waits between stages. The wait of collectives inside a stage (not send/recv) is now
     priced, fitted on the recorded sweeps rather than measured here
     (`stage_collective_wait_s`, benchmarks/fit_cpu_constants.py)."""
+    program_op_s: float = 0.0
+    """Per node of a small elementwise chain run as the per-rank program runs its ops: a
+    make_fx GraphModule of ATen op overloads under no_grad; all ranks busy; 0 = not measured
+    (a profile written before 2026-11-28: `eager_op_s` stands in)."""
+    program_view_s: float = 0.0
+    """Per node of a chain of views (`aten.t`) run the same way; 0 = not measured
+    (`view_op_s`, the Tensor method without the op-overload call, stands in: measured
+    side by side here, 0.62 against 1.3 us per dedicated core)."""
     reference_s: float = 0.0
     """One call of `reference_workload` on all ranks at once: what a later run on this
     machine compares its own reference time with (`load_factor`), so that predictions made
@@ -176,7 +187,8 @@ class Calibration:
             "collective_s": [list(x) for x in self.collective_s], "send_recv_s": [list(x) for x in self.send_recv_s],
             "reference_s": self.reference_s, "sync_skew_s": self.sync_skew_s,
             "optimizer_s": self.optimizer_s, "accumulate_s": self.accumulate_s,
-            "param_tensor_s": self.param_tensor_s,
+            "param_tensor_s": self.param_tensor_s, "program_op_s": self.program_op_s,
+            "program_view_s": self.program_view_s,
         }
 
     @classmethod
@@ -190,7 +202,9 @@ class Calibration:
                    send_recv_s=tuple(tuple(x) for x in data["send_recv_s"]),
                    reference_s=float(data.get("reference_s", 0.0)), sync_skew_s=float(data.get("sync_skew_s", 0.0)),
                    optimizer_s=float(data.get("optimizer_s", 0.0)), accumulate_s=float(data.get("accumulate_s", 0.0)),
-                   param_tensor_s=float(data.get("param_tensor_s", 0.0)))
+                   param_tensor_s=float(data.get("param_tensor_s", 0.0)),
+                   program_op_s=float(data.get("program_op_s", 0.0)),
+                   program_view_s=float(data.get("program_view_s", 0.0)))
 
 
 def _param_tensor_s(mesh: Any, timed: Callable[..., float], barrier: Callable[[], None]) -> float:
@@ -404,6 +418,36 @@ def _rank_measure(rank: int) -> dict[str, Any]:
 
     barrier()
     out["view_op"] = timed(views, barrier) / CHAIN_OPS
+    # the same two chains as the per-rank program runs its ops: traced by make_fx into a
+    # GraphModule whose every node calls an ATen op overload, run under no_grad
+    # (codegen/apply.py, autopar/runtime/spmd.py); what the cost model charges per op and per view
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def mul_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        for _ in range(CHAIN_OPS):
+            x = x * w
+        return x
+
+    def view_chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(CHAIN_OPS):
+            x = x.t()
+        return x
+
+    x1 = torch.ones(16)
+    op_graph, view_graph = make_fx(mul_chain)(x1, w), make_fx(view_chain)(v)
+
+    def program_ops() -> None:
+        with torch.no_grad():
+            op_graph(x1, w)
+
+    def program_views() -> None:
+        with torch.no_grad():
+            view_graph(v)
+
+    barrier()  # (not all under one no_grad: `timed` runs the reference workload, which needs autograd)
+    out["program_op"] = timed(program_ops, barrier) / CHAIN_OPS
+    barrier()
+    out["program_view"] = timed(program_views, barrier) / CHAIN_OPS
     # DTensor: the same small block (column-parallel linear, elementwise, view, reduction,
     # forward and backward) on local tensors and on DTensors; the extra time per ATen op of
     # the plain block is what a tensor-parallel layer's ops pay for DTensor dispatch
@@ -533,6 +577,8 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         optimizer_s=statistics.median(r["optimizer"] for r in results),
         accumulate_s=statistics.median(r["accumulate"] for r in results),
         param_tensor_s=statistics.median(r.get("param_tensor", 0.0) for r in results),
+        program_op_s=statistics.median(r["program_op"] for r in results),
+        program_view_s=statistics.median(r["program_view"] for r in results),
     )
 
 
@@ -568,7 +614,8 @@ def combine(cals: list[Calibration]) -> Calibration:
                        dtensor_op_s=med("dtensor_op_s"), attention_flops_per_s=med("attention_flops_per_s", rate=True),
                        collective_s=rows("collective_s", 3), send_recv_s=rows("send_recv_s", 1),
                        sync_skew_s=med("sync_skew_s"), reference_s=ref, optimizer_s=med("optimizer_s"),
-                       accumulate_s=med("accumulate_s"), param_tensor_s=med("param_tensor_s"))
+                       accumulate_s=med("accumulate_s"), param_tensor_s=med("param_tensor_s"),
+                       program_op_s=med("program_op_s"), program_view_s=med("program_view_s"))
 
 
 def _solve_normal(rows: list[list[float]], ys: list[float], free: tuple[int, ...]) -> list[float] | None:
@@ -629,7 +676,9 @@ class Fitted:
     copy_bytes_per_s: float
     copy_overhead_s: float
     eager_op_s: float
+    """Host time per op: `Calibration.program_op_s` where measured, else `eager_op_s`."""
     view_op_s: float
+    """Host time per view op: `Calibration.program_view_s` where measured, else `view_op_s`."""
     dtensor_op_overhead_s: float
     attention_efficiency: float
     base_latency_s: float
@@ -682,8 +731,9 @@ def fit(cal: Calibration, *, latency_exponent: float | None = None) -> Fitted:
     p2p = _least_squares([[b, 1.0] for b, _ in cal.send_recv_s], [t for _, t in cal.send_recv_s])
     return Fitted(
         gemm_flops_per_s=peak * s, gemm_k_ramp=k0_over_peak * peak, gemm_overhead_s=gemm_overhead / s,
-        copy_bytes_per_s=copy_bw * s, copy_overhead_s=copy[1] / s, eager_op_s=cal.eager_op_s / s,
-        view_op_s=cal.view_op_s / s, dtensor_op_overhead_s=cal.dtensor_op_s / s,
+        copy_bytes_per_s=copy_bw * s, copy_overhead_s=copy[1] / s,
+        eager_op_s=(cal.program_op_s or cal.eager_op_s) / s,  # the runtime's path where measured
+        view_op_s=(cal.program_view_s or cal.view_op_s) / s, dtensor_op_overhead_s=cal.dtensor_op_s / s,
         attention_efficiency=min(1.0, cal.attention_flops_per_s / peak),
         base_latency_s=base / s_lat,
         hop_latency_s=alpha / s_lat, bus_bytes_per_s={k: v * s for k, v in bus.items()},

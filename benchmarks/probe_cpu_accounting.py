@@ -9,7 +9,8 @@ compiles it, every rank times `compiled.step` in interleaved rounds and records,
 - process CPU (`time.process_time`, every thread of the rank): the above plus gloo's own
   threads (the collectives' copies, reductions and socket work);
 - the ATen ops and collectives its program runs per step (`graph_ops_per_step`, the most
-  of any rank), against which the ILP prices only the traced model's non-view nodes.
+  of any rank), against the traced model's nodes the ILP charges a time (views at their
+  host cost since 2026-11-28).
 The medians over rounds and ranks are compared against wall: if `ranks x process CPU /
 cores` is close to wall, the step is bound by core work (what the ranks compute and what
 their collectives cost the cores), not by waiting; a step with idle cores measures wall
@@ -85,9 +86,10 @@ def graph_ops_per_step(compiled: Any, config: Any) -> int:
     (codegen/apply.py `RankGraphs`, call_function nodes, the tuple `getitem`s included); a
     pipeline's chunk sources (`compiled.code`, one call per `torch.ops.` in them, so no
     `getitem`s) once per microbatch. The
-    intra-op ILP prices the traced model's non-view nodes (cost_model/table.py: views
-    cost 0), so the rest of these (views, and the local chunking, slicing and copies
-    around collectives that codegen/apply.py adds) are not in its price."""
+    intra-op ILP prices the traced model's op nodes, views at their host cost
+    (cost_model/table.py `view_host_s`; views cost 0 there before 2026-11-28), so the rest
+    of these (the local chunking, slicing and copies around collectives that
+    codegen/apply.py adds) are not in its price."""
     import re
 
     import sweep_cpu as sc
@@ -124,15 +126,17 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]], cores: int) -> 
 
 
 def ilp_priced_nodes(spec: str, config: Any) -> int:
-    """Nodes of the traced step (one microbatch) that the intra-op ILP's cost table prices
-    with a compute time and its per-op overhead (cost_model/table.py `strategy_cost`):
-    not parameters, not views, not free (no bytes and no FLOPs)."""
+    """Nodes of the traced step (one microbatch) that the intra-op ILP's cost table charges
+    a time (cost_model/table.py `strategy_cost`): not parameters; views that are an op call
+    (`view_host_s`), and other nodes that compute or move something."""
     import sweep_cpu as sc
     from autopar.ir import Role
+    from cost_model.table import HOSTLESS_VIEWS
 
     graph = sc._step_graph(spec, config)
     return sum(1 for n in graph.nodes
-               if n.role is not Role.PARAMETER and not n.is_view and not (n.bytes_moved == 0 and n.flops == 0))
+               if n.role is not Role.PARAMETER and (n.op not in HOSTLESS_VIEWS if n.is_view
+                                                    else not (n.bytes_moved == 0 and n.flops == 0)))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"{args.size} x {args.world} on {cores} cores ({args.rounds} rounds after {args.warmup} warm-up); "
           f"reference workload {timed['reference_s'] * 1e3:.2f} ms on {timed['reference_ranks']} ranks: "
           f"x{load:.2f} the built-in profile's (load factor); the intra-op ILP prices {priced} nodes of the "
-          f"traced step per microbatch (its non-view nodes)")
+          f"traced step per microbatch (its op calls, views included)")
     print(f"{'configuration':<20} {'wall ms (min)':>13} {'(median)':>9} {'thread CPU':>11} {'process CPU':>12} "
           f"{'ranks x process / cores':>24} {'/ median wall':>14} {'graph ops / step':>17}")
     for r in rows:

@@ -21,7 +21,8 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     work(n, s)     = max over n's tensors of their shard factor (the share of the op's
                      FLOPs one device does: every device computes only its shard)
     compute(n, s)  = compute_time_s(flops_n / work, sum of distinct local input bytes +
-                     local output bytes, hardware, dtype)        (0 for views)
+                     local output bytes, hardware, dtype); a view op's host
+                     time instead (`view_host_s`: view_overhead_s x core share)
     comm(n, s)     = 0: DTensor's strategies leave reductions pending (Partial outputs),
                      priced as resharding on the consumer's edge
     memory(n, s)   = sum of local output bytes; for a parameter instead
@@ -118,7 +119,9 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
         mem = STATE_BYTES_PER_PARAM * node.output.numel / shard_factor(strategy.outputs[0], mesh_shape)
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
-    if node.is_view or node.bytes_moved == 0 and node.flops == 0:
+    if node.is_view:
+        return StrategyCost(compute_s=view_host_s(node, cluster), comm_s=0.0, memory_bytes=out_bytes)
+    if node.bytes_moved == 0 and node.flops == 0:
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=out_bytes)
     seen: dict[int, float] = {}
     for src, pl in zip(node.inputs, strategy.inputs):
@@ -130,6 +133,24 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
     t = compute_time_s(node.flops / work, sum(seen.values()) + out_bytes, cluster.hardware, dtype,
                        op_class=op_class, causal=node.is_causal)
     return StrategyCost(compute_s=t * core_share(cluster), comm_s=0.0, memory_bytes=out_bytes)
+
+
+HOSTLESS_VIEWS = frozenset({"getitem", "placeholder", "constant"})
+"""View-like trace nodes that are no op call in the per-rank program: a tuple index (a
+Python `getitem`, ~0.3 us), an input slot, a constant."""
+
+
+def view_host_s(node: Node, cluster: Cluster) -> float:
+    """Host time of one view op (t, view, transpose, slice, ...): no data moves, but the
+    per-rank program calls it like any other op (`Efficiency.view_overhead_s`, what
+    `autopar calibrate` measured a view to cost on the runtime's path; 0 on GPUs, where the
+    host runs ahead of the kernels), x `core_share`. The same charge price_profile makes
+    per view op (cost_model/step.py `_host_time`)."""
+    if node.op in HOSTLESS_VIEWS:
+        return 0.0
+    from cost_model.efficiency import efficiency_for
+
+    return efficiency_for(cluster.hardware).view_overhead_s * core_share(cluster)
 
 
 def core_share(cluster: Cluster) -> float:

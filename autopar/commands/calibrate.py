@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  GEMM fp32: peak {f.gemm_flops_per_s / 1e9:.2f} GFLOP/s, K-ramp {f.gemm_k_ramp:.0f}, "
           f"per-call {f.gemm_overhead_s * 1e6:.1f} us")
     print(f"  copy: {f.copy_bytes_per_s / 1e9:.2f} GB/s, per-call {f.copy_overhead_s * 1e6:.1f} us")
-    print(f"  eager op (autograd forward+backward): {f.eager_op_s * 1e6:.1f} us; view: {f.view_op_s * 1e6:.2f} us; "
+    path = "as the per-rank program runs them" if cal.program_op_s else "eager, autograd forward+backward"
+    print(f"  per op ({path}): {f.eager_op_s * 1e6:.1f} us; view: {f.view_op_s * 1e6:.2f} us; "
           f"DTensor op extra: {f.dtensor_op_overhead_s * 1e6:.1f} us")
     print(f"  fused attention: {f.attention_efficiency:.2f} of the GEMM peak")
     if f.optimizer_s and f.accumulate_s:

@@ -321,3 +321,20 @@ def test_built_in_profile_is_what_the_fit_derives_from_its_kept_measurements() -
 
     kept = Calibration.from_json(json.loads(CPU_PROFILE_PATH.read_text())["measurements"])
     assert to_hardware(kept) == HARDWARE["cpu"]
+
+
+def test_per_op_and_view_costs_come_from_the_runtimes_path_where_measured() -> None:
+    """The profile's per-op and per-view host costs are the ones measured on the per-rank
+    program's path (make_fx GraphModule, ATen op overloads under no_grad); a calibration
+    written before that probe (0) keeps its eager and Tensor-method figures."""
+    cal = _cal(4)  # 2 ranks per core: figures per dedicated core are half the measured ones
+    old = fit(cal)
+    assert old.eager_op_s == pytest.approx(5e-6) and old.view_op_s == pytest.approx(1e-6)
+    new_cal = dataclasses.replace(cal, program_op_s=2 * 3e-6, program_view_s=2 * 1.5e-6)
+    new = fit(new_cal)
+    assert new.eager_op_s == pytest.approx(3e-6) and new.view_op_s == pytest.approx(1.5e-6)
+    eff = dict(to_hardware(new_cal).efficiency)
+    assert eff["view_overhead_s"] == pytest.approx(1.5e-6) and eff["memory_overhead_s"] >= 3e-6
+    assert Calibration.from_json(new_cal.to_json()) == new_cal
+    assert Calibration.from_json(cal.to_json()).program_view_s == 0.0
+    assert combine([new_cal, new_cal, new_cal]).program_view_s == pytest.approx(new_cal.program_view_s)

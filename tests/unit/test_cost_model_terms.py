@@ -256,3 +256,28 @@ def test_gemm_memory_efficiency_slows_only_a_gemms_bytes() -> None:
     for name in ("a100-40gb", "a100-80gb", "h100", "h200", "b200"):
         assert efficiency_for(HARDWARE[name]).gemm_memory_efficiency == 1.0
     assert DEFAULT_EFFICIENCY.gemm_memory_efficiency == 1.0
+
+
+def test_the_ilp_charges_every_view_its_host_time_on_the_cpu_profile_only() -> None:
+    """A view moves no data, but the per-rank program calls it like any other op: the ILP's
+    cost table charges it the profile's view_overhead_s x the ranks per core (as
+    price_profile does per view op); a tuple index or an input slot is no op call; on a GPU
+    the host runs ahead of the kernels and views cost nothing."""
+    from cost_model.table import cost_table
+    from solver.intra_op.space import enumerate_strategies
+
+    graph = trace_model(resolve("llama:layers=1,hidden=64,heads=2,kv_heads=2,ffn=128,vocab=128,seq=16"), batch=2,
+                        dtype="float32")
+    space = enumerate_strategies(graph, (4,))
+    views = [n for n in graph.nodes if n.is_view and n.op not in ("getitem", "placeholder", "constant")]
+    free = [n for n in graph.nodes if n.op in ("getitem", "placeholder")]
+    assert len(views) > 20 and free
+    for name, share in (("cpu", 2.0), ("h100", 1.0)):  # cpu:4 on the built-in profile's 2 cores
+        cluster = Cluster.parse(f"{name}:4")
+        per_view = efficiency_for(cluster.hardware).view_overhead_s * share
+        assert (per_view > 0) == (name == "cpu")
+        table = cost_table(graph, space, cluster)
+        for n in views:
+            assert [c.compute_s for c in table.nodes[n.id]] == pytest.approx([per_view] * len(table.nodes[n.id]))
+        for n in free:
+            assert all(c.compute_s == 0.0 for c in table.nodes[n.id])
