@@ -3,8 +3,9 @@ measured best)? Read from recorded sweeps; nothing is measured or re-priced.
 
     .venv/bin/python benchmarks/pick_resolution.py [--md OUT.md] [SWEEP.json ...]
 
-With no files: the sweeps whose stored predictions carry the current cost-model constants
-(CURRENT_RUNS: runs 14 and 17-27). Each row's `measured_times_s`
+With no files: the sweeps whose stored predictions carry the session-30 cost-model constants
+(CURRENT_RUNS: runs 14 and 17-27; the constants changed in session 33,
+records/view_costs_2026-11-28.md, and later runs are given as files). Each row's `measured_times_s`
 (one step per timed round; each round runs every configuration, interleaved: round-robin
 before session 32, in a random order since) and its `predicted_calibrated_s` are read; "(repeat)" rows are the group's noise probe.
 
@@ -42,7 +43,7 @@ CURRENT_RUNS = ["benchmarks/records/sweep_cpu_headline_2026-11-27.json"] + [
     f"benchmarks/records/sweep_cpu_run{n}_noisy.json" for n in (17, 18, 19, 20, 21, 22)] + [
     f"benchmarks/records/sweep_cpu_run{n}_random_noisy.json" for n in (23, 24, 25, 26)] + [
     "benchmarks/results/sweep_cpu.json"]
-"""Sweeps priced at the current constants: run 14 (the headline until session 32, re-priced
+"""Sweeps priced at the session-30 constants (the current ones until session 33): run 14 (the headline until session 32, re-priced
 at bc5a750: latency_share_law_2026-11-28.md), runs 17-19 (re-priced then), runs 20-26
 (measured and priced at those constants; 23-26 in random round order, `sweep_cpu.py
 --order`) and run 27, the headline since session 32 (random order)."""

@@ -69,7 +69,11 @@ class Efficiency:
     # --- facts ---------------------------------------------------------------------------
     view_overhead_s: float = 0.0
     """Host time of one view op (t, view, transpose, ...): 0 on GPUs, where host work runs
-    ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile."""
+    ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile,
+    as the per-rank program calls it (an ATen op overload in a make_fx GraphModule: 1.3 us
+    per dedicated core here, against 0.62 for the `Tensor.t` method timed before
+    2026-11-28). Charged per view op by price_profile and, since 2026-11-28, by the ILP's
+    cost table (cost_model/table.py `view_host_s`), which charged views nothing before."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host time of one op on DTensors (sharding propagation, wrapping): paid by every op
     of a tensor-parallel layer with the `dtensor_tp` runtime option; 0 on GPUs (hidden behind
