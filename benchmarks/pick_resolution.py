@@ -42,7 +42,7 @@ TARGET = 0.03
 CURRENT_RUNS = ["benchmarks/records/sweep_cpu_headline_2026-11-27.json"] + [
     f"benchmarks/records/sweep_cpu_run{n}_noisy.json" for n in (17, 18, 19, 20, 21, 22)] + [
     f"benchmarks/records/sweep_cpu_run{n}_random_noisy.json" for n in (23, 24, 25, 26)] + [
-    "benchmarks/results/sweep_cpu.json"]
+    "benchmarks/records/sweep_cpu_headline_run27_2026-11-28.json"]
 """Sweeps priced at the session-30 constants (the current ones until session 33): run 14 (the headline until session 32, re-priced
 at bc5a750: latency_share_law_2026-11-28.md), runs 17-19 (re-priced then), runs 20-26
 (measured and priced at those constants; 23-26 in random round order, `sweep_cpu.py
