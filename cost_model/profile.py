@@ -346,12 +346,16 @@ def _parameter_counts(facts: _GraphFacts, seg: str) -> _ParameterCounts:
 
 
 def _view_ops(facts: _GraphFacts, seg: str) -> tuple[float, float]:
-    """View ops (getitem excepted) of one unit of `seg`, (forward, backward), each weighted by unit."""
+    """View ops of one unit of `seg` that are an op call (not a tuple index, an input slot or
+    a constant: cost_model/table.py `HOSTLESS_VIEWS`, the views the ILP charges), (forward,
+    backward), each weighted by unit."""
+    from cost_model.table import HOSTLESS_VIEWS
+
     forward = backward = 0.0
     for n in facts.graph.nodes:
         if n.role is Role.PARAMETER or facts.segment[n.id] != seg:
             continue
-        if n.is_view and n.op != "placeholder" and n.op != "getitem":
+        if n.is_view and n.op not in HOSTLESS_VIEWS:
             if n.phase is Phase.FORWARD:
                 forward += facts.unit[n.id]
             else:
