@@ -742,7 +742,8 @@ def fit(cal: Calibration, *, latency_exponent: float | None = None) -> Fitted:
     )
 
 
-CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency", "collective_latency_share_exponent")
+CARRIED_FROM_BUILT_IN = ("stage_collective_wait_s", "gemm_memory_efficiency", "collective_latency_share_exponent",
+                         "pipeline_call_host_s")
 """Efficiency fields a calibrated profile takes from the built-in `cpu` profile rather than
 from its own measurements (cost_model/efficiency.py says where each is fitted)."""
 

@@ -1,6 +1,6 @@
-"""Fit the cpu profile's three sweep-fitted constants on the CPU sweep's recorded runs.
+"""Fit the cpu profile's four sweep-fitted constants on the CPU sweep's recorded runs.
 
-The three constants (cost_model/efficiency.py; the README's constants table):
+The four constants (cost_model/efficiency.py; the README's constants table):
 
 1. `gemm_memory_efficiency`: the share of the copy bandwidth at which a GEMM's operand and
    output bytes move in a training step (the roofline's t_memory of a GEMM; 1 on GPUs).
@@ -55,6 +55,19 @@ The three constants (cost_model/efficiency.py; the README's constants table):
    their price on 8 ranks, 1.3-2x on 4, /tmp probes 2026-11-28). `autopar calibrate`
    stores latencies per core by the same law (measured / s ** g), so the calibration's own
    rank count prices as measured whatever g: only other rank counts move.
+4. `pipeline_call_host_s` h: host time per pipeline stage per chunk call (a microbatch's
+   forward and backward through the schedule), beyond the stage graph's ops and boundary
+   messages as priced, per dedicated core (x ranks per core; 0 on GPUs). What it explains:
+   deeper pipelines ran slower than priced in every recorded run since run 14 (log measured
+   / priced, dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of twelve
+   runs), and per-rank CPU (`time.process_time`, /tmp probes 2026-11-28,
+   benchmarks/records/pipeline_calls_2026-11-28.md) grew by 1.5-1.8 ms per extra stage call
+   at 4 ranks per core on both S and M, where the priced extra nodes are a few us.
+   Why a fit and not a calibrate probe: trivial stages through the runtime's path measure
+   0.07 ms per call without messages and 0.2 ms with one message each way (2 ranks), but
+   what the programs pay also holds the boundary messages' host work, which the p2p price
+   (latency + bandwidth, measured as a ping-pong's wall time) already partly holds: only
+   the whole programs separate the two.
 
 How: every recorded sweep (benchmarks/records/sweep_cpu_<run>.json for RUNS, the measured
 step times of the same 57 programs, six runs on four days) is priced again with the
@@ -99,10 +112,11 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
     "collective_latency_share_exponent": (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3),
+    "pipeline_call_host_s": (0.0, 0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3, 0.6e-3),
 }
 """The constants, in the order they are fitted, and the values tried."""
 LATENCY = "collective_latency_share_exponent"
-NEUTRAL = {"gemm_memory_efficiency": 1.0, "stage_collective_wait_s": 0.0, LATENCY: 1.0}
+NEUTRAL = {"gemm_memory_efficiency": 1.0, "stage_collective_wait_s": 0.0, LATENCY: 1.0, "pipeline_call_host_s": 0.0}
 """Each constant's value that leaves its term out (the leave-one-run-out baseline)."""
 KEY = "predicted_default_s"
 PROFILE = ROOT / "autopar" / "cpu_profile.json"
@@ -201,12 +215,20 @@ def profile_digest() -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _same_held(old: dict[str, float] | None, held: dict[str, float]) -> bool:
+    """An earlier output's held values are these: a constant it does not name (fitted since)
+    was then at its neutral value (the term did not exist)."""
+    if old is None:
+        return False
+    return all(old.get(k, NEUTRAL[k]) == held.get(k, NEUTRAL[k]) for k in set(old) | set(held))
+
+
 def _fit_one(name: str, held: dict[str, float], done: dict[str, Any], jobs: int) -> dict[str, Any]:
     """One constant's table, choice and leave-one-run-out, the others at `held`."""
     grid = GRIDS[name]
     digest = profile_digest()
     old_fit = done.get(name, {})
-    reuse = old_fit if old_fit.get("held") == held and old_fit.get("profile") == digest else {}
+    reuse = old_fit if _same_held(old_fit.get("held"), held) and old_fit.get("profile") == digest else {}
     # prices of an output made before the per-size figures are priced again
     old = {run: {v: f for v, f in vals.items() if "sizes" in f} for run, vals in reuse.get("table", {}).items()}
     todo = [tuple(v for v in grid if _tag(v) not in old.get(run, {})) for run in RUNS]

@@ -217,7 +217,7 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
     p2p = 0.0
     if cfg.pp > 1:
         p2p = boundary_p2p_s(cluster, cfg.pp, cfg.dp * cfg.tp, sc.boundary_messages)
-    opt = sc.option(cfg.recompute, p2p, key=0)
+    opt = sc.option(cfg.recompute, p2p, key=0, call_s=cost_model.pipeline_call_time_s(cluster))
     times = [stage_time_s(opt, n, k, cfg.pp, schedule) for k, n in enumerate(cuts)]
     mems = [stage_memory_bytes(opt, n, k, cfg.pp, m, schedule) for k, n in enumerate(cuts)]
     peak = max(mems)

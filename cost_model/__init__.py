@@ -55,6 +55,7 @@ from cost_model.table import (
     collective_time_s,
     core_share,
     cost_table,
+    pipeline_call_time_s,
     reshard_collectives,
 )
 from cost_model.zero3 import ZERO3_RUNTIMES, Zero3Runtime
@@ -84,7 +85,7 @@ __all__ = [
     "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "bucket_copy_s_per_byte", "collective_time_s",
     "compute_time_s", "core_share", "cost_table", "default_stage_layers", "grad_accumulation_time_s",
     "loss_report_time_s",
-    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "price",
+    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "pipeline_call_time_s", "price",
     "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",
     "runs_gloo",
     "send_recv_time_s", "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",

@@ -133,6 +133,22 @@ class Efficiency:
     as measured, whatever the value. Fitted by benchmarks/fit_cpu_constants.py on the CPU
     sweep's recorded runs (that script's docstring has the measurements behind it; the
     README's constants table says which runs)."""
+    pipeline_call_host_s: float = 0.0
+    """Ranks sharing cores (the cpu profile; 0 on GPUs, where the host runs ahead of the
+    kernels): host time per pipeline stage per chunk call (one microbatch's forward and
+    backward through torch.distributed.pipelining's schedule), beyond the stage graph's
+    ops and its boundary messages as priced: the schedule's bookkeeping, the autograd
+    Function around the per-rank graphs, the p2p messages' host work, the cold start of a
+    graph call. Charged per dedicated core, x the ranks per core
+    (`cost_model.pipeline_call_time_s`), on every stage of a pipeline (pp > 1) per
+    microbatch and chunk. Measured (benchmarks/records/pipeline_calls_2026-11-28.md, /tmp
+    probes, per-rank CPU by `time.process_time`): M and S on 8 ranks, dp2 pp4 against
+    dp4 pp2 (the same layer work in twice the stage calls) used 1.5-1.8 ms more CPU per
+    extra stage call at 4 ranks per core, 0.37-0.45 ms per dedicated core (the extra
+    nodes a stage graph has, its boundary clones and tangent product, are a few us); trivial stages through the same runtime path
+    (PerOpStage, 1F1B, 2 ranks) 0.07 ms without messages and 0.2 ms with one message each
+    way. Too entangled with the p2p and core-sharing terms to price from one probe: fitted
+    by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it out."""
     gemm_memory_efficiency: float = 1.0
     """Share of `memory_efficiency` x bandwidth at which a GEMM's operand and output bytes
     move (the t_memory of a GEMM's roofline, cost_model/compute.py). 1 on GPUs (their

@@ -267,14 +267,16 @@ class _StageTime:
 
 
 def _stage_times(stage_layers: tuple[int, ...], config: ParallelConfig, layer: _SegTimes, pre: _SegTimes,
-                 post: _SegTimes, tp: _TpComm, z3_layer: Zero3LayerTimes | None, p2p_s: float) -> list[_StageTime]:
+                 post: _SegTimes, tp: _TpComm, z3_layer: Zero3LayerTimes | None, p2p_s: float,
+                 call_s: float = 0.0) -> list[_StageTime]:
     """Per stage i of n_i layers, per microbatch:
         compute   = n_i (F + B) (+ pre's F + B on the first stage, post's on the last)
         recompute = n_i R
         tp        = n_i (tp forward + backward) (+ 2 edge on the first and on the last stage)
         zero3     = n_i (exposed gather/reduce-scatter, forward + backward)
         pp        = 2 p2p v x (2 for a middle stage, 1 at either end) / 2, when pp > 1:
-                    blocking send/recv of the b*s*h/t boundary activations, forward and backward"""
+                    blocking send/recv of the b*s*h/t boundary activations, forward and backward,
+                    + v call: the host time of a chunk call (cost_model.pipeline_call_time_s)"""
     p, v = config.pp, config.interleave
     z3_fwd = z3_layer.forward_exposed_s if z3_layer else 0.0
     z3_bwd = z3_layer.backward_exposed_s if z3_layer else 0.0
@@ -290,7 +292,7 @@ def _stage_times(stage_layers: tuple[int, ...], config: ParallelConfig, layer: _
             tp_comm += 2 * tp.edge_s
         stages.append(_StageTime(compute_s=comp, recompute_s=n * layer.recompute_s, tp_s=tp_comm,
                                  zero3_s=n * (z3_fwd + z3_bwd),
-                                 pp_s=2 * p2p_s * v * (2 if 0 < i < p - 1 else 1) / 2 if p > 1 else 0.0))
+                                 pp_s=2 * p2p_s * v * (2 if 0 < i < p - 1 else 1) / 2 + v * call_s if p > 1 else 0.0))
     return stages
 
 
@@ -467,7 +469,8 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     z3_layer = _zero3_layer(profile, config, opts, layer, dp_link, hw.comm_overlap, eff)
     # SC'21's scatter/gather: each tp rank sends its b*s*h/t slice of the boundary activations
     p2p = send_recv_time_s(stream_bytes / t, pp_link) if p > 1 else 0.0
-    stages = _stage_times(stage_layers, config, layer, pre, post, tp, z3_layer, p2p)
+    call = eff.pipeline_call_host_s * share if p > 1 else 0.0  # as cost_model.pipeline_call_time_s
+    stages = _stage_times(stage_layers, config, layer, pre, post, tp, z3_layer, p2p, call)
     pipe = _pipeline(stages, m, config.interleave, share)
     crit = pipe.critical_stage
     psi = stage_params(profile, config, stage_layers[crit], crit == 0, crit == p - 1)

@@ -161,6 +161,17 @@ def core_share(cluster: Cluster) -> float:
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
 
+def pipeline_call_time_s(cluster: Cluster) -> float:
+    """Host time of one pipeline stage's chunk call (a microbatch's forward and backward
+    through the schedule), beyond its graph's ops and boundary messages:
+    `Efficiency.pipeline_call_host_s` (per dedicated core; 0 on GPUs) x `core_share`. Charged
+    per stage per microbatch per chunk (solver/stage_dp.py `StageOption.call_s`,
+    cost_model/step.py's stage times)."""
+    from cost_model.efficiency import efficiency_for
+
+    return efficiency_for(cluster.hardware).pipeline_call_host_s * core_share(cluster)
+
+
 def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     """A bucketed gradient sync copies each raw local gradient into one flat buffer before
     the collective (codegen/apply.py `_GradSync.reduce`: read it, write the buffer; the

@@ -321,7 +321,8 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
                 entries.append((sc, rc, p2p))
     if not entries:
         return []
-    options = [sc.option(rc, p2p, key=i) for i, (sc, rc, p2p) in enumerate(entries)]
+    call = cost_model.pipeline_call_time_s(cluster)  # host time of a chunk call, every stage
+    options = [sc.option(rc, p2p, key=i, call_s=call) for i, (sc, rc, p2p) in enumerate(entries)]
     budget = cluster.device_memory_bytes
     world_report = cost_model.loss_report_time_s((), (), cost_model.mesh_axis_links(cluster, (cluster.num_devices,))[0])
     out: list[PipelineResult] = []

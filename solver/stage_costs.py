@@ -94,8 +94,9 @@ class SubmeshCosts:
     def piece(self, name: str) -> PieceCost:
         return self.pieces[PIECES.index(name)]
 
-    def option(self, recompute: str, p2p_s: float, key: object) -> StageOption:
-        """The DP's view of this submesh under a recompute policy."""
+    def option(self, recompute: str, p2p_s: float, key: object, call_s: float = 0.0) -> StageOption:
+        """The DP's view of this submesh under a recompute policy; `call_s` the host time of
+        one chunk call (cost_model.pipeline_call_time_s: a pipeline's stages pay it)."""
         pre, layer, post = self.pieces
         layer_s = layer.time_s + {"none": 0.0, "selective": layer.cheap_forward_s, "full": layer.forward_s}[recompute]
         act = {"none": layer.saved_bytes, "selective": layer.selective_saved_bytes,
@@ -104,7 +105,7 @@ class SubmeshCosts:
         return StageOption(key=key, pre_s=pre.time_s, layer_s=layer_s, post_s=post.time_s, p2p_s=p2p_s,
                            pre_state_bytes=pre.state_bytes, layer_state_bytes=layer.state_bytes,
                            post_state_bytes=post.state_bytes, pre_act_bytes=pre.saved_bytes, layer_act_bytes=act,
-                           post_act_bytes=post.saved_bytes, temp_bytes=temp)
+                           post_act_bytes=post.saved_bytes, temp_bytes=temp, call_s=call_s)
 
 
 def node_pieces(graph: Graph) -> tuple[str, ...]:

@@ -11,14 +11,15 @@ stage 0 also runs pre, stage p-1 post), and gives each stage an *option* o_k: a 
 shape (dp, tp) with its intra-op placements, a recompute policy and a ZeRO layout, each
 priced per microbatch as
 
-    t_k = [k = 0] pre_o + n_k layer_o + [k = p-1] post_o + c_k p2p_o          (time)
+    t_k = [k = 0] pre_o + n_k layer_o + [k = p-1] post_o + c_k p2p_o + v h_o  (time)
     M_k = state_o(n_k, k) + f_k act_o(n_k, k) + temp_o                          (memory)
 
 with c_k the stage's pipeline neighbours times the schedule's chunks per rank (each
 boundary passes its values forward and their gradients back), state the parameters,
 gradients and optimizer state the stage holds per device, act the activations one
-microbatch keeps for the backward, and f_k the microbatches the schedule keeps in
-flight on stage k. Once-per-step terms (gradient sync, optimizer) are folded into the
+microbatch keeps for the backward, f_k the microbatches the schedule keeps in
+flight on stage k, and h_o the host time of one chunk call (the schedule and the
+autograd Function around the per-rank graphs; 0 on GPUs), v chunks per rank. Once-per-step terms (gradient sync, optimizer) are folded into the
 per-microbatch times divided by m, so that the critical stage's m t_k carries them once.
 
 Step time (Alpa's objective, generalised by a schedule constant beta):
@@ -98,6 +99,10 @@ class StageOption:
     post_act_bytes: float
     temp_bytes: float = 0.0
     """Transient working memory of the stage (one layer's backward workspace)."""
+    call_s: float = 0.0
+    """Host time of one chunk call (a microbatch's forward and backward through the
+    schedule) beyond the graph's ops and the boundary messages
+    (cost_model.pipeline_call_time_s; 0 on GPUs), paid by every stage per chunk."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +142,7 @@ def stage_time_s(o: StageOption, layers: int, stage: int, num_stages: int, sched
     first, last = stage == 0, stage == num_stages - 1
     neighbours = (0 if first else 1) + (0 if last else 1)
     return (o.pre_s if first else 0.0) + layers * o.layer_s + (o.post_s if last else 0.0) \
-        + neighbours * schedule.chunks * o.p2p_s
+        + neighbours * schedule.chunks * o.p2p_s + schedule.chunks * o.call_s
 
 
 def stage_memory_bytes(o: StageOption, layers: int, stage: int, num_stages: int, num_microbatches: int,
@@ -211,7 +216,7 @@ def option_tables(num_layers: int, num_stages: int, num_microbatches: int, optio
     first, last = (k == 0), (k == p - 1)
     neighbours = (~first).astype(float) + (~last).astype(float)
     t = np.where(first, o.pre_s, 0.0) + n * o.layer_s + np.where(last, o.post_s, 0.0) \
-        + neighbours * schedule.chunks * o.p2p_s
+        + neighbours * schedule.chunks * o.p2p_s + schedule.chunks * o.call_s
     inflight = np.array([schedule.inflight(i, p, num_microbatches) for i in range(p)])[:, None]
     state = np.where(first, o.pre_state_bytes, 0.0) + n * o.layer_state_bytes + np.where(last, o.post_state_bytes, 0.0)
     act = np.where(first, o.pre_act_bytes, 0.0) + n * o.layer_act_bytes + np.where(last, o.post_act_bytes, 0.0)
