@@ -60,9 +60,10 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    messages as priced, per dedicated core (x ranks per core; 0 on GPUs). What it explains:
    deeper pipelines ran slower than priced in every recorded run since run 14 (log measured
    / priced, dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of twelve
-   runs), and per-rank CPU (`time.process_time`, /tmp probes 2026-11-28,
-   benchmarks/records/pipeline_calls_2026-11-28.md) grew by 1.5-1.8 ms per extra stage call
-   at 4 ranks per core on both S and M, where the priced extra nodes are a few us.
+   runs); probed (/tmp, 2026-11-28, benchmarks/records/pipeline_calls_2026-11-28.md),
+   dp2 pp4 ran about 12 ms per step slower than priced against dp4 pp2 on both S and M, about
+   1.5 ms of a core per extra stage call at 4 ranks per core, where the priced extra
+   nodes are a few us.
    Why a fit and not a calibrate probe: trivial stages through the runtime's path measure
    0.07 ms per call without messages and 0.2 ms with one message each way (2 ranks), but
    what the programs pay also holds the boundary messages' host work, which the p2p price

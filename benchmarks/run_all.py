@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
           "--holdout", "publication"])
     phases.append(("fit + leave-one-out fits", time.perf_counter() - t))
-    if args.full:  # ~30 min on 2 cores: the recorded sweeps priced at 7 + 5 + 8 values of the three constants
+    if args.full:  # ~50 min on 2 cores: the recorded sweeps priced at 7 + 5 + 8 + 7 values of the four constants
         t = time.perf_counter()
         _run([PY, "benchmarks/fit_cpu_constants.py", "--json", str(RESULTS / "fit_cpu_constants.json"),
               "--md", str(RESULTS / "fit_cpu_constants.md")])

@@ -102,7 +102,8 @@ class StageOption:
     call_s: float = 0.0
     """Host time of one chunk call (a microbatch's forward and backward through the
     schedule) beyond the graph's ops and the boundary messages
-    (cost_model.pipeline_call_time_s; 0 on GPUs), paid by every stage per chunk."""
+    (cost_model.pipeline_call_time_s; 0 on GPUs), paid by every stage per chunk; not by a
+    one-stage plan (no schedule: plain gradient accumulation)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +143,7 @@ def stage_time_s(o: StageOption, layers: int, stage: int, num_stages: int, sched
     first, last = stage == 0, stage == num_stages - 1
     neighbours = (0 if first else 1) + (0 if last else 1)
     return (o.pre_s if first else 0.0) + layers * o.layer_s + (o.post_s if last else 0.0) \
-        + neighbours * schedule.chunks * o.p2p_s + schedule.chunks * o.call_s
+        + neighbours * schedule.chunks * o.p2p_s + (schedule.chunks * o.call_s if num_stages > 1 else 0.0)
 
 
 def stage_memory_bytes(o: StageOption, layers: int, stage: int, num_stages: int, num_microbatches: int,
@@ -216,7 +217,7 @@ def option_tables(num_layers: int, num_stages: int, num_microbatches: int, optio
     first, last = (k == 0), (k == p - 1)
     neighbours = (~first).astype(float) + (~last).astype(float)
     t = np.where(first, o.pre_s, 0.0) + n * o.layer_s + np.where(last, o.post_s, 0.0) \
-        + neighbours * schedule.chunks * o.p2p_s + schedule.chunks * o.call_s
+        + neighbours * schedule.chunks * o.p2p_s + (schedule.chunks * o.call_s if p > 1 else 0.0)
     inflight = np.array([schedule.inflight(i, p, num_microbatches) for i in range(p)])[:, None]
     state = np.where(first, o.pre_state_bytes, 0.0) + n * o.layer_state_bytes + np.where(last, o.post_state_bytes, 0.0)
     act = np.where(first, o.pre_act_bytes, 0.0) + n * o.layer_act_bytes + np.where(last, o.post_act_bytes, 0.0)

@@ -87,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} x{v:.2f}" for k, v in hw.collective_bandwidth_scale))
     wait = dict(hw.efficiency).get("stage_collective_wait_s", 0.0)
     gemm_bytes = dict(hw.efficiency).get("gemm_memory_efficiency", 1.0)
+    call = dict(hw.efficiency).get("pipeline_call_host_s", 0.0)
     print(f"  not measured, from the built-in profile: stage collective wait {wait * 1e6:.0f} us, GEMM bytes at "
-          f"{gemm_bytes:.2f} of the copy bandwidth, collective latency x (ranks per core) ** {g:g} (fitted on the "
-          "recorded CPU sweeps, benchmarks/fit_cpu_constants.py)")
+          f"{gemm_bytes:.2f} of the copy bandwidth, collective latency x (ranks per core) ** {g:g}, a pipeline "
+          f"stage's chunk call {call * 1e6:.0f} us of host time (fitted on the recorded CPU sweeps, "
+          "benchmarks/fit_cpu_constants.py)")
     print(f"written to {args.out}" if args.out else "not written (use --out profile.json)")
     return 0

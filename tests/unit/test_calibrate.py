@@ -252,11 +252,12 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
 
 
 @pytest.mark.parametrize("name,other", [("stage_collective_wait_s", 1.25e-3), ("gemm_memory_efficiency", 0.45),
-                                        ("collective_latency_share_exponent", 0.7)])
+                                        ("collective_latency_share_exponent", 0.7), ("pipeline_call_host_s", 3e-4)])
 def test_calibrated_profile_carries_the_sweep_fitted_constants(monkeypatch, name: str, other: float) -> None:
-    """calibrate measures neither `stage_collective_wait_s`, `gemm_memory_efficiency` nor
-    `collective_latency_share_exponent` (benchmarks/fit_cpu_constants.py fits them on the
-    recorded sweeps): a calibrated profile takes the built-in's values."""
+    """calibrate measures none of `stage_collective_wait_s`, `gemm_memory_efficiency`,
+    `collective_latency_share_exponent` and `pipeline_call_host_s`
+    (benchmarks/fit_cpu_constants.py fits them on the recorded sweeps): a calibrated profile
+    takes the built-in's values."""
     assert name in CARRIED_FROM_BUILT_IN
     built_in = HARDWARE["cpu"]
     for value in (dict(built_in.efficiency)[name], other):

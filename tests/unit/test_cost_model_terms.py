@@ -123,6 +123,36 @@ def test_core_sharing_and_hardware_overrides(profile) -> None:
                               global_batch=8).time_breakdown)["bubble_s"] > 0
 
 
+def test_a_pipelines_chunk_calls_pay_their_host_time_on_shared_cores_only(profile) -> None:
+    """`pipeline_call_host_s` h: `pipeline_call_time_s` is h x ranks per core on the cpu
+    profile, 0 on GPUs (no override) and 0 with the field off; price_profile charges every
+    stage v h per microbatch when pp > 1 (each stage's time grows, so the step does), and
+    nothing to a one-stage program."""
+    from cost_model import pipeline_call_time_s
+
+    def cpu(h: float):
+        eff = {**dict(HARDWARE["cpu"].efficiency), "pipeline_call_host_s": h}
+        return replace(HARDWARE["cpu"], cores_per_node=2, efficiency=tuple(sorted(eff.items())))
+
+    def cluster(hw, n):
+        return Cluster(hardware=hw, num_nodes=1, devices_per_node=n)
+
+    h = 4e-4
+    assert pipeline_call_time_s(cluster(cpu(h), 8)) == pytest.approx(4 * h)
+    assert pipeline_call_time_s(cluster(cpu(h), 2)) == pytest.approx(h)
+    assert pipeline_call_time_s(cluster(cpu(0.0), 8)) == 0.0
+    assert pipeline_call_time_s(Cluster.parse("h100:1x8")) == 0.0
+    pipe, one = ParallelConfig(pp=4, dp=2, micro_batch=1), ParallelConfig(dp=8, micro_batch=1)
+
+    def step(hw, config):
+        return price_profile(profile, config, cluster(hw, 8), global_batch=8).step_time_s
+
+    # m = 4 microbatches per dp rank; shared cores: the step is every rank's work over the
+    # cores, m sum_k t_k / p, and each of the p stages' t_k grows by share h
+    assert step(cpu(h), pipe) - step(cpu(0.0), pipe) == pytest.approx(4 * 4 * h, rel=1e-6)
+    assert step(cpu(h), one) == pytest.approx(step(cpu(0.0), one))
+
+
 def test_collective_latency_grows_by_the_share_law_and_bandwidth_linearly() -> None:
     """`collective_latency_share_exponent` g: with s ranks per core a collective's latency
     terms are the per-core ones x s ** g (1: linear), its bandwidth the per-core one / s;

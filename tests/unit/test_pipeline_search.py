@@ -285,3 +285,33 @@ def test_a_gpt_boundary_sends_the_stream_and_the_labels_once():
     messages = _boundary_messages(graph, (2, 2), graph.parameter_derived(), 4)
     # split over dp (dim 0 is the microbatch's rows), whole over tp: as the runtime sends them
     assert sorted(messages) == sorted([(4 * 32 * 64 * 4 / 2, True), (4 * 32 * 8 / 2, False)])
+
+
+def test_every_stage_option_pays_the_chunk_calls_host_time(monkeypatch):
+    """The search prices what the runtime's pipeline runs: every stage option it hands the
+    inter-op DP carries `cost_model.pipeline_call_time_s` of the cluster (the cpu profile's
+    `pipeline_call_host_s` x ranks per core), so a pipeline pays its chunk calls."""
+    from dataclasses import replace
+
+    from autopar.cluster import HARDWARE
+
+    eff = {**dict(HARDWARE["cpu"].efficiency), "pipeline_call_host_s": 3e-4}
+    cluster = Cluster.parse("cpu:4", hardware=replace(HARDWARE["cpu"], cores_per_node=2,
+                                                      efficiency=tuple(sorted(eff.items()))))
+    expected = cost_model.pipeline_call_time_s(cluster)
+    assert expected == pytest.approx(2 * 3e-4)
+    seen = []
+    real = pipeline_search.solve_pipeline
+
+    def spy(num_layers, pp, m, options, *args, **kw):
+        seen.extend(o.call_s for o in options)
+        return real(num_layers, pp, m, options, *args, **kw)
+
+    monkeypatch.setattr(pipeline_search, "solve_pipeline", spy)
+    spec = "llama:layers=4,hidden=64,heads=4,kv_heads=4,ffn=128,vocab=128,seq=16"
+    source = resolve(spec)
+    result = pipeline_search.search(
+        lambda g, recompute="none": trace_model(source, batch=g, dtype="float32", layers_traced=2,
+                                                recompute=recompute),
+        cluster, global_batch=8, model=spec, fingerprint="f", family="llama", top=3, num_layers=4, min_pp=2)
+    assert result.ranked and seen and all(c == pytest.approx(expected) for c in seen)

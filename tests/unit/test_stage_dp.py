@@ -43,7 +43,7 @@ def _random_options(rng, count):
             key=i, pre_s=rng.uniform(0, 3), layer_s=rng.uniform(0.5, 2), post_s=rng.uniform(0, 4),
             p2p_s=rng.uniform(0, 0.3), pre_state_bytes=rng.uniform(0, 5), layer_state_bytes=rng.uniform(1, 4),
             post_state_bytes=rng.uniform(0, 5), pre_act_bytes=rng.uniform(0, 1), layer_act_bytes=rng.uniform(0, 2),
-            post_act_bytes=rng.uniform(0, 1), temp_bytes=rng.uniform(0, 2)))
+            post_act_bytes=rng.uniform(0, 1), temp_bytes=rng.uniform(0, 2), call_s=rng.uniform(0, 0.2)))
     return out
 
 
@@ -161,3 +161,25 @@ def test_shared_cores_price_the_cores_a_filling_pipeline_leaves_idle():
         ramp_idle_s(4.0, 4, one_f1b, 2.0) / 2)
     # the same time the whole-step formula gives a pipeline of these stages on GPUs is untouched
     assert solve_pipeline(4, 4, 4, [o], one_f1b, 1e9).step_time_s == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_every_stage_pays_its_chunk_calls_host_time(schedule):
+    """`call_s` (cost_model.pipeline_call_time_s): every stage, first, middle and last alike,
+    pays it once per chunk it runs per microbatch (the schedule calls each chunk's forward
+    and backward once per microbatch); the DP's tables price it the same way."""
+    import numpy as np
+
+    from solver.stage_dp import option_tables
+
+    kw = dict(key=0, pre_s=0.5, layer_s=1.0, post_s=2.0, p2p_s=0.1, pre_state_bytes=0, layer_state_bytes=0,
+              post_state_bytes=0, pre_act_bytes=0, layer_act_bytes=0, post_act_bytes=0)
+    plain, calls = StageOption(**kw), StageOption(**kw, call_s=0.3)
+    p, n = 4, 2 * schedule.chunks
+    for k in range(p):
+        extra = stage_time_s(calls, n, k, p, schedule) - stage_time_s(plain, n, k, p, schedule)
+        assert extra == pytest.approx(0.3 * schedule.chunks)
+    m = 8
+    diff = option_tables(4 * n, p, m, calls, schedule, 1e9) - option_tables(4 * n, p, m, plain, schedule, 1e9)
+    finite = np.isfinite(diff)
+    assert finite.any() and np.allclose(diff[finite], 0.3 * schedule.chunks)
