@@ -61,9 +61,8 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    deeper pipelines ran slower than priced in every recorded run since run 14 (log measured
    / priced, dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of twelve
    runs); probed (/tmp, 2026-11-28, benchmarks/records/pipeline_calls_2026-11-28.md),
-   dp2 pp4 ran about 12 ms per step slower than priced against dp4 pp2 on both S and M, about
-   1.5 ms of a core per extra stage call at 4 ranks per core, where the priced extra
-   nodes are a few us.
+   dp2 pp4 ran about 12 ms per step slower than priced against dp4 pp2 on both S and M,
+   0.7-1.6 ms of CPU per extra stage call, where the priced extra nodes are a few us.
    Why a fit and not a calibrate probe: trivial stages through the runtime's path measure
    0.07 ms per call without messages and 0.2 ms with one message each way (2 ranks), but
    what the programs pay also holds the boundary messages' host work, which the p2p price
@@ -113,7 +112,7 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
     "collective_latency_share_exponent": (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3),
-    "pipeline_call_host_s": (0.0, 0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3, 0.6e-3),
+    "pipeline_call_host_s": (0.0, 0.1e-3, 0.2e-3, 0.3e-3, 0.4e-3, 0.5e-3, 0.6e-3, 0.8e-3, 1.0e-3, 1.2e-3, 1.5e-3),
 }
 """The constants, in the order they are fitted, and the values tried."""
 LATENCY = "collective_latency_share_exponent"

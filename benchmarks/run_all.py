@@ -16,8 +16,9 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
    the leave-one-source-out and leave-one-publication-out fits ->
    results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_constants.py
-   (the cpu profile's GEMM memory efficiency, stage collective wait and latency share law refitted on
-   benchmarks/records' sweeps, ~30 min) -> results/fit_cpu_constants.{md,json}, checked
+   (the cpu profile's GEMM memory efficiency, stage collective wait, latency share law and
+   pipeline chunk-call host time refitted on benchmarks/records' sweeps, ~50 min) ->
+   results/fit_cpu_constants.{md,json}, checked
    against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
