@@ -145,9 +145,9 @@ class Efficiency:
     probes, per-rank CPU and wall): S and M on 8 ranks, dp2 pp4 against dp4 pp2 (the same
     layer work in twice the stage calls) ran about 12 ms per step slower than priced on
     both: 0.7-1.6 ms of CPU per extra stage call (the extra nodes a stage graph has, its
-    boundary clones and tangent product, are a few us); trivial stages through the same runtime path (PerOpStage,
-    1F1B, 2 ranks) took 0.07 ms of CPU per call without messages and 0.2 ms with one message each
-    way. Too entangled with the p2p and core-sharing terms to price from one probe: fitted
+    boundary clones and tangent product, are a few us); trivial stages through the same
+    runtime path (PerOpStage, 1F1B, 2 ranks) took 0.07 ms of CPU per call without
+    messages and 0.2 ms with one message each way. Too entangled with the p2p and core-sharing terms to price from one probe: fitted
     by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it out."""
     gemm_memory_efficiency: float = 1.0
     """Share of `memory_efficiency` x bandwidth at which a GEMM's operand and output bytes

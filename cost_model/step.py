@@ -77,7 +77,7 @@ from cost_model.collectives import (
 )
 from cost_model.compute import compute_time_s, gemm_time_s, grad_accumulation_time_s
 from cost_model.efficiency import Efficiency, efficiency_for
-from cost_model.table import core_share
+from cost_model.table import core_share, pipeline_call_time_s
 from autopar.estimate import Estimate
 from cost_model.memory import BYTES_WEIGHT, stage_memory, stage_params
 from cost_model.options import SELECTIVE_POLICIES, RuntimeOptions
@@ -469,7 +469,7 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
     z3_layer = _zero3_layer(profile, config, opts, layer, dp_link, hw.comm_overlap, eff)
     # SC'21's scatter/gather: each tp rank sends its b*s*h/t slice of the boundary activations
     p2p = send_recv_time_s(stream_bytes / t, pp_link) if p > 1 else 0.0
-    call = eff.pipeline_call_host_s * share if p > 1 else 0.0  # as cost_model.pipeline_call_time_s
+    call = pipeline_call_time_s(cluster, efficiency) if p > 1 else 0.0  # a chunk call's host time, every stage
     stages = _stage_times(stage_layers, config, layer, pre, post, tp, z3_layer, p2p, call)
     pipe = _pipeline(stages, m, config.interleave, share)
     crit = pipe.critical_stage

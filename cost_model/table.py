@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_OPS, DTYPE_BYTES, GEMM_OPS, Graph, Node, Role, TensorMeta
@@ -80,6 +81,10 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
 )
 from cost_model.compute import compute_time_s
+
+if TYPE_CHECKING:
+    from cost_model.efficiency import Efficiency
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Collective:
@@ -161,15 +166,16 @@ def core_share(cluster: Cluster) -> float:
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
 
-def pipeline_call_time_s(cluster: Cluster) -> float:
+def pipeline_call_time_s(cluster: Cluster, efficiency: Efficiency | None = None) -> float:
     """Host time of one pipeline stage's chunk call (a microbatch's forward and backward
     through the schedule), beyond its graph's ops and boundary messages:
     `Efficiency.pipeline_call_host_s` (per dedicated core; 0 on GPUs) x `core_share`. Charged
     per stage per microbatch per chunk (solver/stage_dp.py `StageOption.call_s`,
-    cost_model/step.py's stage times)."""
+    cost_model/step.py's stage times). `efficiency`: replacement constants (the profile's
+    overrides win), as price_profile takes them."""
     from cost_model.efficiency import efficiency_for
 
-    return efficiency_for(cluster.hardware).pipeline_call_host_s * core_share(cluster)
+    return efficiency_for(cluster.hardware, efficiency).pipeline_call_host_s * core_share(cluster)
 
 
 def bucket_copy_s_per_byte(cluster: Cluster) -> float:
