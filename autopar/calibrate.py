@@ -164,6 +164,14 @@ class Calibration:
     """Per node of a small elementwise chain run as the per-rank program runs its ops: a
     make_fx GraphModule of ATen op overloads under no_grad; all ranks busy; 0 = not measured
     (a profile written before 2026-11-28: `eager_op_s` stands in)."""
+    scalar_all_reduce_s: tuple[tuple[int, float], ...] = ()
+    """(ranks in the group, seconds): an all-reduce of one float32 element (the reported
+    loss, a loss's total weight), on all N ranks and inside 2-rank groups like the other
+    collectives. gloo skips the empty segments of its ring (gloo/allreduce.cc: at least 2 n
+    segments of at least one element), so one element is far cheaper than the 4 KiB the
+    ring's latency is fitted on (2026-11-28, 8 ranks on 2 cores: 2.2 against 18.8 ms);
+    priced by `Efficiency.scalar_all_reduce_hop_s`. Empty = not measured (a profile
+    written before 2026-11-28: every all-reduce priced by the ring's latency)."""
     program_view_s: float = 0.0
     """Per node of a chain of views (`aten.t`) run the same way; 0 = not measured
     (`view_op_s`, the Tensor method without the op-overload call, stands in: measured
@@ -189,6 +197,7 @@ class Calibration:
             "optimizer_s": self.optimizer_s, "accumulate_s": self.accumulate_s,
             "param_tensor_s": self.param_tensor_s, "program_op_s": self.program_op_s,
             "program_view_s": self.program_view_s,
+            "scalar_all_reduce_s": [list(x) for x in self.scalar_all_reduce_s],
         }
 
     @classmethod
@@ -204,7 +213,8 @@ class Calibration:
                    optimizer_s=float(data.get("optimizer_s", 0.0)), accumulate_s=float(data.get("accumulate_s", 0.0)),
                    param_tensor_s=float(data.get("param_tensor_s", 0.0)),
                    program_op_s=float(data.get("program_op_s", 0.0)),
-                   program_view_s=float(data.get("program_view_s", 0.0)))
+                   program_view_s=float(data.get("program_view_s", 0.0)),
+                   scalar_all_reduce_s=tuple((int(n), float(t)) for n, t in data.get("scalar_all_reduce_s", ())))
 
 
 def _param_tensor_s(mesh: Any, timed: Callable[..., float], barrier: Callable[[], None]) -> float:
@@ -354,7 +364,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename
     n = dist.get_world_size()
     barrier = dist.barrier
-    out: dict[str, Any] = {"gemm": [], "copy": [], "coll": [], "p2p": []}
+    out: dict[str, Any] = {"gemm": [], "copy": [], "coll": [], "p2p": [], "scalar": []}
     reference = reference_workload()
     refs: list[float] = []
     reference_s = reference_time(reference, barrier)  # what a later run's load factor is set against
@@ -511,14 +521,18 @@ def _rank_measure(rank: int) -> dict[str, Any]:
             barrier()
             if sync is not None:
                 kw = {} if size == n else {"group": group}
+                if nbytes == COLLECTIVE_BYTES[0]:
+                    scalar = torch.ones(1)
+                    out["scalar"].append((size, timed(lambda: dist.all_reduce(scalar, **kw), sync,
+                                                      COLLECTIVE_REPEATS[nbytes])))
                 out["coll"].append(("all_reduce", size, nbytes, timed(lambda: dist.all_reduce(x, **kw), sync, count)))
                 out["coll"].append(("all_gather", size, nbytes, timed(
                     lambda: dist.all_gather_into_tensor(gathered, shard, **kw), sync, count)))
                 out["coll"].append(("reduce_scatter", size, nbytes, timed(
                     lambda: dist.reduce_scatter_tensor(shard, gathered, **kw), sync, count)))
             else:  # the rank an odd world leaves without a pair: its reference timings inside
-                for _ in KINDS:  # `timed` meet the world barriers of the pairs' ones
-                    timed(lambda: None, lambda: None, count)
+                for _ in KINDS + (("scalar",) if nbytes == COLLECTIVE_BYTES[0] else ()):  # `timed` meet
+                    timed(lambda: None, lambda: None, count)  # the world barriers of the pairs' ones
             barrier()
     for nbytes in COLLECTIVE_BYTES:
         x = torch.ones(nbytes // 4)
@@ -579,6 +593,7 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         param_tensor_s=statistics.median(r.get("param_tensor", 0.0) for r in results),
         program_op_s=statistics.median(r["program_op"] for r in results),
         program_view_s=statistics.median(r["program_view"] for r in results),
+        scalar_all_reduce_s=_median_rows(results, "scalar", 1),
     )
 
 
@@ -615,7 +630,8 @@ def combine(cals: list[Calibration]) -> Calibration:
                        collective_s=rows("collective_s", 3), send_recv_s=rows("send_recv_s", 1),
                        sync_skew_s=med("sync_skew_s"), reference_s=ref, optimizer_s=med("optimizer_s"),
                        accumulate_s=med("accumulate_s"), param_tensor_s=med("param_tensor_s"),
-                       program_op_s=med("program_op_s"), program_view_s=med("program_view_s"))
+                       program_op_s=med("program_op_s"), program_view_s=med("program_view_s"),
+                       scalar_all_reduce_s=rows("scalar_all_reduce_s", 1))
 
 
 def _solve_normal(rows: list[list[float]], ys: list[float], free: tuple[int, ...]) -> list[float] | None:
@@ -692,6 +708,8 @@ class Fitted:
     """Seconds per gradient byte of the in-place accumulation (0: not measured)."""
     param_tensor_s: float = 0.0
     """Seconds per local parameter tensor of the step's epilogue (0: not measured)."""
+    scalar_hop_latency_s: float = 0.0
+    """Per ring step of a one-element all-reduce (0: not measured)."""
 
 
 def latency_share_exponent(hardware: Hardware | None = None) -> float:
@@ -729,6 +747,11 @@ def fit(cal: Calibration, *, latency_exponent: float | None = None) -> Fitted:
     base, alpha, *inv_bw = _least_squares(crow, cy)
     bus = {k: (1 / x if x > 0 else float("inf")) for k, x in zip(KINDS, inv_bw)}
     p2p = _least_squares([[b, 1.0] for b, _ in cal.send_recv_s], [t for _, t in cal.send_recv_s])
+    # one-element all-reduces: t = L0 + 2 (n-1) alpha_scalar, L0 the collectives' launch
+    # latency fitted above (the cost model charges it to every collective)
+    scalar = _least_squares([[2.0 * (n - 1)] for n, _ in cal.scalar_all_reduce_s],
+                            [max(0.0, t - base) for _, t in cal.scalar_all_reduce_s])[0] \
+        if cal.scalar_all_reduce_s else 0.0
     return Fitted(
         gemm_flops_per_s=peak * s, gemm_k_ramp=k0_over_peak * peak, gemm_overhead_s=gemm_overhead / s,
         copy_bytes_per_s=copy_bw * s, copy_overhead_s=copy[1] / s,
@@ -739,6 +762,7 @@ def fit(cal: Calibration, *, latency_exponent: float | None = None) -> Fitted:
         hop_latency_s=alpha / s_lat, bus_bytes_per_s={k: v * s for k, v in bus.items()},
         p2p_bytes_per_s=(1 / p2p[0] if p2p[0] > 0 else float("inf")) * s,
         optimizer_s=cal.optimizer_s / s, accumulate_s=cal.accumulate_s / s, param_tensor_s=cal.param_tensor_s / s,
+        scalar_hop_latency_s=scalar / s_lat,
     )
 
 
@@ -784,6 +808,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu", built_in: Hardware | Non
             "dtensor_op_overhead_s": f.dtensor_op_overhead_s, "flash_attention_efficiency": f.attention_efficiency,
             **{k: v for k, v in measured_passes.items() if v > 0},
             **({"optimizer_tensor_overhead_s": f.param_tensor_s} if f.param_tensor_s > 0 else {}),
+            **({"scalar_all_reduce_hop_s": f.scalar_hop_latency_s} if f.scalar_hop_latency_s > 0 else {}),
             # not measured here (a probe here was too noisy, or missed what whole programs show):
             # the built-in profile's, which benchmarks/fit_cpu_constants.py fits on the recorded sweeps
             **{k: v for k, v in base.efficiency if k in CARRIED_FROM_BUILT_IN},

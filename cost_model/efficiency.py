@@ -149,6 +149,16 @@ class Efficiency:
     runtime path (PerOpStage, 1F1B, 2 ranks) took 0.07 ms of CPU per call without
     messages and 0.2 ms with one message each way. Too entangled with the p2p and core-sharing terms to price from one probe: fitted
     by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it out."""
+    scalar_all_reduce_hop_s: float = 0.0
+    """gloo (the cpu profile; 0 on GPUs and in profiles calibrated before 2026-11-28, which
+    price every all-reduce by the ring's latency): latency per ring step of an all-reduce
+    of one element (a loss, a loss's total weight), per dedicated core like the ring's
+    (`autopar calibrate` measures it, `scalar_all_reduce_s`). gloo's ring all-reduce
+    (gloo/allreduce.cc) cuts the input into at least 2 n segments of at least one element
+    and skips the empty ones, so an input of fewer than 2 n elements sends fewer, smaller
+    messages: measured here (2026-11-28, 20 back to back, 2 cores) 0.92 / 2.2 ms for one
+    float32 over 4 / 8 ranks against 5.4 / 18.8 ms for 1024. Between 1 and 2 n elements
+    the cost model interpolates linearly (cost_model.collectives.all_reduce_time_s)."""
     gemm_memory_efficiency: float = 1.0
     """Share of `memory_efficiency` x bandwidth at which a GEMM's operand and output bytes
     move (the t_memory of a GEMM's roofline, cost_model/compute.py). 1 on GPUs (their

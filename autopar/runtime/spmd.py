@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
-from autopar.placement import Placements, Replicate, Shard
+from autopar.placement import Partial, Placements, Replicate, Shard
 from autopar.sharding import InfeasiblePlanError, NodeStrategy
 
 log = logging.getLogger(__name__)
@@ -208,9 +208,19 @@ class SpmdProgram:
         return grad_bytes
 
     def _global_loss(self, local: torch.Tensor) -> float:
-        d = DTensor.from_local(local, self.mesh, bridge.to_dtensor_placements(self.graphs.loss_placements),
-                               run_check=False, shape=torch.Size(()), stride=())
-        return float(d.full_tensor())
+        """The step's loss on every rank: one scalar all-reduce over each mesh axis where the
+        ILP left the loss Partial (priced: cost_model.loss_report_time_s), issued on the
+        axis's process group directly. Through DTensor (`from_local(...).full_tensor()`,
+        until 2026-11-28) the same reduction measured 3.5 / 1.3 ms over 8 / 4 gloo ranks on 2
+        cores against 2.2 / 0.9 ms for the all-reduce alone: its redistribution planning is
+        host work every rank pays while the ranks share the cores."""
+        value = local.detach().float().reshape(()).clone()
+        for axis, p in enumerate(self.graphs.loss_placements):
+            if isinstance(p, Partial) and self.mesh.size(axis) > 1:
+                dist.all_reduce(value, group=self.mesh.get_group(axis))  # gloo has no AVG: sum, then divide
+                if p.reduce_op == "avg":
+                    value /= self.mesh.size(axis)
+        return float(value)
 
     def _stats(self, grad_bytes: int) -> Any:
         from autopar.runtime.program import StepStats
