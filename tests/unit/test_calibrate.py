@@ -339,3 +339,31 @@ def test_per_op_and_view_costs_come_from_the_runtimes_path_where_measured() -> N
     assert Calibration.from_json(new_cal.to_json()) == new_cal
     assert Calibration.from_json(cal.to_json()).program_view_s == 0.0
     assert combine([new_cal, new_cal, new_cal]).program_view_s == pytest.approx(new_cal.program_view_s)
+
+
+def test_one_element_all_reduces_are_fitted_and_carried_per_dedicated_core() -> None:
+    """calibrate's one-element all-reduces (all N ranks and 2-rank groups) fit one step
+    latency, t = L0 + 2 (n-1) alpha_scalar, stored per dedicated core by the share law; the
+    profile carries it (`scalar_all_reduce_hop_s`) and prices the measured rank counts as
+    measured. A calibration without them (before 2026-11-28) carries none."""
+    from autopar.calibrate import latency_share_exponent
+
+    scalar_alpha = ALPHA / 5
+    for devices in (4, 8):
+        cal = _cal(devices)
+        s_lat = cal.sharing ** latency_share_exponent()
+        # _cal's collectives: launch L0 x the sharing; a one-element all-reduce pays it too
+        rows = tuple((n, cal.sharing * L0 + 2 * (n - 1) * scalar_alpha * s_lat) for n in (2, devices))
+        cal = dataclasses.replace(cal, scalar_all_reduce_s=rows)
+        f = fit(cal)
+        assert f.scalar_hop_latency_s == pytest.approx(scalar_alpha, rel=1e-6)
+        hw = to_hardware(cal)
+        assert dict(hw.efficiency)["scalar_all_reduce_hop_s"] == pytest.approx(scalar_alpha, rel=1e-6)
+        (link,) = mesh_axis_links(Cluster.parse(f"cpu:{devices}", hardware=hw), (devices,))
+        assert all_reduce_time_s(4, link) == pytest.approx(dict(rows)[devices], rel=1e-3)
+        again = Calibration.from_json(json.loads(json.dumps(cal.to_json())))
+        assert again.scalar_all_reduce_s == cal.scalar_all_reduce_s
+        assert combine([cal, cal]).scalar_all_reduce_s == cal.scalar_all_reduce_s
+    old = _cal(4)
+    assert fit(old).scalar_hop_latency_s == 0.0
+    assert "scalar_all_reduce_hop_s" not in dict(to_hardware(old).efficiency)

@@ -89,7 +89,7 @@ def test_compute_roofline_classes() -> None:
 
 def test_the_reported_loss_pays_a_scalar_all_reduce_per_partial_axis() -> None:
     """Price = run: the loss `compiled.step` returns is reduced on every mesh axis where it
-    is Partial (DTensor, one axis at a time), and a pipeline hands it to every rank."""
+    is Partial (one scalar all-reduce per axis), and a pipeline hands it to every rank."""
     from cost_model import loss_report_time_s
     from cost_model.collectives import LOSS_BYTES
 
@@ -103,3 +103,44 @@ def test_the_reported_loss_pays_a_scalar_all_reduce_per_partial_axis() -> None:
     assert piped == pytest.approx(all_reduce_time_s(LOSS_BYTES, dp) + all_reduce_time_s(LOSS_BYTES, world))
     # latency-bound where ranks share cores: 8 ranks on 2 cores cost more than 4 (14 ring steps vs 6)
     assert all_reduce_time_s(LOSS_BYTES, world) > all_reduce_time_s(LOSS_BYTES, dp) > 0
+
+
+def test_few_element_all_reduces_pay_gloos_sparse_ring_steps() -> None:
+    """gloo's ring cuts an all-reduce into at least 2 n segments of at least one element and
+    skips the empty ones: a one-element all-reduce pays the measured one-element step, one of
+    2 n elements or more the ring's, and the price grows with the elements in between. No
+    measurement (GPUs, older profiles): every size pays the ring's step."""
+    from dataclasses import replace
+
+    ring = AxisLink(size=8, bandwidth_bytes_per_s=1e9, latency_s=500e-6, tier="intra")
+    sparse = replace(ring, scalar_hop_latency_s=100e-6)
+    assert all_reduce_time_s(4, sparse) == pytest.approx(14 * 100e-6 + 14 / 8 * 4 / 1e9)
+    assert all_reduce_time_s(4, ring) == pytest.approx(14 * 500e-6 + 14 / 8 * 4 / 1e9)
+    prices = [all_reduce_time_s(4 * e, sparse) for e in range(1, 20)]
+    assert prices == sorted(prices) and len(set(prices)) == len(prices)
+    for e in (16, 17, 1024):  # 2 n = 16 elements fill every segment
+        assert all_reduce_time_s(4 * e, sparse) == pytest.approx(all_reduce_time_s(4 * e, ring))
+    # a measured step above the ring's never makes a small all-reduce dearer than the ring prices it
+    assert all_reduce_time_s(4, replace(ring, scalar_hop_latency_s=1e-3)) == pytest.approx(all_reduce_time_s(4, ring))
+
+
+def test_the_scalar_step_scales_with_core_sharing_like_the_rings() -> None:
+    """The profile stores the one-element step per dedicated core; a mesh's links apply the
+    share law of the ring's latency to it (ranks per core ** the exponent); GPU links and
+    profiles without the measurement carry none."""
+    from dataclasses import replace
+
+    from autopar.cluster import HARDWARE
+
+    cpu = HARDWARE["cpu"]
+    eff = dict(cpu.efficiency)
+    hw = replace(cpu, efficiency=tuple(sorted({**eff, "scalar_all_reduce_hop_s": 100e-6}.items())))
+    g = eff.get("collective_latency_share_exponent", 1.0)
+    for n in (2, 4, 8):
+        (link,) = mesh_axis_links(Cluster.parse(f"cpu:{n}", hardware=hw), (n,))
+        share = max(1.0, n / hw.cores_per_node)
+        assert link.scalar_hop_latency_s == pytest.approx(100e-6 * share ** g)
+        assert link.latency_s == pytest.approx(hw.intra_node_latency_s * share ** g)
+    bare = replace(cpu, efficiency=tuple((k, v) for k, v in eff.items() if k != "scalar_all_reduce_hop_s"))
+    assert mesh_axis_links(Cluster.parse("cpu:8", hardware=bare), (8,))[0].scalar_hop_latency_s == 0.0
+    assert mesh_axis_links(Cluster.parse("h100:1x8"), (8,))[0].scalar_hop_latency_s == 0.0
