@@ -301,12 +301,14 @@ def loss_report_time_s(loss_placements: Placements, links: tuple[AxisLink, ...],
                        world_link: AxisLink | None = None) -> float:
     """What the runtime spends making a step's loss known (the value `compiled.step`
     returns): a scalar all-reduce on every mesh axis where the loss is Partial
-    (autopar/runtime/spmd.py `_global_loss`, DTensor's Partial -> Replicate, one axis at a
+    (autopar/runtime/spmd.py `_global_loss`, on the axis's process group, one axis at a
     time), and for a pipeline (`world_link`: one flat axis over every rank) one more over
     every rank, which hands the last stage's loss to all (autopar/runtime/pipe_spmd.py).
-    Latency only, and not small where ranks share cores: a scalar all-reduce measured
-    2.1 / 4.1 / 19.7 ms over 2 / 4 / 8 gloo ranks on 2 cores when issued after a burst of
-    GEMMs, as a step issues it (0.3 / 0.9 / 3.4 ms back to back)."""
+    Latency only. On gloo a one-element all-reduce runs far fewer ring messages than the
+    4 KiB ones the ring's latency is measured on (`ring_hop_latency_s`): measured in place
+    (2026-11-28, S model, dp8 on 2 cores, the report skipped or issued once more in
+    alternate rounds) the report cost 0.8-3 ms per step, where the ring's latency priced
+    it at 10.2 ms (benchmarks/records/scalar_all_reduce_2026-11-28.md)."""
     total = sum(all_reduce_time_s(LOSS_BYTES, link) for p, link in zip(loss_placements, links)
                 if isinstance(p, Partial))
     if world_link is not None:

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import probe_collective_replay  # noqa: E402
 import probe_cpu_accounting  # noqa: E402
 import probe_funcol_overhead  # noqa: E402
+import probe_loss_report  # noqa: E402
 import probe_program_choice  # noqa: E402
 
 
@@ -222,3 +223,27 @@ def test_probe_microbatches_refuses_bad_configs_before_any_rank_starts(capsys, m
     got = probe_microbatches.parse_configs(ap, "2:4:1, 4:2:4", 8)
     assert [c.label for c in got] == ["dp2 pp4 mb1", "dp4 pp2 mb4"]
     assert [(c.config.dp, c.config.pp, c.config.micro_batch) for c in got] == [(2, 4, 1), (4, 2, 4)]
+
+
+def test_loss_report_probe_sets_each_variant_against_the_usual_step_round_by_round():
+    per_rank = [
+        {"back_to_back": {1: 0.002, 1024: 0.019}, "steps": {"usual": [0.090, 0.080, 0.100], "skipped": [0.088, 0.081, 0.095],
+                                                            "twice": [0.093, 0.084, 0.104], "four times": [0.1, 0.09, 0.11]}},
+        {"back_to_back": {1: 0.004, 1024: 0.017}, "steps": {"usual": [9.0], "skipped": [9.0], "twice": [9.0],
+                                                            "four times": [9.0]}},
+    ]
+    got = probe_loss_report.summarize(per_rank)
+    assert got["back_to_back_s"] == {1: pytest.approx(0.003), 1024: pytest.approx(0.018)}
+    skipped = got["in_place"]["skipped"]  # rank 0's rounds: every rank's step ends on one barrier
+    assert skipped["min_s"] == pytest.approx(0.081) and skipped["median_s"] == pytest.approx(0.088)
+    assert skipped["minus_usual_s"] == pytest.approx(-0.002)  # median of (-2, +1, -5) ms
+    assert got["in_place"]["twice"]["minus_usual_s"] == pytest.approx(0.004)
+    assert got["in_place"]["usual"]["minus_usual_s"] == 0.0
+
+
+@pytest.mark.parametrize("argv", [["--devices", "3"], ["--devices", "1"], ["--rounds", "0"], ["--size", "XL"]])
+def test_loss_report_probe_refuses_bad_input_before_any_rank_starts(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_loss_report.main(argv)
+    assert exc.value.code == 2
+    assert "--" in capsys.readouterr().err
