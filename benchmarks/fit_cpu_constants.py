@@ -70,7 +70,7 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    the whole programs separate the two.
 
 How: every recorded sweep (benchmarks/records/sweep_cpu_<run>.json for RUNS, the measured
-step times of the same 57 programs, six runs on four days) is priced again with the
+step times of the same 57 programs, six runs of 2026-11-28) is priced again with the
 built-in `cpu` profile carrying each candidate value (the programs that ran are the
 built-in profile's solves: `sweep_cpu.predict_ilp` prices those placements; pipelines by
 the pipeline search's stage costs). One pass of coordinate search, in GRIDS order: each
@@ -105,9 +105,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-RUNS = ("run1", "rerun", "run2", "run3", "run4", "run5")
-"""The recorded sweeps (benchmarks/records/sweep_cpu_<run>.json; records/README.md dates each).
-Not run6 nor the later runs and headlines (benchmarks/results/sweep_cpu.json): those check the fit out of sample."""
+RUNS = ("run28_random_noisy", "run29_random_noisy", "headline_run30_2026-11-28", "run31_h04",
+        "run32_random_noisy", "headline_run33_2026-11-28")
+"""The recorded sweeps (benchmarks/records/sweep_cpu_<run>.json; records/README.md dates each):
+runs 28-33 (sessions 33-34, 2026-11-28, random round order), the first six measured with the
+per-rank programs the runtime runs today but for the loss report's transport (DTensor then, a
+direct all-reduce on each Partial axis's group since session 35: the same one-element
+all-reduces, 1-3 ms less host work per step at 8 ranks). Until session 36 the fit ran on runs
+1-5 and the rerun (2026-11-25/26), measured before the gradient buckets, the views' price,
+the per-chunk pipeline calls and the loss report changed what the programs do; on them the
+fitted pipeline terms priced S x 8's pipelines 0.85 of measured in run 35 against 1.0 for
+`dp8` (benchmarks/records/refit_recent_runs_2026-11-28.md). Not runs 34 and 35 (session 35,
+the current runtime) nor later sweeps: those check the fit out of sample."""
 GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),

@@ -88,7 +88,7 @@ def test_missing_recorded_sweeps_exit_2(tmp_path, monkeypatch, capsys) -> None:
         fit.main(["--json", str(tmp_path / "o.json"), "--md", str(tmp_path / "o.md")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "recorded sweeps" in err and "run1" in err and "restore them from git" in err
+    assert "recorded sweeps" in err and fit.RUNS[0] in err and "restore them from git" in err
 
 
 def test_a_candidate_share_law_keeps_the_measured_rank_count_priced_as_measured() -> None:
