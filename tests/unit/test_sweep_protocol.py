@@ -234,3 +234,25 @@ def test_pick_resolution_hindsight_and_paired_rounds(tmp_path, capsys):
         pick_resolution.main([str(tmp_path / "nope.json")])
     assert err.value.code == 2
     assert "nope.json" in capsys.readouterr().err
+
+
+def test_pick_resolution_reads_both_pick_targets_per_run():
+    """The per-run table counts the groups whose calibrated pick is within 3% of the best on
+    the minimum, the groups where the built-in profile picks the same configuration, the
+    built-in's own picks within 3%, and the twins' widest gap; a run meets the targets only
+    when every group does both."""
+    import pick_resolution
+
+    def row(label, times, cal, default, size="M", world=4):
+        return {**_row(label, times, cal, size, world), "predicted_default_s": default}
+
+    good = [row("a", [1.00, 1.02], 1.0, 1.0), row("a (repeat)", [1.01, 1.03], 1.0, 1.0),
+            row("b", [1.02, 1.03], 2.0, 2.0),
+            row("a", [2.00, 2.00], 1.0, 2.0, world=8), row("b", [2.05, 2.10], 2.0, 1.0, world=8)]
+    lines = pick_resolution.targets_table({"r1": good})
+    assert "| r1 | 2 of 2 | 0.0% (M x 4) | 1 of 2 | 2 of 2 | 2.5% (M x 8) | 1.0% (M x 4) | no |" in lines
+    slow = [row("a", [1.05, 1.06], 1.0, 1.0), row("b", [1.00, 1.00], 2.0, 2.0)]
+    lines = pick_resolution.targets_table({"r1": good[:3], "r2": slow})
+    assert "| r1 | 1 of 1 | 0.0% (M x 4) | 1 of 1 | 1 of 1 | 0.0% (M x 4) | 1.0% (M x 4) | yes |" in lines
+    assert "| r2 | 0 of 1 | 5.0% (M x 4) | 1 of 1 | 0 of 1 | 5.0% (M x 4) | 0.0% (-) | no |" in lines
+    assert lines[-1] == "runs meeting both pick targets: 1 of 2"
