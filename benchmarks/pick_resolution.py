@@ -4,8 +4,8 @@ measured best)? Read from recorded sweeps; nothing is measured or re-priced.
     .venv/bin/python benchmarks/pick_resolution.py [--md OUT.md] [SWEEP.json ...]
 
 With no files: the sweeps priced at the session-36 cost-model constants (CURRENT_RUNS: runs
-28-35 re-priced with `sweep_cpu.py --repredict` and each run's calibration refitted, runs 36
-and 37 measured at them; records/pick_stability_2026-11-28.md). Each row's `measured_times_s`
+28-35 re-priced with `sweep_cpu.py --repredict` and each run's calibration refitted, runs 36-38
+measured at them; records/pick_stability_2026-11-28.md). Each row's `measured_times_s`
 (one step per timed round; each round runs every configuration, interleaved: round-robin
 before session 32, in a random order since) and its `predicted_calibrated_s` are read; "(repeat)" rows are the group's noise probe.
 
@@ -40,11 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 REPEAT = " (repeat)"
 TARGET = 0.03
 CURRENT_RUNS = [f"benchmarks/records/sweep_cpu_run{n}_priced_at_session36_constants.json" for n in range(28, 36)] + [
-    "benchmarks/records/sweep_cpu_run36_random_noisy.json", "benchmarks/results/sweep_cpu.json"]
+    "benchmarks/records/sweep_cpu_run36_random_noisy.json", "benchmarks/results/sweep_cpu.json",
+    "benchmarks/records/sweep_cpu_run38_random_noisy.json"]
 """Sweeps priced at the session-36 constants (the current ones): runs 28-33 (the fit's
 training runs, benchmarks/fit_cpu_constants.py; their calibrations predate the one-element
 all-reduce measurement, so their calibrated column prices those as ring latency), runs 34
-and 35 (out of sample), run 36 (NOISY) and run 37 (the headline, benchmarks/results/)."""
+and 35 (out of sample), run 36 (NOISY), run 37 (the headline, benchmarks/results/) and
+run 38 (NOISY, session 37)."""
 
 ESTIMATORS = {"min": min, "median": statistics.median}
 BOOTSTRAP = 2000
