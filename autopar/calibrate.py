@@ -172,6 +172,12 @@ class Calibration:
     ring's latency is fitted on (2026-11-28, 8 ranks on 2 cores: 2.2 against 18.8 ms);
     priced by `Efficiency.scalar_all_reduce_hop_s`. Empty = not measured (a profile
     written before 2026-11-28: every all-reduce priced by the ring's latency)."""
+    total_memory_bytes: int = 0
+    """The machine's physical memory when measured (`machine_memory_bytes`); the profile
+    gives each of `devices` ranks an equal share. A measurement like the others: the
+    profile derived from kept measurements is the same on every machine that derives it
+    (the built-in profile is a fixed file). 0 = not recorded (a calibration written before
+    it): `to_hardware` then reads the memory of the machine it runs on."""
     program_view_s: float = 0.0
     """Per node of a chain of views (`aten.t`) run the same way; 0 = not measured
     (`view_op_s`, the Tensor method without the op-overload call, stands in: measured
@@ -198,6 +204,7 @@ class Calibration:
             "param_tensor_s": self.param_tensor_s, "program_op_s": self.program_op_s,
             "program_view_s": self.program_view_s,
             "scalar_all_reduce_s": [list(x) for x in self.scalar_all_reduce_s],
+            "total_memory_bytes": self.total_memory_bytes,
         }
 
     @classmethod
@@ -214,7 +221,14 @@ class Calibration:
                    param_tensor_s=float(data.get("param_tensor_s", 0.0)),
                    program_op_s=float(data.get("program_op_s", 0.0)),
                    program_view_s=float(data.get("program_view_s", 0.0)),
-                   scalar_all_reduce_s=tuple((int(n), float(t)) for n, t in data.get("scalar_all_reduce_s", ())))
+                   scalar_all_reduce_s=tuple((int(n), float(t)) for n, t in data.get("scalar_all_reduce_s", ())),
+                   total_memory_bytes=int(data.get("total_memory_bytes", 0)))
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of the machine this runs on (POSIX `sysconf`): what `calibrate`
+    records. Read only while measuring, or for a calibration that did not record it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _param_tensor_s(mesh: Any, timed: Callable[..., float], barrier: Callable[[], None]) -> float:
@@ -594,6 +608,7 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         program_op_s=statistics.median(r["program_op"] for r in results),
         program_view_s=statistics.median(r["program_view"] for r in results),
         scalar_all_reduce_s=_median_rows(results, "scalar", 1),
+        total_memory_bytes=machine_memory_bytes(),
     )
 
 
@@ -631,7 +646,9 @@ def combine(cals: list[Calibration]) -> Calibration:
                        sync_skew_s=med("sync_skew_s"), reference_s=ref, optimizer_s=med("optimizer_s"),
                        accumulate_s=med("accumulate_s"), param_tensor_s=med("param_tensor_s"),
                        program_op_s=med("program_op_s"), program_view_s=med("program_view_s"),
-                       scalar_all_reduce_s=rows("scalar_all_reduce_s", 1))
+                       scalar_all_reduce_s=rows("scalar_all_reduce_s", 1),
+                       # what every run had (a machine's reported size can move by a few KiB)
+                       total_memory_bytes=min((c.total_memory_bytes for c in cals if c.total_memory_bytes), default=0))
 
 
 def _solve_normal(rows: list[list[float]], ys: list[float], free: tuple[int, ...]) -> list[float] | None:
@@ -780,7 +797,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu", built_in: Hardware | Non
     base = HARDWARE["cpu"] if built_in is None else built_in
     f = fit(cal, latency_exponent=latency_share_exponent(base))  # the share law this profile carries
     bus = f.bus_bytes_per_s["all_reduce"]
-    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total_ram = cal.total_memory_bytes or machine_memory_bytes()
     # every small op pays the eager+autograd cost (its roofline on tiny tensors is ~0)
     per_op = max(f.eager_op_s, f.copy_overhead_s)
     # the optimizer step and the accumulation as the copy traffic they are worth, so that
@@ -816,4 +833,5 @@ def to_hardware(cal: Calibration, *, name: str = "cpu", built_in: Hardware | Non
     )
 
 
-__all__ = ["Calibration", "Fitted", "calibrate", "combine", "fit", "latency_share_exponent", "to_hardware"]
+__all__ = ["Calibration", "Fitted", "calibrate", "combine", "fit", "latency_share_exponent", "machine_memory_bytes",
+           "to_hardware"]

@@ -17,7 +17,9 @@ Rules, by a field's type hint (what `to_json` writes, what `from_json` accepts):
   the values as they are, the pairs sorted by name on read (an Estimate's config).
 - a `JsonData` subclass: a JSON object with exactly its fields as keys (a field with a
   default may be absent: files written before it was added still load), or, when its
-  JSON_ROW is True, an array of its fields in order (compact rows for long tables).
+  JSON_ROW is True, an array of its fields in order (compact rows for long tables;
+  trailing fields at their defaults are left out, so a row type can grow a field and
+  the rows written before it still load, and are still written, as they were).
 - any other dataclass with its own `from_json` (ParallelConfig): exactly its fields as
   keys, built by its `from_json` (so its own checks and messages apply); written by its
   `to_json`.
@@ -66,6 +68,13 @@ def _fields(cls: type) -> list[tuple[str, Any]]:
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
 
 
+def _row_defaults(cls: type) -> list[Any]:
+    """Each field's default (dataclasses.MISSING where it has none), in order."""
+    return [f.default if f.default is not dataclasses.MISSING else
+            (f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+            for f in dataclasses.fields(cls)]
+
+
 def _is_breakdown(hint: Any) -> bool:
     return (typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (...,)
             and typing.get_args(hint)[0] == tuple[str, float])
@@ -83,6 +92,10 @@ def encode(value: Any, hint: Any) -> Any:
     if isinstance(value, JsonData):
         items = [encode(getattr(value, name), h) for name, h in _fields(type(value))]
         if type(value).JSON_ROW:
+            defaults = _row_defaults(type(value))
+            while len(items) > len(defaults) - sum(d is not dataclasses.MISSING for d in defaults) \
+                    and getattr(value, _fields(type(value))[len(items) - 1][0]) == defaults[len(items) - 1]:
+                items.pop()
             return items
         return {name: item for (name, _), item in zip(_fields(type(value)), items)}
     if dataclasses.is_dataclass(value):
@@ -139,7 +152,8 @@ def decode(data: Any, hint: Any, where: str) -> Any:
     if isinstance(hint, type) and issubclass(hint, JsonData):
         fields = _fields(hint)
         if hint.JSON_ROW:
-            if not isinstance(data, list) or len(data) != len(fields):
+            required = sum(d is dataclasses.MISSING for d in _row_defaults(hint))
+            if not isinstance(data, list) or not required <= len(data) <= len(fields):
                 raise JsonFormatError(f"malformed value at {where}: expected an array "
                                       f"[{', '.join(n for n, _ in fields)}], got {_show(data)}")
             values = dict(zip((n for n, _ in fields), data))

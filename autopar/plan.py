@@ -116,13 +116,16 @@ class OpPlacement(JsonData):
     """The ILP's choice for one op of the traced step: the layout of each output and the
     layout each input must arrive in (one placement per mesh axis, autopar/placement.py
     text). `key` names the op independently of the traced depth (Graph.node_keys). Written
-    as a row [key, op, outputs, inputs]: a plan holds one per op of the traced step."""
+    as a row [key, op, outputs, inputs(, update)]: a plan holds one per op of the traced step."""
 
     JSON_ROW: ClassVar[bool] = True
     key: str
     op: str
     outputs: tuple[str, ...]
     inputs: tuple[str, ...]
+    update: str = ""
+    """Parameters only: the weight update's placement where it differs from the compute
+    placement `outputs[0]` (autopar.sharding.NodeStrategy.update); "" where the same."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -505,7 +508,7 @@ def _check_op_placements(placements: Sequence[OpPlacement], where: str) -> None:
         raise PlanFileError(f"plan {where} name an op twice; the file was edited. Re-run `autopar search`")
     mesh_axes = 2
     for p in placements:
-        for text in p.outputs + p.inputs:
+        for text in p.outputs + p.inputs + ((p.update,) if p.update else ()):
             try:
                 axes = len(parse_placements(text))
             except ValueError as exc:
@@ -533,7 +536,8 @@ def _match_placements(placements: Sequence[OpPlacement], graph: Any, what: str, 
                 + "; the model or its input shapes differ from the search's. Re-run `autopar search` for "
                   "this model and batch")
         out.append(NodeStrategy(outputs=tuple(parse_placements(t) for t in p.outputs),
-                                inputs=tuple(parse_placements(t) for t in p.inputs)))
+                                inputs=tuple(parse_placements(t) for t in p.inputs),
+                                update=parse_placements(p.update) if p.update else None))
     if exact and len(set(keys)) != len(by_key):
         extra = sorted(set(by_key) - set(keys))
         raise PlanFileError(f"{what}: the plan places {len(extra)} ops this trace does not have (e.g. "
@@ -583,7 +587,7 @@ def _per_op_lines(plan: "Plan") -> list[str]:
         lines.append("  collectives per step: none (every rank computes the whole step)")
     if info.parameters:
         lines.append("  per layer group: " + "; ".join(summarize_placements(info.parameters)))
-        lines.append("  parameters (dp, tp):")
+        lines.append("  parameters (dp, tp), with their weight-update placement where it differs:")
         lines.extend(f"    {name}: {placement}" for name, placement in info.parameters)
     return lines
 
@@ -611,11 +615,24 @@ def _tp_words(group: str, name: str, tp: str) -> str:
 
 def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
     """One line per layer group (embedding, attention, MLP, norms, head, other): how its
-    parameters sit on the (dp, tp) mesh, e.g. "MLP: column/row over tp; replicated over dp"."""
+    parameters sit on the (dp, tp) mesh, e.g. "MLP: column/row over tp; replicated over dp", or
+    "...; weights replicated over dp, update S(0) over dp (ZeRO-1)" where the weight update
+    is sharded (a placement text "compute update update-placement",
+    autopar.sharding.parameter_placement_text)."""
+    from autopar.sharding import UPDATE_SEPARATOR
+
     found: dict[str, list[tuple[str, str, str]]] = {}
     for name, text in params:
-        parts = [p.strip() for p in text.strip("()").split(",")]
+        compute, _, update = text.partition(UPDATE_SEPARATOR)
+        parts = [p.strip() for p in compute.strip("()").split(",")]
         dp, tp = (parts + ["R", "R"])[:2]
+        update_dp = ([p.strip() for p in update.strip("()").split(",")] + ["R"])[0] if update else dp
+        if dp == "R" and update_dp != "R":
+            dp = f"weights replicated over dp, update {update_dp} over dp (ZeRO-1)"
+        elif dp != "R":
+            dp = f"{dp} over dp (sharded: ZeRO-3)"
+        else:
+            dp = "replicated over dp"
         low = name.lower()
         group = next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")
         found.setdefault(group, []).append((name, dp, tp))
@@ -625,8 +642,7 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
             continue
         rows = found[group]
         tp_desc = list(dict.fromkeys(_tp_words(group, n, tp) for n, _, tp in rows))
-        dp_desc = list(dict.fromkeys("replicated over dp" if dp == "R" else f"{dp} over dp (sharded: ZeRO-3)"
-                                     for _, dp, _ in rows))
+        dp_desc = list(dict.fromkeys(dp for _, dp, _ in rows))
         if len(tp_desc) > 1 and all("over tp" in d and "replicated" not in d for d in tp_desc) and group == "MLP":
             tp_text = "column/row over tp"
         else:

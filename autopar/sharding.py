@@ -39,6 +39,18 @@ class NodeStrategy:
     """Placement of each output tensor (one entry per mesh axis)."""
     inputs: tuple[Placements, ...]
     """Placement each tensor input must have, aligned with `Node.inputs`."""
+    update: Placements | None = None
+    """Parameters only: the placement of the weight update (the reduced gradient, the
+    optimizer state and step, the master weights), where it differs from the compute
+    placement `outputs[0]`; None: the same. Weight-update sharding (Xu et al. 2020,
+    "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training"):
+    compute Replicate + update Shard over an axis is ZeRO-1/2 on that axis (gradients
+    reduce-scattered, the updated weights all-gathered once per step)."""
+
+    @property
+    def update_placements(self) -> Placements:
+        """Where the weight update happens: `update`, else the compute placement."""
+        return self.outputs[0] if self.update is None else self.update
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +89,9 @@ class NodeChoice:
     """Per-device bytes of this node's outputs (parameters: param + grad + optimizer state)."""
     weight: float = 1.0
     """How many real-model copies this traced node stands for."""
+    update: Placements | None = None
+    """Parameters only: the weight update's placement where it differs from `outputs[0]`
+    (NodeStrategy.update)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +107,8 @@ class PricedCollective:
     bytes: int
     weight: float = 1.0
     gradient_sync: bool = False
-    """Once per step (after gradient accumulation) rather than once per microbatch."""
+    """Once per step rather than once per microbatch: the gradient sync after gradient
+    accumulation, and the gather of updated weights from their update placement."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,6 +173,7 @@ class IntraOpSolution:
                     "inputs": [format_placements(p) for p in c.inputs],
                     "compute_s": c.compute_s, "comm_s": c.comm_s, "reshard_s": c.reshard_s,
                     "memory_bytes": c.memory_bytes, "weight": c.weight,
+                    **({"update": format_placements(c.update)} if c.update is not None else {}),
                 }
                 for c in self.choices
             ],
@@ -176,6 +193,7 @@ class IntraOpSolution:
                 inputs=tuple(parse_placements(p) for p in c["inputs"]),
                 compute_s=c["compute_s"], comm_s=c["comm_s"], reshard_s=c["reshard_s"],
                 memory_bytes=c["memory_bytes"], weight=c["weight"],
+                update=parse_placements(c["update"]) if "update" in c else None,
             )
             for c in d["choices"]
         )
@@ -214,6 +232,20 @@ class IntraOpSolution:
                 f"{ch.memory_bytes / 2**20:>9.3f}"
             )
         return "\n".join(lines)
+
+
+UPDATE_SEPARATOR = " update "
+"""Joins a parameter's compute and weight-update placements in explain text and plan
+summaries: "(R, R) update (S(0), R)"."""
+
+
+def parameter_placement_text(choice: NodeChoice | NodeStrategy) -> str:
+    """A parameter's placement as text: its compute placement, and its weight-update
+    placement after UPDATE_SEPARATOR where that differs."""
+    text = format_placements(choice.outputs[0])
+    if choice.update is not None and choice.update != choice.outputs[0]:
+        text += UPDATE_SEPARATOR + format_placements(choice.update)
+    return text
 
 
 def raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> dict[NodeId, float]:

@@ -16,10 +16,14 @@ Two graphs come out:
 - `step`: (parameters, buffers, inputs, loss tangent), all local shards -> (loss, raw
   gradients), each gradient in the placement its producing op left it in (typically a
   pending sum over the data-parallel axis);
-- `grad_sync`: raw gradients -> gradients in their parameter's placement (all-reduce for
-  replicated parameters, reduce-scatter for sharded ones: data parallelism and ZeRO are
-  this one edge). The runtime runs it once per step, after the last microbatch, so
-  gradient accumulation does not communicate (the cost model weighs these edges 1/m).
+- `grad_sync`: raw gradients -> gradients in their parameter's weight-update placement
+  (all-reduce where the update is replicated, reduce-scatter where it is sharded: data
+  parallelism and ZeRO are this one edge). The runtime runs it once per step, after the
+  last microbatch, so gradient accumulation does not communicate (the cost model weighs
+  these edges 1/m);
+- `param_gather` (weight-update sharding only): the updated weights, held in their update
+  placement, -> their compute placement (all-gathers), once per step after the optimizer
+  step, so the step graph reads whole weights every microbatch without gathering them.
 
 With one microbatch per step (`sync_in_step=True`) there is nothing to accumulate: each
 gradient bucket's all-reduce / reduce-scatter is issued inside `step`, where the bucket's
@@ -87,12 +91,18 @@ class RankGraphs:
     step: fx.GraphModule
     grad_sync: fx.GraphModule | None
     """None when `step` syncs each gradient bucket itself (one microbatch per step)."""
+    param_gather: fx.GraphModule | None
+    """Update shards -> compute-placement weights of the `gathered` parameters, in order;
+    None when every parameter is updated in its compute placement."""
+    gathered: tuple[tuple[str, Placements, Placements], ...]
+    """(parameter name, update placement, compute placement) of each parameter whose update
+    runs in another placement than its compute (inputs/outputs of `param_gather`)."""
     slots: tuple[Slot, ...]
     """Inputs of `step`, in order (parameters, buffers, data inputs, loss tangent)."""
     loss_placements: Placements
     grads: tuple[tuple[str, Placements, Placements], ...]
-    """(parameter name, raw gradient placement, parameter placement), outputs of `step`
-    after the loss and inputs/outputs of `grad_sync`, in order."""
+    """(parameter name, raw gradient placement, parameter's update placement), outputs of
+    `step` after the loss and inputs/outputs of `grad_sync`, in order."""
     mesh_shape: tuple[int, ...]
     source: str = field(default="")
 
@@ -494,8 +504,8 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
         gid = interp.ids[g]
         pid = by_grad[gid]
         grad_ids.append(gid)
-        grads.append((graph[pid].param_name or graph[pid].name, choices[gid].outputs[0], choices[pid].outputs[0],
-                      graph[gid].output))
+        grads.append((graph[pid].param_name or graph[pid].name, choices[gid].outputs[0],
+                      choices[pid].update_placements, graph[gid].output))
     position = {gid: k for k, gid in enumerate(grad_ids)}
     order = [position[g] for _, g in graph.param_grads if g in position]
     grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order)
@@ -517,8 +527,23 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
         # raw gradient is freed once copied into its bucket (not held until the sync returns)
         sync.graph.set_codegen(_BoxedCodeGen())
         sync.recompile()
+    gathered = [(s.name, choices[s.node].update, s.placements, s) for s in slots if s.role is Role.PARAMETER
+                and choices[s.node].update is not None and choices[s.node].update != s.placements]
+    param_gather = None
+    if gathered:
+        def gather(*shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(_redistribute(_dtensor(t, mesh, update, slot.shape,
+                                                make_contiguous_strides_for(slot.shape)), compute, True)._local_tensor
+                         for t, (_, update, compute, slot) in zip(shards, gathered))
+
+        param_gather = make_fx(gather, tracing_mode="fake")(
+            *_examples([(local_shape(slot.shape, update, mesh_shape), slot.dtype) for _, update, _, slot in gathered],
+                       mesh.device_type))
+        _name_placeholders(param_gather, [f"update_{name}" for name, *_ in gathered])
     loss_id = interp.ids[interp.output.args[0][0]]
-    program = RankGraphs(step=step, grad_sync=sync, slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
+    program = RankGraphs(step=step, grad_sync=sync, param_gather=param_gather,
+                         gathered=tuple((name, update, compute) for name, update, compute, _ in gathered),
+                         slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
                           grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape)
     program.source = _source(program)
     return program
@@ -672,6 +697,9 @@ def _source(program: RankGraphs) -> str:
         "each gradient bucket is reduced in the step, where its last gradient is computed.",
     ]
     sync = "" if program.grad_sync is None else "\n\n# grad_sync\n" + program.grad_sync.code
+    if program.param_gather is not None:
+        sync += ("\n\n# param_gather: the updated weights from their update placement to their compute placement, "
+                 "once per step\n" + program.param_gather.code)
     return "\n".join(header) + "\n" + program.step.code + sync
 
 

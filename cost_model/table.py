@@ -26,8 +26,10 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
     comm(n, s)     = 0: DTensor's strategies leave reductions pending (Partial outputs),
                      priced as resharding on the consumer's edge
     memory(n, s)   = sum of local output bytes; for a parameter instead
-                     STATE_BYTES_PER_PARAM * numel / shard factor (param + grad + AdamW state,
-                     16 bytes: cost_model/memory.py; the gradient shares its parameter's layout)
+                     numel * ((weight + grad) / f_compute + optimizer / f_update): 2 + 2 bytes
+                     in its compute placement, 12 (fp32 master, momentum, variance) in its
+                     weight-update placement (cost_model/memory.py; 16 / f where the two are
+                     one placement, ZeRO-1's 4 + 12 / N where only the update is sharded)
     reshard(u->v)  = sum over the steps DTensor's redistribute takes from out(u, s_u) to
                      in(v, s_v) (autopar/placement.py `redistribute_plan`) of the alpha-beta
                      time of that step's collective on its mesh axis; None where DTensor
@@ -70,7 +72,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
-from cost_model.memory import STATE_BYTES_PER_PARAM
+from cost_model.memory import BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -121,7 +123,10 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
                   mesh_shape: tuple[int, ...], dtype: str) -> StrategyCost:
     """Compute time, communication time and per-device memory of one node under one strategy."""
     if node.role is Role.PARAMETER:
-        mem = STATE_BYTES_PER_PARAM * node.output.numel / shard_factor(strategy.outputs[0], mesh_shape)
+        # weights and gradients in the compute placement, optimizer state (fp32 master,
+        # momentum, variance) in the update placement: ZeRO-1's 4 + 12/N (memory.py)
+        mem = ((BYTES_WEIGHT + BYTES_GRAD) / shard_factor(strategy.outputs[0], mesh_shape)
+               + BYTES_OPTIMIZER / shard_factor(strategy.update_placements, mesh_shape)) * node.output.numel
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
     if node.is_view:

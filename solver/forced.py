@@ -8,10 +8,14 @@ ILP still chooses every placement within these rules.
 The mesh of a configuration is (dp, tp) (pp stages each get one). On the axes:
 - dp (data parallel): the data inputs are split by batch (Shard(0)); activations are
   never gathered over the axis (edges that would all-gather one are absent), so every
-  rank computes on its own samples; parameters are replicated (zero 0: their gradients
-  are all-reduced) or sharded over the axis (zero >= 1: gradients reduce-scattered,
-  parameters gathered for use; ZeRO-1/2/3 are one layout here, the ILP placing the
-  gathers).
+  rank computes on its own samples. Each parameter has a compute placement and a
+  weight-update placement (autopar.sharding.NodeStrategy.update), and `zero` fixes both
+  over dp (for parameters with a dim that dp divides; others stay whole):
+  zero 0: compute and update replicated (gradients all-reduced);
+  zero 1/2: compute replicated, update sharded (gradients reduce-scattered once per
+  step, the optimizer steps the shard, the updated weights all-gathered once per step);
+  zero 3: compute and update sharded (gradients reduce-scattered, weights gathered for
+  each use, the ILP placing the gathers).
 - tp (tensor parallel): the data inputs are whole on every rank of the axis (Replicate);
   every parameter of two or more dims is sharded over the axis (on a dim the ILP picks;
   vectors such as norm weights may stay whole), so the axis splits the model.
@@ -53,12 +57,25 @@ def keep_placeholder(config: ParallelConfig):
             return (dp == Shard(0) if batch_split else isinstance(dp, Replicate)) and isinstance(tp, Replicate)
         if node.role is Role.PARAMETER:
             if config.dp > 1:
-                sharded_dp = config.zero >= 1 and _shardable(shape, config.dp)
+                sharded_dp = config.zero >= 3 and _shardable(shape, config.dp)
                 if sharded_dp != isinstance(dp, Shard):
                     return False
             if config.tp > 1 and len(shape) >= 2 and _shardable(shape, config.tp):
                 return isinstance(tp, Shard)
         return True
+
+    return keep
+
+
+def keep_update(config: ParallelConfig):
+    """The weight-update filter for `solve_intra_op(keep_update=...)`: the update differs
+    from the compute placement only by a dp shard, under zero 1/2, wherever dp divides a dim."""
+
+    def keep(node: Node, compute: Placements, update: Placements) -> bool:
+        if update == compute:
+            return not (config.zero in (1, 2) and config.dp > 1 and _shardable(node.output.shape, config.dp))
+        return config.zero in (1, 2) and isinstance(compute[DP_AXIS], Replicate) \
+            and isinstance(update[DP_AXIS], Shard) and update[TP_AXIS] == compute[TP_AXIS]
 
     return keep
 
@@ -88,7 +105,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
             return keep_input(node, placements)
         return base(node, placements)
 
-    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
+    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep, keep_update=keep_update(config),
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
                           time_limit_s=time_limit_s, space=space, prune_memo=prune_memo)
 
@@ -101,7 +118,8 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
     from solver.intra_op.ilp import solve_intra_op
 
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep_placeholder(config),
-                          gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches, space=space)
+                          keep_update=keep_update(config), gather_free_axes=gather_free_axes(config),
+                          num_microbatches=num_microbatches, space=space)
 
 
 def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,
@@ -117,13 +135,13 @@ def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster:
         raise ValueError(f"price_solution: the solution is on mesh {solution.mesh_shape}, the configuration "
                          f"{config} on {mesh}")
     space = enumerate_strategies(graph, mesh)
-    chosen = {c.node: (c.outputs, c.inputs) for c in solution.choices}
+    chosen = {c.node: (c.outputs, c.inputs, c.update) for c in solution.choices}
     kept = []
     for n, options in enumerate(space.strategies):
         if n not in chosen:
             kept.append(options)
             continue
-        match = tuple(o for o in options if (o.outputs, o.inputs) == chosen[n])
+        match = tuple(o for o in options if (o.outputs, o.inputs, o.update) == chosen[n])
         if not match:
             raise ValueError(f"price_solution: node {n} ({graph[n].name}) chose {chosen[n]}, which the strategy "
                              "space of this graph and mesh does not offer: the solution is of another graph")

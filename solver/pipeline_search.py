@@ -151,7 +151,7 @@ class PipelineResult:
 
     def describe(self) -> str:
         sched = self.schedule.name + (f"/v{self.schedule.chunks}" if self.schedule.name == "interleaved" else "")
-        meshes = [f"({s.mesh[0]},{s.mesh[1]})" + (" z3" if s.zero else "") + f" rc-{rc}" for s, rc in self.stages]
+        meshes = [f"({s.mesh[0]},{s.mesh[1]})" + (f" z{s.zero}" if s.zero else "") + f" rc-{rc}" for s, rc in self.stages]
         uniform = len(set(meshes)) == 1
         per_stage = meshes[0] if uniform else " | ".join(meshes)
         return (f"pp{self.candidate.pp} {sched} g{self.candidate.microbatch}x{self.candidate.num_microbatches} "
@@ -291,6 +291,11 @@ class _StageCostCache:
         return self.costs[key]
 
 
+ZERO_CHOICES = (0, 1, 3)
+"""The ZeRO layouts a pipeline stage's ILP is solved under (solver/forced.py); ZeRO-2 runs
+ZeRO-1's layout (the gradient accumulated whole, reduce-scattered once per step)."""
+
+
 def _schedules(p: int, m: int, num_layers: int) -> list[Schedule]:
     out = [Schedule(name="gpipe"), Schedule(name="1f1b")]
     out += [Schedule(name="interleaved", chunks=v) for v in INTERLEAVE_CHOICES
@@ -312,7 +317,9 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
     for mesh in meshes:
-        for zero in ((0, 3) if mesh[0] > 1 else (0,)):
+        # ZeRO 0 / 1 / 3 over the stage's dp: weights whole and updated whole, weights whole
+        # and their update sharded (gathered once per step), weights sharded (gathered per use)
+        for zero in (ZERO_CHOICES if mesh[0] > 1 else (0,)):
             sc = cache.get(mesh, cand.microbatch, zero)
             if sc is None:
                 continue

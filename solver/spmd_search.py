@@ -46,7 +46,7 @@ from autopar.plan import (
     Plan,
     SearchInfo,
 )
-from autopar.sharding import IntraOpSolution, raw_gradient_bytes
+from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from solver.intra_op.ilp import solve_intra_op
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.intra_op.space import coverage, enumerate_strategies
@@ -138,12 +138,14 @@ class Solved:
 
 
 def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
+    """The parameter elements a rank's optimizer steps: each parameter's update shard."""
     by_node = {c.node: c for c in solution.choices}
     total = 0.0
     for node in graph.by_role(Role.PARAMETER):
         c = by_node.get(node.id)
         if c is not None:
-            total += node.output.numel * graph.weight(node.id) / shard_factor(c.outputs[0], solution.mesh_shape)
+            update = c.outputs[0] if c.update is None else c.update
+            total += node.output.numel * graph.weight(node.id) / shard_factor(update, solution.mesh_shape)
     return total
 
 
@@ -157,17 +159,19 @@ def _local_parameter_tensors(graph: Graph, solution: IntraOpSolution) -> float:
 
 
 def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
-    """3 when most parameter bytes are sharded over the first (dp) axis, else 0: a label
-    for tables; the placements are the plan."""
+    """3 when most parameter bytes are computed sharded over the first (dp) axis, else 1
+    when most have their weight update sharded over it, else 0: a label for tables; the
+    placements are the plan."""
     by_node = {c.node: c for c in solution.choices}
-    sharded = whole = 0.0
+    sharded = updated = whole = 0.0
     for node in graph.by_role(Role.PARAMETER):
         c = by_node.get(node.id)
         size = node.output.size_bytes * graph.weight(node.id)
         whole += size
-        if c is not None and isinstance(c.outputs[0][0], Shard) and solution.mesh_shape[0] > 1:
-            sharded += size
-    return 3 if whole and sharded / whole > 0.5 else 0
+        if c is not None and solution.mesh_shape[0] > 1:
+            sharded += size * isinstance(c.outputs[0][0], Shard)
+            updated += size * isinstance((c.outputs[0] if c.update is None else c.update)[0], Shard)
+    return 3 if whole and sharded / whole > 0.5 else 1 if whole and updated / whole > 0.5 else 0
 
 
 def loss_report_s(graph: Graph, solution: IntraOpSolution, cluster: Cluster,
@@ -250,7 +254,8 @@ def op_placements(graph: Graph, solution: IntraOpSolution) -> tuple[OpPlacement,
     for node, key in zip(graph.nodes, graph.node_keys()):
         c = by_node[node.id]
         seen.setdefault(key, OpPlacement(key=key, op=node.op, outputs=tuple(format_placements(p) for p in c.outputs),
-                                         inputs=tuple(format_placements(p) for p in c.inputs)))
+                                         inputs=tuple(format_placements(p) for p in c.inputs),
+                                         update=format_placements(c.update) if c.update is not None else ""))
     return tuple(seen.values())
 
 
@@ -281,7 +286,7 @@ def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple
         name = node.param_name or node.name
         if node.layer is not None:
             name = re.sub(r"\.\d+\.", ".*.", name, count=1)
-        out.setdefault(name, format_placements(by_node[node.id].outputs[0]))
+        out.setdefault(name, parameter_placement_text(by_node[node.id]))
     return tuple(out.items())
 
 

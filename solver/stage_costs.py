@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import cost_model
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
-from autopar.placement import boundary_placements, format_placements, shard_factor
-from autopar.sharding import IntraOpSolution, raw_gradient_bytes
+from autopar.placement import boundary_placements, shard_factor
+from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from cost_model import STATE_BYTES_PER_PARAM, compute_time_s, core_share
 from solver.stage_dp import StageOption
 
@@ -163,9 +163,10 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
                 a["cheap"] += w * c.compute_s
         if node.role is Role.PARAMETER and c.node not in aliases:
             a["state"] += w * c.memory_bytes
-            a["params"] += w * node.output.numel / shard_factor(c.outputs[0], mesh)
+            update = c.outputs[0] if c.update is None else c.update  # the optimizer steps the update shard
+            a["params"] += w * node.output.numel / shard_factor(update, mesh)
             a["tensors"] += w
-            a["grad_bytes"] += w * node.output.size_bytes / shard_factor(c.outputs[0], mesh)
+            a["grad_bytes"] += w * node.output.size_bytes / shard_factor(update, mesh)
     # what a rank accumulates over the microbatches: each raw gradient as the backward leaves
     # it (its own placement), as spmd_search prices it
     for grad, nbytes in raw_gradient_bytes(graph, solution).items():
@@ -304,7 +305,7 @@ def placement_summary(graph: Graph, solution: IntraOpSolution,
         if node.layer is not None:
             name = re.sub(r"\.\d+\.", ".*.", name, count=1)
         if node.id in by_node:
-            out.setdefault(name, format_placements(by_node[node.id].outputs[0]))
+            out.setdefault(name, parameter_placement_text(by_node[node.id]))
     return tuple(out.items())
 
 

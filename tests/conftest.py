@@ -8,6 +8,10 @@
   bad-input tests that must fail before any rank starts.
 - The repository root on sys.path, so `tests.factories:NAME` resolves as a model factory
   here and in spawned ranks (they inherit sys.path), whatever the working directory.
+- No launcher's world: a suite started inside a torchrun or SLURM job step would see
+  RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and `autopar train --devices N` would join
+  that world instead of spawning its own ranks (autopar.runtime.launch
+  `launched_by_torchrun`); the tests that need a launcher's world set it themselves.
 """
 
 import multiprocessing.process
@@ -16,6 +20,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+for _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+    os.environ.pop(_name, None)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pytest  # noqa: E402

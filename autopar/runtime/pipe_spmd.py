@@ -227,7 +227,7 @@ class StageRunner:
         program = self.program
         for slot in self.slots:
             if slot.role is Role.PARAMETER:
-                values.append(program._params[slot.name]._local_tensor)
+                values.append(program.compute_weight(slot.name))
             elif slot.role is Role.BUFFER:
                 values.append(program._buffers[slot.name])
             elif slot.role is Role.INPUT and slot.name.startswith("input_") \
@@ -579,8 +579,15 @@ class PipeSpmdProgram:
         dist.all_reduce(value)  # the loss to every rank (priced: pipeline_search.pipeline_loss_report_s)
         loss = float(value)
         optimizer_update(self, loss)
+        self.gather_weights()
         self.last_stats = self._stats(grad_bytes)
         return loss
+
+    def gather_weights(self) -> None:
+        """Every chunk's weights updated in another placement, gathered to their compute
+        placement once per step (weight-update sharding: not once per microbatch)."""
+        for r in self.runners:
+            r.program.gather_weights()
 
     def _sum_tied_gradients(self) -> None:
         """Every copy of a tensor several chunks hold (a tied embedding and head) gets the
@@ -616,7 +623,9 @@ class PipeSpmdProgram:
         params = [p for _, p in self.named_parameters()]
         state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
                           for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return StepStats(parameter_bytes=sum(_local(p).numel() * _local(p).element_size() for p in params),
+        copies = [t for r in self.runners for t in r.program._compute.values()]
+        return StepStats(parameter_bytes=sum(_local(p).numel() * _local(p).element_size() for p in params)
+                         + sum(t.numel() * t.element_size() for t in copies),
                          gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
@@ -659,7 +668,9 @@ class PipeSpmdProgram:
         out: dict[tuple[str, str], list[int]] = {}
         for r in self.runners:
             for gm, times in ((r.forward_gm, num_microbatches), (r.backward_gm, num_microbatches),
-                              (r.program.graphs.grad_sync, 1)):
+                              (r.program.graphs.grad_sync, 1), (r.program.graphs.param_gather, 1)):
+                if gm is None:
+                    continue
                 for (kind, group), sizes in count_collectives(gm, where).items():
                     ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
                     entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
@@ -678,6 +689,7 @@ class PipeSpmdProgram:
         from autopar.runtime.program import load_chunks_state_dict
 
         load_chunks_state_dict(self.chunks, self.optimizer, state)
+        self.gather_weights()
 
 
 def check_stage_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], plan: Any, *,
@@ -700,7 +712,10 @@ def runner_source(runner: StageRunner, config: ParallelConfig, num_chunks: int, 
             f"# forward: (parameters, buffers, inputs) -> (outputs, saved values)\n"
             f"{runner.forward_gm.code}\n# backward: (saved values, output gradients, loss tangent) -> "
             f"(raw gradients, input gradients)\n{runner.backward_gm.code}\n# grad_sync: raw gradients -> gradients "
-            f"in their parameters' placements (once per step)\n{runner.program.graphs.grad_sync.code}")
+            f"in their parameters' update placements (once per step)\n{runner.program.graphs.grad_sync.code}"
+            + ("" if runner.program.graphs.param_gather is None else
+               "\n# param_gather: updated weights -> their compute placement (once per step)\n"
+               + runner.program.graphs.param_gather.code))
 
 
 def stage_sources(plan: Any, model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, *,

@@ -9,9 +9,12 @@ stages (pp = 1). On every rank of an initialised process group:
    short-lived child process, and every rank receives the choice: one solve, identical
    programs);
 3. apply them (codegen/apply.py): the per-rank graph of ATen ops and collectives;
-4. hold the parameters as DTensors with the chosen placements (in the model's own
-   modules, so `named_parameters()`, checkpoints and `full_tensor()` see them) and step
-   them with a stock `torch.optim` optimizer.
+4. hold the parameters as DTensors in their chosen weight-update placements (in the
+   model's own modules, so `named_parameters()`, checkpoints and `full_tensor()` see
+   them) and step them with a stock `torch.optim` optimizer. Where a parameter's update
+   placement differs from its compute placement (weight-update sharding: ZeRO-1/2), the
+   program also holds its compute copy, gathered from the update shard once per step
+   after the optimizer step (the `param_gather` graph), which every microbatch reads.
 
 A step: the global batch is cut into m microbatches of dp * micro_batch rows; for each,
 this rank's input shards are taken per the plan's input placements, the per-rank graph
@@ -112,6 +115,9 @@ class SpmdProgram:
         """From `distribute_parameters` (before the graphs were applied)."""
         self._buffers = self._buffer_shards()
         self.optimizer = make_optimizer(optimizer_factory, list(self._params.values()))
+        self._compute: dict[str, torch.Tensor] = {}
+        """Compute-placement copies of the parameters updated in another placement."""
+        self.gather_weights()
 
     # -- state ------------------------------------------------------------------------
 
@@ -119,7 +125,8 @@ class SpmdProgram:
     def _input_storages(self) -> frozenset[int]:
         """Storages the step graph reads and gradients must never be added into."""
         return frozenset(t.untyped_storage().data_ptr() for t in
-                         [p._local_tensor for p in self._params.values()] + list(self._buffers.values()))
+                         [p._local_tensor for p in self._params.values()] + list(self._buffers.values())
+                         + list(self._compute.values()))
 
     def _buffer_shards(self) -> dict[str, torch.Tensor]:
         buffers = dict(self.model.named_buffers())
@@ -129,6 +136,17 @@ class SpmdProgram:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self._params.items())
 
+    def compute_weight(self, name: str) -> torch.Tensor:
+        """This rank's local weight of parameter `name` in its compute placement (what the
+        step graph reads): the gathered copy where its update runs in another placement."""
+        local = self._compute.get(name)
+        return self._params[name]._local_tensor if local is None else local
+
+    def gather_weights(self) -> None:
+        """The compute copies of the parameters updated in another placement, from their
+        update shards (the `param_gather` graph: all-gathers; collective, every rank)."""
+        self._compute = gathered_weights(self.graphs, self._params)
+
     # -- the step ---------------------------------------------------------------------
 
     def _inputs(self, microbatch: Sequence[torch.Tensor], tangent: float) -> list[torch.Tensor]:
@@ -136,7 +154,7 @@ class SpmdProgram:
         data = iter(microbatch)
         for slot in self.graphs.slots:
             if slot.role is Role.PARAMETER:
-                values.append(self._params[slot.name]._local_tensor)
+                values.append(self.compute_weight(slot.name))
             elif slot.role is Role.BUFFER:
                 values.append(self._buffers[slot.name])
             elif slot.role is Role.TANGENT:
@@ -175,6 +193,7 @@ class SpmdProgram:
         from autopar.runtime.program import optimizer_update
 
         optimizer_update(self, loss)
+        self.gather_weights()
         self.last_stats = self._stats(grad_bytes)
         return loss
 
@@ -230,7 +249,8 @@ class SpmdProgram:
                           for s in self.optimizer.state.values() for v in s.values()
                           if isinstance(v, torch.Tensor) and v.dim() > 0)
         return StepStats(parameter_bytes=sum(p._local_tensor.numel() * p._local_tensor.element_size()
-                                             for p in self._params.values()),
+                                             for p in self._params.values())
+                         + sum(t.numel() * t.element_size() for t in self._compute.values()),
                          gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
@@ -251,6 +271,7 @@ class SpmdProgram:
 
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.gather_weights()
 
     @property
     def code(self) -> str:
@@ -258,7 +279,8 @@ class SpmdProgram:
 
     def collectives_per_step(self, num_microbatches: int) -> dict[tuple[str, str], tuple[int, int]]:
         """The collectives this rank's program runs per step, from its graphs: {(kind, mesh
-        axis name): (calls, bytes)}, the step graph m times and the gradient sync once."""
+        axis name): (calls, bytes)}, the step graph m times, the gradient sync and the
+        gather of updated weights once."""
         from codegen.apply import count_collectives
 
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -268,7 +290,8 @@ class SpmdProgram:
         axis_of = {tuple(dist.get_process_group_ranks(self.mesh.get_group(i))): name
                    for i, name in enumerate(self.mesh.mesh_dim_names)}
         out: dict[tuple[str, str], list[int]] = {}
-        for gm, times in ((self.graphs.step, num_microbatches), (self.graphs.grad_sync, 1)):
+        for gm, times in ((self.graphs.step, num_microbatches), (self.graphs.grad_sync, 1),
+                          (self.graphs.param_gather, 1)):
             if gm is None:  # gradients synced in the step (compiled for one microbatch)
                 continue
             for (kind, group), sizes in count_collectives(gm).items():
@@ -279,16 +302,27 @@ class SpmdProgram:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def gathered_weights(graphs: Any, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """{name: compute-placement local weight} of the parameters `graphs` updates in another
+    placement, gathered from their update shards by the `param_gather` graph."""
+    if graphs.param_gather is None:
+        return {}
+    with torch.no_grad():
+        out = graphs.param_gather(*[params[name]._local_tensor for name, _, _ in graphs.gathered])
+    return dict(zip((name for name, _, _ in graphs.gathered), out))
+
+
 def distribute_parameters(model: nn.Module, graph: Graph, choices: Sequence[NodeStrategy],
                           mesh: DeviceMesh) -> dict[str, nn.Parameter]:
-    """Replace each parameter the graph uses by a DTensor parameter in its chosen placement
-    (tied names share one), inside the model's own modules; {name: parameter}.
+    """Replace each parameter the graph uses by a DTensor parameter in its chosen
+    weight-update placement (tied names share one), inside the model's own modules;
+    {name: parameter}.
 
     Called as soon as the placements are known, before the per-rank graphs are built:
     the whole parameters are freed here, so building (make_fx of the whole step, the
     build's peak) does not hold them beside its own objects (ZeRO-3 dp4 on the benchmark
     Llama: 11.6 MiB of whole parameters, 2.9 MiB of shards per rank)."""
-    placements = {graph[n].param_name: choices[n].outputs[0] for n in range(len(graph))
+    placements = {graph[n].param_name: choices[n].update_placements for n in range(len(graph))
                   if graph[n].role is Role.PARAMETER}
     made: dict[int, nn.Parameter] = {}
     out: dict[str, nn.Parameter] = {}
@@ -431,7 +465,8 @@ def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[s
 
 def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
     by_node = {c.node: c for c in solution.choices}
-    return tuple(NodeStrategy(outputs=by_node[i].outputs, inputs=by_node[i].inputs) for i in range(len(graph)))
+    return tuple(NodeStrategy(outputs=by_node[i].outputs, inputs=by_node[i].inputs, update=by_node[i].update)
+                 for i in range(len(graph)))
 
 
 def make_optimizer(factory: OptimizerFactory, params: list[nn.Parameter]) -> torch.optim.Optimizer:

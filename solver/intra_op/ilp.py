@@ -96,6 +96,11 @@ from solver.intra_op.space import enumerate_strategies
 PlaceholderFilter = Callable[[Node, Placements], bool]
 """keep(placeholder node, its placements): which layouts a forced configuration allows."""
 
+UpdateFilter = Callable[[Node, Placements, Placements], bool]
+"""keep(parameter node, compute placements, update placements): which weight-update
+placements a forced configuration allows (the update equal to the compute placement is
+offered to it too)."""
+
 log = logging.getLogger(__name__)
 
 OBJECTIVE_SCALE = 1e6
@@ -150,13 +155,17 @@ def _num_collectives(src: Placements, dst: Placements) -> int:
     return sum(1 for a, b in zip(src, dst) if a != b and not isinstance(a, Replicate) and not is_partial(b))
 
 
-def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderFilter) -> StrategySpace:
-    """A new space whose placeholders keep only the layouts `keep` allows (at least one
-    must remain per placeholder: the caller's filter must allow some layout)."""
+def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderFilter | None,
+                          keep_update: UpdateFilter | None = None) -> StrategySpace:
+    """A new space whose placeholders keep only the layouts `keep` allows, and whose
+    parameters keep only the weight-update placements `keep_update` allows (at least one
+    must remain per placeholder: the caller's filters must allow some layout)."""
     strategies = []
     for node, options in zip(graph.nodes, space.strategies):
         if node.op == "placeholder":
-            kept = tuple(s for s in options if keep(node, s.outputs[0]))
+            kept = tuple(s for s in options if (keep is None or keep(node, s.outputs[0])) and (
+                keep_update is None or node.role is not Role.PARAMETER
+                or keep_update(node, s.outputs[0], s.update_placements)))
             if not kept:
                 raise ValueError(f"the forced configuration leaves no layout for {node.role.value} "
                                  f"{node.param_name or node.name} of shape {node.output.shape} on mesh "
@@ -428,7 +437,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     for param, grad in graph.param_grads:
         if param in active and grad in active:
             add(grad, param, graph[grad].output, lambda j, g=grad: space[g][j].outputs[0],
-                lambda j, q=param: space[q][j].outputs[0], graph.weight(grad) * grad_sync_weight, grad=True)
+                lambda j, q=param: space[q][j].update_placements, graph.weight(grad) * grad_sync_weight, grad=True)
     return edges
 
 
@@ -681,13 +690,15 @@ def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], 
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], *,
                    memory_budget_bytes: float | None = None, solver: str = "highs",
                    time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
-                   keep_placeholder: PlaceholderFilter | None = None, grad_sync_weight: float = 1.0,
+                   keep_placeholder: PlaceholderFilter | None = None, keep_update: UpdateFilter | None = None,
+                   grad_sync_weight: float = 1.0,
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
                    cutoff_s: float | None = None, num_microbatches: int | None = None,
                    prune_memo: dict | None = None) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
-    `keep_placeholder` restricts placeholder layouts (a forced configuration);
+    `keep_placeholder` restricts placeholder layouts (a forced configuration), `keep_update`
+    the parameters' weight-update placements;
     `grad_sync_weight` weighs the gradient reshards per microbatch (1/m);
     `gather_free_axes` are data-parallel axes on which activations are never gathered
     (so the batch stays split there). `space` reuses
@@ -707,8 +718,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if space is None:
         space = enumerate_strategies(graph, mesh_shape)
-    if keep_placeholder is not None:
-        space = restrict_placeholders(graph, space, keep_placeholder)
+    if keep_placeholder is not None or keep_update is not None:
+        space = restrict_placeholders(graph, space, keep_placeholder, keep_update)
     if nodes is None:
         space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
                                   memo=prune_memo)
@@ -727,6 +738,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if num_microbatches is not None:
         _add_step_terms(graph, space, red, node_coef, cluster, mesh_shape, num_microbatches)
     forbidden: dict[NodeId, set[int]] = {}
+    _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight)
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
                                            grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes),
                             node_coef, forbidden)
@@ -781,9 +793,41 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     return solution
 
 
+def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any) -> tuple[float, list[Any]] | None:
+    """(time, collectives) of bringing a parameter's updated weights from its update
+    placement back to its compute placement, once per step ((0, []) where they are the
+    same; None where DTensor cannot)."""
+    if strategy.update is None or strategy.update == strategy.outputs[0]:
+        return 0.0, []
+    steps = pricer.collectives(meta, strategy.update, strategy.outputs[0])
+    if steps is None:
+        return None
+    return pricer(meta, strategy.update, strategy.outputs[0]) or 0.0, list(steps)
+
+
+def _add_update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
+                        node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
+                        grad_sync_weight: float) -> None:
+    """Weight-update sharding: a parameter whose update runs in another placement than its
+    compute (NodeStrategy.update) gathers its updated weights back once per step: weighted
+    like the gradient sync (`grad_sync_weight`, 1/m of a per-microbatch objective), plus
+    TIE_BREAK_S per collective (all-reduce over reduce-scatter + all-gather where equal)."""
+    for n in red.active:
+        node = graph[n]
+        if node.role is not Role.PARAMETER:
+            continue
+        coef, w = node_coef[red.owner[n]], graph.weight(n)
+        for j, s in enumerate(red.smap[n]):
+            got = update_gather(pricer, node.output, space[n][s])
+            if got is None:
+                forbidden.setdefault(red.owner[n], set()).add(j)
+            elif got[1]:
+                coef[j] += w * (got[0] * grad_sync_weight + TIE_BREAK_S * len(got[1]))
+
+
 def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId, list[float]], cluster: Cluster,
                     mesh_shape: tuple[int, ...], m: int) -> None:
-    """(optimizer step over each parameter's local shard, on the parameter's strategies) +
+    """(optimizer step over each parameter's update shard, on the parameter's strategies) +
     (gradient accumulation into each raw gradient as the backward leaves it, on the
     gradient's strategies: before the once-per-step sync a pending sum is whole), / m: the
     terms spmd_search.estimate adds once per step."""
@@ -800,7 +844,8 @@ def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId,
             continue
         coef, w = node_coef[red.owner[n]], graph.weight(n)
         for j, s in enumerate(red.smap[n]):
-            coef[j] += w * opt_per_element * node.output.numel / shard_factor(space[n][s].outputs[0], mesh_shape)
+            coef[j] += w * opt_per_element * node.output.numel / shard_factor(space[n][s].update_placements,
+                                                                              mesh_shape)
     for _param, grad in graph.param_grads:
         if grad not in active:
             continue
@@ -910,13 +955,20 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
         collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
                                             bytes=sum(c.bytes for c in members.values()), weight=first.weight))
     syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
-    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].outputs[0]) for p, g in syncs]
+    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
     shares = gradient_bucket_shares(graph, sync_items, pricer)
     for param, grad in syncs:
         t = pricer.grad_sync_time(graph[grad].output, space[grad][pick[grad]].outputs[0],
-                                  space[param][pick[param]].outputs[0], share=shares.get(grad)) or 0.0
+                                  space[param][pick[param]].update_placements, share=shares.get(grad)) or 0.0
         reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
     collectives.extend(gradient_sync_collectives(graph, sync_items, pricer))
+    for n in red.active:  # weight-update sharding: the updated weights gathered once per step
+        if graph[n].role is Role.PARAMETER:
+            got = update_gather(pricer, graph[n].output, space[n][pick[n]])
+            assert got is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
+            reshard[n] += got[0] * grad_sync_weight
+            collectives.extend(PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes,
+                                                weight=graph.weight(n), gradient_sync=True) for c in got[1])
     choices = []
     compute = comm = resh = 0.0
     for n in red.active:
@@ -927,7 +979,7 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
         resh += w * reshard[n]
         choices.append(NodeChoice(node=n, name=node.name, op=node.op, outputs=s.outputs, inputs=s.inputs,
                                   compute_s=c.compute_s, comm_s=c.comm_s, reshard_s=reshard[n],
-                                  memory_bytes=c.memory_bytes, weight=w))
+                                  memory_bytes=c.memory_bytes, weight=w, update=s.update))
     peak = 0.0
     for _t, coef in terms:
         peak = max(peak, sum(row[chosen[o]] for o, row in coef.items()))

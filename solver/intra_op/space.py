@@ -11,6 +11,9 @@ the registry lacks (CPU flash attention).
 How, per node:
 - placeholders: parameters, buffers and inputs may be replicated or sharded on any
   evenly dividing dim per axis (never pending sums); the loss tangent is replicated.
+  A parameter's strategy also names where its weight update runs (`update_layouts`):
+  the compute layout itself, or one sharded further over axes the compute layout
+  replicates (weight-update sharding: ZeRO-1/2 over those axes).
 - `getitem` follows its producer; ops without tensor inputs (factories) are replicated.
 - single-dim strategy ops: the op's per-axis rules ([outputs, inputs] with "any shard"
   placeholders filled by the dim they name, plus all-replicated), combined over the
@@ -107,7 +110,28 @@ def _source_strategies(node: Node, mesh_shape: tuple[int, ...]) -> tuple[NodeStr
         layouts = [(R,) * len(mesh_shape)]
     else:
         layouts = _layouts(meta, mesh_shape, partial=False)
-    return tuple(NodeStrategy(outputs=(pl,), inputs=()) for pl in layouts)
+    plain = tuple(NodeStrategy(outputs=(pl,), inputs=()) for pl in layouts)
+    if node.role is not Role.PARAMETER:
+        return plain
+    return plain + tuple(NodeStrategy(outputs=(pl,), inputs=(), update=u)
+                         for pl in layouts for u in update_layouts(pl, layouts))
+
+
+def update_layouts(compute: Placements, layouts: list[Placements]) -> list[Placements]:
+    """The weight-update placements a parameter computed in `compute` may take besides
+    `compute` itself (autopar.sharding.NodeStrategy.update): the parameter's own layouts
+    that shard it further on axes where `compute` replicates it and equal `compute` on
+    every other axis, sharding no dim on two axes (the update shard is gathered back to
+    `compute` once per step by plain all-gathers). Compute Replicate and update Shard over
+    the data-parallel axis is ZeRO-1/2 (Xu et al. 2020)."""
+    out = []
+    for u in layouts:
+        if u == compute or any(not isinstance(c, Replicate) and c != p for c, p in zip(compute, u)):
+            continue
+        dims = [p.dim for p in u if isinstance(p, Shard)]
+        if len(dims) == len(set(dims)):
+            out.append(u)
+    return out
 
 
 def _getitem_strategies(node: Node, producer: Node, strategies: tuple[NodeStrategy, ...]) -> tuple[NodeStrategy, ...]:

@@ -367,3 +367,40 @@ def test_one_element_all_reduces_are_fitted_and_carried_per_dedicated_core() -> 
     old = _cal(4)
     assert fit(old).scalar_hop_latency_s == 0.0
     assert "scalar_all_reduce_hop_s" not in dict(to_hardware(old).efficiency)
+
+
+@pytest.mark.parametrize("pages", [1_000_003, 6_170_963, 123_456_789])
+def test_profiles_from_kept_measurements_do_not_read_the_machine(monkeypatch, pages: int) -> None:
+    """The built-in profile is a fixed file: on a machine with any other memory size the fit
+    of its kept measurements, the constants fit's digest and its candidates are what they are
+    here. Only a calibration that did not record its machine's memory reads this one."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from autopar.calibrate import machine_memory_bytes
+    from autopar.cluster import CPU_PROFILE_PATH
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import fit_cpu_constants
+
+    digest_here = fit_cpu_constants.profile_digest()
+    real = os.sysconf
+
+    def fake_sysconf(name):
+        return pages if name == "SC_PHYS_PAGES" else (4096 if name == "SC_PAGE_SIZE" else real(name))
+
+    monkeypatch.setattr(os, "sysconf", fake_sysconf)
+    assert machine_memory_bytes() == pages * 4096 != HARDWARE["cpu"].memory_bytes * 4
+    kept = Calibration.from_json(json.loads(CPU_PROFILE_PATH.read_text())["measurements"])
+    assert kept.total_memory_bytes == HARDWARE["cpu"].memory_bytes * kept.devices
+    assert to_hardware(kept) == HARDWARE["cpu"]
+    assert fit_cpu_constants.with_values(HARDWARE["cpu"], {}) == HARDWARE["cpu"]
+    assert fit_cpu_constants.profile_digest() == digest_here
+    # a calibration that did not record it: the memory of the machine deriving the profile
+    unrecorded = dataclasses.replace(kept, total_memory_bytes=0)
+    assert Calibration.from_json({k: v for k, v in kept.to_json().items() if k != "total_memory_bytes"}) == unrecorded
+    assert to_hardware(unrecorded).memory_bytes == pages * 4096 // kept.devices
+    # runs combined: the memory every run had
+    assert combine([kept, dataclasses.replace(kept, total_memory_bytes=kept.total_memory_bytes + 4096),
+                    unrecorded]).total_memory_bytes == kept.total_memory_bytes

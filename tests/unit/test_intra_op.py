@@ -141,7 +141,12 @@ def _data_parallel(graph: Graph) -> IntraOpSolution:
             return placements == (Replicate(),)
         return node.role is not Role.INPUT or placements == (Shard(0),)
 
-    return solve_intra_op(graph, H100x8, (8,), keep_placeholder=keep)
+    return solve_intra_op(graph, H100x8, (8,), keep_placeholder=keep, keep_update=_update_in_place)
+
+
+def _update_in_place(node, compute, update) -> bool:
+    """No weight-update sharding: every parameter is updated in its compute placement."""
+    return update == compute
 
 
 def test_mlp_data_parallel_matches_closed_form_and_the_free_ilp_is_no_worse(big_mlp: Graph) -> None:
@@ -170,10 +175,12 @@ def test_mlp_data_parallel_matches_closed_form_and_the_free_ilp_is_no_worse(big_
 
 
 def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
+    """Where each parameter is updated in its compute placement (no weight-update sharding),
+    half the replicated state is saved by sharding the weights: FSDP, priced exactly."""
     dp = _data_parallel(big_mlp)
     replicated_state = sum(16 * big_mlp[p].output.numel for p, _ in big_mlp.param_grads)
     budget = dp.cost.peak_memory_bytes - replicated_state / 2
-    sol = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget)
+    sol = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget, keep_update=_update_in_place)
     assert sol.cost.peak_memory_bytes <= budget
     (link,) = mesh_axis_links(H100x8, (8,))
     expected_comm = 0.0
@@ -202,6 +209,34 @@ def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
             expected_comm += _bucket_copy(size, H100x8) * (1 + 1 / 8)
     assert sol.cost.reshard_s == pytest.approx(expected_comm, rel=1e-9)
     assert sol.cost.total_s > dp.cost.total_s
+
+
+def test_mlp_under_memory_budget_shards_the_weight_update(big_mlp: Graph) -> None:
+    """The same budget with weight-update sharding in the space: the ILP keeps the weights
+    whole and shards their update over the 8 ranks (ZeRO-1: 4 + 12/8 bytes per element, not
+    16), paying per step one reduce-scatter of each gradient and one all-gather of each
+    updated weight, which costs less than FSDP's gathers per use."""
+    dp = _data_parallel(big_mlp)
+    replicated_state = sum(16 * big_mlp[p].output.numel for p, _ in big_mlp.param_grads)
+    budget = dp.cost.peak_memory_bytes - replicated_state / 2
+    fsdp = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget, keep_update=_update_in_place)
+    sol = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget)
+    (link,) = mesh_axis_links(H100x8, (8,))
+    expected_comm = 0.0
+    for param, _grad in big_mlp.param_grads:
+        choice = sol.choice(param)
+        assert choice.outputs[0] == (Replicate(),) and choice.update is not None \
+            and isinstance(choice.update[0], Shard), (choice.outputs, choice.update)
+        size = big_mlp[param].output.size_bytes
+        assert choice.memory_bytes == pytest.approx(big_mlp[param].output.numel * (4 + 12 / 8))
+        expected_comm += _bucketed(reduce_scatter_time_s, "reduce_scatter", size, link) + _bucket_copy(size, H100x8)
+        expected_comm += all_gather_time_s(size, link)
+    assert sol.cost.reshard_s == pytest.approx(expected_comm, rel=1e-9)
+    assert sol.cost.peak_memory_bytes <= budget
+    assert dp.cost.total_s < sol.cost.total_s < fsdp.cost.total_s
+    once = sorted((c.kind, c.bytes) for c in sol.collectives if c.gradient_sync)
+    assert once == sorted([("reduce_scatter", 16 * 2**20)] * 2 + [("all_gather", 16 * 2**20)] * 2)
+    assert not [c for c in sol.collectives if not c.gradient_sync and c.kind == "all_gather"]
 
 
 def _reads_param(graph: Graph, node_id: int, param: int) -> bool:
