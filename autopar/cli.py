@@ -46,7 +46,7 @@ def add_config_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--pp", type=_positive_int, default=None, required=required, help="pipeline-parallel degree")
     p.add_argument("--dp", type=_positive_int, default=None, help="data-parallel degree (default devices/(tp*pp))")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, required=required,
-                   help="ZeRO stage")
+                   help="ZeRO stage: 0 data parallel; 1/2 weights whole, update sharded over dp; 3 FSDP")
     p.add_argument("--micro-batch", type=_positive_int, default=None, required=required,
                    help="sequences per microbatch per data-parallel rank")
     p.add_argument("--schedule", choices=SCHEDULES, default=None)

@@ -58,7 +58,11 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     zero: int = 0
-    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)."""
+    """ZeRO stage over dp, as each parameter's compute and weight-update placements
+    (solver/forced.py): 0 both replicated (gradients all-reduced); 1 and 2 weights replicated,
+    update sharded (gradients reduce-scattered once per step, optimizer state and step on the
+    shard, updated weights all-gathered once per step; the per-op program runs 2 as 1, the
+    gradient accumulated whole); 3 both sharded (FSDP: weights gathered for each use)."""
     micro_batch: int = 1
     schedule: Schedule = "1f1b"
     interleave: int = 1

@@ -32,7 +32,7 @@ WORLD4 = {
 }
 WORLD8 = {
     GPT: C(dp=2, tp=2, pp=2, schedule="1f1b"),
-    LLAMA: C(dp=2, tp=2, pp=2, zero=2, schedule="interleaved", interleave=2),
+    LLAMA: C(dp=2, tp=2, pp=2, zero=1, schedule="interleaved", interleave=2),
 }
 
 
@@ -60,14 +60,14 @@ def _check(result_by_rank: list, ref_losses: list[float], ref_params: dict[str, 
 
 
 NAMES = {
-    # ZeRO-1 and ZeRO-2 at pp = 1 run the same forced layout as ZeRO-3 (parameters sharded
-    # over dp in the per-op program; README): ZeRO-3 is enough, for time. GPT's 1F1B pp2 x dp2
+    # ZeRO-1 and ZeRO-2 (weights whole, their update sharded) are
+    # tests/dist/test_weight_update_sharding.py's, on Llama and a Hugging Face model. GPT's 1F1B pp2 x dp2
     # is tests/dist/test_pipeline_per_op.py's (Llama pp2 x dp2 1F1B) and test_3d_on_8_ranks'
     # (GPT 1F1B with tp and dp); the interleaved schedule stays here
     GPT: tuple(n for n in WORLD4 if n not in ("zero1", "zero2", "pp2xdp2_1f1b")),
-    # Llama's pipelines are tests/dist/test_pipeline_per_op.py's (pp2 x tp2 GPipe, pp2 x dp2
-    # ZeRO-1 1F1B) and test_3d_on_8_ranks' (interleaved, ZeRO-2); ZeRO-1/2 at pp = 1 are the
-    # same forced rules as GPT's: left out here to keep the suite inside 15 minutes
+    # Llama's pipelines are tests/dist/test_pipeline_per_op.py's (pp2 x tp2 GPipe),
+    # test_weight_update_sharding.py's (pp2 x dp2 ZeRO-1) and test_3d_on_8_ranks' (interleaved,
+    # ZeRO-1 with tp)
     LLAMA: ("dp4", "zero3", "tp2xdp2_sp"),
 }
 CASES = [(m, n) for m in (GPT, LLAMA) for n in NAMES[m]]
@@ -93,21 +93,24 @@ def test_zero_stages_shard_memory(world4, model):
     per_rank, _ = world4[model]
     stats = {name: per_rank[0][i] for i, name in enumerate(NAMES[model])}
     base = stats["dp4"]
-    # dp = 4, one stage (the per-op program): a parameter's gradient and optimizer state follow
-    # its placement, so every ZeRO stage shards parameters, gradients and state over dp (about
-    # a quarter each)
-    zero_stages = [name for name in ("zero1", "zero2", "zero3") if name in stats]
-    assert "zero3" in zero_stages
-    for name in zero_stages:
-        assert stats[name].optimizer_state_bytes < 0.3 * base.optimizer_state_bytes
-        assert stats[name].gradient_bytes < 0.3 * base.gradient_bytes
-        assert stats[name].parameter_bytes < 0.3 * base.parameter_bytes
+    # dp = 4, one stage (the per-op program): ZeRO-3 shards parameters, gradients and state over
+    # dp (about a quarter each); ZeRO-1/2 keep the weights whole
+    # (tests/dist/test_weight_update_sharding.py)
+    zero3 = stats["zero3"]
+    assert zero3.optimizer_state_bytes < 0.3 * base.optimizer_state_bytes
+    assert zero3.gradient_bytes < 0.3 * base.gradient_bytes
+    assert zero3.parameter_bytes < 0.3 * base.parameter_bytes
 
 
 def test_3d_on_8_ranks_matches_reference():
+    """GPT pp2 x dp2 x tp2 1F1B, and Llama interleaved with ZeRO-1 (weights whole, their update
+    sharded over dp, gathered once per step): like one process, and price = run on every rank."""
     jobs = tuple(TrainJob(model=m, configs=(c,), steps=3, global_batch=4, return_parameters=True)
                  for m, c in WORLD8.items())
     results = spawn(_jobs_worker, 8, (jobs,))
     for j, job in enumerate(jobs):
         ref_losses, ref_params = reference_run(job)
         _check([results[r][j][0] for r in range(8)], ref_losses, ref_params)
+        for r in range(8):
+            result = results[r][j][0]
+            assert result.priced is not None and result.collectives == result.priced, (job.model, r)

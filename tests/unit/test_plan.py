@@ -268,3 +268,38 @@ def test_stage_placements_for_matches_the_chunk_graph_or_says_why() -> None:
         plan.stage_placements_for(0, graph("placeholder"))
     with pytest.raises(PlanFileError, match="has no per-op placements for pipeline chunk 0"):
         _plan().stage_placements_for(0, graph("placeholder"))
+
+
+def test_weight_update_placements_round_trip_and_explain() -> None:
+    """A parameter's update placement is a fifth entry of its op row, written only where it
+    differs from the compute placement (rows without one load and write as before); it is
+    applied at build and `explain` names the ZeRO-1 layout per layer group."""
+    from types import SimpleNamespace
+
+    from autopar.plan import OpPlacement, StagePlacements, summarize_placements
+    from autopar.placement import Replicate, Shard
+
+    ops = (OpPlacement(key="N0", op="placeholder", outputs=("(R, S(0))",), inputs=(), update="(S(1), S(0))"),
+           OpPlacement(key="N1", op="aten.mm.default", outputs=("(R, R)",), inputs=("(R, S(0))", "(R, S(1))")))
+    plan = _plan(stage_placements=tuple(StagePlacements(chunk=k, placements=ops) for k in (0, 1)))
+    data = json.loads(plan.dumps())
+    rows = data["stage_placements"][0]["placements"]
+    assert rows[0][4] == "(S(1), S(0))" and len(rows[1]) == 4
+    assert Plan.loads(plan.dumps()) == plan
+    graph = SimpleNamespace(nodes=[SimpleNamespace(op=op, name=f"n{i}", module_path="layers.0")
+                                   for i, op in enumerate(("placeholder", "aten.mm.default"))],
+                            node_keys=lambda: ("N0", "N1"))
+    got = plan.stage_placements_for(0, graph)
+    assert got[0].outputs == ((Replicate(), Shard(0)),) and got[0].update == (Shard(1), Shard(0))
+    assert got[0].update_placements == (Shard(1), Shard(0)) and got[1].update is None
+    bad = json.loads(plan.dumps())
+    bad["stage_placements"][0]["placements"][0][4] = "(S(1), S(0), R)"
+    with pytest.raises(PlanFileError, match=r"\(S\(1\), S\(0\), R\) do not match the \(dp, tp\) mesh"):
+        Plan.loads(json.dumps(bad))
+    lines = summarize_placements((("layers.*.mlp.fc1.weight", "(R, S(0)) update (S(1), S(0))"),
+                                  ("layers.*.mlp.fc2.weight", "(R, S(1)) update (S(0), S(1))"),
+                                  ("layers.*.attn.qkv.weight", "(S(0), S(0))"), ("norm.weight", "(R, R)")))
+    assert "MLP (2 params): column/row over tp; weights replicated over dp, update S(1) over dp (ZeRO-1) / " \
+           "weights replicated over dp, update S(0) over dp (ZeRO-1)" in lines
+    assert "attention (1 params): heads over tp (column); S(0) over dp (sharded: ZeRO-3)" in lines
+    assert "norms (1 params): replicated over tp; replicated over dp" in lines
