@@ -115,6 +115,9 @@ class RankProgram:
     def has_last(self) -> bool:
         return self.num_chunks - 1 in self.chunk_ids
 
+    def gather_weights(self) -> None:
+        """Nothing to refresh: the template computes with its parameters as they are stored."""
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         seen: dict[int, tuple[str, nn.Parameter]] = {}
         for chunk in self.chunks:

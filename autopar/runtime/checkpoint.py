@@ -70,6 +70,9 @@ class RankProgram(Protocol):
 
     def named_parameters(self) -> Any: ...
 
+    def gather_weights(self) -> None:
+        """Refresh the weights computed in another placement than their update (collective)."""
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, incomplete, another model or version."""
@@ -291,6 +294,7 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
             "Resume with the model it was written for (its autopar.json names it)") from None
     if rng_key in targets:
         torch.set_rng_state(targets[rng_key])
+    program.gather_weights()  # the parameters hold the update shards: their compute copies follow them
     program.steps_done = info.step
     dist.barrier()
     log.info("resumed from %s (step %d)", info.path, info.step)

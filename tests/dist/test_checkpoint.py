@@ -1,11 +1,11 @@
 """Sharded checkpoints: resume equals an uninterrupted run, resharding across plans, crash safety.
 
 Two spawned jobs of 4 gloo ranks:
-- run A (DP4, ZeRO-2/FSDP2): trains 6 steps uninterrupted, saving at step 3; its losses and
+- run A (DP4, ZeRO-1: weights whole, their update sharded): trains 6 steps uninterrupted, saving at step 3; its losses and
   gathered state at step 3 are the oracle. At step 6 rank 1 is killed inside DCP's write,
   so `step_000006.tmp/` is left half written.
 - run B: resumes from the directory under the same plan (steps 4-6 must equal run A's,
-  rtol 1e-5), and under TP2 x DP2 and PP2 x DP2 x ZeRO-1: the gathered model and optimizer
+  rtol 1e-5), and under TP2 x DP2 x ZeRO-3 and PP2 x DP2 x ZeRO-1: the gathered model and optimizer
   state after loading must equal run A's step-3 state exactly (resharding is data movement)
   and steps 4-6 must match run A within the usual cross-plan tolerance.
 - A Llama (untied head, GQA) is saved in run A under interleaved PP2 x DP2 x ZeRO-3 and
@@ -33,8 +33,8 @@ MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"  # tied embedding, qkv 
 GLOBAL_BATCH = 8
 STEPS = 6
 SAVE_AT = 3
-SAVED = ParallelConfig(dp=4, zero=2)
-OTHER_PLANS = (ParallelConfig(tp=2, dp=2), ParallelConfig(pp=2, dp=2, zero=1, schedule="gpipe"))
+SAVED = ParallelConfig(dp=4, zero=1)
+OTHER_PLANS = (ParallelConfig(tp=2, dp=2, zero=3), ParallelConfig(pp=2, dp=2, zero=1, schedule="gpipe"))
 
 
 def _batches() -> list[tuple[torch.Tensor, ...]]:
