@@ -64,6 +64,11 @@ def gather_group(layer: int | None, phase: str, axis: int, dtype: str) -> tuple:
     return (layer, phase, axis, dtype)
 
 
+UPDATE_PHASE = "update"
+"""The `gather_group` phase of the weights gathered from their update placement once per
+step (weight-update sharding): a layer's updated weights travel in one all-gather."""
+
+
 def gather_share(param_bytes: float, group_bytes: float) -> float:
     """A parameter's share of its group's collective latency (the pricing charges each
     member that share, so the group pays one latency)."""

@@ -531,11 +531,8 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
                 and choices[s.node].update is not None and choices[s.node].update != s.placements]
     param_gather = None
     if gathered:
-        def gather(*shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return tuple(_redistribute(_dtensor(t, mesh, update, slot.shape,
-                                                make_contiguous_strides_for(slot.shape)), compute, True)._local_tensor
-                         for t, (_, update, compute, slot) in zip(shards, gathered))
-
+        gather = _WeightGather([(update, compute, slot, graph[slot.node].layer)
+                                for _, update, compute, slot in gathered], mesh)
         param_gather = make_fx(gather, tracing_mode="fake")(
             *_examples([(local_shape(slot.shape, update, mesh_shape), slot.dtype) for _, update, _, slot in gathered],
                        mesh.device_type))
@@ -596,6 +593,51 @@ def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[i
     if None in ops:
         return None
     return (tuple((t[0], t[1], op) for t, op in zip(steps, ops)), meta.dtype)
+
+
+class _WeightGather:
+    """The updated weights from their update placements to their compute placements, once
+    per step (weight-update sharding). Weights gathered on one mesh axis travel per layer
+    in one flat all-gather (autopar/buckets.py gather_group, phase UPDATE_PHASE, as
+    solver/intra_op/ilp.py `_update_gathers` prices them): the shards packed into one
+    buffer, gathered, each weight concatenated out of the gathered rows. Any other change
+    of placement through DTensor, one by one."""
+
+    def __init__(self, items: list[tuple[Placements, Placements, Slot, int | None]], mesh: DeviceMesh) -> None:
+        from autopar.buckets import UPDATE_PHASE
+
+        self.items = items
+        self.mesh = mesh
+        self.groups: dict[tuple, list[int]] = {}
+        self.alone: list[int] = []
+        for i, (update, compute, slot, layer) in enumerate(items):
+            axis = single_gather_axis(update, compute)
+            if axis is None:
+                self.alone.append(i)
+            else:
+                self.groups.setdefault(gather_group(layer, UPDATE_PHASE, axis, slot.dtype), []).append(i)
+
+    def __call__(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        import torch.distributed._functional_collectives as funcol
+
+        out: dict[int, torch.Tensor] = {}
+        for i in self.alone:
+            update, compute, slot, _ = self.items[i]
+            out[i] = _redistribute(_dtensor(shards[i], self.mesh, update, slot.shape,
+                                            make_contiguous_strides_for(slot.shape)), compute, True)._local_tensor
+        for key, members in self.groups.items():
+            axis = key[2]
+            n = self.mesh.shape[axis]
+            flat = torch.cat([shards[i].reshape(-1) for i in members])
+            rows = funcol.all_gather_single(flat, 0, (self.mesh, axis)).view(n, -1)
+            offset = 0
+            for i in members:
+                update, _, _, _ = self.items[i]
+                local, size = shards[i], shards[i].numel()
+                out[i] = torch.cat([rows[r, offset:offset + size].view(local.shape) for r in range(n)],
+                                   dim=update[axis].dim)
+                offset += size
+        return tuple(out[i] for i in range(len(self.items)))
 
 
 class _GradSync:

@@ -80,7 +80,7 @@ from autopar.sharding import (
     PricedCollective,
     StrategySpace,
 )
-from autopar.buckets import gather_group, gather_share, gradient_bucket_key, plan_buckets
+from autopar.buckets import UPDATE_PHASE, gather_group, gather_share, gradient_bucket_key, plan_buckets
 from cost_model import (
     STATE_BYTES_PER_PARAM,
     CostTable,
@@ -793,16 +793,31 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     return solution
 
 
-def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any) -> tuple[float, list[Any]] | None:
+def layer_parameter_bytes(graph: Graph) -> dict[int | None, float]:
+    """Per layer (None: outside the layer stack): the bytes of its parameters, the group
+    its updated weights are gathered in (autopar/buckets.py UPDATE_PHASE) where all of them
+    are update-sharded on one axis: what a parameter's share of that group's latency is
+    charged against before the placements are known (`_extract` prices the same shares)."""
+    out: dict[int | None, float] = defaultdict(float)
+    for p, _g in graph.param_grads:
+        out[graph[p].layer] += graph[p].output.size_bytes
+    return dict(out)
+
+
+def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any, group_bytes: float
+                  ) -> tuple[float, list[Any]] | None:
     """(time, collectives) of bringing a parameter's updated weights from its update
     placement back to its compute placement, once per step ((0, []) where they are the
-    same; None where DTensor cannot)."""
+    same; None where DTensor cannot). A gather on one axis travels in its layer's group
+    (one flat all-gather, codegen/apply.py `_WeightGather`): its bandwidth term, copies and
+    its share of the group's latency against `group_bytes`."""
     if strategy.update is None or strategy.update == strategy.outputs[0]:
         return 0.0, []
     steps = pricer.collectives(meta, strategy.update, strategy.outputs[0])
     if steps is None:
         return None
-    return pricer(meta, strategy.update, strategy.outputs[0]) or 0.0, list(steps)
+    share = gather_share(meta.size_bytes, group_bytes)
+    return pricer.gather_time(meta, strategy.update, strategy.outputs[0], share) or 0.0, list(steps)
 
 
 def _add_update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
@@ -812,13 +827,14 @@ def _add_update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPric
     compute (NodeStrategy.update) gathers its updated weights back once per step: weighted
     like the gradient sync (`grad_sync_weight`, 1/m of a per-microbatch objective), plus
     TIE_BREAK_S per collective (all-reduce over reduce-scatter + all-gather where equal)."""
+    group_bytes = layer_parameter_bytes(graph)
     for n in red.active:
         node = graph[n]
         if node.role is not Role.PARAMETER:
             continue
         coef, w = node_coef[red.owner[n]], graph.weight(n)
         for j, s in enumerate(red.smap[n]):
-            got = update_gather(pricer, node.output, space[n][s])
+            got = update_gather(pricer, node.output, space[n][s], group_bytes.get(node.layer, 0.0))
             if got is None:
                 forbidden.setdefault(red.owner[n], set()).add(j)
             elif got[1]:
@@ -913,6 +929,39 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
     return out
 
 
+def _update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, pick: dict[NodeId, int],
+                    reshard: dict[NodeId, float], grad_sync_weight: float) -> list[PricedCollective]:
+    """The gathers of updated weights the chosen placements imply, once per step (charged to
+    each parameter's `reshard`, weighted like the gradient sync): one flat all-gather per
+    (layer, axis, dtype) group of single-axis gathers, as codegen/apply.py `_WeightGather`
+    runs them; any other gather on its own. A traced layer's group stands for `weight`
+    real layers' groups."""
+    group_bytes = layer_parameter_bytes(graph)
+    groups: dict[tuple, list[PricedCollective]] = {}
+    out: list[PricedCollective] = []
+    for n in red.active:
+        node = graph[n]
+        if node.role is not Role.PARAMETER:
+            continue
+        strategy = space[n][pick[n]]
+        got = update_gather(pricer, node.output, strategy, group_bytes.get(node.layer, 0.0))
+        assert got is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
+        reshard[n] += got[0] * grad_sync_weight
+        axis = pricer.gather_axis(node.output, strategy.update, strategy.outputs[0]) if got[1] else None
+        for c in got[1]:
+            one = PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes, weight=graph.weight(n),
+                                   gradient_sync=True)
+            if axis is None:
+                out.append(one)
+            else:
+                groups.setdefault(gather_group(node.layer, UPDATE_PHASE, axis, node.output.dtype), []).append(one)
+    for members in groups.values():
+        first = members[0]
+        out.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
+                                    bytes=sum(c.bytes for c in members), weight=first.weight, gradient_sync=True))
+    return out
+
+
 def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
              budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
@@ -962,13 +1011,7 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
                                   space[param][pick[param]].update_placements, share=shares.get(grad)) or 0.0
         reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
     collectives.extend(gradient_sync_collectives(graph, sync_items, pricer))
-    for n in red.active:  # weight-update sharding: the updated weights gathered once per step
-        if graph[n].role is Role.PARAMETER:
-            got = update_gather(pricer, graph[n].output, space[n][pick[n]])
-            assert got is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
-            reshard[n] += got[0] * grad_sync_weight
-            collectives.extend(PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes,
-                                                weight=graph.weight(n), gradient_sync=True) for c in got[1])
+    collectives.extend(_update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight))
     choices = []
     compute = comm = resh = 0.0
     for n in red.active:
