@@ -3,8 +3,15 @@
 Each spawned job runs many configurations in one process group (ranks start once);
 every configuration trains 3 AdamW steps and is compared with `reference_run` (same
 seed, same data, same optimizer): losses to rtol 1e-4, parameters to atol 1e-3 (Adam
-amplifies reduction-order noise, notes 3.2). ZeRO stages are also checked for really
-sharded memory (local optimizer state / parameters / gradients per rank).
+amplifies reduction-order noise, notes 3.2); on every rank the collectives the program
+runs per step equal those its ILP priced (kind, axis, count, bytes). ZeRO stages are also
+checked for really sharded memory (local optimizer state / parameters / gradients per rank).
+
+Weight-update sharding (ZeRO-1/2: every parameter has a compute placement and a weight-update
+placement; solver/forced.py keeps the weights whole over dp and shards their update) runs
+on the Llama and on a Hugging Face Llama: the gradients reduce-scattered once per step, a
+stock optimizer over the update shards, and the updated weights all-gathered once per step
+(the `param_gather` graph), pipeline stages included.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ pytestmark = pytest.mark.dist
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 LLAMA = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
+HF = "hf_factories:llama"
 
 WORLD4 = {
     "dp4": C(dp=4),
@@ -29,6 +37,9 @@ WORLD4 = {
     "tp2xdp2_sp": C(tp=2, dp=2, sequence_parallel=True),
     "pp2xdp2_1f1b": C(pp=2, dp=2, schedule="1f1b"),
     "pp2xdp2_interleaved": C(pp=2, dp=2, schedule="interleaved", interleave=2),
+    "dp2xtp2_zero1": C(dp=2, tp=2, zero=1),
+    "pp2xdp2_zero1_gpipe": C(pp=2, dp=2, zero=1, schedule="gpipe"),
+    "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b"),
 }
 WORLD8 = {
     GPT: C(dp=2, tp=2, pp=2, schedule="1f1b"),
@@ -52,36 +63,40 @@ def _check(result_by_rank: list, ref_losses: list[float], ref_params: dict[str, 
     for r in result_by_rank:
         assert r.losses == losses, "every rank must report the same global loss"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    for rank, r in enumerate(result_by_rank):
+        assert r.priced is not None and r.collectives == r.priced, f"rank {rank}: ran {r.collectives}, " \
+                                                                   f"priced {r.priced}"
     params = _merge(result_by_rank)
     # every parameter of the model is owned by some rank (tied head weight: under one name)
-    assert set(ref_params) - set(params) <= {"lm_head.weight"}
+    assert params and set(ref_params) - set(params) <= {"lm_head.weight"}
     for name, value in params.items():
         torch.testing.assert_close(value, ref_params[name], atol=1e-3, rtol=0, msg=name)
 
 
 NAMES = {
-    # ZeRO-1 and ZeRO-2 (weights whole, their update sharded) are
-    # tests/dist/test_weight_update_sharding.py's, on Llama and a Hugging Face model. GPT's 1F1B pp2 x dp2
-    # is tests/dist/test_pipeline_per_op.py's (Llama pp2 x dp2 1F1B) and test_3d_on_8_ranks'
-    # (GPT 1F1B with tp and dp); the interleaved schedule stays here
-    GPT: tuple(n for n in WORLD4 if n not in ("zero1", "zero2", "pp2xdp2_1f1b")),
-    # Llama's pipelines are tests/dist/test_pipeline_per_op.py's (pp2 x tp2 GPipe),
-    # test_weight_update_sharding.py's (pp2 x dp2 ZeRO-1) and test_3d_on_8_ranks' (interleaved,
-    # ZeRO-1 with tp)
-    LLAMA: ("dp4", "zero3", "tp2xdp2_sp"),
+    # GPT's 1F1B pp2 x dp2 is tests/dist/test_pipeline_per_op.py's (Llama pp2 x dp2 1F1B) and
+    # test_3d_on_8_ranks' (GPT 1F1B with tp and dp); the interleaved schedule stays here.
+    # Weight-update sharding (zero 1/2) runs on the Llama.
+    GPT: ("dp4", "zero3", "tp2xdp2_sp", "pp2xdp2_interleaved"),
+    # Llama's pipelines: pp2 x dp2 ZeRO-1 here (GPipe, 1F1B), test_pipeline_per_op.py's
+    # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp)
+    LLAMA: ("dp4", "zero1", "zero2", "zero3", "tp2xdp2_sp", "dp2xtp2_zero1", "pp2xdp2_zero1_gpipe",
+            "pp2xdp2_zero1_1f1b"),
+    HF: ("zero1", "pp2xdp2_zero1_1f1b"),
 }
-CASES = [(m, n) for m in (GPT, LLAMA) for n in NAMES[m]]
+CASES = [(m, n) for m in NAMES for n in NAMES[m]]
+KIND = {GPT: "gpt", LLAMA: "llama", HF: "hf-llama"}
 
 
 @pytest.fixture(scope="module")
 def world4():
     jobs = tuple(TrainJob(model=m, configs=tuple(WORLD4[n] for n in NAMES[m]), steps=3, global_batch=8,
-                          return_parameters=True) for m in (GPT, LLAMA))
+                          return_parameters=True) for m in NAMES)
     results = spawn(_jobs_worker, 4, (jobs,))
     return {job.model: ([results[r][j] for r in range(4)], reference_run(job)) for j, job in enumerate(jobs)}
 
 
-@pytest.mark.parametrize("model, name", CASES, ids=[f"{n}-{'gpt' if m == GPT else 'llama'}" for m, n in CASES])
+@pytest.mark.parametrize("model, name", CASES, ids=[f"{n}-{KIND[m]}" for m, n in CASES])
 def test_world4_matches_reference(world4, model, name):
     per_rank, (ref_losses, ref_params) = world4[model]
     index = NAMES[model].index(name)
@@ -94,8 +109,7 @@ def test_zero_stages_shard_memory(world4, model):
     stats = {name: per_rank[0][i] for i, name in enumerate(NAMES[model])}
     base = stats["dp4"]
     # dp = 4, one stage (the per-op program): ZeRO-3 shards parameters, gradients and state over
-    # dp (about a quarter each); ZeRO-1/2 keep the weights whole
-    # (tests/dist/test_weight_update_sharding.py)
+    # dp (about a quarter each); ZeRO-1/2 keep the weights whole (the tests below)
     zero3 = stats["zero3"]
     assert zero3.optimizer_state_bytes < 0.3 * base.optimizer_state_bytes
     assert zero3.gradient_bytes < 0.3 * base.gradient_bytes
@@ -111,6 +125,40 @@ def test_3d_on_8_ranks_matches_reference():
     for j, job in enumerate(jobs):
         ref_losses, ref_params = reference_run(job)
         _check([results[r][j][0] for r in range(8)], ref_losses, ref_params)
-        for r in range(8):
-            result = results[r][j][0]
-            assert result.priced is not None and result.collectives == result.priced, (job.model, r)
+
+
+def test_update_sharding_gathers_once_per_step_and_shrinks_the_optimizer_state(world4):
+    """ZeRO-1 over dp4: the same global steps as dp4 (all-reduces become reduce-scatters,
+    plus one all-gather of the updated weights per step, none per microbatch), and a
+    quarter of dp4's optimizer state on every rank, its weights whole (4 + 4/4 bytes of
+    parameters per element: the compute copy and the update shard)."""
+    per_rank, _ = world4[LLAMA]
+    names = list(NAMES[LLAMA])
+    for rank in range(4):
+        dp4, zero1 = per_rank[rank][names.index("dp4")], per_rank[rank][names.index("zero1")]
+        assert zero1.optimizer_state_bytes * 4 == dp4.optimizer_state_bytes
+        assert zero1.parameter_bytes * 4 == dp4.parameter_bytes * 5
+        assert zero1.gradient_bytes * 4 == dp4.gradient_bytes
+        gathers = zero1.collectives[("all_gather", "dp")]
+        reductions = zero1.collectives[("reduce_scatter", "dp")]
+        # every weight of this model divides by 4: each is gathered whole once per step (two
+        # microbatches per step here: per microbatch would be twice the bytes)
+        assert gathers[1] == dp4.parameter_bytes, gathers
+        assert reductions[1] == dp4.gradient_bytes
+        assert ("all_reduce", "dp") not in zero1.collectives or zero1.collectives[("all_reduce", "dp")][1] < 64
+
+
+def test_pipeline_stage_gathers_its_weights_once_per_step(world4):
+    """A ZeRO-1 pipeline stage (pp2 x dp2, 4 microbatches of the 8 rows per step) gathers
+    each of its weights once per step, not once per microbatch as the ZeRO-3 layout does,
+    and holds AdamW's two moments for half of its weights."""
+    per_rank, _ = world4[LLAMA]
+    names = list(NAMES[LLAMA])
+    for schedule in ("gpipe", "1f1b"):
+        for rank in range(4):
+            r = per_rank[rank][names.index(f"pp2xdp2_zero1_{schedule}")]
+            calls, nbytes = r.collectives[("all_gather", "dp")]
+            # the stage's weights whole, once (dp2 ZeRO-1 holds 4 + 4/2 bytes an element; per
+            # microbatch would be four times the bytes)
+            assert nbytes * 3 == r.parameter_bytes * 2, (calls, nbytes, r.parameter_bytes)
+            assert r.optimizer_state_bytes * 3 == r.parameter_bytes * 2  # 8 bytes on E/2 against 6 E
