@@ -12,15 +12,23 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
 
     minimise   sum_o sum_j c[o,j] x[o,j]  +  sum_(a,b) sum_(r,k) C_ab[r,k] e_ab[r,k]
 
-    c[o,j]   = sum_{n: o(n)=o} w_n (compute(n, smap_n(j)) + comm(n, smap_n(j)))
+    c[o,j]   = sum_{n: o(n)=o} w_n (compute(n, smap_n(j)) + comm(n, smap_n(j)) + u(n, smap_n(j)))
                + resharding on edges inside one owner (a follower chain) at j
                (the objective also carries TIE_BREAK_S per collective and
                MEMORY_TIE_BREAK_S_PER_BYTE per activation byte; reported costs do not)
+    u(p, s)  = for a parameter whose strategy s computes in one placement and updates in
+               another (NodeStrategy.update: weight-update sharding, Xu et al. 2020), the
+               all-gather of its updated weights from the update placement back to the
+               compute placement, once per step (weighted like the gradient sync; a
+               layer's weights travel in one flat all-gather, each paying its share of
+               the latency: `_add_update_gathers`); 0 for every other node
     C_ab     = sum over graph edges u->v with o(u)=a, o(v)=b of w_v reshard(u->v), plus
                for each (parameter p, gradient g) the edge g->p, priced as resharding the
-               gradient into its parameter's layout (all-reduce from Partial = data
-               parallel, reduce-scatter into a Shard = ZeRO/FSDP): forward/backward
-               consistency is a cost, so it can never make the problem infeasible.
+               gradient into its parameter's weight-update placement (all-reduce from
+               Partial = data parallel, reduce-scatter into a Shard = ZeRO-1/2 where the
+               compute placement is replicated, ZeRO-3/FSDP where it is the same shard):
+               forward/backward consistency is a cost, so it can never make the problem
+               infeasible.
                Rows r and columns k are classes of identical rows/columns of the matrix.
 
     one_choice/o:     sum_j x[o,j] = 1
@@ -36,7 +44,7 @@ Gradient edges are weighted by `grad_sync_weight` (1/m with m microbatches: the 
 reduces accumulated gradients once per step, the rest of the graph runs m times; the
 objective is per microbatch). With `num_microbatches` (a one-stage step), each
 parameter's strategy also carries the once-per-step terms the step price adds
-(solver/spmd_search.py `estimate`), over m: the optimizer step over its local shard and
+(solver/spmd_search.py `estimate`), over m: the optimizer step over its update shard and
 (on its gradient's strategies) the microbatches' accumulation into the raw gradient as
 the backward leaves it (cost_model.optimizer_time_s, grad_accumulation_time_s), so the ILP minimises the step
 time it reports, not only the per-microbatch part (a plan keeping a few more parameters
@@ -47,8 +55,9 @@ removing placeholder strategies: infeasible options are absent, not expensive.
 The row/column sums force e_ab to the outer product of the two one-hot rows, so the
 edge term is exact without McCormick rows. An edge whose matrix has one row class (or
 one column class) is separable and folds into c. Memory: parameters count
-STATE_BYTES_PER_PARAM per element divided by their shard factor (param, grad, AdamW
-state) at every T; activations count from their producer to their last user (views
+STATE_BYTES_PER_PARAM per element at every T (weights and gradient divided by the shard
+factor of the compute placement, optimizer state by that of the update placement:
+cost_model/table.py); activations count from their producer to their last user (views
 alias their base). T ranges over the MEMORY_POINTS times with the largest replicated
 live bytes (the forward/backward boundary among them): sharding scales tensors
 unevenly, so this is a heuristic for the true peak, exact at the checked points.
