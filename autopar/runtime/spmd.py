@@ -365,7 +365,7 @@ def release_build_memory(graphs: Any) -> None:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for gm in (graphs.step, graphs.grad_sync):
+    for gm in (graphs.step, graphs.grad_sync, graphs.param_gather):
         if gm is None:
             continue
         keep: set[Any] = set()
