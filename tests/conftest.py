@@ -11,7 +11,9 @@
 - No launcher's world: a suite started inside a torchrun or SLURM job step would see
   RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and `autopar train --devices N` would join
   that world instead of spawning its own ranks (autopar.runtime.launch
-  `launched_by_torchrun`); the tests that need a launcher's world set it themselves.
+  `launched_by_torchrun`); the tests that need a launcher's world set it themselves. Nor
+  the test-only hooks (`AUTOPAR_TEST_*`) a shell may have left set: the tests that use one
+  set it themselves.
 """
 
 import multiprocessing.process
@@ -21,7 +23,8 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 for _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+              *[n for n in os.environ if n.startswith("AUTOPAR_TEST_")]):
     os.environ.pop(_name, None)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
