@@ -120,13 +120,17 @@ def _source_strategies(node: Node, mesh_shape: tuple[int, ...]) -> tuple[NodeStr
 def update_layouts(compute: Placements, layouts: list[Placements]) -> list[Placements]:
     """The weight-update placements a parameter computed in `compute` may take besides
     `compute` itself (autopar.sharding.NodeStrategy.update): the parameter's own layouts
-    that shard it further on axes where `compute` replicates it and equal `compute` on
-    every other axis, sharding no dim on two axes (the update shard is gathered back to
-    `compute` once per step by plain all-gathers). Compute Replicate and update Shard over
-    the data-parallel axis is ZeRO-1/2 (Xu et al. 2020)."""
+    that shard it further on one axis where `compute` replicates it and equal `compute`
+    on every other axis, sharding no dim on two axes (the update shard is gathered back to
+    `compute` once per step by one all-gather). Compute Replicate and update Shard over
+    the data-parallel axis is ZeRO-1/2 (Xu et al. 2020). One axis, not several at once:
+    the update is sharded over the replicas of one mesh axis, as Megatron's distributed
+    optimizer and ZeRO shard it over data parallelism, and the ILP's parameter options
+    stay few (every option is a column of the gradient's edge)."""
     out = []
     for u in layouts:
-        if u == compute or any(not isinstance(c, Replicate) and c != p for c, p in zip(compute, u)):
+        differ = [k for k, (c, p) in enumerate(zip(compute, u)) if c != p]
+        if len(differ) != 1 or not isinstance(compute[differ[0]], Replicate):
             continue
         dims = [p.dim for p in u if isinstance(p, Shard)]
         if len(dims) == len(set(dims)):

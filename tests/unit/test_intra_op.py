@@ -620,3 +620,24 @@ def test_a_weight_read_twice_in_one_phase_pays_one_gather() -> None:
     assert sum(charged) == pytest.approx(once, rel=1e-9), charged
     gathers = [c for c in sol.collectives if c.kind == "all_gather" and c.src == param]
     assert len(gathers) == 1 and gathers[0].bytes == meta.size_bytes
+
+
+def test_zero_2_solves_as_zero_1_weights_whole_update_sharded() -> None:
+    """`--zero 1` and `--zero 2` are one program (weights whole over dp, their update sharded
+    over it, the gradient accumulated whole and reduce-scattered once per step); `--zero 0`
+    updates every weight whole and `--zero 3` computes with sharded weights."""
+    from autopar.config import ParallelConfig
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+    from solver.forced import solve_one_stage
+
+    graph = trace_model(resolve("llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"), batch=4,
+                        dtype="float32")
+    cpu4 = Cluster.parse("cpu:4")
+    solved = {z: solve_one_stage(graph, ParallelConfig(dp=4, zero=z), cpu4, num_microbatches=2) for z in (0, 1, 2, 3)}
+    assert solved[1].choices == solved[2].choices and solved[1].collectives == solved[2].collectives
+    for p, _ in graph.param_grads:
+        zero0, zero1, zero3 = (solved[z].choice(p) for z in (0, 1, 3))
+        assert zero0.update is None and isinstance(zero0.outputs[0][0], Replicate)
+        assert isinstance(zero1.outputs[0][0], Replicate) and isinstance(zero1.update[0], Shard)
+        assert isinstance(zero3.outputs[0][0], Shard) and zero3.update is None
