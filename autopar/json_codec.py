@@ -93,9 +93,10 @@ def encode(value: Any, hint: Any) -> Any:
         items = [encode(getattr(value, name), h) for name, h in _fields(type(value))]
         if type(value).JSON_ROW:
             defaults = _row_defaults(type(value))
-            while len(items) > len(defaults) - sum(d is not dataclasses.MISSING for d in defaults) \
-                    and getattr(value, _fields(type(value))[len(items) - 1][0]) == defaults[len(items) - 1]:
-                items.pop()
+            names = [name for name, _ in _fields(type(value))]
+            required = sum(d is dataclasses.MISSING for d in defaults)
+            while len(items) > required and getattr(value, names[len(items) - 1]) == defaults[len(items) - 1]:
+                items.pop()  # a trailing field at its default: rows written before it existed
             return items
         return {name: item for (name, _), item in zip(_fields(type(value)), items)}
     if dataclasses.is_dataclass(value):

@@ -837,17 +837,24 @@ def _add_update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPric
     like the gradient sync (`grad_sync_weight`, 1/m of a per-microbatch objective), plus
     TIE_BREAK_S per collective (all-reduce over reduce-scatter + all-gather where equal)."""
     group_bytes = layer_parameter_bytes(graph)
+    for node, coef, w, j, s in _parameter_options(graph, red, node_coef):
+        got = update_gather(pricer, node.output, space[node.id][s], group_bytes.get(node.layer, 0.0))
+        if got is None:
+            forbidden.setdefault(red.owner[node.id], set()).add(j)
+        elif got[1]:
+            coef[j] += w * (got[0] * grad_sync_weight + TIE_BREAK_S * len(got[1]))
+
+
+def _parameter_options(graph: Graph, red: Reduction, node_coef: dict[NodeId, list[float]]) -> Any:
+    """(parameter node, its owner's coefficient row, its multiplicity, option j of the row,
+    strategy index) for every option of every active parameter: where the once-per-step
+    terms of a parameter's strategy are added."""
     for n in red.active:
         node = graph[n]
-        if node.role is not Role.PARAMETER:
-            continue
-        coef, w = node_coef[red.owner[n]], graph.weight(n)
-        for j, s in enumerate(red.smap[n]):
-            got = update_gather(pricer, node.output, space[n][s], group_bytes.get(node.layer, 0.0))
-            if got is None:
-                forbidden.setdefault(red.owner[n], set()).add(j)
-            elif got[1]:
-                coef[j] += w * (got[0] * grad_sync_weight + TIE_BREAK_S * len(got[1]))
+        if node.role is Role.PARAMETER:
+            coef, w = node_coef[red.owner[n]], graph.weight(n)
+            for j, s in enumerate(red.smap[n]):
+                yield node, coef, w, j, s
 
 
 def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId, list[float]], cluster: Cluster,
@@ -863,14 +870,9 @@ def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId,
     opt_per_element = optimizer_time_s(1.0, hw) * share / m
     acc_per_byte = grad_accumulation_time_s(1.0, m, 1, hw) * share / m
     active = set(red.active)
-    for n in red.active:
-        node = graph[n]
-        if node.role is not Role.PARAMETER:
-            continue
-        coef, w = node_coef[red.owner[n]], graph.weight(n)
-        for j, s in enumerate(red.smap[n]):
-            coef[j] += w * opt_per_element * node.output.numel / shard_factor(space[n][s].update_placements,
-                                                                              mesh_shape)
+    for node, coef, w, j, s in _parameter_options(graph, red, node_coef):
+        coef[j] += w * opt_per_element * node.output.numel / shard_factor(space[node.id][s].update_placements,
+                                                                          mesh_shape)
     for _param, grad in graph.param_grads:
         if grad not in active:
             continue
