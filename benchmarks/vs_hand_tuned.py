@@ -9,14 +9,14 @@ into a step time by the pipeline formulas of solver/stage_dp.py:
            one-stage plans with free per-op placements, pipelines by the inter-op DP over
            ILP stage costs (cuts, submesh, ZeRO, recompute, schedule), runnable plans only.
 - grid:    the template grid kept as a baseline here: every (tp inside a node dividing the
-           heads, pp, dp, ZeRO 0|3, per-rank micro-batch <= MAX_RANK_MICROBATCH, schedule
+           heads, pp, dp, ZeRO 0|1|3, per-rank micro-batch <= MAX_RANK_MICROBATCH, schedule
            gpipe | 1f1b | interleaved v2, recompute none | selective | full), stages cut evenly,
-           every stage the template layout: data parallel over dp (ZeRO-3: parameters sharded
-           over it), every weight sharded over tp, the ILP placing the rest on the stage's
+           every stage the template layout: data parallel over dp (ZeRO-1: the weights'
+           update sharded over it; ZeRO-3: the weights too), every weight sharded over tp, the ILP placing the rest on the stage's
            (dp, tp) submesh (pipeline_search._StageCostCache: the stage costs the search itself
            uses, the solve the runtime's stages run).
-- hand:    the published configuration priced as one grid point (ZeRO 1/2 priced as the
-           sharded layout: the ILP has one; unstated micro-batch, interleave chunks and
+- hand:    the published configuration priced as one grid point (ZeRO-2 priced as ZeRO-1's
+           layout, solver/forced.py; unstated micro-batch, interleave chunks and
            recompute take their best value). Several rows of one group: the best.
 Ratios are predicted throughput: hand_step / autopar_step and grid_step / autopar_step
 (>= 1.0: autopar at least as fast). The check (issue 14): autopar is never worse than the
@@ -49,9 +49,8 @@ from autopar.plan import InfeasiblePlanError, Plan, describe_config  # noqa: E40
 from autopar.trace import trace_model  # noqa: E402
 from cost_model import core_share  # noqa: E402
 from solver import forced  # noqa: E402
-from solver.intra_op.ilp import solve_intra_op  # noqa: E402
 from solver.pipeline_search import (  # noqa: E402
-    MAX_RANK_MICROBATCH, _StageCostCache, boundary_p2p_s, pipeline_loss_report_s, search, whole_nodes)
+    MAX_RANK_MICROBATCH, ZERO_CHOICES, _StageCostCache, boundary_p2p_s, pipeline_loss_report_s, search, whole_nodes)
 from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
@@ -160,6 +159,13 @@ class _Solution:
     solution: Any
 
 
+def _layout_zero(cfg: ParallelConfig) -> int:
+    """The ZeRO layout a configuration runs (solver/forced.py): none without data
+    parallelism, and ZeRO-2 as ZeRO-1's (the gradient accumulated whole, reduce-scattered
+    once per step)."""
+    return 0 if cfg.dp == 1 else 1 if cfg.zero == 2 else cfg.zero
+
+
 def price_one_stage(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, global_batch: int,
                     num_layers: int) -> Priced | None:
     """A pp = 1 configuration priced as `autopar train --dp --tp --zero --recompute` runs it
@@ -168,15 +174,14 @@ def price_one_stage(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glo
     (solver/forced.py, what runtime/spmd.solve_config solves, no memory row), assembled by
     spmd_search.estimate (m microbatches + gradient accumulation + optimizer)."""
     g = cfg.dp * cfg.micro_batch
-    zero = 3 if cfg.zero and cfg.dp > 1 else 0
+    zero = _layout_zero(cfg)
     key = (cfg.dp, cfg.tp, g, zero, cfg.recompute)
     if key not in cache.one_stage:
         graph = traced(cache.graphs, cache.trace_at, g, cfg.recompute)
         rules = replace(cfg, zero=zero)
         m = global_batch // g
         try:
-            sol = solve_intra_op(graph, cluster, forced.mesh_shape(rules), keep_placeholder=forced.keep_placeholder(rules),
-                                 gather_free_axes=forced.gather_free_axes(rules), num_microbatches=m)
+            sol = forced.solve_one_stage(graph, rules, cluster, num_microbatches=m)
         except InfeasiblePlanError:
             cache.one_stage[key] = None
         else:
@@ -193,8 +198,7 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
                    num_layers: int) -> Priced | None:
     """One template configuration priced as the product prices its kind: pp = 1 as the
     one-stage search does (price_one_stage); pp > 1 by the search's own stage costs (the
-    stage ILP on the (dp, tp) submesh under the configuration's rules, ZeRO-3 when
-    zero > 0), even cuts, the stage_dp formulas. None: not expressible."""
+    stage ILP on the (dp, tp) submesh under the configuration's rules), even cuts, the stage_dp formulas. None: not expressible."""
     g = cfg.dp * cfg.micro_batch
     if global_batch % g:
         return None
@@ -210,7 +214,7 @@ def price_template(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glob
     cuts = even_cuts(num_layers, cfg.pp, schedule.chunks)
     if cuts is None:
         return None
-    zero = 3 if cfg.zero and cfg.dp > 1 else 0
+    zero = _layout_zero(cfg)
     sc = cache.get((cfg.dp, cfg.tp), g, zero)
     if sc is None:
         return None
@@ -245,7 +249,7 @@ def grid(cache: GridCache, cluster: Cluster, global_batch: int, info: Any) -> Pr
                     continue
                 scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
                 for (sched, v) in scheds:
-                    for zero in ((0, 3) if dp > 1 else (0,)):
+                    for zero in (ZERO_CHOICES if dp > 1 else (0,)):
                         for rc in ("none", "selective", "full"):
                             cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=b,  # type: ignore[arg-type]
                                                  schedule=sched, interleave=v, recompute=rc)  # type: ignore[arg-type]
@@ -498,9 +502,9 @@ def _write(out: str, body: list[str]) -> None:
         "Generated by `.venv/bin/python benchmarks/vs_hand_tuned.py`. Every plan below is priced the way "
         "`autopar search` prices plans: the intra-op ILP's per-op costs on the traced step (cost_model/table.py), "
         "assembled by the pipeline formulas of solver/stage_dp.py. autopar = solver/pipeline_search.py "
-        "(the product's search); grid = the template grid over (tp, pp, dp, ZeRO 0|3, micro-batch <= 4 per rank, "
+        "(the product's search); grid = the template grid over (tp, pp, dp, ZeRO 0|1|3, micro-batch <= 4 per rank, "
         "schedule, recompute) with even cuts and the template layout per stage; hand = the published "
-        "configuration priced as one grid point (unstated knobs at their best). The ratios are predicted "
+        "configuration priced as one grid point (unstated knobs at their best, ZeRO-2 as ZeRO-1's layout). The ratios are predicted "
         "throughput (baseline step time / autopar's), not measured runs. Attention is priced as traced "
         "(fused SDPA). "
         "MPT rows are modelled as GPT blocks of the same sizes (no ALiBi).",
