@@ -167,7 +167,8 @@ class PlanShape:
 def runnable(shape: PlanShape) -> str | None:
     """None when the runtime executes this plan shape; else why not (one sentence). A
     pipeline runs one ParallelConfig: every stage on the same submesh, recompute and ZeRO,
-    a schedule the planner prices, interleaving on an even split; the rest is
+    a schedule the planner prices, interleaving with each stage's layers split evenly over
+    its chunks (stages may differ); the rest is
     `_pipeline_reason`, the rule `pipeline_support` applies to `autopar train`."""
     if len(shape.stages) == 1:
         return None  # the per-op program: any model, any (dp, tp) mesh the ILP placed
@@ -181,10 +182,12 @@ def runnable(shape: PlanShape) -> str | None:
         return "stages with different ZeRO layouts (the runtime applies one)"
     if shape.schedule not in RUNTIME_SCHEDULES:
         return f"schedule {shape.schedule} (the runtime builds {', '.join(RUNTIME_SCHEDULES)})"
-    chunks = p * (shape.chunks if shape.schedule == "interleaved" else 1)
-    if shape.schedule == "interleaved" and (shape.num_layers % chunks or len({s.num_layers for s in shape.stages}) > 1):
-        return (f"interleaved with non-uniform cuts (the runtime splits {shape.num_layers} layers "
-                f"evenly into {chunks} chunks)")
+    v = shape.chunks if shape.schedule == "interleaved" else 1
+    chunks = p * v
+    if v > 1 and any(s.num_layers % v for s in shape.stages):
+        return (f"interleaved with non-uniform cuts: stage layers {'/'.join(str(s.num_layers) for s in shape.stages)} "
+                f"(the runtime splits each stage's layers evenly over its {v} chunks, "
+                "autopar/runtime/pipe_spmd.py chunk_layers)")
     dp, tp = first.submesh
     return _pipeline_reason(shape.family, shape.num_layers, shape.name, (shape.heads, shape.kv_heads), pp=p, dp=dp,
                             tp=tp, zero=first.zero, recompute=first.recompute, chunks=chunks)

@@ -41,9 +41,12 @@ WORLD4 = {
     "pp2xdp2_zero1_gpipe": C(pp=2, dp=2, zero=1, schedule="gpipe"),
     "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b"),
 }
+LLAMA6 = "llama:layers=6,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 WORLD8 = {
-    GPT: C(dp=2, tp=2, pp=2, schedule="1f1b"),
-    LLAMA: C(dp=2, tp=2, pp=2, zero=1, schedule="interleaved", interleave=2),
+    GPT: (C(dp=2, tp=2, pp=2, schedule="1f1b"), None),
+    # stages of 2 and 4 layers, each split evenly over its 2 chunks (1, 2, 1, 2 layers): the
+    # uneven interleaved cuts the search writes
+    LLAMA6: (C(dp=2, tp=2, pp=2, zero=1, schedule="interleaved", interleave=2), (2, 4)),
 }
 
 
@@ -119,9 +122,10 @@ def test_zero_stages_shard_memory(world4, model):
 
 def test_3d_on_8_ranks_matches_reference():
     """GPT pp2 x dp2 x tp2 1F1B, and Llama interleaved with ZeRO-1 (weights whole, their update
-    sharded over dp, gathered once per step): like one process, and price = run on every rank."""
-    jobs = tuple(TrainJob(model=m, configs=(c,), steps=3, global_batch=4, return_parameters=True)
-                 for m, c in WORLD8.items())
+    sharded over dp, gathered once per step) on uneven stages: like one process, and price =
+    run on every rank."""
+    jobs = tuple(TrainJob(model=m, configs=(c,), stage_layers=(layers,), steps=3, global_batch=4,
+                          return_parameters=True) for m, (c, layers) in WORLD8.items())
     results = spawn(_jobs_worker, 8, (jobs,))
     for j, job in enumerate(jobs):
         ref_losses, ref_params = reference_run(job)

@@ -39,6 +39,10 @@ def test_runnable_says_exactly_what_runs_today():
     assert "zbv" in runnable(PlanShape(**pipe, schedule="zbv", chunks=2, stages=(_stage(), _stage())))
     assert "non-uniform" in runnable(PlanShape(**pipe, schedule="interleaved", chunks=2,
                                                stages=(_stage(1), _stage(3))))
+    # stages of different sizes interleave when each splits evenly over its chunks
+    # (pipe_spmd.chunk_layers: 2/4 layers -> chunks of 1, 2, 1, 2)
+    assert runnable(PlanShape(**{**pipe, "num_layers": 6}, schedule="interleaved", chunks=2,
+                              stages=(_stage(2), _stage(4)))) is None
     # per-op stages: the ILP splits what divides, heads need not divide tp
     assert runnable(PlanShape(**{**pipe, "kv_heads": 2}, stages=(_stage(submesh=(1, 4)),) * 2)) is None
 
