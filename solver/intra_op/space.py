@@ -146,6 +146,14 @@ def _getitem_strategies(node: Node, producer: Node, strategies: tuple[NodeStrate
     return tuple(seen)
 
 
+_CANDIDATES: dict[tuple[int, ...], dict[tuple, _Candidates]] = {}
+"""Candidates per mesh shape, memoised across enumerations: a node's candidates depend only
+on its op, input metas, outputs and scalar arguments (the memo key) and the mesh, and a
+search enumerates one model's step at many microbatches, whose batch-independent nodes
+(weights and their views) recur. Cleared past MAX_MEMO_ENTRIES (a long-lived process)."""
+MAX_MEMO_ENTRIES = 200_000
+
+
 class _Enumerator:
     """DTensor-backed candidates per node, memoised by (op, input metas, scalar args)."""
 
@@ -157,7 +165,9 @@ class _Enumerator:
         self.graph = graph
         self.mesh_shape = mesh_shape
         self.mesh = bridge.spec_mesh(mesh_shape)
-        self.cache: dict[tuple, _Candidates] = {}
+        if sum(len(c) for c in _CANDIDATES.values()) > MAX_MEMO_ENTRIES:
+            _CANDIDATES.clear()
+        self.cache: dict[tuple, _Candidates] = _CANDIDATES.setdefault(tuple(mesh_shape), {})
 
     # -- helpers ----------------------------------------------------------------------
 
