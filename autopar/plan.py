@@ -31,6 +31,7 @@ from autopar.config import ParallelConfig
 from autopar.estimate import Estimate
 from autopar.json_codec import JsonData, JsonFormatError, decode
 from autopar.placement import parse_placements
+from autopar import units
 
 PLAN_VERSION = 4
 """2: plans carry the ILP's per-op placements (`placements`), which is what runs.
@@ -467,8 +468,8 @@ class Plan(JsonData):
                 holds.insert(0, "embedding")
             if s.has_head:
                 holds.append("final norm + head + loss")
-            lines.append(f"  stage {s.index}: {', '.join(holds)}; {s.flops_per_microbatch / 1e12:.2f} TFLOP/microbatch, "
-                         f"{s.num_parameters / 1e9:.3f}B params, ~{s.memory_bytes / GIB:.2f} GiB/device")
+            lines.append(f"  stage {s.index}: {', '.join(holds)}; {units.flops(s.flops_per_microbatch)}/microbatch, "
+                         f"{units.count(s.num_parameters)} params, ~{s.memory_bytes / GIB:.2f} GiB/device")
         if len(set(self.stage_layers)) > 1:
             lines.append("  why non-uniform: the cut balances per-stage time (embedding and head are extra work "
                          "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")

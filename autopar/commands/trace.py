@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from autopar import units
 from autopar.models import resolve
 from autopar.trace import trace_model
 
@@ -21,10 +22,10 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     m = graph.model
-    console.print(f"[bold]{m.name}[/]: {m.num_parameters / 1e9:.3f}B parameters, {m.num_layers} layers, "
+    console.print(f"[bold]{m.name}[/]: {units.count(m.num_parameters)} parameters, {m.num_layers} layers, "
                   f"batch {m.batch} x seq {m.seq}, {m.dtype}")
     console.print(f"joint graph: {len(graph)} nodes, {len(summary['ops'])} distinct ops, "
-                  f"{graph.flops_per_step / 1e12:.2f} TFLOP per step, traced in {graph.trace_time_s:.2f} s")
+                  f"{units.flops(graph.flops_per_step)} per step, traced in {graph.trace_time_s:.2f} s")
     groups = Table(title="layer groups (solved once, weighted by multiplicity)")
     for col in ("group", "traced layers", "multiplicity", "nodes/layer", "signature"):
         groups.add_column(col)

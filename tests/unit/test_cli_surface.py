@@ -19,6 +19,7 @@ How a flag is written in the table:
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from autopar.cli import COMMANDS, build_parser
@@ -195,3 +196,18 @@ def test_guard_reports_changed_choices_defaults_and_new_subcommands() -> None:
         "search: flag '--top VALUE (default 5)' removed or changed",
         "search: new flag '--top VALUE (default 3)'",
     ]
+
+
+def test_trace_prints_a_small_model_in_units_that_fit(capsys):
+    """A factory model of 10^4-10^5 parameters is not "0.000B parameters", nor its step "0.00 TFLOP"."""
+    from autopar import cli, units
+
+    assert cli.main(["trace", "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    head = [out.splitlines()[0], next(line for line in out.splitlines() if line.startswith("joint graph"))]
+    assert "0.000B" not in head[0] and "0.00 TFLOP" not in head[1], head
+    assert units.count(90_432) + " parameters" == "90.4k parameters"
+    assert re.search(r": \d+(\.\d+)?k parameters,", head[0]), head  # 28k
+    assert units.count(8.03e9) == "8.03B" and units.count(12) == "12"
+    assert units.flops(6.606e7) == "66.1 MFLOP" and units.flops(2.5e15) == "2.5 PFLOP"
+    assert " MFLOP per step" in head[1], head
