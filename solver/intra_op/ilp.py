@@ -522,12 +522,43 @@ def _make_solver(solver: str, time_limit_s: float | None, *, msg: bool = False) 
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
+_BANNER_SILENCED = False
+
+
+def _silence_highs_banner() -> None:
+    """HiGHS >= 1.16 prints a two-line banner on stdout from the first C++ `Highs` object a
+    process makes, whatever `output_flag` says (PuLP sets it after construction), and
+    never again. That first object is made here, once, with fd 1 on /dev/null, so the
+    user sees only autopar's own lines."""
+    global _BANNER_SILENCED
+    if _BANNER_SILENCED:
+        return
+    _BANNER_SILENCED = True
+    try:
+        import highspy
+    except ImportError:  # PuLP's HiGHS needs it; the solve reports that itself
+        return
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    try:
+        highspy.Highs()
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 @contextlib.contextmanager
 def _native_stdout_to_stderr() -> Any:
-    """Native writes to stdout (fd 1) go to stderr meanwhile. HiGHS >= 1.16 prints its
-    banner from the C++ `Highs` constructor whatever `output_flag` says (PuLP creates one
-    per solve), which would corrupt `autopar search --json` and plan files written to
-    stdout. C stdio buffers stdout when it is a pipe, so it is flushed before fd 1 returns."""
+    """Native writes to stdout (fd 1) go to stderr meanwhile, HiGHS's banner nowhere
+    (_silence_highs_banner): solver output would corrupt `autopar search --json` and plan
+    files written to stdout. C stdio buffers stdout when it is a pipe, so it is flushed
+    before fd 1 returns."""
+    _silence_highs_banner()
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.flush()
     saved = os.dup(1)

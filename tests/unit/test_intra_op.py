@@ -469,12 +469,20 @@ print("before", flush=True)
 with _native_stdout_to_stderr():
     libc.printf(b"banner from native code\\n")  # as HiGHS >= 1.16 prints from its constructor
 print("after", flush=True)
+import pulp
+prob = pulp.LpProblem("p", pulp.LpMinimize)
+x = pulp.LpVariable("x", 0, 1, cat="Binary")
+prob += x
+prob += x >= 0
+with _native_stdout_to_stderr():
+    prob.solve(pulp.HiGHS(msg=False))  # the process's first Highs object: HiGHS's banner
 """
 
 
 def test_native_solver_output_stays_off_stdout() -> None:
     """A solver's native banner must not reach stdout (where `search --json` and plans go),
-    even when stdout is a pipe (C stdio buffers it): it goes to stderr."""
+    even when stdout is a pipe (C stdio buffers it): it goes to stderr; HiGHS's own banner
+    (printed by the first Highs object a process makes) appears nowhere."""
     import subprocess
     import sys
     from pathlib import Path
@@ -484,6 +492,7 @@ def test_native_solver_output_stays_off_stdout() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "before\nafter\n"
     assert "banner from native code" in proc.stderr
+    assert "HiGHS" not in proc.stdout + proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("spec,mesh,zero", [
