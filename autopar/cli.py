@@ -120,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--save-every", type=_positive_int, default=None)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (exit 2 if there is none)")
+    p.add_argument("--resume-if-exists", action="store_true",
+                   help="as --resume when a checkpoint exists, else train from step 1 (a job that may be restarted)")
     p.add_argument("--lr", type=_positive_float, default=1e-3)
     p.add_argument("--compile", action="store_true", help="pass stage programs through torch.compile")
 

@@ -23,7 +23,10 @@ rank exits non-zero.
 Checkpoints: `--checkpoint-dir D --save-every K` writes a sharded checkpoint after every
 K-th step (autopar/runtime/checkpoint.py: plan-independent, atomic); `--resume` continues from the
 newest complete one in D, under this run's plan and device count (resharded on load),
-up to `--steps` in total; `losses` then start at step `first_step`. A rank that fails,
+up to `--steps` in total; `losses` then start at step `first_step`. `--resume` with no
+complete checkpoint in D, or with a damaged one (a truncated `.metadata` or `.distcp`
+shard: checkpoint.verify), exits 2 before any rank starts; `--resume-if-exists` starts
+from step 1 when D holds none (a job that may be restarted). A rank that fails,
 crashes or hangs stops the job with exit 1 (exit 2 when a rank raised a user error, such
 as a NaN loss), naming the rank.
 """
@@ -34,6 +37,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from autopar.config import ParallelConfig
@@ -97,9 +101,15 @@ def _check_resume(args: argparse.Namespace, model: Any) -> None:
 
     info = checkpoint.latest(args.checkpoint_dir)
     if info is None:
-        print(f"autopar train: no complete checkpoint in {args.checkpoint_dir}; starting from step 1",
-              file=sys.stderr)
-        return
+        if not args.resume:  # --resume-if-exists
+            print(f"autopar train: no complete checkpoint in {args.checkpoint_dir}; starting from step 1",
+                  file=sys.stderr)
+            return
+        where = Path(args.checkpoint_dir)
+        state = ("does not exist" if not where.exists() else "is not a directory" if not where.is_dir()
+                 else "holds no complete checkpoint (step_<N> with .metadata and autopar.json)")
+        raise ValueError(f"--resume: {args.checkpoint_dir} {state}, so there is nothing to resume from; check the "
+                         "path, or pass --resume-if-exists to start from step 1 when no checkpoint exists yet")
     if info.step >= args.steps:
         raise ValueError(f"the checkpoint in {args.checkpoint_dir} is at step {info.step}, so --steps {args.steps} "
                          f"leaves nothing to train; pass --steps greater than {info.step} (--steps counts all steps, "
@@ -108,6 +118,7 @@ def _check_resume(args: argparse.Namespace, model: Any) -> None:
     if info.model_fingerprint and info.model_fingerprint != actual:
         raise ValueError(f"the checkpoint in {info.path} was written for model {info.model!r}, not {args.model!r} "
                          "(parameter names or shapes differ); resume with that model or use another --checkpoint-dir")
+    checkpoint.verify(info)
 
 
 def _tokens_per_step(job: TrainJob) -> int:
@@ -118,10 +129,11 @@ def _tokens_per_step(job: TrainJob) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.save_every or args.resume) and not args.checkpoint_dir:
-        flag = "--save-every" if args.save_every else "--resume"
+    resume = args.resume or args.resume_if_exists
+    if (args.save_every or resume) and not args.checkpoint_dir:
+        flag = "--save-every" if args.save_every else "--resume" if args.resume else "--resume-if-exists"
         raise ValueError(f"{flag} needs --checkpoint-dir D (where checkpoints are written and read); add it")
-    if args.checkpoint_dir and not (args.save_every or args.resume):
+    if args.checkpoint_dir and not (args.save_every or resume):
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} given without --save-every K or --resume; add "
                          "--save-every K to write checkpoints, --resume to continue from one")
     torchrun = launched_by_torchrun()
@@ -164,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
     num_microbatches = check_job(model, config, num_devices=devices, global_batch=global_batch,
                                  stage_layers=stage_layers)
-    if args.resume:
+    if resume:
         _check_resume(args, model)
     if plan is not None and config.pp == 1 and getattr(plan, "placements", None):
         from autopar.runtime.spmd import check_plan_placements
@@ -181,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
                    seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile,
                    plans=(plan.dumps() if plan is not None else None,),
-                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=args.resume,
+                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=resume,
                    deterministic_random=bool(found))
     if torchrun:
         import torch.distributed as dist

@@ -258,6 +258,43 @@ def latest(directory: str | Path) -> CheckpointInfo | None:
     return read_info(steps[-1][1]) if steps else None
 
 
+def verify(info: CheckpointInfo) -> None:
+    """Refuse a damaged checkpoint before anything reads its tensors (files only, no process
+    group): DCP's `.metadata` must load, and every `.distcp` shard file it names must hold
+    the bytes it indexes (each entry's offset + length). A truncated or missing file raises
+    CheckpointError naming the file and the step, and the previous complete step to use."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = Path(info.path)
+
+    def damaged(what: str) -> CheckpointError:
+        parent = root.parent
+        older = sorted(int(m.group(1)) for d in parent.glob("step_*")
+                       if (m := _STEP_DIR.match(d.name)) and _complete(d) and int(m.group(1)) < info.step)
+        fix = (f"the previous complete checkpoint is step {older[-1]}: move {root} aside (or delete it) and "
+               "resume again" if older else "no earlier complete checkpoint exists here: train from step 1 "
+               "(drop --resume) or use another --checkpoint-dir")
+        return CheckpointError(f"checkpoint step {info.step} is damaged: {what}; {fix}")
+
+    try:
+        metadata = FileSystemReader(str(root)).read_metadata()
+    except Exception as exc:  # a truncated pickle: EOFError, UnpicklingError, ...
+        raise damaged(f"{root / '.metadata'} cannot be read ({type(exc).__name__}: {str(exc)[:200] or 'empty'}), "
+                      "so the file is truncated or corrupt") from None
+    need: dict[str, int] = {}
+    for item in (getattr(metadata, "storage_data", None) or {}).values():
+        path = getattr(item, "relative_path", None)
+        if path is not None:
+            need[path] = max(need.get(path, 0), int(item.offset) + int(item.length))
+    for name, size in sorted(need.items()):
+        f = root / name
+        have = f.stat().st_size if f.is_file() else None
+        if have is None:
+            raise damaged(f"shard file {f} is missing")
+        if have < size:
+            raise damaged(f"shard file {f} is truncated ({have} bytes; its index needs {size})")
+
+
 def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "") -> CheckpointInfo:
     """Fill `program` (built under any plan) from a checkpoint; collective (every rank).
 
@@ -274,6 +311,7 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
             f"checkpoint {info.path} was written for another model ({info.model!r}, fingerprint "
             f"{info.model_fingerprint[:12]}; this model {model_fingerprint[:12]}): parameter names or shapes "
             "differ. Resume with the same model, or use another --checkpoint-dir")
+    verify(info)
     _materialize_optimizer_state(program)
     owned, opt = _owned(program), _inner_optimizer(program)
     targets: dict[str, torch.Tensor] = {}  # DCP copies its shard(s) into each in place
@@ -301,5 +339,5 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
     return info
 
 
-__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "CheckpointInfo", "full_state", "latest", "load",
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "CheckpointInfo", "full_state", "latest", "load", "verify",
            "read_info", "save", "step_dir_name"]

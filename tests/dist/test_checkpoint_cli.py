@@ -9,6 +9,7 @@ losses must equal its steps 5-6, i.e. the resumed job continues exactly where an
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_train_resume_on_another_plan(tmp_path, capsys):
     assert code == 0 and first["first_step"] == 1 and len(first["losses"]) == 4
     assert checkpoint.latest(ckpt).step == 4
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_000002", "step_000004"]
+    _damaged_checkpoints_are_refused(tmp_path, capsys, ckpt)
 
     code, resumed, _ = _train(capsys, "--steps", "6", "--tp", "2", "--checkpoint-dir", ckpt, "--save-every", "2",
                            "--resume", "--check")
@@ -44,3 +46,32 @@ def test_train_resume_on_another_plan(tmp_path, capsys):
     # nothing left to train: refused before any rank starts
     code, _, err = _train(capsys, "--steps", "6", "--checkpoint-dir", ckpt, "--resume")
     assert code == 2 and "is at step 6" in err and "pass --steps greater than 6" in err
+
+
+def _damaged_checkpoints_are_refused(tmp_path, capsys, ckpt: str) -> None:
+    """A truncated shard or `.metadata` in the newest checkpoint: exit 2 before any rank
+    starts, naming the file and the step, and pointing at the previous complete step."""
+    for name, damage in ((".distcp", lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])),
+                         (".metadata", lambda f: f.write_bytes(f.read_bytes()[:40]))):
+        copy = tmp_path / f"damaged{name}"
+        shutil.copytree(ckpt, copy)
+        victim = sorted(p for p in (copy / "step_000004").iterdir() if p.name.endswith(name))[0]
+        damage(victim)
+        code, _, err = _train(capsys, "--steps", "6", "--checkpoint-dir", str(copy), "--resume")
+        assert code == 2, err
+        assert "checkpoint step 4 is damaged" in err and str(victim) in err, err
+        assert "previous complete checkpoint is step 2" in err, err
+        assert ("truncated" in err) if name == ".distcp" else ("cannot be read" in err), err
+        assert "Traceback" not in err, err
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
+    """--resume with a missing or empty directory is an error (exit 2, no rank started);
+    --resume-if-exists trains from step 1 there."""
+    for where in (tmp_path / "missing", tmp_path):
+        code, _, err = _train(capsys, "--steps", "2", "--checkpoint-dir", str(where), "--resume")
+        assert code == 2 and "nothing to resume from" in err and "--resume-if-exists" in err, err
+    code, out, err = _train(capsys, "--steps", "2", "--checkpoint-dir", str(tmp_path / "fresh"), "--save-every", "2",
+                            "--resume-if-exists")
+    assert code == 0 and out["first_step"] == 1 and len(out["losses"]) == 2, err
+    assert checkpoint.latest(tmp_path / "fresh").step == 2

@@ -94,6 +94,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--checkpoint-dir VALUE",
         "--save-every VALUE",
         "--resume",
+        "--resume-if-exists",
         "--lr VALUE (default 0.001)",
         "--compile",
     ),
