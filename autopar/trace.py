@@ -282,12 +282,17 @@ def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
             continue
         inputs[alias].replace_all_uses_with(inputs[canon])
         ga, gc = grad_pos.get(alias), grad_pos.get(canon)
-        if ga is not None and gc is not None and values[ga] is not None and values[gc] is not None:
-            with graph.inserting_before(output):
-                total = graph.call_function(torch.ops.aten.add.Tensor, (values[gc], values[ga]))
-            total.meta["val"] = values[gc].meta["val"] + values[ga].meta["val"]
-            total.meta["partitioner_tag"] = "is_backward"
-            values[gc] = total
+        if ga is not None and gc is not None and values[ga] is not None:
+            if values[gc] is None:
+                # only the alias was read (BERT's head bias: registered first on the head,
+                # used through its decoder): its gradient is the parameter's whole gradient
+                values[gc] = values[ga]
+            else:
+                with graph.inserting_before(output):
+                    total = graph.call_function(torch.ops.aten.add.Tensor, (values[gc], values[ga]))
+                total.meta["val"] = values[gc].meta["val"] + values[ga].meta["val"]
+                total.meta["partitioner_tag"] = "is_backward"
+                values[gc] = total
         if ga is not None:
             drop.append(ga)
         graph.erase_node(inputs[alias])

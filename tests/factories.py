@@ -107,3 +107,46 @@ class ShuffledFeatures(MLP):
 def shuffled_features() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return ShuffledFeatures(), mlp_batch()
+
+
+class SharedBias(nn.Module):
+    """A masked-LM-style head whose bias is also its decoder's bias: one Parameter under two
+    names (`bias` and `decoder.bias`), as BERT's prediction head registers it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.transform = nn.Linear(16, 16)
+        self.decoder = nn.Linear(16, VOCAB)
+        self.bias = self.decoder.bias
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.decoder(torch.tanh(self.transform(self.embed(ids))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def shared_bias() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(1))
+    return SharedBias(), (ids, ids.roll(1, dims=1))
+
+
+class ModuleTwice(nn.Module):
+    """One block applied twice (weights shared across both uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.block(h))
+        h = torch.relu(self.block(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def module_twice() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return ModuleTwice(), mlp_batch()

@@ -63,3 +63,15 @@ def distilbert():
                            hidden_dim=128, dropout=0.0, attention_dropout=0.0)
     ids, labels = _tokens()
     return LossOf(DistilBertForMaskedLM(cfg)), (ids, labels)
+
+
+def bert():
+    """BERT masked LM: its prediction head registers one bias under two names
+    (`cls.predictions.bias` and `cls.predictions.decoder.bias`)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    ids, labels = _tokens()
+    return LossOf(BertForMaskedLM(cfg)), (ids, labels)
