@@ -239,6 +239,12 @@ class Graph:
     """(alias, canonical) parameter nodes that are one tensor (tied embeddings): the joint
     graph has an input and a gradient per name; memory and the optimizer count it once and
     the two gradients are summed."""
+    buffer_updates: tuple[tuple[NodeId, NodeId], ...] = ()
+    """(buffer node, node computing its new value) for each buffer the forward updates in
+    place (BatchNorm's running statistics and batch count, a step counter): the program
+    writes the value back into the buffer, in the buffer's placement, after every
+    microbatch, as a single process running the same microbatches does (the ILP prices
+    the edge value -> buffer like any other)."""
     trace_time_s: float = 0.0
     _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
     _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)
@@ -312,6 +318,8 @@ class Graph:
                 ).encode()
             )
         h.update(json.dumps([[g.layers, g.multiplicity] for g in self.layer_groups]).encode())
+        if self.buffer_updates:
+            h.update(json.dumps(self.buffer_updates).encode())
         return h.hexdigest()
 
     def node_keys(self) -> tuple[str, ...]:
@@ -436,11 +444,13 @@ def extrapolate_batch(one: Graph, two: Graph, batch: int) -> Graph | None:
                                  bytes_moved=affine(x.bytes_moved, y.bytes_moved)))
     except _NotABatchScaling:
         return None
-    if (one.loss, one.param_grads, one.tied_params) != (two.loss, two.param_grads, two.tied_params) \
+    if (one.loss, one.param_grads, one.tied_params, one.buffer_updates) \
+            != (two.loss, two.param_grads, two.tied_params, two.buffer_updates) \
             or [(g.layers, g.nodes, g.multiplicity) for g in one.layer_groups] \
             != [(g.layers, g.nodes, g.multiplicity) for g in two.layer_groups] \
             or replace(one.model, batch=two.model.batch) != two.model:
         return None
     groups = tuple(replace(g, signature=layer_signature(nodes, g.nodes[0])) for g in one.layer_groups)
     return Graph(model=replace(one.model, batch=batch), nodes=tuple(nodes), loss=one.loss,
-                 param_grads=one.param_grads, layer_groups=groups, tied_params=one.tied_params)
+                 param_grads=one.param_grads, layer_groups=groups, tied_params=one.tied_params,
+                 buffer_updates=one.buffer_updates)

@@ -222,6 +222,7 @@ def trace(
     tied = _tied_parameters(model)
     if tied:
         _merge_tied(gm, tied)
+    _mutations_last(gm, type(model).__name__)
     _drop_empty_concat_inputs(gm)
     if recompute != "none":
         from autopar.recompute import apply_recompute
@@ -302,6 +303,40 @@ def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
     graph._codegen = fx.graph.CodeGen()  # flat inputs and outputs: the export's pytree specs no longer fit
     graph.lint()
     gm.recompile()
+
+
+def _mutations_last(gm: fx.GraphModule, model_name: str) -> None:
+    """Move the new values of buffers the forward updates in place (AOT's input-mutation
+    outputs, which come first) behind the loss and the gradients (in place), so every
+    stage reads the loss first; lower() records them as Graph.buffer_updates. A forward
+    that mutates a parameter or a batch input in place is refused: the optimizer alone
+    changes parameters, and the batch is data."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values, descs = list(output.args[0]), list(output.meta.get("desc", ()))
+    moved = [i for i, d in enumerate(descs) if type(d).__name__ == "InputMutationAOTOutput"]
+    if not moved:
+        return
+    for i in moved:
+        target = descs[i].mutated_input
+        if type(target).__name__ != "BufferAOTInput":
+            what = getattr(target, "target", None) or "a batch input"
+            raise TraceError(f"cannot train {model_name}: its forward modifies {what} in place; autopar changes "
+                             "parameters only through the optimizer and never writes to the batch. Compute on a "
+                             "copy (x = x.clone()), or keep running state in a buffer (register_buffer)")
+    order = [i for i in range(len(values)) if i not in set(moved)] + moved
+    output.args = ([values[i] for i in order],) + tuple(output.args[1:])
+    output.meta["desc"] = [descs[i] for i in order]
+    gm.graph._codegen = fx.graph.CodeGen()  # flat outputs: the export's pytree spec no longer fits
+    gm.graph.lint()
+    gm.recompile()
+
+
+def updated_buffers(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Names of the buffers a traced step's forward updates in place (its input-mutation
+    outputs): BatchNorm's running statistics, counters."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return tuple(d.mutated_input.target.removeprefix("model.") for d in output.meta.get("desc", ())
+                 if type(d).__name__ == "InputMutationAOTOutput")
 
 
 def _tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
@@ -485,8 +520,11 @@ def lower(
             names[n] = target.removeprefix("model.")
     loss_fx: fx.Node | None = None
     param_of_grad: dict[fx.Node, str] = {}
+    updated: list[tuple[str, fx.Node]] = []  # (buffer name, its new value)
     for value, desc in zip(output_node.args[0], output_node.meta.get("desc", ())):
         kind = type(desc).__name__
+        if kind == "InputMutationAOTOutput" and isinstance(value, fx.Node):
+            updated.append((desc.mutated_input.target.removeprefix("model."), value))
         if kind == "PlainAOTOutput" and getattr(desc, "idx", None) == 0:
             loss_fx = value
         elif kind == "GradAOTOutput" and isinstance(value, fx.Node) and hasattr(desc.grad_of, "target"):
@@ -570,8 +608,11 @@ def lower(
     tied = tuple((param_ids[alias], param_ids[canon]) for alias, canon in traced.tied
                  if alias in param_ids and canon in param_ids)  # empty once trace() merged them
     info = _model_info(name, nodes, groups, batch, seq, real, config, {a for a, _ in tied})
+    buffer_ids = {names[n]: ids[n] for n in fx_nodes if roles.get(n) is Role.BUFFER and n in names}
+    buffer_updates = tuple((buffer_ids[name], ids[value]) for name, value in updated if name in buffer_ids)
     graph = Graph(model=info, nodes=tuple(nodes), loss=ids[loss_fx], param_grads=tuple(param_grads),
-                  layer_groups=groups, tied_params=tied, trace_time_s=traced.trace_time_s)
+                  layer_groups=groups, tied_params=tied, buffer_updates=buffer_updates,
+                  trace_time_s=traced.trace_time_s)
     log.info("lowered %s: %d nodes, %d layer groups, %.3g FLOPs/step",
              name, len(nodes), len(groups), graph.flops_per_step)
     return graph

@@ -105,6 +105,9 @@ class RankGraphs:
     `step` after the loss and inputs/outputs of `grad_sync`, in order."""
     mesh_shape: tuple[int, ...]
     source: str = field(default="")
+    buffer_updates: tuple[str, ...] = ()
+    """Buffers the forward updates in place (Graph.buffer_updates): `step` returns their new
+    values last, each in its buffer's placement, for the runtime to write back."""
 
     def local_shape(self, slot: Slot) -> tuple[int, ...]:
         return local_shape(slot.shape, slot.placements, self.mesh_shape)
@@ -369,7 +372,13 @@ class _Interpreter:
                 with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
                     t = _redistribute(t, want, True)
             extras.append(t._local_tensor.contiguous())
-        return (loss._local_tensor, *grads, *extras)
+        updates = []
+        for buf, value in self.graph.buffer_updates:  # the edge value -> buffer the ILP priced
+            t, want = env[self.fx_nodes[value]], self.choices[buf].outputs[0]
+            if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
+                t = _redistribute(t, want, True)
+            updates.append(t._local_tensor.contiguous())
+        return (loss._local_tensor, *grads, *extras, *updates)
 
     def _grad_outputs(self) -> list[fx.Node]:
         grad_ids = {g for _, g in self.graph.param_grads}
@@ -541,7 +550,8 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     program = RankGraphs(step=step, grad_sync=sync, param_gather=param_gather,
                          gathered=tuple((name, update, compute) for name, update, compute, _ in gathered),
                          slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
-                          grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape)
+                          grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape,
+                         buffer_updates=tuple(graph[b].param_name or graph[b].name for b, _ in graph.buffer_updates))
     program.source = _source(program)
     return program
 

@@ -150,3 +150,41 @@ class ModuleTwice(nn.Module):
 def module_twice() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return ModuleTwice(), mlp_batch()
+
+
+class BatchNormCNN(nn.Module):
+    """A convolution, BatchNorm2d (running mean / variance / batch count updated in forward)
+    and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 7 * 7, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(torch.relu(self.bn(self.conv(x))).flatten(1)), y)
+
+
+def batchnorm_cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return BatchNormCNN(), (torch.randn(8, 1, 7, 7, generator=g), torch.randint(0, 5, (8,), generator=g))
+
+
+class CountingMLP(MLP):
+    """An MLP that counts its forward calls in a buffer (`register_buffer`), as schedulers
+    and EMA wrappers keep a step counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x, y)
+
+
+def counting_mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return CountingMLP(), mlp_batch()

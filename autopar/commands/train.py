@@ -188,13 +188,15 @@ def run(args: argparse.Namespace) -> int:
 
         check_stage_placements(model, config, example if source.factory is not None
                                else source.example_inputs(global_batch), plan)
-    found = _random_ops(model, example if source.factory is not None else source.example_inputs(global_batch)) \
-        if args.check else {}
+    found, updates = _random_ops(model, example if source.factory is not None
+                                 else source.example_inputs(global_batch)) if args.check else ({}, ())
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
                    seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile,
                    plans=(plan.dumps() if plan is not None else None,),
                    checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=resume,
-                   deterministic_random=bool(found))
+                   deterministic_random=bool(found),
+                   # buffers updated per forward: the reference runs the plan's microbatches
+                   reference_microbatches=num_microbatches if updates else 1)
     if torchrun:
         import torch.distributed as dist
 
@@ -214,28 +216,30 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, job, config, num_microbatches, per_rank, ref_losses, found)
 
 
-def _random_ops(model: Any, example_inputs: Any) -> dict[str, int]:
-    """Random ops of the traced training step, for --check; refuses ops the check cannot
-    make deterministic. A model that cannot be traced is checked with the mode on anyway
-    (it replaces whatever random ops run; none is harmless)."""
+def _random_ops(model: Any, example_inputs: Any) -> tuple[dict[str, int], tuple[str, ...]]:
+    """Random ops of the traced training step, for --check, and the buffers its forward
+    updates; refuses ops the check cannot make deterministic. A model that cannot be
+    traced is checked with the mode on anyway (it replaces whatever random ops run; none
+    is harmless)."""
     import copy
 
     from autopar.determinism import UnsupportedRandomOpError, random_ops, unsupported
-    from autopar.trace import TraceError, trace
+    from autopar.trace import TraceError, trace, updated_buffers
 
     try:
-        found = random_ops(trace(copy.deepcopy(model), tuple(example_inputs)).gm)
+        gm = trace(copy.deepcopy(model), tuple(example_inputs)).gm
+        found, updates = random_ops(gm), updated_buffers(gm)
     except TraceError as exc:
         print(f"autopar train: --check could not trace the step to look for random ops ({exc}); "
               "random ops that run are made deterministic anyway", file=sys.stderr)
-        return {"unknown (not traced)": 0}
+        return {"unknown (not traced)": 0}, ()
     bad = unsupported(found)
     if bad:
         raise UnsupportedRandomOpError(
             f"--check compares the parallel run with a single-process reference, and the model draws random "
             f"numbers with {', '.join(bad)}, which the check cannot make deterministic (it can: dropout, bernoulli, "
             "rand, randn, uniform, normal_); run without --check, or check a variant of the model without these ops")
-    return found
+    return found, updates
 
 
 def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num_microbatches: int,

@@ -9,6 +9,7 @@ Plan independence. Every tensor is stored under a key that names it in the unspl
 model, never a rank, stage or chunk:
   model/<fqn>              parameters (`layers.3.attn.qkv.weight`, ...)
   optim/<fqn>/<state>      optimizer state per parameter (AdamW: exp_avg, exp_avg_sq, step)
+  buffer/<fqn>             buffers the forward updates (BatchNorm's running statistics), one-stage programs
   rng/rank<r>              torch's CPU RNG state of rank r (restored where the rank exists)
 DCP records each tensor's global shape and every rank's shard offsets, and on load reads
 the overlap of whatever shards the new layout asks for: that is the resharding (FSDP2's
@@ -136,8 +137,18 @@ def _state_to_save(program: RankProgram) -> dict[str, torch.Tensor]:
         for name, value in sorted(opt.state.get(p, {}).items()):
             if isinstance(value, torch.Tensor):
                 state[f"optim/{key}/{name}"] = value.detach()
+    for name, value in _buffers(program):
+        state[f"buffer/{name}"] = value
     state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
     return state
+
+
+def _buffers(program: RankProgram) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a program updates in training (BatchNorm's running statistics) as
+    DTensors over its local shards (DCP writes and reads them in place); programs without
+    `named_buffers` (pipelines: their chunks update none) have none to store."""
+    named = getattr(program, "named_buffers", None)
+    return list(named()) if named is not None else []
 
 
 def full_state(program: RankProgram) -> dict[str, torch.Tensor]:
@@ -321,6 +332,12 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
             for name, value in sorted(opt.state[p].items()):
                 if isinstance(value, torch.Tensor):
                     targets[f"optim/{key}/{name}"] = value.detach()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(info.path).read_metadata().state_dict_metadata
+    for name, value in _buffers(program):
+        if f"buffer/{name}" in stored:  # (a checkpoint of a program that updates no buffer has none)
+            targets[f"buffer/{name}"] = value
     rng_key = f"rng/rank{dist.get_rank()}"
     if dist.get_rank() < info.world_size:
         targets[rng_key] = torch.get_rng_state()

@@ -59,6 +59,11 @@ class TrainJob:
     """Save after every K-th step (0: never)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in `checkpoint_dir` (start fresh if none)."""
+    reference_microbatches: int = 1
+    """How many microbatches `reference_run` splits each batch into (gradients accumulated,
+    the loss their mean): the plan's count where the model's forward updates buffers
+    (BatchNorm's running statistics: once per forward; its batch statistics: over the rows
+    of one forward), so the single process computes what the plan's microbatches compute."""
     deterministic_random: bool = False
     """Run every training step inside `autopar.determinism.deterministic_random` (here and in
     `reference_run`): random ops such as dropout draw the same fixed masks on every rank and
@@ -81,6 +86,8 @@ class RunResult:
     """One-stage programs: the collectives per step the program runs, {(kind, axis): (calls, bytes)}."""
     priced: dict | None = None
     """... and those its plan (or the ILP for its configuration) priced, for price = run checks."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Whole buffers after the run (with `return_parameters`, one-stage programs)."""
 
 
 def step_epilogue(params: list[torch.nn.Parameter]) -> Any:
@@ -126,13 +133,21 @@ def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
     model, batches, _ = build_model_and_batches(job)
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
     losses = []
+    m = job.reference_microbatches
     for batch in batches:
+        size = next(t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim())
+        rows = size // m
+        total = 0.0
         with _step_context(job):
-            loss = model(*batch)
-            loss.backward()
+            for i in range(m):
+                micro = [t[i * rows:(i + 1) * rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size
+                         else t for t in batch] if m > 1 else batch
+                loss = model(*micro)
+                (loss / m if m > 1 else loss).backward()
+                total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(total / m)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -160,13 +175,14 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
                 checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * job.global_batch,
                                 model=job.model, model_fingerprint=fingerprint)
         params = program.full_parameters() if job.return_parameters else {}
+        buffers = program.full_buffers() if job.return_parameters and hasattr(program, "full_buffers") else {}
         keep = job.return_parameters and program.dp_rank == 0 and program.tp_rank == 0
         stats = program.last_stats
         results.append(RunResult(
             config=config, losses=tuple(losses), step_times_s=tuple(times),
             parameter_bytes=stats.parameter_bytes, gradient_bytes=stats.gradient_bytes,
             optimizer_state_bytes=stats.optimizer_state_bytes, peak_rss_bytes=stats.peak_rss_bytes,
-            parameters=params if keep else {}, first_step=done + 1,
+            parameters=params if keep else {}, buffers=buffers if keep else {}, first_step=done + 1,
             collectives=program.collectives_per_step(job.global_batch // (config.dp * config.micro_batch))
             if hasattr(program, "collectives_per_step") else {},
             priced=getattr(program, "priced", None),

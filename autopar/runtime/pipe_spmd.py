@@ -342,6 +342,11 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
     first = next((x for x in inputs if x.dim() > 0), None)
     graph = lower(traced, name=f"{type(chunk).__name__}[{index}]", batch=rows,
                   seq=int(first.shape[1]) if first is not None and first.dim() > 1 else 1)
+    if graph.buffer_updates:
+        names = ", ".join(graph[b].param_name or graph[b].name for b, _ in graph.buffer_updates)
+        raise ValueError(f"pipeline chunk {index} updates buffers in its forward ({names}: running statistics or "
+                         "counters); pipeline stages do not write buffers back yet. Use --pp 1 (one-stage plans "
+                         "update buffers as one process does)")
 
     fx_nodes = [n for n in traced.gm.graph.nodes if n.op != "output"]
     ids = {n: i for i, n in enumerate(fx_nodes)}

@@ -184,7 +184,9 @@ class SpmdProgram:
                 micro = [t[i * rows:(i + 1) * rows] if t.dim() and t.shape[0] == size else t for t in batch]
                 outs = self.graphs.step(*self._inputs(micro, 1.0 / m))
                 loss_sum += outs[0].detach().float()
-                grads = list(outs[1:])
+                updated = len(self.graphs.buffer_updates)
+                grads = list(outs[1:len(outs) - updated])
+                self._write_buffers(outs[len(outs) - updated:])
                 raw = accumulate(raw, grads, self._input_storages)
             grads, outs = None, None
             grad_bytes = self.set_gradients(raw)  # empties `raw`
@@ -196,6 +198,25 @@ class SpmdProgram:
         self.gather_weights()
         self.last_stats = self._stats(grad_bytes)
         return loss
+
+    def _write_buffers(self, values: Sequence[torch.Tensor]) -> None:
+        """The forward's in-place buffer updates (BatchNorm's running statistics), each
+        already in its buffer's placement: written into this rank's shard after every
+        microbatch, as a single process running the same microbatches updates them."""
+        for name, value in zip(self.graphs.buffer_updates, values):
+            self._buffers[name].copy_(value)
+
+    def named_buffers(self) -> list[tuple[str, DTensor]]:
+        """The buffers the forward updates, as DTensors over this rank's shards (the same
+        storage: a checkpoint load writes into them)."""
+        placements = {s.name: s.placements for s in self.graphs.slots if s.role is Role.BUFFER}
+        return [(name, DTensor.from_local(self._buffers[name], self.mesh,
+                                          bridge.to_dtensor_placements(placements[name]), run_check=False))
+                for name in self.graphs.buffer_updates]
+
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers the forward updates, whole (collective where one is sharded)."""
+        return {name: b.full_tensor() for name, b in self.named_buffers()}
 
     def set_gradients(self, raw: list[torch.Tensor]) -> int:
         """Bring the raw gradients accumulated over a step's microbatches (outputs of the

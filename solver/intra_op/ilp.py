@@ -447,6 +447,10 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
         if param in active and grad in active:
             add(grad, param, graph[grad].output, lambda j, g=grad: space[g][j].outputs[0],
                 lambda j, q=param: space[q][j].update_placements, graph.weight(grad) * grad_sync_weight, grad=True)
+    for buf, value in graph.buffer_updates:  # a buffer's new value, written back every microbatch
+        if buf in active and value in active:
+            add(value, buf, graph[value].output, lambda j, u=value: space[u][j].outputs[0],
+                lambda j, b=buf: space[b][j].outputs[0], graph.weight(value))
     return edges
 
 
@@ -1041,6 +1045,9 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
         for p, u in enumerate(graph[v].inputs):
             if u in active and len(graph[u].outputs) == 1:
                 reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p])
+    for buf, value in graph.buffer_updates:
+        if buf in active and value in active:
+            reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0])
     for members in groups.values():
         first = next(iter(members.values()))
         collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,

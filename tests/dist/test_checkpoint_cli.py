@@ -75,3 +75,25 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
                             "--resume-if-exists")
     assert code == 0 and out["first_step"] == 1 and len(out["losses"]) == 2, err
     assert checkpoint.latest(tmp_path / "fresh").step == 2
+
+
+def test_buffers_updated_in_forward_are_saved_and_resumed(tmp_path, capsys):
+    """BatchNorm's running statistics and batch count are part of the checkpoint: a run
+    resumed after step 2 of 4 ends with the batch count of 4 uninterrupted steps (two
+    microbatches each: 8), where a resume that lost the buffers would count 4."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model = "tests.factories:batchnorm_cnn"
+    flags = ["--devices", "2", "--tp", "2", "--micro-batch", "4", "--checkpoint-dir", str(tmp_path), "--json"]
+    assert cli.main(["train", model, "--steps", "2", "--save-every", "2", *flags]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", model, "--steps", "4", "--save-every", "2", "--resume", "--check", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_step"] == 3 and out["match"], out
+    last = checkpoint.latest(tmp_path)
+    stored = dcp.FileSystemReader(last.path).read_metadata().state_dict_metadata
+    assert {"buffer/bn.running_mean", "buffer/bn.running_var", "buffer/bn.num_batches_tracked"} <= set(stored)
+    count = torch.zeros((), dtype=torch.long)
+    dcp.load({"buffer/bn.num_batches_tracked": count}, checkpoint_id=last.path, no_dist=True)
+    assert int(count) == 8
