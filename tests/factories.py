@@ -188,3 +188,36 @@ class CountingMLP(MLP):
 def counting_mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return CountingMLP(), mlp_batch()
+
+
+class SmallLSTM(nn.Module):
+    """An embedding, a one-layer LSTM and a linear head (83k parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 64)
+        self.lstm = nn.LSTM(64, 96, batch_first=True)
+        self.head = nn.Linear(96, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(ids))
+        return nn.functional.cross_entropy(self.head(out).flatten(0, 1), labels.flatten())
+
+
+def small_lstm() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (8, SEQ), generator=g)
+    return SmallLSTM(), (ids, ids.roll(1, dims=1))
+
+
+class VectorLoss(MLP):
+    """Returns the per-sample loss vector instead of a scalar."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))) - y) ** 2).mean(dim=1)
+
+
+def vector_loss() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return VectorLoss(), mlp_batch()

@@ -188,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
 
         check_stage_placements(model, config, example if source.factory is not None
                                else source.example_inputs(global_batch), plan)
+    if plan is None and config.pp == 1:
+        _check_placeable(args, model, config, example if source.factory is not None
+                         else source.example_inputs(global_batch), devices, global_batch)
     found, updates = _random_ops(model, example if source.factory is not None
                                  else source.example_inputs(global_batch)) if args.check else ({}, ())
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
@@ -214,6 +217,27 @@ def run(args: argparse.Namespace) -> int:
     per_rank: list[RunResult] = [r[0] for r in results]
     ref_losses = reference_run(job)[0] if args.check else None
     return _report(args, job, config, num_microbatches, per_rank, ref_losses, found)
+
+
+def _check_placeable(args: argparse.Namespace, model: Any, config: ParallelConfig, example: Any, devices: int,
+                     global_batch: int) -> None:
+    """A configuration given by flags (or the default, dp over every device) must trace to
+    a training step and have a placement under its rules: found here, before any rank
+    starts (runtime/spmd.py check_config_placeable), not by every rank after spawn."""
+    from autopar.runtime.spmd import check_config_placeable
+    from autopar.sharding import InfeasiblePlanError
+
+    try:
+        check_config_placeable(model, config, example)
+    except InfeasiblePlanError as exc:
+        given = [f"--{f.replace('_', '-')}" for f in _CONFIG_FLAGS if getattr(args, f, None) is not None]
+        origin = (f"given by {' '.join(given)}" if given else f"the default for --devices {devices}: data parallel "
+                  "over every device")
+        reason = str(exc).split(". Drop the configuration flags")[0]
+        raise ValueError(
+            f"the configuration dp={config.dp} tp={config.tp} ({origin}) cannot run {args.model}: {reason}. Let the "
+            f"search place it: autopar search {args.model} --cluster cpu:{devices} --global-batch {global_batch} "
+            f"--out plan.json, then autopar train {args.model} --devices {devices} --plan plan.json") from None
 
 
 def _random_ops(model: Any, example_inputs: Any) -> tuple[dict[str, int], tuple[str, ...]]:

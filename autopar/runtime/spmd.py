@@ -542,6 +542,29 @@ def check_plan_placements(model: nn.Module, config: ParallelConfig, example: Seq
     plan.placements_for(graph)
 
 
+def check_config_placeable(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
+                           loss_fn: Callable[..., torch.Tensor] | None = None, cluster: Any = None) -> Any:
+    """Trace `model`'s step at the configuration's microbatch and solve the configuration's
+    ILP, as rank 0 does when it builds (no process group): raises TraceError (the step is
+    not a training step: no scalar loss, ...) or InfeasiblePlanError (no placement obeys
+    the configuration's rules) once, before any rank starts. Returns the traced Graph."""
+    import copy
+
+    from autopar.trace import trace_step
+
+    rows = config.dp * config.micro_batch
+    tensors = [t for t in example if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0]
+    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
+    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute)
+    if cluster is None:
+        from autopar.cluster import Cluster
+
+        cluster = Cluster.parse(f"cpu:1x{config.num_devices}")
+    solve_config(graph, config, cluster, num_microbatches=max(1, size // rows))
+    return graph
+
+
 def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
                        loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
                        mesh: DeviceMesh | None = None, choices: Sequence[NodeStrategy] | None = None,

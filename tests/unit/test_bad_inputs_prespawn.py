@@ -59,6 +59,15 @@ CASES = [
     ("check with a random op it cannot make deterministic",
      lambda tmp: ["train", "tests.factories:shuffled_features", "--devices", "2", "--check"],
      "draws random numbers with aten.randperm.default, which the check cannot make deterministic"),
+    ("a forward that returns a vector, not a scalar loss (under --check: no notice about random ops)",
+     lambda tmp: ["train", "tests.factories:vector_loss", "--devices", "2", "--dp", "2", "--check"],
+     "VectorLoss.forward returned a tensor of shape (2,), not a scalar loss"),
+    ("a forced configuration no placement obeys",
+     lambda tmp: ["train", "tests.factories:small_lstm", "--devices", "4", "--tp", "2", "--dp", "2"],
+     "the configuration dp=2 tp=2 (given by --tp --dp) cannot run tests.factories:small_lstm: No placement"),
+    ("the default configuration (dp over every device) for a model BatchNorm keeps whole",
+     lambda tmp: ["train", "tests.factories:batchnorm_cnn", "--devices", "4"],
+     "(the default for --devices 4: data parallel over every device) cannot run"),
 ]
 
 
@@ -72,6 +81,7 @@ def test_refused_before_any_rank_starts(argv, phrase, tmp_path, capsys, no_ranks
     err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("[transformers]"))
     assert err.startswith("autopar train: error: ") and phrase in err, err
     assert "rank" not in err.split(": error: ", 1)[1][:20], err  # the message alone, not a rank's report
+    assert "could not trace" not in err and "Traceback" not in err, err
 
 
 def test_the_instrumentation_sees_a_rank_start(no_ranks_started):
