@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar import batch as batches
 from autopar.capabilities import zoo_family
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
@@ -138,8 +139,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         else:
             raise ValueError(f"search a zoo or factory name, or an nn.Module with example_inputs= (one global "
                              f"batch); got {type(model).__name__} with example_inputs={example_inputs!r}")
-        tensors = [t for t in example if isinstance(t, torch.Tensor) and t.dim()]
-        batch = int(tensors[0].shape[0]) if tensors else 1
+        batch = batches.batch_size(example)
         if global_batch is None:
             global_batch = batch
         elif global_batch != batch:
@@ -147,8 +147,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
             raise ValueError(f"{what} batches of {batch}; search it with --global-batch {batch}")
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
-            micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t
-                     for t in example]
+            micro = batches.rows(example, 0, rows, batch)
             return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute)[1]
     if global_batch is None:
         raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
@@ -288,9 +287,11 @@ class Compiled:
                              "call .step(batch) first, or pass example_inputs= to autopar.compile")
         return self._program
 
-    def step(self, batch: torch.Tensor | Sequence[torch.Tensor]) -> float:
-        """One optimizer step on the global batch; returns the global mean loss (every rank)."""
-        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    def step(self, batch: Any = (), **keywords: Any) -> float:
+        """One optimizer step on the global batch (a tensor, a dict, a tuple of inputs; keyword
+        inputs as keywords); returns the global mean loss (every rank)."""
+        batch = (batch,) if isinstance(batch, (torch.Tensor, dict)) else tuple(batch)
+        batch = batches.join(*batches.split(batch)) if not keywords else batches.join(batch, keywords)
         if self._program is None:
             self._program = self._build(batch)
         return self._program.step(batch)
@@ -351,7 +352,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         plan = _search_on_rank0(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn)
         config = plan.config
     if example_inputs is not None:
-        config.check(global_batch=int(example_inputs[0].shape[0]), num_devices=num_devices, **model_dims(model, config))
+        config.check(global_batch=batches.batch_size(example_inputs), num_devices=num_devices,
+                     **model_dims(model, config))
     # every program carries its own source (`code`, a pipeline's `sources`): no unsharded copy is kept
     pristine = None
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
@@ -369,7 +371,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
 def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: MeshLike | None = None, *,
             example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
             optimizer: OptimizerFactory | None = None, plan: Any = None, config: ParallelConfig | None = None,
-            compile_stages: bool | None = None) -> Any:
+            compile_stages: bool | None = None, example_kwargs: dict[str, Any] | None = None) -> Any:
     """Compile `model` for `mesh` on this rank, or decorate a module class / factory.
 
     - `compile(module, "cpu:4", example_inputs=(tokens, labels))` -> Compiled
@@ -378,7 +380,12 @@ def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: Me
     `loss_fn(output, target)` applies when the model returns outputs rather than the loss
     (the last element of a batch is the target). `optimizer` is a factory over parameters,
     e.g. `functools.partial(torch.optim.AdamW, lr=3e-4)` (AdamW lr 1e-3 by default).
+    Inputs may be pytrees of tensors (a dict batch: `example_inputs=({"input_ids": ...},)`);
+    `example_kwargs` are keyword inputs (a forward with keyword-only arguments), and
+    `Compiled.step(batch, **keywords)` takes them likewise (autopar/batch.py).
     """
+    if example_kwargs:
+        example_inputs = batches.join(example_inputs if example_inputs is not None else (), example_kwargs)
     options = dict(example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, plan=plan,
                    config=config, compile_stages=compile_stages)
     if isinstance(model, nn.Module):
@@ -394,7 +401,8 @@ def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: Me
             made = target(*args, **kwargs)
             inputs = options["example_inputs"]
             if isinstance(made, tuple):
-                made, inputs = made[0], (made[1] if inputs is None else inputs)
+                made, given = batches.from_factory(made, repr(getattr(target, "__name__", target)))
+                inputs = given if inputs is None else inputs
             if not isinstance(made, nn.Module):
                 raise ValueError(f"{getattr(target, '__name__', target)!r} returned {type(made).__name__}; "
                                  "a decorated factory must return an nn.Module or (module, example_inputs)")

@@ -188,6 +188,10 @@ def trace(
         raise TraceError(f"trace needs an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise TraceError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
+    from autopar.batch import split
+
+    example_inputs, keywords = split(example_inputs)
+    example_kwargs = {**keywords, **(example_kwargs or {})}
     step = _LossStep(model, loss_fn, aux_outputs)
     found_prefix, num_layers = _find_layer_container(model)
     layer_prefix = found_prefix if layer_prefix is None else layer_prefix
@@ -409,23 +413,25 @@ def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: LossFn |
                recompute: str = "none") -> tuple[Any, Graph]:
     """Trace and lower the training step of `model` on one global microbatch, rewritten
     for the recomputation policy (autopar/recompute.py)."""
+    from autopar.batch import batch_size, seq_len
+
     traced = trace(model, tuple(microbatch), loss_fn=loss_fn, recompute=recompute)
-    first = next((t for t in microbatch if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    batch = int(first.shape[0]) if first is not None else 1
-    seq = int(first.shape[1]) if first is not None and first.dim() > 1 else 1
+    batch, seq = batch_size(microbatch), seq_len(microbatch)
     graph = lower(traced, name=type(model).__name__, batch=batch, seq=seq, config=getattr(model, "cfg", None))
     return traced, graph
 
 
 
 def _batch_of(inputs: Sequence[Any]) -> int:
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    return int(first.shape[0]) if first is not None else 1
+    from autopar.batch import batch_size
+
+    return batch_size(inputs)
 
 
 def _seq_of(inputs: Sequence[Any]) -> int:
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 1), None)
-    return int(first.shape[1]) if first is not None else 1
+    from autopar.batch import seq_len
+
+    return seq_len(inputs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -221,3 +221,35 @@ class VectorLoss(MLP):
 def vector_loss() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return VectorLoss(), mlp_batch()
+
+
+class DictBatchLM(nn.Module):
+    """A forward that takes one dict batch, `model({"input_ids": ..., "labels": ...})`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mix(self.embed(batch["input_ids"]))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def dict_batch() -> tuple[nn.Module, tuple[dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(5))
+    return DictBatchLM(), ({"input_ids": ids, "labels": ids.roll(1, dims=1)},)
+
+
+class KeywordOnlyLM(DictBatchLM):
+    """A forward whose inputs are keyword-only: `model(input_ids=..., labels=...)`."""
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward({"input_ids": input_ids, "labels": labels})
+
+
+def keyword_only() -> tuple[nn.Module, tuple[()], dict[str, torch.Tensor]]:
+    """The keyword form of the factory contract: (model, positional inputs, keyword inputs)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(5))
+    return KeywordOnlyLM(), (), {"input_ids": ids, "labels": ids.roll(1, dims=1)}

@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autopar.batch import batch_size, tensors
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.preflight import check_job
@@ -125,7 +126,7 @@ def _tokens_per_step(job: TrainJob) -> int:
     source = resolve(job.model).with_overrides(seq=job.seq)
     if source.config is not None:
         return job.global_batch * source.config.seq
-    return int(source.factory()[1][0].numel())
+    return sum(t.numel() for t in tensors(source.factory()[1])[:1])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     source = resolve(args.model).with_overrides(seq=args.seq)
     if source.factory is not None:
         model, example = source.factory()
-        global_batch = int(example[0].shape[0])
+        global_batch = batch_size(example)
         if args.global_batch not in (None, global_batch):
             raise ValueError(f"--global-batch {args.global_batch} but factory {args.model!r} gives batches of "
                              f"{global_batch}; drop --global-batch")

@@ -147,7 +147,15 @@ def _load_factory(path: str) -> Callable[[], tuple[nn.Module, tuple[Any, ...]]]:
     if not callable(fn):
         raise ValueError(f"model factory {path!r}: module {module_name!r} has no callable {attr!r}; name a "
                          "function that returns (model, example_inputs), as 'package.module:function'")
-    return fn
+
+    def factory() -> tuple[nn.Module, tuple[Any, ...]]:
+        # (model, inputs) or (model, inputs, keyword inputs): one batch tuple (autopar/batch.py)
+        from autopar.batch import from_factory
+
+        return from_factory(fn(), f"model factory {path!r}")
+
+    factory.__name__ = getattr(fn, "__name__", "factory")
+    return factory
 
 
 def resolve(name: str) -> ModelSource:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.batch import batch_size, call, rows as batch_rows
 from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.determinism import deterministic_random
@@ -135,14 +136,13 @@ def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
     losses = []
     m = job.reference_microbatches
     for batch in batches:
-        size = next(t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim())
+        size = batch_size(batch)
         rows = size // m
         total = 0.0
         with _step_context(job):
             for i in range(m):
-                micro = [t[i * rows:(i + 1) * rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size
-                         else t for t in batch] if m > 1 else batch
-                loss = model(*micro)
+                micro = batch_rows(batch, i * rows, (i + 1) * rows, size) if m > 1 else batch
+                loss = call(model, micro)
                 (loss / m if m > 1 else loss).backward()
                 total += float(loss.detach())
         opt.step()

@@ -397,6 +397,12 @@ def first_microbatch(config: ParallelConfig, example_inputs: Sequence[Any]) -> t
     """One global batch's first global microbatch (its first dp * micro_batch rows, what a
     chunk is traced on), the batch's size and the rows per global microbatch; a batch that
     does not split so is refused with what to use instead."""
+    from autopar.batch import is_flat
+
+    if not is_flat(example_inputs):
+        raise ValueError("pipeline stages take a batch of positional tensors (inputs..., labels); this batch has "
+                         "dicts, nested containers or keyword inputs. Train it with --pp 1 (one-stage plans take "
+                         "any batch), or give the model positional tensor inputs")
     rows = config.dp * config.micro_batch
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     size = tensors[0].shape[0]

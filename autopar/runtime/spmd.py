@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.batch import batch_size, rows as batch_rows, tensors as tensor_leaves
 from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
@@ -170,9 +171,8 @@ class SpmdProgram:
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step on the global `batch` (identical on every rank); returns the
         mean loss over the whole batch, on every rank."""
-        batch = [t for t in batch if isinstance(t, torch.Tensor)]
         rows = self.config.dp * self.config.micro_batch
-        size = batch[0].shape[0]
+        size = batch_size(batch)
         if size % rows:
             raise ValueError(f"batch of {size} sequences does not split into microbatches of dp * micro-batch = "
                              f"{self.config.dp} * {self.config.micro_batch}; use a multiple of {rows}")
@@ -181,7 +181,7 @@ class SpmdProgram:
         loss_sum = torch.zeros(())
         with torch.no_grad():
             for i in range(m):
-                micro = [t[i * rows:(i + 1) * rows] if t.dim() and t.shape[0] == size else t for t in batch]
+                micro = tensor_leaves(batch_rows(batch, i * rows, (i + 1) * rows, size))
                 outs = self.graphs.step(*self._inputs(micro, 1.0 / m))
                 loss_sum += outs[0].detach().float()
                 updated = len(self.graphs.buffer_updates)
@@ -535,9 +535,8 @@ def check_plan_placements(model: nn.Module, config: ParallelConfig, example: Seq
     from autopar.trace import trace_step
 
     rows = config.dp * config.micro_batch
-    tensors = [t for t in example if isinstance(t, torch.Tensor)]
-    size = tensors[0].shape[0]
-    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
+    size = batch_size(example)
+    micro = batch_rows(example, 0, rows, size)
     _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute)
     plan.placements_for(graph)
 
@@ -553,9 +552,8 @@ def check_config_placeable(model: nn.Module, config: ParallelConfig, example: Se
     from autopar.trace import trace_step
 
     rows = config.dp * config.micro_batch
-    tensors = [t for t in example if isinstance(t, torch.Tensor)]
-    size = tensors[0].shape[0]
-    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
+    size = batch_size(example)
+    micro = batch_rows(example, 0, rows, size)
     _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute)
     if cluster is None:
         from autopar.cluster import Cluster
@@ -580,9 +578,8 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     if config.pp != 1:
         raise ValueError("build_spmd_program runs pp = 1 plans; pipelines use autopar.runtime.program.build_program")
     rows = config.dp * config.micro_batch
-    tensors = [t for t in example if isinstance(t, torch.Tensor)]
-    size = tensors[0].shape[0]
-    micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t for t in example]
+    size = batch_size(example)
+    micro = batch_rows(example, 0, rows, size)
     mesh = mesh if mesh is not None else make_spmd_mesh(config)
     from autopar.trace import trace_step
 

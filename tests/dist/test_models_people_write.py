@@ -7,6 +7,11 @@ is its decoder's bias, tests/factories.py `shared_bias`, and Hugging Face's BERT
 The tracer makes each aliased tensor one graph input with one gradient (autopar/trace.py
 `_merge_tied`): where only the alias is read, its gradient is the parameter's.
 
+Batches people pass: one dict (`model({"input_ids": ..., "labels": ...})`) and keyword-only
+inputs (a factory returning (model, inputs, keyword inputs); `autopar.compile(...,
+example_kwargs=...)` and `Compiled.step(**keywords)` in Python), split on the batch dim
+(autopar/batch.py).
+
 Buffers the forward updates in place (BatchNorm's running statistics and batch count, a
 call counter): the program writes each new value back after every microbatch, and the
 semantics are a single process's running the plan's microbatches (BatchNorm's batch
@@ -32,6 +37,8 @@ STEPS = 3
 MODELS = {
     "batchnorm-cnn": ("tests.factories:batchnorm_cnn", "8"),
     "counting-mlp": ("tests.factories:counting_mlp", "8"),
+    "dict-batch": ("tests.factories:dict_batch", "8"),
+    "keyword-only": ("tests.factories:keyword_only", "8"),
     "shared-bias": ("tests.factories:shared_bias", "8"),
     "module-twice": ("tests.factories:module_twice", "8"),
     "hf-bert": ("tests.hf_factories:bert", "8"),
@@ -80,3 +87,31 @@ def test_buffers_after_training_equal_the_reference():
     assert int(counter) == STEPS * BUFFER_CASES["tests.factories:counting_mlp"][1]  # once per forward
     bn = results[0][0][0].buffers
     assert int(bn["bn.num_batches_tracked"]) == STEPS * 4 and float(bn["bn.running_mean"].abs().sum()) > 0
+
+
+def _compile_worker(rank: int) -> list[float]:
+    import autopar
+    from tests import factories
+
+    model, _, keywords = factories.keyword_only()
+    compiled = autopar.compile(model, "cpu:2", example_kwargs=keywords)
+    return [compiled.step(**keywords) for _ in range(STEPS)]
+
+
+def test_keyword_inputs_through_the_python_api():
+    """`autopar.compile(model, mesh, example_kwargs=...)` searches and builds a forward with
+    keyword-only arguments; `step(**keywords)` trains it like one process does."""
+    from tests import factories
+
+    losses = spawn(_compile_worker, 2)
+    model, _, keywords = factories.keyword_only()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = []
+    for _ in range(STEPS):
+        loss = model(**keywords)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(float(loss))
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(ref), rtol=1e-4, atol=0)
