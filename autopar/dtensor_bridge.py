@@ -187,11 +187,14 @@ def _expand(op_schema: OpSchema, single: list[list[Any]], num_outputs: int) -> A
     return expand_to_full_mesh_op_strategy(mesh, op_schema, single, input_index=num_outputs)
 
 
-def _attention_masks(op_schema: OpSchema) -> int:
+def _attention_masks(op_schema: OpSchema) -> list[Any]:
     """Tensor kwargs of an attention op (its `attn_mask`, as torch.export's graphs of
     Hugging Face models pass it: shape (batch, 1, q, k), broadcast over heads). They follow
-    the batch split and stay whole under a head split (the placements list ends with them)."""
-    return sum(1 for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy))
+    the batch split where they have a batch (a mask of batch 1, as T5's cross-attention
+    bias of zeros, is broadcast: whole) and stay whole under a head split (the placements
+    list ends with them). One placement per mask under the batch split."""
+    masks = [a for a in op_schema.kwargs_schema.values() if isinstance(a, OpStrategy)]
+    return [DReplicate() if len(m.shape) and m.shape[0] == 1 else DShard(0) for m in masks]
 
 
 def _cpu_flash_attention(op_schema: OpSchema) -> Any:
@@ -199,7 +202,7 @@ def _cpu_flash_attention(op_schema: OpSchema) -> Any:
     # replicated, batch-sharded or head-sharded, every tensor alike (a mask: see above)
     r, b, h = DReplicate(), DShard(0), DShard(1)
     masks = _attention_masks(op_schema)
-    return _expand(op_schema, [[r] * (5 + masks), [b] * (5 + masks), [h] * 5 + [r] * masks], num_outputs=2)
+    return _expand(op_schema, [[r] * (5 + len(masks)), [b] * 5 + masks, [h] * 5 + [r] * len(masks)], num_outputs=2)
 
 
 def _cpu_flash_attention_backward(op_schema: OpSchema) -> Any:
@@ -207,13 +210,45 @@ def _cpu_flash_attention_backward(op_schema: OpSchema) -> Any:
     tensors = sum(1 for a in op_schema.args_schema if isinstance(a, OpStrategy))
     masks = _attention_masks(op_schema)
     r, b, h = DReplicate(), DShard(0), DShard(1)
-    return _expand(op_schema, [[r] * (3 + tensors + masks), [b] * (3 + tensors + masks),
-                               [h] * (3 + tensors) + [r] * masks], num_outputs=3)
+    return _expand(op_schema, [[r] * (3 + tensors + len(masks)), [b] * (3 + tensors) + masks,
+                               [h] * (3 + tensors) + [r] * len(masks)], num_outputs=3)
+
+
+def _dims(op_schema: OpSchema, k: int) -> int:
+    return len(op_schema.args_schema[k].shape)
+
+
+def _follows_input(op_schema: OpSchema) -> Any:
+    # (self) -> a copy of it (lift_fresh_copy: a traced constant made a fresh tensor):
+    # any layout of the input, the output alike
+    r = DReplicate()
+    return _expand(op_schema, [[r, r]] + [[DShard(d), DShard(d)] for d in range(_dims(op_schema, 0))], num_outputs=1)
+
+
+def _fill_tensor(op_schema: OpSchema) -> Any:
+    # (self, value: 0-dim) -> self's shape, every element `value` (T5's decoder inputs set
+    # their first position to the start token): filled shard by shard, the value whole
+    r = DReplicate()
+    return _expand(op_schema, [[r, r, r]] + [[DShard(d), DShard(d), r] for d in range(_dims(op_schema, 0))],
+                   num_outputs=1)
+
+
+def _copy(op_schema: OpSchema) -> Any:
+    # (self, src) -> src's values in self's layout (functional copy_): elementwise where the
+    # shapes agree, a whole (broadcast) src where they do not
+    r = DReplicate()
+    same = tuple(op_schema.args_schema[0].shape) == tuple(op_schema.args_schema[1].shape)
+    n = _dims(op_schema, 0)
+    return _expand(op_schema, [[r, r, r]] + [[DShard(d), DShard(d), DShard(d) if same else r] for d in range(n)],
+                   num_outputs=1)
 
 
 PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: (_cpu_flash_attention, 3),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (_cpu_flash_attention_backward, 6),
+    aten.lift_fresh_copy.default: (_follows_input, 1),
+    aten.fill.Tensor: (_fill_tensor, 2),
+    aten.copy.default: (_copy, 2),
 }
 """op -> (strategy function, index of the first non-tensor argument that keys the cache)."""
 

@@ -137,11 +137,11 @@ def _runnable(op: Any) -> Any:
     return op
 
 
-def _has_rule(op: Any) -> bool:
+def _has_direct_rule(op: Any) -> bool:
+    """DTensor's registry runs `op` itself (not through a decomposition)."""
     prop = bridge.PROPAGATOR
     return not isinstance(op, torch._ops.OpOverload) or op in prop.op_single_dim_strategy_funcs \
-        or op in prop.op_strategy_funcs or torch._decomp.decomposition_table.get(op) is not None \
-        or op._can_decompose()
+        or op in prop.op_strategy_funcs
 
 
 def _flat(args: Any, kwargs: dict[str, Any]) -> list[Any]:
@@ -424,11 +424,13 @@ class _Interpreter:
 
         args = tuple(arg(a) for a in node.args)
         kwargs = {k: arg(v) for k, v in node.kwargs.items()}
-        target = _runnable(node.target)
-        if target is not node.target or _has_rule(node.target):
-            pass
-        elif all(_is_replicated(a) for a in _flat(args, kwargs)):
+        if not _has_direct_rule(node.target) and all(_is_replicated(a) for a in _flat(args, kwargs)):
+            # no DTensor rule and every input whole: the op on the whole tensors is exact (a
+            # decomposition could reach ops DTensor has no rule for either: T5's fill.Tensor
+            # decomposes to copy)
             target = functools.partial(_on_whole_tensors, node.target, self.mesh)
+        else:
+            target = _runnable(node.target)
         try:
             try:
                 out = target(*args, **kwargs)
@@ -466,11 +468,13 @@ def _examples(metas: Sequence[tuple[tuple[int, ...], str]], device: str) -> list
     type. One on another device makes DTensor.from_local move it, and the trace would keep
     that copy, of every parameter and input, in every step (seen on an H100: a
     `_to_copy(..., device='cuda')` per placeholder). The mode is the one make_fx would make
-    itself (it takes the inputs' mode)."""
+    itself (it takes the inputs' mode), allowing real inputs: the traced step's real tensor
+    constants (T5's `torch.tensor(0)`, read by get_attr) enter the per-rank graph as constants."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True):
+    with FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True,
+                        allow_non_fake_inputs=True):
         return [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in metas]
 
 

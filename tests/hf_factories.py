@@ -75,3 +75,13 @@ def bert():
                      attention_probs_dropout_prob=0.0)
     ids, labels = _tokens()
     return LossOf(BertForMaskedLM(cfg)), (ids, labels)
+
+
+def t5():
+    """Encoder-decoder: T5 with a masked-span-style target (labels through the decoder)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    ids, labels = _tokens()
+    return LossOf(T5ForConditionalGeneration(cfg)), (ids, labels)

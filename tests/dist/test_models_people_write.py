@@ -7,6 +7,11 @@ is its decoder's bias, tests/factories.py `shared_bias`, and Hugging Face's BERT
 The tracer makes each aliased tensor one graph input with one gradient (autopar/trace.py
 `_merge_tied`): where only the alias is read, its gradient is the parameter's.
 
+An encoder-decoder: Hugging Face T5 from a small config, searched and forced (dp4: the
+decoder's shifted labels filled shard by shard, the cross-attention's broadcast bias whole;
+autopar/dtensor_bridge.py project rules; the program runs ops without a DTensor rule on
+whole inputs as themselves, codegen/apply.py).
+
 Batches people pass: one dict (`model({"input_ids": ..., "labels": ...})`) and keyword-only
 inputs (a factory returning (model, inputs, keyword inputs); `autopar.compile(...,
 example_kwargs=...)` and `Compiled.step(**keywords)` in Python), split on the batch dim
@@ -42,6 +47,7 @@ MODELS = {
     "shared-bias": ("tests.factories:shared_bias", "8"),
     "module-twice": ("tests.factories:module_twice", "8"),
     "hf-bert": ("tests.hf_factories:bert", "8"),
+    "hf-t5": ("tests.hf_factories:t5", "8"),
 }
 
 
@@ -115,3 +121,10 @@ def test_keyword_inputs_through_the_python_api():
         ref.append(float(loss))
     for rank_losses in losses:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(ref), rtol=1e-4, atol=0)
+
+
+def test_t5_under_forced_data_parallelism(capsys):
+    code = cli.main(["train", "tests.hf_factories:t5", "--devices", "4", "--dp", "4", "--steps", str(STEPS), "--check",
+                     "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["match"] and out["max_rel_loss_diff"] < 1e-4, out
