@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any, Callable
 
 from autopar.api import search_plans
@@ -19,9 +20,33 @@ from autopar.plan import GIB, describe_config
 from solver.search import ProgressFn
 
 
+PLAIN_EVERY_S = 5.0
+"""Plain progress (stderr not a terminal): a line per phase start and end, and at most one
+per PLAIN_EVERY_S seconds between."""
+PHASES = {"trace": "tracing (fake tensors)", "price": "pricing plans", "solve": "candidates solved"}
+
+
+def _plain_progress() -> ProgressFn:
+    last: dict[str, tuple[float, int]] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        seen = last.get(phase)
+        if seen is not None and done != total and now - seen[0] < PLAIN_EVERY_S:
+            return
+        if seen is not None and seen[1] == done:
+            return
+        last[phase] = (now, done)
+        print(f"search: {PHASES.get(phase, phase)} {done}/{total}", file=sys.stderr, flush=True)
+
+    return update
+
+
 def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | None, Callable[[], None]]:
     if not enabled:
         return (lambda: None), None, (lambda: None)
+    if not sys.stderr.isatty():  # a log or a pipe: plain lines as the work goes
+        return (lambda: None), _plain_progress(), (lambda: None)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -31,8 +56,7 @@ def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | N
 
     def update(phase: str, done: int, total: int) -> None:
         if phase not in tasks:
-            tasks[phase] = bar.add_task({"trace": "tracing (fake tensors)", "price": "pricing plans"}.get(phase, phase),
-                                        total=total)
+            tasks[phase] = bar.add_task(PHASES.get(phase, phase), total=total)
         bar.update(tasks[phase], completed=done, total=total)
 
     return bar.start, update, bar.stop

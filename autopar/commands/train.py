@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from autopar.batch import batch_size, tensors
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.preflight import check_job
-from autopar.runtime.jobs import RunResult, TrainJob, reference_run, train_worker
+from autopar.runtime.jobs import RunResult, TrainJob, reference_run, step_line, train_worker
 from autopar.runtime.launch import RankFailure, init_from_env, launched_by_torchrun, spawn
 
 LOSS_RTOL = 1e-4
@@ -201,6 +202,15 @@ def run(args: argparse.Namespace) -> int:
                    deterministic_random=bool(found),
                    # buffers updated per forward: the reference runs the plan's microbatches
                    reference_microbatches=num_microbatches if updates else 1)
+    ref_losses = None
+    lead = not torchrun or _torchrun_rank() == 0
+    if not args.json:
+        # step lines as the steps finish (rank 0), the reference beside them: run it first
+        ref_losses = reference_run(job)[0] if args.check and lead else None
+        job = replace(job, live_steps=True, tokens_per_step=_tokens_per_step(job),
+                      reference_losses=tuple(ref_losses or ()))
+        if lead:
+            _print_header(job, config, num_microbatches)
     if torchrun:
         import torch.distributed as dist
 
@@ -216,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"autopar train: error: {exc} (all ranks stopped)", file=sys.stderr)
             return EXIT_BAD_INPUT if exc.user_error else EXIT_CRASH
     per_rank: list[RunResult] = [r[0] for r in results]
-    ref_losses = reference_run(job)[0] if args.check else None
+    if args.check and ref_losses is None:
+        ref_losses = reference_run(job)[0]
     return _report(args, job, config, num_microbatches, per_rank, ref_losses, found)
 
 
@@ -267,6 +278,18 @@ def _random_ops(model: Any, example_inputs: Any) -> tuple[dict[str, int], tuple[
     return found, updates
 
 
+def _torchrun_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _print_header(job: TrainJob, config: ParallelConfig, num_microbatches: int) -> None:
+    c = config
+    print(f"{job.model}: dp {c.dp} x tp {c.tp} x pp {c.pp}, zero {c.zero}, micro-batch {c.micro_batch} "
+          f"({num_microbatches} microbatches), schedule {c.schedule}, recompute {c.recompute}", flush=True)
+
+
 def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num_microbatches: int,
             per_rank: list[RunResult], ref_losses: list[float] | None, found: dict[str, int]) -> int:
     first = per_rank[0]
@@ -310,14 +333,12 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        c = config
-        print(f"{job.model}: dp {c.dp} x tp {c.tp} x pp {c.pp}, zero {c.zero}, micro-batch {c.micro_batch} "
-              f"({num_microbatches} microbatches), schedule {c.schedule}, recompute {c.recompute}")
         if first.first_step > 1:
             print(f"resumed from the checkpoint after step {first.first_step - 1} in {job.checkpoint_dir}")
-        for k, loss in enumerate(first.losses):
-            ref = f"   reference {ref_losses[k]:.6f}" if ref_losses is not None else ""
-            print(f"step {first.first_step + k}: loss {loss:.6f}{ref}   {tokens / first.step_times_s[k]:,.0f} tokens/s")
+        if not job.live_steps:
+            for k, loss in enumerate(first.losses):
+                print(step_line(first.first_step + k, loss, ref_losses[k] if ref_losses is not None else None,
+                                tokens / first.step_times_s[k], "tokens/s"))
         print(f"throughput {tokens_per_s:,.0f} tokens/s (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
         if ref_losses is not None:

@@ -60,6 +60,13 @@ class TrainJob:
     """Save after every K-th step (0: never)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in `checkpoint_dir` (start fresh if none)."""
+    live_steps: bool = False
+    """Rank 0 prints each step's line as the step finishes (`autopar train` without --json)."""
+    tokens_per_step: int = 0
+    """What the live lines divide by the step time (autopar/commands/train.py)."""
+    throughput_unit: str = "tokens/s"
+    reference_losses: tuple[float, ...] = ()
+    """The single-process reference's losses, shown beside the live lines (`--check`)."""
     reference_microbatches: int = 1
     """How many microbatches `reference_run` splits each batch into (gradients accumulated,
     the loss their mean): the plan's count where the model's forward updates buffers
@@ -151,6 +158,12 @@ def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def step_line(step: int, loss: float, reference: float | None, rate: float, unit: str) -> str:
+    """One step's line, as `autopar train` prints it (live, from rank 0)."""
+    ref = f"   reference {reference:.6f}" if reference is not None else ""
+    return f"step {step}: loss {loss:.6f}{ref}   {rate:,.0f} {unit}"
+
+
 def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
     """Run on every rank of an initialised process group; one RunResult per config."""
     results = []
@@ -171,6 +184,9 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
             with _step_context(job):
                 losses.append(program.step(batches[k]))
             times.append(time.perf_counter() - start)
+            if job.live_steps and dist.get_rank() == 0:
+                print(step_line(k + 1, losses[-1], job.reference_losses[k] if k < len(job.reference_losses) else None,
+                                job.tokens_per_step / times[-1], job.throughput_unit), flush=True)
             if job.save_every and job.checkpoint_dir and (k + 1) % job.save_every == 0:
                 checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * job.global_batch,
                                 model=job.model, model_fingerprint=fingerprint)

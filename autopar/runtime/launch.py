@@ -93,6 +93,8 @@ def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFA
 
     if dist.is_initialized():
         return
+    if int(os.environ.get("RANK", "0")) != 0:
+        quiet_library_warnings()
     import_before_process_group()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
@@ -132,6 +134,17 @@ thread of its own after these imports (checked: the same 2 tasks as after `impor
 aot_autograd included), so forking it is safe."""
 
 
+def quiet_library_warnings() -> None:
+    """Warnings (Python's and logged ones below ERROR) are printed by rank 0 alone: every
+    rank runs the same code, and N copies of one DTensor or Hugging Face warning say
+    nothing more. Errors still print on every rank."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+
+
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable[..., Any],
             args: tuple[Any, ...], collective_timeout_s: float, environ: dict[str, str]) -> None:
     os.environ.clear()
@@ -140,6 +153,8 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if rank != 0:
+        quiet_library_warnings()
     import_before_process_group()
     # a rank found hung is sent STACK_SIGNAL before it is stopped: every thread's Python
     # stack goes to <rank>.stack (faulthandler writes it from the signal handler, so a rank

@@ -97,3 +97,48 @@ def test_buffers_updated_in_forward_are_saved_and_resumed(tmp_path, capsys):
     count = torch.zeros((), dtype=torch.long)
     dcp.load({"buffer/bn.num_batches_tracked": count}, checkpoint_id=last.path, no_dist=True)
     assert int(count) == 8
+
+
+def test_step_lines_appear_as_the_steps_finish(tmp_path):
+    """`autopar train` (no --json) prints each step's line from rank 0 when the step ends:
+    the line of step 1 is read while the run is still training (its step-8 checkpoint is
+    not written yet), where printing them all at the end would find every checkpoint on
+    disk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "autopar.cli", "train", MODEL, "--devices", "2", "--global-batch", "4",
+           "--steps", "8", "--checkpoint-dir", str(tmp_path), "--save-every", "1"]
+    with subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        early = None
+        for line in proc.stdout:
+            if line.startswith("step 1:"):
+                early = not (tmp_path / "step_000008").exists()
+                break
+        rest, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert early is True, "step 1's line arrived after the last step"
+    assert rest.count("step ") == 7 and "throughput" in rest, rest
+
+
+def _warn(rank: int) -> int:
+    import logging
+    import warnings
+
+    warnings.warn("one library warning")
+    logging.getLogger("some.library").warning("one logged warning")
+    logging.getLogger("some.library").error("an error on rank %d", rank)
+    return rank
+
+
+def test_library_warnings_print_once(capfd):
+    """Every rank runs the same code: a library's warning is printed by rank 0 alone, errors by
+    every rank."""
+    from autopar.runtime.launch import spawn
+
+    assert spawn(_warn, 2) == [0, 1]
+    err = capfd.readouterr().err
+    assert err.count("UserWarning: one library warning") == 1 and err.count("one logged warning") == 1, err
+    assert "an error on rank 0" in err and "an error on rank 1" in err, err
