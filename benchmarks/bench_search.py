@@ -5,10 +5,12 @@ pipelines by the inter-op DP over ILP stage costs (solver/pipeline_search.py), o
 plans the runtime runs ranked. Targets (issue 14): llama3-70b on h100:128x8 (1,024
 H100s) at global batch 1024 x seq 8192 in < 30 s; llama3-405b on h100:2048x8 (16,384
 H100s, global batch 2048 x seq 8192, Llama 3's 16M-token batch) in < 60 s, on this
-2-core machine. The 70B plan and its predicted step time are printed. The search is
+2-core machine; and two small recurrent models (benchmarks/small_models.py, an LSTM and a
+GRU of 64 unrolled steps, no layer stack) on cpu:4 in < 15 s each. The plan and its
+predicted step time are printed. The search is
 single-threaded (HiGHS with one thread), so its CPU seconds are also printed: on a shared
 machine they are what the wall time would be without the other processes.
-Run: .venv/bin/python benchmarks/bench_search.py [--only 70b|405b]
+Run: .venv/bin/python benchmarks/bench_search.py [--only 70b|405b|small]
 """
 
 from __future__ import annotations
@@ -17,23 +19,29 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
-from autopar.api import search_plans
-from autopar.plan import describe_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.small_models, run from anywhere
+
+from autopar.api import search_plans  # noqa: E402
+from autopar.plan import describe_config  # noqa: E402
 
 CASES = (
     ("llama3-70b", "h100:128x8", 1024, 8192, 30.0),
     ("llama3-405b", "h100:2048x8", 2048, 8192, 60.0),
+    # small models on the cpu profile: recurrent layers traced unrolled (64 steps), no layer stack
+    ("benchmarks.small_models:lstm", "cpu:4", 8, None, 15.0),
+    ("benchmarks.small_models:gru", "cpu:4", 8, None, 15.0),
 )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("70b", "405b"), default=None)
+    parser.add_argument("--only", choices=("70b", "405b", "small"), default=None)
     args = parser.parse_args(argv)
     ok = True
     for model, cluster, batch, seq, target_s in CASES:
-        if args.only and not model.endswith(args.only):
+        if args.only and not (model.endswith(args.only) or (args.only == "small" and ":" in model)):
             continue
         cpu0 = time.process_time()
         result = search_plans(model, cluster, global_batch=batch, seq=seq)
@@ -42,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         within = result.search_time_s < target_s
         ok &= within
         phases = ", ".join(f"{name} {sec:.2f} s" for name, sec in result.phases)
-        print(f"{model} on {cluster}, global batch {batch} x seq {seq}: {result.search_time_s:.1f} s wall, "
+        print(f"{model} on {cluster}, global batch {batch} x seq {seq or plan.seq}: {result.search_time_s:.1f} s wall, "
               f"{cpu_s:.1f} s CPU (target < {target_s:.0f} s: {'ok' if within else 'MISSED'}; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
         print(f"  phases: {phases}")

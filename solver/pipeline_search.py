@@ -511,7 +511,7 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     # one-stage recompute: the step traced under each policy (what the runtime traces); a
     # policy that rewrites nothing (no repeated layers) is the same candidate as none
     refs = {"none": ref}
-    if spmd:
+    if spmd and L:  # recompute rewrites repeated layers only (autopar/recompute.py): none, nothing to trace
         for rc in RECOMPUTE_CHOICES[1:]:
             g_rc = traced(graphs, trace_at, ref_g, rc)
             if len(g_rc.nodes) != len(ref.nodes):
