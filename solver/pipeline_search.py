@@ -48,6 +48,7 @@ from autopar.capabilities import PlanShape, StageShape, runnable
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
+from autopar.placement import Replicate
 from autopar.plan import (
     GIB,
     Alternative,
@@ -671,11 +672,24 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     return SearchResult(ranked=ranked[:top], plan=plans[0], phases=phases, search_time_s=elapsed, plans=tuple(plans))
 
 
+def repeated_axes(solution: Any) -> tuple[str, ...]:
+    """The (dp, tp) axes of size > 1 on which no node of a one-stage solution is sharded or a
+    pending sum, so every rank of the axis runs the same step (Ranked.repeated_axes)."""
+    names = ("dp", "tp")
+    out = []
+    for k, size in enumerate(solution.mesh_shape):
+        if size > 1 and all(isinstance(p[k], Replicate) for c in solution.choices
+                            for p in (*c.outputs, *c.inputs) if p is not None):
+            out.append(names[k] if k < len(names) else f"axis {k}")
+    return tuple(out)
+
+
 def _ranked(e: _Entry, num_layers: int) -> Ranked:
     if e.spmd is not None:
         s = e.spmd
         return Ranked(config=replace(s.candidate.config, zero=dict(s.estimate.config)["zero"]),
-                      stage_layers=(num_layers,), estimate=s.estimate, bubble_fraction=0.0)
+                      stage_layers=(num_layers,), estimate=s.estimate, bubble_fraction=0.0,
+                      repeated_axes=repeated_axes(s.solution))
     r = e.pipeline
     return Ranked(config=_config(r), stage_layers=r.solution.stage_layers, estimate=e.estimate,
                   bubble_fraction=r.solution.bubble_s / r.step_time_s if r.step_time_s else 0.0)

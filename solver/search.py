@@ -107,6 +107,17 @@ class Ranked:
     stage_layers: tuple[int, ...]
     estimate: Estimate
     bubble_fraction: float
+    repeated_axes: tuple[str, ...] = ()
+    """Mesh axes (of size > 1) on which the plan shards nothing: every rank of such an axis
+    runs the same whole step (a tiny model, where any split costs more than it saves). The
+    step time and throughput are right; the degrees name devices, not parallelism."""
+
+    def label(self, global_batch: int) -> str:
+        """describe_config's label, saying where ranks only repeat the work."""
+        text = describe_config(self.config, self.stage_layers, global_batch)
+        if self.repeated_axes:
+            text += f" ({' and '.join(self.repeated_axes)} only repeat the step: nothing is split over them)"
+        return text
 
     def sort_key(self) -> tuple[Any, ...]:
         c = self.config
@@ -120,6 +131,7 @@ class Ranked:
         data["config"] = config
         data["stage_layers"] = list(self.stage_layers)
         data["bubble_fraction"] = self.bubble_fraction
+        data["repeated_axes"] = list(self.repeated_axes)
         return data
 
 

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from autopar.api import search_plans
-from autopar.plan import GIB, describe_config
+from autopar.plan import GIB
 from solver.search import ProgressFn
 
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col == "config" else "right")
     for i, r in enumerate(result.ranked, 1):
         e = r.estimate
-        table.add_row(str(i), describe_config(r.config, r.stage_layers, args.global_batch), f"{e.step_time_s:.4g}",
+        table.add_row(str(i), r.label(args.global_batch), f"{e.step_time_s:.4g}",
                       f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.peak_memory_bytes / GIB:.2f}",
                       f"{r.bubble_fraction:.1%}")
     console.print(table)

@@ -50,3 +50,18 @@ def test_cli_search_of_a_layerless_factory(tmp_path, capsys):
     ranked = json.loads(capsys.readouterr().out)["plans"]
     assert ranked and all(p["stage_layers"] == [0] and p["config"]["pp"] == 1 for p in ranked)
     assert Plan.load(str(out)).stage_layers == (0,)
+
+
+def test_a_plan_says_where_ranks_only_repeat_the_step():
+    """A tiny model whose best plan shards nothing over its mesh: the degrees name devices, not
+    parallelism, and the label says so (the step time is the whole step on every rank)."""
+    from autopar.api import search_plans
+
+    result = search_plans("tests.factories:batchnorm_cnn", "cpu:4", global_batch=8, top=3)
+    best = result.ranked[0]
+    assert best.config.dp * best.config.tp == 4
+    assert best.repeated_axes, best
+    assert "only repeat the step" in best.label(8) and best.to_json(8)["repeated_axes"] == list(best.repeated_axes)
+    # a plan that does split its batch over dp says nothing of the kind
+    split = search_plans("tests.factories:mlp", "cpu:2", global_batch=8, top=5).ranked
+    assert any(r.config.dp == 2 and "dp" not in r.repeated_axes for r in split), split
