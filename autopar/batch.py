@@ -68,9 +68,17 @@ def batch_size(batch: Sequence[Any]) -> int:
 
 
 def seq_len(batch: Sequence[Any]) -> int:
-    """Dim 1 of the first tensor leaf with two dims (1 when there is none)."""
-    first = next((t for t in tensors(batch) if t.dim() > 1), None)
+    """Tokens per sample: dim 1 of the first integer tensor leaf with two dims (token ids,
+    batch x sequence); 1 when there is none (images, features: samples have no tokens, and
+    throughput is counted in samples, `throughput_unit`)."""
+    first = next((t for t in tensors(batch) if t.dim() > 1 and not t.is_floating_point()
+                  and not t.is_complex() and t.dtype != torch.bool), None)
     return int(first.shape[1]) if first is not None else 1
+
+
+def throughput_unit(seq: int) -> str:
+    """"tokens/s" where samples are token sequences (seq > 1), else "samples/s"."""
+    return "tokens/s" if seq > 1 else "samples/s"
 
 
 def rows(batch: Sequence[Any], start: int, stop: int, size: int | None = None) -> tuple[Any, ...]:
@@ -99,4 +107,4 @@ def is_flat(batch: Sequence[Any]) -> bool:
 
 
 __all__ = ["Keywords", "batch_size", "call", "from_factory", "is_flat", "join", "leaves", "rows", "seq_len",
-           "split", "tensors"]
+           "split", "tensors", "throughput_unit"]

@@ -253,3 +253,24 @@ def keyword_only() -> tuple[nn.Module, tuple[()], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(5))
     return KeywordOnlyLM(), (), {"input_ids": ids, "labels": ids.roll(1, dims=1)}
+
+
+class TinyViT(nn.Module):
+    """Patches of a 3-channel image, one attention layer, a class head: no token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 4, stride=4)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images).flatten(2).transpose(1, 2)
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return nn.functional.cross_entropy(self.head(x.mean(1)), labels)
+
+
+def tiny_vit() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(6)
+    return TinyViT(), (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g))

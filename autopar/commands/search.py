@@ -104,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
                   f"priced, {s.num_pruned_memory} pruned by memory bound, {s.num_pruned_dominated} dominated"
                   + ("" if s.complete else " [red](time limit hit: partial search)[/]"))
     table = Table(title=f"top {len(result.ranked)} plans (best first)")
-    for col in ("#", "config", "step s", "tokens/s", "MFU", "peak GiB", "bubble"):
+    from autopar.batch import throughput_unit
+
+    for col in ("#", "config", "step s", throughput_unit(plan.seq), "MFU", "peak GiB", "bubble"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for i, r in enumerate(result.ranked, 1):
         e = r.estimate

@@ -2,7 +2,8 @@
 
 Spawns N local gloo processes (autopar/runtime/launch.py) unless started by torchrun,
 trains `--steps` AdamW steps on synthetic data (autopar/runtime/jobs.py) and prints the
-loss per step and tokens/s. Every check that needs no process group (config vs model,
+loss per step and its throughput (tokens/s for token-id inputs, else samples/s: the
+definition `autopar search` predicts with, autopar/batch.py seq_len). Every check that needs no process group (config vs model,
 plan vs model, devices; autopar/preflight.py) runs once here, before any rank starts.
 
 `--check` also trains the single-process reference (same init, data and optimizer) and
@@ -11,7 +12,7 @@ draw different masks, so the launcher traces the step and, when the traced graph
 random ops, both runs draw them from the same fixed field instead
 (autopar/determinism.py); the output names the ops found and says so. `--json` prints
 `losses`, `reference_losses`, `match`, `random_ops` and `deterministic_random` (with
---check), `config`, `tokens_per_s`, `peak_memory_bytes` and per-rank state bytes.
+--check), `config`, `tokens_per_s` (in `throughput_unit`), `peak_memory_bytes` and per-rank state bytes.
 
 Exit codes: 0 trained (with --check: every step matched the reference); 1 a rank
 crashed, was killed or hung (named in the message); 2 bad input, refused before any rank
@@ -41,7 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from autopar.batch import batch_size, tensors
+from autopar.batch import batch_size, seq_len, throughput_unit
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.preflight import check_job
@@ -123,11 +124,16 @@ def _check_resume(args: argparse.Namespace, model: Any) -> None:
     checkpoint.verify(info)
 
 
-def _tokens_per_step(job: TrainJob) -> int:
+def _tokens_per_step(job: TrainJob) -> tuple[int, str]:
+    """(what one step processes, its rate's unit): tokens for token-id inputs (a zoo model,
+    or a factory whose first integer input is batch x sequence), else samples
+    (autopar/batch.py seq_len): the definition `autopar search` predicts with."""
     source = resolve(job.model).with_overrides(seq=job.seq)
     if source.config is not None:
-        return job.global_batch * source.config.seq
-    return sum(t.numel() for t in tensors(source.factory()[1])[:1])
+        return job.global_batch * source.config.seq, "tokens/s"
+    example = source.factory()[1]
+    seq = seq_len(example)
+    return batch_size(example) * seq, throughput_unit(seq)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         # step lines as the steps finish (rank 0), the reference beside them: run it first
         ref_losses = reference_run(job)[0] if args.check and lead else None
-        job = replace(job, live_steps=True, tokens_per_step=_tokens_per_step(job),
+        per_step, unit = _tokens_per_step(job)
+        job = replace(job, live_steps=True, tokens_per_step=per_step, throughput_unit=unit,
                       reference_losses=tuple(ref_losses or ()))
         if lead:
             _print_header(job, config, num_microbatches)
@@ -293,7 +300,7 @@ def _print_header(job: TrainJob, config: ParallelConfig, num_microbatches: int) 
 def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num_microbatches: int,
             per_rank: list[RunResult], ref_losses: list[float] | None, found: dict[str, int]) -> int:
     first = per_rank[0]
-    tokens = _tokens_per_step(job)
+    tokens, unit = _tokens_per_step(job)
     timed = first.step_times_s[1:] or first.step_times_s  # the first step pays lazy init
     tokens_per_s = tokens * len(timed) / sum(timed)
     if ref_losses is not None:  # a resumed run reports (and is checked on) its own steps only
@@ -304,6 +311,7 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         "first_step": first.first_step,
         "config": {**config.to_json(), "num_microbatches": num_microbatches},
         "tokens_per_s": tokens_per_s,
+        "throughput_unit": unit,
         "step_times_s": list(first.step_times_s),
         "peak_memory_bytes": max(r.peak_rss_bytes for r in per_rank),
         "peak_memory_kind": "max resident set size over ranks (CPU)",
@@ -338,8 +346,8 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         if not job.live_steps:
             for k, loss in enumerate(first.losses):
                 print(step_line(first.first_step + k, loss, ref_losses[k] if ref_losses is not None else None,
-                                tokens / first.step_times_s[k], "tokens/s"))
-        print(f"throughput {tokens_per_s:,.0f} tokens/s (steps after the first), peak RSS "
+                                tokens / first.step_times_s[k], unit))
+        print(f"throughput {tokens_per_s:,.0f} {unit} (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
         if ref_losses is not None:
             if job.deterministic_random:

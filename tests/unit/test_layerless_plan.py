@@ -65,3 +65,18 @@ def test_a_plan_says_where_ranks_only_repeat_the_step():
     # a plan that does split its batch over dp says nothing of the kind
     split = search_plans("tests.factories:mlp", "cpu:2", global_batch=8, top=5).ranked
     assert any(r.config.dp == 2 and "dp" not in r.repeated_axes for r in split), split
+
+
+def test_throughput_of_a_model_without_tokens_is_in_samples():
+    """An image model has no token ids: `search` predicts, and `train` measures, samples per
+    second by one definition (its 3 channels are not a sequence, its pixels not tokens)."""
+    from autopar.api import search_plans
+    from autopar.commands.train import _tokens_per_step
+    from autopar.runtime.jobs import TrainJob
+
+    plan = search_plans("tests.factories:tiny_vit", "cpu:4", global_batch=8, top=1).plan
+    assert plan.seq == 1
+    assert plan.predicted.tokens_per_s == pytest.approx(8 / plan.predicted.step_time_s)
+    assert _tokens_per_step(TrainJob(model="tests.factories:tiny_vit", configs=())) == (8, "samples/s")
+    # token ids: tokens
+    assert _tokens_per_step(TrainJob(model="tests.factories:dict_batch", configs=())) == (8 * 16, "tokens/s")
