@@ -147,11 +147,15 @@ def _getitem_strategies(node: Node, producer: Node, strategies: tuple[NodeStrate
 
 
 _CANDIDATES: dict[tuple[int, ...], dict[tuple, _Candidates]] = {}
-"""Candidates per mesh shape, memoised across enumerations: a node's candidates depend only
-on its op, input metas, outputs and scalar arguments (the memo key) and the mesh, and a
-search enumerates one model's step at many microbatches, whose batch-independent nodes
-(weights and their views) recur. Cleared past MAX_MEMO_ENTRIES (a long-lived process)."""
+"""Candidates per mesh shape, memoised across enumerations (`_Enumerator.key`): a search
+enumerates one model's step at many microbatches, and most nodes recur with sizes that
+differ only in ways the strategies do not read. Cleared past MAX_MEMO_ENTRIES (a
+long-lived process)."""
 MAX_MEMO_ENTRIES = 200_000
+EXACT_INTS = 16
+"""Integers up to this magnitude key the memo exactly (dims, small sizes); larger ones (sizes
+that scale with the batch) by `divisibility_signature`'s reading: which products of mesh
+axes divide them."""
 
 
 class _Enumerator:
@@ -168,6 +172,8 @@ class _Enumerator:
         if sum(len(c) for c in _CANDIDATES.values()) > MAX_MEMO_ENTRIES:
             _CANDIDATES.clear()
         self.cache: dict[tuple, _Candidates] = _CANDIDATES.setdefault(tuple(mesh_shape), {})
+        self.products = sorted({math.prod(c) for r in range(1, len(mesh_shape) + 1)
+                                for c in itertools.combinations(mesh_shape, r)} - {1})
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -349,8 +355,31 @@ class _Enumerator:
 
     # -- per node -----------------------------------------------------------------------
 
+    def key(self, node: Node) -> tuple:
+        """What a node's candidates depend on: its op, output slots, input and output dtypes
+        and ranks, and its integers (shapes, strides, scalar arguments) as
+        divisibility_signature reads them, small ones exactly. Two nodes of one key get
+        equal candidates (the premise divisibility_signature's whole-graph sharing rests
+        on; tests/unit/test_intra_op.py checks it across microbatches)."""
+        products = self.products
+
+        def norm(x: Any) -> Any:
+            if isinstance(x, bool) or x is None or isinstance(x, (float, str)):
+                return x
+            if isinstance(x, int):
+                return x if -EXACT_INTS <= x <= EXACT_INTS else tuple(x % p == 0 for p in products)
+            if isinstance(x, (tuple, list)):
+                return tuple(norm(y) for y in x)
+            return x
+
+        def meta(t: TensorMeta) -> tuple:
+            return (norm(t.shape), t.dtype, norm(t.stride))
+
+        return (node.op, tuple(meta(t) for t in self._in_metas(node)), tuple(meta(t) for t in node.outputs),
+                node.output_slots, norm(_scalar_args(node)))
+
     def candidates(self, node: Node) -> _Candidates:
-        key = (node.op, tuple(self._in_metas(node)), node.outputs, node.output_slots, _scalar_args(node))
+        key = self.key(node)
         hit = self.cache.get(key)
         if hit is None:
             hit = self.cache[key] = self._candidates(node)

@@ -555,6 +555,30 @@ def test_equal_divisibility_signatures_give_equal_strategy_spaces() -> None:
     assert shared >= 3 and distinct >= 4
 
 
+def test_candidates_memoised_across_microbatches_equal_a_fresh_enumeration() -> None:
+    """The enumeration memo (solver/intra_op/space.py `_Enumerator.key`: sizes keyed by their
+    divisibility, shared across graphs) gives each graph what a cold enumeration gives it,
+    for the microbatches a search traces one model at (GPT and Llama, 2-3 axis meshes)."""
+    from autopar.ir import extrapolate_batch
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+    from solver.intra_op import space as sp
+
+    for spec in ("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32",
+                 "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=48"):
+        src = resolve(spec)
+        two, four = (trace_model(src, batch=b) for b in (2, 4))
+        graphs = [two, four] + [extrapolate_batch(two, four, g) for g in (8, 24, 32)]
+        for mesh in ((2, 2), (4, 2), (2, 2, 2)):
+            sp._CANDIDATES.clear()
+            warm = [sp.enumerate_strategies(graph, mesh) for graph in graphs]  # each after the others' nodes
+            hits = len(sp._CANDIDATES[mesh])
+            for graph, got in zip(graphs, warm):
+                sp._CANDIDATES.clear()
+                assert sp.enumerate_strategies(graph, mesh) == got, (spec, mesh, graph.model.batch)
+            assert hits < sum(len(g.nodes) for g in graphs) / 4  # the memo is shared, not per graph
+
+
 def test_memoised_gather_free_pruning_is_the_pass_it_stands_for() -> None:
     """prune_gather_free's memo (the pipeline search shares one pass between the ZeRO
     layouts of a stage and the microbatches of one divisibility signature) returns what
