@@ -123,22 +123,34 @@ def test_step_lines_appear_as_the_steps_finish(tmp_path):
     assert rest.count("step ") == 7 and "throughput" in rest, rest
 
 
-def _warn(rank: int) -> int:
-    import logging
-    import warnings
+_WARN_SCRIPT = """
+import logging, warnings
+from autopar.runtime.launch import spawn
 
+def warn(rank):
     warnings.warn("one library warning")
     logging.getLogger("some.library").warning("one logged warning")
     logging.getLogger("some.library").error("an error on rank %d", rank)
     return rank
 
+if __name__ == "__main__":
+    assert spawn(warn, 2) == [0, 1]
+"""
 
-def test_library_warnings_print_once(capfd):
+
+def test_library_warnings_print_once(tmp_path):
     """Every rank runs the same code: a library's warning is printed by rank 0 alone, errors by
-    every rank."""
-    from autopar.runtime.launch import spawn
+    every rank. (In a fresh process: spawned ranks write to the stderr of the forkserver,
+    which pytest's per-test capture does not follow.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    assert spawn(_warn, 2) == [0, 1]
-    err = capfd.readouterr().err
+    script = tmp_path / "warn.py"
+    script.write_text(_WARN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=300)
+    err = proc.stderr
+    assert proc.returncode == 0, err
     assert err.count("UserWarning: one library warning") == 1 and err.count("one logged warning") == 1, err
     assert "an error on rank 0" in err and "an error on rank 1" in err, err
