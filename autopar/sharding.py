@@ -138,7 +138,11 @@ class IntraOpSolution:
     collectives: tuple[PricedCollective, ...] = ()
     """Every collective the chosen placements imply (the per-rank program runs these)."""
     grad_sync_weight: float = 1.0
-    """Weight of the gradient syncs in `cost` (1/m for m microbatches per step)."""
+    """Weight of the gradient syncs in `cost` (1/m for m microbatches per step; 1 where the
+    gradients sync every microbatch)."""
+    grads_each_microbatch: bool = False
+    """ZeRO-2: every microbatch's gradients are synced to their weight-update placement as
+    the backward leaves them, and accumulated there (solve_intra_op `grads_each_microbatch`)."""
     solve_time_s: float = field(default=0.0, compare=False)
     """Wall time; not part of the JSON so that the same inputs give byte-identical files."""
 
@@ -159,6 +163,7 @@ class IntraOpSolution:
             "num_constraints": self.num_constraints,
             "memory_budget_bytes": self.memory_budget_bytes,
             "grad_sync_weight": self.grad_sync_weight,
+            **({"grads_each_microbatch": True} if self.grads_each_microbatch else {}),
             "collectives": [[c.src, c.dst, c.kind, c.axis, c.bytes, c.weight, c.gradient_sync]
                             for c in self.collectives],
             "cost": {
@@ -202,6 +207,7 @@ class IntraOpSolution:
                    memory_budget_bytes=d["memory_budget_bytes"], status=d["status"],
                    solver=d["solver"], num_variables=d["num_variables"],
                    num_constraints=d["num_constraints"], grad_sync_weight=d["grad_sync_weight"],
+                   grads_each_microbatch=bool(d.get("grads_each_microbatch", False)),
                    collectives=tuple(PricedCollective(src=a, dst=b, kind=k, axis=x, bytes=n, weight=w, gradient_sync=g)
                                      for a, b, k, x, n, w, g in d["collectives"]))
 
@@ -257,8 +263,12 @@ def raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> dict[NodeId, 
     pipeline stage costs (solver/stage_costs.py, per piece)."""
     by_node = {c.node: c for c in solution.choices}
     out: dict[NodeId, float] = {}
-    for _param, grad in graph.param_grads:
+    for param, grad in graph.param_grads:
         c = by_node.get(grad)
         if c is not None:
-            out[grad] = c.weight * graph[grad].output.size_bytes / shard_factor(c.outputs[0], solution.mesh_shape)
+            # ZeRO-2 accumulates the synced gradient, in the parameter's update placement
+            p = by_node.get(param)
+            where = (p.outputs[0] if p.update is None else p.update) \
+                if solution.grads_each_microbatch and p is not None else c.outputs[0]
+            out[grad] = c.weight * graph[grad].output.size_bytes / shard_factor(where, solution.mesh_shape)
     return out

@@ -120,13 +120,16 @@ def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int,
 
 
 def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Cluster,
-                  mesh_shape: tuple[int, ...], dtype: str) -> StrategyCost:
+                  mesh_shape: tuple[int, ...], dtype: str, grads_at_update: bool = False) -> StrategyCost:
     """Compute time, communication time and per-device memory of one node under one strategy."""
     if node.role is Role.PARAMETER:
         # weights and gradients in the compute placement, optimizer state (fp32 master,
-        # momentum, variance) in the update placement: ZeRO-1's 4 + 12/N (memory.py)
-        mem = ((BYTES_WEIGHT + BYTES_GRAD) / shard_factor(strategy.outputs[0], mesh_shape)
-               + BYTES_OPTIMIZER / shard_factor(strategy.update_placements, mesh_shape)) * node.output.numel
+        # momentum, variance) in the update placement: ZeRO-1's 4 + 12/N (memory.py);
+        # ZeRO-2 accumulates its gradient in the update placement too: 2 + 14/N
+        computed, updated = shard_factor(strategy.outputs[0], mesh_shape), shard_factor(
+            strategy.update_placements, mesh_shape)
+        mem = (BYTES_WEIGHT / computed + BYTES_GRAD / (updated if grads_at_update else computed)
+               + BYTES_OPTIMIZER / updated) * node.output.numel
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
     if node.is_view:
@@ -197,9 +200,10 @@ def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     return 2.0 * core_share(cluster) / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
 
 
-def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTable:
+def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at_update: bool = False) -> CostTable:
     """Cost of every strategy of every node (nodes with identical structure priced once).
-    Not `cost_model.price`, which prices one whole configuration into an Estimate."""
+    Not `cost_model.price`, which prices one whole configuration into an Estimate.
+    `grads_at_update`: gradients accumulate in the weight-update placement (ZeRO-2)."""
     mesh_shape = space.mesh_shape
     links = mesh_axis_links(cluster, mesh_shape)
     dtype = graph.model.dtype
@@ -209,7 +213,8 @@ def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster) -> CostTabl
         key = (node.op, node.role, node.outputs, tuple(graph[i].outputs for i in node.inputs),
                node.flops, node.bytes_moved, node.is_view, node.is_causal, strategies)
         if key not in cache:
-            cache[key] = tuple(strategy_cost(graph, node, s, cluster, mesh_shape, dtype) for s in strategies)
+            cache[key] = tuple(strategy_cost(graph, node, s, cluster, mesh_shape, dtype, grads_at_update)
+                               for s in strategies)
         table.append(cache[key])
     return CostTable(mesh_shape=mesh_shape, links=links, nodes=tuple(table))
 

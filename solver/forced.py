@@ -12,8 +12,12 @@ The mesh of a configuration is (dp, tp) (pp stages each get one). On the axes:
   weight-update placement (autopar.sharding.NodeStrategy.update), and `zero` fixes both
   over dp (for parameters with a dim that dp divides; others stay whole):
   zero 0: compute and update replicated (gradients all-reduced);
-  zero 1/2: compute replicated, update sharded (gradients reduce-scattered once per
-  step, the optimizer steps the shard, the updated weights all-gathered once per step);
+  zero 1/2: compute replicated, update sharded (the optimizer steps the shard, the
+  updated weights all-gathered once per step); zero 1 reduce-scatters the gradients once
+  per step, after the microbatches accumulated them whole; zero 2 (one-stage programs)
+  reduce-scatters each microbatch's gradients during its backward and accumulates the
+  shards: m reduce-scatters per step instead of one, gradient memory 1/N (the ILP's
+  `grads_each_microbatch`); a pipeline stage runs zero 2 as zero 1's layout;
   zero 3: compute and update sharded (gradients reduce-scattered, weights gathered for
   each use, the ILP placing the gathers).
 - tp (tensor parallel): the data inputs are whole on every rank of the axis (Replicate);
@@ -119,7 +123,8 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
 
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep_placeholder(config),
                           keep_update=keep_update(config), gather_free_axes=gather_free_axes(config),
-                          num_microbatches=num_microbatches, space=space)
+                          num_microbatches=num_microbatches, space=space,
+                          grads_each_microbatch=config.zero == 2 and config.dp > 1)
 
 
 def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,

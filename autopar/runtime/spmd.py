@@ -474,7 +474,8 @@ def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_micr
 
 def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:
     """What a solution prices per step: {(kind, axis name): (calls, bytes)} (per-microbatch
-    edges m times, the bucketed gradient sync once; a traced layer counts `weight` times)."""
+    edges m times, the bucketed gradient sync once (ZeRO-2's syncs are per-microbatch
+    edges); a traced layer counts `weight` times)."""
     out: dict[tuple[str, str], list[float]] = {}
     for c in solution.collectives:
         times = c.weight * (1 if c.gradient_sync else num_microbatches)
@@ -590,6 +591,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
         choices = plan.placements_for(graph)
         if plan.intra_op_info is not None:
             priced = {(kind, axis): (calls, nbytes) for kind, axis, calls, nbytes in plan.intra_op_info.collectives}
+    zero2 = False
     if choices is None:
         if cluster is None:
             from autopar.cluster import Cluster
@@ -603,10 +605,14 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
             raise solution
         choices = solution_choices(graph, solution)
         priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
+        zero2 = solution.grads_each_microbatch
     # one microbatch: nothing to accumulate, so the step reduces each gradient bucket as soon
     # as its last gradient is computed (raw gradients freed during the backward). The
     # test-only hook AUTOPAR_TEST_DROP_GRAD_SYNC needs the raw gradients: separate sync.
-    sync_in_step = num_microbatches == 1 and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
+    # ZeRO-2 (a solution that syncs the gradients every microbatch: forced.solve_one_stage
+    # for zero 2) syncs in the step whatever the microbatches: each microbatch's gradients
+    # are reduce-scattered as the backward leaves them and the shards accumulate
+    sync_in_step = (num_microbatches == 1 or zero2) and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
     params = distribute_parameters(model, graph, choices, mesh)
     graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step)
     del traced

@@ -73,6 +73,7 @@ import shutil
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import pulp
 
@@ -738,7 +739,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    grad_sync_weight: float = 1.0,
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
                    cutoff_s: float | None = None, num_microbatches: int | None = None,
-                   prune_memo: dict | None = None) -> IntraOpSolution:
+                   prune_memo: dict | None = None, grads_each_microbatch: bool = False) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration), `keep_update`
@@ -753,9 +754,14 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     `num_microbatches` m: a one-stage step of m microbatches; gradient edges are weighted
     1/m and the once-per-step optimizer and accumulation terms join the objective / m
     (module docstring). `prune_memo`: shares `prune_gather_free` passes between solves.
+    `grads_each_microbatch` (ZeRO-2): every microbatch syncs its gradients to their update
+    placements (the edges weighed 1, not 1/m) and accumulates them there: the gradient
+    bytes and the accumulation are the update shard's, not the raw gradient's.
     """
     if num_microbatches is not None:
         grad_sync_weight = 1.0 / num_microbatches
+    if grads_each_microbatch:
+        grad_sync_weight = 1.0
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     start = time.perf_counter()
@@ -767,7 +773,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if nodes is None:
         space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
                                   memo=prune_memo)
-    table = cost_table(graph, space, cluster)
+    table = cost_table(graph, space, cluster, grads_at_update=grads_each_microbatch)
     red = reduce_graph(graph, space, table, nodes)
     pricer = ReshardPricer(table.links, gloo=runs_gloo(cluster.hardware),
                            copy_s_per_byte=bucket_copy_s_per_byte(cluster))
@@ -780,7 +786,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         for j, s in enumerate(red.smap[n]):
             coef[j] += w * (costs[s].compute_s + costs[s].comm_s + tie * costs[s].memory_bytes)
     if num_microbatches is not None:
-        _add_step_terms(graph, space, red, node_coef, cluster, mesh_shape, num_microbatches)
+        _add_step_terms(graph, space, red, node_coef, cluster, mesh_shape, num_microbatches,
+                        synced=grads_each_microbatch)
     forbidden: dict[NodeId, set[int]] = {}
     _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight)
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
@@ -825,6 +832,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
     solution = _extract(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape, memory_budget_bytes,
                         grad_sync_weight=grad_sync_weight, status=status, solver=solver,
+                        grads_each_microbatch=grads_each_microbatch,
                         num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
                         num_constraints=model.prob.numConstraints(),
                         solve_time_s=time.perf_counter() - start)
@@ -893,11 +901,12 @@ def _parameter_options(graph: Graph, red: Reduction, node_coef: dict[NodeId, lis
 
 
 def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId, list[float]], cluster: Cluster,
-                    mesh_shape: tuple[int, ...], m: int) -> None:
+                    mesh_shape: tuple[int, ...], m: int, *, synced: bool = False) -> None:
     """(optimizer step over each parameter's update shard, on the parameter's strategies) +
     (gradient accumulation into each raw gradient as the backward leaves it, on the
-    gradient's strategies: before the once-per-step sync a pending sum is whole), / m: the
-    terms spmd_search.estimate adds once per step."""
+    gradient's strategies: before the once-per-step sync a pending sum is whole; `synced`
+    (ZeRO-2): into the synced gradient, on the parameter's update shard), / m: the terms
+    spmd_search.estimate adds once per step."""
     from autopar.placement import shard_factor
     from cost_model import core_share, grad_accumulation_time_s, optimizer_time_s
 
@@ -905,11 +914,15 @@ def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId,
     opt_per_element = optimizer_time_s(1.0, hw) * share / m
     acc_per_byte = grad_accumulation_time_s(1.0, m, 1, hw) * share / m
     active = set(red.active)
+    grad_of = {p: g for p, g in graph.param_grads}
     for node, coef, w, j, s in _parameter_options(graph, red, node_coef):
-        coef[j] += w * opt_per_element * node.output.numel / shard_factor(space[node.id][s].update_placements,
-                                                                          mesh_shape)
+        update = shard_factor(space[node.id][s].update_placements, mesh_shape)
+        coef[j] += w * opt_per_element * node.output.numel / update
+        if synced and grad_of.get(node.id) in active:
+            g = grad_of[node.id]
+            coef[j] += graph.weight(g) * acc_per_byte * graph[g].output.size_bytes / update
     for _param, grad in graph.param_grads:
-        if grad not in active:
+        if grad not in active or synced:
             continue
         coef, w, size = node_coef[red.owner[grad]], graph.weight(grad), graph[grad].output.size_bytes
         for j, s in enumerate(red.smap[grad]):
@@ -1059,7 +1072,10 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
         t = pricer.grad_sync_time(graph[grad].output, space[grad][pick[grad]].outputs[0],
                                   space[param][pick[param]].update_placements, share=shares.get(grad)) or 0.0
         reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
-    collectives.extend(gradient_sync_collectives(graph, sync_items, pricer))
+    grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)
+    if meta.get("grads_each_microbatch"):  # ZeRO-2: every microbatch syncs them, as its edges
+        grad_syncs = [replace(c, gradient_sync=False) for c in grad_syncs]
+    collectives.extend(grad_syncs)
     collectives.extend(_update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight))
     choices = []
     compute = comm = resh = 0.0

@@ -82,9 +82,10 @@ NAMES = {
     # Weight-update sharding (zero 1/2) runs on the Llama.
     GPT: ("dp4", "zero3", "tp2xdp2_sp", "pp2xdp2_interleaved"),
     # Llama's pipelines: pp2 x dp2 ZeRO-1 here (GPipe, 1F1B), test_pipeline_per_op.py's
-    # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp)
-    # (--zero 2 runs ZeRO-1's program: tests/unit/test_intra_op.py checks the two solves are one)
-    LLAMA: ("dp4", "zero1", "zero3", "tp2xdp2_sp", "dp2xtp2_zero1", "pp2xdp2_zero1_gpipe", "pp2xdp2_zero1_1f1b"),
+    # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); ZeRO-2
+    # reduce-scatters every microbatch's gradients and accumulates the shards
+    LLAMA: ("dp4", "zero1", "zero2", "zero3", "tp2xdp2_sp", "dp2xtp2_zero1", "pp2xdp2_zero1_gpipe",
+            "pp2xdp2_zero1_1f1b"),
     # a Hugging Face model: weight-update sharding in pipeline stages (the harder case)
     HF: ("pp2xdp2_zero1_1f1b",),
 }
@@ -151,6 +152,22 @@ def test_update_sharding_gathers_once_per_step_and_shrinks_the_optimizer_state(w
         assert gathers[1] == dp4.parameter_bytes, gathers
         assert reductions[1] == dp4.gradient_bytes
         assert ("all_reduce", "dp") not in zero1.collectives or zero1.collectives[("all_reduce", "dp")][1] < 64
+
+
+def test_zero_2_reduce_scatters_every_microbatch(world4):
+    """ZeRO-2 over dp4 (two microbatches per step): ZeRO-1's placements, its gradients
+    reduce-scattered during each microbatch's backward (twice ZeRO-1's reduce-scatters per
+    step) and accumulated as shards; the updated weights gathered once per step, and the
+    same quarter of the optimizer state."""
+    per_rank, _ = world4[LLAMA]
+    names = list(NAMES[LLAMA])
+    for rank in range(4):
+        zero1, zero2 = per_rank[rank][names.index("zero1")], per_rank[rank][names.index("zero2")]
+        calls, nbytes = zero1.collectives[("reduce_scatter", "dp")]
+        assert zero2.collectives[("reduce_scatter", "dp")] == (2 * calls, 2 * nbytes)
+        assert zero2.collectives[("all_gather", "dp")] == zero1.collectives[("all_gather", "dp")]
+        assert zero2.optimizer_state_bytes == zero1.optimizer_state_bytes
+        assert zero2.gradient_bytes == zero1.gradient_bytes
 
 
 def test_pipeline_stage_gathers_its_weights_once_per_step(world4):

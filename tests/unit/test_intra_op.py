@@ -655,20 +655,36 @@ def test_a_weight_read_twice_in_one_phase_pays_one_gather() -> None:
     assert len(gathers) == 1 and gathers[0].bytes == meta.size_bytes
 
 
-def test_zero_2_solves_as_zero_1_weights_whole_update_sharded() -> None:
-    """`--zero 1` and `--zero 2` are one program (weights whole over dp, their update sharded
-    over it, the gradient accumulated whole and reduce-scattered once per step); `--zero 0`
-    updates every weight whole and `--zero 3` computes with sharded weights."""
+def test_zero_2_syncs_every_microbatch_into_zero_1_layout() -> None:
+    """`--zero 1` and `--zero 2` place every weight alike (whole over dp, its update sharded
+    over it); zero 1 accumulates the gradients whole and reduce-scatters them once per step,
+    zero 2 reduce-scatters every microbatch's and accumulates the shards: the same
+    collectives m times per step, a quarter of the gradient bytes, and the gradient edges
+    priced per microbatch. `--zero 0` updates every weight whole and `--zero 3` computes
+    with sharded weights."""
     from autopar.config import ParallelConfig
     from autopar.models import resolve
+    from autopar.runtime.spmd import priced_per_step
+    from autopar.sharding import raw_gradient_bytes
     from autopar.trace import trace_model
     from solver.forced import solve_one_stage
 
     graph = trace_model(resolve("llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"), batch=4,
                         dtype="float32")
     cpu4 = Cluster.parse("cpu:4")
-    solved = {z: solve_one_stage(graph, ParallelConfig(dp=4, zero=z), cpu4, num_microbatches=2) for z in (0, 1, 2, 3)}
-    assert solved[1].choices == solved[2].choices and solved[1].collectives == solved[2].collectives
+    m = 2
+    solved = {z: solve_one_stage(graph, ParallelConfig(dp=4, zero=z), cpu4, num_microbatches=m) for z in (0, 1, 2, 3)}
+    one, two = solved[1], solved[2]
+    assert [(c.outputs, c.inputs, c.update) for c in one.choices] == [(c.outputs, c.inputs, c.update)
+                                                                        for c in two.choices]
+    assert not one.grads_each_microbatch and two.grads_each_microbatch
+    assert one.grad_sync_weight == 1 / m and two.grad_sync_weight == 1
+    ran1, ran2 = priced_per_step(one, m, ("dp", "tp")), priced_per_step(two, m, ("dp", "tp"))
+    calls1, bytes1 = ran1[("reduce_scatter", "dp")]
+    assert ran2[("reduce_scatter", "dp")] == (m * calls1, m * bytes1)
+    assert ran2[("all_gather", "dp")] == ran1[("all_gather", "dp")]  # the updated weights, once per step
+    assert sum(raw_gradient_bytes(graph, two).values()) == pytest.approx(sum(raw_gradient_bytes(graph, one).values()) / 4,
+                                                                         rel=0.05)
     for p, _ in graph.param_grads:
         zero0, zero1, zero3 = (solved[z].choice(p) for z in (0, 1, 3))
         assert zero0.update is None and isinstance(zero0.outputs[0][0], Replicate)
