@@ -81,7 +81,7 @@ def t5():
     """Encoder-decoder: T5 with a masked-span-style target (labels through the decoder)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1,
                    num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
     ids, labels = _tokens()
     return LossOf(T5ForConditionalGeneration(cfg)), (ids, labels)

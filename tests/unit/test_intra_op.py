@@ -564,12 +564,12 @@ def test_candidates_memoised_across_microbatches_equal_a_fresh_enumeration() -> 
     from autopar.trace import trace_model
     from solver.intra_op import space as sp
 
-    for spec in ("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32",
-                 "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=48"):
+    for spec in ("llama:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32",
+                 "gpt:layers=1,hidden=64,heads=4,vocab=256,seq=48"):
         src = resolve(spec)
         two, four = (trace_model(src, batch=b) for b in (2, 4))
-        graphs = [two, four] + [extrapolate_batch(two, four, g) for g in (8, 24, 32)]
-        for mesh in ((2, 2), (4, 2), (2, 2, 2)):
+        graphs = [two, four] + [extrapolate_batch(two, four, g) for g in (24, 32)]
+        for mesh in ((4, 2), (2, 2, 2)):
             sp._CANDIDATES.clear()
             warm = [sp.enumerate_strategies(graph, mesh) for graph in graphs]  # each after the others' nodes
             hits = len(sp._CANDIDATES[mesh])
