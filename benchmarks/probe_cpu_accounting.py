@@ -21,7 +21,7 @@ as max(critical path / share, all work / cores) (solver/stage_dp.py).
     .venv/bin/python benchmarks/probe_cpu_accounting.py --size S --world 4 \
         [--only "dp4 mb4,dp4 z1"] [--rounds 6] [--warmup 2]
 
-Prints one row per configuration; the README's cost-model section says what runs found.
+Prints one row per configuration. What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
 """
 
 from __future__ import annotations
