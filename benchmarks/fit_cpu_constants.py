@@ -5,7 +5,7 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
 1. `gemm_memory_efficiency`: the share of the copy bandwidth at which a GEMM's operand and
    output bytes move in a training step (the roofline's t_memory of a GEMM; 1 on GPUs).
    What it explains: the same FLOPs cost more CPU in thin GEMMs. The sweep's large model on
-   4 ranks (dp4, /tmp probes 2026-11-25, CPU time per op with `time.thread_time`) spent
+   4 ranks (dp4, probed for CPU time per op with `time.thread_time`) spent
    158 ms of CPU per step in its GEMMs at one sequence per microbatch (64-row activations,
    each weight read and each weight gradient written once per microbatch) against 119 ms at
    four sequences (256 rows, one microbatch), and a GEMM of that layer alone, 4 processes on
@@ -25,7 +25,7 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
    wait to that collective's fixed latency (never on GPUs: it needs ranks > cores; never
    in a one-stage program, whose groups all reach the same collective at once).
    Why a fit and not a calibrate probe: measured directly (a loop of work and a pair's
-   4 KiB all-gather on every rank, 4 ranks on 2 cores, /tmp probes 2026-11-25) the excess
+   4 KiB all-gather on every rank, 4 ranks on 2 cores) the excess
    over the priced pair all-gather was 0 to 0.5 ms per call from one window to the next,
    and an earlier probe of the same wait inside `autopar calibrate`
    (`Calibration.sync_skew_s`) read 0.25 and 1.4 ms in two consecutive 3-run
@@ -52,7 +52,7 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
    fit and not a calibrate probe: calibrate measures at one rank count (the profile's);
    the exponent is the change between two, and measured back to back (no work between
    collectives) it misses what the programs show (collectives amid GEMM work took 1.0-1.2x
-   their price on 8 ranks, 1.3-2x on 4, /tmp probes 2026-11-28). `autopar calibrate`
+   their price on 8 ranks, 1.3-2x on 4, in probes). `autopar calibrate`
    stores latencies per core by the same law (measured / s ** g), so the calibration's own
    rank count prices as measured whatever g: only other rank counts move.
 4. `pipeline_call_host_s` h: host time per pipeline stage per chunk call (a microbatch's
@@ -60,7 +60,7 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
    messages as priced, per dedicated core (x ranks per core; 0 on GPUs). What it explains:
    deeper pipelines ran slower than priced in every recorded run since run 14 (log measured
    / priced, dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of twelve
-   runs); probed (/tmp, 2026-11-28, benchmarks/records/pipeline_calls_2026-11-28.md),
+   runs); probed (benchmarks/records/pipeline_calls_2026-11-28.md),
    dp2 pp4 ran about 12 ms per step slower than priced against dp4 pp2 on both S and M,
    0.7-1.6 ms of CPU per extra stage call, where the priced extra nodes are a few us.
    Why a fit and not a calibrate probe: trivial stages through the runtime's path measure

@@ -125,7 +125,7 @@ NOISY_APART = 0.05
 """Two identical programs measured further apart than this (minimum over rounds) mark the
 group as noisy in the summary: differences of that size between configurations are not
 resolved, and the 3% pick target is below them. Quiet runs measured 0.5-3.3%; a run on a
-loaded machine (2026-11-26, benchmarks/records/sweep_cpu_run8_noisy) 2.1-16.3%."""
+loaded machine (benchmarks/records/sweep_cpu_run8_noisy) 2.1-16.3%."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -319,7 +319,7 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any) -> float:
     The program that ran is the one `autopar.compile(model, "cpu:N", config=...)` built:
     solved on the built-in `cpu` profile. Another profile prices those same placements
     (`price_solution`), not its own solve's: for dp x tp and tp4 a solve on the calibrated
-    profile placed 0.3-31% of the nodes differently (2026-11-24), a different program."""
+    profile placed 0.3-31% of the nodes differently, a different program."""
     from autopar.cluster import HARDWARE, Cluster
     from autopar.runtime.spmd import solve_config
     from solver.forced import price_solution
