@@ -13,7 +13,7 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   autopar/runtime/spmd.py) and the in-place accumulation of a microbatch's gradients
   (`a.add_(b)`, autopar.runtime.spmd.accumulate). The profile stores them as the traffic
   they are worth at the copy bandwidth (`optimizer_bytes_per_param`,
-  `accumulate_bytes_per_byte`): measured here (2026-11-24, 1- and 3-run calibrations), an AdamW step
+  `accumulate_bytes_per_byte`): measured on the development machine (1- and 3-run calibrations), an AdamW step
   took the time of 14-16 bytes of copy traffic per parameter, not the 36 of the default
   (mixed precision on a GPU) nor the 28 fp32 AdamW reads and writes, and an in-place add 1.4
   bytes per byte, not 3 (torch's `copy_` is the slower kernel here), so the default traffic
@@ -23,15 +23,15 @@ exactly as `autopar train --devices N` runs them) and measures, on every rank at
   clears them, all on DTensor parameters: a fixed host cost per tensor (DTensor's dispatch
   of the fused AdamW kernel over lists of DTensors, the wrapping) that a per-element pass
   cannot show. Timed on PARAM_TENSORS[0] and [1] tiny parameters of a (1, N, 1) mesh; the
-  slope per tensor is `optimizer_tensor_overhead_s` (measured here 2026-11-24: the sweep's
+  slope per tensor is `optimizer_tensor_overhead_s` (on the development machine the sweep's
   small model, 39 parameter tensors, spent 1.7 ms of CPU per rank in the optimizer step
   against 0.6 ms its elements were worth);
 - eager per-op cost: a chain of small elementwise ops under autograd, forward and backward,
   per ATen op (what every op of a training step pays on the host: dispatch, autograd
   recording, the backward engine); a chain of views; both chains again as the per-rank
   program runs its ops (`program_op_s`, `program_view_s`: a make_fx GraphModule calling ATen
-  op overloads under no_grad; the profile's per-op and per-view costs, the ILP charging
-  views too since 2026-11-28, cost_model/table.py `view_host_s`); a small tensor-parallel block on
+  op overloads under no_grad; the profile's per-op and per-view costs, which the ILP charges
+  too, cost_model/table.py `view_host_s`); a small tensor-parallel block on
   DTensors vs on local tensors (the sharding propagation and wrapping a DTensor op adds,
   per ATen op of the block, counted with a dispatch mode);
 - fused attention: `scaled_dot_product_attention` forward+backward at a small shape, its
@@ -163,15 +163,15 @@ class Calibration:
     program_op_s: float = 0.0
     """Per node of a small elementwise chain run as the per-rank program runs its ops: a
     make_fx GraphModule of ATen op overloads under no_grad; all ranks busy; 0 = not measured
-    (a profile written before 2026-11-28: `eager_op_s` stands in)."""
+    (a profile from an older calibrate: `eager_op_s` stands in)."""
     scalar_all_reduce_s: tuple[tuple[int, float], ...] = ()
     """(ranks in the group, seconds): an all-reduce of one float32 element (the reported
     loss, a loss's total weight), on all N ranks and inside 2-rank groups like the other
     collectives. gloo skips the empty segments of its ring (gloo/allreduce.cc: at least 2 n
     segments of at least one element), so one element is far cheaper than the 4 KiB the
-    ring's latency is fitted on (2026-11-28, 8 ranks on 2 cores: 2.2 against 18.8 ms);
-    priced by `Efficiency.scalar_all_reduce_hop_s`. Empty = not measured (a profile
-    written before 2026-11-28: every all-reduce priced by the ring's latency)."""
+    ring's latency is fitted on (8 ranks on 2 cores: 2.2 against 18.8 ms); priced by
+    `Efficiency.scalar_all_reduce_hop_s`. Empty = not measured (a profile from an older
+    calibrate: every all-reduce priced by the ring's latency)."""
     total_memory_bytes: int = 0
     """The machine's physical memory when measured (`machine_memory_bytes`); the profile
     gives each of `devices` ranks an equal share. A measurement like the others: the
@@ -520,7 +520,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
     peer = rank ^ 1
     # 2-rank groups: every pair at once, each pair's timing windows opened and closed on its
-    # own barrier. Tried and not kept (2026-11-25/26): windows closed on the world barrier (all
+    # own barrier. Tried and not kept: windows closed on the world barrier (all
     # ranks busy for the whole window) read a 4 KiB pair collective at 0.56-1.34 ms instead of
     # 0.14-0.31, and the built-in profile measured so ranked the recorded CPU sweeps worse
     # (benchmarks/records/README.md, fit_cpu_constants_contended_pairs).
@@ -678,13 +678,12 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     best of the unconstrained solutions over every subset of the unknowns left free (the
     others 0) whose coefficients are all >= 0, which is the exact constrained optimum.
 
-    Until session 15 (2026-11-24) the unconstrained solution was solved once and its negative
-    coefficients clipped to 0, leaving the others where the negative one had pulled them:
-    gloo's per-call latency fitted at -0.5 to -1.5 ms (2-rank groups are far faster per
-    ring step than 4-rank ones), clipped to 0, left the per-step latency 20-55% above the
-    best fit with no per-call term (355-530 instead of 297-372 us per dedicated core in
-    three calibrations), and 8 ranks, 14 ring steps of an all-reduce at 4 ranks per core,
-    multiplied that."""
+    Why not solve once and clip the negative coefficients to 0: that leaves the others
+    where the negative one pulled them. gloo's per-call latency fits at -0.5 to -1.5 ms
+    (2-rank groups are far faster per ring step than 4-rank ones); clipped to 0, it left the
+    per-step latency 20-55% above the best fit with no per-call term (355-530 instead of
+    297-372 us per dedicated core in three calibrations), and 8 ranks, 14 ring steps of an
+    all-reduce at 4 ranks per core, multiply that."""
     import itertools
 
     k = len(rows[0])

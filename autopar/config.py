@@ -29,7 +29,7 @@ ATTENTION: tuple[str, ...] = ("flash", "math")
 def default_stage_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Layers per pipeline stage (or chunk) when a plan gives no `stage_layers`: as even as
     possible, the earlier stages taking the remainder, so the counts always sum to
-    `num_layers` (10 layers on 4 stages: 3, 3, 2, 2). The one home of this split (issue 18):
+    `num_layers` (10 layers on 4 stages: 3, 3, 2, 2). The one home of this split:
     the cost model prices it and codegen's pipeline chunks run it."""
     base, extra = divmod(num_layers, num_stages)
     return tuple(base + (1 if i < extra else 0) for i in range(num_stages))
@@ -39,7 +39,7 @@ def microbatches_in_flight(schedule: str, num_stages: int, chunks: int, stage: i
     """Microbatches whose activations pipeline stage `stage` holds at its peak: 1 without a
     pipeline; m under GPipe; min(m, p - stage) under 1F1B (and zero bubble); the 1F1B
     count times 1 + (p - 1) / (p v) interleaved over v chunks (Korthikanti et al. 2022,
-    Sec 4.2.3), at most m. The one home of this count (issue 18): the cost model's stage
+    Sec 4.2.3), at most m. The one home of this count: the cost model's stage
     memory and the stage DP's memory rows read it."""
     p, m = num_stages, num_microbatches
     if p == 1:

@@ -2,7 +2,7 @@
 
 The search in the loop is the product's: one-stage plans priced by the intra-op ILP and
 pipelines by the inter-op DP over ILP stage costs (solver/pipeline_search.py), only
-plans the runtime runs ranked. Targets (issue 14): llama3-70b on h100:128x8 (1,024
+plans the runtime runs ranked. Targets: llama3-70b on h100:128x8 (1,024
 H100s) at global batch 1024 x seq 8192 in < 30 s; llama3-405b on h100:2048x8 (16,384
 H100s, global batch 2048 x seq 8192, Llama 3's 16M-token batch) in < 60 s, on this
 2-core machine; and two small recurrent models (benchmarks/small_models.py, an LSTM and a

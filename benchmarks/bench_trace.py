@@ -1,4 +1,4 @@
-"""Trace time and peak memory of the full joint graph of large presets (issue: foundation).
+"""Trace time and peak memory of the full joint graph of large presets.
 
 Each model is traced in its own process (`autopar trace MODEL --json`) so peak RSS is per
 model. Usage: python benchmarks/bench_trace.py [--models llama3-8b,llama3-70b] [--seq 8192]

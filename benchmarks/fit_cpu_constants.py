@@ -1,11 +1,11 @@
 """Fit the cpu profile's four sweep-fitted constants on the CPU sweep's recorded runs.
 
-The four constants (cost_model/efficiency.py; the README's constants table):
+The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
 
 1. `gemm_memory_efficiency`: the share of the copy bandwidth at which a GEMM's operand and
    output bytes move in a training step (the roofline's t_memory of a GEMM; 1 on GPUs).
    What it explains: the same FLOPs cost more CPU in thin GEMMs. The sweep's large model on
-   4 ranks (dp4, /tmp probes 2026-11-25, CPU time per op with `time.thread_time`) spent
+   4 ranks (dp4, probed for CPU time per op with `time.thread_time`) spent
    158 ms of CPU per step in its GEMMs at one sequence per microbatch (64-row activations,
    each weight read and each weight gradient written once per microbatch) against 119 ms at
    four sequences (256 rows, one microbatch), and a GEMM of that layer alone, 4 processes on
@@ -25,7 +25,7 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    wait to that collective's fixed latency (never on GPUs: it needs ranks > cores; never
    in a one-stage program, whose groups all reach the same collective at once).
    Why a fit and not a calibrate probe: measured directly (a loop of work and a pair's
-   4 KiB all-gather on every rank, 4 ranks on 2 cores, /tmp probes 2026-11-25) the excess
+   4 KiB all-gather on every rank, 4 ranks on 2 cores) the excess
    over the priced pair all-gather was 0 to 0.5 ms per call from one window to the next,
    and an earlier probe of the same wait inside `autopar calibrate`
    (`Calibration.sync_skew_s`) read 0.25 and 1.4 ms in two consecutive 3-run
@@ -40,8 +40,8 @@ The four constants (cost_model/efficiency.py; the README's constants table):
 3. `collective_latency_share_exponent` g: a collective's latency terms (per ring step, per
    call) grow as (ranks per core) ** g where its bandwidth shrinks linearly. g = 1 (every
    ring step time-sliced in full) over-priced the sweep's 8-process data-parallel and
-   pipeline programs: after the one-latency-per-bucket fix (session 29), S x 8's dp8 at
-   1.32 and its pipelines at 1.12-1.25 of measured in the headline sweep (run 14), while
+   pipeline programs: with one latency per gradient bucket priced, S x 8's dp8 at 1.32
+   and its pipelines at 1.12-1.25 of measured in a recorded headline sweep (run 14), while
    the 4-process rows, priced at the calibration's own sharing, sat at 0.92-1.0. What it
    explains: two calibrations of this machine, 8 and 4 ranks on 2 cores
    (records/cpu_profile_devices8_2026-11-27.json, records/sweep_cpu_headline_2026-11-27_profile.json: run 14's),
@@ -52,7 +52,7 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    fit and not a calibrate probe: calibrate measures at one rank count (the profile's);
    the exponent is the change between two, and measured back to back (no work between
    collectives) it misses what the programs show (collectives amid GEMM work took 1.0-1.2x
-   their price on 8 ranks, 1.3-2x on 4, /tmp probes 2026-11-28). `autopar calibrate`
+   their price on 8 ranks, 1.3-2x on 4, in probes). `autopar calibrate`
    stores latencies per core by the same law (measured / s ** g), so the calibration's own
    rank count prices as measured whatever g: only other rank counts move.
 4. `pipeline_call_host_s` h: host time per pipeline stage per chunk call (a microbatch's
@@ -60,7 +60,7 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    messages as priced, per dedicated core (x ranks per core; 0 on GPUs). What it explains:
    deeper pipelines ran slower than priced in every recorded run since run 14 (log measured
    / priced, dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of twelve
-   runs); probed (/tmp, 2026-11-28, benchmarks/records/pipeline_calls_2026-11-28.md),
+   runs); probed (benchmarks/records/pipeline_calls_2026-11-28.md),
    dp2 pp4 ran about 12 ms per step slower than priced against dp4 pp2 on both S and M,
    0.7-1.6 ms of CPU per extra stage call, where the priced extra nodes are a few us.
    Why a fit and not a calibrate probe: trivial stages through the runtime's path measure
@@ -70,13 +70,13 @@ The four constants (cost_model/efficiency.py; the README's constants table):
    the whole programs separate the two.
 
 How: every recorded sweep (benchmarks/records/sweep_cpu_<run>.json for RUNS, the measured
-step times of the same 57 programs, six runs of 2026-11-28) is priced again with the
+step times of the same 57 programs, six runs) is priced again with the
 built-in `cpu` profile carrying each candidate value (the programs that ran are the
 built-in profile's solves: `sweep_cpu.predict_ilp` prices those placements; pipelines by
 the pipeline search's stage costs). One pass of coordinate search, in GRIDS order: each
 constant's value maximises the mean Spearman over the runs' groups (model size x
-processes) and sizes (4 and 8 processes ranked together: issue 15's target "per model
-size"; per group alone until session 30), the constants before it at their chosen values
+processes) and sizes (4 and 8 processes ranked together: the sweep's ranking target is
+per model size), the constants before it at their chosen values
 and the ones after it at the built-in profile's; ties go to the smaller median |error|. Leave-one-run-out per
 constant: each run priced at the value the other runs choose, beside the neutral value
 (1, 0 and 1: the term off, linear sharing).
@@ -108,15 +108,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 RUNS = ("run28_random_noisy", "run29_random_noisy", "headline_run30_2026-11-28", "run31_h04",
         "run32_random_noisy", "headline_run33_2026-11-28")
 """The recorded sweeps (benchmarks/records/sweep_cpu_<run>.json; records/README.md dates each):
-runs 28-33 (sessions 33-34, 2026-11-28, random round order), the first six measured with the
-per-rank programs the runtime runs today but for the loss report's transport (DTensor then, a
-direct all-reduce on each Partial axis's group since session 35: the same one-element
-all-reduces, 1-3 ms less host work per step at 8 ranks). Until session 36 the fit ran on runs
-1-5 and the rerun (2026-11-25/26), measured before the gradient buckets, the views' price,
-the per-chunk pipeline calls and the loss report changed what the programs do; on them the
-fitted pipeline terms priced S x 8's pipelines 0.85 of measured in run 35 against 1.0 for
-`dp8` (benchmarks/records/refit_recent_runs_2026-11-28.md). Not runs 34 and 35 (session 35,
-the current runtime) nor later sweeps: those check the fit out of sample."""
+six runs in random round order, measured with the per-rank programs the runtime runs but for
+the loss report's transport (DTensor in these runs, a direct all-reduce on each Partial
+axis's group in the runtime: the same one-element all-reduces, 1-3 ms less host work per
+step at 8 ranks). Older sweeps ran programs that differ from the runtime's (before gradient
+buckets, the views' price, per-chunk pipeline calls and the loss report's transport); fitted
+on them, the pipeline terms priced S x 8's pipelines 0.85 of measured against 1.0 for `dp8`
+(benchmarks/records/refit_recent_runs_2026-11-28.md). Sweeps measured after these (runs 34
+and later) are not in the fit: they check it out of sample."""
 GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
@@ -201,7 +200,7 @@ def price_run(run: str, name: str, values: tuple[float, ...], held: dict[str, fl
 def score(table: dict[str, dict[str, Any]], runs: list[str], value: str) -> tuple[float, float]:
     """(mean Spearman, -mean median error) over `runs` at `value`: larger is better. The mean
     is over each run's per-group Spearmans (size x processes) and its per-size ones (4 and 8
-    processes ranked together, issue 15's "per model size")."""
+    processes ranked together: the sweep's ranking target is per model size)."""
     sp = [f["spearman"] for run in runs for f in table[run][value]["groups"].values()]
     sp += [v for run in runs for v in table[run][value].get("sizes", {}).values()]
     err = [table[run][value]["median_abs_error"] for run in runs]

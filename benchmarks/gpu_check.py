@@ -1,4 +1,4 @@
-"""One GPU, measured: the device's ceilings, the fused kernels, and a training step (issue 16).
+"""One GPU, measured: the device's ceilings, the fused kernels, and a training step.
 
 Sections (each one a separate process in `benchmarks/gpu_check.sh`, so a failure or a
 hang in one leaves the others' figures), each appending JSON lines to `--out`:

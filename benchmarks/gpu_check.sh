@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 16 in one call: bash benchmarks/gpu_check.sh OUTDIR [STEP ...]
+# The GPU checks in one call: bash benchmarks/gpu_check.sh OUTDIR [STEP ...]
 # STEP: env calib kernels eager fused autopar compile (default: all, in that order).
 # Each section of benchmarks/gpu_check.py runs in its own process under its own time limit,
 # so one that fails or hangs leaves the others' figures; all append to OUTDIR/gpu_check.jsonl.

@@ -48,7 +48,7 @@ def report(runs: list[list[dict[str, Any]]], names: list[str]) -> str:
     eff = efficiency_for(hw, None)
     lines: list[str] = []
     env = next(r for r in runs[0] if r["section"] == "env")
-    lines += ["# One H100, measured (issue 16)", "",
+    lines += ["# One H100, measured", "",
               f"Device: {env['name']}, {env['sms']} SMs, {env['memory_bytes'] / 2**30:.1f} GiB; driver and "
               f"clocks (nvidia-smi: driver, max SM MHz, max memory MHz, power limit, temperature): "
               f"`{env['nvidia_smi']}`; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "

@@ -1,16 +1,17 @@
-"""Can a CPU sweep resolve issue 15's pick target (the priced top pick within 3% of the
+"""Can a CPU sweep resolve the pick target (the priced top pick within 3% of the
 measured best)? Read from recorded sweeps; nothing is measured or re-priced.
 
     .venv/bin/python benchmarks/pick_resolution.py [--md OUT.md] [SWEEP.json ...]
 
-With no files: the sweeps priced at the session-36 cost-model constants (CURRENT_RUNS: runs
+With no files: the sweeps priced at the current cost-model constants (CURRENT_RUNS: runs
 28-35 re-priced with `sweep_cpu.py --repredict` and each run's calibration refitted, runs 36-38
 measured at them; records/pick_stability_2026-11-28.md). Each row's `measured_times_s`
 (one step per timed round; each round runs every configuration, interleaved: round-robin
-before session 32, in a random order since) and its `predicted_calibrated_s` are read; "(repeat)" rows are the group's noise probe.
+in the older runs, in a random order in the later ones) and its `predicted_calibrated_s` are
+read; "(repeat)" rows are the group's noise probe.
 
 Three readings per group (one model size on one number of processes) and estimator:
-- the priced pick's regret in each run (the issue's figure);
+- the priced pick's regret in each run (the target's figure);
 - a hindsight ranker: the one configuration whose measured time, relative to its run's best,
   is lowest on average over all the runs given. Its regret per run is what a cost model
   that ranked every run of the group the same way, and right on average, would score. Where
@@ -20,8 +21,8 @@ Three readings per group (one model size on one number of processes) and estimat
   the same round, so a slow moment of the machine hits both), its median over rounds and a
   bootstrap 90% interval (resampled rounds, fixed seed). Beside it the same for the twins
   (one program measured twice), whose true ratio is 1.
-And, for the runs ordered round-robin (`sweep_cpu.py --order rotate`, every run before
-session 32), the rows whose forward rounds read differently from their reversed rounds in
+And, for the runs ordered round-robin (`sweep_cpu.py --order rotate`, the older recorded
+runs), the rows whose forward rounds read differently from their reversed rounds in
 a consistent direction over the runs (`parity_table`): a fixed effect of the two
 configurations that always ran just before them.
 """
@@ -42,11 +43,10 @@ TARGET = 0.03
 CURRENT_RUNS = [f"benchmarks/records/sweep_cpu_run{n}_priced_at_session36_constants.json" for n in range(28, 36)] + [
     "benchmarks/records/sweep_cpu_run36_random_noisy.json", "benchmarks/results/sweep_cpu.json",
     "benchmarks/records/sweep_cpu_run38_random_noisy.json"]
-"""Sweeps priced at the session-36 constants (the current ones): runs 28-33 (the fit's
-training runs, benchmarks/fit_cpu_constants.py; their calibrations predate the one-element
-all-reduce measurement, so their calibrated column prices those as ring latency), runs 34
-and 35 (out of sample), run 36 (NOISY), run 37 (the headline, benchmarks/results/) and
-run 38 (NOISY, session 37)."""
+"""Sweeps priced at the current constants: runs 28-33 (the fit's training runs,
+benchmarks/fit_cpu_constants.py; their calibrations predate the one-element all-reduce
+measurement, so their calibrated column prices those as ring latency), runs 34 and 35 (out
+of sample), run 36 (NOISY), run 37 (the headline, benchmarks/results/) and run 38 (NOISY)."""
 
 ESTIMATORS = {"min": min, "median": statistics.median}
 BOOTSTRAP = 2000
@@ -93,7 +93,7 @@ def analyse(runs: dict[str, list[dict]], estimator: str) -> dict[str, dict]:
 
 
 def targets_table(runs: dict[str, list[dict]]) -> list[str]:
-    """Per run, the issue's two pick targets as `sweep_cpu.py` reads them (minimum over
+    """Per run, the two pick targets as `sweep_cpu.py` reads them (minimum over
     rounds): the groups whose calibrated pick is within TARGET of the measured best, the
     groups where the built-in profile (`predicted_default_s`, where the run has it) picks the
     same configuration, the built-in's own picks within TARGET, and the widest gap between
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {g} | {picks} | {bests} | {entry['hindsight']} | {hind} | "
                          f"{ok_pick} / {ok_hind} of {len(entry['runs'])} |")
         lines.append("")
-    lines += ["## The issue's pick targets per run (minimum over rounds)", "", *targets_table(runs), ""]
+    lines += ["## The pick targets per run (minimum over rounds)", "", *targets_table(runs), ""]
     lines += ["## Paired rounds (the pick against the best on the minimum)", "", *paired_table(runs), "",
               "## Fixed context effects of the round-robin order (rows more than 2 standard errors from 0)", "",
               *parity_table(raw)]

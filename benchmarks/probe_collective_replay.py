@@ -19,7 +19,7 @@ shapes, with no compute between them. Per configuration it prints:
     .venv/bin/python benchmarks/probe_collective_replay.py [--size S] [--world 4]
         [--only "dp4 z1,tp4"] [--rounds 5] [--warmup 2]
 
-The README's cost-model section says what runs found and what was done with it.
+What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
 """
 
 from __future__ import annotations

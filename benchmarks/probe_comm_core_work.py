@@ -7,8 +7,8 @@ size (35 MiB) between themselves, or pass a pipeline boundary activation back an
 (send/recv of 64 KiB, the S model's at micro-batch 2), each for the same wall time. The
 GEMM ranks' slowdown under the communication, over their slowdown under GEMMs, is the share
 of its time that takes a core; the rest is waiting that frees it. The cost model prices every
-collective as core work on a shared CPU (the cpu profile's comm_overlap is 0.0): see the
-README's cost-model section.
+collective as core work on a shared CPU (the cpu profile's comm_overlap is 0.0): see
+docs/cost-model.md.
 Run: .venv/bin/python benchmarks/probe_comm_core_work.py [--seconds 6] [--rounds 2]
 """
 

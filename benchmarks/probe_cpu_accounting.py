@@ -10,7 +10,7 @@ compiles it, every rank times `compiled.step` in interleaved rounds and records,
   threads (the collectives' copies, reductions and socket work);
 - the ATen ops and collectives its program runs per step (`graph_ops_per_step`, the most
   of any rank), against the traced model's nodes the ILP charges a time (views at their
-  host cost since 2026-11-28).
+  host cost).
 The medians over rounds and ranks are compared against wall: if `ranks x process CPU /
 cores` is close to wall, the step is bound by core work (what the ranks compute and what
 their collectives cost the cores), not by waiting; a step with idle cores measures wall
@@ -21,7 +21,7 @@ as max(critical path / share, all work / cores) (solver/stage_dp.py).
     .venv/bin/python benchmarks/probe_cpu_accounting.py --size S --world 4 \
         [--only "dp4 mb4,dp4 z1"] [--rounds 6] [--warmup 2]
 
-Prints one row per configuration; the README's cost-model section says what runs found.
+Prints one row per configuration. What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def graph_ops_per_step(compiled: Any, config: Any) -> int:
     pipeline's chunk sources (`compiled.code`, one call per `torch.ops.` in them, so no
     `getitem`s) once per microbatch. The
     intra-op ILP prices the traced model's op nodes, views at their host cost
-    (cost_model/table.py `view_host_s`; views cost 0 there before 2026-11-28), so the rest
+    (cost_model/table.py `view_host_s`), so the rest
     of these (the local chunking, slicing and copies around collectives that
     codegen/apply.py adds) are not in its price."""
     import re

@@ -18,8 +18,7 @@ The fastest of `--windows` windows, median over ranks.
 
     .venv/bin/python benchmarks/probe_funcol_overhead.py [--devices 4] [--windows 3]
 
-Prints per (kind, group size, bytes) each path's ms and graph - raw. The README's
-cost-model section says what runs found and what was done with it.
+Prints per (kind, group size, bytes) each path's ms and graph - raw. What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
 """
 
 from __future__ import annotations

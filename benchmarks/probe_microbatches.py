@@ -13,8 +13,7 @@ microbatch's work (its GEMMs at fewer rows, its ops, its pipeline sends) keeps u
     .venv/bin/python benchmarks/probe_microbatches.py --size M --world 8 \\
         --configs 2:4:1,2:4:2,4:2:1,4:2:2,4:2:4 [--profile benchmarks/results/cpu_profile.json] [--rounds 11]
 
-The README's cost-model section says what runs found (session 32:
-benchmarks/records/round_order_2026-11-28.md).
+What its runs found is recorded in benchmarks/records/ (round_order_2026-11-28.md).
 """
 
 from __future__ import annotations

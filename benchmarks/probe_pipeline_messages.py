@@ -1,6 +1,6 @@
 """Probe: CPU a pipeline schedule spends per point-to-point message on this machine.
 
-A measurement, not a model term (README, cost-model section). Every rank of a world of N
+A measurement, not a model term. Every rank of a world of N
 gloo ranks holds one stage, a small `nn.Linear`, and torch.distributed.pipelining runs
 `Schedule1F1B` (or `ScheduleGPipe`) over M microbatches: each boundary passes one
 activation forward and its gradient back per microbatch, 2 (N - 1) M messages per step.

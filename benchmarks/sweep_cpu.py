@@ -14,9 +14,9 @@ rank 0) of every configuration, interleaved in a fresh random order each round
 (`round_order`; the same on every rank), after WARMUP_ROUNDS untimed rounds, so slow phases
 of the shared 2-core machine hit all configurations of a group alike: the ranking and the
 predicted/measured ratios are measured side by side. Why random (`--order`): a step's time
-depends on the step that ran just before it, and the round-robin order used until session
-32 (round k starting at configuration k, reversed on odd rounds) gave every configuration
-the same two predecessors in every round, so that context was a fixed bias of each row, the
+depends on the step that ran just before it, and a round-robin order (round k starting at
+configuration k, reversed on odd rounds; `--order rotate`) gives every configuration
+the same two predecessors in every round, so that context is a fixed bias of each row, the
 same in every run (benchmarks/records/round_order_2026-11-28.md). A random order makes it
 noise that every row shares, as Google Benchmark's random interleaving does against
 run-to-run variance (docs/random_interleaving.md, google/benchmark#1051). Each row keeps
@@ -28,7 +28,7 @@ other processes interfering with your timing accuracy"); the median is kept besi
 (`measured_median_s`). The reference workload that scales the predictions (`load_factor`)
 is reduced the same way, per block of REFERENCE_WINDOWS rounds (`reference_reading`).
 `--rounds` (a multiple of REFERENCE_WINDOWS, 11 by default) gives the minimum more draws:
-on the machine's slow mode (sessions 18-25) the fastest round stood 3.3-5.3% below the second
+on the machine's slow mode the fastest round stood 3.3-5.3% below the second
 fastest at the median against 1.1-2.2% on quiet runs, so the minimum of 11 rested on one or two
 lucky rounds (benchmarks/records/sweep_estimators_2026-11-27.md). Noise estimate: every world runs its first configuration twice, as
 two separately compiled programs (`REPEAT_SUFFIX`); the report gives how far apart the two
@@ -55,7 +55,7 @@ so its speed drifts between a calibration and a sweep: every round also times
 (`load_factor`, per dedicated core) slows the profile's local work (GEMM peak, copy
 bandwidth, per-op overheads: `at_load`) before it prices the group; the collectives keep
 their calibrated latency and bandwidth, since the reference workload times no collective
-(until session 15, 2026-11-24, the whole prediction was multiplied by the factor). The predictions at
+(so the factor does not multiply the whole prediction). The predictions at
 the profile's own speed are kept too (`*_raw_s`).
 
 Figures per (size, world) group and over all: median |predicted / measured - 1|, Spearman
@@ -108,8 +108,8 @@ the fastest of 3 windows of 5 calls before, 10-15% slower on an unchanged machin
 every prediction here was scaled down by that.)"""
 ORDERS = ("random", "rotate")
 """How a round orders a group's configurations (`round_order`): "random", a permutation
-drawn afresh each round from a seed that is the round's number (the default since session
-32); "rotate", the round-robin of the earlier recorded runs (round k starts at configuration
+drawn afresh each round from a seed that is the round's number (the default); "rotate",
+the round-robin of the earlier recorded runs (round k starts at configuration
 k; odd rounds reversed), kept to reproduce them."""
 REFERENCE_RANKS = 4
 """Ranks the reference workload runs on (the others wait at the barrier): the device count of
@@ -125,7 +125,7 @@ NOISY_APART = 0.05
 """Two identical programs measured further apart than this (minimum over rounds) mark the
 group as noisy in the summary: differences of that size between configurations are not
 resolved, and the 3% pick target is below them. Quiet runs measured 0.5-3.3%; a run on a
-loaded machine (2026-11-26, benchmarks/records/sweep_cpu_run8_noisy) 2.1-16.3%."""
+loaded machine (benchmarks/records/sweep_cpu_run8_noisy) 2.1-16.3%."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -319,7 +319,7 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any) -> float:
     The program that ran is the one `autopar.compile(model, "cpu:N", config=...)` built:
     solved on the built-in `cpu` profile. Another profile prices those same placements
     (`price_solution`), not its own solve's: for dp x tp and tp4 a solve on the calibrated
-    profile placed 0.3-31% of the nodes differently (2026-11-24), a different program."""
+    profile placed 0.3-31% of the nodes differently, a different program."""
     from autopar.cluster import HARDWARE, Cluster
     from autopar.runtime.spmd import solve_config
     from solver.forced import price_solution
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "give the minimum over rounds more draws on a machine whose speed comes and goes")
     ap.add_argument("--order", choices=ORDERS, default="random",
                     help="how each round orders the configurations: a fresh random order (default) or the "
-                         "round-robin of the runs recorded before session 32")
+                         "round-robin order of the older recorded runs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--merge", default=None, metavar="JSON",

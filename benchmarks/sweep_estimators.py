@@ -13,8 +13,8 @@ Estimators of a configuration's step time from its timed rounds:
   step down);
 - median: kept beside it in every row (`measured_median_s`);
 - q25: the lower quartile (linear interpolation);
-- fastest half: the mean of the fastest ceil(n / 2) rounds (added in session 31: a
-  minimum that averages several draws instead of resting on one lucky round);
+- fastest half: the mean of the fastest ceil(n / 2) rounds (a minimum that averages
+  several draws instead of resting on one lucky round);
 - round-adjusted median: log t[c, k] = a[c] + b[k] + noise, with b[k] the median over the
   group's configurations of log t[c, k] - median_k log t[c, k] (how slow round k was for
   everyone), and the step time exp(median_k (log t[c, k] - b[k])).

@@ -19,7 +19,7 @@ into a step time by the pipeline formulas of solver/stage_dp.py:
            layout, solver/forced.py; unstated micro-batch, interleave chunks and
            recompute take their best value). Several rows of one group: the best.
 Ratios are predicted throughput: hand_step / autopar_step and grid_step / autopar_step
-(>= 1.0: autopar at least as fast). The check (issue 14): autopar is never worse than the
+(>= 1.0: autopar at least as fast). The check: autopar is never worse than the
 grid and never worse than a published configuration that fits; the groups where the plan
 uses a choice the grid cannot express (per-op placements of a one-stage plan, uneven cuts,
 interleave v > 2 or zbv) are counted, with the choice that made the difference.

@@ -26,7 +26,7 @@ from autopar.capabilities import split_layers
 from autopar.ir import ATTENTION_FWD_OPS
 from codegen.rules import FamilyRules
 
-# The fused kernels are autopar/ir.py's ATTENTION_FWD_OPS (one home, issue 18), plus the
+# The fused kernels are autopar/ir.py's ATTENTION_FWD_OPS (their one home), plus the
 # composite SDPA op that dispatches to them.
 _ATTENTION_CORE_OPS = frozenset(
     getattr(torch.ops.aten, name).default

@@ -176,7 +176,7 @@ def ring_hop_latency_s(size_bytes: float, link: AxisLink) -> float:
     or on gloo (`scalar_hop_latency_s`) for an input of e < 2 n elements, the measured
     one-element step plus (e - 1) / (2 n - 1) of the difference: gloo's ring
     (gloo/allreduce.cc) cuts its input into at least 2 n segments of at least one element
-    and skips the empty ones. Measured (20 back to back, 8 ranks on 2 cores, 2026-11-28):
+    and skips the empty ones. Measured (20 back to back, 8 ranks on 2 cores):
     1 / 2 / 4 / 8 / 16 float32 elements 2.2 / 3.0 / 7.1 / 10.4 / 19.1 ms."""
     n = link.size
     full = link.ring_latency_s
@@ -306,8 +306,8 @@ def loss_report_time_s(loss_placements: Placements, links: tuple[AxisLink, ...],
     every rank, which hands the last stage's loss to all (autopar/runtime/pipe_spmd.py).
     Latency only. On gloo a one-element all-reduce runs far fewer ring messages than the
     4 KiB ones the ring's latency is measured on (`ring_hop_latency_s`): measured in place
-    (2026-11-28, S model, dp8 on 2 cores, the report skipped or issued once more in
-    alternate rounds) the report cost 0.8-3 ms per step, where the ring's latency priced
+    (S model, dp8 on 2 cores, the report skipped or issued once more in alternate rounds)
+    the report cost 0.8-3 ms per step, where the ring's latency priced
     it at 10.2 ms (benchmarks/records/scalar_all_reduce_2026-11-28.md)."""
     total = sum(all_reduce_time_s(LOSS_BYTES, link) for p, link in zip(loss_placements, links)
                 if isinstance(p, Partial))

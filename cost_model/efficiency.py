@@ -71,9 +71,9 @@ class Efficiency:
     """Host time of one view op (t, view, transpose, ...): 0 on GPUs, where host work runs
     ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile,
     as the per-rank program calls it (an ATen op overload in a make_fx GraphModule: 1.3 us
-    per dedicated core here, against 0.62 for the `Tensor.t` method timed before
-    2026-11-28). Charged per view op by price_profile and, since 2026-11-28, by the ILP's
-    cost table (cost_model/table.py `view_host_s`), which charged views nothing before."""
+    per dedicated core on the development machine, against 0.62 for the `Tensor.t`
+    method). Charged per view op by price_profile and by the ILP's cost table
+    (cost_model/table.py `view_host_s`)."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host time of one op on DTensors (sharding propagation, wrapping): paid by every op
     of a tensor-parallel layer with the `dtensor_tp` runtime option; 0 on GPUs (hidden behind
@@ -122,7 +122,7 @@ class Efficiency:
     the members wait for each other's turn on a core. Not charged in a one-stage program,
     whose groups all reach the same collective at once. Fitted by
     benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
-    docstring and the README's constants table say which); 0 keeps it out."""
+    docstring says which; docs/cost-model.md lists the value); 0 keeps it out."""
     collective_latency_share_exponent: float = 1.0
     """Ranks sharing cores (the cpu profile; never on GPUs, whose share is 1): a collective's
     latency terms (per ring step and per call) grow as share ** this with share = ranks per
@@ -131,8 +131,8 @@ class Efficiency:
     not CPU work. `autopar calibrate` stores the latencies per dedicated core by the same
     law (measured / share ** this), so a profile prices the rank count it was measured at
     as measured, whatever the value. Fitted by benchmarks/fit_cpu_constants.py on the CPU
-    sweep's recorded runs (that script's docstring has the measurements behind it; the
-    README's constants table says which runs)."""
+    sweep's recorded runs (that script's docstring has the measurements behind it and
+    says which runs; docs/cost-model.md lists the value)."""
     pipeline_call_host_s: float = 0.0
     """Ranks sharing cores (the cpu profile; 0 on GPUs, where the host runs ahead of the
     kernels): host time per pipeline stage per chunk call (one microbatch's forward and
@@ -150,13 +150,13 @@ class Efficiency:
     messages and 0.2 ms with one message each way. Too entangled with the p2p and core-sharing terms to price from one probe: fitted
     by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it out."""
     scalar_all_reduce_hop_s: float = 0.0
-    """gloo (the cpu profile; 0 on GPUs and in profiles calibrated before 2026-11-28, which
+    """gloo (the cpu profile; 0 on GPUs and in profiles from an older calibrate, which
     price every all-reduce by the ring's latency): latency per ring step of an all-reduce
     of one element (a loss, a loss's total weight), per dedicated core like the ring's
     (`autopar calibrate` measures it, `scalar_all_reduce_s`). gloo's ring all-reduce
     (gloo/allreduce.cc) cuts the input into at least 2 n segments of at least one element
     and skips the empty ones, so an input of fewer than 2 n elements sends fewer, smaller
-    messages: measured here (2026-11-28, 20 back to back, 2 cores) 0.92 / 2.2 ms for one
+    messages: measured on the development machine (20 back to back, 2 cores) 0.92 / 2.2 ms for one
     float32 over 4 / 8 ranks against 5.4 / 18.8 ms for 1024. Between 1 and 2 n elements
     the cost model interpolates linearly (cost_model.collectives.all_reduce_time_s)."""
     gemm_memory_efficiency: float = 1.0
@@ -166,8 +166,8 @@ class Efficiency:
     small microbatch's few rows re-reading a whole weight, a weight gradient written once
     per microbatch) cost more per FLOP than the copy bandwidth prices their bytes: fitted
     by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
-    docstring has the measurements behind it; the README's constants table says which
-    runs)."""
+    docstring has the measurements behind it and says which runs; docs/cost-model.md
+    lists the value)."""
     collective_base_latency_s: float = 6.6e-6
     """Fixed launch latency of one NCCL collective (NCCL src/graph/tuning.cc baseLatencies,
     ring/Simple protocol: 6.6 us)."""

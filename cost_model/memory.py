@@ -35,8 +35,8 @@ BYTES_WEIGHT = 2
 BYTES_GRAD = 2
 BYTES_OPTIMIZER = 12  # fp32 master weight, momentum, variance
 STATE_BYTES_PER_PARAM = BYTES_WEIGHT + BYTES_GRAD + BYTES_OPTIMIZER
-"""16: the unsharded model state of one parameter element. The home of these numbers
-(issue 18): the solver reads them through `cost_model` (`state_bytes_per_param`)."""
+"""16: the unsharded model state of one parameter element. The home of these numbers:
+the solver reads them through `cost_model` (`state_bytes_per_param`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,7 +88,7 @@ def segment_activation_bytes(seg: SegmentProfile, config: ParallelConfig, ratio:
 
 
 def inflight_microbatches(config: ParallelConfig, stage: int, num_microbatches: int) -> float:
-    # issue 18 (i18c): the count has one home, shared with solver/stage_dp.py
+    # the count has one home (autopar/config.py), shared with solver/stage_dp.py
     return microbatches_in_flight(config.schedule, config.pp, config.interleave, stage, num_microbatches)
 
 

@@ -47,10 +47,10 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
                      bytes over its real bucket's; in the ILP's objective, before the
                      buckets are known, over the bucket it is expected to share
                      (`expected_bucket_bytes`: the bucket autopar/buckets.py would put it in
-                     if every gradient synced one way). Until 2026-11-28 both charged
-                     bytes / BUCKET_BYTES, so a small model's single all-reduce bucket paid
-                     a few % of its latency and ZeRO's per-layer reduce-scatters almost none
-                     (the CPU sweep's S model: 5 reduce-scatters priced at 0.13 latencies).
+                     if every gradient synced one way). Charging bytes / BUCKET_BYTES
+                     instead would let a small model's single all-reduce bucket pay a few %
+                     of its latency and ZeRO's per-layer reduce-scatters almost none (the
+                     CPU sweep's S model: 5 reduce-scatters priced at 0.13 latencies).
 """
 
 from __future__ import annotations

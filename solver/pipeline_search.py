@@ -165,13 +165,12 @@ def boundary_p2p_s(cluster: Cluster, pp: int, stage_devices: int,
     sent forward as its own message, and the gradients sent back, each
     cost_model.send_recv_time_s over the pp axis of the (pp, stage devices) mesh.
 
-    Counted as the runtime sends them (2026-11-24, S llama pp2 on 2 ranks: 4 sends and 1
-    receive per microbatch on the first stage: the residual stream, the rotary cos and sin,
-    the labels; the stream's gradient back); until then one message each way of the
-    largest value was priced. The link carries the
-    core sharing of ranks on a node (mesh_axis_links scales latency and bandwidth by
-    `core_share`), like every ILP collective in a stage's time: no second factor (until
-    2026-11-24 it was multiplied by core_share once more, 4x on 8 ranks over 2 cores)."""
+    Counted as the runtime sends them (S llama pp2 on 2 ranks: 4 sends and 1 receive per
+    microbatch on the first stage: the residual stream, the rotary cos and sin, the labels;
+    the stream's gradient back), not as one message each way of the largest value. The
+    link carries the core sharing of ranks on a node (mesh_axis_links scales latency and
+    bandwidth by `core_share`), like every ILP collective in a stage's time: no second
+    factor (a second one would price it 4x too high on 8 ranks over 2 cores)."""
     link = cost_model.mesh_axis_links(cluster, (pp, stage_devices))[0]
     return sum(cost_model.send_recv_time_s(size, link) * (2 if grad else 1) for size, grad in messages)
 

@@ -230,7 +230,7 @@ def _boundary_messages(graph: Graph, mesh: tuple[int, ...], derived: frozenset[N
       outside any module, such as GPT's sum of token and position embeddings.)
 
     Parameters and what is computed from them alone stay on their stage. Checked against
-    the runtime's sends (2026-11-24, the CPU sweep's S llama, pp2: per microbatch the first
+    the runtime's sends (the CPU sweep's S llama, pp2: per microbatch the first
     stage sends the stream, cos, sin and the labels and receives the stream's gradient)."""
     if not graph.layer_groups:
         return ()

@@ -126,7 +126,7 @@ class Schedule:
         return {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1.0 / self.chunks, "zbv": 0.0}[self.name]
 
     def inflight(self, stage: int, num_stages: int, num_microbatches: int) -> float:
-        # issue 18 (i18c): the cost model's count (zbv holds 1F1B's), one home in autopar/config.py
+        # the cost model's count (zbv holds 1F1B's), from its one home in autopar/config.py
         return microbatches_in_flight(self.name, num_stages, self.chunks, stage, num_microbatches)
 
     def allows(self, num_stages: int, num_microbatches: int) -> bool:

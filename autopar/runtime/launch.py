@@ -128,7 +128,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn.functional", "aut
 per process here), the runtime every training rank imports (0.8 s more), and what tracing
 the step imports on first use (`aot_export_joint_with_descriptors`: torch._functorch.aot_autograd,
 which brings dynamo, inductor's config and caches, networkx, triton's Python package; 1.0-1.4
-s per process on this shared 2-core machine, 2026-11-27), which every rank paid again after
+s per process on a shared 2-core machine), which every rank paid again after
 its fork: 762 modules, counted in a rank of a dp2 x tp2 run. The server has started no
 thread of its own after these imports (checked: the same 2 tasks as after `import torch`,
 aot_autograd included), so forking it is safe."""
@@ -162,8 +162,8 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     stack_file = open(Path(result_dir) / f"{rank}.stack", "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     # a rank that crashes in native code (SIGSEGV, SIGABRT from glibc's heap checks, ...)
-    # writes its threads' stacks there too, and the parent names the line (`_failure`): a
-    # crash seen once in CI (malloc(): unaligned tcache chunk detected, 2026-11-25) left
+    # writes its threads' stacks there too, and the parent names the line (`_failure`):
+    # without it, a native crash (e.g. malloc(): unaligned tcache chunk detected) leaves
     # only its exit code
     faulthandler.enable(file=stack_file, all_threads=True)
     try:
@@ -299,10 +299,10 @@ def check_process_start_environment(environ: dict[str, str]) -> None:
     """Raise ValueError, before any rank starts, when `environ` sets a variable the C
     library reads at process start (PROCESS_START_VARIABLES) to another value than the
     forkserver started with: the ranks would run with the server's value and the caller's
-    setting would silently not apply (2026-11-28: a benchmark's memory phase set glibc's
-    mmap threshold this way for its first spawn, and every later rank, its timed ones
-    included, inherited it through the server: steps 1.6-1.9x slower). The first spawn of
-    a process records the values (it starts the server)."""
+    setting would silently not apply (a benchmark's memory phase once set glibc's mmap
+    threshold this way for its first spawn, and every later rank, its timed ones included,
+    inherited it through the server: steps 1.6-1.9x slower). The first spawn of a process
+    records the values (it starts the server)."""
     global _server_start_environ
     now = _process_start_values(environ)
     if _server_start_environ is None:

@@ -74,7 +74,7 @@ def gradient_for(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     sharing the parameter's spec where the shard has the parameter's local shape, stride and
     dtype (the usual case), else `DTensor.from_local`. The spec is the parameter's own (same
     mesh, placements, global shape and stride); `from_local` rebuilds it through an autograd
-    Function, ~14 us a call against ~2 us (2026-11-24, torch 2.13 on this CPU), paid per
+    Function, ~14 us a call against ~2 us (torch 2.13 on a 2-core CPU), paid per
     parameter every step: the step's epilogue `autopar calibrate` times per parameter
     tensor (`optimizer_tensor_overhead_s`)."""
     if not isinstance(param, DTensor):

@@ -1,4 +1,4 @@
-"""Fused kernels for memory-bound hot spots of a training step (issue 9).
+"""Fused kernels for memory-bound hot spots of a training step.
 
 Where it sits: codegen, after the plan. `fusion_pass.fuse_graph` rewrites a per-rank ATen
 forward graph to use the fused ops; `modules.swap_fused_modules` does the same for a

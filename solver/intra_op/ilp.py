@@ -149,9 +149,9 @@ INTEGRALITY_TOL = 1e-6
 
 class CutoffExceeded(Exception):
     """The LP relaxation proved the ILP's objective (per microbatch) at least the caller's
-    `cutoff_s` (solve_intra_op): branch and bound was skipped. Added for the whole-plan
-    search's pruning (issue 14, branch i14s): a candidate whose bound already loses to the
-    plans found so far is not solved exactly."""
+    `cutoff_s` (solve_intra_op): branch and bound was skipped. The whole-plan search prunes
+    with it: a candidate whose bound already loses to the plans found so far is not solved
+    exactly."""
 
     def __init__(self, lower_bound_s: float, cutoff_s: float) -> None:
         super().__init__(f"LP relaxation bound {lower_bound_s:.6g} s >= cutoff {cutoff_s:.6g} s")

@@ -66,7 +66,7 @@ def _budget_plan() -> tuple[str, str]:
 def _search_all() -> tuple[dict[str, Plan], Plan, Plan]:
     """Every model's searched plan and the budget pair, in two processes: each search is
     single-threaded, so one process left the second core idle while the fixture's
-    searches ran (62 of its 177 s on 2026-11-27). Searches are deterministic across
+    searches ran (62 of its 177 s in one measurement). Searches are deterministic across
     processes (tests/unit/test_search.py::test_plan_json_is_byte_identical_across_processes)."""
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         budget = pool.submit(_budget_plan)  # the longest chain first

@@ -1,5 +1,5 @@
 """`make bench` (benchmarks/run_all.py) regenerates every table and plot in
-benchmarks/results/ (issue 15): each file there is one a phase of run_all writes, named in
+benchmarks/results/: each file there is one a phase of run_all writes, named in
 its docstring (the list a reader checks), or a row file a lent GPU measured that a phase
 reads. Dated measurements nothing re-makes belong in benchmarks/records/."""
 

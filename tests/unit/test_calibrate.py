@@ -207,8 +207,8 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
     """gloo's latency rows (2-rank groups far faster per ring step than 4-rank ones) pull an
     unconstrained per-call latency below 0. The fit must then re-solve the per-step latency
     with the per-call term held at 0 (the least squares line through the origin), not keep
-    the unconstrained slope and clip the intercept (what it did until session 15, 2026-11-24: per-step
-    latencies 20-55% too high in three real calibrations)."""
+    the unconstrained slope and clip the intercept (clipping left per-step latencies 20-55% too
+    high in three real calibrations)."""
     import itertools
 
     import numpy as np
@@ -345,7 +345,7 @@ def test_one_element_all_reduces_are_fitted_and_carried_per_dedicated_core() -> 
     """calibrate's one-element all-reduces (all N ranks and 2-rank groups) fit one step
     latency, t = L0 + 2 (n-1) alpha_scalar, stored per dedicated core by the share law; the
     profile carries it (`scalar_all_reduce_hop_s`) and prices the measured rank counts as
-    measured. A calibration without them (before 2026-11-28) carries none."""
+    measured. A calibration without them (an older calibrate's) carries none."""
     from autopar.calibrate import latency_share_exponent
 
     scalar_alpha = ALPHA / 5

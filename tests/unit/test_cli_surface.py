@@ -3,8 +3,8 @@
 Where it sits: a guard over autopar/cli.py (DESIGN.md "Contracts", CLI). The surface is read
 from the argparse parser itself (`build_parser()`), not from help text, and compared with
 the literal table below. A new, renamed or removed flag, a changed choice set, default or
-required-ness fails this test: update EXPECTED_SURFACE on purpose, together with the CLI
-section of README.md (and ../shared/DESIGN.md's where it names the flag).
+required-ness fails this test: update EXPECTED_SURFACE on purpose, together with
+docs/cli.md (tests/unit/test_docs.py checks that it names exactly the parser's flags).
 
 How a flag is written in the table:
     MODEL                         a positional (its metavar)
@@ -158,7 +158,7 @@ def test_cli_surface_is_frozen() -> None:
     diff = surface_diff(EXPECTED_SURFACE, cli_surface(build_parser()))
     assert diff == [], (
         "the CLI surface changed; if on purpose, update EXPECTED_SURFACE in this test and the "
-        "CLI section of README.md:\n  " + "\n  ".join(diff))
+        "docs/cli.md:\n  " + "\n  ".join(diff))
 
 
 def test_every_subcommand_has_its_module() -> None:

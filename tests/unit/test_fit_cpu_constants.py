@@ -39,7 +39,7 @@ def test_choose_takes_the_best_mean_spearman_and_breaks_ties_by_error() -> None:
 
 
 def test_the_score_counts_the_per_size_pooled_spearman_beside_the_groups() -> None:
-    """Issue 15's target is per model size (4 and 8 processes ranked together): a value that
+    """The sweep's ranking target is per model size (4 and 8 processes ranked together): a value that
     orders each group alike but the pooled sizes better scores higher."""
     grouped = _figures([0.95, 0.95], 0.05)
     table = {"a": {"1.000000": {**grouped, "sizes": {"S": 0.85}}, "0.500000": {**grouped, "sizes": {"S": 0.95}}}}

@@ -113,7 +113,7 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
     ("autopar.runtime.spmd", "codegen.apply", "each rank applies the plan to its traced step"),
     ("autopar.runtime.pipe", "autopar.trace", "each rank captures its pipeline stages under the tracer's HF patch "
      "and SDPA backends"),
-    # (i14pop) per-op pipeline stages: each rank traces, solves (a submesh's first rank) and
+    # per-op pipeline stages: each rank traces, solves (a submesh's first rank) and
     # applies its own chunks, as runtime.spmd does for one stage
     ("autopar.runtime.pipe_spmd", "autopar.trace", "each rank traces its chunks' joint graphs"),
     ("autopar.runtime.pipe_spmd", "solver.forced", "a submesh's first rank solves its chunk's stage ILP (forced.solve_stage)"),
@@ -133,7 +133,8 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
 # only these modules themselves and RULE_TABLE_USERS do.
 RULE_TABLES = ("codegen.rules", "codegen.tp", "codegen.stages")
 RULE_TABLE_USERS: dict[str, str] = {
-    "codegen.emit": "emit of pipeline plans still builds module-level chunks (issue 13: emit per op)",
+    "codegen.emit": "the module-level emit and one-stage plans without per-op placements build "
+                    "module-level chunks",
 }
 
 # --- the checker ----------------------------------------------------------------------

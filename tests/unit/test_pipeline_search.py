@@ -233,8 +233,8 @@ def test_pipelines_pay_the_reported_loss(searched):
 def test_boundary_p2p_pays_core_sharing_once():
     """A pipeline boundary's price carries the ranks' core sharing through the link, as
     every ILP collective in a stage's time does: with 8 ranks on 2 cores it is 4x the price
-    with a core per rank under the linear share law, not 16x (the double count the search
-    had until 2026-11-24); under the built-in's law (latency x 4 ** g) between 4 ** g and 4x."""
+    with a core per rank under the linear share law, not 16x (a double count of the
+    sharing); under the built-in's law (latency x 4 ** g) between 4 ** g and 4x."""
     from dataclasses import replace
 
     from autopar.cluster import HARDWARE

@@ -1,4 +1,4 @@
-"""Issue 14's published-configuration check on a small slice: the product's search
+"""The published-configuration check on a small slice: the product's search
 (solver/pipeline_search.py) is never worse than the template grid of
 benchmarks/vs_hand_tuned.py nor than a hand-written configuration, all priced by the same
 ILP stage costs (the full table: benchmarks/results/vs_hand_tuned.md)."""
