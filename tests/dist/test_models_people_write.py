@@ -1,5 +1,8 @@
-"""Models people write, end to end on 4 gloo ranks: `autopar search`, then `autopar train
---plan --check` for 3 steps, losses equal to the single-process reference (rtol 1e-4).
+"""Models people write, end to end on 4 gloo ranks: each searched (`autopar.api.search_plans`,
+what `autopar search` runs), its plan trained for 3 steps (`train_worker`, what `autopar
+train --plan` runs; every model's ranks in one set of processes), losses equal to the
+single-process reference (rtol 1e-4) and price = run on every rank. One model also goes
+through the CLI (`search --out`, then `train --plan --check`).
 
 Aliased parameters: one Parameter registered under two names (a masked-LM head whose bias
 is its decoder's bias, tests/factories.py `shared_bias`, and Hugging Face's BERT, whose
@@ -21,7 +24,8 @@ Buffers the forward updates in place (BatchNorm's running statistics and batch c
 call counter): the program writes each new value back after every microbatch, and the
 semantics are a single process's running the plan's microbatches (BatchNorm's batch
 statistics over all rows of a microbatch, whatever the plan splits: SyncBatchNorm's over
-data parallelism); the buffers after 3 steps equal the reference's.
+data parallelism); the buffers after 3 steps equal the reference's, under the searched
+plans and under forced plans of several microbatches per step.
 """
 
 from __future__ import annotations
@@ -39,60 +43,83 @@ from autopar.runtime.launch import spawn
 pytestmark = pytest.mark.dist
 
 STEPS = 3
-MODELS = {
-    "batchnorm-cnn": ("tests.factories:batchnorm_cnn", "8"),
-    "counting-mlp": ("tests.factories:counting_mlp", "8"),
-    "dict-batch": ("tests.factories:dict_batch", "8"),
-    "keyword-only": ("tests.factories:keyword_only", "8"),
-    "shared-bias": ("tests.factories:shared_bias", "8"),
-    "module-twice": ("tests.factories:module_twice", "8"),
-    "hf-bert": ("tests.hf_factories:bert", "8"),
-    "hf-t5": ("tests.hf_factories:t5", "8"),
+BATCH = 8
+SEARCHED = {
+    "batchnorm-cnn": "tests.factories:batchnorm_cnn",
+    "counting-mlp": "tests.factories:counting_mlp",
+    "dict-batch": "tests.factories:dict_batch",
+    "keyword-only": "tests.factories:keyword_only",
+    "shared-bias": "tests.factories:shared_bias",
+    "module-twice": "tests.factories:module_twice",
+    "hf-bert": "tests.hf_factories:bert",
+    "hf-t5": "tests.hf_factories:t5",
 }
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_search_then_train_matches_the_reference(name, tmp_path, capsys):
-    model, batch = MODELS[name]
-    plan = str(tmp_path / "plan.json")
-    assert cli.main(["search", model, "--cluster", "cpu:4", "--global-batch", batch, "--out", plan]) == 0
-    capsys.readouterr()
-    code = cli.main(["train", model, "--devices", "4", "--plan", plan, "--steps", str(STEPS), "--check", "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["match"], out
-    assert len(out["losses"]) == STEPS and out["max_rel_loss_diff"] < 1e-4, out
-
-
-# Forced plans with several microbatches per step (the searched ones run one): BatchNorm's
-# statistics then cover 2 rows per forward, and the counter counts 4 forwards per step.
-BUFFER_CASES = {
-    "tests.factories:batchnorm_cnn": (C(tp=4, micro_batch=2), 4),
-    "tests.factories:counting_mlp": (C(dp=4, micro_batch=1), 2),
+# Forced plans: several microbatches per step (BatchNorm's statistics then cover 2 rows per
+# forward, the counter counts 4 forwards per step) and T5 under data parallelism
+FORCED = {
+    "batchnorm-cnn-tp4-mb2": ("tests.factories:batchnorm_cnn", C(tp=4, micro_batch=2)),
+    "counting-mlp-dp4-mb1": ("tests.factories:counting_mlp", C(dp=4, micro_batch=1)),
+    "hf-t5-dp4": ("tests.hf_factories:t5", C(dp=4, micro_batch=2)),
 }
+UPDATES_BUFFERS = {"tests.factories:batchnorm_cnn", "tests.factories:counting_mlp"}
 
 
 def _worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
-    return [train_worker(rank, job) for job in jobs]
+    return [train_worker(rank, job)[0] for job in jobs]
 
 
-def test_buffers_after_training_equal_the_reference():
-    jobs = tuple(TrainJob(model=m, configs=(c,), steps=STEPS, global_batch=8, return_parameters=True,
-                          reference_microbatches=micro) for m, (c, micro) in BUFFER_CASES.items())
-    results = spawn(_worker, 4, (jobs,))
-    for j, job in enumerate(jobs):
-        ref_losses, ref_state = reference_run(job)
-        run = results[0][j][0]
+def _job(model: str, config: C, plan: str | None = None) -> TrainJob:
+    m = BATCH // (config.dp * config.micro_batch)
+    return TrainJob(model=model, configs=(config,), plans=(plan,), steps=STEPS, global_batch=BATCH,
+                    return_parameters=True, reference_microbatches=m if model in UPDATES_BUFFERS else 1)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from autopar.api import search_plans
+
+    jobs = {}
+    for name, model in SEARCHED.items():
+        plan = search_plans(model, "cpu:4", global_batch=BATCH, top=1).plan
+        assert plan.config.pp == 1, (name, plan.config)
+        jobs[name] = _job(model, plan.config, plan.dumps())
+    for name, (model, config) in FORCED.items():
+        jobs[name] = _job(model, config)
+    names = list(jobs)
+    results = spawn(_worker, 4, (tuple(jobs[n] for n in names),))
+    return {n: (jobs[n], [results[r][k] for r in range(4)]) for k, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("name", list(SEARCHED) + list(FORCED))
+def test_trains_like_one_process(trained, name):
+    job, per_rank = trained[name]
+    ref_losses, ref_state = reference_run(job)
+    for rank, run in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
-        assert run.buffers, f"{job.model}: no buffer came back"
-        for name, value in run.buffers.items():
-            # atol 1e-3 as for parameters: the conv bias before BatchNorm gets a gradient of
-            # rounding noise only, which AdamW turns into steps of +-lr, and the running mean
-            # follows the bias (the losses agree to 1e-7)
-            torch.testing.assert_close(value, ref_state[name], rtol=0, atol=1e-3, msg=name)
-    counter = results[0][1][0].buffers["calls"]
-    assert int(counter) == STEPS * BUFFER_CASES["tests.factories:counting_mlp"][1]  # once per forward
-    bn = results[0][0][0].buffers
-    assert int(bn["bn.num_batches_tracked"]) == STEPS * 4 and float(bn["bn.running_mean"].abs().sum()) > 0
+        assert run.priced is not None and run.collectives == run.priced, (rank, run.collectives, run.priced)
+    if job.model not in UPDATES_BUFFERS:
+        return
+    buffers = next(r.buffers for r in per_rank if r.buffers)
+    for key, value in buffers.items():
+        # atol 1e-3 as for parameters: the conv bias before BatchNorm gets a gradient of
+        # rounding noise only, which AdamW turns into steps of +-lr, and the running mean
+        # follows the bias (the losses agree to 1e-7)
+        torch.testing.assert_close(value, ref_state[key], rtol=0, atol=1e-3, msg=key)
+    forwards = STEPS * job.reference_microbatches
+    if "calls" in buffers:
+        assert int(buffers["calls"]) == forwards  # once per forward
+    else:
+        assert int(buffers["bn.num_batches_tracked"]) == forwards and float(buffers["bn.running_mean"].abs().sum()) > 0
+
+
+def test_a_dict_batch_model_through_the_cli(tmp_path, capsys):
+    model = SEARCHED["dict-batch"]
+    plan = str(tmp_path / "plan.json")
+    assert cli.main(["search", model, "--cluster", "cpu:4", "--global-batch", str(BATCH), "--out", plan]) == 0
+    capsys.readouterr()
+    code = cli.main(["train", model, "--devices", "4", "--plan", plan, "--steps", str(STEPS), "--check", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["match"] and out["max_rel_loss_diff"] < 1e-4, out
 
 
 def _compile_worker(rank: int) -> list[float]:
@@ -121,10 +148,3 @@ def test_keyword_inputs_through_the_python_api():
         ref.append(float(loss))
     for rank_losses in losses:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(ref), rtol=1e-4, atol=0)
-
-
-def test_t5_under_forced_data_parallelism(capsys):
-    code = cli.main(["train", "tests.hf_factories:t5", "--devices", "4", "--dp", "4", "--steps", str(STEPS), "--check",
-                     "--json"])
-    out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["match"] and out["max_rel_loss_diff"] < 1e-4, out
