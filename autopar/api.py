@@ -94,7 +94,8 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
                  example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                  seq: int | None = None, memory_gb: float | None = None, top: int = 5,
                  time_limit_s: float | None = None, progress: Any = None,
-                 microbatch_choices: int | None = None, min_pp: int = 1, max_pp: int | None = None) -> Any:
+                 microbatch_choices: int | None = None, min_pp: int = 1, max_pp: int | None = None,
+                 fixed: Any = None) -> Any:
     """The one wiring of the whole-plan search (`autopar search`, `search_plan`,
     `autopar.compile`): trace the step at each microbatch the search asks for, fingerprint
     the model, run solver/pipeline_search.py; returns its SearchResult (ranked plans, the
@@ -108,7 +109,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     plan's per-op placements are the program that runs), pipelines by the inter-op DP over
     ILP stage costs, ranked only where the runtime runs them. `progress(phase, done, total)`
     is told of the phases; deterministic unless `time_limit_s` stops the solver. `min_pp` > 1
-    ranks pipelines only, `max_pp` = 1 one-stage plans only."""
+    ranks pipelines only, `max_pp` = 1 one-stage plans only. `fixed` (solver.pipeline_search.Fixed):
+    price one configuration the way the search prices it (`autopar price`); its pipeline
+    chunks are not traced for their placements."""
     # the solver (and through it cost_model) is imported on use: `import autopar` imports
     # this module, and cost_model imports autopar's types, so a module-level import here
     # would make `import cost_model` (before autopar) a cycle
@@ -157,9 +160,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
     result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
                     family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
-                    min_pp=min_pp, max_pp=max_pp, **extra)
+                    min_pp=min_pp, max_pp=max_pp, fixed=fixed, **extra)
     best, plans = result.plan, result.plans
-    if best.config.pp > 1:
+    if best.config.pp > 1 and fixed is None:
         # the pipeline's program: each chunk traced as the ranks trace it and solved, recorded
         t = time.perf_counter()
         zoo = source is not None and source.config is not None

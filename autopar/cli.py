@@ -70,21 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter/activation dtype of the trace (default bfloat16)")
     p.add_argument("--json", action="store_true", help="print JSON for programs")
 
-    p = sub.add_parser("price", help="predict step time and memory of one parallel configuration")
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--cluster", required=True, help="HW:NODESxDEVICES, e.g. h100:16x8")
-    p.add_argument("--global-batch", type=_positive_int, required=True)
+    p = sub.add_parser("price", help="predict step time and memory of one parallel configuration, as the search "
+                                     "prices it")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None)
+    p.add_argument("--plan", default=None, metavar="PLAN_JSON",
+                   help="price a saved plan (its model, cluster, configuration and stage cuts) instead")
+    p.add_argument("--cluster", default=None, help="HW:NODESxDEVICES, e.g. h100:16x8 (required without --plan)")
+    p.add_argument("--global-batch", type=_positive_int, default=None, help="required without --plan")
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-gb", type=_positive_float, default=None, help="per-device memory budget")
     add_config_flags(p, required=False)
     p.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
-                   help="what the training stack does beyond the configuration (cost_model.RuntimeOptions: "
+                   help="with --analytic: what the training stack does beyond the configuration (cost_model.RuntimeOptions: "
                         "zero3, checkpoint_every, selective_policy, grad_reduce_bytes, compiled, async_tp, "
                         "dp_bucket_bytes, overlap_grad_reduce, dtensor_tp); repeatable")
     p.add_argument("--no-sequence-parallel", action="store_true", help="tensor parallelism without sequence "
                    "parallelism (Megatron before 2022)")
     p.add_argument("--hardware", default=None, help="a hardware profile JSON (autopar calibrate --out) to price "
                    "against instead of the built-in profile of the cluster's name")
+    p.add_argument("--analytic", action="store_true", help="price with the closed-form model fitted on published "
+                   "runs (the validation baseline; takes --runtime and --no-sequence-parallel)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("search", help="search the best parallel plan for a model on a cluster")

@@ -48,8 +48,10 @@ def _shardable(shape: tuple[int, ...], size: int) -> bool:
     return any(d % size == 0 and d >= size for d in shape)
 
 
-def keep_placeholder(config: ParallelConfig):
-    """The placeholder filter for `solve_intra_op(keep_placeholder=...)`."""
+def keep_placeholder(config: ParallelConfig, *, update_free: bool = False):
+    """The placeholder filter for `solve_intra_op(keep_placeholder=...)`. `update_free`: a
+    parameter's compute placement over dp is the ILP's choice (whole, or sharded as under
+    zero 3), not fixed by `config.zero`."""
 
     def keep(node: Node, placements: Placements) -> bool:
         shape = node.output.shape
@@ -60,7 +62,7 @@ def keep_placeholder(config: ParallelConfig):
             batch_split = config.dp > 1 and bool(shape) and shape[0] % config.dp == 0
             return (dp == Shard(0) if batch_split else isinstance(dp, Replicate)) and isinstance(tp, Replicate)
         if node.role is Role.PARAMETER:
-            if config.dp > 1:
+            if config.dp > 1 and not update_free:
                 sharded_dp = config.zero >= 3 and _shardable(shape, config.dp)
                 if sharded_dp != isinstance(dp, Shard):
                     return False
@@ -71,11 +73,15 @@ def keep_placeholder(config: ParallelConfig):
     return keep
 
 
-def keep_update(config: ParallelConfig):
+def keep_update(config: ParallelConfig, *, update_free: bool = False):
     """The weight-update filter for `solve_intra_op(keep_update=...)`: the update differs
-    from the compute placement only by a dp shard, under zero 1/2, wherever dp divides a dim."""
+    from the compute placement only by a dp shard, under zero 1/2, wherever dp divides a dim.
+    `update_free`: the ILP chooses per parameter whether to shard its update over dp."""
 
     def keep(node: Node, compute: Placements, update: Placements) -> bool:
+        if update_free:
+            return update == compute or (isinstance(compute[DP_AXIS], Replicate)
+                                         and isinstance(update[DP_AXIS], Shard) and update[TP_AXIS] == compute[TP_AXIS])
         if update == compute:
             return not (config.zero in (1, 2) and config.dp > 1 and _shardable(node.output.shape, config.dp))
         return config.zero in (1, 2) and isinstance(compute[DP_AXIS], Replicate) \
@@ -90,7 +96,8 @@ def gather_free_axes(config: ParallelConfig) -> tuple[int, ...]:
 
 def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
                 keep_input: Callable[[Node, Placements], bool] | None = None,
-                time_limit_s: float | None = None, space: Any = None, prune_memo: dict | None = None) -> Any:
+                time_limit_s: float | None = None, space: Any = None, prune_memo: dict | None = None,
+                update_free: bool = False) -> Any:
     """The intra-op ILP of a pipeline stage on its (dp, tp) submesh under `config`'s rules,
     its gradient syncs weighted 1 / num_microbatches (once per step). One solve for both
     sides of a pipeline plan: the runtime solves each chunk's graph with `keep_input`
@@ -102,29 +109,33 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     solver/intra_op/ilp.py prune_gather_free's, shared by the caller's solves."""
     from solver.intra_op.ilp import solve_intra_op
 
-    base = keep_placeholder(config)
+    base = keep_placeholder(config, update_free=update_free)
 
     def keep(node: Node, placements: Placements) -> bool:
         if keep_input is not None and node.role is Role.INPUT:
             return keep_input(node, placements)
         return base(node, placements)
 
-    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep, keep_update=keep_update(config),
+    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
+                          keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
                           time_limit_s=time_limit_s, space=space, prune_memo=prune_memo)
 
 
 def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
-                    space: Any = None) -> Any:
+                    space: Any = None, update_free: bool = False, memory_budget_bytes: float | None = None,
+                    time_limit_s: float | None = None, cutoff_s: float | None = None) -> Any:
     """The intra-op ILP of a one-stage configuration under its rules (what the runtime solves:
     autopar/runtime/spmd.py `solve_config`); `space`: the strategies to choose from (default:
     the graph's enumeration on the configuration's mesh)."""
     from solver.intra_op.ilp import solve_intra_op
 
-    return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep_placeholder(config),
-                          keep_update=keep_update(config), gather_free_axes=gather_free_axes(config),
-                          num_microbatches=num_microbatches, space=space,
-                          grads_each_microbatch=config.zero == 2 and config.dp > 1)
+    return solve_intra_op(graph, cluster, mesh_shape(config),
+                          keep_placeholder=keep_placeholder(config, update_free=update_free),
+                          keep_update=keep_update(config, update_free=update_free),
+                          gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches, space=space,
+                          grads_each_microbatch=not update_free and config.zero == 2 and config.dp > 1,
+                          memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, cutoff_s=cutoff_s)
 
 
 def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,

@@ -132,6 +132,41 @@ class PipelineCandidate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Fixed:
+    """One configuration to price instead of a space to search (`autopar price`): the search
+    restricted to it, so a configuration is priced exactly as the search prices it when it
+    ranks it (same traces, ILP rules, stage costs and pipeline terms).
+
+    What `config` leaves to the search stays the search's: per-op placements, and each
+    parameter's ZeRO layout where `zero_given` is false (the one-stage ILP chooses per
+    parameter; each pipeline stage takes the best of ZeRO 0, 1 and 3 as in a search);
+    the stage cuts where `stage_layers` is None."""
+
+    config: ParallelConfig
+    zero_given: bool = False
+    stage_layers: tuple[int, ...] | None = None
+
+    def spmd(self, c: SpmdCandidate) -> bool:
+        k = self.config
+        return k.pp == 1 and c.mesh == (k.dp, k.tp) and c.microbatch == k.micro_batch * k.dp
+
+    def pipeline(self, c: PipelineCandidate) -> bool:
+        k = self.config
+        return k.pp == c.pp and c.microbatch == k.micro_batch * k.dp
+
+    def zeros(self) -> tuple[int, ...]:
+        """A stage's ZeRO layouts: the given one (ZeRO-2 runs ZeRO-1's layout in a stage)."""
+        if not self.zero_given:
+            return ZERO_CHOICES
+        return (1 if self.config.zero == 2 else self.config.zero,)
+
+    def schedule(self, sched: Schedule) -> bool:
+        k = self.config
+        name = {"zb": "zbv"}.get(k.schedule, k.schedule)
+        return sched.name == name and sched.chunks == (k.interleave if name in ("interleaved", "zbv") else 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineResult:
     """One DP solution: a schedule and per-stage (SubmeshCosts, recompute)."""
 
@@ -296,35 +331,43 @@ ZERO_CHOICES = (0, 1, 3)
 ZeRO-1's layout (the gradient accumulated whole, reduce-scattered once per step)."""
 
 
-def _schedules(p: int, m: int, num_layers: int) -> list[Schedule]:
+def _schedules(p: int, m: int, num_layers: int, fixed: Fixed | None = None) -> list[Schedule]:
     out = [Schedule(name="gpipe"), Schedule(name="1f1b")]
-    out += [Schedule(name="interleaved", chunks=v) for v in INTERLEAVE_CHOICES
+    interleave = INTERLEAVE_CHOICES
+    if fixed is not None and fixed.config.schedule == "interleaved" and fixed.config.interleave not in interleave:
+        interleave = (fixed.config.interleave,)
+    out += [Schedule(name="interleaved", chunks=v) for v in interleave
             if num_layers >= p * v and m % p == 0]
     if num_layers >= 2 * p and m >= 2 * p:
         out.append(Schedule(name="zbv", chunks=2))
-    return out
+    return out if fixed is None else [s for s in out if fixed.schedule(s)]
 
 
 def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cluster: Cluster, *,
                              family: str, num_layers: int, info: Any,
-                             cutoff_s: float = math.inf) -> list[PipelineResult]:
+                             cutoff_s: float = math.inf, fixed: Fixed | None = None) -> list[PipelineResult]:
     """Every schedule x (all options | each uniform option) DP solution of one candidate
     (`info`: the traced model's ModelInfo, for its heads) with a step time below
     `cutoff_s`. The all-options optimum bounds every uniform one from below, so when it
-    is not below the cutoff the schedule's uniform DPs are skipped."""
+    is not below the cutoff the schedule's uniform DPs are skipped. `fixed`: only its
+    submesh, ZeRO layouts, recompute policy, schedule and cuts."""
     D = cand.stage_devices(cluster)
     meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
+    zeros, policies = ZERO_CHOICES, RECOMPUTE_CHOICES
+    if fixed is not None:
+        meshes = [m for m in meshes if m == (fixed.config.dp, fixed.config.tp)]
+        zeros, policies = fixed.zeros(), (fixed.config.recompute,)
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
     for mesh in meshes:
         # ZeRO 0 / 1 / 3 over the stage's dp: weights whole and updated whole, weights whole
         # and their update sharded (gathered once per step), weights sharded (gathered per use)
-        for zero in (ZERO_CHOICES if mesh[0] > 1 else (0,)):
+        for zero in (zeros if mesh[0] > 1 else (0,)):
             sc = cache.get(mesh, cand.microbatch, zero)
             if sc is None:
                 continue
             p2p = boundary_p2p_s(cluster, cand.pp, D, sc.boundary_messages)
-            for rc in RECOMPUTE_CHOICES:
+            for rc in policies:
                 entries.append((sc, rc, p2p))
     if not entries:
         return []
@@ -333,7 +376,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     budget = cluster.device_memory_bytes
     world_report = cost_model.loss_report_time_s((), (), cost_model.mesh_axis_links(cluster, (cluster.num_devices,))[0])
     out: list[PipelineResult] = []
-    for schedule in _schedules(cand.pp, cand.num_microbatches, num_layers):
+    for schedule in _schedules(cand.pp, cand.num_microbatches, num_layers, fixed):
         if not schedule.allows(cand.pp, cand.num_microbatches):
             continue
         tables = [option_tables(num_layers, cand.pp, cand.num_microbatches, o, schedule, budget) for o in options]
@@ -344,7 +387,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
             # own reduction, where its loss is Partial, is added below)
             sol = solve_pipeline(num_layers, cand.pp, cand.num_microbatches, [options[i] for i in subset], schedule,
                                  budget, tables=[tables[i] for i in subset], cutoff_s=cutoff_s - world_report,
-                                 share=share)
+                                 share=share, stage_layers=None if fixed is None else fixed.stage_layers)
             if sol is None:
                 if len(subset) == len(options):
                     break  # no uniform option can beat the cutoff (or fit) either
@@ -482,8 +525,9 @@ class _Entry:
 def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
            family: str = "", top: int = 5, time_limit_s: float | None = None, progress: ProgressFn | None = None,
            num_layers: int | None = None, microbatch_choices: int = MAX_MICROBATCH_CHOICES,
-           max_pp: int | None = None, min_pp: int = 1) -> SearchResult:
+           max_pp: int | None = None, min_pp: int = 1, fixed: Fixed | None = None) -> SearchResult:
     """Rank one-stage plans and pipelines (module docstring); the runnable best as Plans.
+    `fixed`: price that one configuration (`Fixed`); the result ranks what it allows.
     `family` names the zoo's structures ("gpt", "llama": their pipelines take tp from the
     rule tables); "" for any other model, whose pipelines run data-parallel stages cut at its
     repeated layers (capabilities.runnable says which). `min_pp` > 1 searches pipelines only."""
@@ -492,18 +536,28 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     # every microbatch per mesh, largest first: the first `microbatch_choices` that pass the
     # memory bound are solved (vs_hand_tuned.py found the three largest all over memory while
     # a smaller one fit and won)
-    spmd = [c for c in spmd_candidates(cluster, global_batch, global_batch)
-            if (cluster.num_nodes == 1 or c.mesh[1] <= cluster.devices_per_node) and min_pp == 1]
-    if not spmd and min_pp == 1:
-        raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
-                                  f"use a global batch that is a multiple of the device count")
     graphs: dict[Any, Graph] = {}
     ref_g = 1  # the bounds scale a one-sequence trace (stage_costs.lower_bound_s)
     ref = traced(graphs, trace_at, ref_g)
+    spmd = [c for c in spmd_candidates(cluster, global_batch, global_batch, heads=ref.model.heads,
+                                       kv_heads=ref.model.kv_heads)
+            if min_pp == 1 and (fixed is None or fixed.spmd(c))]
+    if not spmd and min_pp == 1 and fixed is None:
+        raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
+                                  f"use a global batch that is a multiple of the device count")
     L = num_layers if num_layers is not None else ref.model.num_layers
     allow_pp = L >= 2 and max_pp != 1  # capabilities.runnable decides which pipelines run
     pipes = [c for c in pipeline_candidates(cluster, global_batch, L, max_pp=max_pp) if c.pp >= min_pp] \
         if allow_pp else []
+    if fixed is not None:
+        k = fixed.config
+        g = k.micro_batch * k.dp
+        pipes = [PipelineCandidate(pp=k.pp, microbatch=g, num_microbatches=global_batch // g)] \
+            if k.pp > 1 and allow_pp and global_batch % g == 0 else []
+    if fixed is not None and not spmd and not pipes:
+        raise InfeasiblePlanError(f"{fixed.config} does not split {model} over {cluster.spec} at global batch "
+                                  f"{global_batch}: its microbatch must divide the global batch, and a pipeline "
+                                  "needs a model the runtime can cut into at least pp stages")
     if not spmd and not pipes:
         raise InfeasiblePlanError(f"no pipeline of {model} splits over {cluster.spec} with at least pp >= {min_pp}: "
                                   "it needs a model the runtime can cut into stages and a global batch of at least "
@@ -512,7 +566,7 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     # policy that rewrites nothing (no repeated layers) is the same candidate as none
     refs = {"none": ref}
     if spmd and L:  # recompute rewrites repeated layers only (autopar/recompute.py): none, nothing to trace
-        for rc in RECOMPUTE_CHOICES[1:]:
+        for rc in RECOMPUTE_CHOICES[1:] if fixed is None else [fixed.config.recompute][:fixed.config.recompute != "none"]:
             g_rc = traced(graphs, trace_at, ref_g, rc)
             if len(g_rc.nodes) != len(ref.nodes):
                 refs[rc] = g_rc
@@ -535,11 +589,12 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     queue: list[tuple[float, int, Any]] = []
     pruned_memory = 0
     kept_per_mesh: dict[tuple[tuple[int, int], str], int] = {}
-    for i, c in enumerate(replace(c, recompute=rc) for c in spmd for rc in refs):
+    policies = list(refs) if fixed is None else [fixed.config.recompute]
+    for i, c in enumerate(replace(c, recompute=rc) for c in spmd for rc in policies if rc in refs):
         key = (c.mesh, c.recompute)
         if kept_per_mesh.get(key, 0) >= microbatch_choices:
             continue  # smaller microbatches than enough fitting ones: only memory to gain
-        if memory_lower_bound_bytes(refs[c.recompute], n, c.microbatch / ref_g, doubled.get(c.recompute)) \
+        if fixed is None and memory_lower_bound_bytes(refs[c.recompute], n, c.microbatch / ref_g, doubled.get(c.recompute)) \
                 > MEMORY_BOUND_SLACK * cluster.device_memory_bytes:
             pruned_memory += 1
             continue
@@ -580,15 +635,16 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
         if progress:
             progress("solve", idx, len(queue))
         solved_count += 1
-        if isinstance(cand, SpmdCandidate) and _over_memory(traced(graphs, trace_at, cand.microbatch, cand.recompute),
-                                                            cluster):
+        if isinstance(cand, SpmdCandidate) and fixed is None and \
+                _over_memory(traced(graphs, trace_at, cand.microbatch, cand.recompute), cluster):
             not_fit += 1
             continue
         if isinstance(cand, SpmdCandidate):
             try:
                 s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs,
                                     time_limit_s=cache.time_limit_s, smallest=smallest,
-                                    cutoff_step_s=cutoff if math.isfinite(cutoff) else None)
+                                    cutoff_step_s=cutoff if math.isfinite(cutoff) else None,
+                                    zero=fixed.config.zero if fixed is not None and fixed.zero_given else None)
             except CutoffExceeded as exc:
                 log.info("one-stage %s rc-%s: %s x %d microbatches: pruned", cand.mesh, cand.recompute, exc,
                          cand.num_microbatches)
@@ -605,7 +661,7 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                   label=label, reason=None, terms=dict(e.time_breakdown), spmd=s, estimate=e))
         else:
             results = solve_pipeline_candidate(cand, cache, cluster, family=family, num_layers=L, info=ref.model,
-                                               cutoff_s=cutoff)
+                                               cutoff_s=cutoff, fixed=fixed)
             if not results and math.isfinite(cutoff):
                 pruned_lp += 1  # nothing below the cutoff (or nothing fits: not told apart here)
             elif not results:

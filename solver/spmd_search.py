@@ -5,13 +5,15 @@ autopar/api.py `search_plans`, which supplies how to trace the model at a
 given microbatch). Output: ranked candidates and the best `Plan`, whose per-op placements
 (`Plan.placements`) are exactly the program the runtime builds.
 
-The space: every 2-D mesh (a, b) with a * b = devices x every global microbatch g
-(a multiple of a dividing the global batch B; m = B / g microbatches, at most
-MAX_MICROBATCH_CHOICES of the largest g); axes of one node are interchangeable, so there
-(a, b) with b > a only takes the g that (b, a) cannot split (`candidates`). For each, the graph is traced at g
-sequences and the intra-op ILP solves every op's placements jointly over both axes,
-under the per-device memory limit, with no template: data, tensor, sequence and
-ZeRO-style parallelism are whatever minimises
+The space: every configuration dp x tp = devices (tp within a node, dividing the
+attention heads) x every global microbatch g (a multiple of dp dividing the global batch
+B; m = B / g microbatches, at most MAX_MICROBATCH_CHOICES of the largest g) x every
+recompute policy. Each is solved by the intra-op ILP under the configuration's rules
+(solver/forced.py: the batch split over dp, every matrix sharded over tp), with each
+parameter's compute and update placement over dp the ILP's choice (ZeRO 0, 1 or 3 per
+parameter, `update_free`). So a configuration is priced the same way wherever it is priced:
+`autopar price` solves the same ILP for one configuration, and `autopar train --dp --tp`
+runs it; within the rules the ILP places every op, with no template, minimising
 
     step_time = m * (per-microbatch compute + resharding)  +  gradient sync (once)
                 + optimizer step over the local parameters (cost_model)
@@ -104,26 +106,30 @@ class SpmdCandidate:
                               zero=0, recompute=self.recompute)  # type: ignore[arg-type]
 
 
-def mesh_candidates(cluster: Cluster) -> list[tuple[int, int]]:
-    """2-D meshes (a, b) over all devices, both orientations."""
+def mesh_candidates(cluster: Cluster, *, heads: int = 0, kv_heads: int = 0) -> list[tuple[int, int]]:
+    """(dp, tp) over all devices, dp largest first: tp within a node (tensor-parallel
+    collectives run every layer) and dividing the attention heads where the model has them."""
     n = cluster.num_devices
-    return [(a, n // a) for a in range(n, 0, -1) if n % a == 0]
-
-
-def candidates(cluster: Cluster, global_batch: int, microbatch_choices: int = MAX_MICROBATCH_CHOICES
-               ) -> list[SpmdCandidate]:
-    """(mesh, microbatch g) pairs: g sequences split over the mesh's first axis (g % a == 0).
-    On one node the two axes are interchangeable (same links, the ILP places freely), so
-    (a, b) with b > a is kept only for the microbatches (b, a) cannot split: e.g. a pure
-    tensor-parallel (1, 8) mesh at g = 1 on 8 GPUs (vs_hand_tuned.py's MPT-7b at 16 x 65536:
-    the grid's tp8 mb1 beat the search, which had only (8, 1) and g in {16, 8})."""
     out = []
-    for a, b in mesh_candidates(cluster):
-        sizes = [g for g in range(global_batch, 0, -1) if global_batch % g == 0 and g % a == 0]
-        if cluster.num_nodes == 1 and b > a:
-            sizes = [g for g in sizes if g % b]
+    for dp in range(n, 0, -1):
+        tp = n // dp
+        if n % dp or tp > cluster.devices_per_node or cluster.devices_per_node % tp:
+            continue
+        if tp > 1 and ((heads and heads % tp) or (kv_heads and kv_heads % tp)):
+            continue
+        out.append((dp, tp))
+    return out
+
+
+def candidates(cluster: Cluster, global_batch: int, microbatch_choices: int = MAX_MICROBATCH_CHOICES, *,
+               heads: int = 0, kv_heads: int = 0) -> list[SpmdCandidate]:
+    """(dp x tp, microbatch g) pairs: g sequences split over dp (g % dp == 0), the largest
+    `microbatch_choices` per mesh."""
+    out = []
+    for dp, tp in mesh_candidates(cluster, heads=heads, kv_heads=kv_heads):
+        sizes = [g for g in range(global_batch, 0, -1) if global_batch % g == 0 and g % dp == 0]
         for g in sizes[:microbatch_choices]:
-            out.append(SpmdCandidate(mesh=(a, b), microbatch=g, num_microbatches=global_batch // g))
+            out.append(SpmdCandidate(mesh=(dp, tp), microbatch=g, num_microbatches=global_batch // g))
     return out
 
 
@@ -160,8 +166,8 @@ def _local_parameter_tensors(graph: Graph, solution: IntraOpSolution) -> float:
 
 def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     """3 when most parameter bytes are computed sharded over the first (dp) axis, else 1
-    when most have their weight update sharded over it, else 0: a label for tables; the
-    placements are the plan."""
+    when most have their weight update sharded over it (2 when the solution syncs the
+    gradients every microbatch), else 0: a label for tables; the placements are the plan."""
     by_node = {c.node: c for c in solution.choices}
     sharded = updated = whole = 0.0
     for node in graph.by_role(Role.PARAMETER):
@@ -171,7 +177,11 @@ def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
         if c is not None and solution.mesh_shape[0] > 1:
             sharded += size * isinstance(c.outputs[0][0], Shard)
             updated += size * isinstance((c.outputs[0] if c.update is None else c.update)[0], Shard)
-    return 3 if whole and sharded / whole > 0.5 else 1 if whole and updated / whole > 0.5 else 0
+    if whole and sharded / whole > 0.5:
+        return 3
+    if whole and updated / whole > 0.5:
+        return 2 if solution.grads_each_microbatch else 1
+    return 0
 
 
 def loss_report_s(graph: Graph, solution: IntraOpSolution, cluster: Cluster,
@@ -216,19 +226,24 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
 
 def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,
                     graphs: dict[Any, Graph], time_limit_s: float | None,
-                    smallest: list[float] | None = None, cutoff_step_s: float | None = None) -> Solved | None:
+                    smallest: list[float] | None = None, cutoff_step_s: float | None = None,
+                    zero: int | None = None) -> Solved | None:
     """The ILP for one candidate (None when nothing fits its memory; the smallest memory it
     needs is appended to `smallest`). With `cutoff_step_s`, raises
     solver.intra_op.CutoffExceeded when the ILP's LP relaxation proves the step time at
     least that (m x its bound on the objective, which is the step time / m: the
-    per-microbatch costs plus the optimizer and accumulation terms / m)."""
+    per-microbatch costs plus the optimizer and accumulation terms / m). `zero`: the ZeRO
+    layout the configuration fixes (solver/forced.py); None: each parameter's is the ILP's."""
+    from solver.forced import solve_one_stage
+
     graph = traced(graphs, trace_at, cand.microbatch, cand.recompute)
     space = enumerate_strategies(graph, cand.mesh)
     try:
-        solution = solve_intra_op(graph, cluster, cand.mesh, memory_budget_bytes=cluster.device_memory_bytes,
-                                  num_microbatches=cand.num_microbatches, time_limit_s=time_limit_s,
-                                  space=space,
-                                  cutoff_s=None if cutoff_step_s is None else cutoff_step_s / cand.num_microbatches)
+        config = cand.config if zero is None else replace(cand.config, zero=zero)
+        solution = solve_one_stage(graph, config, cluster, num_microbatches=cand.num_microbatches, space=space,
+                                   update_free=zero is None, memory_budget_bytes=cluster.device_memory_bytes,
+                                   time_limit_s=time_limit_s,
+                                   cutoff_s=None if cutoff_step_s is None else cutoff_step_s / cand.num_microbatches)
     except InfeasiblePlanError as exc:
         if smallest is not None and exc.min_memory_bytes is not None:
             smallest.append(exc.min_memory_bytes)

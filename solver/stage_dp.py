@@ -273,7 +273,7 @@ def _shortest(gathered: np.ndarray, bound: float, num_layers: int) -> tuple[floa
 def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, options: Sequence[StageOption],
                    schedule: Schedule, memory_budget_bytes: float,
                    tables: Sequence[np.ndarray] | None = None, cutoff_s: float = math.inf,
-                   share: float = 1.0) -> PipelineSolution | None:
+                   share: float = 1.0, stage_layers: Sequence[int] | None = None) -> PipelineSolution | None:
     """The exact optimum of T over cuts x per-stage options (module docstring), or None
     when no assignment fits the memory budget. L = 0 (no repeated layers) needs p = 1.
     `tables` are the options' `option_tables` when the caller reuses them across subsets.
@@ -285,12 +285,21 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
 
     `share` > 1: ranks share cores (cost_model.core_share; the times are priced contended),
     T = max(T_sched / share, m S / p + R(S)) (module docstring; R linear in S), still nondecreasing in S for a
-    fixed bound B, so the scan stays exact."""
+    fixed bound B, so the scan stays exact.
+
+    `stage_layers`: the cuts are given (a saved plan priced as it is): only the options per
+    stage are chosen."""
     p, m, L = num_stages, num_microbatches, num_layers
     if p < 1 or (L < p and not (L == 0 and p == 1)) or not options or not schedule.allows(p, m):
         return None
     if tables is None:
         tables = [option_tables(L, p, m, o, schedule, memory_budget_bytes) for o in options]
+    if stage_layers is not None:
+        if len(stage_layers) != p or sum(stage_layers) != L:
+            return None
+        keep = np.zeros((p, L + 1), dtype=bool)
+        keep[np.arange(p), list(stage_layers)] = True
+        tables = [np.where(keep, t, np.inf) for t in tables]
     tmin, arg = _tmin_tables(tables)
     beta = schedule.beta
     shared = share > 1.0

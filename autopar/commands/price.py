@@ -1,11 +1,24 @@
-"""`autopar price MODEL --cluster ... --global-batch B [config flags]`: price one config.
+"""`autopar price MODEL --cluster ... --global-batch B [config flags]`, or
+`autopar price --plan plan.json`: the step time and memory of one configuration.
 
-Traces 2 layers on fake tensors (the layer group is scaled to the real depth), then
-prices the configuration with cost_model. Defaults (DESIGN.md): tp = pp = 1,
-dp = devices / (tp * pp), zero 0, micro-batch 1, 1f1b when pp > 1, recompute none,
-attention flash. A config that does not fit is still priced and flagged. `--runtime KEY=VALUE`
-describes the training stack beyond the configuration (cost_model/options.py), and
-`--hardware profile.json` prices against a calibrated or custom hardware profile.
+The price is the search's own (solver/pipeline_search.py `Fixed`): the model is traced as
+the search traces it (float32 on the cpu profile, else bfloat16), the intra-op ILP places
+every op under the configuration's rules (solver/forced.py) and, for pp > 1, the stage DP
+cuts the layers and prices the schedule. So a configuration priced here and the same
+configuration ranked by `autopar search` are one number, and `--plan` reprices a saved
+plan's configuration with its cuts.
+
+What the flags leave open stays the search's choice: per-op placements always; each
+parameter's ZeRO layout unless `--zero` is given; the stage cuts unless a plan gives them.
+Defaults (DESIGN.md): tp = pp = 1, dp = devices / (tp * pp), micro-batch 1, 1f1b when
+pp > 1, recompute none. A configuration that does not fit is still priced (its ILP solved
+without the memory limit) and flagged.
+
+`--analytic` prices with the closed-form model fitted on published runs
+(cost_model.price_profile: the validation baseline), which also takes `--runtime
+KEY=VALUE` (cost_model/options.py: what a published training stack does beyond the
+configuration) and `--no-sequence-parallel`; `--hardware profile.json` prices against a
+calibrated or custom hardware profile in both.
 """
 
 from __future__ import annotations
@@ -18,9 +31,12 @@ from typing import Any
 from autopar.cluster import GIB, Cluster, load_hardware
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.trace import trace_model
 
 TRACED_LAYERS = 2
+"""Layers the analytic baseline traces (the layer group is scaled to the real depth)."""
+
+UNLIMITED_GB = 1e9
+"""The memory limit a configuration that does not fit is re-solved under (then flagged)."""
 
 
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
@@ -55,51 +71,172 @@ def runtime_from_args(pairs: list[str]) -> Any:
     return RuntimeOptions.from_pairs(values)
 
 
-def run(args: argparse.Namespace) -> int:
-    from cost_model import price
-
+def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
     hardware = load_hardware(args.hardware) if getattr(args, "hardware", None) else None
-    cluster = Cluster.parse(args.cluster, hardware=hardware).with_memory_gb(args.memory_gb)
-    config = config_from_args(args, cluster.num_devices)
-    if getattr(args, "no_sequence_parallel", False):
-        config = dataclasses.replace(config, sequence_parallel=False)
+    return Cluster.parse(spec, hardware=hardware).with_memory_gb(args.memory_gb)
+
+
+def price_configuration(model: str, cluster: Cluster, *, global_batch: int, config: ParallelConfig,
+                        seq: int | None = None, zero_given: bool = True,
+                        stage_layers: tuple[int, ...] | None = None) -> Any:
+    """The search's Plan for exactly `config` on `cluster` (solver.pipeline_search.Fixed);
+    a configuration that fits no plan in the memory limit is solved without it, and its
+    estimate flagged as not fitting."""
+    from dataclasses import replace
+
+    from autopar.api import search_plans
+    from autopar.plan import InfeasiblePlanError
+    from solver.pipeline_search import Fixed
+
+    fixed = Fixed(config=config, zero_given=zero_given, stage_layers=stage_layers)
+    try:
+        return search_plans(model, cluster, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
+    except InfeasiblePlanError:
+        unlimited = cluster.with_memory_gb(UNLIMITED_GB)
+        plan = search_plans(model, unlimited, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
+    budget = cluster.device_memory_bytes
+    est = plan.predicted
+    est = replace(est, fits=est.peak_memory_bytes <= budget, memory_limit_bytes=int(budget))
+    return replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec)
+
+
+def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
+    """Collectives per step by (kind, axis): count and bytes (a pipeline's: per microbatch
+    of each stage, times the microbatches; stage gradient syncs are counted once)."""
+    from collections import Counter
+
+    if plan.config.pp == 1:
+        info = plan.intra_op_info
+        return [tuple(c) for c in info.collectives] if info is not None else []
+    calls: Counter = Counter()
+    volume: Counter = Counter()
+    for stage in plan.pipeline.stages:
+        for kind, axis, count, size in stage.collectives:
+            calls[(f"stage {stage.index} {kind}", axis)] += count
+            volume[(f"stage {stage.index} {kind}", axis)] += size
+    return [(k, a, calls[(k, a)], volume[(k, a)]) for k, a in sorted(calls)]
+
+
+def _run_analytic(args: argparse.Namespace, cluster: Cluster, config: ParallelConfig) -> int:
+    from cost_model import price
+    from autopar.trace import trace_model
+
     options = runtime_from_args(getattr(args, "runtime", []) or [])
     source = resolve(args.model).with_overrides(seq=args.seq)
-    if source.config is not None:  # fail on bad degrees before spending time on the trace
-        cfg = source.config
-        config.check(global_batch=args.global_batch, num_devices=cluster.num_devices, heads=cfg.heads,
-                     kv_heads=getattr(cfg, "num_kv_heads", cfg.heads), num_layers=cfg.layers)
     graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=TRACED_LAYERS)
     est = price(graph, config, cluster, global_batch=args.global_batch, options=options)
     if args.json:
         print(json.dumps(est.to_json(), indent=2, sort_keys=True))
         return 0
+    _print(f"{graph.model.name} on {cluster.spec} (analytic baseline)", est, cluster, [], None)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+
+    plan_file = getattr(args, "plan", None)
+    if plan_file:
+        given = [f for f in ("model", "cluster", "global_batch", "tp", "pp", "dp", "zero", "micro_batch", "schedule",
+                             "interleave", "recompute") if getattr(args, f, None) is not None]
+        if given:
+            raise ValueError(f"--plan prices the saved plan's model, cluster and configuration; drop "
+                             f"{', '.join('--' + f.replace('_', '-') if f != 'model' else 'MODEL' for f in given)}")
+        if getattr(args, "analytic", False):
+            raise ValueError("--plan prices with the search's model; --analytic takes MODEL and config flags")
+        saved = Plan.load(plan_file)
+        cluster = _cluster(args, saved.cluster)
+        plan = price_configuration(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
+                                   seq=saved.seq, zero_given=False,
+                                   stage_layers=tuple(saved.stage_layers) if saved.config.pp > 1 else None)
+        if saved.model_fingerprint and plan.model_fingerprint != saved.model_fingerprint:
+            raise ValueError(f"{plan_file} was searched for another version of {saved.model!r} (fingerprint "
+                             f"{saved.model_fingerprint[:12]}, now {plan.model_fingerprint[:12]}); search it again")
+        return _report(args, plan, cluster, saved)
+    if args.model is None or args.cluster is None or args.global_batch is None:
+        raise ValueError("price needs MODEL, --cluster and --global-batch (or --plan PLAN_JSON)")
+    cluster = _cluster(args, args.cluster)
+    config = config_from_args(args, cluster.num_devices)
+    if getattr(args, "no_sequence_parallel", False):
+        config = dataclasses.replace(config, sequence_parallel=False)
+    source = resolve(args.model).with_overrides(seq=args.seq)
+    if source.config is not None:  # fail on bad degrees before spending time on the trace
+        cfg = source.config
+        config.check(global_batch=args.global_batch, num_devices=cluster.num_devices, heads=cfg.heads,
+                     kv_heads=getattr(cfg, "num_kv_heads", cfg.heads), num_layers=cfg.layers)
+    if getattr(args, "analytic", False):
+        return _run_analytic(args, cluster, config)
+    extra = [f for f, on in (("--runtime", bool(getattr(args, "runtime", []))),
+                             ("--no-sequence-parallel", getattr(args, "no_sequence_parallel", False)),
+                             ("--attention math", config.attention != "flash")) if on]
+    if extra:
+        raise ValueError(f"{', '.join(extra)} describe(s) a published training stack to the analytic baseline; "
+                         "add --analytic, or drop them to price what autopar runs")
+    plan = price_configuration(args.model, cluster, global_batch=args.global_batch, config=config, seq=args.seq,
+                               zero_given=args.zero is not None)
+    return _report(args, plan, cluster, None)
+
+
+def _report(args: argparse.Namespace, plan: Any, cluster: Cluster, saved: Any) -> int:
+    est = plan.predicted
+    if args.json:
+        out = est.to_json()
+        out["stage_layers"] = list(plan.stage_layers)
+        out["collectives"] = [list(c) for c in _collectives(plan)]
+        if saved is not None:
+            out["plan_step_time_s"] = saved.predicted.step_time_s
+            out["plan_peak_memory_bytes"] = saved.predicted.peak_memory_bytes
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    _print(f"{plan.model} on {cluster.spec}", est, cluster, _collectives(plan), plan)
+    if saved is not None:
+        print(f"the plan file predicted {saved.predicted.step_time_s:.4g} s and "
+              f"{saved.predicted.peak_memory_bytes / GIB:.3g} GiB")
+    return 0
+
+
+def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     c = dict(est.config)
-    console.print(f"[bold]{graph.model.name}[/] on {cluster.spec}: tp={c['tp']} pp={c['pp']} dp={c['dp']} "
+    console.print(f"[bold]{title}[/]: tp={c['tp']} pp={c['pp']} dp={c['dp']} "
                   f"zero={c['zero']} micro-batch={c['micro_batch']} x {c['num_microbatches']} microbatches, "
-                  f"schedule={c['schedule']} interleave={c['interleave']} recompute={c['recompute']} "
-                  f"attention={c['attention']}")
-    console.print(f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s "
+                  f"schedule={c['schedule']} interleave={c['interleave']} recompute={c['recompute']}"
+                  + (f", stages of {'/'.join(map(str, plan.stage_layers))} layers" if plan is not None
+                     and len(plan.stage_layers) > 1 else ""))
+    console.print(f"step {est.step_time_s:.4g} s | {est.tokens_per_s:,.0f} tokens/s "
                   f"({est.tokens_per_s_per_device:,.1f} per device) | "
                   f"{est.model_tflops_per_device:.1f} model TFLOP/s per device | MFU {est.mfu:.1%}")
     fit = "[green]fits[/]" if est.fits else f"[red]does NOT fit: {est.over_memory_bytes / GIB:.2f} GiB over[/]"
-    console.print(f"peak memory {est.peak_memory_bytes / GIB:.2f} GiB of {est.memory_limit_bytes / GIB:.2f} GiB "
+    console.print(f"peak memory {est.peak_memory_bytes / GIB:.3g} GiB of {est.memory_limit_bytes / GIB:.3g} GiB "
                   f"(stage {est.peak_stage}): {fit}")
     times = Table(title="time per step")
     times.add_column("component")
     times.add_column("seconds", justify="right")
     times.add_column("share", justify="right")
     for name, value in est.time_breakdown:
-        times.add_row(name.removesuffix("_s"), f"{value:.4f}", f"{value / est.step_time_s:.1%}")
+        times.add_row(name.removesuffix("_s"), f"{value:.4g}", f"{value / est.step_time_s:.1%}")
     console.print(times)
+    if plan is not None and plan.config.pp > 1:
+        stages = Table(title="stages")
+        for col in ("stage", "layers", "dp x tp", "zero", "recompute", "s / microbatch", "GiB"):
+            stages.add_column(col, justify="right")
+        for s in plan.pipeline.stages:
+            stages.add_row(str(s.index), str(s.num_layers), f"{s.submesh[0]} x {s.submesh[1]}", str(s.zero),
+                           s.recompute, f"{s.time_per_microbatch_s:.4g}", f"{s.memory_bytes / GIB:.3g}")
+        console.print(stages)
+    if collectives:
+        table = Table(title="collectives per step" if plan.config.pp == 1 else "collectives per microbatch")
+        for col in ("kind", "axis", "count", "MiB"):
+            table.add_column(col, justify="right")
+        for kind, axis, count, size in collectives:
+            table.add_row(kind, axis, str(count), f"{size / 2**20:,.1f}")
+        console.print(table)
     mem = Table(title=f"memory on the peak device (stage {est.peak_stage})")
     mem.add_column("component")
     mem.add_column("GiB", justify="right")
     for name, value in est.memory_breakdown:
-        mem.add_row(name.removesuffix("_bytes"), f"{value / GIB:.2f}")
+        mem.add_row(name.removesuffix("_bytes"), f"{value / GIB:.3g}")
     console.print(mem)
-    return 0
