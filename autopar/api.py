@@ -89,6 +89,13 @@ def _cluster_of(mesh: MeshLike) -> Cluster:
 LAYERS_TRACED = 2
 """Zoo models repeat one layer structure: two traced layers scale exactly to the depth."""
 
+MAX_ZOO_TRACES = 64
+_ZOO_TRACES: dict[tuple, Any] = {}
+"""A zoo model's traced steps by (name, seq, rows, dtype, recompute): the zoo builds a model
+from its name alone and a Graph is immutable, so a search, and the `autopar price` of
+its configurations after it, trace each once per process (oldest dropped first)."""
+_ZOO_FINGERPRINTS: dict[tuple, str] = {}
+
 
 def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | None = None,
                  example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -129,7 +136,13 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         dtype = search_dtype(cluster)
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
-            return trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED, recompute=recompute)
+            key = (model, seq, rows, dtype, recompute)
+            if key not in _ZOO_TRACES:
+                while len(_ZOO_TRACES) >= MAX_ZOO_TRACES:
+                    _ZOO_TRACES.pop(next(iter(_ZOO_TRACES)))
+                _ZOO_TRACES[key] = trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED,
+                                               recompute=recompute)
+            return _ZOO_TRACES[key]
 
         trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
     else:
@@ -155,7 +168,12 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     if global_batch is None:
         raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
     t = time.perf_counter()
-    fingerprint = fingerprint_source(source) if source is not None else module_fingerprint(model)
+    if source is not None and source.config is not None:
+        if (model, seq) not in _ZOO_FINGERPRINTS:
+            _ZOO_FINGERPRINTS[(model, seq)] = fingerprint_source(source)
+        fingerprint = _ZOO_FINGERPRINTS[(model, seq)]
+    else:
+        fingerprint = fingerprint_source(source) if source is not None else module_fingerprint(model)
     phases = (("fingerprint", time.perf_counter() - t),)
     extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
     result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,

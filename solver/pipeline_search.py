@@ -66,6 +66,7 @@ from solver.spmd_search import (
     AXIS_NAMES,
     Solved,
     SpmdCandidate,
+    zero_is_uniform,
     TraceAt,
     _plan as spmd_plan,
     traced,
@@ -742,12 +743,14 @@ def repeated_axes(solution: Any) -> tuple[str, ...]:
 def _ranked(e: _Entry, num_layers: int) -> Ranked:
     if e.spmd is not None:
         s = e.spmd
-        return Ranked(config=replace(s.candidate.config, zero=dict(s.estimate.config)["zero"]),
-                      stage_layers=(num_layers,), estimate=s.estimate, bubble_fraction=0.0,
-                      repeated_axes=repeated_axes(s.solution))
+        config = replace(s.candidate.config, zero=dict(s.estimate.config)["zero"])
+        return Ranked(config=config, stage_layers=(num_layers,), estimate=s.estimate, bubble_fraction=0.0,
+                      repeated_axes=repeated_axes(s.solution),
+                      zero_mixed=not zero_is_uniform(s.graph, s.solution, config))
     r = e.pipeline
     return Ranked(config=_config(r), stage_layers=r.solution.stage_layers, estimate=e.estimate,
-                  bubble_fraction=r.solution.bubble_s / r.step_time_s if r.step_time_s else 0.0)
+                  bubble_fraction=r.solution.bubble_s / r.step_time_s if r.step_time_s else 0.0,
+                  zero_mixed=len({sc.zero for sc, _ in r.stages}) > 1)
 
 
 def _one_stage_info(e: _Entry, num_layers: int, why: tuple[tuple[str, float, str], ...]) -> PipelineInfo:

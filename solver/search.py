@@ -111,6 +111,21 @@ class Ranked:
     """Mesh axes (of size > 1) on which the plan shards nothing: every rank of such an axis
     runs the same whole step (a tiny model, where any split costs more than it saves). The
     step time and throughput are right; the degrees name devices, not parallelism."""
+    zero_mixed: bool = False
+    """The ILP (or the stage DP) chose different ZeRO layouts for different parameters (or
+    stages): `config.zero` names the one most parameter bytes use, and the configuration
+    is priced as searched without `--zero` (`price_flags`)."""
+
+    def price_flags(self) -> tuple[str, ...]:
+        """The `autopar price` flags that price this candidate as the search did."""
+        c = self.config
+        flags = ["--tp", str(c.tp), "--pp", str(c.pp), "--dp", str(c.dp), "--micro-batch", str(c.micro_batch),
+                 "--recompute", c.recompute]
+        if c.pp > 1:
+            flags += ["--schedule", c.schedule] + (["--interleave", str(c.interleave)] if c.interleave > 1 else [])
+        if not self.zero_mixed:
+            flags += ["--zero", str(c.zero)]
+        return tuple(flags)
 
     def label(self, global_batch: int) -> str:
         """describe_config's label, saying where ranks only repeat the work."""
@@ -132,6 +147,7 @@ class Ranked:
         data["stage_layers"] = list(self.stage_layers)
         data["bubble_fraction"] = self.bubble_fraction
         data["repeated_axes"] = list(self.repeated_axes)
+        data["price_flags"] = list(self.price_flags())
         return data
 
 

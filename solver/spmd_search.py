@@ -184,6 +184,24 @@ def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     return 0
 
 
+def zero_is_uniform(graph: Graph, solution: IntraOpSolution, config: ParallelConfig) -> bool:
+    """Whether every parameter's (compute, update) placement is one that `config`'s ZeRO
+    layout allows (solver/forced.py's rules): then solving under that layout finds this
+    solution's objective, since it is feasible there and the layout's space is a subset."""
+    from solver.forced import keep_placeholder, keep_update
+
+    keep, keep_up = keep_placeholder(config), keep_update(config)
+    by_node = {c.node: c for c in solution.choices}
+    for node in graph.by_role(Role.PARAMETER):
+        c = by_node.get(node.id)
+        if c is None:
+            continue
+        compute = c.outputs[0]
+        if not keep(node, compute) or not keep_up(node, compute, compute if c.update is None else c.update):
+            return False
+    return True
+
+
 def loss_report_s(graph: Graph, solution: IntraOpSolution, cluster: Cluster,
                   world_link: cost_model.AxisLink | None = None) -> float:
     """The step's loss reduced for reporting, from the loss's chosen placement on this

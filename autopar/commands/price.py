@@ -146,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plan prices with the search's model; --analytic takes MODEL and config flags")
         saved = Plan.load(plan_file)
         cluster = _cluster(args, saved.cluster)
+        zoo = resolve(saved.model).config is not None  # a factory's batch fixes its sequence length
         plan = price_configuration(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
-                                   seq=saved.seq, zero_given=False,
+                                   seq=saved.seq if zoo else None, zero_given=False,
                                    stage_layers=tuple(saved.stage_layers) if saved.config.pp > 1 else None)
         if saved.model_fingerprint and plan.model_fingerprint != saved.model_fingerprint:
             raise ValueError(f"{plan_file} was searched for another version of {saved.model!r} (fingerprint "

@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.peak_memory_bytes / GIB:.2f}",
                       f"{r.bubble_fraction:.1%}")
     console.print(table)
+    seq = f" --seq {args.seq}" if args.seq else ""
+    console.print(f"price #1 alone: autopar price {plan.model} --cluster {plan.cluster} --global-batch "
+                  f"{plan.global_batch}{seq} {' '.join(result.ranked[0].price_flags())}", soft_wrap=True)
     console.print("phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
                   + f"; total {result.search_time_s:.2f} s")
     console.print(f"plan file: {args.out}" if args.out else "plan file: not written (use --out plan.json)")

@@ -52,14 +52,16 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
     ),
     "price": (
         "MODEL",
-        "--cluster VALUE (required)",
-        "--global-batch VALUE (required)",
+        "--plan VALUE",
+        "--cluster VALUE",
+        "--global-batch VALUE",
         "--seq VALUE",
         "--memory-gb VALUE",
         *CONFIG_FLAGS,
         "--runtime VALUE (repeatable) (default [])",
         "--no-sequence-parallel",
         "--hardware VALUE",
+        "--analytic",
         "--json",
     ),
     "search": (

@@ -1,4 +1,5 @@
-"""`autopar price`: bad flags exit 2 with a message; --json carries the DESIGN.md keys."""
+"""`autopar price`: bad flags exit 2 with a message; --json carries the DESIGN.md keys; the
+published-run options need the analytic baseline."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ BASE = ["price", "gpt-tiny", "--cluster", "cpu:4", "--global-batch", "8"]
     (["--cluster", "cpu:8", "--tp", "8"], "attention heads"),  # gpt-tiny has 4 heads
     (["--micro-batch", "3"], "not divisible"),           # 8 sequences, dp 4 * mb 3
     (["--interleave", "2"], "--pp > 1"),                 # interleaved needs pipelining
-    (["--runtime", "fused=1"], "unknown runtime options"),   # runtime options are a closed set
-    (["--runtime", "grad_reduce_bytes"], "KEY=VALUE"),
+    (["--analytic", "--runtime", "fused=1"], "unknown runtime options"),   # runtime options are a closed set
+    (["--analytic", "--runtime", "grad_reduce_bytes"], "KEY=VALUE"),
+    (["--runtime", "grad_reduce_bytes=4"], "add --analytic"),  # a published stack is the baseline's input
+    (["--plan", "p.json"], "drop MODEL, --cluster, --global-batch"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, extra, needle) -> None:
     assert main(BASE + extra) == 2
@@ -51,6 +54,6 @@ def test_runtime_options_reach_the_price(capsys) -> None:
         assert main(BASE + ["--zero", "3", "--json", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
-    plain, fp32_reduce = step(), step("--runtime", "grad_reduce_bytes=4")
+    plain, fp32_reduce = step("--analytic"), step("--analytic", "--runtime", "grad_reduce_bytes=4")
     assert fp32_reduce["time_breakdown"]["comm_zero3_s"] > plain["time_breakdown"]["comm_zero3_s"]
-    assert step("--tp", "2", "--no-sequence-parallel")["config"]["sequence_parallel"] is False
+    assert step("--analytic", "--tp", "2", "--no-sequence-parallel")["config"]["sequence_parallel"] is False
