@@ -7,7 +7,7 @@ Flow (DESIGN.md): trace -> Graph -> strategies -> costs -> solve -> Plan -> emit
     loss = compiled.step((tokens, labels))
 """
 
-from autopar.api import Compiled, compile, search_plan
+from autopar.api import Compiled, compile, price, search_plan
 from autopar.cluster import HARDWARE, Cluster, Hardware
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate
@@ -36,6 +36,7 @@ __all__ = [
     "compile",
     "lower",
     "model_fingerprint",
+    "price",
     "search_plan",
     "trace",
     "trace_model",

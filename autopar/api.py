@@ -20,6 +20,7 @@ import functools
 import logging
 import tempfile
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from autopar.capabilities import zoo_family
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.plan import fingerprint_source, module_fingerprint
+from autopar.plan import InfeasiblePlanError, fingerprint_source, module_fingerprint
 from autopar.runtime.launch import init_from_env, launched_by_torchrun
 from autopar.trace import search_dtype, trace_model, trace_step
 
@@ -192,6 +193,33 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
                         search_time_s=time.perf_counter() - t0, plans=plans)
 
 
+UNLIMITED_MEMORY_GB = 1e9
+"""The memory limit a configuration that fits no plan is re-solved under (then flagged)."""
+
+
+def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: int, seq: int | None = None,
+          choose_zero: bool = False, stage_layers: tuple[int, ...] | None = None) -> Any:
+    """One configuration priced as the search prices it (`autopar price`): the search
+    restricted to `config` (solver.pipeline_search.Fixed), its Plan returned, with the
+    prediction in `plan.predicted`. `model` is a zoo or factory name. The per-op
+    placements are the ILP's; `choose_zero`: each parameter's (one stage) or each stage's
+    ZeRO layout is chosen as in a search rather than fixed by `config.zero`;
+    `stage_layers`: the pipeline's cuts (default: the stage DP's). A configuration that
+    fits no plan in the memory limit is solved without it and flagged (`fits` false)."""
+    from solver.pipeline_search import Fixed
+
+    cluster = _cluster_of(mesh)
+    fixed = Fixed(config=config, zero_given=not choose_zero, stage_layers=stage_layers)
+    try:
+        return search_plans(model, cluster, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
+    except InfeasiblePlanError:
+        plan = search_plans(model, cluster.with_memory_gb(UNLIMITED_MEMORY_GB), global_batch=global_batch, seq=seq,
+                            top=1, fixed=fixed).plan
+    budget = cluster.device_memory_bytes
+    est = replace(plan.predicted, fits=plan.predicted.peak_memory_bytes <= budget, memory_limit_bytes=int(budget))
+    return replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec)
+
+
 MAX_STAGE_TRACE_PARAMETERS = 5e8
 """Largest zoo model whose pipeline chunks the search traces with real weights (2 GB in
 float32) to record their per-op placements; a larger one's plan carries none and each
@@ -209,8 +237,6 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
     `model` (left whole: a copy is cut) with `example_inputs` (one global batch), else the
     plan's model is built from its name with real weights (the cut runs one forward); a
     zoo model over MAX_STAGE_TRACE_PARAMETERS is left unrecorded (each build solves)."""
-    from dataclasses import replace
-
     from autopar.plan import StagePlacements
     from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
     from autopar.runtime.spmd import priced_per_step

@@ -13,7 +13,7 @@ autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
   rules the runtime solves each chunk by (solver/forced.py solve_stage), memoised, its solution
   split into pre / one layer / post (solver/stage_costs.py); the inter-op DP
   (solver/stage_dp.py) then picks the cuts and each stage's (submesh, ZeRO, recompute)
-  per schedule (gpipe, 1f1b, interleaved v in INTERLEAVE_CHOICES, zbv).
+  per schedule (gpipe, 1f1b, interleaved at every depth v of interleave_depths, zbv).
 
 Every priced candidate is asked `autopar.capabilities.runnable`: only plans the runtime
 executes are ranked and returned; the others (e.g. stages on different submeshes, the
@@ -95,7 +95,15 @@ ILP's cost per sequence barely changes with b while the bubble and the in-flight
 shrink with more microbatches (benchmarks/vs_hand_tuned.py found the template grid's
 dp 1 x 168 microbatches beating the three largest g this search used to try)."""
 
-INTERLEAVE_CHOICES = (2, 4)
+def interleave_depths(num_stages: int, num_layers: int) -> range:
+    """Interleaving depths v the search prices: every v >= 2 with num_stages x v <= layers
+    (each rank holds v chunks of at least one layer). The bubble of interleaved 1F1B is
+    (p - 1) / (v m) of the ideal step (Narayanan et al., SC'21, section 2.2.2) while each
+    stage boundary carries v times the point-to-point messages; the stage DP prices both
+    (solver/stage_dp.py), so no depth is ruled out in advance."""
+    return range(2, num_layers // num_stages + 1) if num_stages > 1 else range(0)
+
+
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 MAX_RUNNERS_UP = 8
 MAX_UNRUNNABLE_SHOWN = 3
@@ -334,11 +342,7 @@ ZeRO-1's layout (the gradient accumulated whole, reduce-scattered once per step)
 
 def _schedules(p: int, m: int, num_layers: int, fixed: Fixed | None = None) -> list[Schedule]:
     out = [Schedule(name="gpipe"), Schedule(name="1f1b")]
-    interleave = INTERLEAVE_CHOICES
-    if fixed is not None and fixed.config.schedule == "interleaved" and fixed.config.interleave not in interleave:
-        interleave = (fixed.config.interleave,)
-    out += [Schedule(name="interleaved", chunks=v) for v in interleave
-            if num_layers >= p * v and m % p == 0]
+    out += [Schedule(name="interleaved", chunks=v) for v in interleave_depths(p, num_layers) if m % p == 0]
     if num_layers >= 2 * p and m >= 2 * p:
         out.append(Schedule(name="zbv", chunks=2))
     return out if fixed is None else [s for s in out if fixed.schedule(s)]

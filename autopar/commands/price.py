@@ -35,10 +35,6 @@ from autopar.models import resolve
 TRACED_LAYERS = 2
 """Layers the analytic baseline traces (the layer group is scaled to the real depth)."""
 
-UNLIMITED_GB = 1e9
-"""The memory limit a configuration that does not fit is re-solved under (then flagged)."""
-
-
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
     tp = args.tp or 1
     pp = args.pp or 1
@@ -76,30 +72,6 @@ def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
     return Cluster.parse(spec, hardware=hardware).with_memory_gb(args.memory_gb)
 
 
-def price_configuration(model: str, cluster: Cluster, *, global_batch: int, config: ParallelConfig,
-                        seq: int | None = None, zero_given: bool = True,
-                        stage_layers: tuple[int, ...] | None = None) -> Any:
-    """The search's Plan for exactly `config` on `cluster` (solver.pipeline_search.Fixed);
-    a configuration that fits no plan in the memory limit is solved without it, and its
-    estimate flagged as not fitting."""
-    from dataclasses import replace
-
-    from autopar.api import search_plans
-    from autopar.plan import InfeasiblePlanError
-    from solver.pipeline_search import Fixed
-
-    fixed = Fixed(config=config, zero_given=zero_given, stage_layers=stage_layers)
-    try:
-        return search_plans(model, cluster, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
-    except InfeasiblePlanError:
-        unlimited = cluster.with_memory_gb(UNLIMITED_GB)
-        plan = search_plans(model, unlimited, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
-    budget = cluster.device_memory_bytes
-    est = plan.predicted
-    est = replace(est, fits=est.peak_memory_bytes <= budget, memory_limit_bytes=int(budget))
-    return replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec)
-
-
 def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
     """Collectives per step by (kind, axis): count and bytes (a pipeline's: per microbatch
     of each stage, times the microbatches; stage gradient syncs are counted once)."""
@@ -133,6 +105,7 @@ def _run_analytic(args: argparse.Namespace, cluster: Cluster, config: ParallelCo
 
 
 def run(args: argparse.Namespace) -> int:
+    from autopar.api import price
     from autopar.plan import Plan
 
     plan_file = getattr(args, "plan", None)
@@ -147,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
         saved = Plan.load(plan_file)
         cluster = _cluster(args, saved.cluster)
         zoo = resolve(saved.model).config is not None  # a factory's batch fixes its sequence length
-        plan = price_configuration(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
-                                   seq=saved.seq if zoo else None, zero_given=False,
+        plan = price(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
+                                   seq=saved.seq if zoo else None, choose_zero=True,
                                    stage_layers=tuple(saved.stage_layers) if saved.config.pp > 1 else None)
         if saved.model_fingerprint and plan.model_fingerprint != saved.model_fingerprint:
             raise ValueError(f"{plan_file} was searched for another version of {saved.model!r} (fingerprint "
@@ -173,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if extra:
         raise ValueError(f"{', '.join(extra)} describe(s) a published training stack to the analytic baseline; "
                          "add --analytic, or drop them to price what autopar runs")
-    plan = price_configuration(args.model, cluster, global_batch=args.global_batch, config=config, seq=args.seq,
-                               zero_given=args.zero is not None)
+    plan = price(args.model, cluster, global_batch=args.global_batch, config=config, seq=args.seq,
+                 choose_zero=args.zero is None)
     return _report(args, plan, cluster, None)
 
 

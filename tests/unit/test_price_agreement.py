@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+import autopar
 from autopar.api import search_plans
 from autopar.cli import main
 
@@ -47,6 +48,9 @@ def test_price_reproduces_the_search(capsys, tmp_path, model, cluster, batch, se
             assert got["fits"] is True
             assert got["stage_layers"] == list(ranked.stage_layers)
         assert by_plan["plan_step_time_s"] == pytest.approx(want_t, rel=1e-9)
+    best = result.ranked[0]
+    by_api = autopar.price(model, cluster, best.config, global_batch=batch, seq=seq, choose_zero=best.zero_mixed)
+    assert by_api.predicted.step_time_s == pytest.approx(best.estimate.step_time_s, rel=0.01)
 
 
 def test_a_plan_of_another_model_is_refused(capsys, tmp_path) -> None:

@@ -1,0 +1,194 @@
+"""Price every published run with the model that ranks plans, beside the analytic baseline.
+
+    python benchmarks/validate_one_model.py [CSV] [--out results/one_model_validation.md]
+        [--rows 10-15,22] [--json results/one_model_validation.json]
+
+Every row of the published-runs CSV (benchmarks/data/published_runs.csv; the same rows and
+configurations as benchmarks/validate_cost_model.py) is priced twice:
+- **one model**: `autopar.price`, what `autopar price` and `autopar search` compute for the
+  row's configuration (traced as the search traces it, the intra-op ILP under the
+  configuration's rules, the stage DP with the row's cuts where it gives them). The
+  published ZeRO stage is fixed (`--zero`); ZeRO-2 in a pipeline stage runs ZeRO-1's layout.
+- **analytic**: `cost_model.price_profile` with the row's runtime options, the baseline the
+  constants were fitted on (benchmarks/fit_cost_model.py).
+
+Both use the constants of cost_model/efficiency.py, which are fitted on every row with the
+analytic model: so neither column is out of sample here, and the one model has not been
+fitted at all. What the table measures is how far the model that ranks plans is from the
+published throughput with today's constants, and where it departs from the baseline. The
+runtime options a row gives (`grad_reduce_bytes`, `zero3`, `dtensor_tp`, ...) describe a
+published stack; the one model prices what autopar would run, so it ignores them: the
+report counts the rows that carry such options.
+
+Reported: median and p90 |error| of tokens/s per GPU overall and per publication; Spearman
+and top-pick regret per group of one model on one cluster under several configurations;
+the 10 worst rows, each with the time term where the two models differ most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_stats import spearman  # noqa: E402
+from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "one_model_validation.md"
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, int(round(q * (len(ordered) - 1)))))]
+
+
+def _rows(text: str | None) -> set[int] | None:
+    if not text:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def price_one_model(run: Any) -> Any:
+    """The row's configuration priced by `autopar.price` (its Plan)."""
+    import autopar
+
+    config = run.config
+    if config.pp > 1 and config.zero == 2:
+        config = replace(config, zero=1)
+    config = replace(config, attention="flash", sequence_parallel=True)
+    return autopar.price(run.spec, run.cluster, config, global_batch=run.global_batch,
+                         stage_layers=run.stage_layers if config.pp > 1 else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="?", default=str(DATA_CSV))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--rows", default=None, help="only these row indices (e.g. 10-15,22)")
+    args = parser.parse_args(argv)
+    runs, skipped = load_runs(args.csv)
+    keep = _rows(args.rows)
+    if keep is not None:
+        runs = [r for r in runs if r.index in keep]
+    profiles = profiles_for(runs, log=lambda m: print(m, file=sys.stderr))
+    results: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for k, run in enumerate(runs, 1):
+        analytic = price_run(run, profiles)
+        entry: dict[str, Any] = {"row": run.index, "source": run.source_id, "publication": run.row["publication"],
+                                 "model": run.row["model"], "gpus": run.cluster.num_devices, "config": run.label,
+                                 "group": list(map(str, run.group)), "reported": run.reported_tokens_per_gpu,
+                                 "analytic": analytic.tokens_per_s_per_device,
+                                 "analytic_terms": dict(analytic.time_breakdown),
+                                 "options": sorted(run.options.changed())}
+        t = time.perf_counter()
+        try:
+            plan = price_one_model(run)
+        except (ValueError, RuntimeError) as exc:
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        else:
+            est = plan.predicted
+            entry.update(one=est.tokens_per_s_per_device, one_terms=dict(est.time_breakdown), fits=bool(est.fits),
+                         step_one=est.step_time_s, step_analytic=analytic.step_time_s)
+        entry["seconds"] = round(time.perf_counter() - t, 2)
+        results.append(entry)
+        print(f"[{k}/{len(runs)}] row {run.index} {run.row['model']} {run.label}: "
+              + (f"one {entry['one'] / entry['reported'] - 1:+.1%}, analytic "
+                 f"{entry['analytic'] / entry['reported'] - 1:+.1%}" if "one" in entry else entry["error"])
+              + f" ({entry['seconds']} s)", file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True))
+    Path(args.out).write_text(report(results, skipped, elapsed))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _err(value: float, reported: float) -> float:
+    return abs(value / reported - 1)
+
+
+def _summary(rows: list[dict[str, Any]], key: str) -> str:
+    errs = [_err(r[key], r["reported"]) for r in rows]
+    return f"{statistics.median(errs):.1%} / {_pct(errs, 0.9):.1%}" if errs else "-"
+
+
+def report(results: list[dict[str, Any]], skipped: list[str], elapsed: float) -> str:
+    priced = [r for r in results if "one" in r]
+    failed = [r for r in results if "one" not in r]
+    lines = ["# The one model (what `autopar search` and `autopar price` compute) against published runs", "",
+             "Generated by `.venv/bin/python benchmarks/validate_one_model.py`. Both columns use the constants of "
+             "cost_model/efficiency.py, fitted on every row with the analytic model, so neither is out of sample; "
+             "the one model has not been fitted. Errors are |predicted / reported - 1| of tokens/s per GPU.", "",
+             f"{len(priced)} rows priced by both, {len(failed)} not priced by the one model, {len(skipped)} rows "
+             f"without a configuration; {elapsed:.0f} s.", "",
+             "| rows | n | one model: median / p90 | analytic: median / p90 |", "|---|---|---|---|",
+             f"| all | {len(priced)} | {_summary(priced, 'one')} | {_summary(priced, 'analytic')} |"]
+    with_options = [r for r in priced if r["options"]]
+    lines.append(f"| rows with runtime options (ignored by the one model) | {len(with_options)} | "
+                 f"{_summary(with_options, 'one')} | {_summary(with_options, 'analytic')} |")
+    pipes = [r for r in priced if " pp1 " not in r["config"]]
+    lines.append(f"| pipelines (pp > 1) | {len(pipes)} | {_summary(pipes, 'one')} | {_summary(pipes, 'analytic')} |")
+    for pub in sorted({r["publication"] for r in priced}):
+        rows = [r for r in priced if r["publication"] == pub]
+        lines.append(f"| {pub} | {len(rows)} | {_summary(rows, 'one')} | {_summary(rows, 'analytic')} |")
+    lines += ["", "## Rankings", "",
+              "Groups of one model on one cluster at one sequence length under 2+ configurations: Spearman of "
+              "predicted against measured throughput, and the regret of each model's top pick (1 - measured "
+              "throughput of its pick / the measured best).", "",
+              "| group | n | one: Spearman / regret | analytic: Spearman / regret |", "|---|---|---|---|"]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in priced:
+        groups.setdefault(tuple(r["group"]), []).append(r)
+    stats = {"one": ([], []), "analytic": ([], [])}
+    for g, rows in sorted(groups.items()):
+        if len(rows) < 2:
+            continue
+        cells = []
+        best = max(r["reported"] for r in rows)
+        for key in ("one", "analytic"):
+            rho = spearman([r[key] for r in rows], [r["reported"] for r in rows])
+            pick = max(rows, key=lambda r: r[key])
+            regret = 1 - pick["reported"] / best
+            stats[key][0].append(rho)
+            stats[key][1].append(regret)
+            cells.append(f"{rho:.2f} / {regret:.1%}")
+        lines.append(f"| {g[0]} {g[1].split(':')[0]} {g[2]} GPUs seq {g[3]} | {len(rows)} | {cells[0]} | {cells[1]} |")
+    for key in ("one", "analytic"):
+        rhos, regrets = stats[key]
+        if rhos:
+            lines.append("")
+            lines.append(f"{key}: median Spearman {statistics.median(rhos):.2f} (worst {min(rhos):.2f}), median "
+                         f"regret {statistics.median(regrets):.1%} (worst {max(regrets):.1%}) over {len(rhos)} groups.")
+    lines += ["", "## The 10 worst rows of the one model", "",
+              "The term: the one model's largest time component, and the analytic step for comparison.", "",
+              "| row | publication | model | GPUs | config | reported | one model | analytic | one model's largest term |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(priced, key=lambda r: -_err(r["one"], r["reported"]))[:10]:
+        term, value = max(r["one_terms"].items(), key=lambda kv: kv[1])
+        lines.append(f"| {r['row']} | {r['publication']} | {r['model']} | {r['gpus']} | {r['config']} | "
+                     f"{r['reported']:,.0f} | {r['one']:,.0f} ({r['one'] / r['reported'] - 1:+.0%}) | "
+                     f"{r['analytic']:,.0f} ({r['analytic'] / r['reported'] - 1:+.0%}) | "
+                     f"{term.removesuffix('_s')} {value / r['step_one']:.0%} of {r['step_one']:.3g} s "
+                     f"(analytic step {r['step_analytic']:.3g} s) |")
+    if failed:
+        lines += ["", "## Not priced by the one model", ""]
+        lines += [f"- row {r['row']} {r['model']} {r['config']}: {r['error']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
