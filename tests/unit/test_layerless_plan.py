@@ -53,18 +53,39 @@ def test_cli_search_of_a_layerless_factory(tmp_path, capsys):
 
 
 def test_a_plan_says_where_ranks_only_repeat_the_step():
-    """A tiny model whose best plan shards nothing over its mesh: the degrees name devices, not
-    parallelism, and the label says so (the step time is the whole step on every rank)."""
-    from autopar.api import search_plans
+    """A mesh axis on which a solution shards nothing: every rank of it runs the whole step,
+    and the label says so (the degrees name devices, not parallelism). The search's axes
+    have roles (the batch split over dp, matrices over tp), so its own plans rarely leave an
+    axis idle; a placement solved without roles shows the case."""
+    import dataclasses
 
-    result = search_plans("tests.factories:batchnorm_cnn", "cpu:4", global_batch=8, top=3)
-    best = result.ranked[0]
-    assert best.config.dp * best.config.tp == 4
-    assert best.repeated_axes, best
-    assert "only repeat the step" in best.label(8) and best.to_json(8)["repeated_axes"] == list(best.repeated_axes)
-    # a plan that does split its batch over dp says nothing of the kind
-    split = search_plans("tests.factories:mlp", "cpu:2", global_batch=8, top=5).ranked
-    assert any(r.config.dp == 2 and "dp" not in r.repeated_axes for r in split), split
+    from autopar.api import search_plans
+    from autopar.cluster import Cluster
+    from autopar.trace import trace_step
+    from solver.intra_op.ilp import solve_intra_op
+    from solver.pipeline_search import repeated_axes
+
+    from autopar.placement import Replicate, Shard
+
+    model, batch = factories.batchnorm_cnn()
+    graph = trace_step(model, batch)[1]
+    solved = solve_intra_op(graph, Cluster.parse("cpu:4"), (2, 2))
+
+    def with_placements(axis0, axis1):
+        def one(p):
+            return None if p is None else (axis0, axis1)
+        return dataclasses.replace(solved, choices=tuple(
+            dataclasses.replace(c, outputs=tuple(map(one, c.outputs)), inputs=tuple(map(one, c.inputs)))
+            for c in solved.choices))
+
+    assert repeated_axes(with_placements(Replicate(), Replicate())) == ("dp", "tp")
+    assert repeated_axes(with_placements(Replicate(), Shard(0))) == ("dp",)
+    assert repeated_axes(with_placements(Shard(0), Shard(0))) == ()
+    result = search_plans("tests.factories:mlp", "cpu:2", global_batch=8, top=5)
+    best = dataclasses.replace(result.ranked[0], repeated_axes=("dp",))
+    assert "only repeat the step" in best.label(8) and best.to_json(8)["repeated_axes"] == ["dp"]
+    # the search's plans that split the batch over dp say nothing of the kind
+    assert any(r.config.dp == 2 and not r.repeated_axes and "only repeat" not in r.label(8) for r in result.ranked)
 
 
 def test_throughput_of_a_model_without_tokens_is_in_samples():

@@ -201,15 +201,20 @@ def test_lower_bound_is_below_the_ilp():
 
 
 def test_candidate_meshes_and_stages_are_what_the_pricing_can_express():
-    """One-stage meshes: on one node (a, b) with b > a only for the microbatches (b, a)
-    cannot split (a pure tensor-parallel (1, 8) mesh at g = 1 exists; (1, 8) at g = 8 is
-    (8, 1)'s). Pipelines: a stage holds whole nodes or a divisor of one (pp 2 on 315 nodes
-    of 8 would put 157.5 nodes in a stage)."""
+    """One-stage configurations: every dp x tp (the axes have roles, so (1, 8) and (8, 1) are
+    both there at g = 8), tp within a node and dividing the heads, the batch split over dp.
+    Pipelines: a stage holds whole nodes or a divisor of one (pp 2 on 315 nodes of 8 would
+    put 157.5 nodes in a stage)."""
     from solver.spmd_search import candidates
 
     one_node = {(c.mesh, c.microbatch) for c in candidates(Cluster.parse("a100-80gb:1x8"), 16, 16)}
-    assert ((1, 8), 1) in one_node and ((8, 1), 8) in one_node and ((1, 8), 8) not in one_node
+    assert ((1, 8), 1) in one_node and ((8, 1), 8) in one_node and ((1, 8), 8) in one_node
     assert all(g % a == 0 for (a, _), g in one_node)
+    assert {m for m, _ in one_node} == {(8, 1), (4, 2), (2, 4), (1, 8)}
+    six_heads = {c.mesh for c in candidates(Cluster.parse("a100-80gb:1x8"), 16, 16, heads=6)}
+    assert six_heads == {(8, 1), (4, 2)}
+    two_nodes = {c.mesh for c in candidates(Cluster.parse("a100-80gb:2x8"), 16, 16)}
+    assert (1, 16) not in two_nodes and (2, 8) in two_nodes
     big = Cluster.parse("a100-80gb:315x8")
     pps = {c.pp for c in pipeline_search.pipeline_candidates(big, 2520, 105)}
     assert 2 not in pps and 35 in pps
