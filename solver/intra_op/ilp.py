@@ -360,20 +360,24 @@ def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]
 
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], *,
-                   grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = ()
+                   grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
+                   prices: tuple[dict, dict, dict] | None = None
                    ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
-    same-owner edges into node costs or `forbidden` choices."""
+    same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
+    matrix) price memos of earlier solves with the same pricer and axes (a search's solves
+    of one submesh share them: every key holds the tensor and both layouts it prices)."""
     active = set(red.active)
     from_params = graph.parameter_derived() if gather_free_axes else frozenset()
     edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
     # Layer-shared edges repeat the same (tensor, placements) matrix, and placements repeat
     # within one: price each distinct pair once, keyed by small ints (hashing placement
     # dataclasses dominated the build).
-    intern: dict[Placements, int] = {}
-    pair_cost: dict[tuple, float] = {}
-    matrices: dict[tuple, list[list[float]]] = {}
+    intern: dict[Placements, int]
+    pair_cost: dict[tuple, float]
+    matrices: dict[tuple, list[list[float]]]
+    intern, pair_cost, matrices = prices if prices is not None else ({}, {}, {})
 
     group_bytes = param_gather_bytes(graph)
     gather_uses = param_gather_uses(graph)
@@ -790,8 +794,13 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                         synced=grads_each_microbatch)
     forbidden: dict[NodeId, set[int]] = {}
     _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight)
+    prices = None
+    if prune_memo is not None:  # the search's solves: edge prices depend on the pricer and axes only
+        prices = prune_memo.setdefault(("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes,
+                                        grads_each_microbatch), ({}, {}, {}))
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
-                                           grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes),
+                                           grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
+                                           prices=prices),
                             node_coef, forbidden)
     terms = _memory_terms(graph, space, table, red)
     built = time.perf_counter()

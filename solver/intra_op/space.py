@@ -146,16 +146,30 @@ def _getitem_strategies(node: Node, producer: Node, strategies: tuple[NodeStrate
     return tuple(seen)
 
 
-_CANDIDATES: dict[tuple[int, ...], dict[tuple, _Candidates]] = {}
-"""Candidates per mesh shape, memoised across enumerations (`_Enumerator.key`): a search
-enumerates one model's step at many microbatches, and most nodes recur with sizes that
-differ only in ways the strategies do not read. Cleared past MAX_MEMO_ENTRIES (a
-long-lived process)."""
+_CANDIDATES: dict[tuple, dict[tuple, _Candidates]] = {}
+"""Candidates per mesh class (`mesh_class`: the number of axes and which have size 1),
+memoised across enumerations (`_Enumerator.key`): a search enumerates one model's step at
+many microbatches on many submeshes, and most nodes recur with sizes that differ only in
+ways the strategies do not read (which products of mesh axes divide them). Cleared past
+MAX_MEMO_ENTRIES (a long-lived process)."""
 MAX_MEMO_ENTRIES = 200_000
 EXACT_INTS = 16
 """Integers up to this magnitude key the memo exactly (dims, small sizes); larger ones (sizes
 that scale with the batch) by `divisibility_signature`'s reading: which products of mesh
 axes divide them."""
+
+
+def mesh_class(mesh_shape: tuple[int, ...]) -> tuple:
+    """What a node's candidates read of the mesh beside its sizes' divisibility: the number
+    of axes and which have size 1 (DTensor's rules see a size-1 axis as nothing to split)."""
+    return (len(mesh_shape), tuple(s == 1 for s in mesh_shape))
+
+
+def axis_products(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The products of every non-empty set of mesh axes, in a fixed order of the sets (so two
+    meshes of one class read an integer's divisibility position by position alike)."""
+    return tuple(math.prod(c) for r in range(1, len(mesh_shape) + 1)
+                 for c in itertools.combinations(mesh_shape, r))
 
 
 class _Enumerator:
@@ -171,9 +185,8 @@ class _Enumerator:
         self.mesh = bridge.spec_mesh(mesh_shape)
         if sum(len(c) for c in _CANDIDATES.values()) > MAX_MEMO_ENTRIES:
             _CANDIDATES.clear()
-        self.cache: dict[tuple, _Candidates] = _CANDIDATES.setdefault(tuple(mesh_shape), {})
-        self.products = sorted({math.prod(c) for r in range(1, len(mesh_shape) + 1)
-                                for c in itertools.combinations(mesh_shape, r)} - {1})
+        self.cache: dict[tuple, _Candidates] = _CANDIDATES.setdefault(mesh_class(mesh_shape), {})
+        self.products = axis_products(mesh_shape)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -358,16 +371,18 @@ class _Enumerator:
     def key(self, node: Node) -> tuple:
         """What a node's candidates depend on: its op, output slots, input and output dtypes
         and ranks, and its integers (shapes, strides, scalar arguments) as
-        divisibility_signature reads them, small ones exactly. Two nodes of one key get
-        equal candidates (the premise divisibility_signature's whole-graph sharing rests
-        on; tests/unit/test_intra_op.py checks it across microbatches)."""
+        divisibility_signature reads them: which products of mesh axes divide them, small
+        ones exactly as well. Two nodes of one key get equal candidates, on any mesh of one
+        class (the premise divisibility_signature's whole-graph sharing rests on;
+        tests/unit/test_intra_op.py checks it across microbatches and submeshes)."""
         products = self.products
 
         def norm(x: Any) -> Any:
             if isinstance(x, bool) or x is None or isinstance(x, (float, str)):
                 return x
             if isinstance(x, int):
-                return x if -EXACT_INTS <= x <= EXACT_INTS else tuple(x % p == 0 for p in products)
+                divides = tuple(x % p == 0 for p in products)
+                return (x, divides) if -EXACT_INTS <= x <= EXACT_INTS else divides
             if isinstance(x, (tuple, list)):
                 return tuple(norm(y) for y in x)
             return x
