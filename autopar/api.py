@@ -213,8 +213,16 @@ def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: i
     try:
         return search_plans(model, cluster, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
     except InfeasiblePlanError:
-        plan = search_plans(model, cluster.with_memory_gb(UNLIMITED_MEMORY_GB), global_batch=global_batch, seq=seq,
-                            top=1, fixed=fixed).plan
+        try:
+            plan = search_plans(model, cluster.with_memory_gb(UNLIMITED_MEMORY_GB), global_batch=global_batch,
+                                seq=seq, top=1, fixed=fixed).plan
+        except InfeasiblePlanError:
+            chunks = f"{config.pp} stages x {config.interleave} chunks" if config.interleave > 1 \
+                else f"{config.pp} stages"
+            raise ValueError(f"{model} has no plan under {config} on {cluster.spec} even without a memory limit: "
+                             f"check that its layers cut into {chunks} of whole layers (every stage a multiple of "
+                             f"the interleave), and that the runtime runs such a pipeline (`autopar search` lists "
+                             f"what it cannot run)") from None
     budget = cluster.device_memory_bytes
     est = replace(plan.predicted, fits=plan.predicted.peak_memory_bytes <= budget, memory_limit_bytes=int(budget))
     return replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec)

@@ -66,6 +66,7 @@ from solver.spmd_search import (
     AXIS_NAMES,
     Solved,
     SpmdCandidate,
+    derived_zero,
     zero_is_uniform,
     TraceAt,
     _plan as spmd_plan,
@@ -148,7 +149,7 @@ class Fixed:
 
     What `config` leaves to the search stays the search's: per-op placements, and each
     parameter's ZeRO layout where `zero_given` is false (the one-stage ILP chooses per
-    parameter; each pipeline stage takes the best of ZeRO 0, 1 and 3 as in a search);
+    parameter; each pipeline stage the ILP's layout and the leaner ones, as in a search);
     the stage cuts where `stage_layers` is None."""
 
     config: ParallelConfig
@@ -164,9 +165,7 @@ class Fixed:
         return k.pp == c.pp and c.microbatch == k.micro_batch * k.dp
 
     def zeros(self) -> tuple[int, ...]:
-        """A stage's ZeRO layouts: the given one (ZeRO-2 runs ZeRO-1's layout in a stage)."""
-        if not self.zero_given:
-            return ZERO_CHOICES
+        """A stage's ZeRO layout when given (ZeRO-2 runs ZeRO-1's layout in a stage)."""
         return (1 if self.config.zero == 2 else self.config.zero,)
 
     def schedule(self, sched: Schedule) -> bool:
@@ -302,12 +301,19 @@ class _StageCostCache:
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)
 
-    def get(self, mesh: tuple[int, int], g: int, zero: int) -> SubmeshCosts | None:
+    def get(self, mesh: tuple[int, int], g: int, zero: int | None) -> SubmeshCosts | None:
         """The stage costs of submesh `mesh` at global microbatch g (memoised): the ILP the
         runtime solves for each of the stage's chunks (solver/forced.py solve_stage, under
         the (dp, tp, zero) configuration's rules), solved once on the whole traced step
         and split into pieces (stage_costs.split_solution), so a stage is priced by the
-        placements it runs."""
+        placements it runs.
+
+        `zero` None: each parameter's layout over dp is the ILP's choice (`update_free`).
+        Where the solution uses one layout throughout (spmd_search.zero_is_uniform), it is
+        that layout's optimum too (a solution of the free space lying in the layout's
+        smaller space), so it stands for the layout and the runtime's solve under it runs
+        the same objective. Where it mixes layouts, the stage is solved under the layout
+        most of its bytes use: the runtime applies one layout per stage."""
         key = (mesh, g, zero)
         if key in self.costs:
             return self.costs[key]
@@ -317,7 +323,7 @@ class _StageCostCache:
         m = self.global_batch // g
         sub = _stage_cluster(self.cluster, dp * tp)
         graph = self.graph(g)
-        config = ParallelConfig(dp=dp, tp=tp, zero=zero)
+        config = ParallelConfig(dp=dp, tp=tp, zero=0 if zero is None else zero)
         shape = forced.mesh_shape(config)
         if (mesh, g) not in self.signatures:
             self.signatures[(mesh, g)] = divisibility_signature(graph, shape)
@@ -326,18 +332,31 @@ class _StageCostCache:
             self.spaces[sig] = enumerate_strategies(graph, shape)
         try:
             sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s,
-                                     space=self.spaces[sig], prune_memo=self.prune_memo)
+                                     space=self.spaces[sig], prune_memo=self.prune_memo, update_free=zero is None)
         except InfeasiblePlanError as exc:
-            log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
+            log.info("stage ILP %s g=%d zero %s: %s", mesh, g, zero, exc)
             self.costs[key] = None
             return None
+        if zero is None:
+            label = derived_zero(graph, sol)
+            if not zero_is_uniform(graph, sol, replace(config, zero=label)):
+                self.costs[key] = self.get(mesh, g, label)
+                return self.costs[key]
+            self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=label)
+            self.costs.setdefault((mesh, g, label), self.costs[key])
+            return self.costs[key]
         self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero)
         return self.costs[key]
 
 
 ZERO_CHOICES = (0, 1, 3)
-"""The ZeRO layouts a pipeline stage's ILP is solved under (solver/forced.py); ZeRO-2 runs
-ZeRO-1's layout (the gradient accumulated whole, reduce-scattered once per step)."""
+"""The ZeRO layouts a stage can run (solver/forced.py); ZeRO-2 runs ZeRO-1's layout (the
+gradient accumulated whole, reduce-scattered once per step)."""
+
+LEANER_LAYOUTS = {0: (1, 3), 1: (3,), 3: ()}
+"""Besides the ILP's own choice of layout for a stage (the fastest), the layouts that hold
+less per rank, for the stage DP to trade time for memory: a stage's ILP does not know its
+memory budget, which depends on the layers and in-flight microbatches the DP gives it."""
 
 
 def _schedules(p: int, m: int, num_layers: int, fixed: Fixed | None = None) -> list[Schedule]:
@@ -358,17 +377,25 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     submesh, ZeRO layouts, recompute policy, schedule and cuts."""
     D = cand.stage_devices(cluster)
     meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
-    zeros, policies = ZERO_CHOICES, RECOMPUTE_CHOICES
+    policies = RECOMPUTE_CHOICES
     if fixed is not None:
         meshes = [m for m in meshes if m == (fixed.config.dp, fixed.config.tp)]
-        zeros, policies = fixed.zeros(), (fixed.config.recompute,)
+        policies = (fixed.config.recompute,)
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
     for mesh in meshes:
-        # ZeRO 0 / 1 / 3 over the stage's dp: weights whole and updated whole, weights whole
-        # and their update sharded (gathered once per step), weights sharded (gathered per use)
-        for zero in (zeros if mesh[0] > 1 else (0,)):
-            sc = cache.get(mesh, cand.microbatch, zero)
+        # the layout over the stage's dp: the ILP's per-parameter choice (ZeRO 0: weights
+        # whole and updated whole; 1: weights whole, update sharded, gathered once per step;
+        # 3: weights sharded, gathered per use), then the leaner layouts beside it
+        if mesh[0] == 1:
+            layouts = [cache.get(mesh, cand.microbatch, 0)]
+        elif fixed is not None and fixed.zero_given:
+            layouts = [cache.get(mesh, cand.microbatch, z) for z in fixed.zeros()]
+        else:
+            free = cache.get(mesh, cand.microbatch, None)
+            layouts = [free] + ([cache.get(mesh, cand.microbatch, z) for z in LEANER_LAYOUTS[free.zero]]
+                                if free is not None else [])
+        for sc in layouts:
             if sc is None:
                 continue
             p2p = boundary_p2p_s(cluster, cand.pp, D, sc.boundary_messages)

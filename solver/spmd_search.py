@@ -164,7 +164,7 @@ def _local_parameter_tensors(graph: Graph, solution: IntraOpSolution) -> float:
                if node.id in chosen and node.id not in aliases)
 
 
-def _derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
+def derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
     """3 when most parameter bytes are computed sharded over the first (dp) axis, else 1
     when most have their weight update sharded over it (2 when the solution syncs the
     gradients every microbatch), else 0: a label for tables; the placements are the plan."""
@@ -230,7 +230,7 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
     tflops = flops / step / devices / 1e12 if step else 0.0
     budget = cluster.device_memory_bytes
     peak = int(solution.cost.peak_memory_bytes)
-    config = replace(cand.config, zero=_derived_zero(graph, solution))
+    config = replace(cand.config, zero=derived_zero(graph, solution))
     cfg = dict(config.to_json(), num_microbatches=m)
     return cost_model.Estimate(
         step_time_s=step, tokens_per_s=tokens / step if step else 0.0,
