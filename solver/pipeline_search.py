@@ -267,8 +267,9 @@ def pipeline_candidates(cluster: Cluster, global_batch: int, num_layers: int, *,
 
 
 def stage_submeshes(cluster: Cluster, devices: int, microbatch: int, *, heads: int = 0,
-                    kv_heads: int = 0) -> list[tuple[int, int]]:
-    """(dp, tp) with dp tp = devices, tp inside a node dividing the heads, dp | microbatch."""
+                    kv_heads: int = 0, max_rank_microbatch: int | None = MAX_RANK_MICROBATCH) -> list[tuple[int, int]]:
+    """(dp, tp) with dp tp = devices, tp inside a node dividing the heads, dp | microbatch
+    (at most `max_rank_microbatch` sequences per rank; None: any)."""
     out = []
     for tp in range(1, devices + 1):
         if devices % tp or cluster.devices_per_node % tp or tp > cluster.devices_per_node:
@@ -276,7 +277,7 @@ def stage_submeshes(cluster: Cluster, devices: int, microbatch: int, *, heads: i
         if tp > 1 and ((heads and heads % tp) or (kv_heads and kv_heads % tp)):
             continue
         dp = devices // tp
-        if microbatch % dp == 0 and microbatch // dp <= MAX_RANK_MICROBATCH:
+        if microbatch % dp == 0 and (max_rank_microbatch is None or microbatch // dp <= max_rank_microbatch):
             out.append((dp, tp))
     return out
 
@@ -376,7 +377,8 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
     is not below the cutoff the schedule's uniform DPs are skipped. `fixed`: only its
     submesh, ZeRO layouts, recompute policy, schedule and cuts."""
     D = cand.stage_devices(cluster)
-    meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads)
+    meshes = stage_submeshes(cluster, D, cand.microbatch, heads=info.heads, kv_heads=info.kv_heads,
+                             max_rank_microbatch=MAX_RANK_MICROBATCH if fixed is None else None)
     policies = RECOMPUTE_CHOICES
     if fixed is not None:
         meshes = [m for m in meshes if m == (fixed.config.dp, fixed.config.tp)]
