@@ -21,7 +21,9 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    results/fit_cpu_constants.{md,json}, checked
    against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
-   ranking groups, this machine's sweep) -> results/cost_model_validation.md, and at the
+   ranking groups, this machine's sweep) -> results/cost_model_validation.md, then
+   benchmarks/validate_one_model.py (the same runs priced by the model that ranks plans,
+   ~5 min) -> results/one_model_validation.md, and at the
    same time (single-process, after the measured part so it does not disturb it)
    benchmarks/vs_hand_tuned.py: the first QUICK_GROUPS groups (smallest clusters) ->
    results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md
@@ -120,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     vs = subprocess.Popen(vs_cmd, cwd=ROOT)
     _run([PY, "benchmarks/validate_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json"),
           "--lopo", str(RESULTS / "loso_by_publication.json"), "--sweep", str(RESULTS / "sweep_cpu.json")])
+    _run([PY, "benchmarks/validate_one_model.py"])
     vs.wait()  # exit 1 may mean a row below 1.0 (reported in its table): judge by the table written
     if not vs_out.exists() or vs_out.stat().st_mtime <= written_before:
         print(f"WARNING: vs_hand_tuned.py (exit {vs.returncode}) did not write {vs_out.name}; the table there "
               "(if any) is from an earlier run", flush=True)
-    phases.append(("validate_cost_model + vs_hand_tuned", time.perf_counter() - t))
+    phases.append(("validate_cost_model + validate_one_model + vs_hand_tuned", time.perf_counter() - t))
 
     t = time.perf_counter()
     _run([PY, "benchmarks/op_coverage.py"])

@@ -578,9 +578,10 @@ def test_candidates_memoised_across_microbatches_equal_a_fresh_enumeration() -> 
             assert hits < sum(len(g.nodes) for g in graphs) / 4  # the memo is shared, not per graph
         # one memo across the submeshes of one class (a pipeline search's stages): each space
         # is what a cold enumeration on that mesh gives
-        meshes = ((4, 2), (2, 4), (8, 2), (2, 8), (16, 4), (64, 8), (3, 2), (8, 1), (32, 1))
+        meshes = ((4, 2), (2, 4), (16, 8), (3, 2), (32, 1))
         sp._CANDIDATES.clear()
-        warm = {(mesh, i): sp.enumerate_strategies(graph, mesh) for mesh in meshes for i, graph in enumerate(graphs)}
+        warm = {(mesh, i): sp.enumerate_strategies(graph, mesh) for mesh in meshes for i, graph in enumerate(graphs)
+                if i in (0, 3)}
         for (mesh, i), got in warm.items():
             sp._CANDIDATES.clear()
             assert sp.enumerate_strategies(graphs[i], mesh) == got, (spec, mesh, graphs[i].model.batch)
