@@ -216,13 +216,14 @@ def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: i
         try:
             plan = search_plans(model, cluster.with_memory_gb(UNLIMITED_MEMORY_GB), global_batch=global_batch,
                                 seq=seq, top=1, fixed=fixed).plan
-        except InfeasiblePlanError:
+        except InfeasiblePlanError as exc:
             chunks = f"{config.pp} stages x {config.interleave} chunks" if config.interleave > 1 \
                 else f"{config.pp} stages"
+            why = str(exc) if config.pp == 1 else (
+                f"check that its layers cut into {chunks} of whole layers (every stage a multiple of the "
+                "interleave), and that the runtime runs such a pipeline (`autopar search` lists what it cannot run)")
             raise ValueError(f"{model} has no plan under {config} on {cluster.spec} even without a memory limit: "
-                             f"check that its layers cut into {chunks} of whole layers (every stage a multiple of "
-                             f"the interleave), and that the runtime runs such a pipeline (`autopar search` lists "
-                             f"what it cannot run)") from None
+                             f"{why}") from None
     budget = cluster.device_memory_bytes
     est = replace(plan.predicted, fits=plan.predicted.peak_memory_bytes <= budget, memory_limit_bytes=int(budget))
     return replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec)

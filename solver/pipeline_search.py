@@ -647,6 +647,7 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     """(mesh, microbatch) -> the least recompute policy (index) at which a one-stage
     candidate fit or lost on its LP bound."""
     complete = True
+    reasons: list[str] = []  # why a fixed configuration's ILP found no plan
     for idx, (lb, _i, cand) in enumerate(queue):
         runnable_times = sorted(e.step_time_s for e in entries if e.reason is None)
         if len(runnable_times) >= top and lb >= runnable_times[top - 1]:
@@ -678,7 +679,8 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                 s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs,
                                     time_limit_s=cache.time_limit_s, smallest=smallest,
                                     cutoff_step_s=cutoff if math.isfinite(cutoff) else None,
-                                    zero=fixed.config.zero if fixed is not None and fixed.zero_given else None)
+                                    zero=fixed.config.zero if fixed is not None and fixed.zero_given else None,
+                                    reasons=reasons)
             except CutoffExceeded as exc:
                 log.info("one-stage %s rc-%s: %s x %d microbatches: pruned", cand.mesh, cand.recompute, exc,
                          cand.num_microbatches)
@@ -718,6 +720,8 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                                                               doubled.get(lean_rc)), c.mesh))
         solve_candidate(trace_at, leanest, cluster, global_batch, graphs=graphs, time_limit_s=cache.time_limit_s,
                         smallest=smallest)
+    if not ranked_entries and fixed is not None and reasons:
+        raise InfeasiblePlanError(reasons[0], min_memory_bytes=min(smallest) if smallest else None)
     if not ranked_entries:
         need = min(smallest) if smallest else None
         raise InfeasiblePlanError(

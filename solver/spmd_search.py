@@ -245,13 +245,14 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
 def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,
                     graphs: dict[Any, Graph], time_limit_s: float | None,
                     smallest: list[float] | None = None, cutoff_step_s: float | None = None,
-                    zero: int | None = None) -> Solved | None:
+                    zero: int | None = None, reasons: list[str] | None = None) -> Solved | None:
     """The ILP for one candidate (None when nothing fits its memory; the smallest memory it
     needs is appended to `smallest`). With `cutoff_step_s`, raises
     solver.intra_op.CutoffExceeded when the ILP's LP relaxation proves the step time at
     least that (m x its bound on the objective, which is the step time / m: the
     per-microbatch costs plus the optimizer and accumulation terms / m). `zero`: the ZeRO
-    layout the configuration fixes (solver/forced.py); None: each parameter's is the ILP's."""
+    layout the configuration fixes (solver/forced.py); None: each parameter's is the ILP's.
+    `reasons` collects why the ILP found no plan."""
     from solver.forced import solve_one_stage
 
     graph = traced(graphs, trace_at, cand.microbatch, cand.recompute)
@@ -265,6 +266,8 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
     except InfeasiblePlanError as exc:
         if smallest is not None and exc.min_memory_bytes is not None:
             smallest.append(exc.min_memory_bytes)
+        if reasons is not None:
+            reasons.append(str(exc))
         return None
     except RuntimeError as exc:  # the per-solve time limit ended the ILP before any plan: none found
         log.info("candidate %s: %s", cand, exc)

@@ -814,9 +814,13 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
     sol_status = _solve(model, solver, time_limit_s, cutoff_s)
+    need = None
     if sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound) and memory_budget_bytes is not None \
             and pulp.LpStatus[model.prob.status] != "Not Solved":
         need = _min_memory_bytes(red, terms, forbidden, solver, time_limit_s)
+    if need is not None and need > memory_budget_bytes:
+        # a smallest need within the budget means the other constraints have no solution
+        # (the message below), not the memory
         raise InfeasiblePlanError(
             f"No intra-op plan fits {memory_budget_bytes / 2**30:.3f} GiB/device for {graph.model.name} on "
             f"{cluster.spec} with mesh {mesh_shape}; the smallest needs {need / 2**30:.3f} GiB "
