@@ -272,9 +272,18 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
     except RuntimeError as exc:  # the per-solve time limit ended the ILP before any plan: none found
         log.info("candidate %s: %s", cand, exc)
         return None
-    return Solved(candidate=cand, graph=graph, solution=solution,
-                  estimate=estimate(graph, solution, cand, cluster, global_batch),
-                  coverage=coverage(graph, space), fallback_ops=space.fallback_ops)
+    solved = Solved(candidate=cand, graph=graph, solution=solution,
+                    estimate=estimate(graph, solution, cand, cluster, global_batch),
+                    coverage=coverage(graph, space), fallback_ops=space.fallback_ops)
+    if zero is None and cand.mesh[0] > 1 and cand.num_microbatches > 1 and derived_zero(graph, solution) == 3:
+        # the memory budget pushed weights to ZeRO-3 (gathered per use): ZeRO-2 keeps them
+        # whole and holds a gradient shard only (each microbatch reduce-scattered), which
+        # may fit and run faster; the ILP models it as `grads_each_microbatch`
+        zero2 = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=time_limit_s,
+                                zero=2)
+        if zero2 is not None and zero2.estimate.step_time_s < solved.estimate.step_time_s:
+            return zero2
+    return solved
 
 
 def _sort_key(s: Solved) -> tuple[Any, ...]:

@@ -62,3 +62,35 @@ def test_a_plan_of_another_model_is_refused(capsys, tmp_path) -> None:
     assert main(["price", "--plan", str(path)]) == 2
     err = capsys.readouterr().err
     assert "another version of 'llama-small'" in err and "search it again" in err
+
+
+def test_a_zero_2_candidate_is_labelled_and_priced_as_searched(capsys) -> None:
+    """The one-stage search's ZeRO-2 alternative (solver/spmd_search.py solve_candidate, tried
+    where memory pushed the ILP to ZeRO-3 weights): its solution syncs every microbatch, its
+    label says zero 2, and `autopar price` with the flags the search prints reproduces it."""
+    from autopar.api import LAYERS_TRACED, search_dtype
+    from autopar.cluster import Cluster
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+    from solver.search import Ranked
+    from solver.spmd_search import SpmdCandidate, solve_candidate, zero_is_uniform
+
+    spec = "llama-small"
+    cluster = Cluster.parse("cpu:4")
+
+    def trace_at(rows: int, recompute: str = "none"):
+        return trace_model(resolve(spec), batch=rows, dtype=search_dtype(cluster), layers_traced=LAYERS_TRACED,
+                           recompute=recompute)
+
+    cand = SpmdCandidate(mesh=(4, 1), microbatch=4, num_microbatches=2)
+    solved = solve_candidate(trace_at, cand, cluster, 8, graphs={}, time_limit_s=None, zero=2)
+    assert solved is not None and solved.solution.grads_each_microbatch
+    assert dict(solved.estimate.config)["zero"] == 2
+    ranked = Ranked(config=autopar.ParallelConfig(dp=4, micro_batch=1, zero=2), stage_layers=(4,),
+                    estimate=solved.estimate, bubble_fraction=0.0,
+                    zero_mixed=not zero_is_uniform(solved.graph, solved.solution,
+                                                   autopar.ParallelConfig(dp=4, micro_batch=1, zero=2)))
+    assert ranked.price_flags()[-2:] == ("--zero", "2")
+    got = _price(capsys, [spec, "--cluster", "cpu:4", "--global-batch", "8", *ranked.price_flags()])
+    assert got["step_time_s"] == pytest.approx(solved.estimate.step_time_s, rel=0.01)
+    assert got["peak_memory_bytes"] == pytest.approx(solved.estimate.peak_memory_bytes, rel=0.01)
