@@ -36,34 +36,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_stats import spearman  # noqa: E402
+from bench_stats import percentile, row_filter, spearman  # noqa: E402
 
 from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cost_model_validation.md"
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, int(round(q * (len(ordered) - 1)))))]
-
-
 def _stats(errors: list[float]) -> str:
     a = [abs(e) for e in errors]
     if not a:
         return "| 0 | - | - | - | - |"
-    return (f"| {len(a)} | {statistics.median(a):.1%} | {_pct(a, 0.9):.1%} | {max(a):.1%} | "
+    return (f"| {len(a)} | {statistics.median(a):.1%} | {percentile(a, 0.9):.1%} | {max(a):.1%} | "
             f"{statistics.mean(errors):+.1%} |")
-
-
-def _row_filter(text: str) -> set[int] | None:
-    if not text:
-        return None
-    wanted: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        wanted.update(range(int(lo), int(hi or lo) + 1))
-    return wanted
 
 
 def ranking_groups(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -99,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     runs, skipped = load_runs(args.csv)
-    wanted = _row_filter(args.rows)
+    wanted = row_filter(args.rows)
     if wanted is not None:
         runs = [r for r in runs if r.index in wanted]
     profiles = profiles_for(runs, log=lambda m: print(m, file=sys.stderr))

@@ -39,25 +39,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stats import spearman  # noqa: E402
+from bench_stats import percentile, row_filter, spearman  # noqa: E402
 from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "one_model_validation.md"
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, int(round(q * (len(ordered) - 1)))))]
-
-
-def _rows(text: str | None) -> set[int] | None:
-    if not text:
-        return None
-    out: set[int] = set()
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out.update(range(int(a), int(b or a) + 1))
-    return out
 
 
 def price_one_model(run: Any) -> Any:
@@ -80,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=None, help="only these row indices (e.g. 10-15,22)")
     args = parser.parse_args(argv)
     runs, skipped = load_runs(args.csv)
-    keep = _rows(args.rows)
+    keep = row_filter(args.rows)
     if keep is not None:
         runs = [r for r in runs if r.index in keep]
     profiles = profiles_for(runs, log=lambda m: print(m, file=sys.stderr))
@@ -123,7 +108,7 @@ def _err(value: float, reported: float) -> float:
 
 def _summary(rows: list[dict[str, Any]], key: str) -> str:
     errs = [_err(r[key], r["reported"]) for r in rows]
-    return f"{statistics.median(errs):.1%} / {_pct(errs, 0.9):.1%}" if errs else "-"
+    return f"{statistics.median(errs):.1%} / {percentile(errs, 0.9):.1%}" if errs else "-"
 
 
 def report(results: list[dict[str, Any]], skipped: list[str], elapsed: float) -> str:
