@@ -49,7 +49,7 @@ from autopar.plan import (
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
-from solver.intra_op.ilp import solve_intra_op
+from solver.intra_op.ilp import CutoffExceeded, solve_intra_op
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.intra_op.space import coverage, enumerate_strategies
 
@@ -279,8 +279,13 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
         # the memory budget pushed weights to ZeRO-3 (gathered per use): ZeRO-2 keeps them
         # whole and holds a gradient shard only (each microbatch reduce-scattered), which
         # may fit and run faster; the ILP models it as `grads_each_microbatch`
-        zero2 = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=time_limit_s,
-                                zero=2)
+        bound = solved.estimate.step_time_s if cutoff_step_s is None else min(cutoff_step_s,
+                                                                               solved.estimate.step_time_s)
+        try:  # it must beat this solution (and the search's cutoff): its LP bound prunes it first
+            zero2 = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=time_limit_s,
+                                    zero=2, cutoff_step_s=bound)
+        except CutoffExceeded:
+            zero2 = None
         if zero2 is not None and zero2.estimate.step_time_s < solved.estimate.step_time_s:
             return zero2
     return solved
