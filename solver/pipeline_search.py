@@ -345,6 +345,7 @@ beside it anyway and the search got slower (191 stage solves against 168) with t
 plan. ZeRO-2 runs ZeRO-1's layout in a stage (the gradient accumulated whole,
 reduce-scattered once per step)."""
 
+
 def _schedules(p: int, m: int, num_layers: int, fixed: Fixed | None = None) -> list[Schedule]:
     out = [Schedule(name="gpipe"), Schedule(name="1f1b")]
     out += [Schedule(name="interleaved", chunks=v) for v in interleave_depths(p, num_layers) if m % p == 0]
@@ -583,7 +584,8 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     # policy that rewrites nothing (no repeated layers) is the same candidate as none
     refs = {"none": ref}
     if spmd and L:  # recompute rewrites repeated layers only (autopar/recompute.py): none, nothing to trace
-        for rc in RECOMPUTE_CHOICES[1:] if fixed is None else [fixed.config.recompute][:fixed.config.recompute != "none"]:
+        wanted = RECOMPUTE_CHOICES if fixed is None else (fixed.config.recompute,)
+        for rc in (p for p in wanted if p != "none"):
             g_rc = traced(graphs, trace_at, ref_g, rc)
             if len(g_rc.nodes) != len(ref.nodes):
                 refs[rc] = g_rc
@@ -606,8 +608,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     queue: list[tuple[float, int, Any]] = []
     pruned_memory = 0
     kept_per_mesh: dict[tuple[tuple[int, int], str], int] = {}
-    policies = list(refs) if fixed is None else [fixed.config.recompute]
-    for i, c in enumerate(replace(c, recompute=rc) for c in spmd for rc in policies if rc in refs):
+    # a fixed policy that rewrites nothing here is priced as none, as the search does
+    policies = list(refs) if fixed is None else [fixed.config.recompute if fixed.config.recompute in refs else "none"]
+    for i, c in enumerate(replace(c, recompute=rc) for c in spmd for rc in policies):
         key = (c.mesh, c.recompute)
         if kept_per_mesh.get(key, 0) >= microbatch_choices:
             continue  # smaller microbatches than enough fitting ones: only memory to gain

@@ -49,7 +49,7 @@ from autopar.plan import (
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
-from solver.intra_op.ilp import CutoffExceeded, solve_intra_op
+from solver.intra_op.ilp import CutoffExceeded
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.intra_op.space import coverage, enumerate_strategies
 
