@@ -159,10 +159,6 @@ class Fixed:
         k = self.config
         return k.pp == 1 and c.mesh == (k.dp, k.tp) and c.microbatch == k.micro_batch * k.dp
 
-    def pipeline(self, c: PipelineCandidate) -> bool:
-        k = self.config
-        return k.pp == c.pp and c.microbatch == k.micro_batch * k.dp
-
     def zeros(self) -> tuple[int, ...]:
         """A stage's ZeRO layout when given (ZeRO-2 runs ZeRO-1's layout in a stage)."""
         return (1 if self.config.zero == 2 else self.config.zero,)
