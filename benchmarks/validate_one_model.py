@@ -8,7 +8,7 @@ configurations as benchmarks/validate_cost_model.py) is priced twice:
 - **one model**: `autopar.price`, what `autopar price` and `autopar search` compute for the
   row's configuration (traced as the search traces it, the intra-op ILP under the
   configuration's rules, the stage DP with the row's cuts where it gives them). The
-  published ZeRO stage is fixed (`--zero`); ZeRO-2 in a pipeline stage runs ZeRO-1's layout.
+  published ZeRO stage is fixed (`--zero`).
 - **analytic**: `cost_model.price_profile` with the row's runtime options, the baseline the
   constants were fitted on (benchmarks/fit_cost_model.py).
 
@@ -49,10 +49,7 @@ def price_one_model(run: Any) -> Any:
     """The row's configuration priced by `autopar.price` (its Plan)."""
     import autopar
 
-    config = run.config
-    if config.pp > 1 and config.zero == 2:
-        config = replace(config, zero=1)
-    config = replace(config, attention="flash", sequence_parallel=True)
+    config = replace(run.config, attention="flash", sequence_parallel=True)
     return autopar.price(run.spec, run.cluster, config, global_batch=run.global_batch,
                          stage_layers=run.stage_layers if config.pp > 1 else None)
 

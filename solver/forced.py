@@ -14,10 +14,10 @@ The mesh of a configuration is (dp, tp) (pp stages each get one). On the axes:
   zero 0: compute and update replicated (gradients all-reduced);
   zero 1/2: compute replicated, update sharded (the optimizer steps the shard, the
   updated weights all-gathered once per step); zero 1 reduce-scatters the gradients once
-  per step, after the microbatches accumulated them whole; zero 2 (one-stage programs)
-  reduce-scatters each microbatch's gradients during its backward and accumulates the
-  shards: m reduce-scatters per step instead of one, gradient memory 1/N (the ILP's
-  `grads_each_microbatch`); a pipeline stage runs zero 2 as zero 1's layout;
+  per step, after the microbatches accumulated them whole; zero 2 reduce-scatters each
+  microbatch's gradients during its backward and accumulates the shards: m
+  reduce-scatters per step instead of one, gradient memory 1/N (the ILP's
+  `grads_each_microbatch`), in one-stage programs and pipeline stages alike;
   zero 3: compute and update sharded (gradients reduce-scattered, weights gathered for
   each use, the ILP placing the gathers).
 - tp (tensor parallel): the data inputs are whole on every rank of the axis (Replicate);
@@ -90,6 +90,13 @@ def keep_update(config: ParallelConfig, *, update_free: bool = False):
     return keep
 
 
+def zero_2_syncs(config: ParallelConfig) -> bool:
+    """Whether `config`'s programs sync every microbatch's gradients to their update shard
+    (zero 2 over a dp axis): the ILP's `grads_each_microbatch`, the runtime's in-step sync
+    (autopar/runtime/spmd.py, autopar/runtime/pipe_spmd.py build_stage_runner)."""
+    return config.zero == 2 and config.dp > 1
+
+
 def gather_free_axes(config: ParallelConfig) -> tuple[int, ...]:
     return (DP_AXIS,) if config.dp > 1 else ()
 
@@ -99,7 +106,8 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
                 time_limit_s: float | None = None, space: Any = None, prune_memo: dict | None = None,
                 update_free: bool = False) -> Any:
     """The intra-op ILP of a pipeline stage on its (dp, tp) submesh under `config`'s rules,
-    its gradient syncs weighted 1 / num_microbatches (once per step). One solve for both
+    its gradient syncs weighted 1 / num_microbatches (once per step; 1 under zero 2, whose
+    stages sync every microbatch). One solve for both
     sides of a pipeline plan: the runtime solves each chunk's graph with `keep_input`
     holding its boundary inputs in the layout they travel in
     (autopar/runtime/pipe_spmd.py solve_stage), and the pipeline search prices every stage
@@ -110,6 +118,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     from solver.intra_op.ilp import solve_intra_op
 
     base = keep_placeholder(config, update_free=update_free)
+    zero2 = not update_free and zero_2_syncs(config)
 
     def keep(node: Node, placements: Placements) -> bool:
         if keep_input is not None and node.role is Role.INPUT:
@@ -119,7 +128,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
                           keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
-                          time_limit_s=time_limit_s, space=space, prune_memo=prune_memo)
+                          time_limit_s=time_limit_s, space=space, prune_memo=prune_memo, grads_each_microbatch=zero2)
 
 
 def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
@@ -134,7 +143,7 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
                           keep_placeholder=keep_placeholder(config, update_free=update_free),
                           keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches, space=space,
-                          grads_each_microbatch=not update_free and config.zero == 2 and config.dp > 1,
+                          grads_each_microbatch=not update_free and zero_2_syncs(config),
                           memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, cutoff_s=cutoff_s)
 
 

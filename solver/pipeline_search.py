@@ -148,7 +148,8 @@ class Fixed:
 
     What `config` leaves to the search stays the search's: per-op placements, and each
     parameter's ZeRO layout where `zero_given` is false (the one-stage ILP chooses per
-    parameter; each pipeline stage's layout is the stage DP's pick among ZeRO 0, 1 and 3);
+    parameter; each pipeline stage's layout is the stage DP's pick among ZeRO 0, 1 and 3,
+    and 2 where 3 won);
     the stage cuts where `stage_layers` is None."""
 
     config: ParallelConfig
@@ -160,8 +161,8 @@ class Fixed:
         return k.pp == 1 and c.mesh == (k.dp, k.tp) and c.microbatch == k.micro_batch * k.dp
 
     def zeros(self) -> tuple[int, ...]:
-        """A stage's ZeRO layout when given (ZeRO-2 runs ZeRO-1's layout in a stage)."""
-        return (1 if self.config.zero == 2 else self.config.zero,)
+        """A stage's ZeRO layout when given."""
+        return (self.config.zero,)
 
     def schedule(self, sched: Schedule) -> bool:
         k = self.config
@@ -338,8 +339,9 @@ Solving a stage with each parameter's layout free (`update_free`) instead was me
 llama3-70b at 1,024 H100s: all 54 stage solves chose ZeRO-0 layouts (23 mixing in whole
 norm weights, which the runtime cannot run per stage), so the leaner layouts were solved
 beside it anyway and the search got slower (191 stage solves against 168) with the same
-plan. ZeRO-2 runs ZeRO-1's layout in a stage (the gradient accumulated whole,
-reduce-scattered once per step)."""
+plan. ZeRO-2 (each microbatch's gradients reduce-scattered into sharded accumulation) is
+solved only for the submeshes where a result's stage chose ZeRO-3 (solve_pipeline_candidate):
+it is never faster than ZeRO-1, so it can only win where memory rules ZeRO-1 out."""
 
 
 def _schedules(p: int, m: int, num_layers: int, fixed: Fixed | None = None) -> list[Schedule]:
@@ -367,24 +369,48 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: _StageCostCache, cl
         policies = (fixed.config.recompute,)
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
-    for mesh in meshes:
-        # ZeRO 0 / 1 / 3 over the stage's dp: weights whole and updated whole, weights whole
-        # and their update sharded (gathered once per step), weights sharded (gathered per use)
-        if mesh[0] == 1:
-            zeros: tuple[int, ...] = (0,)
-        elif fixed is not None and fixed.zero_given:
-            zeros = fixed.zeros()
-        else:
-            zeros = ZERO_CHOICES
-        layouts = [cache.get(mesh, cand.microbatch, z) for z in zeros]
-        for sc in layouts:
+
+    def add(mesh: tuple[int, int], zeros: tuple[int, ...]) -> None:
+        for sc in (cache.get(mesh, cand.microbatch, z) for z in zeros):
             if sc is None:
                 continue
             p2p = boundary_p2p_s(cluster, cand.pp, D, sc.boundary_messages)
             for rc in policies:
                 entries.append((sc, rc, p2p))
+
+    for mesh in meshes:
+        # ZeRO 0 / 1 / 3 over the stage's dp: weights whole and updated whole, weights whole
+        # and their update sharded (gathered once per step), weights sharded (gathered per use)
+        if mesh[0] == 1:
+            add(mesh, (0,))
+        elif fixed is not None and fixed.zero_given:
+            add(mesh, fixed.zeros())
+        else:
+            add(mesh, ZERO_CHOICES)
     if not entries:
         return []
+    out = _dp_results(cand, entries, cluster, family=family, num_layers=num_layers, info=info, cutoff_s=cutoff_s,
+                      fixed=fixed, share=share)
+    # ZeRO-2 (module ZERO_CHOICES): where memory pushed a stage of a result to ZeRO-3, its
+    # submesh is also solved under ZeRO-2 (weights whole, each microbatch's gradients
+    # reduce-scattered into sharded accumulation: slower than ZeRO-1, leaner by the whole
+    # gradient, never slower than ZeRO-3) and the DP runs again with those options
+    if (fixed is None or not fixed.zero_given) and cand.num_microbatches > 1:
+        pushed = sorted({sc.mesh for r in out for sc, _ in r.stages if sc.zero == 3})
+        if pushed:
+            for mesh in pushed:
+                add(mesh, (2,))
+            out = _dp_results(cand, entries, cluster, family=family, num_layers=num_layers, info=info,
+                              cutoff_s=cutoff_s, fixed=fixed, share=share)
+    return out
+
+
+def _dp_results(cand: PipelineCandidate, entries: list[tuple[SubmeshCosts, str, float]], cluster: Cluster, *,
+                family: str, num_layers: int, info: Any, cutoff_s: float, fixed: Fixed | None,
+                share: float) -> list[PipelineResult]:
+    """The stage DP over `entries` (submesh costs x recompute policy, with their boundary
+    p2p time): every schedule x (all options | each uniform option) solution under
+    `cutoff_s` (solve_pipeline_candidate)."""
     call = cost_model.pipeline_call_time_s(cluster)  # host time of a chunk call, every stage
     options = [sc.option(rc, p2p, key=i, call_s=call) for i, (sc, rc, p2p) in enumerate(entries)]
     budget = cluster.device_memory_bytes

@@ -30,7 +30,9 @@ codegen/apply.py, autopar/runtime/spmd.py). On every rank, for each of its chunk
 Parameters are DTensors in the ILP's placements (autopar/runtime/spmd.py SpmdProgram per
 chunk); backward accumulates their raw gradients, and after the schedule each chunk's
 gradient-sync graph brings them to their placements (SpmdProgram.set_gradients: the ILP's
-data parallelism / ZeRO) and one stock optimizer steps every chunk's parameters. A tensor
+data parallelism / ZeRO; under zero 2 the backward graph reduce-scatters each
+microbatch's gradients itself and the shards accumulate) and one stock optimizer steps
+every chunk's parameters. A tensor
 held by several chunks (a tied embedding and head) gets the sum of their gradients
 (whole gradients summed over the pp ranks holding it, then resharded to each copy's
 placement), so every copy takes the same step.
@@ -440,6 +442,7 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     chunk's parameters become DTensors in their placements."""
     from codegen.apply import apply
     from autopar.runtime.spmd import SpmdProgram, distribute_parameters
+    from solver.forced import zero_2_syncs
 
     extra = list(stage.extra)
     if stage.last:
@@ -449,7 +452,10 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
         extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
     # before the build: its peak holds shards only
     params = distribute_parameters(stage.chunk, stage.graph, choices, mesh)
-    graphs = apply(stage.traced.gm, stage.graph, choices, mesh, extra_outputs=extra, keep_phases=True)
+    # zero 2: each microbatch's backward reduce-scatters its gradients to their update
+    # shards (the sync lands in the backward graph) and the runner accumulates the shards
+    graphs = apply(stage.traced.gm, stage.graph, choices, mesh, extra_outputs=extra, keep_phases=True,
+                   sync_in_step=zero_2_syncs(config))
     # the applied step: (loss, raw grads..., outputs..., input grads...)
     num_inputs, outputs, grad_inputs = stage.num_inputs, stage.outputs, stage.grad_inputs
     num_grads = len(graphs.grads)
@@ -722,8 +728,11 @@ def runner_source(runner: StageRunner, config: ParallelConfig, num_chunks: int, 
             f"{submesh_shape} submesh; config: {config.to_json()}\n"
             f"# forward: (parameters, buffers, inputs) -> (outputs, saved values)\n"
             f"{runner.forward_gm.code}\n# backward: (saved values, output gradients, loss tangent) -> "
-            f"(raw gradients, input gradients)\n{runner.backward_gm.code}\n# grad_sync: raw gradients -> gradients "
-            f"in their parameters' update placements (once per step)\n{runner.program.graphs.grad_sync.code}"
+            f"(raw gradients, input gradients)\n{runner.backward_gm.code}"
+            + ("\n# grad_sync: none (zero 2: the backward syncs each microbatch's gradients)"
+               if runner.program.graphs.grad_sync is None else
+               "\n# grad_sync: raw gradients -> gradients in their parameters' update placements (once per step)\n"
+               + runner.program.graphs.grad_sync.code)
             + ("" if runner.program.graphs.param_gather is None else
                "\n# param_gather: updated weights -> their compute placement (once per step)\n"
                + runner.program.graphs.param_gather.code))

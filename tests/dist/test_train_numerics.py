@@ -40,6 +40,7 @@ WORLD4 = {
     "dp2xtp2_zero1": C(dp=2, tp=2, zero=1),
     "pp2xdp2_zero1_gpipe": C(pp=2, dp=2, zero=1, schedule="gpipe"),
     "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b"),
+    "pp2xdp2_zero2_1f1b": C(pp=2, dp=2, zero=2, schedule="1f1b"),
 }
 LLAMA6 = "llama:layers=6,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 WORLD8 = {
@@ -83,9 +84,10 @@ NAMES = {
     GPT: ("dp4", "zero3", "tp2xdp2_sp", "pp2xdp2_interleaved"),
     # Llama's pipelines: pp2 x dp2 ZeRO-1 here (GPipe, 1F1B), test_pipeline_per_op.py's
     # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); ZeRO-2
-    # reduce-scatters every microbatch's gradients and accumulates the shards
+    # reduce-scatters every microbatch's gradients and accumulates the shards, one-stage
+    # and in pipeline stages alike
     LLAMA: ("dp4", "zero1", "zero2", "zero3", "tp2xdp2_sp", "dp2xtp2_zero1", "pp2xdp2_zero1_gpipe",
-            "pp2xdp2_zero1_1f1b"),
+            "pp2xdp2_zero1_1f1b", "pp2xdp2_zero2_1f1b"),
     # a Hugging Face model: weight-update sharding in pipeline stages (the harder case)
     HF: ("pp2xdp2_zero1_1f1b",),
 }
@@ -184,3 +186,19 @@ def test_pipeline_stage_gathers_its_weights_once_per_step(world4):
             # microbatch would be four times the bytes)
             assert nbytes * 3 == r.parameter_bytes * 2, (calls, nbytes, r.parameter_bytes)
             assert r.optimizer_state_bytes * 3 == r.parameter_bytes * 2  # 8 bytes on E/2 against 6 E
+
+
+def test_zero_2_pipeline_stage_reduce_scatters_every_microbatch(world4):
+    """ZeRO-2 in pipeline stages (pp2 x dp2 1F1B, 4 microbatches per step): each stage's
+    backward reduce-scatters every microbatch's gradients (4x ZeRO-1's reduce-scatters per
+    step, by count and bytes), the shards accumulate, and the weights are still gathered
+    once per step, with ZeRO-1's optimizer state."""
+    per_rank, _ = world4[LLAMA]
+    names = list(NAMES[LLAMA])
+    for rank in range(4):
+        zero1, zero2 = (per_rank[rank][names.index(f"pp2xdp2_zero{z}_1f1b")] for z in (1, 2))
+        calls, nbytes = zero1.collectives[("reduce_scatter", "dp")]
+        assert zero2.collectives[("reduce_scatter", "dp")] == (4 * calls, 4 * nbytes)
+        assert zero2.collectives[("all_gather", "dp")] == zero1.collectives[("all_gather", "dp")]
+        assert zero2.optimizer_state_bytes == zero1.optimizer_state_bytes
+        assert zero2.gradient_bytes == zero1.gradient_bytes
