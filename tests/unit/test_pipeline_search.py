@@ -324,3 +324,29 @@ def test_every_stage_option_pays_the_chunk_calls_host_time(monkeypatch):
                                                 recompute=recompute),
         cluster, global_batch=8, model=spec, fingerprint="f", family="llama", top=3, num_layers=4, min_pp=2)
     assert result.ranked and seen and all(c == pytest.approx(expected) for c in seen)
+
+
+def test_a_stage_pushed_to_zero_3_is_also_solved_under_zero_2():
+    """Under a memory budget between ZeRO-1's peak and the leaner layouts' (llama-small, pp2
+    x dp2, cuts 2 + 2), the search's stage choice is the faster of ZeRO-2 and ZeRO-3, each
+    priced alone (`price --zero`): ZeRO-2 is solved where a result's stage chose ZeRO-3.
+    ZeRO-2 keeps ZeRO-1's placements and syncs every microbatch, so it is slower than
+    ZeRO-1 and leaner by the gradient."""
+    from dataclasses import replace
+
+    import autopar
+    from autopar.config import ParallelConfig
+
+    cluster = Cluster.parse("cpu:4")
+    config = ParallelConfig(pp=2, dp=2, schedule="1f1b", micro_batch=1)
+    alone = {z: autopar.price("llama-small", cluster, replace(config, zero=z), global_batch=8,
+                              stage_layers=(2, 2)).predicted for z in (1, 2, 3)}
+    assert alone[2].step_time_s > alone[1].step_time_s
+    assert alone[2].peak_memory_bytes < alone[1].peak_memory_bytes
+    budget = (alone[1].peak_memory_bytes + max(alone[2].peak_memory_bytes, alone[3].peak_memory_bytes)) / 2
+    plan = autopar.price("llama-small", cluster.with_memory_gb(budget / 2**30), config, global_batch=8,
+                         stage_layers=(2, 2), choose_zero=True)
+    best = min((2, 3), key=lambda z: alone[z].step_time_s)
+    assert plan.predicted.fits
+    assert plan.config.zero == best
+    assert plan.predicted.step_time_s == pytest.approx(alone[best].step_time_s, rel=1e-9)
