@@ -46,8 +46,21 @@ def _is_backward(node: fx.Node) -> bool:
 
 
 def _is_random(node: fx.Node) -> bool:
+    """Whether `node` draws random numbers. ATen tags every op that may draw them
+    (`nondeterministic_seeded`), the fused attention kernels included because of their
+    `dropout_p` argument; those with dropout_p = 0 draw none and are deterministic, so
+    "full" recomputes them like any other op (as activation checkpointing of a whole
+    block does: Megatron-LM's full recompute, torch.utils.checkpoint)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p",
+                                                                    target._schema.arguments[i].default_value)
+    return not (isinstance(value, (int, float)) and value == 0)
 
 
 def _layer_of(node: fx.Node, pattern: re.Pattern[str] | None) -> int | None:

@@ -319,3 +319,28 @@ def test_the_search_extrapolates_only_models_marked_batch_scaling():
     got_scaled = [traced(graphs, trace_at, g) for g in (8, 16)]
     assert calls == [2, 4]
     assert got_scaled == [dataclasses.replace(g, trace_time_s=0.0) for g in got]
+
+
+def test_full_recompute_re_runs_fused_attention_without_dropout():
+    """ATen tags the fused attention kernels as random (their dropout_p argument). At
+    dropout_p = 0 they draw nothing, so "full" recomputes them like every other op of the
+    layer (the flops grow by one attention forward per layer; "selective" keeps them);
+    with dropout they stay unrecomputed, as every random op does."""
+    from autopar.ir import ATTENTION_FWD_OPS
+    from autopar.recompute import _is_random
+
+    src = resolve("gpt:layers=2,hidden=64,heads=4,vocab=128,seq=256")
+    graphs = {rc: trace_model(src, batch=1, recompute=rc) for rc in ("none", "full", "selective")}
+
+    def attention(graph, phase):
+        return sum(1 for n in graph.nodes if n.op in ATTENTION_FWD_OPS and n.phase is phase)
+
+    assert attention(graphs["none"], Phase.BACKWARD) == attention(graphs["selective"], Phase.BACKWARD) == 0
+    assert attention(graphs["full"], Phase.BACKWARD) == attention(graphs["full"], Phase.FORWARD) == 2
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    g = torch.fx.Graph()
+    q = g.placeholder("q")
+    for args, kwargs, random in (((q, q, q), {}, False), ((q, q, q, 0.0, True), {}, False),
+                                 ((q, q, q, 0.1), {}, True), ((q, q, q), {"dropout_p": 0.1}, True)):
+        assert _is_random(g.call_function(op, args, kwargs)) is random
+    assert _is_random(g.call_function(torch.ops.aten.native_dropout.default, (q, 0.0, True)))
