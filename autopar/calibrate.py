@@ -57,7 +57,7 @@ what one rank gets while all ranks work. The profile stores them per dedicated c
 divided, rates multiplied by s = max(1, N / cores); the collectives' latencies divided by
 s ** g, g the built-in profile's `collective_latency_share_exponent`), with `cores_per_node`;
 the cost model applies the sharing factor of the job's own N by the same laws
-(cost_model/step.py, collectives.py), so one profile serves `cpu:4` and `cpu:8`. The
+(cost_model/table.py core_share, collectives.py), so one profile serves `cpu:4` and `cpu:8`. The
 fastest of a few timing windows, median over ranks (the machine is shared; the load
 of other users drifts: `reference_workload` records how fast the machine was).
 

@@ -80,16 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--memory-gb", type=_positive_float, default=None, help="per-device memory budget")
     add_config_flags(p, required=False)
-    p.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --analytic: what the training stack does beyond the configuration (cost_model.RuntimeOptions: "
-                        "zero3, checkpoint_every, selective_policy, grad_reduce_bytes, compiled, async_tp, "
-                        "dp_bucket_bytes, overlap_grad_reduce, dtensor_tp); repeatable")
-    p.add_argument("--no-sequence-parallel", action="store_true", help="tensor parallelism without sequence "
-                   "parallelism (Megatron before 2022)")
     p.add_argument("--hardware", default=None, help="a hardware profile JSON (autopar calibrate --out) to price "
                    "against instead of the built-in profile of the cluster's name")
-    p.add_argument("--analytic", action="store_true", help="price with the closed-form model fitted on published "
-                   "runs (the validation baseline; takes --runtime and --no-sequence-parallel)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("search", help="search the best parallel plan for a model on a cluster")

@@ -1,7 +1,8 @@
 """`Estimate`: what pricing one full configuration predicts (DESIGN.md JSON contract).
 
-Where it sits: shared (autopar/), beside the plan types. The cost model returns it
-(`cost_model.price` / `price_profile`), the searches build one per ranked candidate, and
+Where it sits: shared (autopar/), beside the plan types. The searches build one per
+ranked candidate from the cost model's costs (so does `autopar price`, the search
+restricted to one configuration), and
 a Plan embeds the chosen plan's as `Plan.predicted` (autopar/plan.py), so one type carries
 a prediction from pricing to the plan file. `autopar price --json` prints `to_json()`,
 and each plan of `autopar search --json` carries the same keys.

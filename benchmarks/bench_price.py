@@ -13,7 +13,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
-from cost_model import price, price_profile, profile_graph
+from analytic import price, price_profile, profile_graph
 
 
 def main() -> None:

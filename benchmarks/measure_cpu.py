@@ -27,7 +27,7 @@ Figures (the machine has 2 cores shared with other users: noisy):
   build's own peak (VmHWM before the first step) is reported beside it; the figure
   compared is the whole (build + steps) peak.
 - losses: the first step's global loss of A and H (same init and data: they must agree).
-- predicted: `cost_model.price` of each configuration (float32 trace) on `cpu:N` with the
+- predicted: `analytic.price` (the baseline, benchmarks/analytic/) of each configuration (float32 trace) on `cpu:N` with the
   calibrated profile (`autopar calibrate --devices N --out ...`); Spearman rank
   correlation of predicted vs measured step time over the measured configurations.
 
@@ -108,7 +108,7 @@ def kinds(case: Case) -> list[str]:
 
 def same_program(a: Case, b: Case) -> bool:
     """Whether two cases run the same autopar program (then it is measured once)."""
-    from cost_model import default_stage_layers
+    from autopar.config import default_stage_layers
 
     even = lambda c: c.stage_layers in (None, tuple(default_stage_layers(4, c.config.pp)))  # noqa: E731
     return a.world == b.world and a.config == b.config and even(a) and even(b)
@@ -418,12 +418,12 @@ def run_world(world: int, world_cases: list[Case], searched_label: str | None = 
 
 
 def _profile(dtype: str = "float32") -> Any:
-    import cost_model
+    import analytic
     from autopar.models import resolve
     from autopar.trace import trace_model
 
     graph = trace_model(resolve(MODEL), batch=1, dtype=dtype, layers_traced=2)
-    return graph, cost_model.profile_graph(graph)
+    return graph, analytic.profile_graph(graph)
 
 
 def searched_plan(hardware: Any, world: int) -> tuple[Any, tuple[int, ...], Any]:
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from autopar.cluster import HARDWARE, Cluster, load_hardware  # autopar before cost_model (import cycle)
     from autopar.plan import describe_config
-    import cost_model  # noqa: I001
+    import analytic
 
     t0 = time.perf_counter()
     graph, profile = _profile()
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pred = None
         if hw[case.world] is not None:
             cluster = Cluster.parse(f"cpu:{case.world}", hardware=hw[case.world])
-            pred = cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH,
+            pred = analytic.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH,
                                             stage_layers=case.stage_layers).step_time_s
         rows.append({
             "label": case.label, "world": case.world, "config": case.config.to_json(),
@@ -604,7 +604,7 @@ def write_markdown(out: dict[str, Any], path: Path, *, summary: list[str]) -> No
         "adjacent; barrier before and after each step); step time = median over rounds, autopar/hand = median "
         "of the per-round ratios t_H / t_A (adjacent steps share the machine's load). Memory (separate ranks, "
         "each program alone): peak resident-set growth per rank over build + "
-        "steps (VmHWM reset via /proc/self/clear_refs), max over ranks. Predicted: `cost_model.price` with the "
+        "steps (VmHWM reset via /proc/self/clear_refs), max over ranks. Predicted: `analytic.price` with the "
         "calibrated cpu profile (`autopar calibrate`). The machine has 2 cores shared with other users: "
         "figures are noisy (see the per-step times in measured_cpu.json).",
         "",

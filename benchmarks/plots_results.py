@@ -183,24 +183,24 @@ def pipeline_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h
     """Timelines of one plan under 1F1B and interleaved 1F1B (tp 8, pp 4, dp 2, m 16) with
     per-stage times from the cost model, and its predicted per-stage memory."""
     from autopar.cluster import Cluster  # autopar before cost_model (import cycle)
-    import cost_model  # noqa: I001
-    from autopar.config import ParallelConfig
+    import analytic
+    from autopar.config import ParallelConfig, default_stage_layers
     from autopar.models import resolve
     from autopar.plots import draw_memory, draw_timeline, pipeline_timeline, stage_times
     from autopar.trace import trace_model
-    from cost_model.memory import stage_memory
+    from analytic.memory import stage_memory
 
     graph = trace_model(resolve(model), batch=1, dtype="bfloat16", layers_traced=2)
-    profile = cost_model.profile_graph(graph)
+    profile = analytic.profile_graph(graph)
     cluster = Cluster.parse(cluster_spec)
     fig, axes = plt.subplots(3, 1, figsize=(14, 10), gridspec_kw={"height_ratios": [1, 1, 1.1]})
     info: dict[str, Any] = {}
     for ax, (schedule, v) in zip(axes[:2], (("1f1b", 1), ("interleaved", 2))):
         config = ParallelConfig(tp=8, pp=4, dp=2, micro_batch=1, schedule=schedule, interleave=v,
                                 recompute="selective")
-        est = cost_model.price_profile(profile, config, cluster, global_batch=global_batch)
+        est = analytic.price_profile(profile, config, cluster, global_batch=global_batch)
         m = config.num_microbatches(global_batch)
-        layers = cost_model.default_stage_layers(profile.num_layers, config.pp)
+        layers = default_stage_layers(profile.num_layers, config.pp)
         fwd, bwd = stage_times(dict(est.time_breakdown), m, [float(n) for n in layers])
         t = pipeline_timeline(schedule, config.pp, m, fwd, bwd, v)
         draw_timeline(ax, t, title=(
@@ -234,19 +234,19 @@ def explain_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h1
     from autopar.plan import describe_config, fingerprint_source
     from autopar.plots import plot_plan
     from autopar.trace import trace_model
-    import cost_model  # noqa: I001
+    import analytic
     from solver.search import SearchSpace, search
 
     source = resolve(model)
     graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=2)
-    profile = cost_model.profile_graph(graph)
+    profile = analytic.profile_graph(graph)
     cluster = Cluster.parse(cluster_spec)
 
     def price(config: Any, stage_layers: tuple[int, ...]) -> Any:
-        return cost_model.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
+        return analytic.price_profile(profile, config, cluster, global_batch=global_batch, stage_layers=stage_layers)
 
     result = search(graph, cluster, global_batch=global_batch, price=price, model=model,
-                    fingerprint=fingerprint_source(source), cost_model_name="cost_model.price_profile",
+                    fingerprint=fingerprint_source(source), cost_model_name="analytic.price_profile",
                     space=SearchSpace(zero_stages=(0,)))
     plan = result.plan
     plot_plan(plan, str(out))

@@ -14,7 +14,7 @@ Row -> pricing job (no rule looks at the source's name):
   zero stage = the leading digit of zero_stage, recompute = the leading word of recompute;
 - price_options (`key=value;` pairs, the same names as `autopar price`'s flags):
   ParallelConfig fields (attention, sequence_parallel, recompute, interleave), runtime
-  options (cost_model/options.py: zero3, checkpoint_every, selective_policy,
+  options (analytic/options.py: zero3, checkpoint_every, selective_policy,
   grad_reduce_bytes, compiled, async_tp, dp_bucket_bytes), the stage split
   (stage_layers=a/b/...), and the cluster's deviations from the named GPU profile
   (nic_gbps_per_gpu, hbm_tbps, memory_gb);
@@ -44,7 +44,7 @@ LLAMA_SHAPES = {
 CONFIG_OPTIONS = ("attention", "sequence_parallel", "recompute", "interleave")
 CLUSTER_OPTIONS = ("nic_gbps_per_gpu", "hbm_tbps", "memory_gb")
 TRACE_SOURCES = ("autopar/trace.py", "autopar/ir.py", "autopar/models/gpt.py", "autopar/models/llama.py",
-                 "autopar/models/zoo.py", "cost_model/profile.py")
+                 "autopar/models/zoo.py", "benchmarks/analytic/profile.py")
 """Files whose content keys the on-disk profile cache."""
 
 
@@ -127,7 +127,7 @@ def to_run(index: int, row: dict[str, str]) -> Run:
     """The pricing job of one CSV row (module docstring); ValueError if it cannot be priced."""
     from autopar.cluster import GIB, Cluster
     from autopar.config import ParallelConfig
-    from cost_model.options import RuntimeOptions
+    from analytic.options import RuntimeOptions
 
     opts = parse_options(row.get("price_options", ""))
     unknown = set(opts) - set(CONFIG_OPTIONS) - set(CLUSTER_OPTIONS) - {"stage_layers"} - set(
@@ -199,7 +199,7 @@ def profiles_for(runs: list[Run], *, log: Any = None) -> dict[str, Any]:
     from the on-disk cache when the tracer and profiler sources are unchanged."""
     from autopar.models import resolve
     from autopar.trace import trace_model
-    from cost_model import profile_graph
+    from analytic import profile_graph
 
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
@@ -217,7 +217,7 @@ def profiles_for(runs: list[Run], *, log: Any = None) -> dict[str, Any]:
 
 
 def price_run(run: Run, profiles: dict[str, Any], efficiency: Any = None) -> Any:
-    from cost_model import price_profile
+    from analytic import price_profile
 
     return price_profile(profiles[run.spec], run.config, run.cluster, global_batch=run.global_batch,
                          stage_layers=run.stage_layers, options=run.options, efficiency=efficiency)

@@ -280,21 +280,21 @@ def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int,
 # ---- prediction and figures --------------------------------------------------------------
 
 def _profile(spec: str) -> Any:
-    import cost_model
+    import analytic
     from autopar.models import resolve
     from autopar.trace import trace_model
 
-    return cost_model.profile_graph(trace_model(resolve(spec), batch=1, dtype="float32", layers_traced=2))
+    return analytic.profile_graph(trace_model(resolve(spec), batch=1, dtype="float32", layers_traced=2))
 
 
 def predict(profile: Any, case: SweepCase, hardware: Any) -> float:
     """`price_profile`'s step time (the whole-model formula) on `hardware` (for a load
     other than the calibration's: `at_load`)."""
-    import cost_model
+    import analytic
     from autopar.cluster import Cluster
 
     cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
-    return cost_model.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH).step_time_s
+    return analytic.price_profile(profile, case.config, cluster, global_batch=GLOBAL_BATCH).step_time_s
 
 
 def _step_graph(spec: str, config: Any) -> Any:
@@ -675,7 +675,7 @@ def write_markdown(out: dict[str, Any], path: Path) -> None:
         "per-op program per stage (each chunk's own ILP on the stage's submesh). Predicted = what the product "
         "ranks by: for pp = 1 the ILP's own price of the program that runs (solver/spmd_search.py `estimate` "
         "of `solve_config`), for pp > 1 the pipeline search's price (ILP stage costs assembled by "
-        "solver/stage_dp.py, `predict_pipeline`); the whole-model formula `cost_model.price_profile` of every "
+        "solver/stage_dp.py, `predict_pipeline`); the whole-model formula `analytic.price_profile` (the baseline) of every "
         "row is in the last column for comparison. "
         "Each with the calibrated profile and the built-in `cpu` profile, their local work (GEMM peak, copy "
         "bandwidth, per-op overheads; not the collectives) slowed by the load factor of the reference workload "

@@ -9,7 +9,7 @@ configurations as benchmarks/validate_cost_model.py) is priced twice:
   row's configuration (traced as the search traces it, the intra-op ILP under the
   configuration's rules, the stage DP with the row's cuts where it gives them). The
   published ZeRO stage is fixed (`--zero`).
-- **analytic**: `cost_model.price_profile` with the row's runtime options, the baseline the
+- **analytic**: `analytic.price_profile` (benchmarks/analytic/) with the row's runtime options, the baseline the
   constants were fitted on (benchmarks/fit_cost_model.py).
 
 Both use the constants of cost_model/efficiency.py, which are fitted on every row with the

@@ -2,18 +2,17 @@
 
 Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
 - efficiency.py  every achievable-efficiency factor (one place; fitted ones in
-                 fitted_constants.json, written by benchmarks/fit_cost_model.py)
-- options.py     RuntimeOptions: what the training stack does beyond ParallelConfig
+                 fitted_constants.json, written by a script in benchmarks/)
 - compute.py     per-op roofline `compute_time_s`
 - collectives.py mesh axes -> link tiers, alpha-beta collectives, `reshard_time_s`
-- profile.py     `profile_graph`: one-time per-graph precompute (liveness, op items)
-- memory.py      ZeRO model state, activations from liveness, in-flight microbatches
-- zero3.py       ZeRO-3 / FSDP runtimes: collective granularity, prefetch, overlap
-- step.py        `price_profile`: step time, throughput, MFU, peak memory of a config
-  returning an `Estimate` (autopar/estimate.py: shared, a Plan embeds it)
+- memory.py      model-state bytes per parameter under ZeRO
 - table.py       the solver's cost table: `cost_table` (per node and strategy: compute,
                  communication, memory), `ReshardPricer` (resharding and gradient-sync
                  time of an edge), `collective_time_s`, `core_share`
+One model prices every plan: these costs, assembled by the solver (solver/spmd_search.py
+for one stage, solver/stage_costs.py and solver/stage_dp.py for pipelines) into an
+`Estimate` (autopar/estimate.py). The closed-form whole-configuration formula that
+preceded it is a baseline under benchmarks/analytic/, outside the product.
 
 This package's namespace is the cost model's public surface: the solver (solver/) imports
 only `cost_model` itself, never a submodule (tests/unit/test_layering.py fails otherwise).
@@ -24,9 +23,6 @@ scaled by micro_batch / graph.model.batch, exact for these models (linear in bat
 
 from __future__ import annotations
 
-from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
-from autopar.ir import Graph
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -43,9 +39,6 @@ from cost_model.compute import compute_time_s, grad_accumulation_time_s, optimiz
 from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from autopar.estimate import Estimate
 from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, state_bytes_per_param
-from cost_model.options import RuntimeOptions
-from cost_model.profile import GraphProfile, profile_graph
-from cost_model.step import default_stage_layers, price_profile
 from cost_model.table import (
     Collective,
     CostTable,
@@ -58,35 +51,16 @@ from cost_model.table import (
     pipeline_call_time_s,
     reshard_collectives,
 )
-from cost_model.zero3 import ZERO3_RUNTIMES, Zero3Runtime
-
-
-def price(graph: Graph, config: ParallelConfig, cluster: Cluster, *, global_batch: int,
-          stage_layers: tuple[int, ...] | None = None, zero3: str | None = None,
-          checkpoint_every: int | None = None, selective_policy: str | None = None,
-          options: RuntimeOptions | None = None, efficiency: Efficiency | None = None) -> Estimate:
-    """Price one configuration of `graph` on `cluster` (profiles the graph each call;
-    for many calls build `profile_graph(graph)` once and use `price_profile`).
-
-    `stage_layers` optionally gives layers per pipeline stage (sums to the model's
-    layers; embedding on stage 0, head and loss on the last). The graph may be traced at
-    any batch: per-microbatch costs scale by micro_batch / graph.model.batch. The other
-    keyword options are `price_profile`'s (runtime options and their shorthands, and
-    replacement efficiency constants).
-    """
-    return price_profile(profile_graph(graph), config, cluster, global_batch=global_batch,
-                         stage_layers=stage_layers, zero3=zero3, checkpoint_every=checkpoint_every,
-                         selective_policy=selective_policy, options=options, efficiency=efficiency)
 
 
 __all__ = [
-    "AxisLink", "Collective", "CostTable", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate", "GraphProfile",
-    "ReshardPricer", "RuntimeOptions", "StrategyCost",
+    "AxisLink", "Collective", "CostTable", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate",
+    "ReshardPricer", "StrategyCost",
     "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "bucket_copy_s_per_byte", "collective_time_s",
-    "compute_time_s", "core_share", "cost_table", "default_stage_layers", "grad_accumulation_time_s",
+    "compute_time_s", "core_share", "cost_table", "grad_accumulation_time_s",
     "loss_report_time_s",
-    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "pipeline_call_time_s", "price",
-    "price_profile", "profile_graph", "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",
+    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "pipeline_call_time_s",
+    "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",
     "runs_gloo",
-    "send_recv_time_s", "STATE_BYTES_PER_PARAM", "state_bytes_per_param", "ZERO3_RUNTIMES", "Zero3Runtime",
+    "send_recv_time_s", "STATE_BYTES_PER_PARAM", "state_bytes_per_param",
 ]

@@ -1,7 +1,9 @@
 """Every achievable-efficiency factor of the cost model, in one frozen value.
 
 Where it sits: read by cost_model/compute.py (op roofline), cost_model/collectives.py
-(bus bandwidths, latencies) and cost_model/step.py (overlap, optimizer, runtime options).
+(bus bandwidths, latencies) and cost_model/table.py (host times); the closed-form
+baseline (benchmarks/analytic/step.py) also reads the fields only it uses (overlap,
+torch.compile, async TP, DTensor host time: the runtime options of published stacks).
 Hardware peaks live in autopar/cluster.py; `Efficiency` says how much of a peak real
 kernels and collectives reach. A hardware profile may override fields
 (`Hardware.efficiency`: the calibrated `cpu` profile replaces the GPU kernel figures by
@@ -72,8 +74,8 @@ class Efficiency:
     ahead of the asynchronous kernels; measured by `autopar calibrate` on the cpu profile,
     as the per-rank program calls it (an ATen op overload in a make_fx GraphModule: 1.3 us
     per dedicated core on the development machine, against 0.62 for the `Tensor.t`
-    method). Charged per view op by price_profile and by the ILP's cost table
-    (cost_model/table.py `view_host_s`)."""
+    method). Charged per view op by the ILP's cost table (cost_model/table.py
+    `view_host_s`)."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host time of one op on DTensors (sharding propagation, wrapping): paid by every op
     of a tensor-parallel layer with the `dtensor_tp` runtime option; 0 on GPUs (hidden behind

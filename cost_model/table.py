@@ -157,8 +157,8 @@ def view_host_s(node: Node, cluster: Cluster) -> float:
     """Host time of one view op (t, view, transpose, slice, ...): no data moves, but the
     per-rank program calls it like any other op (`Efficiency.view_overhead_s`, what
     `autopar calibrate` measured a view to cost on the runtime's path; 0 on GPUs, where the
-    host runs ahead of the kernels), x `core_share`. The same charge price_profile makes
-    per view op (cost_model/step.py `_host_time`)."""
+    host runs ahead of the kernels), x `core_share`. The baseline's price_profile makes
+    the same charge per view op (benchmarks/analytic/step.py `_host_time`)."""
     if node.op in HOSTLESS_VIEWS:
         return 0.0
     from cost_model.efficiency import efficiency_for
@@ -168,8 +168,8 @@ def view_host_s(node: Node, cluster: Cluster) -> float:
 
 def core_share(cluster: Cluster) -> float:
     """Ranks per core on a node (the cpu profile's cores_per_node; 1 on GPUs): ranks sharing
-    cores run their ops that much slower (the one definition: cost_model/step.py and the
-    solver's stage and plan pricers multiply by it too)."""
+    cores run their ops that much slower (the one definition: the solver's stage and plan
+    pricers multiply by it, and so does the baseline, benchmarks/analytic/step.py)."""
     cores = getattr(cluster.hardware, "cores_per_node", 0)
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
@@ -178,9 +178,9 @@ def pipeline_call_time_s(cluster: Cluster, efficiency: Efficiency | None = None)
     """Host time of one pipeline stage's chunk call (a microbatch's forward and backward
     through the schedule), beyond its graph's ops and boundary messages:
     `Efficiency.pipeline_call_host_s` (per dedicated core; 0 on GPUs) x `core_share`. Charged
-    per stage per microbatch per chunk (solver/stage_dp.py `StageOption.call_s`,
-    cost_model/step.py's stage times). `efficiency`: replacement constants (the profile's
-    overrides win), as price_profile takes them."""
+    per stage per microbatch per chunk (solver/stage_dp.py `StageOption.call_s`; the
+    baseline's stage times, benchmarks/analytic/step.py). `efficiency`: replacement
+    constants (the profile's overrides win)."""
     from cost_model.efficiency import efficiency_for
 
     return efficiency_for(cluster.hardware, efficiency).pipeline_call_host_s * core_share(cluster)
@@ -202,7 +202,8 @@ def bucket_copy_s_per_byte(cluster: Cluster) -> float:
 
 def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at_update: bool = False) -> CostTable:
     """Cost of every strategy of every node (nodes with identical structure priced once).
-    Not `cost_model.price`, which prices one whole configuration into an Estimate.
+    The solver assembles a plan's Estimate from these costs (solver/spmd_search.py,
+    solver/stage_costs.py).
     `grads_at_update`: gradients accumulate in the weight-update placement (ZeRO-2)."""
     mesh_shape = space.mesh_shape
     links = mesh_axis_links(cluster, mesh_shape)

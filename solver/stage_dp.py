@@ -40,9 +40,9 @@ Step time (Alpa's objective, generalised by a schedule constant beta):
 Ranks sharing cores (the cpu profile: more ranks than cores on a node, cost_model.core_share
 = share > 1, every t_k priced contended): a rank waiting in a bubble frees its core for the
 others, so the step is the longer of the schedule's critical path run uncontended and all
-ranks' work over the cores (the same model as cost_model/step.py's price_profile), plus
-the cores left idle while the pipeline fills and drains (`ramp_idle_s`; price_profile,
-shown for comparison only, leaves that out):
+ranks' work over the cores (the same model as the baseline's price_profile,
+benchmarks/analytic/step.py), plus the cores left idle while the pipeline fills and drains
+(`ramp_idle_s`; the baseline leaves that out):
 
     T_shared = max(T / share, m * sum_k t_k / p + R)
 

@@ -12,28 +12,22 @@ What the flags leave open stays the search's choice: per-op placements always; e
 parameter's ZeRO layout unless `--zero` is given; the stage cuts unless a plan gives them.
 Defaults (DESIGN.md): tp = pp = 1, dp = devices / (tp * pp), micro-batch 1, 1f1b when
 pp > 1, recompute none. A configuration that does not fit is still priced (its ILP solved
-without the memory limit) and flagged.
+without the memory limit) and flagged. `--hardware profile.json` prices against a
+calibrated or custom hardware profile.
 
-`--analytic` prices with the closed-form model fitted on published runs
-(cost_model.price_profile: the validation baseline), which also takes `--runtime
-KEY=VALUE` (cost_model/options.py: what a published training stack does beyond the
-configuration) and `--no-sequence-parallel`; `--hardware profile.json` prices against a
-calibrated or custom hardware profile in both.
+There is one model: the closed-form formula that preceded it is a baseline under
+benchmarks/analytic/ (what the published-run reports print beside it), not a command.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
 from autopar.cluster import GIB, Cluster, load_hardware
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-
-TRACED_LAYERS = 2
-"""Layers the analytic baseline traces (the layer group is scaled to the real depth)."""
 
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
     tp = args.tp or 1
@@ -52,19 +46,6 @@ def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConf
     return ParallelConfig(tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
                           schedule=schedule, interleave=interleave, recompute=args.recompute or "none",
                           attention=args.attention or "flash")
-
-
-def runtime_from_args(pairs: list[str]) -> Any:
-    """`--runtime KEY=VALUE` pairs -> cost_model.RuntimeOptions (ValueError names bad keys)."""
-    from cost_model import RuntimeOptions
-
-    values = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"--runtime expects KEY=VALUE (e.g. --runtime grad_reduce_bytes=4), got {pair!r}")
-        values[key.strip()] = value.strip()
-    return RuntimeOptions.from_pairs(values)
 
 
 def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
@@ -89,21 +70,6 @@ def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
     return [(k, a, calls[(k, a)], volume[(k, a)]) for k, a in sorted(calls)]
 
 
-def _run_analytic(args: argparse.Namespace, cluster: Cluster, config: ParallelConfig) -> int:
-    from cost_model import price
-    from autopar.trace import trace_model
-
-    options = runtime_from_args(getattr(args, "runtime", []) or [])
-    source = resolve(args.model).with_overrides(seq=args.seq)
-    graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=TRACED_LAYERS)
-    est = price(graph, config, cluster, global_batch=args.global_batch, options=options)
-    if args.json:
-        print(json.dumps(est.to_json(), indent=2, sort_keys=True))
-        return 0
-    _print(f"{graph.model.name} on {cluster.spec} (analytic baseline)", est, cluster, [], None)
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     from autopar.api import price
     from autopar.plan import Plan
@@ -115,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"--plan prices the saved plan's model, cluster and configuration; drop "
                              f"{', '.join('--' + f.replace('_', '-') if f != 'model' else 'MODEL' for f in given)}")
-        if getattr(args, "analytic", False):
-            raise ValueError("--plan prices with the search's model; --analytic takes MODEL and config flags")
         saved = Plan.load(plan_file)
         cluster = _cluster(args, saved.cluster)
         zoo = resolve(saved.model).config is not None  # a factory's batch fixes its sequence length
@@ -131,21 +95,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("price needs MODEL, --cluster and --global-batch (or --plan PLAN_JSON)")
     cluster = _cluster(args, args.cluster)
     config = config_from_args(args, cluster.num_devices)
-    if getattr(args, "no_sequence_parallel", False):
-        config = dataclasses.replace(config, sequence_parallel=False)
     source = resolve(args.model).with_overrides(seq=args.seq)
     if source.config is not None:  # fail on bad degrees before spending time on the trace
         cfg = source.config
         config.check(global_batch=args.global_batch, num_devices=cluster.num_devices, heads=cfg.heads,
                      kv_heads=getattr(cfg, "num_kv_heads", cfg.heads), num_layers=cfg.layers)
-    if getattr(args, "analytic", False):
-        return _run_analytic(args, cluster, config)
-    extra = [f for f, on in (("--runtime", bool(getattr(args, "runtime", []))),
-                             ("--no-sequence-parallel", getattr(args, "no_sequence_parallel", False)),
-                             ("--attention math", config.attention != "flash")) if on]
-    if extra:
-        raise ValueError(f"{', '.join(extra)} describe(s) a published training stack to the analytic baseline; "
-                         "add --analytic, or drop them to price what autopar runs")
+    if config.attention != "flash":
+        raise ValueError(f"--attention {config.attention}: autopar traces and runs the model's fused attention "
+                         "(scaled_dot_product_attention), so that is what it prices; drop --attention")
     plan = price(args.model, cluster, global_batch=args.global_batch, config=config, seq=args.seq,
                  choose_zero=args.zero is None)
     return _report(args, plan, cluster, None)

@@ -58,10 +58,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--seq VALUE",
         "--memory-gb VALUE",
         *CONFIG_FLAGS,
-        "--runtime VALUE (repeatable) (default [])",
-        "--no-sequence-parallel",
         "--hardware VALUE",
-        "--analytic",
         "--json",
     ),
     "search": (

@@ -1,16 +1,20 @@
 """Hardware.comm_overlap: on the cpu profile (gloo blocks the calling thread) nothing hides
 the data-parallel gradient sync or ZeRO-3 gathers; on GPUs the cost model's overlap applies."""
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 import autopar  # noqa: F401  (import order: autopar before cost_model)
-import cost_model
 from autopar.cluster import HARDWARE, Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import analytic  # noqa: E402  (the baseline, benchmarks/analytic)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +28,8 @@ def test_no_overlap_exposes_all_communication(graph, zero):
     overlapped = Cluster(hardware=hw, num_nodes=1, devices_per_node=4)
     blocking = Cluster(hardware=replace(hw, comm_overlap=0.0), num_nodes=1, devices_per_node=4)
     config = ParallelConfig(dp=4, zero=zero)
-    fast = cost_model.price(graph, config, overlapped, global_batch=8)
-    slow = cost_model.price(graph, config, blocking, global_batch=8)
+    fast = analytic.price(graph, config, overlapped, global_batch=8)
+    slow = analytic.price(graph, config, blocking, global_batch=8)
     assert slow.step_time_s > fast.step_time_s
     # compute is the same; only the exposed communication grows
     tb_fast, tb_slow = dict(fast.time_breakdown), dict(slow.time_breakdown)
@@ -50,8 +54,8 @@ def test_zero2_pays_one_collective_pair_per_module(graph):
     hw = replace(cpu, intra_node_latency_s=5e-3, inter_node_latency_s=5e-3, cores_per_node=0,
                  efficiency=tuple(sorted({**dict(cpu.efficiency), "collective_base_latency_s": 0.0}.items())))
     cluster = Cluster(hardware=hw, num_nodes=1, devices_per_node=4)
-    z1 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=1), cluster, global_batch=4).time_breakdown)
-    z2 = dict(cost_model.price(graph, ParallelConfig(dp=4, zero=2), cluster, global_batch=4).time_breakdown)
+    z1 = dict(analytic.price(graph, ParallelConfig(dp=4, zero=1), cluster, global_batch=4).time_breakdown)
+    z2 = dict(analytic.price(graph, ParallelConfig(dp=4, zero=2), cluster, global_batch=4).time_breakdown)
     layers = graph.model.num_layers
     # ring over 4 ranks: 3 hops per all-gather, 6 per reduce-scatter (gloo, the cpu profile's
     # backend, runs it as an all-reduce); (layers + 1) modules vs 1

@@ -3,13 +3,19 @@ call is a benchmark's, benchmarks/bench_search.py: not a timed test.)"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
-from cost_model import price, price_profile, profile_graph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from analytic import price, price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=256"
 

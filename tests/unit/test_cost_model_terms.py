@@ -3,6 +3,9 @@ latencies, core sharing; each against its closed form or the direction it must p
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import math
 from dataclasses import replace
 
@@ -13,9 +16,13 @@ from autopar.cluster import HARDWARE, Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
-from cost_model import RuntimeOptions, mesh_axis_links, price_profile, profile_graph
+from cost_model import mesh_axis_links
 from cost_model.compute import compute_time_s, gemm_shape_efficiency, gemm_time_s
 from cost_model.efficiency import DEFAULT_EFFICIENCY, efficiency_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from analytic import RuntimeOptions, price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
 
 SPEC = "llama:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1024,vocab=1024,seq=256"
 

@@ -3,6 +3,9 @@ re-gather) and the per-layer / per-op activation-checkpointing options of price_
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import dataclasses
 
 import pytest
@@ -11,9 +14,13 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
-from cost_model import AxisLink, all_gather_time_s, mesh_axis_links, price_profile, profile_graph
+from cost_model import AxisLink, all_gather_time_s, mesh_axis_links
 from cost_model.efficiency import DEFAULT_EFFICIENCY
-from cost_model.zero3 import DEEPSPEED_2021, FSDP, zero3_layer_times, zero3_runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from analytic import price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
+from analytic.zero3 import DEEPSPEED_2021, FSDP, zero3_layer_times, zero3_runtime  # noqa: E402
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=256"
 CLUSTER = Cluster.parse("a100-80gb:2x8")

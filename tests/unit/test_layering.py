@@ -202,7 +202,7 @@ def imports_of(source: str, module: str, *, is_package: bool, modules: frozenset
             for alias in node.names:
                 sub = f"{source_module}.{alias.name}"
                 add(sub if sub in modules else source_module, node.lineno)
-    for node in ast.walk(tree):  # `import cost_model` then `cost_model.step.x`: an import of cost_model.step
+    for node in ast.walk(tree):  # `import cost_model` then `cost_model.table.x`: an import of cost_model.table
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
             sub = f"{bound[node.value.id]}.{node.attr}"
             if sub in modules:
@@ -361,8 +361,8 @@ def _violations(source: str, module: str, *, is_package: bool = False) -> list[t
 
 def test_checker_flags_an_import_against_the_flow() -> None:
     source = "from solver.intra_op.ilp import solve_intra_op\n"
-    assert _violations(source, "cost_model.step") == [("cost_model.step", "solver.intra_op.ilp")]
-    assert "against the flow" in check(imports_of(source, "cost_model.step", is_package=False,
+    assert _violations(source, "cost_model.table") == [("cost_model.table", "solver.intra_op.ilp")]
+    assert "against the flow" in check(imports_of(source, "cost_model.table", is_package=False,
                                                   modules=MODULES))[0].why
 
 
@@ -375,9 +375,9 @@ def test_checker_flags_internals_of_an_allowed_edge() -> None:
     assert _violations("import cost_model\n", "solver.search") == []          # the public entry is fine
     assert _violations("from cost_model.collectives import all_reduce_time_s\n", "solver.search") == [
         ("solver.search", "cost_model.collectives")]
-    assert _violations("from cost_model import step\n", "solver.search") == [("solver.search", "cost_model.step")]
-    attribute_use = "import cost_model\n\ndef f(p):\n    return cost_model.step.price_profile(p)\n"
-    assert _violations(attribute_use, "solver.search") == [("solver.search", "cost_model.step")]
+    assert _violations("from cost_model import table\n", "solver.search") == [("solver.search", "cost_model.table")]
+    attribute_use = "import cost_model\n\ndef f(p):\n    return cost_model.table.cost_table(p)\n"
+    assert _violations(attribute_use, "solver.search") == [("solver.search", "cost_model.table")]
 
 
 def test_solver_surface_check_fails_on_a_submodule() -> None:
@@ -419,7 +419,7 @@ def test_checker_flags_wiring_outside_the_wiring_modules() -> None:
 
 def test_checker_flags_shared_types_importing_a_stage_and_resolves_relative_imports() -> None:
     assert _violations("from solver.search import search\n", "autopar.plan") == [("autopar.plan", "solver.search")]
-    assert _violations("from autopar import Plan\n", "cost_model.step") == [("cost_model.step", "autopar")]
+    assert _violations("from autopar import Plan\n", "cost_model.table") == [("cost_model.table", "autopar")]
     assert _violations("from . import forced\n", "solver.search") == []        # same stage
     assert _violations("from ..search import search\n", "solver.intra_op.space") == [
         ("solver.intra_op.space", "solver.search")]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import cost_model
 from autopar.cli import main
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
@@ -22,6 +21,10 @@ from autopar.trace import trace_model
 from solver.inter_op import stage_work
 from solver.search import SearchSpace, enumerate_candidates, search
 from tests.toy_price import toy_price
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import analytic  # noqa: E402  (the baseline, benchmarks/analytic)
 
 SPEC = "llama:layers=6,hidden=1024,heads=8,kv_heads=4,ffn=2816,vocab=32000,seq=2048"
 
@@ -76,11 +79,11 @@ def brute_force(graph, cluster, global_batch, price, *, max_micro_batch=10**9, a
 
 def _pricers(graph, cluster, global_batch):
     work = stage_work(graph)
-    profile = cost_model.profile_graph(graph)
+    profile = analytic.profile_graph(graph)
     return {
         "toy": lambda cfg, cuts: toy_price(graph, cfg, cluster, global_batch=global_batch, stage_layers=cuts,
                                            work=work),
-        "cost_model": lambda cfg, cuts: cost_model.price_profile(profile, cfg, cluster, global_batch=global_batch,
+        "cost_model": lambda cfg, cuts: analytic.price_profile(profile, cfg, cluster, global_batch=global_batch,
                                                                  stage_layers=cuts),
     }
 

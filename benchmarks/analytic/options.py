@@ -1,7 +1,6 @@
 """Runtime options: what the training stack does where ParallelConfig leaves it open.
 
-Where it sits: an optional argument of `cost_model.price_profile` (and `autopar price`'s
-runtime flags). A published run's software stack is described by these explicit options
+Where it sits: an optional argument of the baseline's `analytic.price_profile`. A published run's software stack is described by these explicit options
 (benchmarks/data/published_runs.csv carries them per row in `price_options`), never by
 matching the name of its source. Defaults describe autopar's own runtime.
 

@@ -1,7 +1,7 @@
 """Graph profile: the one-time, per-graph precompute that makes pricing a config cheap.
 
 Where it sits: `profile_graph(graph)` reads a traced `Graph` once (O(nodes)) and returns
-a frozen `GraphProfile`; `cost_model.step.price_profile(profile, config, cluster, ...)`
+a frozen `GraphProfile`; `analytic.step.price_profile(profile, config, cluster, ...)`
 then prices any configuration in well under 10 ms. The whole-plan search builds one
 profile per graph and keeps it; nothing here is global. `profile_graph` derives the
 per-graph facts once (`_graph_facts`) and then each term of each segment by one function,

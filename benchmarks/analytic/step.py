@@ -1,7 +1,11 @@
 """Step time, throughput and memory of one full parallel configuration.
 
-Where it sits: cost_model/; `price_profile(profile, config, cluster, global_batch=...)`
-is what `autopar price` and the whole-plan search call (thousands of times: a few ms).
+Where it sits: benchmarks/analytic/, the closed-form baseline the product's one model
+(`autopar price` and `autopar search`: the ILP's costs, solver/) is validated beside on
+the published runs; `price_profile(profile, config, cluster, global_batch=...)` prices a
+whole configuration in a few ms, which is what the published-run fit of its constants
+(benchmarks/fit_cost_model.py) and the template grid (solver/search.py) call thousands
+of times.
 `price_profile` is a straight line of one function per term, named below beside its
 formula; each function's docstring repeats the formula it implements.
 
@@ -27,7 +31,7 @@ and per layer, with t = tp:
     zero-3          (`_zero3_layer`)
                     all-gather the layer's weights before forward and backward, reduce-
                     scatter its gradients after backward, as the runtime issues them
-                    (granularity, prefetch window, overlap: cost_model/zero3.py)
+                    (granularity, prefetch window, overlap: analytic/zero3.py)
 Core sharing (`_pipeline`; the cpu profile, cores_per_node < ranks per node, share =
 ranks / cores): op times are at a dedicated core's speed; the step is the longer of the dedicated-core
 pipeline below and every rank's CPU work over the cores, m * mean stage work * share plus
@@ -56,7 +60,7 @@ T_i per microbatch (`_stage_times`). With m microbatches and v chunks per stage:
     step      (`_estimate`) = pipeline + exposed dp sync + optimizer + grad accumulation
 Model FLOPs are the traced forward+backward FLOPs (attention counted as the full s x s
 square, the convention of torchtitan, llm-foundry and Megatron); MFU divides them per
-device per second by the dense peak (`_estimate`; peak memory: cost_model/memory.py).
+device per second by the dense peak (`_estimate`; peak memory: analytic/memory.py).
 """
 
 from __future__ import annotations
@@ -79,10 +83,11 @@ from cost_model.compute import compute_time_s, gemm_time_s, grad_accumulation_ti
 from cost_model.efficiency import Efficiency, efficiency_for
 from cost_model.table import core_share, pipeline_call_time_s
 from autopar.estimate import Estimate
-from cost_model.memory import BYTES_WEIGHT, stage_memory, stage_params
-from cost_model.options import SELECTIVE_POLICIES, RuntimeOptions
-from cost_model.profile import GraphProfile, OpItem, SegmentProfile
-from cost_model.zero3 import Zero3LayerTimes, zero3_layer_times, zero3_runtime
+from cost_model.memory import BYTES_WEIGHT
+from analytic.memory import stage_memory, stage_params
+from analytic.options import SELECTIVE_POLICIES, RuntimeOptions
+from analytic.profile import GraphProfile, OpItem, SegmentProfile
+from analytic.zero3 import Zero3LayerTimes, zero3_layer_times, zero3_runtime
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
