@@ -1,7 +1,9 @@
 """benchmarks/results/gpu_h100.md from the JSON lines `benchmarks/gpu_check.sh` wrote on a GPU.
 
 Runs on the CPU machine: it reads the runs' rows, prices the same configurations with the
-built-in `h100` profile (`autopar price`, cost_model.compute) and writes the tables. Nothing
+built-in `h100` profile (the training step by the closed-form baseline, benchmarks/analytic/,
+which has the torch.compile option the measured compiled row needs; kernels by
+cost_model.compute) and writes the tables. Nothing
 here is measured: every figure labelled measured comes from the rows.
 Run: .venv/bin/python benchmarks/gpu_report.py benchmarks/results/gpu_h100_run1.jsonl ... \
          [--out benchmarks/results/gpu_h100.md]
@@ -11,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from autopar.cluster import Cluster  # noqa: E402
 from cost_model.compute import compute_time_s, gemm_time_s  # noqa: E402
@@ -31,12 +33,17 @@ def load(paths: list[Path]) -> list[list[dict[str, Any]]]:
 
 
 def price(model: str, batch: int, compiled: bool) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "autopar.cli", "price", model, "--cluster", "h100:1x1", "--global-batch",
-           str(batch), "--micro-batch", str(batch), "--json"]
-    if compiled:
-        cmd += ["--runtime", "compiled=true"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout)
+    """The step of `model` at `batch` sequences on one H100, by the baseline (eager, or under
+    torch.compile: RuntimeOptions.compiled), as its Estimate's JSON."""
+    import analytic
+    from autopar.config import ParallelConfig
+    from autopar.models import resolve
+    from autopar.trace import trace_model
+
+    graph = trace_model(resolve(model), batch=1, dtype="bfloat16", layers_traced=2)
+    est = analytic.price(graph, ParallelConfig(micro_batch=batch), Cluster.parse("h100:1x1"), global_batch=batch,
+                         options=analytic.RuntimeOptions(compiled=compiled))
+    return est.to_json()
 
 
 def pct(measured: float, predicted: float) -> str:
@@ -134,9 +141,9 @@ def report(runs: list[list[dict[str, Any]]], names: list[str]) -> str:
     lines += [f"## A training step: `{model}` ({trains[0]['params'] / 1e9:.2f}B parameters), batch "
               f"{batch} x {trains[0]['seq']}", "",
               "bf16 autocast over fp32 parameters, fused AdamW, 20 measured steps after 3 warm-up steps, "
-              "one GPU; step = median. Priced: `autopar price MODEL --cluster h100:1x1 --global-batch "
-              f"{batch} --micro-batch {batch}` (bf16 mixed precision; `--runtime compiled=true` for the "
-              "compiled row). MFU: the price's model FLOPs per step "
+              "one GPU; step = median. Priced: the closed-form baseline (`benchmarks/analytic/`, the "
+              f"configuration `--global-batch {batch} --micro-batch {batch}` on `h100:1x1`, bf16; its torch.compile "
+              "option for the compiled row). MFU: the price's model FLOPs per step "
               f"({model_flops / 1e12:.1f} TFLOP) over the step time and 989 TFLOP/s.", "",
               "| variant | run | step s (min-max) | tokens/s | MFU | peak GiB | priced step s | step error | "
               "priced peak GiB | peak error | first / last loss |",

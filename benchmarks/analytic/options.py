@@ -7,7 +7,7 @@ matching the name of its source. Defaults describe autopar's own runtime.
 Fields (each a documented property of a runtime, not a fitted number):
 - zero3: the sharded-parameter runtime under zero 3 ("fsdp": PyTorch FSDP/FSDP2, one
   collective per layer with the next layer prefetched; "deepspeed-2021": DeepSpeed ZeRO-3
-  of 2021, per-tensor collectives, bounded prefetch; cost_model/zero3.py).
+  of 2021, per-tensor collectives, bounded prefetch; analytic/zero3.py).
 - checkpoint_every: with recompute "full", checkpoint only every k-th layer (torchtitan's
   per-layer selective AC `selective_ac_option = k`); the other layers keep everything.
 - selective_policy: with recompute "selective", "pointwise" (re-run norms and activation

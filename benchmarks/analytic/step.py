@@ -446,7 +446,7 @@ def price_profile(profile: GraphProfile, config: ParallelConfig, cluster: Cluste
                   options: RuntimeOptions | None = None, efficiency: Efficiency | None = None) -> Estimate:
     """Price one configuration from a precomputed profile (see module docstring).
 
-    `options` (cost_model/options.py) describes what the runtime does where ParallelConfig
+    `options` (analytic/options.py) describes what the runtime does where ParallelConfig
     leaves it open (ZeRO-3 runtime, per-layer checkpointing, selective policy, reduce
     dtype, torch.compile, async TP, DP buckets); `zero3`, `checkpoint_every` and
     `selective_policy` are shorthands that override the same fields. `efficiency`
