@@ -24,8 +24,10 @@ single-process losses of the unsharded torchtitan model (first step rtol 1e-5, l
 AdamW reduction order); any miss ends the run with exit 1 before a figure is written.
 
 Configuration mapping (torchtitan's knobs -> autopar's ParallelConfig): dp_shard -> dp with
-ZeRO 3 (FSDP2, resharded after forward), or ZeRO 2 under pp (torchtitan's default keeps
-parameters gathered between forward and backward there); dp_replicate -> dp with ZeRO 0
+ZeRO 3 (FSDP2, resharded after forward), or ZeRO 1 under pp: there torchtitan keeps the
+parameters gathered between forward and backward, and torch.distributed.pipelining turns
+FSDP's gradient sync off for every microbatch's backward (`backward_maybe_with_nosync`),
+reducing the accumulated gradients once per step; dp_replicate -> dp with ZeRO 0
 (gradients all-reduced); tp (+ sequence parallel) -> tp; pp, schedule, microbatch size ->
 pp, schedule, micro_batch; full activation checkpointing -> recompute full; torchtitan's
 local batch = autopar's micro_batch without pp (no gradient accumulation on either side).
@@ -108,7 +110,7 @@ def autopar_config(t: TitanConfig) -> Any:
     if t.dp_replicate > 1 and t.dp_shard > 1:
         raise ValueError("HSDP (dp_replicate and dp_shard both > 1) has no autopar configuration")
     dp = t.dp_replicate * t.dp_shard
-    zero = 0 if t.dp_shard == 1 else (2 if t.pp > 1 else 3)
+    zero = 0 if t.dp_shard == 1 else (1 if t.pp > 1 else 3)
     schedule = {"1F1B": "1f1b", "GPipe": "gpipe", "Interleaved1F1B": "interleaved"}[t.pp_schedule]
     return ParallelConfig(dp=dp, tp=t.tp, pp=t.pp, zero=zero if dp > 1 else 0,
                           micro_batch=t.pp_microbatch_size if t.pp > 1 else t.local_batch_size,
