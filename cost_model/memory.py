@@ -30,6 +30,18 @@ def model_state_bytes(num_params: float, zero: int, dp: int) -> tuple[float, flo
     return weights, grads, optimizer
 
 
+def parameter_state_bytes(numel: float, computed: float, updated: float, *,
+                          grads_at_update: bool = False) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per device of one parameter of `numel`
+    elements whose compute placement splits it `computed` ways and whose weight-update
+    placement `updated` ways: the weights and their gradients in the compute placement
+    (the gradients in the update placement under ZeRO-2, which accumulates them there),
+    the optimizer state in the update placement. What the ILP's cost table charges a
+    parameter (cost_model/table.py) and what a plan's memory breakdown reports."""
+    grads = BYTES_GRAD * numel / (updated if grads_at_update else computed)
+    return BYTES_WEIGHT * numel / computed, grads, BYTES_OPTIMIZER * numel / updated
+
+
 def state_bytes_per_param(zero: int, dp: int) -> float:
     """Model-state bytes per parameter element on one device under ZeRO `zero` over `dp`
     ranks (16 | 4 + 12/dp | 2 + 14/dp | 16/dp): `model_state_bytes` of one parameter."""

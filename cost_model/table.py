@@ -72,7 +72,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
-from cost_model.memory import BYTES_GRAD, BYTES_OPTIMIZER, BYTES_WEIGHT
+from cost_model.memory import parameter_state_bytes
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -128,8 +128,7 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
         # ZeRO-2 accumulates its gradient in the update placement too: 2 + 14/N
         computed, updated = shard_factor(strategy.outputs[0], mesh_shape), shard_factor(
             strategy.update_placements, mesh_shape)
-        mem = (BYTES_WEIGHT / computed + BYTES_GRAD / (updated if grads_at_update else computed)
-               + BYTES_OPTIMIZER / updated) * node.output.numel
+        mem = sum(parameter_state_bytes(node.output.numel, computed, updated, grads_at_update=grads_at_update))
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
     if node.is_view:

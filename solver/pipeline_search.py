@@ -82,7 +82,7 @@ from solver.stage_costs import (
 )
 from solver.intra_op.ilp import CutoffExceeded
 from solver.intra_op.space import divisibility_signature, enumerate_strategies
-from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
+from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline, stage_memory_parts
 
 log = logging.getLogger(__name__)
 
@@ -469,15 +469,19 @@ def _pipeline_estimate(r: PipelineResult, cluster: Cluster, global_batch: int) -
     critical = min(m * sol.stage_times_s[k], sol.step_time_s)
     p2p = min(critical, m * r.p2p_s[k] * r.schedule.chunks * ((k > 0) + (k < cand.pp - 1)))
     cfg = _config(r)
+    top = max(range(len(sol.stage_memory_bytes)), key=lambda i: sol.stage_memory_bytes[i])
+    sc, rc = r.stages[top]
+    state, acts, temp = stage_memory_parts(sc.option(rc, r.p2p_s[top], key=None), sol.stage_layers[top], top,
+                                           cand.pp, m, r.schedule)
     return cost_model.Estimate(
         step_time_s=step, tokens_per_s=tokens / step, tokens_per_s_per_device=tokens / step / devices,
         model_tflops_per_device=tflops, mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
         peak_memory_bytes=peak, fits=peak <= budget, memory_limit_bytes=int(budget),
         time_breakdown=(("critical_stage_s", critical - p2p), ("p2p_s", p2p), ("bubble_s", sol.bubble_s),
                         ("loss_report_s", r.loss_report_s)),
-        memory_breakdown=(("peak_bytes", peak),),
+        memory_breakdown=(("model_state_bytes", state), ("activations_bytes", acts), ("temporaries_bytes", temp)),
         config=tuple(sorted(dict(cfg.to_json(), num_microbatches=m).items())), hardware_tflops_per_device=tflops,
-        peak_stage=max(range(len(sol.stage_memory_bytes)), key=lambda i: sol.stage_memory_bytes[i]))
+        peak_stage=top)
 
 
 def _config(r: PipelineResult) -> ParallelConfig:

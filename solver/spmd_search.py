@@ -155,6 +155,29 @@ def _local_parameters(graph: Graph, solution: IntraOpSolution) -> float:
     return total
 
 
+def memory_breakdown(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[str, float], ...]:
+    """The solution's peak per-device memory by component: the parameters' weights,
+    gradients and optimizer state as the ILP charges them (cost_model.parameter_state_bytes
+    at each parameter's compute and update placements; a tied alias is its parameter), and
+    the rest of the ILP's peak, the live activations and temporaries at that point."""
+    aliases = {alias for alias, _ in graph.tied_params}
+    mesh = solution.mesh_shape
+    parts = [0.0, 0.0, 0.0]
+    for c in solution.choices:
+        node = graph[c.node]
+        if node.role is not Role.PARAMETER or c.node in aliases:
+            continue
+        update = c.outputs[0] if c.update is None else c.update
+        state = cost_model.parameter_state_bytes(node.output.numel, shard_factor(c.outputs[0], mesh),
+                                                 shard_factor(update, mesh),
+                                                 grads_at_update=solution.grads_each_microbatch)
+        for k in range(3):
+            parts[k] += c.weight * state[k]
+    activations = max(0.0, solution.cost.peak_memory_bytes - sum(parts))
+    return (("weights_bytes", parts[0]), ("gradients_bytes", parts[1]), ("optimizer_state_bytes", parts[2]),
+            ("activations_bytes", activations))
+
+
 def _local_parameter_tensors(graph: Graph, solution: IntraOpSolution) -> float:
     """The parameter tensors a rank holds (one local shard each, whatever its placement; a
     tied alias is the same tensor): what the optimizer's per-tensor epilogue is paid on."""
@@ -239,7 +262,8 @@ def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, clust
         memory_limit_bytes=int(budget),
         time_breakdown=(("compute_s", m * solution.cost.compute_s), ("reshard_s", m * solution.cost.reshard_s),
                         ("optimizer_s", optimizer), ("grad_accum_s", accumulate), ("loss_report_s", report)),
-        memory_breakdown=(("peak_bytes", peak),), config=tuple(sorted(cfg.items())), hardware_tflops_per_device=tflops)
+        memory_breakdown=memory_breakdown(graph, solution), config=tuple(sorted(cfg.items())),
+        hardware_tflops_per_device=tflops)
 
 
 def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, global_batch: int, *,

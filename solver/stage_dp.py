@@ -146,12 +146,19 @@ def stage_time_s(o: StageOption, layers: int, stage: int, num_stages: int, sched
         + neighbours * schedule.chunks * o.p2p_s + (schedule.chunks * o.call_s if num_stages > 1 else 0.0)
 
 
-def stage_memory_bytes(o: StageOption, layers: int, stage: int, num_stages: int, num_microbatches: int,
-                       schedule: Schedule) -> float:
+def stage_memory_parts(o: StageOption, layers: int, stage: int, num_stages: int, num_microbatches: int,
+                       schedule: Schedule) -> tuple[float, float, float]:
+    """One stage's per-device memory: (model state, activations of the microbatches in
+    flight, temporaries)."""
     first, last = stage == 0, stage == num_stages - 1
     state = (o.pre_state_bytes if first else 0.0) + layers * o.layer_state_bytes + (o.post_state_bytes if last else 0.0)
     act = (o.pre_act_bytes if first else 0.0) + layers * o.layer_act_bytes + (o.post_act_bytes if last else 0.0)
-    return state + schedule.inflight(stage, num_stages, num_microbatches) * act + o.temp_bytes
+    return state, schedule.inflight(stage, num_stages, num_microbatches) * act, o.temp_bytes
+
+
+def stage_memory_bytes(o: StageOption, layers: int, stage: int, num_stages: int, num_microbatches: int,
+                       schedule: Schedule) -> float:
+    return sum(stage_memory_parts(o, layers, stage, num_stages, num_microbatches, schedule))
 
 
 def ramp_idle_s(total: float, num_stages: int, schedule: Schedule, share: float) -> float:

@@ -38,6 +38,24 @@ def test_json_has_the_contract_keys(capsys) -> None:
     assert (cfg["num_microbatches"], cfg["schedule"], cfg["interleave"], cfg["recompute"]) == (4, "1f1b", 1, "none")
     assert out["tokens_per_s"] == pytest.approx(8 * 32 / out["step_time_s"])
     assert sum(out["time_breakdown"].values()) == pytest.approx(out["step_time_s"])
+    # the peak stage's memory by component: model state, activations in flight, temporaries
+    assert set(out["memory_breakdown"]) == {"model_state_bytes", "activations_bytes", "temporaries_bytes"}
+    assert sum(out["memory_breakdown"].values()) == pytest.approx(out["peak_memory_bytes"], abs=1)
+
+
+def test_memory_breakdown_is_the_peak_by_component(capsys) -> None:
+    """One stage: weights, gradients and optimizer state as the ILP charges them, and the
+    activations live at the peak; under ZeRO-1 over dp4 the weights and gradients stay
+    whole and the optimizer state (12 bytes an element against the weights' 2) is a
+    quarter: 1.5x the weights, every weight of gpt-tiny dividing by 4."""
+    assert main(BASE + ["--dp", "4", "--zero", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    mem = out["memory_breakdown"]
+    assert set(mem) == {"weights_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes"}
+    assert sum(mem.values()) == pytest.approx(out["peak_memory_bytes"], abs=1)
+    assert mem["gradients_bytes"] == mem["weights_bytes"] > 0
+    assert mem["optimizer_state_bytes"] == pytest.approx(1.5 * mem["weights_bytes"])
+    assert mem["activations_bytes"] > 0
 
 
 def test_config_that_does_not_fit_is_priced_and_flagged(capsys) -> None:
