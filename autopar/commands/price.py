@@ -29,6 +29,7 @@ from autopar.cluster import GIB, Cluster, load_hardware
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 
+
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
     tp = args.tp or 1
     pp = args.pp or 1
