@@ -1,0 +1,296 @@
+"""Fit the one model's global constants on the published runs; validate it by held-out publications and sources.
+
+    python benchmarks/fit_one_model.py [--csv CSV] [--out results/one_model_fit.json]
+        [--report results/one_model_fit.md] [--step 0.1] [--radius 0.5] [--workers 2] [--rows 10-15,22]
+
+The one model is what `autopar search` and `autopar price` compute: every row's
+configuration priced by `autopar.price` (benchmarks/validate_one_model.py
+`price_one_model`: the search restricted to the row's configuration, the intra-op ILP
+under its rules, the stage DP with its cuts). Its constants are the FITTED fields of
+cost_model/efficiency.py that it reads (ONE_MODEL_FITTED); the hardware facts stay facts.
+
+One evaluation of the one model on every row re-solves hundreds of ILPs (minutes), so
+the fit cannot call it inside an optimiser's loop as benchmarks/fit_cost_model.py calls
+the closed-form model. It fits a first-order model of it instead (Gauss-Newton):
+
+    log T_r(theta) ~ log T_r(theta0) + sum_k J_rk (log theta_k - log theta0_k)
+
+- theta0: the committed constants; J by one-sided finite differences, each constant
+  scaled by e^step in its own evaluation of every row (the ILPs re-solved, so a plan
+  that changes with the constants is in J);
+- the objective is fit_cost_model.py's (mean |log error| of the unflagged rows + the
+  ranking term over groups of one model on one cluster), minimised by the same
+  Nelder-Mead over log theta within the physical BOUNDS and a trust region
+  |log theta_k - log theta0_k| <= radius;
+- every reported error is the one model itself priced at the fitted constants, never
+  the first-order model.
+
+Held-out validation, the honest stand-in for runs not seen: for each publication
+(leave-one-publication-out, the headline) and each source (leave-one-source-out), the
+constants are fitted on the other rows (the same J) and the left-out rows are priced by
+the one model at those constants. Beside it, each publication is also priced by the one
+model at the constants the closed-form baseline fitted without it (`--borrowed`): what
+fitting the one model on itself gains over borrowing the baseline's fit. Constants are global: nothing is keyed on a row's
+source. Rows whose configuration the one model cannot price are listed, not dropped
+silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_stats import percentile, row_filter  # noqa: E402
+from fit_cost_model import BOUNDS, RANK_WEIGHT, nelder_mead  # noqa: E402
+from published_runs import DATA_CSV, ROOT, Run, load_runs  # noqa: E402
+
+ONE_MODEL_FITTED = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
+                    "gemm_overhead_s", "memory_overhead_s")
+"""The FITTED constants the one model reads (the ILP's op costs, cost_model/compute.py).
+`overlap_efficiency` and `compiled_memory_factor` are terms of the closed-form baseline
+only: the ILP prices every collective as exposed and has no torch.compile term."""
+
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "one_model_fit.json"
+DEFAULT_REPORT = ROOT / "benchmarks" / "results" / "one_model_fit.md"
+
+
+def with_constants(cluster: Any, values: dict[str, float]) -> Any:
+    """`cluster` whose hardware carries `values` as efficiency overrides
+    (cost_model.efficiency.efficiency_for), except fields the profile overrides itself."""
+    hw = cluster.hardware
+    merged = dict(values)
+    merged.update(dict(hw.efficiency))
+    return replace(cluster, hardware=replace(hw, efficiency=tuple(sorted(merged.items()))))
+
+
+def price_rows(runs: list[Run], values: dict[str, float]) -> dict[int, dict[str, Any]]:
+    """Every row priced by the one model at `values`: {row: {"tps": tokens/s per GPU,
+    "terms": time breakdown}} or {row: {"error": why}}."""
+    from validate_one_model import price_one_model
+
+    out: dict[int, dict[str, Any]] = {}
+    for run in runs:
+        try:
+            plan = price_one_model(replace(run, cluster=with_constants(run.cluster, values)))
+        except (ValueError, RuntimeError) as exc:
+            out[run.index] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            continue
+        est = plan.predicted
+        out[run.index] = {"tps": est.tokens_per_s_per_device, "terms": dict(est.time_breakdown),
+                          "step_s": est.step_time_s}
+    return out
+
+
+def _job(args: tuple[str, list[int], dict[str, float]]) -> tuple[str, dict[int, dict[str, Any]]]:
+    csv, indices, values = args
+    runs, _ = load_runs(csv)
+    keep = set(indices)
+    return csv, price_rows([r for r in runs if r.index in keep], values)
+
+
+def evaluate(csv: str, jobs: list[tuple[list[int], dict[str, float]]], workers: int) -> list[dict[int, dict[str, Any]]]:
+    """Price each (rows, constants) job, `workers` processes at a time (each its own traces)."""
+    tasks = [(csv, rows, values) for rows, values in jobs]
+    if workers <= 1 or len(tasks) == 1:
+        return [_job(t)[1] for t in tasks]
+    with multiprocessing.get_context("fork").Pool(min(workers, len(tasks)), maxtasksperchild=1) as pool:
+        return [r for _, r in pool.map(_job, tasks, chunksize=1)]
+
+
+def objective(runs: list[Run], log_err: dict[int, float]) -> float:
+    """fit_cost_model.py's objective on these log errors (rows without a price are left out)."""
+    rows = [r for r in runs if r.index in log_err]
+    clean = [abs(log_err[r.index]) for r in rows if not r.flags]
+    groups: dict[Any, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r.group, []).append(log_err[r.index])
+    ranked = [statistics.fmean(abs(e - statistics.fmean(g)) for e in g) for g in groups.values() if len(g) > 1]
+    return (statistics.fmean(clean) if clean else 0.0) + RANK_WEIGHT * (statistics.fmean(ranked) if ranked else 0.0)
+
+
+def fit_surrogate(runs: list[Run], base: dict[int, float], jac: dict[int, list[float]], theta0: dict[str, float],
+                  radius: float) -> dict[str, float]:
+    """Constants minimising `objective` on the first-order model (module docstring)."""
+    rows = [r for r in runs if r.index in base and r.index in jac]
+    x0 = [math.log(theta0[k]) for k in ONE_MODEL_FITTED]
+    lo = [max(math.log(BOUNDS[k][0]), x - radius) for k, x in zip(ONE_MODEL_FITTED, x0)]
+    hi = [min(math.log(BOUNDS[k][1]), x + radius) for k, x in zip(ONE_MODEL_FITTED, x0)]
+
+    def clip(x: list[float]) -> list[float]:
+        return [min(h, max(l, v)) for v, l, h in zip(x, lo, hi)]
+
+    def f(x: list[float]) -> float:
+        d = [v - v0 for v, v0 in zip(clip(x), x0)]
+        # predicted throughput ~ 1 / step time: log error = base - J . d
+        return objective(rows, {r.index: base[r.index] - sum(j * dk for j, dk in zip(jac[r.index], d))
+                                for r in rows})
+
+    x, _ = nelder_mead(f, x0, step=0.1, iters=600)
+    x, _ = nelder_mead(f, x, step=0.05, iters=600)
+    return {k: float(f"{math.exp(v):.4g}") for k, v in zip(ONE_MODEL_FITTED, clip(x))}
+
+
+def _log_errors(runs: list[Run], priced: dict[int, dict[str, Any]]) -> dict[int, float]:
+    return {r.index: math.log(priced[r.index]["tps"] / r.reported_tokens_per_gpu)
+            for r in runs if "tps" in priced.get(r.index, {})}
+
+
+def summary(errs: list[float]) -> dict[str, float]:
+    a = [abs(math.exp(e) - 1) for e in errs]
+    return {"rows": len(a), "median": statistics.median(a) if a else math.nan,
+            "p90": percentile(a, 0.9) if a else math.nan, "max": max(a) if a else math.nan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", default=str(DATA_CSV))
+    ap.add_argument("--out", default=str(DEFAULT_JSON))
+    ap.add_argument("--report", default=str(DEFAULT_REPORT))
+    ap.add_argument("--step", type=float, default=0.1, help="log step of the finite differences")
+    ap.add_argument("--radius", type=float, default=0.5, help="trust region on log theta")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rows", default=None, help="only these row indices (e.g. 10-15,22): a smoke run")
+    ap.add_argument("--borrowed", default=str(ROOT / "benchmarks" / "results" / "loso_by_publication.json"),
+                    help="the baseline's leave-one-publication-out fits (fit_cost_model.py --loso --holdout "
+                         "publication): each left-out publication also priced by the one model at the constants "
+                         "fitted on the baseline without it ('' to skip)")
+    args = ap.parse_args(argv)
+    import autopar  # noqa: F401  (autopar before cost_model: import order)
+    from cost_model.efficiency import DEFAULT_EFFICIENCY
+
+    t0 = time.perf_counter()
+    runs, skipped = load_runs(args.csv)
+    keep = row_filter(args.rows)
+    if keep is not None:
+        runs = [r for r in runs if r.index in keep]
+    every = [r.index for r in runs]
+    theta0 = {k: getattr(DEFAULT_EFFICIENCY, k) for k in ONE_MODEL_FITTED}
+    # the base and one evaluation per constant, scaled by e^step
+    jobs = [(every, theta0)] + [(every, {**theta0, k: theta0[k] * math.exp(args.step)}) for k in ONE_MODEL_FITTED]
+    priced = evaluate(args.csv, jobs, args.workers)
+    print(f"Jacobian: {len(jobs)} evaluations of {len(runs)} rows ({time.perf_counter() - t0:.0f} s)", flush=True)
+    base = _log_errors(runs, priced[0])
+    shifted = [_log_errors(runs, p) for p in priced[1:]]
+    # d log T / d log theta_k = -(d log tps / d log theta_k)
+    jac = {i: [-(s[i] - base[i]) / args.step for s in shifted] for i in base if all(i in s for s in shifted)}
+    fitted = fit_surrogate(runs, base, jac, theta0, args.radius)
+    print(f"fitted on every row: {fitted}", flush=True)
+
+    units = {"publication": lambda r: r.row["publication"], "source": lambda r: r.source_id}
+    folds: dict[str, dict[str, dict[str, float]]] = {}
+    jobs = [(every, fitted)]
+    labels = [("all", "all")]
+    for name, unit in units.items():
+        folds[name] = {}
+        for held in sorted({unit(r) for r in runs}):
+            train = [r for r in runs if unit(r) != held]
+            folds[name][held] = fit_surrogate(train, base, jac, theta0, args.radius)
+            jobs.append(([r.index for r in runs if unit(r) == held], folds[name][held]))
+            labels.append((name, held))
+    borrowed = json.loads(Path(args.borrowed).read_text())["fits"] if args.borrowed else {}
+    for held, constants in sorted(borrowed.items()):
+        rows = [r.index for r in runs if r.row["publication"] == held]
+        if rows:
+            jobs.append((rows, {k: constants[k] for k in ONE_MODEL_FITTED}))
+            labels.append(("borrowed", held))
+    priced_folds = evaluate(args.csv, jobs, args.workers)
+    in_sample = priced_folds[0]
+    held_out: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in (*units, "borrowed")}
+    for (name, _held), p in zip(labels[1:], priced_folds[1:]):
+        held_out[name].update(p)
+    elapsed = time.perf_counter() - t0
+    result = {
+        "script": "benchmarks/fit_one_model.py", "csv": args.csv, "step": args.step, "radius": args.radius,
+        "theta0": theta0, "fitted": fitted, "folds": folds, "seconds": round(elapsed),
+        "rows": {str(r.index): {
+            "publication": r.row["publication"], "source": r.source_id, "model": r.row["model"],
+            "config": r.label, "reported": r.reported_tokens_per_gpu, "flags": list(r.flags),
+            "gpus": r.cluster.num_devices,
+            "committed": priced[0].get(r.index), "in_sample": in_sample.get(r.index),
+            "lopo": held_out["publication"].get(r.index), "loso": held_out["source"].get(r.index),
+            "lopo_borrowed": held_out["borrowed"].get(r.index)}
+            for r in runs},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    Path(args.report).write_text(report(result, skipped))
+    print(f"wrote {args.out} and {args.report} ({elapsed:.0f} s)")
+    return 0
+
+
+def _errs(result: dict[str, Any], key: str, *, unflagged: bool = False,
+          publication: str | None = None) -> list[float]:
+    out = []
+    for row in result["rows"].values():
+        cell = row.get(key) or {}
+        if "tps" not in cell or (unflagged and row["flags"]) or (publication and row["publication"] != publication):
+            continue
+        out.append(math.log(cell["tps"] / row["reported"]))
+    return out
+
+
+def _cell(errs: list[float]) -> str:
+    s = summary(errs)
+    return f"{s['median']:.1%} / {s['p90']:.1%}" if s["rows"] else "-"
+
+
+def report(result: dict[str, Any], skipped: list[str]) -> str:
+    keys = (("committed", "committed constants (in sample)"), ("in_sample", "fitted on every row (in sample)"),
+            ("lopo", "leave one publication out"), ("loso", "leave one source out"),
+            ("lopo_borrowed", "leave one publication out, the baseline's fold constants"))
+    lines = ["# The one model fitted on published runs", "",
+             "Generated by `.venv/bin/python benchmarks/fit_one_model.py` "
+             f"({result['seconds']} s). Errors are |predicted / reported - 1| of tokens/s per GPU, the one model "
+             "(`autopar price` of each row's configuration) at each set of constants. Held-out rows are priced at "
+             "constants fitted without their publication (or source); the fit is a first-order model of the one "
+             "model around the committed constants (the script's docstring).", "",
+             "| constants | rows | median / p90 |", "|---|---|---|"]
+    for key, label in keys:
+        errs = _errs(result, key)
+        lines.append(f"| {label} | {len(errs)} | {_cell(errs)} |")
+    pubs = sorted({row["publication"] for row in result["rows"].values()})
+    lines += ["", "Per publication (median / p90):", "",
+              "| publication | rows | " + " | ".join(label for _, label in keys) + " |",
+              "|---|---|" + "---|" * len(keys)]
+    for pub in pubs:
+        n = len(_errs(result, "committed", publication=pub))
+        lines.append(f"| {pub} | {n} | " + " | ".join(_cell(_errs(result, key, publication=pub))
+                                                      for key, _ in keys) + " |")
+    names = list(result["fitted"])
+    lines += ["", "## Constants", "", "| constant | committed | fitted on every row | "
+              + " | ".join(f"without {p}" for p in result["folds"]["publication"]) + " |",
+              "|---|---|---|" + "---|" * len(result["folds"]["publication"])]
+    for k in names:
+        lines.append(f"| `{k}` | {result['theta0'][k]:.4g} | {result['fitted'][k]:.4g} | "
+                     + " | ".join(f"{f[k]:.4g}" for f in result["folds"]["publication"].values()) + " |")
+    lines += ["", "## The 10 worst rows left one publication out", "",
+              "The term: the one model's largest time component at the fold's constants.", "",
+              "| row | publication | model | GPUs | config | reported | held out | term |", "|---|---|---|---|---|---|---|---|"]
+    rows = [(i, row) for i, row in result["rows"].items() if "tps" in (row.get("lopo") or {})]
+    rows.sort(key=lambda ir: -abs(ir[1]["lopo"]["tps"] / ir[1]["reported"] - 1))
+    for i, row in rows[:10]:
+        cell = row["lopo"]
+        term, value = max(cell["terms"].items(), key=lambda kv: kv[1])
+        lines.append(f"| {i} | {row['publication']} | {row['model']} | {row['gpus']} | {row['config']} | "
+                     f"{row['reported']:,.0f} | {cell['tps']:,.0f} ({cell['tps'] / row['reported'] - 1:+.0%}) | "
+                     f"{term.removesuffix('_s')} {value / cell['step_s']:.0%} of {cell['step_s']:.3g} s |")
+    failed = [(i, row) for i, row in result["rows"].items() if "error" in (row.get("committed") or {})]
+    if failed or skipped:
+        lines += ["", "## Not priced", ""]
+        lines += [f"- row {i} {row['model']} {row['config']}: {row['committed']['error']}" for i, row in failed]
+        lines += [f"- {s}" for s in skipped]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
