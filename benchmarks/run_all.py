@@ -23,7 +23,9 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, then
    benchmarks/validate_one_model.py (the same runs priced by the model that ranks plans,
-   ~5 min) -> results/one_model_validation.md, and at the
+   ~5 min) -> results/one_model_validation.md (with --full first benchmarks/fit_one_model.py:
+   the one model's constants fitted on the published runs, left out by publication and by
+   source, ~30 min on 2 processes -> results/one_model_fit.{md,json}), and at the
    same time (single-process, after the measured part so it does not disturb it)
    benchmarks/vs_hand_tuned.py: the first QUICK_GROUPS groups (smallest clusters) ->
    results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     vs = subprocess.Popen(vs_cmd, cwd=ROOT)
     _run([PY, "benchmarks/validate_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json"),
           "--lopo", str(RESULTS / "loso_by_publication.json"), "--sweep", str(RESULTS / "sweep_cpu.json")])
+    if args.full:
+        _run([PY, "benchmarks/fit_one_model.py"])
     _run([PY, "benchmarks/validate_one_model.py"])
     vs.wait()  # exit 1 may mean a row below 1.0 (reported in its table): judge by the table written
     if not vs_out.exists() or vs_out.stat().st_mtime <= written_before:
