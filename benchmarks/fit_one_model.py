@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stats import percentile, row_filter  # noqa: E402
+from bench_stats import percentile  # noqa: E402
 from fit_cost_model import BOUNDS, RANK_WEIGHT, nelder_mead  # noqa: E402
 from published_runs import DATA_CSV, ROOT, Run, load_runs  # noqa: E402
 
@@ -170,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from cost_model.efficiency import DEFAULT_EFFICIENCY
 
     t0 = time.perf_counter()
-    runs, skipped = load_runs(args.csv)
-    keep = row_filter(args.rows)
-    if keep is not None:
-        runs = [r for r in runs if r.index in keep]
+    runs, skipped = load_runs(args.csv, args.rows)
     every = [r.index for r in runs]
     theta0 = {k: getattr(DEFAULT_EFFICIENCY, k) for k in ONE_MODEL_FITTED}
     # the base and one evaluation per constant, scaled by e^step

@@ -175,11 +175,17 @@ def _sc21_tokens(row: dict[str, str]) -> float:
     return float(row["reported_tflops_per_gpu"]) * 1e12 / per_token
 
 
-def load_runs(path: Path | str = DATA_CSV) -> tuple[list[Run], list[str]]:
-    """(runs, skipped-row messages)."""
+def load_runs(path: Path | str = DATA_CSV, rows: str | None = None) -> tuple[list[Run], list[str]]:
+    """(runs, skipped-row messages); `rows` ("10-15,22", a script's `--rows`) keeps only
+    those row indices."""
+    from bench_stats import row_filter
+
+    keep = row_filter(rows)
     runs, skipped = [], []
     with open(path, newline="") as f:
         for i, row in enumerate(csv.DictReader(f)):
+            if keep is not None and i not in keep:
+                continue
             try:
                 runs.append(to_run(i, row))
             except ValueError as exc:

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_stats import percentile, row_filter, spearman  # noqa: E402
+from bench_stats import percentile, spearman  # noqa: E402
 
 from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
 
@@ -83,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import autopar  # noqa: F401  (autopar before cost_model: import order)
 
     start = time.perf_counter()
-    runs, skipped = load_runs(args.csv)
-    wanted = row_filter(args.rows)
-    if wanted is not None:
-        runs = [r for r in runs if r.index in wanted]
+    runs, skipped = load_runs(args.csv, args.rows)
     profiles = profiles_for(runs, log=lambda m: print(m, file=sys.stderr))
     if args.loso:
         loso = json.loads(Path(args.loso).read_text())

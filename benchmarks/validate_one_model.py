@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stats import percentile, row_filter, spearman  # noqa: E402
+from bench_stats import percentile, spearman  # noqa: E402
 from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "one_model_validation.md"
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--rows", default=None, help="only these row indices (e.g. 10-15,22)")
     args = parser.parse_args(argv)
-    runs, skipped = load_runs(args.csv)
-    keep = row_filter(args.rows)
-    if keep is not None:
-        runs = [r for r in runs if r.index in keep]
+    runs, skipped = load_runs(args.csv, args.rows)
     profiles = profiles_for(runs, log=lambda m: print(m, file=sys.stderr))
     results: list[dict[str, Any]] = []
     t0 = time.perf_counter()
