@@ -65,6 +65,9 @@ def config_from_flags(args: argparse.Namespace, devices: int) -> ParallelConfig:
     if args.dp is None and devices % (tp * pp):
         raise ValueError(f"--devices {devices} is not divisible by tp * pp = {tp * pp}; pick degrees that divide it")
     dp = args.dp or devices // (tp * pp)
+    if args.attention not in (None, "flash"):
+        raise ValueError(f"--attention {args.attention}: autopar traces and runs the model's fused attention "
+                         "(scaled_dot_product_attention); drop --attention")
     return ParallelConfig(
         tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
         schedule=args.schedule or "1f1b", interleave=args.interleave or 1,

@@ -45,6 +45,8 @@ CASES = [
     ("zero-bubble schedule (not run by per-op pipeline stages)",
      lambda tmp: ["train", "tests.hf_factories:gpt2", "--devices", "4", "--pp", "2", "--schedule", "zb"],
      "--schedule zb is not run by per-op pipeline stages"),
+    ("unfused attention, which the program does not run", lambda tmp: ["train", G, "--devices", "2",
+                                                                       "--attention", "math"], "fused attention"),
     ("devices not divisible by tp", lambda tmp: ["train", G, "--devices", "3", "--tp", "2"],
      "--devices 3 is not divisible by tp * pp = 2"),
     ("plan whose per-op placements do not match the model",
