@@ -8,8 +8,9 @@ configuration in a few ms from a per-graph profile, with runtime options that de
 other training stacks (options.py: DeepSpeed's 2021 ZeRO-3, fp32 gradient reduction,
 torch.compile, async TP, ...). The published-run scripts report it beside the one model
 (validate_cost_model.py, validate_one_model.py), fit_cost_model.py fits its constants,
-and the template grid (solver/search.py, driven by vs_hand_tuned.py and
-check_search_plans.py) ranks configurations with it.
+and the template grid (solver/search.py) ranks configurations with it where a benchmark
+wires the two together (measure_cpu.py's template baseline, plots_results.py's plan
+figure).
 
 Modules: profile.py (per-graph precompute), step.py (`price_profile`: the terms and
 their formulas), memory.py (per-stage memory), zero3.py (ZeRO-3 runtimes),
