@@ -34,8 +34,8 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import InfeasiblePlanError, fingerprint_source, module_fingerprint
-from autopar.runtime.launch import init_from_env, launched_by_torchrun
-from autopar.trace import search_dtype, trace_model, trace_step
+from autopar.runtime.launch import destroy_at_exit, init_from_env, launched_by_torchrun
+from autopar.trace import trace_model, trace_step, with_precision
 
 if TYPE_CHECKING:
     from autopar.runtime.program import OptimizerFactory
@@ -65,6 +65,7 @@ def _ensure_process_group(num_devices: int) -> None:
             store = tempfile.NamedTemporaryFile(prefix="autopar-store-", delete=False).name
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=60))
+            destroy_at_exit()
         else:
             raise ValueError(
                 f"autopar.compile for {num_devices} devices needs a process group: run under "
@@ -103,7 +104,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
                  seq: int | None = None, memory_gb: float | None = None, top: int = 5,
                  time_limit_s: float | None = None, progress: Any = None,
                  microbatch_choices: int | None = None, min_pp: int = 1, max_pp: int | None = None,
-                 fixed: Any = None) -> Any:
+                 fixed: Any = None, precision: str = "", reduce_dtype: str = "") -> Any:
     """The one wiring of the whole-plan search (`autopar search`, `search_plan`,
     `autopar.compile`): trace the step at each microbatch the search asks for, fingerprint
     the model, run solver/pipeline_search.py; returns its SearchResult (ranked plans, the
@@ -119,7 +120,10 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     is told of the phases; deterministic unless `time_limit_s` stops the solver. `min_pp` > 1
     ranks pipelines only, `max_pp` = 1 one-stage plans only. `fixed` (solver.pipeline_search.Fixed):
     price one configuration the way the search prices it (`autopar price`); its pipeline
-    chunks are not traced for their placements."""
+    chunks are not traced for their placements. `precision` / `reduce_dtype` name the
+    precision policy (autopar/precision.py; "" is the cluster's default, and `fixed`'s
+    configuration's where it names one): the step is traced in its compute dtype, priced in
+    its dtypes, and the plans record it."""
     # the solver (and through it cost_model) is imported on use: `import autopar` imports
     # this module, and cost_model imports autopar's types, so a module-level import here
     # would make `import cost_model` (before autopar) a cycle
@@ -132,17 +136,21 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         progress("trace", 0, 1)
     source = resolve(model).with_overrides(seq=seq) if isinstance(model, str) else None
     num_layers = source.config.layers if source is not None and source.config is not None else None
+    if fixed is not None and fixed.config.precision:
+        precision, reduce_dtype = fixed.config.precision, fixed.config.reduce_dtype
+    named = ParallelConfig(precision=precision, reduce_dtype=reduce_dtype).resolved(cluster.hardware.name)
+    policy = named.policy()
     if source is not None and source.config is not None:
         name, family = model, source.family
-        dtype = search_dtype(cluster)
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
-            key = (model, seq, rows, dtype, recompute)
+            key = (model, seq, rows, policy, recompute)
             if key not in _ZOO_TRACES:
                 while len(_ZOO_TRACES) >= MAX_ZOO_TRACES:
                     _ZOO_TRACES.pop(next(iter(_ZOO_TRACES)))
-                _ZOO_TRACES[key] = trace_model(source, batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED,
-                                               recompute=recompute)
+                _ZOO_TRACES[key] = with_precision(trace_model(source, batch=rows, dtype=policy.compute,
+                                                              layers_traced=LAYERS_TRACED, recompute=recompute),
+                                                  policy)
             return _ZOO_TRACES[key]
 
         trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
@@ -165,7 +173,8 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
             micro = batches.rows(example, 0, rows, batch)
-            return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute)[1]
+            return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute,
+                              precision=policy)[1]
     if global_batch is None:
         raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
     t = time.perf_counter()
@@ -180,7 +189,11 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
                     family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
                     min_pp=min_pp, max_pp=max_pp, fixed=fixed, **extra)
-    best, plans = result.plan, result.plans
+    # the plans record the policy they were priced under, and run it
+    best = replace(result.plan, config=replace(result.plan.config, precision=named.precision,
+                                               reduce_dtype=named.reduce_dtype))
+    plans = tuple(replace(p, config=replace(p.config, precision=named.precision, reduce_dtype=named.reduce_dtype))
+                  for p in result.plans) if result.plans else result.plans
     if best.config.pp > 1 and fixed is None:
         # the pipeline's program: each chunk traced as the ranks trace it and solved, recorded
         t = time.perf_counter()
@@ -189,7 +202,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         plans = (best, *plans[1:]) if plans else plans
         phases += (("stages", time.perf_counter() - t),)
     log.info("searched plan: %s", best.config)
-    return SearchResult(ranked=result.ranked, plan=best, phases=phases + result.phases,
+    ranked = tuple(replace(r, config=replace(r.config, precision=named.precision, reduce_dtype=named.reduce_dtype))
+                   for r in result.ranked)
+    return SearchResult(ranked=ranked, plan=best, phases=phases + result.phases,
                         search_time_s=time.perf_counter() - t0, plans=plans)
 
 
@@ -300,14 +315,15 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
 
 
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
+                loss_fn: Callable[..., torch.Tensor] | None = None, precision: str = "") -> Any:
     """Trace `model` on its example inputs (one global batch), search the whole plan for
-    `mesh` (`search_plans`) and return the best Plan. Deterministic (no time limit)."""
-    return search_plans(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, top=1).plan
+    `mesh` (`search_plans`, under the precision policy `precision`) and return the best
+    Plan. Deterministic (no time limit)."""
+    return search_plans(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, top=1, precision=precision).plan
 
 
 def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
-                     loss_fn: Callable[..., torch.Tensor] | None) -> Any:
+                     loss_fn: Callable[..., torch.Tensor] | None, precision: str = "") -> Any:
     """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
     from autopar.plan import Plan
 
@@ -315,7 +331,7 @@ def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequen
 
     text = None
     if dist.get_rank() == 0:
-        text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn).dumps()
+        text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision).dumps()
     return Plan.loads(gather_build_results(text)[0])  # the others wait out the search, however long
 
 
@@ -391,7 +407,8 @@ class Compiled:
 
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
-                    plan: Any, config: ParallelConfig | None, compile_stages: bool | None) -> Compiled:
+                    plan: Any, config: ParallelConfig | None, compile_stages: bool | None,
+                    precision: str = "") -> Compiled:
     from autopar.runtime.program import build_program, model_dims
 
     num_devices = _num_devices(mesh)
@@ -405,7 +422,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         if example_inputs is None:
             raise ValueError("autopar.compile needs example_inputs= (one global batch) to search a plan, "
                              "or plan= / config= to run one without searching")
-        plan = _search_on_rank0(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn)
+        plan = _search_on_rank0(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision)
         config = plan.config
     if example_inputs is not None:
         config.check(global_batch=batches.batch_size(example_inputs), num_devices=num_devices,
@@ -427,7 +444,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
 def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: MeshLike | None = None, *,
             example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
             optimizer: OptimizerFactory | None = None, plan: Any = None, config: ParallelConfig | None = None,
-            compile_stages: bool | None = None, example_kwargs: dict[str, Any] | None = None) -> Any:
+            compile_stages: bool | None = None, example_kwargs: dict[str, Any] | None = None,
+            precision: str = "") -> Any:
     """Compile `model` for `mesh` on this rank, or decorate a module class / factory.
 
     - `compile(module, "cpu:4", example_inputs=(tokens, labels))` -> Compiled
@@ -439,11 +457,17 @@ def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: Me
     Inputs may be pytrees of tensors (a dict batch: `example_inputs=({"input_ids": ...},)`);
     `example_kwargs` are keyword inputs (a forward with keyword-only arguments), and
     `Compiled.step(batch, **keywords)` takes them likewise (autopar/batch.py).
+    `precision` names the precision policy a searched plan is priced and run under
+    (autopar/precision.py: "fp32", "bf16-mixed", "bf16"; default the hardware's: fp32 on
+    CPU, bf16-mixed on accelerators); a `plan` or `config` carries its own.
     """
     if example_kwargs:
         example_inputs = batches.join(example_inputs if example_inputs is not None else (), example_kwargs)
+    if precision and (plan is not None or config is not None):
+        raise ValueError(f"precision={precision!r} with plan= or config=: they carry their own precision policy "
+                         "(config=ParallelConfig(..., precision=...))")
     options = dict(example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, plan=plan,
-                   config=config, compile_stages=compile_stages)
+                   config=config, compile_stages=compile_stages, precision=precision)
     if isinstance(model, nn.Module):
         if mesh is None:
             raise ValueError("autopar.compile(model, mesh): give a mesh ('cpu:4', a Cluster, a DeviceMesh or an int)")

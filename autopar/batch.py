@@ -94,6 +94,13 @@ def rows(batch: Sequence[Any], start: int, stop: int, size: int | None = None) -
     return join(args, kwargs)
 
 
+def map_tensors(fn: Any, batch: Sequence[Any]) -> tuple[Any, ...]:
+    """`fn` applied to every tensor leaf, the same structure back."""
+    args, kwargs = split(batch)
+    args, kwargs = pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    return join(args, kwargs)
+
+
 def call(model: Any, batch: Sequence[Any]) -> Any:
     """model(*positional, **keywords)."""
     args, kwargs = split(batch)
@@ -106,5 +113,5 @@ def is_flat(batch: Sequence[Any]) -> bool:
     return not kwargs and all(not isinstance(a, (dict, list, tuple)) for a in args)
 
 
-__all__ = ["Keywords", "batch_size", "call", "from_factory", "is_flat", "join", "leaves", "rows", "seq_len",
+__all__ = ["Keywords", "batch_size", "call", "from_factory", "is_flat", "join", "leaves", "map_tensors", "rows", "seq_len",
            "split", "tensors", "throughput_unit"]

@@ -16,6 +16,7 @@ import sys
 from typing import Sequence
 
 from autopar.config import SCHEDULES
+from autopar.precision import POLICIES, REDUCE_DTYPES
 
 COMMANDS = ("trace", "price", "search", "explain", "train", "calibrate")
 
@@ -53,6 +54,16 @@ def add_config_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--interleave", type=_positive_int, default=None, help="model chunks per pipeline rank")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--attention", choices=("flash", "math"), default=None)
+    add_precision_flags(p)
+
+
+def add_precision_flags(p: argparse.ArgumentParser) -> None:
+    """The precision policy flags (autopar/precision.py), shared by `search`, `price` and `train`."""
+    p.add_argument("--precision", choices=POLICIES, default=None,
+                   help="precision policy: fp32; bf16-mixed (bf16 compute, fp32 master weights, optimizer state "
+                        "and gradient reduction); bf16 (all bf16). Default: fp32 on the cpu profile, else bf16-mixed")
+    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=None,
+                   help="dtype gradients are accumulated and reduced in (default float32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank only plans with at least this many pipeline stages (2: pipelines only)")
     p.add_argument("--max-pp", type=_positive_int, default=None,
                    help="rank only plans with at most this many pipeline stages (1: one-stage plans only)")
+    add_precision_flags(p)
 
     p = sub.add_parser("explain", help="explain a saved plan")
     p.add_argument("plan", metavar="PLAN_JSON")

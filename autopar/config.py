@@ -12,8 +12,10 @@ the interleaved 1F1B schedule.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
+
+from autopar.precision import REDUCE_DTYPES, Precision, default_policy, policy
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
 Recompute = Literal["none", "selective", "full"]
@@ -70,6 +72,13 @@ class ParallelConfig:
     attention: Attention = "flash"
     sequence_parallel: bool = True
     """With tp > 1, shard norms/dropout activations over the sequence (Korthikanti et al.)."""
+    precision: str = ""
+    """The precision policy (autopar/precision.py): `fp32`, `bf16-mixed` or `bf16`; "" is the
+    hardware's default (`fp32` on the cpu profile, else `bf16-mixed`), what a plan records
+    once the cluster is known (`resolved`)."""
+    reduce_dtype: str = ""
+    """The dtype gradients are accumulated and reduced in (float32 / bfloat16); "" is the
+    policy's (float32)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "interleave"):
@@ -84,11 +93,25 @@ class ParallelConfig:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.precision:
+            policy(self.precision, self.reduce_dtype)  # raises naming the choices
+        elif self.reduce_dtype and self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"--reduce-dtype must be one of {', '.join(REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
         if self.schedule not in ("interleaved", "zb") and self.interleave != 1:
             raise ValueError(f"--interleave {self.interleave} needs --schedule interleaved (or zb)")
         if self.schedule in ("interleaved", "zb") and self.pp == 1:
             raise ValueError(f"--schedule {self.schedule} needs --pp > 1 (it interleaves pipeline stages); "
                              "add --pp 2 or more, or use --schedule 1f1b")
+
+    def resolved(self, hardware: str) -> "ParallelConfig":
+        """This configuration with its precision policy named: the given one, else the
+        default of `hardware` (a hardware profile name: "cpu", "h100", ...)."""
+        return self if self.precision else replace(self, precision=default_policy(hardware))
+
+    def policy(self, hardware: str = "cpu") -> Precision:
+        """The dtypes this configuration computes, keeps and reduces in (`hardware` names the
+        profile whose default applies where no policy is given)."""
+        return policy(self.precision or default_policy(hardware), self.reduce_dtype)
 
     @property
     def num_devices(self) -> int:

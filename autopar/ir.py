@@ -225,6 +225,18 @@ class ModelInfo:
     kv_heads: int = 0
     vocab: int = 0
     ffn: int = 0
+    master_dtype: str = ""
+    """The dtype of the weights the optimizer updates, and of its state; "" is float32
+    (autopar/precision.py `of_model`: the trace's `dtype` is the compute dtype)."""
+    reduce_dtype: str = ""
+    """The dtype gradients are accumulated and reduced in; "" is float32."""
+
+    @property
+    def precision(self) -> Any:
+        """The precision policy this step is priced and run under (autopar.precision.Precision)."""
+        from autopar.precision import of_model
+
+        return of_model(self.dtype, self.master_dtype, self.reduce_dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,6 +260,17 @@ class Graph:
     trace_time_s: float = 0.0
     _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
     _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    def grad_meta(self, grad: NodeId) -> TensorMeta:
+        """Gradient node `grad`'s tensor as it is accumulated over microbatches and synced:
+        in the precision policy's reduction dtype (ModelInfo.precision; float32 where a
+        bf16-mixed step computes it in bfloat16). Every price of a gradient's accumulation
+        and sync reads this, as the program's gradient buckets are (codegen/apply.py)."""
+        meta = self[grad].output
+        reduce = self.model.reduce_dtype or ("float64" if self.model.dtype == "float64" else "float32")  # of_model's
+        if meta.dtype == reduce or meta.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            return meta
+        return replace(meta, dtype=reduce)
 
     def parameter_derived(self) -> frozenset[NodeId]:
         """Nodes computed from parameters alone (a weight, its transpose, a cast of it): on a

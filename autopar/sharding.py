@@ -270,5 +270,5 @@ def raw_gradient_bytes(graph: Graph, solution: IntraOpSolution) -> dict[NodeId, 
             p = by_node.get(param)
             where = (p.outputs[0] if p.update is None else p.update) \
                 if solution.grads_each_microbatch and p is not None else c.outputs[0]
-            out[grad] = c.weight * graph[grad].output.size_bytes / shard_factor(where, solution.mesh_shape)
+            out[grad] = c.weight * graph.grad_meta(grad).size_bytes / shard_factor(where, solution.mesh_shape)
     return out

@@ -363,12 +363,38 @@ def _sdpa_backends() -> list[Any]:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def search_dtype(cluster: Any) -> str:
-    """The dtype a zoo model is traced in for a search on `cluster`: float32 on the cpu
-    profile (what its ranks train in), else bfloat16 (mixed-precision training on
-    accelerators). A plan's per-op placements are keyed by nodes that hash it, so every
-    re-trace of a searched plan (codegen/emit.py) uses this too."""
-    return "float32" if cluster.hardware.name == "cpu" else "bfloat16"
+def search_dtype(cluster: Any, precision: str = "", reduce_dtype: str = "") -> str:
+    """The dtype a zoo model is traced in for a search on `cluster`: the compute dtype of the
+    precision policy (autopar/precision.py; "" is the cluster's default: float32 on the cpu
+    profile, bfloat16 elsewhere). A plan's per-op placements are keyed by nodes that hash it,
+    so every re-trace of a searched plan (codegen/emit.py) uses this too."""
+    from autopar.precision import default_policy, policy
+
+    return policy(precision or default_policy(cluster.hardware.name), reduce_dtype).compute
+
+
+def with_precision(graph: Graph, precision: Any) -> Graph:
+    """`graph` recording the master and reduction dtypes of `precision` (an
+    autopar.precision.Precision whose compute dtype is the graph's): what the cost model
+    charges the weights, optimizer state and gradient syncs in."""
+    from dataclasses import replace
+
+    if graph.model.dtype != precision.compute:
+        raise ValueError(f"the step was traced in {graph.model.dtype}, but the precision policy computes in "
+                         f"{precision.compute}")
+    return replace(graph, model=replace(graph.model, master_dtype=precision.master, reduce_dtype=precision.reduce))
+
+
+def to_compute_dtype(model: nn.Module, microbatch: Sequence[Any], dtype: str) -> tuple[Any, ...]:
+    """`autopar.precision.cast_parameters(model, dtype)`, and `microbatch` with its
+    floating-point tensors cast to `dtype` (what the step computes in: FSDP2's
+    `cast_forward_inputs`); integer tensors (tokens, labels, counters) are unchanged."""
+    from autopar.batch import map_tensors
+    from autopar.precision import cast_parameters
+
+    cast_parameters(model, dtype)
+    target = getattr(torch, dtype)
+    return tuple(map_tensors(lambda t: t.to(target) if t.is_floating_point() else t, microbatch))
 
 
 def trace_model(
@@ -397,27 +423,34 @@ def trace_model(
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
     depth = cfg.layers if layers_traced is None else max(1, min(layers_traced, cfg.layers))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)  # build in the target dtype: .to() cannot swap fakes
-    try:
-        with FakeTensorMode():
-            model = source.build(layers=depth)
-            tokens, labels = source.example_inputs(batch)
-    finally:
-        torch.set_default_dtype(previous)
+    from autopar.precision import cast_parameters
+
+    with FakeTensorMode():
+        # built as the ranks build it (float32), then its parameters cast to `dtype`, as the
+        # runtime casts them (`cast_parameters`): the same traced step, node for node
+        model = source.build(layers=depth)
+        cast_parameters(model, dtype)
+        tokens, labels = source.example_inputs(batch)
     traced = trace(model, (tokens, labels), recompute=recompute)
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
 
 
 def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: LossFn | None = None,
-               recompute: str = "none") -> tuple[Any, Graph]:
+               recompute: str = "none", precision: Any = None) -> tuple[Any, Graph]:
     """Trace and lower the training step of `model` on one global microbatch, rewritten
-    for the recomputation policy (autopar/recompute.py)."""
+    for the recomputation policy (autopar/recompute.py). With a `precision` policy
+    (autopar.precision.Precision) the model and the microbatch's floating-point tensors are
+    first cast to its compute dtype, in place (`to_compute_dtype`), and the graph records
+    the policy."""
     from autopar.batch import batch_size, seq_len
 
+    if precision is not None:
+        microbatch = to_compute_dtype(model, microbatch, precision.compute)
     traced = trace(model, tuple(microbatch), loss_fn=loss_fn, recompute=recompute)
     batch, seq = batch_size(microbatch), seq_len(microbatch)
     graph = lower(traced, name=type(model).__name__, batch=batch, seq=seq, config=getattr(model, "cfg", None))
+    if precision is not None:
+        graph = with_precision(graph, precision)
     return traced, graph
 
 

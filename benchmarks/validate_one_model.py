@@ -8,7 +8,8 @@ configurations as benchmarks/validate_cost_model.py) is priced twice:
 - **one model**: `autopar.price`, what `autopar price` and `autopar search` compute for the
   row's configuration (traced as the search traces it, the intra-op ILP under the
   configuration's rules, the stage DP with the row's cuts where it gives them). The
-  published ZeRO stage is fixed (`--zero`).
+  published ZeRO stage is fixed (`--zero`), and the precision is bf16-mixed with the row's
+  gradient-reduction dtype (`grad_reduce_bytes`: a plan choice, `--reduce-dtype`).
 - **analytic**: `analytic.price_profile` (benchmarks/analytic/) with the row's runtime options, the baseline the
   constants were fitted on (benchmarks/fit_cost_model.py).
 
@@ -17,7 +18,7 @@ with the analytic model: so neither column is out of sample here (the one model'
 and its errors left out by publication and by source, are benchmarks/fit_one_model.py's).
 What the table measures is how far the model that ranks plans is from the
 published throughput with today's constants, and where it departs from the baseline. The
-runtime options a row gives (`grad_reduce_bytes`, `zero3`, `dtensor_tp`, ...), and its
+runtime options a row gives (`zero3`, `dtensor_tp`, ...), and its
 unfused attention or tensor parallelism without sequence parallelism, describe a
 published stack; the one model prices what autopar would run, so it ignores them: the
 report measures, per such fact, what ignoring it costs on the rows that carry it.
@@ -51,16 +52,30 @@ def price_one_model(run: Any) -> Any:
     """The row's configuration priced by `autopar.price` (its Plan)."""
     import autopar
 
-    config = replace(run.config, attention="flash", sequence_parallel=True)
+    config = replace(run.config, attention="flash", sequence_parallel=True, precision="bf16-mixed",
+                     reduce_dtype=reduce_dtype(run))
     return autopar.price(run.spec, run.cluster, config, global_batch=run.global_batch,
                          stage_layers=run.stage_layers if config.pp > 1 else None)
 
 
+def reduce_dtype(run: Any) -> str:
+    """The row's gradient-reduction dtype as a precision policy names it: its published
+    `grad_reduce_bytes` (4: float32, as Megatron-LM's bf16 path and torchtitan's FSDP default
+    reduce; 2, the baseline's default: bfloat16). The one model prices the row under
+    bf16-mixed with this reduction dtype, a plan choice autopar runs (autopar/precision.py)."""
+    return "float32" if run.options.grad_reduce_bytes == 4 else "bfloat16"
+
+
+PRICED_OPTIONS = frozenset({"grad_reduce_bytes"})
+"""Runtime options the one model prices as plan choices (`reduce_dtype`): not stack facts."""
+
+
 def stack_facts(run: Any) -> list[str]:
     """What the row's published stack did that the one model does not price, as key=value:
-    its runtime options (analytic/options.py) and the configuration fields the one model
-    replaces by what autopar runs (fused attention, sequence parallelism with tp)."""
-    out = [f"{k}={v}" for k, v in sorted(run.options.changed().items())]
+    its runtime options (analytic/options.py) but those it prices (PRICED_OPTIONS), and the
+    configuration fields the one model replaces by what autopar runs (fused attention,
+    sequence parallelism with tp)."""
+    out = [f"{k}={v}" for k, v in sorted(run.options.changed().items()) if k not in PRICED_OPTIONS]
     if run.config.attention != "flash":
         out.append(f"attention={run.config.attention}")
     if run.config.tp > 1 and not run.config.sequence_parallel:

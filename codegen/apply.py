@@ -518,10 +518,11 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
         pid = by_grad[gid]
         grad_ids.append(gid)
         grads.append((graph[pid].param_name or graph[pid].name, choices[gid].outputs[0],
-                      choices[pid].update_placements, graph[gid].output))
+                      choices[pid].update_placements, graph.grad_meta(gid)))  # sized as synced
     position = {gid: k for k, gid in enumerate(grad_ids)}
     order = [position[g] for _, g in graph.param_grads if g in position]
-    grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order)
+    grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order,
+                          dtype=getattr(torch, graph.model.precision.reduce))
 
     examples = _examples([(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots], mesh.device_type)
     interp.sync = grad_sync if sync_in_step else None
@@ -667,12 +668,17 @@ class _GradSync:
     (fx frees a value after its last use; the grad_sync graph is called boxed) freed at
     once, and the buffer's pages are touched as they are filled, so a bucket's sync holds
     about one copy of its gradients, not raw + flat + the collective's output: the
-    all-reduce runs in place on the buffer (the functional all_reduce clones its input)."""
+    all-reduce runs in place on the buffer (the functional all_reduce clones its input).
+
+    Buffers are in `dtype`, the precision policy's reduction dtype: a bf16-mixed step's
+    bf16 gradients are cast as they are copied in and reduced in float32 (the bytes the
+    ILP prices for the sync: cost_model/table.py `gradient_sync_scale`)."""
 
     def __init__(self, grads: list[tuple[str, Placements, Placements, Any]], layers: list[int | None],
-                 mesh: DeviceMesh, order: list[int]) -> None:
+                 mesh: DeviceMesh, order: list[int], dtype: torch.dtype = torch.float32) -> None:
         from autopar.buckets import gradient_bucket_key, plan_buckets
 
+        self.dtype = dtype
         self.grads = grads
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
@@ -698,13 +704,14 @@ class _GradSync:
         if key is None:
             for i in bucket:
                 _, src, dst, meta = grads[i]
-                out[i] = raw[i] if src == dst else _redistribute(
-                    _dtensor(raw[i], mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
+                g = raw[i].to(self.dtype) if raw[i].is_floating_point() else raw[i]
+                out[i] = g if src == dst else _redistribute(
+                    _dtensor(g, mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
             return out
         steps, _ = key
         if steps[0][0] == "all_reduce":
             shapes = {i: raw[i].shape for i in bucket}
-            flat = raw[bucket[0]].new_empty(sum(raw[i].numel() for i in bucket))
+            flat = raw[bucket[0]].new_empty(sum(raw[i].numel() for i in bucket), dtype=self.dtype)
             offset = 0
             for i in bucket:
                 n = raw[i].numel()
@@ -725,7 +732,7 @@ class _GradSync:
         pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
         local = {i: pieces[i][0].shape for i in bucket}
         stride = sum(local[i].numel() for i in bucket)  # one rank's share of the bucket
-        flat = raw[bucket[0]].new_empty(n * stride)
+        flat = raw[bucket[0]].new_empty(n * stride, dtype=self.dtype)
         offset = 0
         for i in bucket:
             size = local[i].numel()

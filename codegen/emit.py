@@ -329,30 +329,23 @@ def emit_per_op(plan: Any) -> dict[str, str]:
     `fake` process group of the plan's world (nothing runs, nothing is communicated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autopar.cluster import Cluster
     from autopar.models import resolve
     from autopar.trace import trace_step
     from codegen.apply import apply
 
     source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
     rows = plan.config.dp * plan.config.micro_batch
+    # traced in the plan's compute dtype (the search's): the node keys its placements are stored under hash it
+    policy = plan.config.policy(Cluster.parse(plan.cluster).hardware.name)
     if source.config is None:
         model, example = source.factory()
         micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in example]
     else:
-        from autopar.cluster import Cluster
-        from autopar.trace import search_dtype
-
-        # built in the dtype the search traced it in: the node keys the placements are stored under hash it
-        dtype = getattr(torch, search_dtype(Cluster.parse(plan.cluster)))
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with FakeTensorMode():
-                model = source.build(layers=min(source.config.layers, 2))
-                micro = list(source.example_inputs(rows))
-        finally:
-            torch.set_default_dtype(previous)
-    traced, graph = trace_step(model, micro, recompute=plan.config.recompute)
+        with FakeTensorMode():  # built as the ranks build it; trace_step casts its parameters
+            model = source.build(layers=min(source.config.layers, 2))
+            micro = list(source.example_inputs(rows))
+    traced, graph = trace_step(model, micro, recompute=plan.config.recompute, precision=policy)
     choices = plan.placements_for(graph)
     with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
         graphs = apply(traced.gm, graph, choices, mesh)

@@ -3,6 +3,12 @@
 Where it sits: cost_model/, read by the ILP's memory rows (cost_model/table.py,
 solver/intra_op/ilp.py) through `cost_model`; torch-free.
 
+`parameter_state_bytes` is the product's: the bytes of one parameter under its compute
+and update placements and the plan's precision policy (autopar/precision.py), what the
+program holds. The uniform-ZeRO figures below (`model_state_bytes`, the ZeRO paper's
+fixed mixed-precision accounting) serve the template grid and the analytic baseline
+(benchmarks/).
+
 Math (psi = parameters held by one device before the dp split, N = dp degree;
 mixed-precision AdamW, 16 bytes/param = 2 weight + 2 grad + 12 fp32
 master/momentum/variance; ZeRO paper Sec 3.1 and 5):
@@ -12,6 +18,8 @@ master/momentum/variance; ZeRO paper Sec 3.1 and 5):
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 BYTES_WEIGHT = 2
 BYTES_GRAD = 2
@@ -30,16 +38,19 @@ def model_state_bytes(num_params: float, zero: int, dp: int) -> tuple[float, flo
     return weights, grads, optimizer
 
 
-def parameter_state_bytes(numel: float, computed: float, updated: float, *,
-                          grads_at_update: bool = False) -> tuple[float, float, float]:
+def parameter_state_bytes(numel: float, computed: float, updated: float, *, grads_at_update: bool = False,
+                          precision: Any = None) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per device of one parameter of `numel`
     elements whose compute placement splits it `computed` ways and whose weight-update
-    placement `updated` ways: the weights and their gradients in the compute placement
-    (the gradients in the update placement under ZeRO-2, which accumulates them there),
-    the optimizer state in the update placement. What the ILP's cost table charges a
-    parameter (cost_model/table.py) and what a plan's memory breakdown reports."""
-    grads = BYTES_GRAD * numel / (updated if grads_at_update else computed)
-    return BYTES_WEIGHT * numel / computed, grads, BYTES_OPTIMIZER * numel / updated
+    placement `updated` ways, under the precision policy `precision`
+    (autopar.precision.Precision; None: fp32): `Precision.state_bytes`, the one home of
+    this accounting, which the per-op program's measured state is checked against. What
+    the ILP's cost table charges a parameter (cost_model/table.py) and what a plan's
+    memory breakdown reports."""
+    from autopar.precision import policy
+
+    p = precision if precision is not None else policy("fp32")
+    return p.state_bytes(numel, computed, updated, grads_at_update=grads_at_update)
 
 
 def state_bytes_per_param(zero: int, dp: int) -> float:

@@ -123,12 +123,13 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
                   mesh_shape: tuple[int, ...], dtype: str, grads_at_update: bool = False) -> StrategyCost:
     """Compute time, communication time and per-device memory of one node under one strategy."""
     if node.role is Role.PARAMETER:
-        # weights and gradients in the compute placement, optimizer state (fp32 master,
-        # momentum, variance) in the update placement: ZeRO-1's 4 + 12/N (memory.py);
-        # ZeRO-2 accumulates its gradient in the update placement too: 2 + 14/N
+        # master weight and optimizer state in the update placement, compute copy and raw
+        # gradient in the compute placement (ZeRO-2: the gradient in the update placement),
+        # in the dtypes of the plan's precision policy (memory.py)
         computed, updated = shard_factor(strategy.outputs[0], mesh_shape), shard_factor(
             strategy.update_placements, mesh_shape)
-        mem = sum(parameter_state_bytes(node.output.numel, computed, updated, grads_at_update=grads_at_update))
+        mem = sum(parameter_state_bytes(node.output.numel, computed, updated, grads_at_update=grads_at_update,
+                                        precision=graph.model.precision))
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
     if node.is_view:

@@ -125,6 +125,8 @@ class Ranked:
             flags += ["--schedule", c.schedule] + (["--interleave", str(c.interleave)] if c.interleave > 1 else [])
         if not self.zero_mixed:
             flags += ["--zero", str(c.zero)]
+        if c.precision:
+            flags += ["--precision", c.precision] + (["--reduce-dtype", c.reduce_dtype] if c.reduce_dtype else [])
         return tuple(flags)
 
     def label(self, global_batch: int) -> str:

@@ -170,7 +170,8 @@ def memory_breakdown(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[str
         update = c.outputs[0] if c.update is None else c.update
         state = cost_model.parameter_state_bytes(node.output.numel, shard_factor(c.outputs[0], mesh),
                                                  shard_factor(update, mesh),
-                                                 grads_at_update=solution.grads_each_microbatch)
+                                                 grads_at_update=solution.grads_each_microbatch,
+                                                 precision=graph.model.precision)
         for k in range(3):
             parts[k] += c.weight * state[k]
     activations = max(0.0, solution.cost.peak_memory_bytes - sum(parts))

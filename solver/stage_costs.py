@@ -19,8 +19,9 @@ rest: final norm, head, loss). With w_n the node's multiplicity and L the real d
     (cost_model.grad_accumulation_time_s, as one-stage plans pay it) are added / m, so the
     critical stage's m t pays them once per step (stage_dp.py).
 
-Memory per device (bytes): state = sum over parameters of w_n STATE_BYTES_PER_PARAM x
-local elements (the ILP's memory of a parameter node); saved = activations the backward
+Memory per device (bytes): state = sum over parameters of w_n x their state bytes under
+their placements and the precision policy (the ILP's memory of a parameter node,
+cost_model/memory.py `parameter_state_bytes`); saved = activations the backward
 reads (the base tensor of every forward value a backward node uses, at its chosen
 placement, w-weighted). Recompute policies follow autopar/recompute.py's definitions:
 "full" keeps only the layer's input (the boundary activation) and re-runs the layer's
@@ -49,7 +50,7 @@ from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
 from autopar.placement import boundary_placements, shard_factor
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
-from cost_model import STATE_BYTES_PER_PARAM, compute_time_s, core_share
+from cost_model import compute_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -151,6 +152,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
     derived = graph.parameter_derived()
     aliases = {alias for alias, _ in graph.tied_params}
     expensive = EXPENSIVE_OPS
+    reduce_bytes = graph.model.precision.bytes("reduce")  # gradients sync in the policy's reduction dtype
     acc = {p: dict(time=0.0, fwd=0.0, cheap=0.0, state=0.0, saved=0.0, sel=0.0, params=0.0, tensors=0.0, grad_bytes=0.0,
                    raw_grad_bytes=0.0, sync=0.0, gather=0.0) for p in PIECES}
     for c in solution.choices:
@@ -166,7 +168,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
             update = c.outputs[0] if c.update is None else c.update  # the optimizer steps the update shard
             a["params"] += w * node.output.numel / shard_factor(update, mesh)
             a["tensors"] += w
-            a["grad_bytes"] += w * node.output.size_bytes / shard_factor(update, mesh)
+            a["grad_bytes"] += w * node.output.numel * reduce_bytes / shard_factor(update, mesh)
     # what a rank accumulates over the microbatches: each raw gradient as the backward leaves
     # it (its own placement), as spmd_search prices it
     for grad, nbytes in raw_gradient_bytes(graph, solution).items():
@@ -312,8 +314,8 @@ def placement_summary(graph: Graph, solution: IntraOpSolution,
 def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, doubled: Graph | None = None) -> float:
     """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
     microbatch of `scale` x the traced one: the intra-op ILP's memory row at the time of
-    the largest live bytes (solver/intra_op/ilp.py: every parameter's state,
-    STATE_BYTES_PER_PARAM per element, plus every tensor live then, the same liveness),
+    the largest live bytes (solver/intra_op/ilp.py: every parameter's state, its
+    bytes per element under the graph's precision policy, plus every tensor live then, the same liveness),
     with every tensor split evenly over all devices, which no layout beats. Activations
     scale with the batch, weights and their casts do not. Under a recompute policy the
     graph holds the recomputed copies, so the peak inside a layer's backward is counted.
@@ -329,7 +331,8 @@ def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, dou
     aliases = {alias for alias, _ in graph.tied_params}
     derived = graph.parameter_derived()
     static, live, end = live_intervals(graph, range(len(graph)))
-    state = sum(graph.weight(n) * graph[n].output.numel * STATE_BYTES_PER_PARAM for n in static if n not in aliases)
+    per_element = sum(cost_model.parameter_state_bytes(1.0, 1.0, 1.0, precision=graph.model.precision))
+    state = sum(graph.weight(n) * graph[n].output.numel * per_element for n in static if n not in aliases)
     pair = doubled if doubled is not None and len(doubled) == len(graph) and all(
         a.op == b.op for a, b in zip(graph.nodes, doubled.nodes)) else None
     scaled: dict[int, float] = {}

@@ -46,7 +46,8 @@ def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConf
     schedule = args.schedule or ("interleaved" if interleave > 1 else "1f1b")
     return ParallelConfig(tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
                           schedule=schedule, interleave=interleave, recompute=args.recompute or "none",
-                          attention=args.attention or "flash")
+                          attention=args.attention or "flash", precision=args.precision or "",
+                          reduce_dtype=args.reduce_dtype or "")
 
 
 def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     plan_file = getattr(args, "plan", None)
     if plan_file:
         given = [f for f in ("model", "cluster", "global_batch", "tp", "pp", "dp", "zero", "micro_batch", "schedule",
-                             "interleave", "recompute") if getattr(args, f, None) is not None]
+                             "interleave", "recompute", "precision", "reduce_dtype")
+                 if getattr(args, f, None) is not None]
         if given:
             raise ValueError(f"--plan prices the saved plan's model, cluster and configuration; drop "
                              f"{', '.join('--' + f.replace('_', '-') if f != 'model' else 'MODEL' for f in given)}")

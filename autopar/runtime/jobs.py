@@ -96,6 +96,9 @@ class RunResult:
     """... and those its plan (or the ILP for its configuration) priced, for price = run checks."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     """Whole buffers after the run (with `return_parameters`, one-stage programs)."""
+    priced_state: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """This rank's (weights, gradients, optimizer state) bytes as priced
+    (`priced_state_bytes`), beside what it measured (`parameter_bytes`, ...)."""
 
 
 def step_epilogue(params: list[torch.nn.Parameter]) -> Any:
@@ -135,27 +138,84 @@ def _step_context(job: TrainJob) -> contextlib.AbstractContextManager[Any]:
     return deterministic_random() if job.deterministic_random else contextlib.nullcontext()
 
 
-def reference_run(job: TrainJob) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(job: TrainJob, precision: str = "") -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training: losses per step and the final state dict (tied weights
-    appear under both names, as `state_dict()` gives them)."""
+    appear under both names, as `state_dict()` gives them).
+
+    Under the precision policy `precision` (autopar/precision.py; default: the job's first
+    configuration's, else the cpu profile's, fp32): a mixed policy keeps the master weights
+    (and AdamW's state) in the master dtype and computes each step on a copy of the model
+    cast to the compute dtype (its parameters: `autopar.precision.cast_parameters`), its weights
+    refreshed from the masters before every step, floating-point inputs cast (buffers live
+    in the copy, in the dtype the model made them); the gradients are accumulated
+    over the microbatches in the reduction dtype and cast to the master dtype for the
+    optimizer. What the per-op program computes, in one process. The state dict holds the
+    master weights and the copy's buffers."""
+    import copy
+
+    from autopar.batch import map_tensors
+
     model, batches, _ = build_model_and_batches(job)
-    opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
-    losses = []
+    name = precision or (job.configs[0].precision if job.configs else "") or "fp32"
+    policy = ParallelConfig(precision=name, reduce_dtype=job.configs[0].reduce_dtype if job.configs and not precision
+                            else "").policy()
     m = job.reference_microbatches
+    losses = []
+    if policy.compute == policy.master == policy.reduce == "float32":
+        opt = torch.optim.AdamW(model.parameters(), lr=job.lr)
+        for batch in batches:
+            size = batch_size(batch)
+            rows = size // m
+            total = 0.0
+            with _step_context(job):
+                for i in range(m):
+                    micro = batch_rows(batch, i * rows, (i + 1) * rows, size) if m > 1 else batch
+                    loss = call(model, micro)
+                    (loss / m if m > 1 else loss).backward()
+                    total += float(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(total / m)
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    from autopar.precision import cast_parameters
+
+    compute_dtype, reduce_dtype = getattr(torch, policy.compute), getattr(torch, policy.reduce)
+    cast_parameters(model, policy.master)
+    master, computed = model, model
+    if policy.mixed:
+        computed = copy.deepcopy(master)
+        cast_parameters(computed, policy.compute)
+    pairs = list(zip(master.parameters(), computed.parameters()))
+    opt = torch.optim.AdamW(master.parameters(), lr=job.lr)
     for batch in batches:
         size = batch_size(batch)
         rows = size // m
         total = 0.0
+        if policy.mixed:
+            with torch.no_grad():
+                for p, c in pairs:
+                    c.copy_(p)
+        sums: list[torch.Tensor | None] = [None] * len(pairs)
         with _step_context(job):
             for i in range(m):
                 micro = batch_rows(batch, i * rows, (i + 1) * rows, size) if m > 1 else batch
-                loss = call(model, micro)
+                micro = map_tensors(lambda t: t.to(compute_dtype) if t.is_floating_point() else t, micro)
+                loss = call(computed, micro)
                 (loss / m if m > 1 else loss).backward()
                 total += float(loss.detach())
+                for k, (_, c) in enumerate(pairs):
+                    if c.grad is not None:
+                        g = c.grad.to(reduce_dtype)
+                        sums[k] = g if sums[k] is None else sums[k] + g
+                        c.grad = None
+        for (p, _), g in zip(pairs, sums):
+            p.grad = None if g is None else g.to(p.dtype)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / m)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in master.state_dict().items()}
+    state.update((k, v.detach().clone()) for k, v in computed.named_buffers())
+    return losses, state
 
 
 def step_line(step: int, loss: float, reference: float | None, rate: float, unit: str) -> str:
@@ -201,7 +261,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
             parameters=params if keep else {}, buffers=buffers if keep else {}, first_step=done + 1,
             collectives=program.collectives_per_step(job.global_batch // (config.dp * config.micro_batch))
             if hasattr(program, "collectives_per_step") else {},
-            priced=getattr(program, "priced", None),
+            priced=getattr(program, "priced", None), priced_state=program.priced_state_bytes(),
         ))
         dist.barrier()
     return results

@@ -100,6 +100,27 @@ def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFA
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
+    destroy_at_exit()
+
+
+def destroy_at_exit() -> None:
+    """Destroy the process group (and every subgroup: the mesh's, a pipeline's) when the
+    interpreter exits, if the program has not: a group autopar started for a user's script
+    (`autopar.compile` under torchrun) would otherwise leave its gloo threads running into
+    interpreter shutdown, where tearing them down now and then aborts the rank with
+    "terminate called without an active exception" (SIGABRT, exit -6) after the script's
+    work is done (seen on rank 0 of the README's quick start under `torchrun
+    --nproc_per_node 2`, once, on a loaded 2-core machine). `atexit` runs before that
+    teardown."""
+    import atexit
+
+    def destroy() -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def gather_build_results(value: Any, *, timeout_s: float = BUILD_EXCHANGE_TIMEOUT_S) -> list[Any]:

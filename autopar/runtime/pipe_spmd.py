@@ -50,7 +50,7 @@ point-to-point sends.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -217,6 +217,9 @@ class StageRunner:
         self.grad_outputs = grad_outputs
         """Positions of the outputs that carry a gradient."""
         self.last = last
+        self.tangent_dtype = next((getattr(torch, s.dtype) for s in self.slots if s.role is Role.TANGENT),
+                                  torch.float32)
+        """The loss's dtype (the precision policy's compute dtype): what the seeds are cast to."""
         self.loss_scale = 1.0
         self.raw: list[torch.Tensor] | None = None
         self.anchor = torch.zeros((), requires_grad=True)
@@ -234,23 +237,27 @@ class StageRunner:
                 values.append(program._buffers[slot.name])
             elif slot.role is Role.INPUT and slot.name.startswith("input_") \
                     and int(slot.name.removeprefix("input_")) < self.num_inputs:
-                values.append(next(data))
+                x = next(data)
+                if x.is_floating_point() and str(x.dtype).removeprefix("torch.") != slot.dtype:
+                    x = x.to(getattr(torch, slot.dtype))  # the precision policy's compute dtype
+                values.append(x)
         outs = self.forward_gm(*values)
         n = 1 if self.last else self.num_outputs
         return tuple(outs[:n]), list(outs[n:])
 
     def run_backward(self, saved: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        tangent = self.tangent_dtype
         if self.last:
-            seeds = [(grads[0].reshape(()) * self.loss_scale).to(torch.float32)]
+            seeds = [(grads[0].reshape(()) * self.loss_scale).to(tangent)]
         else:
-            seeds = [grads[i] if grads[i] is not None else torch.zeros(()) for i in self.grad_outputs]
-            seeds.append(torch.ones(()))  # the joint's loss tangent
+            seeds = [grads[i] if grads[i] is not None else torch.zeros((), dtype=tangent) for i in self.grad_outputs]
+            seeds.append(torch.ones((), dtype=tangent))  # the joint's loss tangent
         outs = list(self.backward_gm(*saved, *seeds))
         num_params = len(self.program.graphs.grads)
         raw, input_grads = outs[:num_params], outs[num_params:]
         from autopar.runtime.spmd import accumulate
 
-        self.raw = accumulate(self.raw, raw, self.program._input_storages)
+        self.raw = accumulate(self.raw, raw, self.program._input_storages, self.program.reduce_dtype)
         out: list[torch.Tensor | None] = [None] * self.num_inputs
         for pos, g in zip(self.grad_inputs, input_grads):
             out[pos] = g
@@ -318,14 +325,23 @@ class TracedStage:
     grad_inputs: tuple[int, ...]
     grad_outputs: tuple[int, ...]
     last: bool
+    masters: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The model's master weights by parameter where the precision policy keeps them in
+    another dtype than it computes in (autopar/runtime/spmd.py `master_weights`), taken
+    before the model was cast to the compute dtype and cut."""
 
 
 def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                last: bool, config: ParallelConfig, layer_prefix: str = "") -> TracedStage:
+                last: bool, config: ParallelConfig, layer_prefix: str = "",
+                masters: dict[int, torch.Tensor] | None = None) -> TracedStage:
     """Trace and lower one chunk's joint graph; `inputs`/`outputs` are its boundary values
-    at the global microbatch (`capture_boundaries`). No process group needed."""
-    from autopar.trace import lower, trace
+    at the global microbatch (`capture_boundaries`). The model was cut in the precision
+    policy's compute dtype (`cut_in_compute_dtype`), so the chunk computes in it; `masters`
+    are its master weights. No process group needed."""
+    from autopar.runtime.spmd import run_policy
+    from autopar.trace import lower, trace, with_precision
 
+    precision = run_policy(config)
     rows = config.dp * config.micro_batch
     grad_inputs = tuple(i for i, x in enumerate(inputs) if x.requires_grad and x.is_floating_point())
     grad_outputs = () if last else tuple(i for i, o in enumerate(outputs) if o.requires_grad and o.is_floating_point())
@@ -342,8 +358,8 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
             traced.gm.graph.erase_node(node)
     traced.gm.recompile()
     first = next((x for x in inputs if x.dim() > 0), None)
-    graph = lower(traced, name=f"{type(chunk).__name__}[{index}]", batch=rows,
-                  seq=int(first.shape[1]) if first is not None and first.dim() > 1 else 1)
+    graph = with_precision(lower(traced, name=f"{type(chunk).__name__}[{index}]", batch=rows,
+                                 seq=int(first.shape[1]) if first is not None and first.dim() > 1 else 1), precision)
     if graph.buffer_updates:
         names = ", ".join(graph[b].param_name or graph[b].name for b, _ in graph.buffer_updates)
         raise ValueError(f"pipeline chunk {index} updates buffers in its forward ({names}: running statistics or "
@@ -378,7 +394,8 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
             raise RuntimeError(f"chunk {index}: input {i} requires grad but the joint graph has no gradient for it")
         extra.append((ids[g], boundary_placements(inputs[i].shape, rows, config.dp)))
     return TracedStage(index=index, chunk=chunk, traced=traced, graph=graph, extra=extra, num_inputs=len(inputs),
-                       outputs=tuple(outputs), grad_inputs=grad_inputs, grad_outputs=grad_outputs, last=last)
+                       outputs=tuple(outputs), grad_inputs=grad_inputs, grad_outputs=grad_outputs, last=last,
+                       masters=masters if masters is not None else {})
 
 
 def chunk_layers(stage_layers: Sequence[int] | None, config: ParallelConfig) -> tuple[int, ...] | None:
@@ -414,6 +431,20 @@ def first_microbatch(config: ParallelConfig, example_inputs: Sequence[Any]) -> t
     return tuple(t[:rows] if t.dim() and t.shape[0] == size else t for t in tensors), size, rows
 
 
+def cut_in_compute_dtype(model: nn.Module, microbatch: Sequence[Any], precision: Any
+                         ) -> tuple[dict[int, torch.Tensor], tuple[Any, ...]]:
+    """(master weights, microbatch) with `model` cast in place to the precision policy's
+    compute dtype, before it is cut: torch.export records each tensor's dtype in the chunks
+    it makes (`_assert_tensor_metadata`, the casts a model's code writes), so a chunk computes
+    in the dtype the model was exported in. The chunks hold the model's own parameter
+    objects, so the master weights are keyed by parameter (`master_weights`)."""
+    from autopar.runtime.spmd import master_weights
+    from autopar.trace import to_compute_dtype
+
+    masters = master_weights(model, precision)
+    return masters, to_compute_dtype(model, microbatch, precision.compute)
+
+
 def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, stage_layers: tuple[int, ...] | None = None,
                  chunk_ids: Sequence[int] | None = None) -> list[TracedStage]:
@@ -423,14 +454,16 @@ def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Seque
     what `--emit` applies. `example_inputs` is one global batch (its first dp * micro_batch
     rows are traced); `model` is cut in place (its modules are shared with the chunks)."""
     from autopar.runtime.pipe import split_model
+    from autopar.runtime.spmd import run_policy
 
     micro, _, _ = first_microbatch(config, example_inputs)
     num_chunks = config.pp * config.interleave
+    masters, micro = cut_in_compute_dtype(model, micro, run_policy(config))
     pipe, prefix, _ = split_model(model, micro, num_chunks=num_chunks, stage_layers=chunk_layers(stage_layers, config),
                                   loss_fn=loss_fn)
     boundaries = capture_boundaries(pipe, micro)
     return [trace_stage(pipe.get_stage_module(cid), cid, inputs=boundaries[cid][0], outputs=boundaries[cid][1],
-                        last=cid == num_chunks - 1, config=config, layer_prefix=prefix)
+                        last=cid == num_chunks - 1, config=config, layer_prefix=prefix, masters=masters)
             for cid in (range(num_chunks) if chunk_ids is None else chunk_ids)]
 
 
@@ -451,7 +484,7 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
         # (as the pp = 1 program reports it; priced: pipeline_search.pipeline_loss_report_s)
         extra[0] = (extra[0][0], choices[extra[0][0]].outputs[0])
     # before the build: its peak holds shards only
-    params = distribute_parameters(stage.chunk, stage.graph, choices, mesh)
+    params = distribute_parameters(stage.chunk, stage.graph, choices, mesh, stage.masters)
     # zero 2: each microbatch's backward reduce-scatters its gradients to their update
     # shards (the sync lands in the backward graph) and the runner accumulates the shards
     graphs = apply(stage.traced.gm, stage.graph, choices, mesh, extra_outputs=extra, keep_phases=True,
@@ -468,7 +501,8 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
         graphs.step, seeds, list(range(first_extra, first_extra + num_fwd)),
         list(range(1, 1 + num_grads)) + list(range(first_extra + num_fwd, first_extra + num_fwd + len(grad_inputs))))
     program = SpmdProgram(config=config, mesh=mesh, model=stage.chunk, graphs=graphs, graph=stage.graph,
-                          optimizer_factory=optimizer, choices=tuple(choices), params=params)
+                          optimizer_factory=optimizer, choices=tuple(choices), params=params,
+                          grads_at_update=zero_2_syncs(config))
     return StageRunner(index=stage.index, program=program, forward=forward, backward=backward, num_saved=num_saved,
                        slots=graphs.slots, num_inputs=num_inputs, grad_inputs=grad_inputs, outputs=outputs,
                        grad_outputs=stage.grad_outputs, last=stage.last)
@@ -632,6 +666,12 @@ class PipeSpmdProgram:
                 p.grad = DTensor.from_local(g, program.mesh, p.placements, run_check=False, shape=p.shape,
                                             stride=p.stride())
 
+    def priced_state_bytes(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes this rank's chunks are priced at
+        (SpmdProgram.priced_state_bytes, summed over the chunks)."""
+        parts = [r.program.priced_state_bytes() for r in self.runners]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
+
     def _stats(self, grad_bytes: int) -> Any:
         import resource
 
@@ -788,7 +828,7 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
 
     from autopar.runtime.program import make_mesh
     from autopar.runtime.pipe import _canonical_names, _tie_groups, split_model
-    from autopar.runtime.spmd import local_shard, make_optimizer, priced_per_step, solution_choices
+    from autopar.runtime.spmd import local_shard, make_optimizer, priced_per_step, run_policy, solution_choices
 
     if config.schedule == "zb":
         raise ValueError("--schedule zb is not run by per-op pipeline stages (their backward computes input and "
@@ -799,6 +839,8 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
     num_mb = size // rows
     num_chunks = config.pp * config.interleave
     canonical = _canonical_names(model)
+    # the stages compute in, and exchange, the precision policy's compute dtype
+    masters, micro = cut_in_compute_dtype(model, micro, run_policy(config, mesh.device_type))
     pipe, prefix, ranges = split_model(model, micro, num_chunks=num_chunks,
                                        stage_layers=chunk_layers(stage_layers, config), loss_fn=loss_fn)
     boundaries = capture_boundaries(pipe, micro)
@@ -841,7 +883,7 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
         ins, outs = boundaries[cid]
         last = cid == num_chunks - 1
         stage = trace_stage(pipe.get_stage_module(cid), cid, inputs=ins, outputs=outs, last=last, config=config,
-                            layer_prefix=prefix)
+                            layer_prefix=prefix, masters=masters)
         choices, chunk_priced = choose(stage)
         for key, (calls, nbytes) in chunk_priced.items():
             c, b = priced.get(key, (0, 0))
@@ -858,6 +900,7 @@ def build_pipe_spmd_program(model: nn.Module, config: ParallelConfig, example_in
             tuple(local(o, i in runner.grad_outputs) for i, o in enumerate(outs))
         stages.append(PipelineStage(PerOpStage(runner), cid, num_chunks, torch.device(mesh.device_type),
                                     input_args=in_args, output_args=out_args, group=mesh.get_group("pp")))
+    masters.clear()  # the other chunks' master weights: this rank holds its own, sharded
     mine = {name for r in runners for name, _ in r.program.named_parameters()}
     tie_groups = _tie_groups(pipe, canonical, config, mesh, mine)
     params: dict[int, nn.Parameter] = {}

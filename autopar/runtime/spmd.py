@@ -54,7 +54,7 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
 def accumulate(raw: list[torch.Tensor] | None, grads: Sequence[torch.Tensor],
-               keep: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+               keep: frozenset[int] = frozenset(), dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """The raw gradients of a step's microbatches summed so far: the first microbatch's
     outputs, then every later one added into them in place (read both, write one: the
     traffic `cost_model.grad_accumulation_time_s` prices; `a + b` also allocated and
@@ -62,12 +62,17 @@ def accumulate(raw: list[torch.Tensor] | None, grads: Sequence[torch.Tensor],
     step of the sweep's L model at 4 microbatches on one rank, 1.9 ms in place at one).
     A gradient is added out of place where writing into it is not safe: it shares storage
     with another gradient or with `keep` (storages of the program's own inputs: parameters,
-    buffers), or it is not dense (an expanded zero, a strided view)."""
+    buffers), or it is not dense (an expanded zero, a strided view).
+
+    `dtype`: the precision policy's reduction dtype, which the sums are kept in (the first
+    microbatch's floating-point gradients cast to it; later ones added into them), so a
+    bf16-mixed step accumulates its microbatches in float32, as Megatron-LM's main grads do."""
     if raw is None:
-        return list(grads)
+        return [g.to(dtype) if dtype is not None and g.is_floating_point() else g for g in grads]
     storages = [a.untyped_storage().data_ptr() for a in raw]
     shared = {p for p in storages if storages.count(p) > 1} | keep
-    return [a.add_(b) if p not in shared and a.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
+    return [a.add_(b) if p not in shared and a.is_contiguous() and a.shape == b.shape
+            and torch.promote_types(a.dtype, b.dtype) == a.dtype
             else a + b for a, b, p in zip(raw, grads, storages)]
 
 
@@ -93,8 +98,11 @@ class SpmdProgram:
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, model: nn.Module, graphs: Any,
                  graph: Graph, optimizer_factory: OptimizerFactory, choices: Sequence[NodeStrategy],
-                 params: dict[str, nn.Parameter], priced: dict[tuple[str, str], tuple[int, int]] | None = None) -> None:
+                 params: dict[str, nn.Parameter], priced: dict[tuple[str, str], tuple[int, int]] | None = None,
+                 grads_at_update: bool = False) -> None:
         self.config = config
+        self.grads_at_update = grads_at_update
+        """ZeRO-2: every microbatch syncs its gradients and the shards accumulate (as priced)."""
         self.priced = priced
         """What the plan priced per step: {(kind, mesh axis name): (calls, bytes)}."""
         self.mesh = mesh
@@ -113,7 +121,13 @@ class SpmdProgram:
         self.dp_rank = self.coords[0]
         self.tp_rank = self.coords[1] if len(self.coords) > 1 else 0
         self._params = params
-        """From `distribute_parameters` (before the graphs were applied)."""
+        """From `distribute_parameters` (before the graphs were applied): the master weights."""
+        policy = graph.model.precision
+        self.compute_dtype = getattr(torch, policy.compute) if policy.mixed else None
+        """Where the precision policy computes in another dtype than it keeps the master
+        weights in, that dtype: every parameter's compute copy is cast to it."""
+        self.reduce_dtype = getattr(torch, policy.reduce)
+        """The dtype raw gradients are accumulated in over a step's microbatches."""
         self._buffers = self._buffer_shards()
         self.optimizer = make_optimizer(optimizer_factory, list(self._params.values()))
         self._compute: dict[str, torch.Tensor] = {}
@@ -144,9 +158,10 @@ class SpmdProgram:
         return self._params[name]._local_tensor if local is None else local
 
     def gather_weights(self) -> None:
-        """The compute copies of the parameters updated in another placement, from their
-        update shards (the `param_gather` graph: all-gathers; collective, every rank)."""
-        self._compute = gathered_weights(self.graphs, self._params)
+        """The compute copies of the parameters updated in another placement or dtype, from
+        their master weights (the `param_gather` graph: all-gathers, in the compute dtype;
+        collective, every rank)."""
+        self._compute = gathered_weights(self.graphs, self._params, self.compute_dtype)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -165,6 +180,8 @@ class SpmdProgram:
                 if tuple(x.shape) != slot.shape:
                     raise ValueError(f"input {slot.name} has shape {tuple(x.shape)} but the program was compiled "
                                      f"for {slot.shape}; feed batches of the compiled shape")
+                if x.is_floating_point() and str(x.dtype).removeprefix("torch.") != slot.dtype:
+                    x = x.to(getattr(torch, slot.dtype))  # the precision policy's compute dtype
                 values.append(local_shard(x, slot.placements, self.coords, self.mesh_shape))
         return values
 
@@ -187,7 +204,7 @@ class SpmdProgram:
                 updated = len(self.graphs.buffer_updates)
                 grads = list(outs[1:len(outs) - updated])
                 self._write_buffers(outs[len(outs) - updated:])
-                raw = accumulate(raw, grads, self._input_storages)
+                raw = accumulate(raw, grads, self._input_storages, self.reduce_dtype)
             grads, outs = None, None
             grad_bytes = self.set_gradients(raw)  # empties `raw`
             raw = None
@@ -244,6 +261,8 @@ class SpmdProgram:
         for name, param in self._params.items():
             g = by_name[name]
             grad_bytes += g.numel() * g.element_size()
+            if g.dtype != param.dtype:  # reduced in another dtype than the master weights'
+                g = g.to(param.dtype)
             param.grad = gradient_for(param, g)
         return grad_bytes
 
@@ -276,6 +295,29 @@ class SpmdProgram:
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     # -- inspection and state -----------------------------------------------------------
+
+    def priced_state_bytes(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) bytes this rank's parameters are priced at:
+        the precision policy's `state_bytes` (what cost_model.parameter_state_bytes charges)
+        at each parameter's compute and update placements
+        under the graph's precision policy, a tied alias counted once (what the ILP's memory
+        rows charge). The weights and optimizer state are what `last_stats` measures from the
+        master weights, the compute copies and the optimizer's tensors; the gradients are the
+        raw ones accumulated over the microbatches (`last_stats` counts them once synced)."""
+        from autopar.placement import shard_factor
+
+        aliases = {alias for alias, _ in self.graph.tied_params}
+        parts = [0.0, 0.0, 0.0]
+        for node in self.graph.by_role(Role.PARAMETER):
+            if node.id in aliases:
+                continue
+            c = self.choices[node.id]
+            got = self.graph.model.precision.state_bytes(
+                node.output.numel, shard_factor(c.outputs[0], self.mesh_shape),
+                shard_factor(c.update_placements, self.mesh_shape), grads_at_update=self.grads_at_update)
+            for k in range(3):
+                parts[k] += got[k]
+        return parts[0], parts[1], parts[2]
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of the parameters (collective: call on every rank)."""
@@ -323,21 +365,43 @@ class SpmdProgram:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def gathered_weights(graphs: Any, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+def gathered_weights(graphs: Any, params: dict[str, nn.Parameter],
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """{name: compute-placement local weight} of the parameters `graphs` updates in another
-    placement, gathered from their update shards by the `param_gather` graph."""
-    if graphs.param_gather is None:
-        return {}
+    placement, gathered from their update shards by the `param_gather` graph. With `dtype`
+    (a mixed precision policy's compute dtype), every parameter's: each master shard is
+    cast first, so the gathers move compute-dtype bytes (FSDP2's `param_dtype` all-gather),
+    and one updated in its compute placement is its cast alone."""
     with torch.no_grad():
-        out = graphs.param_gather(*[params[name]._local_tensor for name, _, _ in graphs.gathered])
-    return dict(zip((name for name, _, _ in graphs.gathered), out))
+        local = {name: p._local_tensor if dtype is None else p._local_tensor.to(dtype) for name, p in params.items()}
+        out: dict[str, torch.Tensor] = {}
+        if graphs.param_gather is not None:
+            gathered = graphs.param_gather(*[local[name] for name, _, _ in graphs.gathered])
+            out = dict(zip((name for name, _, _ in graphs.gathered), gathered))
+    if dtype is not None:
+        out.update((name, t) for name, t in local.items() if name not in out)
+    return out
+
+
+def master_weights(model: nn.Module, precision: Any) -> dict[int, torch.Tensor]:
+    """{id(parameter): its master weight} where the precision policy keeps the master
+    weights in another dtype than it computes in (bf16-mixed: float32), taken before the
+    model is cast to the compute dtype (autopar.trace.to_compute_dtype swaps the
+    parameters' data but keeps the parameter objects, which a pipeline's chunks share, so
+    these keep the original values by parameter); {} otherwise (the cast parameters are the
+    master weights)."""
+    if not precision.mixed:
+        return {}
+    dtype = getattr(torch, precision.master)
+    return {id(p): p.detach().to(dtype) for p in model.parameters() if p.is_floating_point()}
 
 
 def distribute_parameters(model: nn.Module, graph: Graph, choices: Sequence[NodeStrategy],
-                          mesh: DeviceMesh) -> dict[str, nn.Parameter]:
+                          mesh: DeviceMesh, masters: dict[int, torch.Tensor] | None = None) -> dict[str, nn.Parameter]:
     """Replace each parameter the graph uses by a DTensor parameter in its chosen
     weight-update placement (tied names share one), inside the model's own modules;
-    {name: parameter}.
+    {name: parameter}. `masters` (`master_weights`): the values to hold instead of the
+    (compute-dtype) parameters, by parameter.
 
     Called as soon as the placements are known, before the per-rank graphs are built:
     the whole parameters are freed here, so building (make_fx of the whole step, the
@@ -352,8 +416,8 @@ def distribute_parameters(model: nn.Module, graph: Graph, choices: Sequence[Node
             if fqn not in placements:
                 raise ValueError(f"parameter {fqn} is not in the traced graph (unused in the loss?); "
                                  "every trained parameter must reach the loss")
-            d = distribute_tensor(param.detach(), mesh, bridge.to_dtensor_placements(placements[fqn]),
-                                  src_data_rank=None)
+            value = masters[id(param)] if masters and id(param) in masters else param.detach()
+            d = distribute_tensor(value, mesh, bridge.to_dtensor_placements(placements[fqn]), src_data_rank=None)
             local = owned(d._local_tensor)
             if local is not d._local_tensor:
                 d = DTensor.from_local(local, mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
@@ -397,6 +461,13 @@ def release_build_memory(graphs: Any) -> None:
             node.meta = {"val": node.meta["val"]} if node in keep and "val" in node.meta else {}
     FakeTensorMode.cache_clear()
     gc.collect()
+
+
+def run_policy(config: ParallelConfig, device_type: str = "cpu") -> Any:
+    """The precision policy (autopar.precision.Precision) a program of `config` runs on
+    devices of `device_type`: the configuration's, else that hardware's default (fp32 on
+    CPU, bf16-mixed on accelerators). A searched plan names its policy."""
+    return config.policy("cpu" if device_type == "cpu" else device_type)
 
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
@@ -538,7 +609,8 @@ def check_plan_placements(model: nn.Module, config: ParallelConfig, example: Seq
     rows = config.dp * config.micro_batch
     size = batch_size(example)
     micro = batch_rows(example, 0, rows, size)
-    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute)
+    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute,
+                          precision=run_policy(config))
     plan.placements_for(graph)
 
 
@@ -555,7 +627,8 @@ def check_config_placeable(model: nn.Module, config: ParallelConfig, example: Se
     rows = config.dp * config.micro_batch
     size = batch_size(example)
     micro = batch_rows(example, 0, rows, size)
-    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute)
+    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute,
+                          precision=run_policy(config))
     if cluster is None:
         from autopar.cluster import Cluster
 
@@ -584,7 +657,9 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     mesh = mesh if mesh is not None else make_spmd_mesh(config)
     from autopar.trace import trace_step
 
-    traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute)
+    precision = run_policy(config, mesh.device_type)
+    masters = master_weights(model, precision)  # before the model is cast to the compute dtype
+    traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute, precision=precision)
     num_microbatches = max(1, size // rows)
     priced = None
     if choices is None and plan is not None:
@@ -613,7 +688,8 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     # for zero 2) syncs in the step whatever the microbatches: each microbatch's gradients
     # are reduce-scattered as the backward leaves them and the shards accumulate
     sync_in_step = (num_microbatches == 1 or zero2) and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
-    params = distribute_parameters(model, graph, choices, mesh)
+    params = distribute_parameters(model, graph, choices, mesh, masters)
+    del masters
     graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step)
     del traced
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
@@ -621,6 +697,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
              sum(1 for n in graphs.step.graph.nodes if str(n.target).startswith("_c10d_functional.")
                  and "wait" not in str(n.target)))
     program = SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph,
-                          optimizer_factory=optimizer, choices=choices, params=params, priced=priced)
+                          optimizer_factory=optimizer, choices=choices, params=params, priced=priced,
+                          grads_at_update=zero2)
     release_build_memory(graphs)  # after the whole parameters were replaced by their shards
     return program

@@ -55,9 +55,9 @@ removing placeholder strategies: infeasible options are absent, not expensive.
 The row/column sums force e_ab to the outer product of the two one-hot rows, so the
 edge term is exact without McCormick rows. An edge whose matrix has one row class (or
 one column class) is separable and folds into c. Memory: parameters count
-STATE_BYTES_PER_PARAM per element at every T (weights and gradient divided by the shard
-factor of the compute placement, optimizer state by that of the update placement:
-cost_model/table.py); activations count from their producer to their last user (views
+their state bytes at every T (master weight and optimizer state divided by the shard factor of
+the update placement, compute copy and gradient by that of the compute placement, in the
+dtypes of the precision policy: cost_model/memory.py `parameter_state_bytes`); activations count from their producer to their last user (views
 alias their base). T ranges over the MEMORY_POINTS times with the largest replicated
 live bytes (the forward/backward boundary among them): sharding scales tensors
 unevenly, so this is a heuristic for the true peak, exact at the checked points.
@@ -92,7 +92,6 @@ from autopar.sharding import (
 )
 from autopar.buckets import UPDATE_PHASE, gather_group, gather_share, gradient_bucket_key, plan_buckets
 from cost_model import (
-    STATE_BYTES_PER_PARAM,
     CostTable,
     ReshardPricer,
     bucket_copy_s_per_byte,
@@ -335,7 +334,7 @@ def expected_bucket_bytes(graph: Graph) -> dict[NodeId, tuple[float, float]]:
     grads = [g for _p, g in graph.param_grads]
     expected: dict[NodeId, list[float]] = {g: [0.0, 0.0] for g in grads}
     for k, (key_of, weighted) in enumerate(((lambda g: "all", True), (lambda g: ("layer", graph[g].layer), False))):
-        items = [(key_of(g), graph[g].output.size_bytes * (graph.weight(g) if weighted else 1.0)) for g in grads]
+        items = [(key_of(g), graph.grad_meta(g).size_bytes * (graph.weight(g) if weighted else 1.0)) for g in grads]
         for bucket in plan_buckets(items):
             size = sum(items[i][1] for i in bucket)
             for i in bucket:
@@ -450,7 +449,7 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                 lambda j, v=v, p=p: space[v][j].inputs[p], graph.weight(v))
     for param, grad in graph.param_grads:
         if param in active and grad in active:
-            add(grad, param, graph[grad].output, lambda j, g=grad: space[g][j].outputs[0],
+            add(grad, param, graph.grad_meta(grad), lambda j, g=grad: space[g][j].outputs[0],
                 lambda j, q=param: space[q][j].update_placements, graph.weight(grad) * grad_sync_weight, grad=True)
     for buf, value in graph.buffer_updates:  # a buffer's new value, written back every microbatch
         if buf in active and value in active:
@@ -824,7 +823,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         raise InfeasiblePlanError(
             f"No intra-op plan fits {memory_budget_bytes / 2**30:.3f} GiB/device for {graph.model.name} on "
             f"{cluster.spec} with mesh {mesh_shape}; the smallest needs {need / 2**30:.3f} GiB "
-            f"(parameters, gradients and optimizer state at {STATE_BYTES_PER_PARAM} bytes/param plus live activations). "
+            f"(parameters, gradients and optimizer state under {graph.model.precision.name} precision plus live "
+            "activations). "
             "Raise the memory budget, use more devices or a smaller batch.",
             min_memory_bytes=need)
     if sol_status == pulp.LpSolutionOptimal:
@@ -933,11 +933,11 @@ def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId,
         coef[j] += w * opt_per_element * node.output.numel / update
         if synced and grad_of.get(node.id) in active:
             g = grad_of[node.id]
-            coef[j] += graph.weight(g) * acc_per_byte * graph[g].output.size_bytes / update
+            coef[j] += graph.weight(g) * acc_per_byte * graph.grad_meta(g).size_bytes / update
     for _param, grad in graph.param_grads:
         if grad not in active or synced:
             continue
-        coef, w, size = node_coef[red.owner[grad]], graph.weight(grad), graph[grad].output.size_bytes
+        coef, w, size = node_coef[red.owner[grad]], graph.weight(grad), graph.grad_meta(grad).size_bytes
         for j, s in enumerate(red.smap[grad]):
             coef[j] += w * acc_per_byte * size / shard_factor(space[grad][s].outputs[0], mesh_shape)
 
@@ -949,12 +949,13 @@ def _gradient_buckets(graph: Graph, syncs: list[tuple[NodeId, Placements, Placem
     buckets (lists of indices into `syncs`)."""
     items, per_layer = [], []
     for g, src, dst in syncs:
-        steps = pricer.collectives(graph[g].output, src, dst) or ()
-        key = gradient_bucket_key(pricer.bucket_key(graph[g].output, src, dst) if steps else None, graph[g].layer)
+        meta = graph.grad_meta(g)
+        steps = pricer.collectives(meta, src, dst) or ()
+        key = gradient_bucket_key(pricer.bucket_key(meta, src, dst) if steps else None, graph[g].layer)
         # a per-layer bucket (autopar/buckets.py gradient_bucket_key) is one of a traced
         # layer's `weight` real layers: sized as one layer, counted `weight` times
         per_layer.append(key is not None and steps[0].kind == "reduce_scatter")
-        items.append((key, graph[g].output.size_bytes * (1.0 if per_layer[-1] else graph.weight(g))))
+        items.append((key, meta.size_bytes * (1.0 if per_layer[-1] else graph.weight(g))))
     return items, per_layer, plan_buckets(items)
 
 
@@ -971,7 +972,7 @@ def gradient_bucket_shares(graph: Graph, syncs: list[tuple[NodeId, Placements, P
         size = sum(items[i][1] for i in bucket)
         for i in bucket:
             g = syncs[i][0]
-            shares[g] = graph[g].output.size_bytes / size if size > 0 else 1.0
+            shares[g] = graph.grad_meta(g).size_bytes / size if size > 0 else 1.0
     return shares
 
 
@@ -985,7 +986,7 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
     out = []
     for bucket in buckets:
         first_g, src, dst = syncs[bucket[0]]
-        steps = pricer.collectives(graph[first_g].output, src, dst) or ()
+        steps = pricer.collectives(graph.grad_meta(first_g), src, dst) or ()
         if not steps:
             continue
         if len(bucket) == 1 and items[bucket[0]][0] is None:
@@ -994,7 +995,7 @@ def gradient_sync_collectives(graph: Graph, syncs: list[tuple[NodeId, Placements
             continue
         weight = graph.weight(first_g) if per_layer[bucket[0]] else 1.0
         for k, step in enumerate(steps):  # one collective per step, over the whole bucket
-            size = sum(pricer.collectives(graph[syncs[i][0]].output, syncs[i][1], syncs[i][2])[k].bytes
+            size = sum(pricer.collectives(graph.grad_meta(syncs[i][0]), syncs[i][1], syncs[i][2])[k].bytes
                        * (1.0 if per_layer[i] else graph.weight(syncs[i][0])) for i in bucket)
             out.append(PricedCollective(src=first_g, dst=first_g, kind=step.kind, axis=step.axis,
                                         bytes=int(size), weight=weight, gradient_sync=True))
@@ -1082,7 +1083,7 @@ def _extract(graph: Graph, space, table: CostTable, red: Reduction, pricer: Resh
     sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
     shares = gradient_bucket_shares(graph, sync_items, pricer)
     for param, grad in syncs:
-        t = pricer.grad_sync_time(graph[grad].output, space[grad][pick[grad]].outputs[0],
+        t = pricer.grad_sync_time(graph.grad_meta(grad), space[grad][pick[grad]].outputs[0],
                                   space[param][pick[param]].update_placements, share=shares.get(grad)) or 0.0
         reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
     grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)

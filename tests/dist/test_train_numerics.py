@@ -139,7 +139,7 @@ def test_update_sharding_gathers_once_per_step_and_shrinks_the_optimizer_state(w
     """ZeRO-1 over dp4: the same global steps as dp4 (all-reduces become reduce-scatters,
     plus one all-gather of the updated weights per step, none per microbatch), and a
     quarter of dp4's optimizer state on every rank, its weights whole (4 + 4/4 bytes of
-    parameters per element: the compute copy and the update shard)."""
+    parameters per element: the compute copy and the update shard), each as priced."""
     per_rank, _ = world4[LLAMA]
     names = list(NAMES[LLAMA])
     for rank in range(4):
@@ -154,6 +154,12 @@ def test_update_sharding_gathers_once_per_step_and_shrinks_the_optimizer_state(w
         assert gathers[1] == dp4.parameter_bytes, gathers
         assert reductions[1] == dp4.gradient_bytes
         assert ("all_reduce", "dp") not in zero1.collectives or zero1.collectives[("all_reduce", "dp")][1] < 64
+        # and both match their price (fp32: the update shard and the compute copy, AdamW's
+        # moments on the shard; autopar.precision.Precision.state_bytes)
+        for result in (dp4, zero1):
+            weights, _, optimizer = result.priced_state
+            assert result.parameter_bytes == pytest.approx(weights, rel=1e-9)
+            assert result.optimizer_state_bytes == pytest.approx(optimizer, rel=1e-9)
 
 
 def test_zero_2_reduce_scatters_every_microbatch(world4):

@@ -38,6 +38,8 @@ CONFIG_FLAGS = (
     "--interleave VALUE",
     "--recompute {none,selective,full}",
     "--attention {flash,math}",
+    "--precision {fp32,bf16-mixed,bf16}",
+    "--reduce-dtype {float32,bfloat16}",
 )
 
 # "autopar" is the top-level parser (flags before the subcommand).
@@ -74,6 +76,8 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--time-limit VALUE",
         "--min-pp VALUE (default 1)",
         "--max-pp VALUE",
+        "--precision {fp32,bf16-mixed,bf16}",
+        "--reduce-dtype {float32,bfloat16}",
     ),
     "explain": (
         "PLAN_JSON",

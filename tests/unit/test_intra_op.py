@@ -16,7 +16,8 @@ from autopar.cluster import Cluster
 from autopar.ir import DTYPE_BYTES, Graph, Phase, Role
 from autopar.placement import Partial, Replicate, Shard, local_shape
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution
-from autopar.trace import lower, trace
+from autopar.precision import policy
+from autopar.trace import lower, trace, with_precision
 from autopar.buckets import BUCKET_BYTES
 from cost_model.collectives import (all_gather_time_s, all_reduce_time_s, collective_latency_s, mesh_axis_links,
                                     reduce_scatter_time_s)
@@ -89,6 +90,19 @@ def _graph(module_fn, *shapes: tuple[int, ...]) -> Graph:
 @pytest.fixture(scope="module")
 def big_mlp() -> Graph:
     return _graph(lambda: MLP(1024, 4096), (65536, 1024), (65536, 1024))
+
+
+@pytest.fixture(scope="module")
+def big_mlp_bf16() -> Graph:
+    """`big_mlp` traced in bfloat16 under the bf16-mixed policy (the GPU profiles' default):
+    weights 2 bytes, gradients reduced in float32, master and moments float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        graph = _graph(lambda: MLP(1024, 4096), (65536, 1024), (65536, 1024))
+    finally:
+        torch.set_default_dtype(previous)
+    return with_precision(graph, policy("bf16-mixed"))
 
 
 def _dp_closed_form(graph: Graph, cluster: Cluster, n: int) -> float:
@@ -211,16 +225,20 @@ def test_mlp_under_memory_budget_is_fsdp(big_mlp: Graph) -> None:
     assert sol.cost.total_s > dp.cost.total_s
 
 
-def test_mlp_under_memory_budget_shards_the_weight_update(big_mlp: Graph) -> None:
-    """The same budget with weight-update sharding in the space. Forced to keep the weights
-    whole and shard their update over the 8 ranks (ZeRO-1: 4 + 12/8 bytes per element, not
-    16), the plan pays per step one reduce-scatter of each gradient and one all-gather of
-    the updated weights (closed form below), which costs less than FSDP's gathers per use;
-    the free ILP finds that price: a weight read in the forward and the backward takes
-    ZeRO-1 (one gather per step, not two), the first layer's weight (read in the forward
-    only: one gather either way) ties with FSDP."""
+def test_mlp_under_memory_budget_shards_the_weight_update(big_mlp_bf16: Graph) -> None:
+    """A budget below DP's peak by half its model state, with weight-update sharding in the
+    space, under bf16-mixed (18 bytes per element replicated: bf16 weight, fp32 master,
+    gradient and two moments). Forced to keep the weights whole and shard their update over
+    the 8 ranks (ZeRO-1: the bf16 weight and the fp32 raw gradient whole, 2 + 4 bytes, the
+    master and moments sharded, 12/8), the plan pays per step one reduce-scatter of each
+    gradient (float32: the policy's reduction dtype) and one all-gather of the updated
+    weights (bfloat16: the master shard is cast, then gathered; closed form below), which
+    costs less than FSDP's gathers per use and than DP's float32 all-reduce; the free ILP finds that price: a weight read in
+    the forward and the backward takes ZeRO-1 (one gather per step, not two), the first
+    layer's weight (read in the forward only: one gather either way) ties with FSDP."""
+    big_mlp = big_mlp_bf16
     dp = _data_parallel(big_mlp)
-    replicated_state = sum(16 * big_mlp[p].output.numel for p, _ in big_mlp.param_grads)
+    replicated_state = sum(18 * big_mlp[p].output.numel for p, _ in big_mlp.param_grads)
     budget = dp.cost.peak_memory_bytes - replicated_state / 2
     fsdp = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget, keep_update=_update_in_place)
     sol = solve_intra_op(big_mlp, H100x8, (8,), memory_budget_bytes=budget,
@@ -234,18 +252,24 @@ def test_mlp_under_memory_budget_shards_the_weight_update(big_mlp: Graph) -> Non
         layer = big_mlp[param].layer
         layer_bytes[layer] = layer_bytes.get(layer, 0) + big_mlp[param].output.size_bytes
     expected_comm = 0.0
-    for param, _grad in big_mlp.param_grads:
+    for param, grad in big_mlp.param_grads:
         choice = sol.choice(param)
         assert isinstance(choice.update[0], Shard), (choice.outputs, choice.update)
         size = big_mlp[param].output.size_bytes
-        assert choice.memory_bytes == pytest.approx(big_mlp[param].output.numel * (4 + 12 / 8))
-        expected_comm += _bucketed(reduce_scatter_time_s, "reduce_scatter", size, link) + _bucket_copy(size, H100x8)
+        grad_size = 4 * big_mlp[grad].output.numel
+        assert size == 2 * big_mlp[param].output.numel
+        assert choice.memory_bytes == pytest.approx(big_mlp[param].output.numel * (2 + 4 + 12 / 8))
+        expected_comm += _bucketed(reduce_scatter_time_s, "reduce_scatter", grad_size, link) \
+            + _bucket_copy(grad_size, H100x8)
         share = size / layer_bytes[big_mlp[param].layer]
         expected_comm += all_gather_time_s(size, link) - gather_latency + gather_latency * share \
             + _bucket_copy(size, H100x8) * (1 + 1 / 8)
     assert sol.cost.reshard_s == pytest.approx(expected_comm, rel=1e-9)
     assert sol.cost.peak_memory_bytes <= budget
-    assert dp.cost.total_s < sol.cost.total_s < fsdp.cost.total_s
+    # cheaper than FSDP (one gather per step, not one per use), and under bf16-mixed cheaper
+    # than DP too: DP's all-reduce moves the fp32 gradient twice (a reduce-scatter and an
+    # all-gather of fp32), ZeRO-1 gathers the bf16 weights
+    assert sol.cost.total_s < dp.cost.total_s < fsdp.cost.total_s
     once = sorted((c.kind, c.bytes) for c in sol.collectives if c.gradient_sync)
     gathers = [("all_gather", nbytes) for nbytes in layer_bytes.values()]
     assert once == sorted([("reduce_scatter", 16 * 2**20)] * 2 + gathers)

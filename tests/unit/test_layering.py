@@ -72,7 +72,7 @@ FLOW = tuple(STAGE_MODULES)
 # only that; the tracer and the runtime read its layer stack and pipeline cut).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
           "autopar.plan", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
-          "autopar.capabilities", "autopar.units", "autopar.batch")
+          "autopar.capabilities", "autopar.units", "autopar.batch", "autopar.precision")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
 # itself: the public surface re-exports (matched exactly, not as a prefix).

@@ -68,10 +68,10 @@ def test_a_zero_2_candidate_is_labelled_and_priced_as_searched(capsys) -> None:
     """The one-stage search's ZeRO-2 alternative (solver/spmd_search.py solve_candidate, tried
     where memory pushed the ILP to ZeRO-3 weights): its solution syncs every microbatch, its
     label says zero 2, and `autopar price` with the flags the search prints reproduces it."""
-    from autopar.api import LAYERS_TRACED, search_dtype
+    from autopar.api import LAYERS_TRACED
     from autopar.cluster import Cluster
     from autopar.models import resolve
-    from autopar.trace import trace_model
+    from autopar.trace import search_dtype, trace_model
     from solver.search import Ranked
     from solver.spmd_search import SpmdCandidate, solve_candidate, zero_is_uniform
 
