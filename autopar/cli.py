@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-if-exists", action="store_true",
                    help="as --resume when a checkpoint exists, else train from step 1 (a job that may be restarted)")
     p.add_argument("--lr", type=_positive_float, default=1e-3)
-    p.add_argument("--compile", action="store_true", help="pass stage programs through torch.compile")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the per-rank graphs with Inductor (not built yet: exits 2)")
 
     p = sub.add_parser("calibrate", help="measure this machine's GEMM and gloo rates for the cpu profile")
     p.add_argument("--devices", type=_positive_int, default=2)

@@ -58,6 +58,10 @@ LOSS_RTOL_BF16 = 2e-3
 differ by more)."""
 
 
+NOT_COMPILED = ("--compile: compiling the per-rank graphs with Inductor is not built yet; drop --compile (the "
+                "program runs eagerly)")
+
+
 def loss_rtol(config: ParallelConfig) -> float:
     """The `--check` tolerance of a run of `config` on this machine's CPU ranks."""
     return LOSS_RTOL_BF16 if config.policy().compute == "bfloat16" else LOSS_RTOL
@@ -153,6 +157,8 @@ def _tokens_per_step(job: TrainJob) -> tuple[int, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compile:
+        raise ValueError(NOT_COMPILED)
     resume = args.resume or args.resume_if_exists
     if (args.save_every or resume) and not args.checkpoint_dir:
         flag = "--save-every" if args.save_every else "--resume" if args.resume else "--resume-if-exists"

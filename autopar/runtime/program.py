@@ -187,7 +187,13 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     `fused_kernels` (default: on where CUDA is present) swaps the zoo's norms and MLP
     activations for the fused Triton ops of codegen/kernels before sharding; parameter
     names and values are unchanged, so plans and checkpoints do not notice. Not with
-    tp > 1 (the fused ops have no DTensor sharding rules yet)."""
+    tp > 1 (the fused ops have no DTensor sharding rules yet).
+
+    `compile_stages=True` (Inductor on the per-rank graphs) is refused with what to do: it
+    is not built yet, and a program that silently ran eagerly would be priced as compiled."""
+    if compile_stages:
+        raise ValueError("compile_stages=True: compiling the per-rank graphs with Inductor is not built yet; "
+                         "leave compile_stages unset (the program runs eagerly)")
     if config.pp == 1:
         from autopar.runtime.spmd import build_spmd_program
 

@@ -298,10 +298,9 @@ class SpmdProgram:
 
     def priced_state_bytes(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes this rank's parameters are priced at:
-        the precision policy's `state_bytes` (what cost_model.parameter_state_bytes charges)
-        at each parameter's compute and update placements
-        under the graph's precision policy, a tied alias counted once (what the ILP's memory
-        rows charge). The weights and optimizer state are what `last_stats` measures from the
+        the graph's precision policy's `state_bytes` (what cost_model.parameter_state_bytes
+        charges in the ILP's memory rows) at each parameter's compute and update placements,
+        a tied alias counted once. The weights and optimizer state are what `last_stats` measures from the
         master weights, the compute copies and the optimizer's tensors; the gradients are the
         raw ones accumulated over the microbatches (`last_stats` counts them once synced)."""
         from autopar.placement import shard_factor

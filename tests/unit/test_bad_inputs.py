@@ -118,6 +118,8 @@ CLI_CASES = [
     ("--save-every without a directory", ["train", G, "--devices", "2", "--save-every", "2"],
      "--save-every needs --checkpoint-dir D"),
     ("--resume without a directory", ["train", G, "--devices", "2", "--resume"], "--resume needs --checkpoint-dir"),
+    ("--compile, not built yet", ["train", G, "--devices", "2", "--compile"],
+     "compiling the per-rank graphs with Inductor is not built yet"),
     ("missing plan file", ["explain", "/nonexistent/plan.json"], "write one with `autopar search ... --out"),
 ]
 
