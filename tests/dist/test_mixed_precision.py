@@ -69,11 +69,17 @@ def test_losses_match_the_bf16_mixed_reference_and_follow_fp32(runs, model, conf
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("model", MODELS)
-def test_collectives_move_the_bytes_the_policy_prices(runs, model, config):
+def test_price_equals_run_on_collectives_and_memory(runs, model, config):
+    """On every rank: the collectives run per step (kind, axis, count, bytes) are those the
+    ILP priced, and the weights (master plus compute copies) and AdamW's state, measured
+    from the tensors, are their priced bytes."""
     per_rank, _, _ = runs[model]
     for r in per_rank:
         result = r[list(CONFIGS).index(config)]
         assert result.priced and result.collectives == result.priced
+        weights, _, optimizer = result.priced_state
+        assert result.parameter_bytes == pytest.approx(weights, rel=1e-3)
+        assert result.optimizer_state_bytes == pytest.approx(optimizer, rel=1e-3)
 
 
 def test_zero_1_reduces_fp32_gradients_and_gathers_bf16_weights(runs):
@@ -84,17 +90,6 @@ def test_zero_1_reduces_fp32_gradients_and_gathers_bf16_weights(runs):
     got = per_rank[0][list(CONFIGS).index("dp4-zero1")].collectives
     (_, scattered), (_, gathered) = got[("reduce_scatter", "dp")], got[("all_gather", "dp")]
     assert scattered == 2 * gathered
-
-
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("model", MODELS)
-def test_weights_and_optimizer_state_match_their_price(runs, model, config):
-    per_rank, _, _ = runs[model]
-    for r in per_rank:
-        result = r[list(CONFIGS).index(config)]
-        weights, _, optimizer = result.priced_state
-        assert result.parameter_bytes == pytest.approx(weights, rel=0.02)
-        assert result.optimizer_state_bytes == pytest.approx(optimizer, rel=0.02)
 
 
 def test_master_weights_are_fp32_and_compute_copies_bf16():
