@@ -266,8 +266,10 @@ class Graph:
         in the precision policy's reduction dtype (ModelInfo.precision; float32 where a
         bf16-mixed step computes it in bfloat16). Every price of a gradient's accumulation
         and sync reads this, as the program's gradient buckets are (codegen/apply.py)."""
+        from autopar.precision import unrecorded_dtype
+
         meta = self[grad].output
-        reduce = self.model.reduce_dtype or ("float64" if self.model.dtype == "float64" else "float32")  # of_model's
+        reduce = self.model.reduce_dtype or unrecorded_dtype(self.model.dtype)
         if meta.dtype == reduce or meta.dtype not in ("float32", "bfloat16", "float16", "float64"):
             return meta
         return replace(meta, dtype=reduce)

@@ -136,9 +136,15 @@ def default_policy(hardware: str) -> str:
     return "fp32" if hardware.startswith("cpu") else "bf16-mixed"
 
 
+def unrecorded_dtype(dtype: str) -> str:
+    """The master and reduction dtype of a step traced in `dtype` whose graph records none:
+    float32 (the default of both named policies of a float32 or bfloat16 trace); a float64
+    trace keeps float64."""
+    return dtype if dtype == "float64" else "float32"
+
+
 def of_model(dtype: str, master_dtype: str = "", reduce_dtype: str = "") -> Precision:
     """The policy a traced graph runs under (its `ModelInfo` fields): the trace's dtype is the
-    compute dtype; where master and reduction dtypes were not recorded, float32 (the
-    default of both named policies of that compute dtype; a float64 trace keeps float64)."""
-    wide = dtype if dtype == "float64" else "float32"
+    compute dtype; master and reduction dtypes as recorded, else `unrecorded_dtype`."""
+    wide = unrecorded_dtype(dtype)
     return Precision(compute=dtype, master=master_dtype or wide, reduce=reduce_dtype or wide)

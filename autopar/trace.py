@@ -363,16 +363,6 @@ def _sdpa_backends() -> list[Any]:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def search_dtype(cluster: Any, precision: str = "", reduce_dtype: str = "") -> str:
-    """The dtype a zoo model is traced in for a search on `cluster`: the compute dtype of the
-    precision policy (autopar/precision.py; "" is the cluster's default: float32 on the cpu
-    profile, bfloat16 elsewhere). A plan's per-op placements are keyed by nodes that hash it,
-    so every re-trace of a searched plan (codegen/emit.py) uses this too."""
-    from autopar.precision import default_policy, policy
-
-    return policy(precision or default_policy(cluster.hardware.name), reduce_dtype).compute
-
-
 def with_precision(graph: Graph, precision: Any) -> Graph:
     """`graph` recording the master and reduction dtypes of `precision` (an
     autopar.precision.Precision whose compute dtype is the graph's): what the cost model

@@ -71,7 +71,7 @@ def test_a_zero_2_candidate_is_labelled_and_priced_as_searched(capsys) -> None:
     from autopar.api import LAYERS_TRACED
     from autopar.cluster import Cluster
     from autopar.models import resolve
-    from autopar.trace import search_dtype, trace_model
+    from autopar.trace import trace_model
     from solver.search import Ranked
     from solver.spmd_search import SpmdCandidate, solve_candidate, zero_is_uniform
 
@@ -79,8 +79,8 @@ def test_a_zero_2_candidate_is_labelled_and_priced_as_searched(capsys) -> None:
     cluster = Cluster.parse("cpu:4")
 
     def trace_at(rows: int, recompute: str = "none"):
-        return trace_model(resolve(spec), batch=rows, dtype=search_dtype(cluster), layers_traced=LAYERS_TRACED,
-                           recompute=recompute)
+        dtype = autopar.ParallelConfig().policy(cluster.hardware.name).compute  # the search's
+        return trace_model(resolve(spec), batch=rows, dtype=dtype, layers_traced=LAYERS_TRACED, recompute=recompute)
 
     cand = SpmdCandidate(mesh=(4, 1), microbatch=4, num_microbatches=2)
     solved = solve_candidate(trace_at, cand, cluster, 8, graphs={}, time_limit_s=None, zero=2)
