@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
         print(f"  phases: {phases}")
         print(f"  space: {s.num_candidates} candidates, {s.num_priced} solved, {s.num_pruned_dominated} pruned by "
-              f"the lower bound, {s.num_not_fitting} without a fitting plan")
+              f"a bound or by dominance, {s.num_not_fitting} without a fitting plan")
         print(f"  best: {describe_config(plan.config, plan.stage_layers, batch)}: predicted step "
               f"{plan.predicted.step_time_s:.3f} s, MFU {plan.predicted.mfu:.1%}, peak "
               f"{plan.predicted.peak_memory_bytes / 2**30:.1f} GiB")

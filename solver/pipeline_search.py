@@ -23,7 +23,7 @@ each uniform option (one submesh, ZeRO and recompute for every stage: what the r
 builds today).
 
 Speed (branch and bound): each candidate (pp, g) gets a lower bound from one reference
-trace at the largest microbatch (stage_costs.lower_bound_s: every op's FLOPs and bytes
+trace at half the global batch (stage_costs.lower_bound_s: every op's FLOPs and bytes
 split perfectly, no communication; for a pipeline m S / p with S the per-microbatch
 bound of the whole model on D devices, plus the optimizer over P / N parameters).
 Candidates are solved in bound order; the search stops once the next bound reaches the
@@ -33,6 +33,21 @@ when its memory lower bound (stage_costs.memory_lower_bound_bytes, per policy) i
 the budget, nor when the same mesh and microbatch with less recomputation fit or lost on
 its LP bound (dominance: recomputation only adds forward compute; the one assumption
 here that is not exact, as a memory-bound layout could cost more than recomputing).
+
+Microbatch dominance: once a one-stage candidate (mesh, g) is solved to optimality, or
+lost on its LP bound, and no plan of it can reach the memory budget (its traced step with
+every tensor whole fits: each ILP memory row counts a tensor at most whole), a smaller
+microbatch g' dividing g on the same mesh and policy is not solved. Any plan P at g'
+(m' = G / g' microbatches) runs at g too (a batch split that divides g' divides g), and
+the cost model is sub-additive in the batch (a kernel's or collective's time is a fixed
+part plus parts linear in its sizes, wave counts ceil(k x) <= k ceil(x)), so
+m c(P, g) + S(P) + A(m) <= m' c(P, g') + S(P) + A(m') (S: the once-per-step terms, A: the
+accumulation, growing with the count): the optimum at g is at least as fast. By the same
+argument a mesh on which g has no plan for a reason other than memory (no placement keeps
+the batch split there: solver/intra_op/ilp.py prune_gather_free) has none at g' either,
+so g' is not solved. What this assumes: the step traced at g' is the one at g with a smaller batch (a model that branches
+on its batch size may trace differently). On an 83k-parameter LSTM on cpu:4 it skips the
+traces and solves of every smaller microbatch (bench_search.py --only small).
 """
 
 from __future__ import annotations
@@ -127,6 +142,21 @@ def _over_memory(graph: Graph, cluster: Cluster) -> bool:
     memory-bound candidates it equalled the ILP's smallest need (81.23 GiB) and it saves
     each a solve (5 s or more where the relaxation struggles)."""
     return memory_lower_bound_bytes(graph, cluster.num_devices) > cluster.device_memory_bytes * (1 + 1e-9)
+
+
+def _note_unbound(unbound: dict[tuple[tuple[int, int], str], list[int]], cand: SpmdCandidate, graph: Graph,
+                  cluster: Cluster) -> None:
+    """Record `cand`'s microbatch for microbatch dominance (module docstring) when no plan
+    of `graph` can reach the memory budget: its largest ILP memory row with every tensor
+    whole (memory_lower_bound_bytes on one device) fits."""
+    if memory_lower_bound_bytes(graph, 1) <= cluster.device_memory_bytes:
+        unbound.setdefault((cand.mesh, cand.recompute), []).append(cand.microbatch)
+
+
+def _dominated(unbound: dict[tuple[tuple[int, int], str], list[int]], cand: SpmdCandidate) -> bool:
+    """Microbatch dominance (module docstring): a larger microbatch that `cand`'s divides
+    was settled on the same mesh and policy where memory could not bind."""
+    return any(g > cand.microbatch and g % cand.microbatch == 0 for g in unbound.get((cand.mesh, cand.recompute), ()))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -581,7 +611,12 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     # memory bound are solved (vs_hand_tuned.py found the three largest all over memory while
     # a smaller one fit and won)
     graphs: dict[Any, Graph] = {}
-    ref_g = 1  # the bounds scale a one-sequence trace (stage_costs.lower_bound_s)
+    # the bounds scale one reference trace and the line to its double (stage_costs
+    # lower_bound_s, memory_lower_bound_bytes: linear in the rows, so any reference
+    # serves): half the global batch, so that the pair is the two largest one-stage
+    # microbatches, traced for their solves anyway (a model traced per microbatch pays for
+    # no trace only the bounds read)
+    ref_g = global_batch // 2 if global_batch % 2 == 0 else 1
     ref = traced(graphs, trace_at, ref_g)
     spmd = [c for c in spmd_candidates(cluster, global_batch, global_batch, heads=ref.model.heads,
                                        kv_heads=ref.model.kv_heads)
@@ -658,6 +693,10 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
     settled: dict[tuple[tuple[int, int], int], int] = {}
     """(mesh, microbatch) -> the least recompute policy (index) at which a one-stage
     candidate fit or lost on its LP bound."""
+    unbound: dict[tuple[tuple[int, int], str], list[int]] = {}
+    """(mesh, recompute) -> microbatches solved to optimality (or lost on their LP bound)
+    that no plan could take over the memory budget, or without any plan for a reason other
+    than memory (microbatch dominance, module docstring)."""
     complete = True
     reasons: list[str] = []  # why a fixed configuration's ILP found no plan
     for idx, (lb, _i, cand) in enumerate(queue):
@@ -679,6 +718,9 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             # bound already lost; recomputation only adds forward compute (module docstring)
             pruned_dominated += 1
             continue
+        if isinstance(cand, SpmdCandidate) and _dominated(unbound, cand):
+            pruned_dominated += 1
+            continue
         if progress:
             progress("solve", idx, len(queue))
         solved_count += 1
@@ -687,6 +729,7 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
             not_fit += 1
             continue
         if isinstance(cand, SpmdCandidate):
+            reasons_before, smallest_before = len(reasons), len(smallest)
             try:
                 s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs,
                                     time_limit_s=cache.time_limit_s, smallest=smallest,
@@ -698,11 +741,17 @@ def search(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str
                          cand.num_microbatches)
                 pruned_lp += 1
                 settled.setdefault((cand.mesh, cand.microbatch), RECOMPUTE.index(cand.recompute))
+                _note_unbound(unbound, cand, traced(graphs, trace_at, cand.microbatch, cand.recompute), cluster)
                 continue
             if s is None or not s.estimate.fits:
                 not_fit += 1
+                if s is None and len(reasons) > reasons_before and len(smallest) == smallest_before:
+                    # no plan, and not for memory (a memory-bound failure says the smallest need)
+                    unbound.setdefault((cand.mesh, cand.recompute), []).append(cand.microbatch)
                 continue
             settled.setdefault((cand.mesh, cand.microbatch), RECOMPUTE.index(cand.recompute))
+            if s.solution.status == "optimal":
+                _note_unbound(unbound, cand, s.graph, cluster)
             e = s.estimate
             label = describe_config(replace(cand.config, zero=dict(e.config)["zero"]), (L,), global_batch)
             entries.append(_Entry(step_time_s=e.step_time_s, peak_memory_bytes=int(e.peak_memory_bytes),

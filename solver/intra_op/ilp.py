@@ -199,8 +199,15 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
     (32, 4) goes from 20054 ILP variables to 1750. reduce_graph's follow-the-producer
     reduction may then tie more pointwise ops to their producer, so the optimum can move a
     little (13 stage ILPs checked: 10 the same, 3 within 0.3% above). Returns `space` itself
-    when nothing is pruned or a node would be left with none (the ILP then says why it is
-    infeasible).
+    when nothing is pruned.
+
+    A node left with no strategy proves the configuration has no plan: every strategy it
+    has needs an input layout that no remaining producer choice reaches without the
+    forbidden gather (the edges the ILP forbids, and a multi-output op's getitem reads its
+    result as produced). InfeasiblePlanError then names the node and its module, without
+    building the ILP: an LSTM's input projection flattens (time, batch) with batch inner,
+    which DTensor cannot keep split by batch, and its dp candidates cost 1-5 s of ILP
+    build and solve each to say so.
 
     `memo` (one search's, for spaces it shares between solves): the pass reads only the
     strategies of nodes not derived from parameters, and only which collective kinds on
@@ -220,6 +227,8 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
                      for i, options in enumerate(space.strategies)))
         if key in memo:
             kept_hit = memo[key][0]
+            if isinstance(kept_hit, InfeasiblePlanError):
+                raise InfeasiblePlanError(str(kept_hit))
             if kept_hit is None:
                 return space
             return StrategySpace(mesh_shape=mesh, strategies=tuple(
@@ -287,10 +296,10 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
             if len(alive) == len(kept[v]):
                 continue
             if not alive:
-                log.debug("prune_gather_free: node %d (%s) would keep no strategy; nothing pruned", v, node.op)
+                blocked = _no_split_error(graph, node, gather_free_axes, mesh)
                 if key is not None:
-                    memo[key] = (None, space.strategies)  # the lists stay alive: their ids key the memo
-                return space
+                    memo[key] = (blocked, space.strategies)  # the lists stay alive: their ids key the memo
+                raise blocked
             alive_set = set(alive)
             for n in twins.get(v, [v]):  # layer-shared nodes take one choice together
                 kept[n] = [j for j in kept[n] if j in alive_set]
@@ -304,6 +313,23 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
     return StrategySpace(mesh_shape=mesh, strategies=tuple(tuple(options[j] for j in k)
                                                            for k, options in zip(kept, space.strategies)),
                          fallback_ops=space.fallback_ops, follows=space.follows)
+
+
+def _no_split_error(graph: Graph, node: Node, gather_free_axes: tuple[int, ...],
+                    mesh: tuple[int, ...]) -> InfeasiblePlanError:
+    """What prune_gather_free found: `node` cannot consume its inputs as they stay split on
+    the data-parallel axes `gather_free_axes` of `mesh`."""
+    where = f" in {node.module_path}" if node.module_path else ""
+    shapes = ", ".join(str(tuple(graph[u].output.shape)) for u in dict.fromkeys(node.inputs)
+                       if len(graph[u].outputs) == 1)
+    axes = ", ".join(f"axis {a} ({mesh[a]} devices)" for a in gather_free_axes)
+    return InfeasiblePlanError(
+        f"{graph.model.name} has no plan on mesh {mesh} with its batch split over {axes}: "
+        f"node {node.id} ({node.op}{where}, inputs {shapes}) has no DTensor strategy that keeps its input split "
+        f"there, and gathering an activation on a data-parallel axis is not a plan (every device would compute "
+        f"the same rows). A reshape that merges the batch dim into a dim in front of it (time-major recurrent "
+        f"layers, a transpose before a flatten) is the usual cause. Use a smaller dp (the search tries the "
+        f"others), or keep the batch dim outermost before such a reshape")
 
 
 def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:

@@ -5,6 +5,7 @@ as runners-up with their reason, and a pipeline plan round-trips and explains pe
 from __future__ import annotations
 
 import pytest
+import torch
 
 import cost_model
 
@@ -350,3 +351,89 @@ def test_a_stage_pushed_to_zero_3_is_also_solved_under_zero_2():
     assert plan.predicted.fits
     assert plan.config.zero == best
     assert plan.predicted.step_time_s == pytest.approx(alone[best].step_time_s, rel=1e-9)
+
+
+class _Tokens(torch.nn.Module):
+    """A projection, a nonlinearity and a head over (batch, time, 16) inputs; `time_major`
+    runs them on (time, batch, 16), as an RNN layer does: nn.Linear then flattens
+    (time, batch) with the batch dim inner, which DTensor cannot keep split by batch."""
+
+    def __init__(self, time_major: bool) -> None:
+        super().__init__()
+        self.time_major = time_major
+        self.proj = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x.transpose(0, 1) if self.time_major else x))
+        logits = self.head(h.transpose(0, 1) if self.time_major else h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _tokens_batch(rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(rows, 6, 16, generator=gen), torch.randint(0, 8, (rows, 6), generator=gen)
+
+
+def test_a_batch_split_no_op_can_keep_is_infeasible_before_the_ilp(monkeypatch):
+    """The gather-free pruning proves a data-parallel mesh infeasible when a node keeps no
+    strategy, names that node, and agrees with the ILP built without the pruning."""
+    from autopar.config import ParallelConfig
+    from autopar.sharding import InfeasiblePlanError
+    from autopar.trace import trace_step
+    from solver import forced
+    from solver.intra_op import ilp
+
+    torch.manual_seed(0)
+    graph = trace_step(_Tokens(time_major=True), _tokens_batch())[1]
+    cluster = Cluster.parse("cpu:4")
+    config = ParallelConfig(dp=4)
+    with pytest.raises(InfeasiblePlanError, match=r"no plan on mesh \(4, 1\) with its batch split over axis 0 "
+                                                  r"\(4 devices\): node \d+ \(aten\.") as pruned:
+        forced.solve_one_stage(graph, config, cluster, num_microbatches=1)
+    assert "proj" in str(pruned.value) and "batch dim outermost" in str(pruned.value)
+    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None: space)
+    with pytest.raises(InfeasiblePlanError, match="No placement of"):
+        forced.solve_one_stage(graph, config, cluster, num_microbatches=1)
+    # the batch-outer model has its data-parallel plan
+    graph = trace_step(_Tokens(time_major=False), _tokens_batch())[1]
+    monkeypatch.undo()
+    assert forced.solve_one_stage(graph, config, cluster, num_microbatches=1).status == "optimal"
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_smaller_microbatches_are_dominated_where_memory_cannot_bind(monkeypatch, time_major):
+    """Microbatch dominance (pipeline_search's docstring): with the memory budget out of
+    reach, a smaller microbatch on a mesh already solved (or proven without a plan) is not
+    solved, and the search returns the plan it returns when it solves every one."""
+    from autopar.api import search_plans
+
+    def run():
+        torch.manual_seed(0)
+        return search_plans(_Tokens(time_major), "cpu:4", example_inputs=_tokens_batch(), global_batch=8,
+                            top=1)
+
+    fast = run()
+    with monkeypatch.context() as m:
+        m.setattr(pipeline_search, "_dominated", lambda unbound, cand: False)
+        every = run()
+    assert fast.plan.config == every.plan.config
+    assert fast.plan.predicted.step_time_s == pytest.approx(every.plan.predicted.step_time_s, rel=1e-9)
+    assert fast.plan.search.num_priced < every.plan.search.num_priced
+    # a budget the whole step could reach: no microbatch is dominated
+    tight = Cluster.parse("cpu:4")
+    tight = Cluster(**{**{f: getattr(tight, f) for f in tight.__dataclass_fields__}, "memory_limit_bytes": 1})
+    unbound: dict = {}
+    cand = pipeline_search.SpmdCandidate(mesh=(4, 1), microbatch=8, num_microbatches=1)
+    graph = _trace_tokens(8)
+    pipeline_search._note_unbound(unbound, cand, graph, tight)
+    assert unbound == {}
+    pipeline_search._note_unbound(unbound, cand, graph, Cluster.parse("cpu:4"))
+    assert unbound == {((4, 1), "none"): [8]}
+
+
+def _trace_tokens(rows: int):
+    from autopar.trace import trace_step
+
+    torch.manual_seed(0)
+    return trace_step(_Tokens(time_major=False), _tokens_batch(rows))[1]
