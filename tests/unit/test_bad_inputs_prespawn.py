@@ -66,7 +66,8 @@ CASES = [
      "VectorLoss.forward returned a tensor of shape (2,), not a scalar loss"),
     ("a forced configuration no placement obeys",
      lambda tmp: ["train", "tests.factories:small_lstm", "--devices", "4", "--tp", "2", "--dp", "2"],
-     "the configuration dp=2 tp=2 (given by --tp --dp) cannot run tests.factories:small_lstm: No placement"),
+     "the configuration dp=2 tp=2 (given by --tp --dp) cannot run tests.factories:small_lstm: SmallLSTM has no plan "
+     "on mesh (2, 2) with its batch split over axis 0"),
     ("the default configuration (dp over every device) for a model BatchNorm keeps whole",
      lambda tmp: ["train", "tests.factories:batchnorm_cnn", "--devices", "4"],
      "(the default for --devices 4: data parallel over every device) cannot run"),
