@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.profiler import record_function
 
 from autopar.batch import batch_size, rows as batch_rows, tensors as tensor_leaves
 from autopar import dtensor_bridge as bridge
@@ -196,23 +197,30 @@ class SpmdProgram:
         m = size // rows
         raw: list[torch.Tensor] | None = None
         loss_sum = torch.zeros(())
+        # the step's phases, named in profiler traces (torch.profiler; benchmarks/explain_gap.py)
         with torch.no_grad():
             for i in range(m):
-                micro = tensor_leaves(batch_rows(batch, i * rows, (i + 1) * rows, size))
-                outs = self.graphs.step(*self._inputs(micro, 1.0 / m))
-                loss_sum += outs[0].detach().float()
-                updated = len(self.graphs.buffer_updates)
-                grads = list(outs[1:len(outs) - updated])
-                self._write_buffers(outs[len(outs) - updated:])
-                raw = accumulate(raw, grads, self._input_storages, self.reduce_dtype)
+                with record_function("autopar::microbatch"):
+                    micro = tensor_leaves(batch_rows(batch, i * rows, (i + 1) * rows, size))
+                    outs = self.graphs.step(*self._inputs(micro, 1.0 / m))
+                    loss_sum += outs[0].detach().float()
+                    updated = len(self.graphs.buffer_updates)
+                    grads = list(outs[1:len(outs) - updated])
+                    self._write_buffers(outs[len(outs) - updated:])
+                with record_function("autopar::accumulate"):
+                    raw = accumulate(raw, grads, self._input_storages, self.reduce_dtype)
             grads, outs = None, None
-            grad_bytes = self.set_gradients(raw)  # empties `raw`
+            with record_function("autopar::grad_sync"):
+                grad_bytes = self.set_gradients(raw)  # empties `raw`
             raw = None
-        loss = self._global_loss(loss_sum / m)
+        with record_function("autopar::loss_report"):
+            loss = self._global_loss(loss_sum / m)
         from autopar.runtime.program import optimizer_update
 
-        optimizer_update(self, loss)
-        self.gather_weights()
+        with record_function("autopar::optimizer"):
+            optimizer_update(self, loss)
+        with record_function("autopar::gather_weights"):
+            self.gather_weights()
         self.last_stats = self._stats(grad_bytes)
         return loss
 

@@ -70,7 +70,10 @@ def _worker(rank: int, ckpt_dir: str) -> dict:
     torch.manual_seed(0)
     user = ap_compile(TwoLayer(), 4, example_inputs=_data(), loss_fn=nn.functional.mse_loss,
                       optimizer=functools.partial(torch.optim.SGD, lr=0.1), config=ParallelConfig(dp=4, zero=3))
-    user_losses = [user.step(_data()) for _ in range(3)]
+    user_losses = [user.step(_data()) for _ in range(2)]
+    with torch.profiler.profile() as prof:  # the step's phases are named in profiler traces
+        user_losses.append(user.step(_data()))
+    phases = sorted({e.name for e in prof.events() if e.name.startswith("autopar::")})
     torch.manual_seed(0)
     user_tp = ap_compile(TwoLayer(), 4, example_inputs=_data(), loss_fn=nn.functional.mse_loss,
                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), config=ParallelConfig(tp=2, dp=2))
@@ -78,7 +81,7 @@ def _worker(rank: int, ckpt_dir: str) -> dict:
     tp_sharded = [n for n, p in user_tp.program.model.named_parameters()
                   if any(getattr(pl, "dim", None) is not None for pl in p.placements[1:])]
     return {"losses": losses, "counts": counts, "after": after, "user_losses": user_losses,
-            "user_tp_losses": user_tp_losses, "user_tp_sharded": tp_sharded}
+            "user_tp_losses": user_tp_losses, "user_tp_sharded": tp_sharded, "phases": phases}
 
 
 def test_compile_in_spawned_ranks(tmp_path):
@@ -107,3 +110,5 @@ def test_compile_in_spawned_ranks(tmp_path):
     ran, priced, code_has_collectives = r0["counts"]
     assert priced is not None and ran == priced and code_has_collectives
     assert any(axis == "tp" for _, axis in ran), ran
+    assert r0["phases"] == ["autopar::accumulate", "autopar::gather_weights", "autopar::grad_sync",
+                            "autopar::loss_report", "autopar::microbatch", "autopar::optimizer"]
