@@ -522,8 +522,7 @@ def _rank_measure(rank: int) -> dict[str, Any]:
     # 2-rank groups: every pair at once, each pair's timing windows opened and closed on its
     # own barrier. Tried and not kept: windows closed on the world barrier (all
     # ranks busy for the whole window) read a 4 KiB pair collective at 0.56-1.34 ms instead of
-    # 0.14-0.31, and the built-in profile measured so ranked the recorded CPU sweeps worse
-    # (benchmarks/records/README.md, fit_cpu_constants_contended_pairs).
+    # 0.14-0.31, and the built-in profile measured so ranked the recorded CPU sweeps worse.
     pair_sync = (lambda: dist.barrier(group=mine)) if mine is not None else None
     passes = [(n, None, barrier)] + ([(2, mine, pair_sync)] if n > 2 else [])  # n = 2: the pair is the world
     for size, group, sync in passes:

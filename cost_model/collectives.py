@@ -308,7 +308,7 @@ def loss_report_time_s(loss_placements: Placements, links: tuple[AxisLink, ...],
     4 KiB ones the ring's latency is measured on (`ring_hop_latency_s`): measured in place
     (S model, dp8 on 2 cores, the report skipped or issued once more in alternate rounds)
     the report cost 0.8-3 ms per step, where the ring's latency priced
-    it at 10.2 ms (benchmarks/records/scalar_all_reduce_2026-11-28.md)."""
+    it at 10.2 ms (benchmarks/probe_loss_report.py measures it)."""
     total = sum(all_reduce_time_s(LOSS_BYTES, link) for p, link in zip(loss_placements, links)
                 if isinstance(p, Partial))
     if world_link is not None:

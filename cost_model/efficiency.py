@@ -143,8 +143,7 @@ class Efficiency:
     Function around the per-rank graphs, the p2p messages' host work, the cold start of a
     graph call. Charged per dedicated core, x the ranks per core
     (`cost_model.pipeline_call_time_s`), on every stage of a pipeline (pp > 1) per
-    microbatch and chunk. Measured (benchmarks/records/pipeline_calls_2026-11-28.md, /tmp
-    probes, per-rank CPU and wall): S and M on 8 ranks, dp2 pp4 against dp4 pp2 (the same
+    microbatch and chunk. Measured (per-rank CPU and wall): S and M on 8 ranks, dp2 pp4 against dp4 pp2 (the same
     layer work in twice the stage calls) ran about 12 ms per step slower than priced on
     both: 0.7-1.6 ms of CPU per extra stage call (the extra nodes a stage graph has, its
     boundary clones and tangent product, are a few us); trivial stages through the same

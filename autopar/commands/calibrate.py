@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  gloo one-element all-reduce (a loss): {f.scalar_hop_latency_s * 1e6:.0f} us per ring step "
               "(gloo skips its ring's empty segments)")
     else:
-        print("  gloo one-element all-reduce: not measured (a calibration from before 2026-11-28): priced as the ring")
+        print("  gloo one-element all-reduce: not measured (a profile from an older calibrate): priced as the ring")
     print(f"profile '{hw.name}': cores_per_node {hw.cores_per_node}, busBW vs all-reduce: "
           + ", ".join(f"{k} x{v:.2f}" for k, v in hw.collective_bandwidth_scale))
     wait = dict(hw.efficiency).get("stage_collective_wait_s", 0.0)

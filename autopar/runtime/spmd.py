@@ -443,8 +443,7 @@ def release_build_memory(graphs: Any) -> None:
     it, and only collective nodes' values are read afterwards (codegen/apply.py
     `count_collectives`: price = run). FakeTensorMode's class-wide dispatch cache keeps an
     entry per traced op signature. Then collect: on the benchmark Llama (zero3 dp4) the
-    graphs' metadata alone was about 9 MiB of Python objects per rank
-    (benchmarks/records/per_op_memory_cpu.md).
+    graphs' metadata alone was about 9 MiB of Python objects per rank.
 
     The freed heap stays with the process (no `malloc_trim`): the first step allocates
     about as much again (optimizer state, small shards, the step's Python objects) and
@@ -503,7 +502,7 @@ def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_micr
     Why a child: the solve's own allocations (PuLP's model objects, HiGHS's native
     buffers, the allocator arenas they grow) stayed resident in rank 0 after the solve,
     and rank 0 alone solves, so it ran every step about 9-13 MiB above the other ranks on
-    the benchmark Llama (benchmarks/records/per_op_memory_cpu.md), and the per-rank peak
+    the benchmark Llama, and the per-rank peak
     is the max over ranks. A forked child shares the traced graph copy-on-write and gives
     everything back when it exits; only the solution (about 100 KB pickled) comes back.
     Where fork is unavailable (or the child cannot start) the solve runs in this process."""
