@@ -34,8 +34,8 @@ the budget, nor when the same mesh and microbatch with less recomputation fit or
 its LP bound (dominance: recomputation only adds forward compute; the one assumption
 here that is not exact, as a memory-bound layout could cost more than recomputing).
 
-Microbatch dominance: once a one-stage candidate (mesh, g) is solved to optimality, or
-lost on its LP bound, and no plan of it can reach the memory budget (its traced step with
+Microbatch dominance: once a one-stage candidate (mesh, g) is solved to optimality (within
+the ILP's relative gap, REL_GAP), or lost on its LP bound, and no plan of it can reach the memory budget (its traced step with
 every tensor whole fits: each ILP memory row counts a tensor at most whole), a smaller
 microbatch g' dividing g on the same mesh and policy is not solved. Any plan P at g'
 (m' = G / g' microbatches) runs at g too (a batch split that divides g' divides g), and
