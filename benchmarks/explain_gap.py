@@ -189,9 +189,10 @@ def _ops_below(ev: Any) -> float:
 
 
 def run_once(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+    from autopar.api import _cluster_of
     from autopar.runtime.launch import spawn
 
-    world = int(args.cluster.split(":")[1].split("x")[-1])
+    world = _cluster_of(args.cluster).num_devices
     results = spawn(_worker, world, (args.model, args.cluster, args.global_batch, plan.dumps(), args.warmup,
                                      args.steps), collective_timeout_s=300.0)
     names = list(results[0]["phases"])
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the fastest step (the CPU sweep's estimator, benchmarks/sweep_cpu.py): {fastest * 1e3:.2f} ms, "
           f"{fastest / predicted['step']:.2f} x predicted")
     print(f"the machine now runs the reference workload x{load:.2f} as slow as when the profile was calibrated "
-          f"(load factor, benchmarks/sweep_cpu.py): measured / (predicted x load) {step / predicted['step'] / load:.2f}")
+          f"(load factor, benchmarks/sweep_cpu.py): measured / (predicted x load) "
+          f"{step / predicted['step'] / load:.2f}")
     print(f"{'term':<12} {'predicted ms':>13} {'measured ms':>12} {'measured - predicted':>21}")
     ops = {name: statistics.median(r["ops"].get(name, 0.0) for r in runs) for name in runs[0]["ops"]}
     for t in TERMS:

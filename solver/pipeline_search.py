@@ -35,19 +35,20 @@ its LP bound (dominance: recomputation only adds forward compute; the one assump
 here that is not exact, as a memory-bound layout could cost more than recomputing).
 
 Microbatch dominance: once a one-stage candidate (mesh, g) is solved to optimality (within
-the ILP's relative gap, REL_GAP), or lost on its LP bound, and no plan of it can reach the memory budget (its traced step with
-every tensor whole fits: each ILP memory row counts a tensor at most whole), a smaller
-microbatch g' dividing g on the same mesh and policy is not solved. Any plan P at g'
-(m' = G / g' microbatches) runs at g too (a batch split that divides g' divides g), and
-the cost model is sub-additive in the batch (a kernel's or collective's time is a fixed
-part plus parts linear in its sizes, wave counts ceil(k x) <= k ceil(x)), so
-m c(P, g) + S(P) + A(m) <= m' c(P, g') + S(P) + A(m') (S: the once-per-step terms, A: the
-accumulation, growing with the count): the optimum at g is at least as fast. By the same
-argument a mesh on which g has no plan for a reason other than memory (no placement keeps
-the batch split there: solver/intra_op/ilp.py prune_gather_free) has none at g' either,
-so g' is not solved. What this assumes: the step traced at g' is the one at g with a smaller batch (a model that branches
-on its batch size may trace differently). On an 83k-parameter LSTM on cpu:4 it skips the
-traces and solves of every smaller microbatch (bench_search.py --only small).
+the ILP's relative gap, REL_GAP), or lost on its LP bound, and no plan of it can reach the
+memory budget (its traced step with every tensor whole fits: each ILP memory row counts a
+tensor at most whole), a smaller microbatch g' dividing g on the same mesh and policy is
+not solved. Any plan P at g' (m' = G / g' microbatches) runs at g too (a batch split that
+divides g' divides g), and the cost model is sub-additive in the batch (a kernel's or
+collective's time is a fixed part plus parts linear in its sizes, wave counts
+ceil(k x) <= k ceil(x)), so m c(P, g) + S(P) + A(m) <= m' c(P, g') + S(P) + A(m')
+(S: the once-per-step terms, A: the accumulation, growing with the count): the optimum at
+g is at least as fast. By the same argument a mesh on which g has no plan for a reason
+other than memory (no placement keeps the batch split there: solver/intra_op/ilp.py
+prune_gather_free) has none at g' either, so g' is not solved. What this assumes: the
+step traced at g' is the one at g with a smaller batch (a model that branches on its
+batch size may trace differently). On an 83k-parameter LSTM on cpu:4 it skips the traces
+and solves of every smaller microbatch (bench_search.py --only small).
 """
 
 from __future__ import annotations
