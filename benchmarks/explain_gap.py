@@ -91,8 +91,6 @@ def predicted_terms(model: str, cluster_spec: str, global_batch: int, plan: Any)
     from solver.spmd_search import SpmdCandidate, estimate
 
     config = plan.config
-    if config.pp != 1:
-        raise SystemExit(f"explain_gap prices one-stage plans; this plan has pp={config.pp}")
     cluster = _cluster_of(cluster_spec)
     named = config.resolved(cluster.hardware.name)
     policy = named.policy()
@@ -222,8 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     from autopar.api import search_plans
     from autopar.plan import Plan, describe_config
 
-    plan = Plan.load(args.plan) if args.plan else search_plans(args.model, args.cluster,
-                                                                global_batch=args.global_batch).plan
+    try:
+        plan = Plan.load(args.plan) if args.plan else search_plans(args.model, args.cluster,
+                                                                    global_batch=args.global_batch).plan
+    except (OSError, ValueError) as exc:
+        ap.error(f"{args.plan or args.model}: {exc}")
+    if plan.config.pp != 1:
+        ap.error(f"explain_gap prices one-stage plans; {args.plan or 'the searched plan'} has pp={plan.config.pp} "
+                 "(search with --max-pp 1, or give a one-stage plan)")
+    if args.runs < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error(f"--runs and --steps must be at least 1 and --warmup at least 0, got --runs {args.runs} "
+                 f"--steps {args.steps} --warmup {args.warmup}")
     label = describe_config(plan.config, plan.stage_layers, args.global_batch)
     predicted = predicted_terms(args.model, args.cluster, args.global_batch, plan)
     runs = [run_once(args, plan) for _ in range(args.runs)]

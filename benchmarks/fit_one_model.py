@@ -257,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     every = [r.index for r in runs]
     if args.refit:
         # the committed constants' prices and the Jacobian of an earlier run of this script
-        earlier = json.loads(Path(args.refit).read_text())
+        try:
+            earlier = json.loads(Path(args.refit).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--refit {args.refit}: {exc}")
+        if "jacobian" not in earlier or "base" not in earlier:
+            ap.error(f"--refit {args.refit}: no saved Jacobian (written by an older fit_one_model.py); "
+                     "run without --refit to compute it")
         theta0 = earlier["theta0"]
         priced = [{int(i): row["committed"] for i, row in earlier["rows"].items() if row.get("committed")}]
         base = {int(i): v for i, v in earlier["base"].items()}
