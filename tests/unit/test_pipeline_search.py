@@ -4,6 +4,8 @@ as runners-up with their reason, and a pipeline plan round-trips and explains pe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -396,8 +398,8 @@ def test_a_batch_split_no_op_can_keep_is_infeasible_before_the_ilp(monkeypatch):
     with pytest.raises(InfeasiblePlanError, match="No placement of"):
         forced.solve_one_stage(graph, config, cluster, num_microbatches=1)
     # the batch-outer model has its data-parallel plan
-    graph = trace_step(_Tokens(time_major=False), _tokens_batch())[1]
     monkeypatch.undo()
+    graph = trace_step(_Tokens(time_major=False), _tokens_batch())[1]
     assert forced.solve_one_stage(graph, config, cluster, num_microbatches=1).status == "optimal"
 
 
@@ -421,8 +423,7 @@ def test_smaller_microbatches_are_dominated_where_memory_cannot_bind(monkeypatch
     assert fast.plan.predicted.step_time_s == pytest.approx(every.plan.predicted.step_time_s, rel=1e-9)
     assert fast.plan.search.num_priced < every.plan.search.num_priced
     # a budget the whole step could reach: no microbatch is dominated
-    tight = Cluster.parse("cpu:4")
-    tight = Cluster(**{**{f: getattr(tight, f) for f in tight.__dataclass_fields__}, "memory_limit_bytes": 1})
+    tight = dataclasses.replace(Cluster.parse("cpu:4"), memory_limit_bytes=1)
     unbound: dict = {}
     cand = pipeline_search.SpmdCandidate(mesh=(4, 1), microbatch=8, num_microbatches=1)
     graph = _trace_tokens(8)
