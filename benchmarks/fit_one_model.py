@@ -116,17 +116,6 @@ def evaluate(csv: str, jobs: list[tuple[list[int], dict[str, float]]], workers: 
         return [r for _, r in pool.map(_job, tasks, chunksize=1)]
 
 
-def objective(runs: list[Run], log_err: dict[int, float]) -> float:
-    """fit_cost_model.py's objective on these log errors (rows without a price are left out)."""
-    rows = [r for r in runs if r.index in log_err]
-    clean = [abs(log_err[r.index]) for r in rows if not r.flags]
-    groups: dict[Any, list[float]] = {}
-    for r in rows:
-        groups.setdefault(r.group, []).append(log_err[r.index])
-    ranked = [statistics.fmean(abs(e - statistics.fmean(g)) for e in g) for g in groups.values() if len(g) > 1]
-    return (statistics.fmean(clean) if clean else 0.0) + RANK_WEIGHT * (statistics.fmean(ranked) if ranked else 0.0)
-
-
 PRIOR_WEIGHTS = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """The prior's weights a fit chooses from (`prior_weight`): lambda in
 objective + lambda * mean_k (log theta_k - log START_k)^2, START being fit_cost_model.py's
@@ -159,7 +148,10 @@ class _Surrogate:
         return self.base - self.jac @ d
 
     def objective(self, d: Any) -> float:
-        """fit_cost_model.py's objective (`objective`) on the surrogate's log errors."""
+        """fit_cost_model.py's objective on the surrogate's log errors: the mean |log error|
+        of the unflagged rows, plus RANK_WEIGHT x the mean over groups of one model on one
+        cluster (two rows or more) of each group's mean absolute deviation from its mean
+        (what the ranking within a group depends on)."""
         import numpy as np
 
         e = self.errors(d)
