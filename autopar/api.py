@@ -104,7 +104,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
                  seq: int | None = None, memory_gb: float | None = None, top: int = 5,
                  time_limit_s: float | None = None, progress: Any = None,
                  microbatch_choices: int | None = None, min_pp: int = 1, max_pp: int | None = None,
-                 fixed: Any = None, precision: str = "", reduce_dtype: str = "") -> Any:
+                 fixed: Any = None, precision: str = "", reduce_dtype: str = "", compiled: bool = False) -> Any:
     """The one wiring of the whole-plan search (`autopar search`, `search_plan`,
     `autopar.compile`): trace the step at each microbatch the search asks for, fingerprint
     the model, run solver/pipeline_search.py; returns its SearchResult (ranked plans, the
@@ -123,7 +123,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     chunks are not traced for their placements. `precision` / `reduce_dtype` name the
     precision policy (autopar/precision.py; "" is the cluster's default, and `fixed`'s
     configuration's where it names one): the step is traced in its compute dtype, priced in
-    its dtypes, and the plans record it."""
+    its dtypes, and the plans record it. `compiled`: the plans run their per-rank graphs
+    through Inductor (`--compile`, `fixed`'s configuration's where it says so), priced so
+    (cost_model/table.py `compiled_scale`), and record it."""
     # the solver (and through it cost_model) is imported on use: `import autopar` imports
     # this module, and cost_model imports autopar's types, so a module-level import here
     # would make `import cost_model` (before autopar) a cycle
@@ -138,7 +140,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     num_layers = source.config.layers if source is not None and source.config is not None else None
     if fixed is not None and fixed.config.precision:
         precision, reduce_dtype = fixed.config.precision, fixed.config.reduce_dtype
-    named = ParallelConfig(precision=precision, reduce_dtype=reduce_dtype).resolved(cluster.hardware.name)
+    compiled = compiled or (fixed is not None and fixed.config.compiled)
+    named = ParallelConfig(precision=precision, reduce_dtype=reduce_dtype,
+                           compiled=compiled).resolved(cluster.hardware.name)
     policy = named.policy()
     if source is not None and source.config is not None:
         name, family = model, source.family
@@ -151,7 +155,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
                 _ZOO_TRACES[key] = with_precision(trace_model(source, batch=rows, dtype=policy.compute,
                                                               layers_traced=LAYERS_TRACED, recompute=recompute),
                                                   policy)
-            return _ZOO_TRACES[key]
+            return replace(_ZOO_TRACES[key], compiled=True) if compiled else _ZOO_TRACES[key]
 
         trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
     else:
@@ -173,8 +177,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
 
         def trace_at(rows: int, recompute: str = "none") -> Any:
             micro = batches.rows(example, 0, rows, batch)
-            return trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute,
-                              precision=policy)[1]
+            graph = trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute,
+                               precision=policy)[1]
+            return replace(graph, compiled=compiled)
     if global_batch is None:
         raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
     t = time.perf_counter()
@@ -189,11 +194,12 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
                     family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
                     min_pp=min_pp, max_pp=max_pp, fixed=fixed, **extra)
-    # the plans record the policy they were priced under, and run it
-    best = replace(result.plan, config=replace(result.plan.config, precision=named.precision,
-                                               reduce_dtype=named.reduce_dtype))
-    plans = tuple(replace(p, config=replace(p.config, precision=named.precision, reduce_dtype=named.reduce_dtype))
-                  for p in result.plans) if result.plans else result.plans
+    # the plans record the policy and compilation they were priced under, and run them
+    def recorded(config: ParallelConfig) -> ParallelConfig:
+        return replace(config, precision=named.precision, reduce_dtype=named.reduce_dtype, compiled=compiled)
+
+    best = replace(result.plan, config=recorded(result.plan.config))
+    plans = tuple(replace(p, config=recorded(p.config)) for p in result.plans) if result.plans else result.plans
     if best.config.pp > 1 and fixed is None:
         # the pipeline's program: each chunk traced as the ranks trace it and solved, recorded
         t = time.perf_counter()
@@ -202,8 +208,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         plans = (best, *plans[1:]) if plans else plans
         phases += (("stages", time.perf_counter() - t),)
     log.info("searched plan: %s", best.config)
-    ranked = tuple(replace(r, config=replace(r.config, precision=named.precision, reduce_dtype=named.reduce_dtype))
-                   for r in result.ranked)
+    ranked = tuple(replace(r, config=recorded(r.config)) for r in result.ranked)
     return SearchResult(ranked=ranked, plan=best, phases=phases + result.phases,
                         search_time_s=time.perf_counter() - t0, plans=plans)
 
@@ -315,15 +320,17 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
 
 
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
-                loss_fn: Callable[..., torch.Tensor] | None = None, precision: str = "") -> Any:
+                loss_fn: Callable[..., torch.Tensor] | None = None, precision: str = "",
+                compiled: bool = False) -> Any:
     """Trace `model` on its example inputs (one global batch), search the whole plan for
-    `mesh` (`search_plans`, under the precision policy `precision`) and return the best
-    Plan. Deterministic (no time limit)."""
-    return search_plans(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, top=1, precision=precision).plan
+    `mesh` (`search_plans`, under the precision policy `precision`, compiled by Inductor
+    where `compiled`) and return the best Plan. Deterministic (no time limit)."""
+    return search_plans(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, top=1, precision=precision,
+                        compiled=compiled).plan
 
 
 def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
-                     loss_fn: Callable[..., torch.Tensor] | None, precision: str = "") -> Any:
+                     loss_fn: Callable[..., torch.Tensor] | None, precision: str = "", compiled: bool = False) -> Any:
     """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
     from autopar.plan import Plan
 
@@ -331,7 +338,8 @@ def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequen
 
     text = None
     if dist.get_rank() == 0:
-        text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision).dumps()
+        text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision,
+                           compiled=compiled).dumps()
     return Plan.loads(gather_build_results(text)[0])  # the others wait out the search, however long
 
 
@@ -407,7 +415,7 @@ class Compiled:
 
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
-                    plan: Any, config: ParallelConfig | None, compile_stages: bool | None,
+                    plan: Any, config: ParallelConfig | None, compiled: bool = False,
                     precision: str = "") -> Compiled:
     from autopar.runtime.program import build_program, model_dims
 
@@ -422,7 +430,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
         if example_inputs is None:
             raise ValueError("autopar.compile needs example_inputs= (one global batch) to search a plan, "
                              "or plan= / config= to run one without searching")
-        plan = _search_on_rank0(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision)
+        plan = _search_on_rank0(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision,
+                                compiled=compiled)
         config = plan.config
     if example_inputs is not None:
         config.check(global_batch=batches.batch_size(example_inputs), num_devices=num_devices,
@@ -433,7 +442,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
     cluster = _cluster_of(mesh)
 
     def build(example: Sequence[Any] | None) -> Any:
-        return build_program(model, config, loss_fn=loss_fn, optimizer=optimizer, compile_stages=compile_stages,
+        return build_program(model, config, loss_fn=loss_fn, optimizer=optimizer,
                              stage_layers=tuple(plan.stage_layers) if getattr(plan, "stage_layers", None) else None,
                              mesh=device_mesh, example_inputs=example, plan=plan, cluster=cluster)
 
@@ -444,7 +453,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
 def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: MeshLike | None = None, *,
             example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
             optimizer: OptimizerFactory | None = None, plan: Any = None, config: ParallelConfig | None = None,
-            compile_stages: bool | None = None, example_kwargs: dict[str, Any] | None = None,
+            compiled: bool = False, example_kwargs: dict[str, Any] | None = None,
             precision: str = "") -> Any:
     """Compile `model` for `mesh` on this rank, or decorate a module class / factory.
 
@@ -459,15 +468,20 @@ def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: Me
     `Compiled.step(batch, **keywords)` takes them likewise (autopar/batch.py).
     `precision` names the precision policy a searched plan is priced and run under
     (autopar/precision.py: "fp32", "bf16-mixed", "bf16"; default the hardware's: fp32 on
-    CPU, bf16-mixed on accelerators); a `plan` or `config` carries its own.
+    CPU, bf16-mixed on accelerators); a `plan` or `config` carries its own. `compiled=True`
+    runs the per-rank graphs through Inductor (codegen/inductor.py) and searches the plan
+    priced so; a `plan` or `config` carries its own (`ParallelConfig(compiled=True)`).
     """
     if example_kwargs:
         example_inputs = batches.join(example_inputs if example_inputs is not None else (), example_kwargs)
     if precision and (plan is not None or config is not None):
         raise ValueError(f"precision={precision!r} with plan= or config=: they carry their own precision policy "
                          "(config=ParallelConfig(..., precision=...))")
+    if compiled and (plan is not None or config is not None):
+        raise ValueError("compiled=True with plan= or config=: they say themselves whether the program is compiled "
+                         "(config=ParallelConfig(..., compiled=True); a plan searched with compiled=True)")
     options = dict(example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, plan=plan,
-                   config=config, compile_stages=compile_stages, precision=precision)
+                   config=config, compiled=compiled, precision=precision)
     if isinstance(model, nn.Module):
         if mesh is None:
             raise ValueError("autopar.compile(model, mesh): give a mesh ('cpu:4', a Cluster, a DeviceMesh or an int)")

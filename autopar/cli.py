@@ -58,12 +58,16 @@ def add_config_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
 
 
 def add_precision_flags(p: argparse.ArgumentParser) -> None:
-    """The precision policy flags (autopar/precision.py), shared by `search`, `price` and `train`."""
+    """The precision policy flags (autopar/precision.py) and `--compile` (codegen/inductor.py),
+    shared by `search`, `price` and `train`: what the program runs, so what it is priced as."""
     p.add_argument("--precision", choices=POLICIES, default=None,
                    help="precision policy: fp32; bf16-mixed (bf16 compute, fp32 master weights, optimizer state "
                         "and gradient reduction); bf16 (all bf16). Default: fp32 on the cpu profile, else bf16-mixed")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=None,
                    help="dtype gradients are accumulated and reduced in (default float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="the per-rank graphs run through Inductor (torch.compile's compiler: fused kernels), priced "
+                        "so; compiled in the first step, cached under ~/.cache/autopar/inductor")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,8 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-if-exists", action="store_true",
                    help="as --resume when a checkpoint exists, else train from step 1 (a job that may be restarted)")
     p.add_argument("--lr", type=_positive_float, default=1e-3)
-    p.add_argument("--compile", action="store_true",
-                   help="compile the per-rank graphs with Inductor (not built yet: exits 2)")
 
     p = sub.add_parser("calibrate", help="measure this machine's GEMM and gloo rates for the cpu profile")
     p.add_argument("--devices", type=_positive_int, default=2)

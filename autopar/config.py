@@ -79,6 +79,10 @@ class ParallelConfig:
     reduce_dtype: str = ""
     """The dtype gradients are accumulated and reduced in (float32 / bfloat16); "" is the
     policy's (float32)."""
+    compiled: bool = False
+    """The per-rank graphs run through Inductor (`--compile`, codegen/inductor.py) and are
+    priced so: memory-bound ops and views at Efficiency.compiled_memory_factor of their
+    eager time (cost_model/table.py)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "interleave"):

@@ -258,6 +258,9 @@ class Graph:
     microbatch, as a single process running the same microbatches does (the ILP prices
     the edge value -> buffer like any other)."""
     trace_time_s: float = 0.0
+    compiled: bool = False
+    """The program runs this step's graphs through Inductor (ParallelConfig.compiled,
+    codegen/inductor.py): every price of its ops reads this (cost_model/table.py)."""
     _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
     _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)
 

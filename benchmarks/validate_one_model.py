@@ -9,7 +9,8 @@ configurations as benchmarks/validate_cost_model.py) is priced twice:
   row's configuration (traced as the search traces it, the intra-op ILP under the
   configuration's rules, the stage DP with the row's cuts where it gives them). The
   published ZeRO stage is fixed (`--zero`), and the precision is bf16-mixed with the row's
-  gradient-reduction dtype (`grad_reduce_bytes`: a plan choice, `--reduce-dtype`).
+  gradient-reduction dtype (`grad_reduce_bytes`: a plan choice, `--reduce-dtype`); a row
+  run under torch.compile is priced compiled (`--compile`).
 - **analytic**: `analytic.price_profile` (benchmarks/analytic/) with the row's runtime options, the baseline the
   constants were fitted on (benchmarks/fit_cost_model.py).
 
@@ -53,7 +54,7 @@ def price_one_model(run: Any) -> Any:
     import autopar
 
     config = replace(run.config, attention="flash", sequence_parallel=True, precision="bf16-mixed",
-                     reduce_dtype=reduce_dtype(run))
+                     reduce_dtype=reduce_dtype(run), compiled=run.options.compiled)
     return autopar.price(run.spec, run.cluster, config, global_batch=run.global_batch,
                          stage_layers=run.stage_layers if config.pp > 1 else None)
 
@@ -66,8 +67,9 @@ def reduce_dtype(run: Any) -> str:
     return "float32" if run.options.grad_reduce_bytes == 4 else "bfloat16"
 
 
-PRICED_OPTIONS = frozenset({"grad_reduce_bytes"})
-"""Runtime options the one model prices as plan choices (`reduce_dtype`): not stack facts."""
+PRICED_OPTIONS = frozenset({"grad_reduce_bytes", "compiled"})
+"""Runtime options the one model prices as plan choices (`reduce_dtype`; `compiled`: the
+per-rank graphs through Inductor, `--compile`): not stack facts."""
 
 
 def stack_facts(run: Any) -> list[str]:

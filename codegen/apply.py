@@ -64,6 +64,7 @@ from autopar.ir import Graph, NodeId, Role
 from autopar.buckets import gather_group
 from autopar.placement import Placements, Replicate, local_shape, redistribute_plan, single_gather_axis, transfer_kind
 from autopar.sharding import NodeStrategy
+from codegen.inductor import CompileTimes, compile_graphs
 
 
 class ApplyError(RuntimeError):
@@ -109,8 +110,19 @@ class RankGraphs:
     """Buffers the forward updates in place (Graph.buffer_updates): `step` returns their new
     values last, each in its buffer's placement, for the runtime to write back."""
 
+    compile_times: CompileTimes = field(default_factory=CompileTimes)
+    """Seconds Inductor spent on each graph, filled at their first calls (`compiled` only)."""
+    compiled: bool = False
+    """The graphs run through Inductor (ParallelConfig.compiled; codegen/inductor.py)."""
+
     def local_shape(self, slot: Slot) -> tuple[int, ...]:
         return local_shape(slot.shape, slot.placements, self.mesh_shape)
+
+    def compile_like_step(self, graphs: dict[str, fx.GraphModule]) -> None:
+        """Graphs cut from `step` (a pipeline chunk's forward and backward, {label: graph})
+        run as `step` does: through Inductor where this program is compiled."""
+        if self.compiled:
+            compile_graphs(graphs, self.compile_times)
 
 
 def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int],
@@ -487,7 +499,7 @@ def _name_placeholders(gm: fx.GraphModule, names: Sequence[str]) -> None:
 
 def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mesh: DeviceMesh, *,
           extra_outputs: Sequence[tuple[NodeId, Placements]] = (), keep_phases: bool = False,
-          sync_in_step: bool = False) -> RankGraphs:
+          sync_in_step: bool = False, compiled: bool = False) -> RankGraphs:
     """The per-rank program of `choices` (one NodeStrategy per graph node) on `mesh`.
 
     `extra_outputs`: (node, placements) pairs the step also returns, after the gradients,
@@ -496,7 +508,10 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     the step graph keeps its source node's meta (its `partitioner_tag`: recomputed forward
     ops are tagged backward), for splitting it into forward and backward graphs.
     `sync_in_step` (for one microbatch per step): `step` reduces each gradient bucket as
-    soon as its last gradient is computed and returns synced gradients; no `grad_sync`."""
+    soon as its last gradient is computed and returns synced gradients; no `grad_sync`.
+    `compiled`: the graphs are for Inductor (codegen/inductor.py): gradient buckets are
+    all-reduced by the functional all-reduce, which Inductor's reinplacing pass turns back
+    into the in-place one the eager graphs call."""
     bridge.register_project_rules()
     mesh_shape = tuple(mesh.shape)
     interp = _Interpreter(gm, graph, choices, mesh)
@@ -522,7 +537,7 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     position = {gid: k for k, gid in enumerate(grad_ids)}
     order = [position[g] for _, g in graph.param_grads if g in position]
     grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order,
-                          dtype=getattr(torch, graph.model.precision.reduce))
+                          dtype=getattr(torch, graph.model.precision.reduce), functional=compiled)
 
     examples = _examples([(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots], mesh.device_type)
     interp.sync = grad_sync if sync_in_step else None
@@ -558,6 +573,9 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
                           grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape,
                          buffer_updates=tuple(graph[b].param_name or graph[b].name for b, _ in graph.buffer_updates))
     program.source = _source(program)
+    if compiled:  # Inductor, at each graph's first call (codegen/inductor.py)
+        program.compiled = True
+        program.compile_like_step({"step": step, "grad_sync": sync, "param_gather": param_gather})
     return program
 
 
@@ -672,13 +690,19 @@ class _GradSync:
 
     Buffers are in `dtype`, the precision policy's reduction dtype: a bf16-mixed step's
     bf16 gradients are cast as they are copied in and reduced in float32 (the bytes the
-    ILP prices for the sync: cost_model/table.py `gradient_sync_scale`)."""
+    ILP prices for the sync: cost_model/table.py `gradient_sync_scale`).
+
+    `functional`: the functional all-reduce instead of the in-place one, for graphs that
+    Inductor compiles (AOTAutograd cannot functionalise an in-place custom op; Inductor
+    reinplaces the functional one: codegen/inductor.py)."""
 
     def __init__(self, grads: list[tuple[str, Placements, Placements, Any]], layers: list[int | None],
-                 mesh: DeviceMesh, order: list[int], dtype: torch.dtype = torch.float32) -> None:
+                 mesh: DeviceMesh, order: list[int], dtype: torch.dtype = torch.float32,
+                 functional: bool = False) -> None:
         from autopar.buckets import gradient_bucket_key, plan_buckets
 
         self.dtype = dtype
+        self.functional = functional
         self.grads = grads
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
@@ -719,8 +743,9 @@ class _GradSync:
                 offset += n
             for _, axis, reduce_op in steps:
                 group = funcol._resolve_group_name((mesh, axis))
-                flat = torch.ops._c10d_functional.wait_tensor(
-                    torch.ops._c10d_functional.all_reduce_(flat, reduce_op.lower(), group))
+                reduce = torch.ops._c10d_functional.all_reduce if self.functional \
+                    else torch.ops._c10d_functional.all_reduce_
+                flat = torch.ops._c10d_functional.wait_tensor(reduce(flat, reduce_op.lower(), group))
             offset = 0
             for i in bucket:
                 n = shapes[i].numel()

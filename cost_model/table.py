@@ -22,7 +22,9 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
                      FLOPs one device does: every device computes only its shard)
     compute(n, s)  = compute_time_s(flops_n / work, sum of distinct local input bytes +
                      local output bytes, hardware, dtype); a view op's host
-                     time instead (`view_host_s`: view_overhead_s x core share)
+                     time instead (`view_host_s`: view_overhead_s x core share); a
+                     memory-bound op's and a view's time x compiled_memory_factor where
+                     the program is compiled by Inductor (`compiled_scale`)
     comm(n, s)     = 0: DTensor's strategies leave reductions pending (Partial outputs),
                      priced as resharding on the consumer's edge
     memory(n, s)   = sum of local output bytes; for a parameter instead
@@ -132,8 +134,9 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
                                         precision=graph.model.precision))
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
+    fused = compiled_scale(graph, cluster)
     if node.is_view:
-        return StrategyCost(compute_s=view_host_s(node, cluster), comm_s=0.0, memory_bytes=out_bytes)
+        return StrategyCost(compute_s=view_host_s(node, cluster) * fused, comm_s=0.0, memory_bytes=out_bytes)
     if node.bytes_moved == 0 and node.flops == 0:
         return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=out_bytes)
     seen: dict[int, float] = {}
@@ -145,7 +148,22 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
     op_class = "gemm" if node.op in GEMM_OPS else "attention" if node.op in ATTENTION_OPS else "memory"
     t = compute_time_s(node.flops / work, sum(seen.values()) + out_bytes, cluster.hardware, dtype,
                        op_class=op_class, causal=node.is_causal)
+    if op_class == "memory":
+        t *= fused
     return StrategyCost(compute_s=t * core_share(cluster), comm_s=0.0, memory_bytes=out_bytes)
+
+
+def compiled_scale(graph: Graph, cluster: Cluster) -> float:
+    """What remains of a memory-bound op's or a view's eager time where the program runs
+    its graphs through Inductor (`graph.compiled`; codegen/inductor.py):
+    `Efficiency.compiled_memory_factor` (Inductor fuses pointwise and reduction chains into
+    one kernel, and views become index arithmetic in its code; the closed-form baseline
+    scales the same traffic by the same constant, benchmarks/analytic/step.py); 1 eager."""
+    if not graph.compiled:
+        return 1.0
+    from cost_model.efficiency import efficiency_for
+
+    return efficiency_for(cluster.hardware).compiled_memory_factor
 
 
 HOSTLESS_VIEWS = frozenset({"getitem", "placeholder", "constant"})

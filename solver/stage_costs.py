@@ -50,7 +50,7 @@ from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId, Phase, Role
 from autopar.placement import boundary_placements, shard_factor
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
-from cost_model import compute_time_s, core_share
+from cost_model import compiled_scale, compute_time_s, core_share
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -271,6 +271,7 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
     L = max(1, graph.model.num_layers)
     out = {p: 0.0 for p in PIECES}
     share = core_share(cluster)
+    fused = compiled_scale(graph, cluster)  # a compiled program's memory-bound ops (cost_model/table.py)
     dtype = graph.model.dtype
     for node in graph.nodes:
         if node.role is Role.PARAMETER or node.is_view or (node.bytes_moved == 0 and node.flops == 0):
@@ -285,7 +286,7 @@ def lower_bound_s(graph: Graph, cluster: Cluster, devices: int, scale: float = 1
         cls = "gemm" if node.op in GEMM_OPS else "attention" if node.op in ATTENTION_OPS else "memory"
         t = compute_time_s(flops / devices, moved / devices, cluster.hardware, dtype,
                            op_class=cls, causal=node.is_causal)
-        out[pieces[node.id]] += graph.weight(node.id) * t * share
+        out[pieces[node.id]] += graph.weight(node.id) * t * share * (fused if cls == "memory" else 1.0)
     out["layer"] /= L
     return out
 

@@ -47,7 +47,7 @@ def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConf
     return ParallelConfig(tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
                           schedule=schedule, interleave=interleave, recompute=args.recompute or "none",
                           attention=args.attention or "flash", precision=args.precision or "",
-                          reduce_dtype=args.reduce_dtype or "")
+                          reduce_dtype=args.reduce_dtype or "", compiled=args.compile)
 
 
 def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if plan_file:
         given = [f for f in ("model", "cluster", "global_batch", "tp", "pp", "dp", "zero", "micro_batch", "schedule",
                              "interleave", "recompute", "precision", "reduce_dtype")
-                 if getattr(args, f, None) is not None]
+                 if getattr(args, f, None) is not None] + (["compile"] if args.compile else [])
         if given:
             raise ValueError(f"--plan prices the saved plan's model, cluster and configuration; drop "
                              f"{', '.join('--' + f.replace('_', '-') if f != 'model' else 'MODEL' for f in given)}")

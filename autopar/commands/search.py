@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         result = search_plans(args.model, args.cluster, global_batch=args.global_batch, seq=args.seq,
                               memory_gb=args.memory_gb, top=args.top, time_limit_s=args.time_limit, progress=progress,
                               min_pp=args.min_pp, max_pp=args.max_pp, precision=args.precision or "",
-                              reduce_dtype=args.reduce_dtype or "")
+                              reduce_dtype=args.reduce_dtype or "", compiled=args.compile)
     finally:
         stop()
     plan = result.plan
@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     s = plan.search
     console.print(f"[bold]{plan.model}[/] on {plan.cluster}, global batch {plan.global_batch} x seq {plan.seq}, "
-                  f"{plan.memory_limit_bytes / GIB:.1f} GiB/device, precision {plan.config.policy().name}: "
+                  f"{plan.memory_limit_bytes / GIB:.1f} GiB/device, precision {plan.config.policy().name}"
+                  f"{', compiled by Inductor' if plan.config.compiled else ''}: "
                   f"{s.num_candidates} candidates, {s.num_priced} "
                   f"priced, {s.num_pruned_memory} pruned by memory bound, {s.num_pruned_dominated} dominated"
                   + ("" if s.complete else " [red](time limit hit: partial search)[/]"))

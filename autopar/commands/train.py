@@ -58,10 +58,6 @@ LOSS_RTOL_BF16 = 2e-3
 differ by more)."""
 
 
-NOT_COMPILED = ("--compile: compiling the per-rank graphs with Inductor is not built yet; drop --compile (the "
-                "program runs eagerly)")
-
-
 def loss_rtol(config: ParallelConfig) -> float:
     """The `--check` tolerance of a run of `config` on this machine's CPU ranks."""
     return LOSS_RTOL_BF16 if config.policy().compute == "bfloat16" else LOSS_RTOL
@@ -88,7 +84,7 @@ def config_from_flags(args: argparse.Namespace, devices: int) -> ParallelConfig:
         tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
         schedule=args.schedule or "1f1b", interleave=args.interleave or 1,
         recompute=args.recompute or "none", attention=args.attention or "flash",
-        precision=args.precision or "", reduce_dtype=args.reduce_dtype or "",
+        precision=args.precision or "", reduce_dtype=args.reduce_dtype or "", compiled=args.compile,
     ).resolved("cuda" if torch.cuda.is_available() else "cpu")  # the ranks' hardware default, said in the header
 
 
@@ -101,6 +97,9 @@ def _plan_config(args: argparse.Namespace) -> tuple[ParallelConfig, tuple[int, .
     except ImportError as exc:
         raise ValueError(f"--plan needs autopar.plan, which this version lacks ({exc}); use configuration flags")
     plan = Plan.load(args.plan)
+    if args.compile and not plan.config.compiled:
+        raise ValueError(f"--compile with --plan {args.plan}: the plan was searched and priced for the eager program "
+                         "(its config has compiled false); search it with --compile, or drop --compile")
     layers = getattr(plan, "stage_layers", None)
     return plan.config, (tuple(layers) if layers else None), plan
 
@@ -157,8 +156,6 @@ def _tokens_per_step(job: TrainJob) -> tuple[int, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.compile:
-        raise ValueError(NOT_COMPILED)
     resume = args.resume or args.resume_if_exists
     if (args.save_every or resume) and not args.checkpoint_dir:
         flag = "--save-every" if args.save_every else "--resume" if args.resume else "--resume-if-exists"
@@ -224,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     found, updates = _random_ops(model, example if source.factory is not None
                                  else source.example_inputs(global_batch)) if args.check else ({}, ())
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
-                   seq=args.seq, stage_layers=(stage_layers,), compile_stages=args.compile,
+                   seq=args.seq, stage_layers=(stage_layers,),
                    plans=(plan.dumps() if plan is not None else None,),
                    checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=resume,
                    deterministic_random=bool(found),
@@ -317,7 +314,7 @@ def _print_header(job: TrainJob, config: ParallelConfig, num_microbatches: int) 
     c = config
     print(f"{job.model}: dp {c.dp} x tp {c.tp} x pp {c.pp}, zero {c.zero}, micro-batch {c.micro_batch} "
           f"({num_microbatches} microbatches), schedule {c.schedule}, recompute {c.recompute}, precision "
-          f"{c.policy().name}", flush=True)
+          f"{c.policy().name}{', compiled by Inductor' if c.compiled else ''}", flush=True)
 
 
 def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num_microbatches: int,
@@ -344,6 +341,7 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
             for r in per_rank
         ],
         "devices": len(per_rank),
+        "compile_s": first.compile_s,
         "global_batch": job.global_batch,
     }
     ran, priced = getattr(first, "collectives", None), getattr(first, "priced", None)
@@ -373,6 +371,9 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
                                 tokens / first.step_times_s[k], unit))
         print(f"throughput {tokens_per_s:,.0f} {unit} (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
+        if first.compile_s:
+            print(f"compile: {sum(first.compile_s.values()):.1f} s in Inductor on rank 0 (in the first step), "
+                  + ", ".join(f"{label} {sec:.1f} s" for label, sec in first.compile_s.items()))
         if ref_losses is not None:
             if job.deterministic_random:
                 ops = ", ".join(f"{name} x{count}" if count else name for name, count in found.items())

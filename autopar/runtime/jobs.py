@@ -53,7 +53,6 @@ class TrainJob:
     the configuration's placements."""
     return_parameters: bool = False
     """Return unsharded parameters (from the ranks with dp = tp = 0) for comparisons."""
-    compile_stages: bool = False
     checkpoint_dir: str | None = None
     """Where `save_every` writes sharded checkpoints (autopar/runtime/checkpoint.py) and `resume` reads."""
     save_every: int = 0
@@ -96,6 +95,8 @@ class RunResult:
     """... and those its plan (or the ILP for its configuration) priced, for price = run checks."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     """Whole buffers after the run (with `return_parameters`, one-stage programs)."""
+    compile_s: dict[str, float] = field(default_factory=dict)
+    """{graph: seconds} Inductor spent compiling this rank's graphs (`--compile`)."""
     priced_state: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """This rank's (weights, gradients, optimizer state) bytes as priced
     (`priced_state_bytes`), beside what it measured (`parameter_bytes`, ...)."""
@@ -233,7 +234,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
         stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
         plan = Plan.loads(job.plans[i]) if i < len(job.plans) and job.plans[i] else None
         program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
-                                stage_layers=stage_layers, compile_stages=job.compile_stages,
+                                stage_layers=stage_layers,
                                 example_inputs=batches[0], plan=plan)
         done = 0
         if job.resume and job.checkpoint_dir and checkpoint.latest(job.checkpoint_dir) is not None:
@@ -262,6 +263,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
             collectives=program.collectives_per_step(job.global_batch // (config.dp * config.micro_batch))
             if hasattr(program, "collectives_per_step") else {},
             priced=getattr(program, "priced", None), priced_state=program.priced_state_bytes(),
+            compile_s=program.compile_times(),
         ))
         dist.barrier()
     return results

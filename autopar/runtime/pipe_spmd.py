@@ -50,7 +50,7 @@ point-to-point sends.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -360,6 +360,7 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
     first = next((x for x in inputs if x.dim() > 0), None)
     graph = with_precision(lower(traced, name=f"{type(chunk).__name__}[{index}]", batch=rows,
                                  seq=int(first.shape[1]) if first is not None and first.dim() > 1 else 1), precision)
+    graph = replace(graph, compiled=config.compiled)  # priced as it runs (cost_model/table.py compiled_scale)
     if graph.buffer_updates:
         names = ", ".join(graph[b].param_name or graph[b].name for b, _ in graph.buffer_updates)
         raise ValueError(f"pipeline chunk {index} updates buffers in its forward ({names}: running statistics or "
@@ -488,7 +489,7 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     # zero 2: each microbatch's backward reduce-scatters its gradients to their update
     # shards (the sync lands in the backward graph) and the runner accumulates the shards
     graphs = apply(stage.traced.gm, stage.graph, choices, mesh, extra_outputs=extra, keep_phases=True,
-                   sync_in_step=zero_2_syncs(config))
+                   sync_in_step=zero_2_syncs(config), compiled=config.compiled)
     # the applied step: (loss, raw grads..., outputs..., input grads...)
     num_inputs, outputs, grad_inputs = stage.num_inputs, stage.outputs, stage.grad_inputs
     num_grads = len(graphs.grads)
@@ -500,6 +501,7 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     forward, backward, num_saved = split_joint(
         graphs.step, seeds, list(range(first_extra, first_extra + num_fwd)),
         list(range(1, 1 + num_grads)) + list(range(first_extra + num_fwd, first_extra + num_fwd + len(grad_inputs))))
+    graphs.compile_like_step({"forward": forward, "backward": backward})  # Inductor where config.compiled
     program = SpmdProgram(config=config, mesh=mesh, model=stage.chunk, graphs=graphs, graph=stage.graph,
                           optimizer_factory=optimizer, choices=tuple(choices), params=params,
                           grads_at_update=zero_2_syncs(config))
@@ -633,6 +635,11 @@ class PipeSpmdProgram:
         self.gather_weights()
         self.last_stats = self._stats(grad_bytes)
         return loss
+
+    def compile_times(self) -> dict[str, float]:
+        """{graph: seconds Inductor spent compiling it} (`--compile`; its first call), per chunk."""
+        return {f"chunk{r.index}.{label}": s for r in self.runners
+                for label, s in r.program.graphs.compile_times.seconds.items()}
 
     def gather_weights(self) -> None:
         """Every chunk's weights updated in another placement, gathered to their compute

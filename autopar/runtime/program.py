@@ -172,7 +172,7 @@ def _default_group_timeout() -> Any:
 
 def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                   optimizer: OptimizerFactory | None = None, stage_layers: tuple[int, ...] | None = None,
-                  compile_stages: bool | None = None, mesh: DeviceMesh | None = None,
+                  mesh: DeviceMesh | None = None,
                   fused_kernels: bool | None = None, example_inputs: Sequence[Any] | None = None,
                   plan: Any = None, cluster: Any = None) -> Any:
     """Shard `model` (built identically on every rank) as `config` (or `plan`) says; collective.
@@ -189,11 +189,8 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     names and values are unchanged, so plans and checkpoints do not notice. Not with
     tp > 1 (the fused ops have no DTensor sharding rules yet).
 
-    `compile_stages=True` (Inductor on the per-rank graphs) is refused with what to do: it
-    is not built yet, and a program that silently ran eagerly would be priced as compiled."""
-    if compile_stages:
-        raise ValueError("compile_stages=True: compiling the per-rank graphs with Inductor is not built yet; "
-                         "leave compile_stages unset (the program runs eagerly)")
+    `config.compiled`: every per-rank graph runs through Inductor (codegen/inductor.py),
+    compiled at its first call (`program.compile_times()` says how long each took)."""
     if config.pp == 1:
         from autopar.runtime.spmd import build_spmd_program
 

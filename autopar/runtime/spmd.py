@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -157,6 +158,10 @@ class SpmdProgram:
         step graph reads): the gathered copy where its update runs in another placement."""
         local = self._compute.get(name)
         return self._params[name]._local_tensor if local is None else local
+
+    def compile_times(self) -> dict[str, float]:
+        """{graph: seconds Inductor spent compiling it} (`--compile`; its first call)."""
+        return dict(self.graphs.compile_times.seconds)
 
     def gather_weights(self) -> None:
         """The compute copies of the parameters updated in another placement or dtype, from
@@ -666,6 +671,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     precision = run_policy(config, mesh.device_type)
     masters = master_weights(model, precision)  # before the model is cast to the compute dtype
     traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute, precision=precision)
+    graph = replace(graph, compiled=config.compiled)  # priced as it runs (cost_model/table.py compiled_scale)
     num_microbatches = max(1, size // rows)
     priced = None
     if choices is None and plan is not None:
@@ -696,7 +702,7 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     sync_in_step = (num_microbatches == 1 or zero2) and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
     params = distribute_parameters(model, graph, choices, mesh, masters)
     del masters
-    graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step)
+    graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step, compiled=config.compiled)
     del traced
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
              dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),

@@ -118,8 +118,7 @@ CLI_CASES = [
     ("--save-every without a directory", ["train", G, "--devices", "2", "--save-every", "2"],
      "--save-every needs --checkpoint-dir D"),
     ("--resume without a directory", ["train", G, "--devices", "2", "--resume"], "--resume needs --checkpoint-dir"),
-    ("--compile, not built yet", ["train", G, "--devices", "2", "--compile"],
-     "compiling the per-rank graphs with Inductor is not built yet"),
+    ("--compile with price --plan", ["price", "--plan", "plan.json", "--compile"], "drop --compile"),
     ("missing plan file", ["explain", "/nonexistent/plan.json"], "write one with `autopar search ... --out"),
 ]
 
@@ -159,6 +158,12 @@ def test_cli_plan_for_other_devices_or_model(plan_path, capsys):
     other = "gpt:layers=3,hidden=32,heads=2,vocab=64,seq=16"
     assert cli.main(["train", other, "--devices", "2", "--plan", plan_path]) == 2
     assert "was made for another model" in capsys.readouterr().err
+
+
+def test_cli_compile_with_an_eager_plan(plan_path, capsys, no_ranks_started):
+    """A plan searched for the eager program is not run compiled: it was priced eager."""
+    assert cli.main(["train", G, "--devices", "2", "--plan", plan_path, "--compile"]) == 2
+    assert "was searched and priced for the eager program" in capsys.readouterr().err
 
 
 def test_cli_resume_past_the_last_step(tmp_path, capsys):

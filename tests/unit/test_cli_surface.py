@@ -40,6 +40,7 @@ CONFIG_FLAGS = (
     "--attention {flash,math}",
     "--precision {fp32,bf16-mixed,bf16}",
     "--reduce-dtype {float32,bfloat16}",
+    "--compile",
 )
 
 # "autopar" is the top-level parser (flags before the subcommand).
@@ -78,6 +79,7 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--max-pp VALUE",
         "--precision {fp32,bf16-mixed,bf16}",
         "--reduce-dtype {float32,bfloat16}",
+    "--compile",
     ),
     "explain": (
         "PLAN_JSON",
@@ -99,7 +101,6 @@ EXPECTED_SURFACE: dict[str, tuple[str, ...]] = {
         "--resume",
         "--resume-if-exists",
         "--lr VALUE (default 0.001)",
-        "--compile",
     ),
     "calibrate": (
         "--devices VALUE (default 2)",
