@@ -2,7 +2,7 @@
 both support on 4 and 8 processes, and autopar's searched plan vs torchtitan's fastest.
 
     python benchmarks/measure_torchtitan.py [--json out.json] [--md out.md] [--plot out.png]
-        [--only LABEL,...] [--no-world8] [--rounds N] [--fused-qkv] [--profile-below RATIO]
+        [--only LABEL,...] [--no-world8] [--rounds N] [--fused-qkv] [--compiled] [--profile-below RATIO]
         [--profile LABEL [--profile-md out.md]]
 
 Needs the `bench` install (`make bench-install`); without torchtitan it prints one line and
@@ -47,6 +47,11 @@ Figures (the machine has 2 cores shared with other users: noisy; read ratios, no
   calls and time per kind, the ops with the largest self CPU time, and the ATen ops whose
   call counts differ. `--profile-below 0.95` does this after the measurement for every
   shared configuration below 0.95 and adds it to the markdown.
+- `--compiled`: autopar's zoo program also with `compiled=True` (Inductor on every per-rank
+  graph, codegen/inductor.py), timed in the same rounds as eager (compiled/eager = median
+  over rounds of t_eager / t_compiled), its losses through the same oracle, its memory
+  alone, and its compile time on an empty Inductor cache (the memory phase compiles cold;
+  the timing phase's ranks find the cache warm).
 - `--fused-qkv`: torchtitan's fused wqkv (its flavors' layout) instead of its stock
   QKVLinear; the zoo Llama then runs more, smaller GEMMs than torchtitan (a model
   difference, shown by the profiler: 87 vs 63 matmuls per step).
@@ -101,6 +106,9 @@ class Case:
     zoo: bool = True
     """autopar compiles its zoo Llama (same weights); else torchtitan's module itself."""
     shape: TitanShape = SHAPE
+    compiled: bool = False
+    """Also run autopar's program with `compiled=True` (Inductor on the per-rank graphs): the
+    `--compiled` column (zoo rows with a torchtitan configuration)."""
 
 
 def autopar_config(t: TitanConfig) -> Any:
@@ -162,9 +170,10 @@ def _batches(n: int) -> list[tuple[Any, Any]]:
              torch.randint(0, SHAPE.vocab, (GLOBAL_BATCH, SHAPE.seq), generator=g)) for _ in range(n)]
 
 
-def _build(case: Case, kind: str, world: int) -> tuple[Callable[[Any], float], Any]:
-    """This rank's step (global batch -> global loss) and a description of the program:
-    kind "autopar" (A / A[tt] / S / S[tt]) or "titan" (T)."""
+def _build(case: Case, kind: str, world: int) -> tuple[Callable[[Any], float], Any, Any]:
+    """This rank's step (global batch -> global loss), its configuration and its program
+    (autopar's; None for torchtitan): kind "autopar" (A / A[tt] / S / S[tt]), "compiled"
+    (A with `compiled=True`: Inductor on the per-rank graphs) or "titan" (T)."""
     import torch
 
     import autopar
@@ -172,20 +181,21 @@ def _build(case: Case, kind: str, world: int) -> tuple[Callable[[Any], float], A
 
     if kind == "titan":
         program = tb.build(case.shape, case.titan, global_batch=GLOBAL_BATCH, lr=LR)
-        return program.step, None
+        return program.step, None, None
     model = tb.zoo_model(case.shape) if case.zoo else tb.reference_model(case.shape)
     example = _batches(1)[0]
     options: dict[str, Any] = dict(example_inputs=example, optimizer=functools.partial(torch.optim.AdamW, lr=LR))
     if not case.zoo:
         options["loss_fn"] = tb.titan_loss
     if case.titan is not None:
-        options["config"] = autopar_config(case.titan)
+        options["config"] = replace(autopar_config(case.titan), compiled=kind == "compiled")
     compiled = autopar.compile(model, f"cpu:{world}", **options)
-    return compiled.step, compiled.config
+    return compiled.step, compiled.config, compiled.program
 
 
 def _kinds(case: Case) -> list[str]:
-    return ["autopar"] + (["titan"] if case.titan is not None and case.zoo else [])
+    return ["autopar"] + (["compiled"] if case.compiled else []) + (
+        ["titan"] if case.titan is not None and case.zoo else [])
 
 
 def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
@@ -198,7 +208,9 @@ def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
     # gloo state, allocator arenas) must not be charged to the first program measured
     first = world_cases[0]
     for kind in _kinds(first):
-        step, _ = _build(first, kind, dist.get_world_size())
+        if kind == "compiled":
+            continue  # its compile is measured cold, with its program
+        step, _, _ = _build(first, kind, dist.get_world_size())
         step(batches[0])
         del step
     out: dict[str, Any] = {}
@@ -208,11 +220,12 @@ def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
             gc.collect()
             rss0 = _mem_kib("VmRSS")
             _reset_peak()
-            step, config = _build(case, kind, dist.get_world_size())
+            step, config, program = _build(case, kind, dist.get_world_size())
             losses = [step(b) for b in batches]
             out[case.label][kind] = {"losses": losses, "peak_rss_delta_bytes": (_mem_kib("VmHWM") - rss0) * 1024,
-                                     "config": config.to_json() if config is not None else None}
-            del step
+                                     "config": config.to_json() if config is not None else None,
+                                     "compile_s": sum(program.compile_times().values()) if program else 0.0}
+            del step, program
             gc.collect()
     return out
 
@@ -384,6 +397,7 @@ def run_world(world: int, world_cases: list[Case], reference: list[float], round
                 "step_time_s": statistics.median(times[f"{case.label}|{kind}"]),
                 "losses": rec["losses"], "config": rec["config"],
                 "peak_rss_delta_bytes": max(m[case.label][kind]["peak_rss_delta_bytes"] for m in memory),
+                "compile_s": max(m[case.label][kind]["compile_s"] for m in memory),
             }
     return out
 
@@ -414,6 +428,14 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
             "titan_peak_rss_delta_bytes": t["peak_rss_delta_bytes"] if t else None,
             **(_ratio_stats(t["step_times_s"], a["step_times_s"]) if t else {"ratio": None}),
         })
+        c = measured[case.label].get("compiled")
+        if c is not None:  # compiled over eager, per round (> 1: compiled faster)
+            stats = _ratio_stats(a["step_times_s"], c["step_times_s"])
+            rows[-1].update(compiled_step_time_s=c["step_time_s"], compiled_step_times_s=c["step_times_s"],
+                            compiled_tokens_per_s=tokens / c["step_time_s"], compiled_losses=c["losses"],
+                            compiled_peak_rss_delta_bytes=c["peak_rss_delta_bytes"],
+                            compile_s=c["compile_s"], compiled_speedup=stats["ratio"],
+                            compiled_speedup_q1=stats["ratio_q1"], compiled_speedup_q3=stats["ratio_q3"])
     for world in sorted({c.world for c in world_cases}):
         titans = [r for r in rows if r["world"] == world and r["titan_step_time_s"] is not None
                   and r["autopar_model"] == "zoo Llama"]
@@ -458,6 +480,11 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     if tt:
         out.append("autopar compiling torchtitan's module itself / torchtitan: "
                    + ", ".join(f"{r['label']} {r['ratio']:.3f}" for r in tt))
+    fused = [r for r in rows if r.get("compiled_speedup") is not None]
+    if fused:
+        out.append("compiled (--compile) / eager autopar, per round: " + ", ".join(
+            f"{r['label']} {r['compiled_speedup']:.3f} (quartiles {r['compiled_speedup_q1']:.2f}-"
+            f"{r['compiled_speedup_q3']:.2f}; cold compile {r['compile_s']:.0f} s)" for r in fused))
     for r in rows:
         if r["titan"] is None:
             out.append(f"{r['label']} ({r['world']} processes): {_describe(r['autopar_config'])}; vs torchtitan's "
@@ -507,6 +534,22 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
             f"{f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
             f"{f(r['titan_peak_rss_delta_bytes'], '.0f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
             f"{f(r['titan_losses'][0] if r['titan_losses'] else None, '.5f')} |")
+    fused = [r for r in out["rows"] if r.get("compiled_speedup") is not None]
+    if fused:
+        lines += ["", "Compiled (`compiled=True`: Inductor on every per-rank graph) beside eager, autopar's zoo Llama, "
+                  "timed in the same rounds; compile: seconds Inductor spent on one rank's graphs with an empty "
+                  "cache (a rerun with the persistent cache takes a fraction).", "",
+                  "| configuration | procs | eager tok/s | compiled tok/s | compiled/eager (quartiles) | "
+                  "compile s | eager MiB/rank | compiled MiB/rank | first loss eager | first loss compiled |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in fused:
+            lines.append(
+                f"| {r['label']} | {r['world']} | {f(r['autopar_tokens_per_s'], ',.0f')} | "
+                f"{f(r['compiled_tokens_per_s'], ',.0f')} | {f(r['compiled_speedup'], '.3f')} "
+                f"({f(r['compiled_speedup_q1'], '.2f')}-{f(r['compiled_speedup_q3'], '.2f')}) | "
+                f"{f(r['compile_s'], '.1f')} | {f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
+                f"{f(r['compiled_peak_rss_delta_bytes'], '.0f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
+                f"{f(r['compiled_losses'][0], '.5f')} |")
     path.write_text("\n".join(lines + [""] + [f"- {line}" for line in out["summary"]] + [""] + extra) + "\n")
 
 
@@ -558,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-qkv", action="store_true",
                         help="torchtitan's fused wqkv (one GEMM) where the zoo Llama has three")
     parser.add_argument("--no-world8", action="store_true", help="skip the 8-process configurations")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also run autopar's program compiled by Inductor on each zoo configuration, "
+                             "beside eager (an empty Inductor cache: compile times are cold)")
     parser.add_argument("--profile", default=None, metavar="LABEL",
                         help="only profile one configuration's autopar and torchtitan programs")
     parser.add_argument("--profile-md", default=None, help="append the profile report to this markdown file")
@@ -592,6 +638,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.profile_md, "a") as fh:
                 fh.write("\n".join(lines) + "\n")
         return 0
+    if args.compiled:
+        import os
+        import tempfile
+
+        all_cases = [replace(c, compiled=c.titan is not None and c.zoo) for c in all_cases]
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-inductor-")  # the ranks inherit it
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {c.label for c in all_cases}

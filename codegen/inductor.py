@@ -54,6 +54,11 @@ def cache_dir() -> str:
     return str(path)
 
 
+class CompileError(ValueError):
+    """Inductor failed on one of the program's graphs: what failed, and that the eager
+    program runs the same plan (a ValueError: a setting to change, exit 2 on the CLI)."""
+
+
 class CompileTimes:
     """Seconds spent compiling each graph of one program ({label: seconds}), filled as the
     graphs are first called (the first step, and `param_gather` at the build)."""
@@ -95,6 +100,11 @@ def compile_graph(gm: fx.GraphModule, label: str, times: CompileTimes) -> None:
                 del gm.forward  # Inductor traces the graph's own forward
                 try:
                     compiled.append(compile_fx(gm, list(args)))
+                except Exception as exc:  # no C++ compiler, an unsupported op, ...
+                    raise CompileError(
+                        f"Inductor could not compile this rank's {label} graph ({type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else 'no message'}); "
+                        "run without --compile (compiled=False): the eager program runs the same plan") from exc
                 finally:
                     gm.forward = run
                 times.seconds[label] = times.seconds.get(label, 0.0) + time.perf_counter() - start
@@ -110,4 +120,4 @@ def compile_graphs(graphs: dict[str, fx.GraphModule | None], times: CompileTimes
             compile_graph(gm, label, times)
 
 
-__all__ = ["CompileTimes", "cache_dir", "compile_graph", "compile_graphs"]
+__all__ = ["CompileError", "CompileTimes", "cache_dir", "compile_graph", "compile_graphs"]

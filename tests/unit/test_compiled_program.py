@@ -1,8 +1,14 @@
-"""A compiled program is priced as compiled: `Graph.compiled` (ParallelConfig.compiled,
-`--compile`) scales memory-bound ops and views by Efficiency.compiled_memory_factor in the
-ILP's cost table and in the stage bounds, and leaves GEMMs and attention as they are;
-`autopar price --compile` / `search --compile` record it in the plan, which round-trips
-through its JSON file."""
+"""Inductor on the per-rank graphs (codegen/inductor.py), and a compiled program priced as
+compiled.
+
+- `compile_graph`: a graph runs Inductor's code from its first call on (equal results),
+  its compile time recorded by label, its `.code` unchanged; a failed compile names the
+  graph and says to run without --compile.
+- `Graph.compiled` (ParallelConfig.compiled, `--compile`) scales memory-bound ops and views
+  by Efficiency.compiled_memory_factor in the ILP's cost table and in the stage bounds,
+  and leaves GEMMs and attention as they are; `autopar price --compile` records it in the
+  plan, which round-trips through its JSON file.
+The multi-rank programs, compiled and eager side by side: tests/dist/test_inductor.py."""
 
 from __future__ import annotations
 
@@ -69,3 +75,48 @@ def test_price_compile_is_faster_and_recorded(tmp_path):
     path = tmp_path / "plan.json"
     compiled.save(str(path))
     assert Plan.load(str(path)).config.compiled
+
+
+def _graph():
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        return (torch.nn.functional.silu(x @ w) * 2.0 + 1.0,)
+
+    args = (torch.randn(4, 8), torch.randn(8, 8))
+    return make_fx(f)(*args), args
+
+
+def test_compile_graph_runs_inductor_code_and_times_it(tmp_path, monkeypatch):
+    import torch
+
+    from codegen.inductor import CompileTimes, compile_graph
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gm, args = _graph()
+    want = gm(*args)[0]
+    times = CompileTimes()
+    compile_graph(gm, "step", times)
+    got = gm(*args)[0]
+    torch.testing.assert_close(got, want)
+    assert set(times.seconds) == {"step"} and times.total_s > 0
+    assert "silu" in gm.code  # the graph itself is unchanged: what `.code` prints
+    again = gm(*args)[0]  # compiled once
+    torch.testing.assert_close(again, want)
+    assert set(times.seconds) == {"step"}
+
+
+def test_a_failed_compile_names_the_graph_and_the_way_out(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    from codegen.inductor import CompileError, CompileTimes, compile_graph
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("C++ compile error: g++ not found")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", broken)
+    gm, args = _graph()
+    compile_graph(gm, "grad_sync", CompileTimes())
+    with pytest.raises(CompileError, match=r"grad_sync graph \(RuntimeError: C\+\+ compile error.*without --compile"):
+        gm(*args)
