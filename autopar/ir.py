@@ -476,9 +476,9 @@ def extrapolate_batch(one: Graph, two: Graph, batch: int) -> Graph | None:
             != (two.loss, two.param_grads, two.tied_params, two.buffer_updates) \
             or [(g.layers, g.nodes, g.multiplicity) for g in one.layer_groups] \
             != [(g.layers, g.nodes, g.multiplicity) for g in two.layer_groups] \
-            or replace(one.model, batch=two.model.batch) != two.model:
+            or replace(one.model, batch=two.model.batch) != two.model or one.compiled != two.compiled:
         return None
     groups = tuple(replace(g, signature=layer_signature(nodes, g.nodes[0])) for g in one.layer_groups)
     return Graph(model=replace(one.model, batch=batch), nodes=tuple(nodes), loss=one.loss,
                  param_grads=one.param_grads, layer_groups=groups, tied_params=one.tied_params,
-                 buffer_updates=one.buffer_updates)
+                 buffer_updates=one.buffer_updates, compiled=one.compiled)

@@ -66,6 +66,18 @@ def test_stage_bounds_stay_below_the_compiled_costs(graph):
     assert all(fused[p] <= eager[p] for p in eager) and sum(fused.values()) < sum(eager.values())
 
 
+def test_a_batch_extrapolated_graph_stays_compiled():
+    """The search prices large microbatches on a graph extrapolated from two traces
+    (autopar.ir.extrapolate_batch): it keeps the traces' `compiled`, so those candidates
+    are priced compiled too."""
+    from autopar.ir import extrapolate_batch
+
+    one, two = (replace(trace_model(resolve(MODEL), batch=b, dtype="float32"), compiled=True) for b in (1, 2))
+    assert extrapolate_batch(one, two, 8).compiled
+    assert extrapolate_batch(replace(one, compiled=False), replace(two, compiled=False), 8).compiled is False
+    assert extrapolate_batch(one, replace(two, compiled=False), 8) is None
+
+
 def test_price_compile_is_faster_and_recorded(tmp_path):
     config = ParallelConfig(dp=2)
     eager = price(MODEL, "cpu:2", config, global_batch=4)
