@@ -72,7 +72,7 @@ def test_a_batch_extrapolated_graph_stays_compiled():
     are priced compiled too."""
     from autopar.ir import extrapolate_batch
 
-    one, two = (replace(trace_model(resolve(MODEL), batch=b, dtype="float32"), compiled=True) for b in (1, 2))
+    one, two = (replace(trace_model(resolve(MODEL), batch=b, dtype="float32"), compiled=True) for b in (2, 4))
     assert extrapolate_batch(one, two, 8).compiled
     assert extrapolate_batch(replace(one, compiled=False), replace(two, compiled=False), 8).compiled is False
     assert extrapolate_batch(one, replace(two, compiled=False), 8) is None
