@@ -718,6 +718,20 @@ class _GradSync:
             out.update(self.reduce(bucket, {i: raw[i] for i in bucket}))
         return tuple(out[i] for i in range(len(raw)))
 
+    def _pack(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """One flat buffer in the reduction dtype holding `pieces` in order. Eager: filled
+        piece by piece (each piece freed once copied, the class docstring). Functional
+        (Inductor): one `cat`, a single kernel; the copies into slices of one buffer would
+        be functionalised into a scatter per piece, each rewriting the whole buffer."""
+        if self.functional:
+            return torch.cat([p.reshape(-1).to(self.dtype) for p in pieces])
+        flat = pieces[0].new_empty(sum(p.numel() for p in pieces), dtype=self.dtype)
+        offset = 0
+        for p in pieces:
+            flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+            offset += p.numel()
+        return flat
+
     def reduce(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{gradient index: synced local gradient} of one bucket, from its raw local ones."""
         import torch.distributed._functional_collectives as funcol
@@ -735,12 +749,7 @@ class _GradSync:
         steps, _ = key
         if steps[0][0] == "all_reduce":
             shapes = {i: raw[i].shape for i in bucket}
-            flat = raw[bucket[0]].new_empty(sum(raw[i].numel() for i in bucket), dtype=self.dtype)
-            offset = 0
-            for i in bucket:
-                n = raw[i].numel()
-                flat[offset:offset + n].copy_(raw[i].reshape(-1))
-                offset += n
+            flat = self._pack([raw[i] for i in bucket])
             for _, axis, reduce_op in steps:
                 group = funcol._resolve_group_name((mesh, axis))
                 reduce = torch.ops._c10d_functional.all_reduce if self.functional \
@@ -757,13 +766,7 @@ class _GradSync:
         pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
         local = {i: pieces[i][0].shape for i in bucket}
         stride = sum(local[i].numel() for i in bucket)  # one rank's share of the bucket
-        flat = raw[bucket[0]].new_empty(n * stride, dtype=self.dtype)
-        offset = 0
-        for i in bucket:
-            size = local[i].numel()
-            for r in range(n):
-                flat[r * stride + offset:r * stride + offset + size].copy_(pieces[i][r].reshape(-1))
-            offset += size
+        flat = self._pack([pieces[i][r] for r in range(n) for i in bucket])  # rank r's share at r * stride
         reduced = funcol.reduce_scatter_single(flat, reduce_op, 0, (mesh, axis))
         offset = 0
         for i in bucket:
