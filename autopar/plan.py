@@ -437,7 +437,8 @@ class Plan(JsonData):
             f"config: zero {c.zero}, micro-batch {c.micro_batch} x {m} microbatches, schedule {c.schedule}"
             + (f" (v={c.interleave})" if c.schedule == "interleaved" else "")
             + f", recompute {c.recompute}, attention {c.attention}, sequence parallel {c.sequence_parallel}, "
-            f"precision {c.resolved(self.cluster.split(':')[0]).policy().name}",
+            f"precision {c.resolved(self.cluster.split(':')[0]).policy().name}"
+            + (", compiled by Inductor (memory-bound ops priced fused)" if c.compiled else ""),
             f"predicted: step {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s "
             f"({p.tokens_per_s_per_device:,.0f}/device), MFU {p.mfu:.1%}, peak {p.peak_memory_bytes / GIB:.2f} GiB "
             f"({'fits' if p.fits else 'DOES NOT FIT'}), bubble {self.bubble_fraction:.1%}",

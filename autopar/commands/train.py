@@ -372,7 +372,7 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
         print(f"throughput {tokens_per_s:,.0f} {unit} (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
         if first.compile_s:
-            print(f"compile: {sum(first.compile_s.values()):.1f} s in Inductor on rank 0 (in the first step), "
+            print(f"compile: {sum(first.compile_s.values()):.1f} s in Inductor on rank 0 (at each graph's first call), "
                   + ", ".join(f"{label} {sec:.1f} s" for label, sec in first.compile_s.items()))
         if ref_losses is not None:
             if job.deterministic_random:
