@@ -34,21 +34,20 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
    of the step (M model, tp2 pp2 on 4 ranks: CPU 85-108 ms per rank, wall 233 ms) against
    4% for dp4 (3 collectives per step instead of 50-70), and every sweep priced tp2 pp2
    and dp2 tp2 pp2 at 0.62-0.86 of measured. Charging one-stage groups too (a first
-   version, 0.4 ms, measured out of sample in benchmarks/records/sweep_cpu_run6) priced
+   version, 0.4 ms, measured out of sample in a later sweep) priced
    dp2 tp2 at 1.02-1.10 of measured against 0.89-1.02 for dp4: the one-stage price of its
    collectives already holds their wait.
 3. `collective_latency_share_exponent` g: a collective's latency terms (per ring step, per
    call) grow as (ranks per core) ** g where its bandwidth shrinks linearly. g = 1 (every
    ring step time-sliced in full) over-priced the sweep's 8-process data-parallel and
    pipeline programs: with one latency per gradient bucket priced, S x 8's dp8 at 1.32
-   and its pipelines at 1.12-1.25 of measured in a recorded headline sweep (run 14), while
+   and its pipelines at 1.12-1.25 of measured in an earlier headline sweep, while
    the 4-process rows, priced at the calibration's own sharing, sat at 0.92-1.0. What it
-   explains: two calibrations of this machine, 8 and 4 ranks on 2 cores
-   (records/cpu_profile_devices8_2026-11-27.json, records/sweep_cpu_headline_2026-11-27_profile.json: run 14's),
+   explains: two calibrations of this machine, 8 and 4 ranks on 2 cores,
    gave a per-core ring step at 8 ranks 0.906x the one at 4 (242 and 267 us stored at
    g = 1: 2 ** (g - 1) = 0.906, g = 0.86): a ring step is part CPU work, time-sliced,
    and part waiting on a peer. One pair only, and the 4-rank figure spread 187-333 us
-   over the recorded calibrations since run 5: the fit decides. Why a
+   over the calibrations recorded with the sweeps: the fit decides. Why a
    fit and not a calibrate probe: calibrate measures at one rank count (the profile's);
    the exponent is the change between two, and measured back to back (no work between
    collectives) it misses what the programs show (collectives amid GEMM work took 1.0-1.2x
@@ -58,9 +57,9 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
 4. `pipeline_call_host_s` h: host time per pipeline stage per chunk call (a microbatch's
    forward and backward through the schedule), beyond the stage graph's ops and boundary
    messages as priced, per dedicated core (x ranks per core; 0 on GPUs). What it explains:
-   deeper pipelines ran slower than priced in every recorded run since run 14 (log measured
-   / priced, dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of twelve
-   runs); probed (benchmarks/records/pipeline_calls_2026-11-28.md),
+   deeper pipelines ran slower than priced in twelve recorded sweeps (log measured / priced,
+   dp2 pp4 against dp4 pp2 on 8 processes: +4.2 to +5.9% per size, mean of the twelve);
+   probed on S and M x 8 (per-rank CPU and wall of dp8, dp4 pp2 and dp2 pp4),
    dp2 pp4 ran about 12 ms per step slower than priced against dp4 pp2 on both S and M,
    0.7-1.6 ms of CPU per extra stage call, where the priced extra nodes are a few us.
    Why a fit and not a calibrate probe: trivial stages through the runtime's path measure
@@ -69,7 +68,7 @@ The four constants (cost_model/efficiency.py; their values: docs/cost-model.md):
    (latency + bandwidth, measured as a ping-pong's wall time) already partly holds: only
    the whole programs separate the two.
 
-How: every recorded sweep (benchmarks/records/sweep_cpu_<run>.json for RUNS, the measured
+How: every recorded sweep (benchmarks/data/cpu_sweeps/sweep_<run>.json for RUNS, the measured
 step times of the same 57 programs, six runs) is priced again with the
 built-in `cpu` profile carrying each candidate value (the programs that ran are the
 built-in profile's solves: `sweep_cpu.predict_ilp` prices those placements; pipelines by
@@ -105,17 +104,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-RUNS = ("run28_random_noisy", "run29_random_noisy", "headline_run30_2026-11-28", "run31_h04",
-        "run32_random_noisy", "headline_run33_2026-11-28")
-"""The recorded sweeps (benchmarks/records/sweep_cpu_<run>.json; records/README.md dates each):
-six runs in random round order, measured with the per-rank programs the runtime runs but for
+SWEEPS = ROOT / "benchmarks" / "data" / "cpu_sweeps"
+RUNS = ("28", "29", "30", "31", "32", "33")
+"""The recorded sweeps (SWEEPS / sweep_<run>.json; its README dates each): six runs in
+random round order, measured with the per-rank programs the runtime runs but for
 the loss report's transport (DTensor in these runs, a direct all-reduce on each Partial
 axis's group in the runtime: the same one-element all-reduces, 1-3 ms less host work per
 step at 8 ranks). Older sweeps ran programs that differ from the runtime's (before gradient
 buckets, the views' price, per-chunk pipeline calls and the loss report's transport); fitted
-on them, the pipeline terms priced S x 8's pipelines 0.85 of measured against 1.0 for `dp8`
-(benchmarks/records/refit_recent_runs_2026-11-28.md). Sweeps measured after these (runs 34
-and later) are not in the fit: they check it out of sample."""
+on them, the pipeline terms priced S x 8's pipelines 0.85 of measured against 1.0 for `dp8`.
+Sweeps measured after these (runs 34 and later) are not in the fit: they check it out of
+sample."""
 GRIDS: dict[str, tuple[float, ...]] = {
     "gemm_memory_efficiency": (1.0, 0.6, 0.4, 0.35, 0.3, 0.25, 0.2),
     "stage_collective_wait_s": (0.0, 0.5e-3, 1.0e-3, 1.5e-3, 2.0e-3),
@@ -161,7 +160,7 @@ def price_run(run: str, name: str, values: tuple[float, ...], held: dict[str, fl
     import sweep_cpu as sc
     from autopar.cluster import HARDWARE
 
-    rows = json.loads((ROOT / "benchmarks" / "records" / f"sweep_cpu_{run}.json").read_text())["rows"]
+    rows = json.loads((SWEEPS / f"sweep_{run}.json").read_text())["rows"]
     rows = [r for r in rows if not r["label"].endswith(sc.REPEAT_SUFFIX)]
     by_world = {w: {c.label: c for c in sc.cases(w)} for w in (4, 8)}
     profiles: dict[str, Any] = {}
@@ -304,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", action="store_true",
                     help="store the chosen values in autopar/cpu_profile.json (the built-in profile)")
     args = ap.parse_args(argv)
-    missing = [run for run in RUNS if not (ROOT / "benchmarks" / "records" / f"sweep_cpu_{run}.json").exists()]
+    missing = [run for run in RUNS if not (SWEEPS / f"sweep_{run}.json").exists()]
     if missing:
-        ap.error(f"recorded sweeps {missing} not found in benchmarks/records/ (sweep_cpu_<run>.json); the fit "
+        ap.error(f"recorded sweeps {missing} not found in {SWEEPS} (sweep_<run>.json); the fit "
                  f"needs all of {list(RUNS)}: restore them from git")
     done: dict[str, Any] = {}
     if args.reuse:

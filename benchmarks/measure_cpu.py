@@ -141,8 +141,7 @@ def return_freed_memory_to_os(threshold: int = RETURN_TO_OS_BYTES) -> None:
     process starts, and ranks are forks of one forkserver reused by every later spawn
     (autopar/runtime/launch.py). Set in the environment around the memory phase's spawn,
     the first spawn of the run, it reached the forkserver and from there every timed rank
-    after it: every allocation an mmap and page faults, steps 1.6-1.9x slower
-    (benchmarks/records/allocator_in_timed_ranks_2026-11-28.md). Raises where the C
+    after it: every allocation an mmap and page faults, steps 1.6-1.9x slower. Raises where the C
     library has no mallopt (not glibc): the memory figures would be meaningless."""
     import ctypes
 
@@ -308,7 +307,7 @@ def measure_worker(rank: int, world_cases: list[Case], searched_label: str | Non
         # to whichever program happens to be measured first. Per configuration, not only
         # for the first one: a configuration's first program (autopar's) otherwise paid
         # for its collectives' and placements' first use and the template measured after
-        # it did not (benchmarks/records/per_op_memory_cpu.md item 9).
+        # it did not.
         for case in world_cases:
             for kind in kinds(case):
                 _run_one(case, kind, batches[:1], measure_memory=False)

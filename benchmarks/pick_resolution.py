@@ -5,7 +5,7 @@ measured best)? Read from recorded sweeps; nothing is measured or re-priced.
 
 With no files: the sweeps priced at the current cost-model constants (CURRENT_RUNS: runs
 28-35 re-priced with `sweep_cpu.py --repredict` and each run's calibration refitted, runs 36-38
-measured at them; records/pick_stability_2026-11-28.md). Each row's `measured_times_s`
+measured at them; benchmarks/data/cpu_sweeps/). Each row's `measured_times_s`
 (one step per timed round; each round runs every configuration, interleaved: round-robin
 in the older runs, in a random order in the later ones) and its `predicted_calibrated_s` are
 read; "(repeat)" rows are the group's noise probe.
@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REPEAT = " (repeat)"
 TARGET = 0.03
-CURRENT_RUNS = [f"benchmarks/records/sweep_cpu_run{n}_priced_at_session36_constants.json" for n in range(28, 36)] + [
-    "benchmarks/records/sweep_cpu_run36_random_noisy.json", "benchmarks/results/sweep_cpu.json",
-    "benchmarks/records/sweep_cpu_run38_random_noisy.json"]
+CURRENT_RUNS = [f"benchmarks/data/cpu_sweeps/sweep_{n}_repriced.json" for n in range(28, 36)] + [
+    "benchmarks/data/cpu_sweeps/sweep_36.json", "benchmarks/results/sweep_cpu.json",
+    "benchmarks/data/cpu_sweeps/sweep_38.json"]
 """Sweeps priced at the current constants: runs 28-33 (the fit's training runs,
 benchmarks/fit_cpu_constants.py; their calibrations predate the one-element all-reduce
 measurement, so their calibrated column prices those as ring latency), runs 34 and 35 (out

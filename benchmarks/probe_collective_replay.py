@@ -19,7 +19,9 @@ shapes, with no compute between them. Per configuration it prints:
     .venv/bin/python benchmarks/probe_collective_replay.py [--size S] [--world 4]
         [--only "dp4 z1,tp4"] [--rounds 5] [--warmup 2]
 
-What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
+What its runs found is in docs/cost-model.md (the `cpu` profile) and in the demo's gap
+(docs/benchmarks.md): collectives replayed alone take about their price, inside the
+program about twice it, the rest being the contention of ranks sharing the cores.
 """
 
 from __future__ import annotations

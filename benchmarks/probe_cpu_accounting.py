@@ -21,7 +21,8 @@ as max(critical path / share, all work / cores) (solver/stage_dp.py).
     .venv/bin/python benchmarks/probe_cpu_accounting.py --size S --world 4 \
         [--only "dp4 mb4,dp4 z1"] [--rounds 6] [--warmup 2]
 
-Prints one row per configuration. What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
+Prints one row per configuration. What its runs found is in the cpu profile's terms
+(autopar/cpu_profile.json, cost_model/efficiency.py) and docs/cost-model.md.
 """
 
 from __future__ import annotations

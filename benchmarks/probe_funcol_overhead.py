@@ -18,7 +18,7 @@ The fastest of `--windows` windows, median over ranks.
 
     .venv/bin/python benchmarks/probe_funcol_overhead.py [--devices 4] [--windows 3]
 
-Prints per (kind, group size, bytes) each path's ms and graph - raw. What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
+Prints per (kind, group size, bytes) each path's ms and graph - raw. What its runs found is in docs/cost-model.md (the `cpu` profile).
 """
 
 from __future__ import annotations

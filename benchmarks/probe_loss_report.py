@@ -17,7 +17,9 @@ Two parts, each on `--devices` spawned gloo ranks:
 
     .venv/bin/python benchmarks/probe_loss_report.py [--devices 8] [--size S] [--rounds 30]
 
-Used for benchmarks/records/scalar_all_reduce_2026-11-28.md.
+What it found: gloo's ring skips empty segments, so a one-element all-reduce costs about one
+ring step per rank (2.2 ms back to back over 8 ranks, against 18.8 ms for 1024 floats):
+priced by its own measured step, `scalar_all_reduce_hop_s`.
 """
 
 from __future__ import annotations

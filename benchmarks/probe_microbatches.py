@@ -13,7 +13,8 @@ microbatch's work (its GEMMs at fewer rows, its ops, its pipeline sends) keeps u
     .venv/bin/python benchmarks/probe_microbatches.py --size M --world 8 \\
         --configs 2:4:1,2:4:2,4:2:1,4:2:2,4:2:4 [--profile benchmarks/results/cpu_profile.json] [--rounds 11]
 
-What its runs found is recorded in benchmarks/records/ (round_order_2026-11-28.md).
+What its runs found: a configuration's step time depends on what ran before it in the round,
+which is why benchmarks/sweep_cpu.py runs its rounds in a random order.
 """
 
 from __future__ import annotations

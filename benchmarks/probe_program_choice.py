@@ -16,7 +16,7 @@ prefers, and by how much) and what each measured (fastest round, median).
     .venv/bin/python benchmarks/probe_program_choice.py --other old.json [--size M]
         [--world 4] [--only "tp2 pp2,tp4"] [--rounds 11] [--warmup 2]
 
-What its runs found is recorded in benchmarks/records/ (listed in records/README.md).
+What its runs found is in docs/cost-model.md (the `cpu` profile).
 """
 
 from __future__ import annotations

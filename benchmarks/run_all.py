@@ -17,7 +17,7 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    the leave-one-source-out and leave-one-publication-out fits ->
    results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_constants.py
    (the cpu profile's GEMM memory efficiency, stage collective wait, latency share law and
-   pipeline chunk-call host time refitted on benchmarks/records' sweeps, ~50 min) ->
+   pipeline chunk-call host time refitted on the sweeps in benchmarks/data/cpu_sweeps/, ~50 min) ->
    results/fit_cpu_constants.{md,json}, checked
    against the built-in profile's
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
@@ -35,9 +35,8 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    --full also benchmarks/check_search_plans.py (every searched top-5 plan on cpu:2/4/8
    trains like the single-process reference, ~12 min) -> results/search_plans_run.{md,json}
 6. benchmarks/plots_results.py -> results/*.png
-Nothing outside the repository is read (the published runs ship in benchmarks/data/).
-Dated measurements that no command here re-makes (older runs, superseded layouts) live in
-benchmarks/records/, each with the command that made it.
+Nothing outside the repository is read (the published runs and the recorded CPU sweeps ship
+in benchmarks/data/). What older runs found lives in the code's docstrings and in docs/.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ predicted/measured ratios are measured side by side. Why random (`--order`): a s
 depends on the step that ran just before it, and a round-robin order (round k starting at
 configuration k, reversed on odd rounds; `--order rotate`) gives every configuration
 the same two predecessors in every round, so that context is a fixed bias of each row, the
-same in every run (benchmarks/records/round_order_2026-11-28.md). A random order makes it
+same in every run (measured by benchmarks/probe_microbatches.py). A random order makes it
 noise that every row shares, as Google Benchmark's random interleaving does against
 run-to-run variance (docs/random_interleaving.md, google/benchmark#1051). Each row keeps
 the label that ran just before it in every timed round (`predecessors`).
@@ -30,7 +30,7 @@ is reduced the same way, per block of REFERENCE_WINDOWS rounds (`reference_readi
 `--rounds` (a multiple of REFERENCE_WINDOWS, 11 by default) gives the minimum more draws:
 on the machine's slow mode the fastest round stood 3.3-5.3% below the second
 fastest at the median against 1.1-2.2% on quiet runs, so the minimum of 11 rested on one or two
-lucky rounds (benchmarks/records/sweep_estimators_2026-11-27.md). Noise estimate: every world runs its first configuration twice, as
+lucky rounds (benchmarks/sweep_estimators.py). Noise estimate: every world runs its first configuration twice, as
 two separately compiled programs (`REPEAT_SUFFIX`); the report gives how far apart the two
 identical programs measured under each estimator. Repeats are left out of the rankings.
 
@@ -125,7 +125,7 @@ NOISY_APART = 0.05
 """Two identical programs measured further apart than this (minimum over rounds) mark the
 group as noisy in the summary: differences of that size between configurations are not
 resolved, and the 3% pick target is below them. Quiet runs measured 0.5-3.3%; a run on a
-loaded machine (benchmarks/records/sweep_cpu_run8_noisy) 2.1-16.3%."""
+loaded machine 2.1-16.3%."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("a measuring run writes its rows only to --json and its tables only to --md, and neither was given: "
                  "13-30 minutes of measuring would be printed and lost; give one or both, e.g. --json "
                  "benchmarks/results/sweep_cpu.json --md benchmarks/results/sweep_cpu.md (what benchmarks/run_all.py "
-                 "passes) or a file under benchmarks/records/")
+                 "passes) or a file of your own")
     merged_rows = _merge_rows(ap, args.merge) if args.merge else None  # checked before ~20 minutes of measuring
     if args.repredict:
         return repredict(Path(args.repredict), args)

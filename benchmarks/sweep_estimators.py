@@ -3,7 +3,7 @@ sweep's own noise probe.
 
     .venv/bin/python benchmarks/sweep_estimators.py [--md OUT.md] [SWEEP.json ...]
 
-With no files: every recorded sweep (benchmarks/records/sweep_cpu_*.json) and the headline
+With no files: every recorded sweep (benchmarks/data/cpu_sweeps/sweep_<run>.json) and the headline
 (benchmarks/results/sweep_cpu.json). Nothing is re-measured or re-priced: each row's
 `measured_times_s` (one step per timed round, rounds interleaved round-robin) and its
 stored `predicted_calibrated_s` are read.
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no such sweep file: {', '.join(missing)}; give JSON files benchmarks/sweep_cpu.py wrote "
                  "(--json), or none for every recorded sweep")
     files = [Path(f) for f in args.files] or (
-        sorted(p for p in (ROOT / "benchmarks" / "records").glob("sweep_cpu_*.json") if "profile" not in p.name)
+        sorted(p for p in (ROOT / "benchmarks" / "data" / "cpu_sweeps").glob("sweep_*.json")
+               if "repriced" not in p.name)
         + [ROOT / "benchmarks" / "results" / "sweep_cpu.json"])
     lines = ["| sweep | estimator | twins apart, median | max | Spearman, worst group | mean | worst pick regret |",
              "|---|---|---|---|---|---|---|"]

@@ -4,8 +4,8 @@ benchmarks/measure_cpu.py and measure_torchtitan.py measure memory in one set of
 with glibc returning freed memory to the OS (mmap threshold 64 KiB), and time the programs
 in a second set with glibc's defaults. Ranks are forks of one forkserver reused by every
 spawn (autopar/runtime/launch.py), so a threshold set through the environment around the
-first spawn reached the forkserver and every timed rank after it (steps 1.6-1.9x slower,
-benchmarks/records/allocator_in_timed_ranks_2026-11-28.md).
+first spawn reached the forkserver and every timed rank after it (steps measured 1.6-1.9x
+slower).
 
 A spawn whose environment changes such a variable after the forkserver started is refused
 (autopar.runtime.launch.check_process_start_environment).

@@ -1,7 +1,8 @@
 """`make bench` (benchmarks/run_all.py) regenerates every table and plot in
 benchmarks/results/: each file there is one a phase of run_all writes, named in
 its docstring (the list a reader checks), or a row file a lent GPU measured that a phase
-reads. Dated measurements nothing re-makes belong in benchmarks/records/."""
+reads. Measurements nothing re-makes do not belong in the tree: their finding goes into the
+code or the docs, the run itself into a commit message."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def test_run_all_names_every_results_file():
     assert present, f"no files under {RESULTS}"
     unnamed = [n for n in present if n not in named and not GPU_ROWS.fullmatch(n)]
     assert not unnamed, (f"benchmarks/results/ holds files benchmarks/run_all.py does not regenerate: {unnamed}; "
-                         "add the phase that writes them to run_all (and its docstring) or move them to "
-                         "benchmarks/records/ with the command that made them")
+                         "add the phase that writes them to run_all (and its docstring), or remove them and "
+                         "put what they found in the docs")
 
 
 @pytest.mark.parametrize("name", ["sweep_cpu.json", "cost_model_validation.md", "op_coverage.md", "gpu_h100.md",
