@@ -41,7 +41,8 @@ Figures (the machine has 2 cores shared with other users: noisy; read ratios, no
   lowest median of that world size.
 - memory: peak resident-set growth per rank (VmHWM after 3 steps minus VmRSS before the
   build; glibc mmap threshold 64 KiB so freed tensors go back to the OS), each program built
-  alone in a separate set of ranks, max over ranks (as benchmarks/measure_cpu.py does).
+  alone in a separate set of ranks, after a throwaway build and step of each program of its
+  configuration, max over ranks (as benchmarks/measure_cpu.py does).
 - `--profile LABEL`: torch.profiler over PROFILE_ROUNDS single steps of A and of T of one
   configuration, built side by side and profiled in alternation, every rank: collective
   calls and time per kind, the ops with the largest self CPU time, and the ATen ops whose
@@ -204,17 +205,21 @@ def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
 
     return_freed_memory_to_os()
     batches = _batches(ORACLE_STEPS)
-    # one throwaway build + step of each kind first: one-time process set-up (imports,
-    # gloo state, allocator arenas) must not be charged to the first program measured
-    first = world_cases[0]
-    for kind in _kinds(first):
-        if kind == "compiled":
-            continue  # its compile is measured cold, with its program
-        step, _, _ = _build(first, kind, dist.get_world_size())
-        step(batches[0])
-        del step
     out: dict[str, Any] = {}
     for case in world_cases:
+        # one throwaway build + step of each of this configuration's programs first (not the
+        # compiled one: its compile is measured cold, with it): one-time set-up (imports, gloo
+        # state, the first use of the configuration's collectives and placements, DTensor's
+        # caches, allocator arenas) must not be charged to whichever program is measured
+        # first. Warmed once per run only, fsdp4's zoo row paid 43 MiB against 27 for the same
+        # configuration on torchtitan's module, measured after it (as benchmarks/measure_cpu.py
+        # found for its programs).
+        for kind in _kinds(case):
+            if kind != "compiled":
+                step, _, _ = _build(case, kind, dist.get_world_size())
+                step(batches[0])
+                del step
+                gc.collect()
         out[case.label] = {}
         for kind in _kinds(case):
             gc.collect()

@@ -204,7 +204,7 @@ def reference_model(shape: TitanShape, *, seed: int = 0) -> nn.Module:
     return model
 
 
-def zoo_state_dict(titan: nn.Module, shape: TitanShape) -> dict[str, torch.Tensor]:
+def zoo_state_dict(titan: nn.Module, shape: TitanShape, *, copy: bool = True) -> dict[str, torch.Tensor]:
     """torchtitan Llama3 parameters as autopar's zoo Llama (autopar/models/llama.py) names
     and lays them out, computing the same function:
     - fused wqkv rows are (kv head, [its q heads..., k, v], head_dim): split into wq, wk, wv
@@ -212,7 +212,9 @@ def zoo_state_dict(titan: nn.Module, shape: TitanShape) -> dict[str, torch.Tenso
     - torchtitan's complex RoPE rotates adjacent pairs (2i, 2i+1), the zoo's rotate-half
       pairs (i, i + head_dim/2) at the same frequency i: q and k rows are permuted within
       each head to match (attention scores are unchanged: both sides permuted alike);
-    - lm_head is the zoo's output."""
+    - lm_head is the zoo's output.
+    `copy=False`: tensors that need no change are torchtitan's own (shared storage), for a
+    caller that drops the torchtitan model (`zoo_model`)."""
     p = {name: t.detach() for name, t in titan.named_parameters()}
     hd, hpk = shape.head_dim, shape.heads // shape.kv_heads
     pairs = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
@@ -236,15 +238,33 @@ def zoo_state_dict(titan: nn.Module, shape: TitanShape) -> dict[str, torch.Tenso
         for name in ("attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
                      "attention_norm", "ffn_norm"):
             out[f"layers.{i}.{name}.weight"] = p[f"layers.{i}.{name}.weight"]
-    return {k: v.clone() for k, v in out.items()}
+    return {k: v.clone() for k, v in out.items()} if copy else {k: v.contiguous() for k, v in out.items()}
 
 
 def zoo_model(shape: TitanShape, *, seed: int = 0) -> nn.Module:
-    """autopar's zoo Llama at `shape` holding torchtitan's initial weights (`zoo_state_dict`)."""
+    """autopar's zoo Llama at `shape` holding torchtitan's initial weights (`zoo_state_dict`),
+    built holding about one copy of the weights at a time, as torchtitan's side builds its
+    own model: the torchtitan model is converted and dropped, then the zoo model, built on
+    the meta device, takes the converted tensors themselves (`assign`), and its
+    non-persistent buffers (the RoPE tables) come from a one-layer build. Built naively
+    (zoo model, torchtitan model and a cloned state dict at once) the memory phase charged
+    the zoo rows two extra copies of the weights that no training step holds."""
+    import dataclasses
+
     from autopar.models import resolve
 
-    model = resolve(shape.zoo_spec).build()
-    model.load_state_dict(zoo_state_dict(reference_model(shape, seed=seed), shape), strict=True)
+    with torch.device("cpu"):
+        tables = dict(resolve(dataclasses.replace(shape, layers=1).zoo_spec).build().named_buffers())
+    titan = reference_model(shape, seed=seed)
+    state = zoo_state_dict(titan, shape, copy=False)
+    del titan
+    with torch.device("meta"):
+        model = resolve(shape.zoo_spec).build()
+    model.load_state_dict(state, strict=True, assign=True)
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, tables[name], persistent=False)
     return model
 
 
