@@ -310,6 +310,14 @@ def _torchrun_rank() -> int:
     return dist.get_rank()
 
 
+def _phase_peaks(per_rank: list[RunResult]) -> dict[str, int]:
+    """Each phase's peak memory growth, max over ranks (RunResult.memory_phases_bytes)."""
+    from autopar.runtime.jobs import MEMORY_PHASES
+
+    return {phase: max(r.memory_phases_bytes[phase] for r in per_rank) for phase in MEMORY_PHASES
+            if all(phase in r.memory_phases_bytes for r in per_rank)}
+
+
 def _print_header(job: TrainJob, config: ParallelConfig, num_microbatches: int) -> None:
     c = config
     print(f"{job.model}: dp {c.dp} x tp {c.tp} x pp {c.pp}, zero {c.zero}, micro-batch {c.micro_batch} "
@@ -341,6 +349,9 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
             for r in per_rank
         ],
         "devices": len(per_rank),
+        "memory_phases_bytes": _phase_peaks(per_rank),
+        "memory_phases_kind": "peak resident-set growth per rank over its size before the build, per phase "
+                              "(build; first step; later steps), max over ranks (CPU)",
         "compile_s": first.compile_s,
         "global_batch": job.global_batch,
     }
@@ -371,6 +382,10 @@ def _report(args: argparse.Namespace, job: TrainJob, config: ParallelConfig, num
                                 tokens / first.step_times_s[k], unit))
         print(f"throughput {tokens_per_s:,.0f} {unit} (steps after the first), peak RSS "
               f"{out['peak_memory_bytes'] / 2**20:.0f} MiB/rank")
+        phases = out["memory_phases_bytes"]
+        if phases:
+            print("memory per rank, peak growth by phase: " + ", ".join(
+                f"{name.replace('_', ' ')} {value / 2**20:.0f} MiB" for name, value in phases.items()))
         if first.compile_s:
             print(f"compile: {sum(first.compile_s.values()):.1f} s in Inductor on rank 0 (at each graph's first call), "
                   + ", ".join(f"{label} {sec:.1f} s" for label, sec in first.compile_s.items()))

@@ -95,11 +95,59 @@ class RunResult:
     """... and those its plan (or the ILP for its configuration) priced, for price = run checks."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     """Whole buffers after the run (with `return_parameters`, one-stage programs)."""
+    memory_phases_bytes: dict[str, int] = field(default_factory=dict)
+    """This rank's peak memory growth per phase of the run (`PeakMemory`, MEMORY_PHASES)."""
     compile_s: dict[str, float] = field(default_factory=dict)
     """{graph: seconds} Inductor spent compiling this rank's graphs (`--compile`)."""
     priced_state: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """This rank's (weights, gradients, optimizer state) bytes as priced
     (`priced_state_bytes`), beside what it measured (`parameter_bytes`, ...)."""
+
+
+MEMORY_PHASES = ("build", "first_step", "later_steps")
+"""The phases `train_worker` reports each rank's peak memory growth for
+(RunResult.memory_phases_bytes)."""
+
+
+class PeakMemory:
+    """A rank's peak resident memory per phase of a run, as growth over its resident size
+    when the run started (before the build): Linux's VmHWM, reset between phases through
+    /proc/self/clear_refs (`echo 5`), so each phase's peak is its own. The build's peak
+    holds the trace, the solve and the whole model before sharding; the first step's holds
+    lazy initialisation (and Inductor's compile with `--compile`); the later steps' is the
+    steady state a long run holds. Empty where /proc is not Linux's."""
+
+    def __init__(self) -> None:
+        self.start = self._kib("VmRSS")
+        self.phases: dict[str, int] = {}
+        self._reset()
+
+    @staticmethod
+    def _kib(field: str) -> int | None:
+        import re
+        from pathlib import Path
+
+        try:
+            found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+        except OSError:
+            return None
+        return int(found.group(1)) if found else None
+
+    @staticmethod
+    def _reset() -> None:
+        from pathlib import Path
+
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def end(self, phase: str) -> None:
+        """Record the peak since the last phase ended as `phase`'s, and start the next."""
+        peak = self._kib("VmHWM")
+        if peak is not None and self.start is not None:
+            self.phases[phase] = max(0, peak - self.start) * 1024
+        self._reset()
 
 
 def step_epilogue(params: list[torch.nn.Parameter]) -> Any:
@@ -229,6 +277,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
     """Run on every rank of an initialised process group; one RunResult per config."""
     results = []
     for i, config in enumerate(job.configs):
+        memory = PeakMemory()
         model, batches, _ = build_model_and_batches(job)
         fingerprint = module_fingerprint(model)
         stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
@@ -239,18 +288,23 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
         done = 0
         if job.resume and job.checkpoint_dir and checkpoint.latest(job.checkpoint_dir) is not None:
             done = checkpoint.load(program, job.checkpoint_dir, model_fingerprint=fingerprint).step
+        memory.end("build")
         losses, times = [], []
         for k in range(done, len(batches)):
             start = time.perf_counter()
             with _step_context(job):
                 losses.append(program.step(batches[k]))
             times.append(time.perf_counter() - start)
+            if k == done:
+                memory.end("first_step")
             if job.live_steps and dist.get_rank() == 0:
                 print(step_line(k + 1, losses[-1], job.reference_losses[k] if k < len(job.reference_losses) else None,
                                 job.tokens_per_step / times[-1], job.throughput_unit), flush=True)
             if job.save_every and job.checkpoint_dir and (k + 1) % job.save_every == 0:
                 checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * job.global_batch,
                                 model=job.model, model_fingerprint=fingerprint)
+        if len(losses) > 1:
+            memory.end("later_steps")
         params = program.full_parameters() if job.return_parameters else {}
         buffers = program.full_buffers() if job.return_parameters and hasattr(program, "full_buffers") else {}
         keep = job.return_parameters and program.dp_rank == 0 and program.tp_rank == 0
@@ -263,7 +317,7 @@ def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
             collectives=program.collectives_per_step(job.global_batch // (config.dp * config.micro_batch))
             if hasattr(program, "collectives_per_step") else {},
             priced=getattr(program, "priced", None), priced_state=program.priced_state_bytes(),
-            compile_s=program.compile_times(),
+            compile_s=program.compile_times(), memory_phases_bytes=dict(memory.phases),
         ))
         dist.barrier()
     return results

@@ -31,6 +31,10 @@ def test_train_resume_on_another_plan(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     code, first, _ = _train(capsys, "--steps", "4", "--checkpoint-dir", ckpt, "--save-every", "2")
     assert code == 0 and first["first_step"] == 1 and len(first["losses"]) == 4
+    # each phase's peak memory growth per rank: the build holds the weights before
+    # sharding, every later phase at least the program's state
+    phases = first["memory_phases_bytes"]
+    assert list(phases) == ["build", "first_step", "later_steps"] and all(v > 0 for v in phases.values()), phases
     assert checkpoint.latest(ckpt).step == 4
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_000002", "step_000004"]
     _damaged_checkpoints_are_refused(tmp_path, capsys, ckpt)
@@ -120,7 +124,8 @@ def test_step_lines_appear_as_the_steps_finish(tmp_path):
         rest, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert early is True, "step 1's line arrived after the last step"
-    assert rest.count("step ") == 4 and "throughput" in rest, rest
+    assert sum(line.startswith("step ") for line in rest.splitlines()) == 4 and "throughput" in rest, rest
+    assert "memory per rank, peak growth by phase: build " in rest and "later steps" in rest, rest
 
 
 _WARN_SCRIPT = """
