@@ -79,7 +79,8 @@ def compile_graph(gm: fx.GraphModule, label: str, times: CompileTimes) -> None:
     """Make calls of `gm` run Inductor's code for it, compiled at the first call (module
     docstring); `gm.graph` and `gm.code` stay the eager graph (what `.code` prints and the
     collective counts read). A boxed graph (called with one list, which it empties) keeps
-    its calling convention: the list is handed over and cleared."""
+    its calling convention: the list is cleared at the call, its tensors then held until
+    the compiled graph returns (the eager boxed graph frees each as it goes)."""
     from torch._inductor.compile_fx import compile_fx
 
     cache_dir()
