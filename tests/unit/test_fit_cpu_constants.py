@@ -83,7 +83,7 @@ def test_reuse_of_a_file_that_is_not_its_output_exits_2(tmp_path, capsys, conten
 
 
 def test_missing_recorded_sweeps_exit_2(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(fit, "ROOT", tmp_path)
+    monkeypatch.setattr(fit, "SWEEPS", tmp_path)
     with pytest.raises(SystemExit) as exc:
         fit.main(["--json", str(tmp_path / "o.json"), "--md", str(tmp_path / "o.md")])
     assert exc.value.code == 2
