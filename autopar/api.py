@@ -350,15 +350,24 @@ class Compiled:
     traced step needs a batch's shapes)."""
 
     def __init__(self, build: Callable[[Sequence[Any]], Any], *, config: ParallelConfig, plan: Any,
-                 pristine: nn.Module, example_inputs: tuple[Any, ...] | None) -> None:
-        self._build = build
+                 example_inputs: tuple[Any, ...] | None) -> None:
+        self._build: Callable[[Sequence[Any]], Any] | None = build
         self.plan = plan
         """The Plan replayed or searched, else None (a configuration given by config=)."""
         self.config: ParallelConfig = config
-        self._pristine = pristine
         self._example_inputs = example_inputs
-        self._program: Any = build(example_inputs) if example_inputs is not None else None
+        self._program: Any = self._make(example_inputs) if example_inputs is not None else None
         self._code: dict[str, str] | None = None
+
+    def _make(self, example: Sequence[Any]) -> Any:
+        """The program, built once. The build closure is dropped with it: it holds the
+        user's unsharded model, which the program never reads again (it holds its own
+        shards), so the full weights are freed as soon as the caller drops the model, as
+        a model parallelised in place would be."""
+        assert self._build is not None, "a Compiled program is built once"
+        program = self._build(example)  # a failed build (a bad first batch) may be retried
+        self._build = None
+        return program
 
     @property
     def program(self) -> Any:
@@ -373,7 +382,7 @@ class Compiled:
         batch = (batch,) if isinstance(batch, (torch.Tensor, dict)) else tuple(batch)
         batch = batches.join(*batches.split(batch)) if not keywords else batches.join(batch, keywords)
         if self._program is None:
-            self._program = self._build(batch)
+            self._program = self._make(batch)
         return self._program.step(batch)
 
     @property
@@ -436,8 +445,6 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
     if example_inputs is not None:
         config.check(global_batch=batches.batch_size(example_inputs), num_devices=num_devices,
                      **model_dims(model, config))
-    # every program carries its own source (`code`, a pipeline's `sources`): no unsharded copy is kept
-    pristine = None
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
     cluster = _cluster_of(mesh)
 
@@ -446,7 +453,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
                              stage_layers=tuple(plan.stage_layers) if getattr(plan, "stage_layers", None) else None,
                              mesh=device_mesh, example_inputs=example, plan=plan, cluster=cluster)
 
-    return Compiled(build, config=config, plan=plan, pristine=pristine,
+    return Compiled(build, config=config, plan=plan,
                     example_inputs=tuple(example_inputs) if example_inputs is not None else None)
 
 

@@ -76,18 +76,34 @@ def capture_boundaries(pipe: Any, microbatch: Sequence[torch.Tensor]) -> list[tu
     """(inputs, outputs) of every chunk of `pipe` on `microbatch`, one real forward with
     autograd on (an output that requires grad carries a gradient back). Raises ValueError
     where a chunk's inputs are not exactly its predecessor's outputs (what a point-to-point
-    pipeline sends)."""
+    pipeline sends).
+
+    Nothing of the forward's autograd graph outlives it: the values are kept detached, with
+    their `requires_grad` flag, and the Pipe's interpreter forgets its values. Kept as the
+    forward made them, they held every activation of the whole model on the traced
+    microbatch for the rest of the build: on the benchmark Llama, 19 MiB per rank, the
+    build's peak."""
+    def keep(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return value.detach().requires_grad_(True)
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
     seen: list[Any] = [None] * pipe.num_stages
     handles = []
     for index in range(pipe.num_stages):
         def hook(_module: nn.Module, args: Any, out: Any, index: int = index) -> None:
-            seen[index] = (tuple(args), out if isinstance(out, tuple) else (out,))
+            seen[index] = (tuple(keep(a) for a in args), tuple(keep(o) for o in (out if isinstance(out, tuple) else (out,))))
         handles.append(pipe.get_stage_module(index).register_forward_hook(hook))
     try:
         pipe(*microbatch)
     finally:
         for h in handles:
             h.remove()
+        # torch's Pipe runs its split graph in a DetachExecutor, which keeps every value it
+        # made (garbage collection of values off) until its next run
+        executor = getattr(pipe, "executor", None)
+        if executor is not None:
+            executor.env, executor.value_remap = {}, {}
     for k in range(1, pipe.num_stages):
         ins, outs = seen[k][0], seen[k - 1][1]
         if len(ins) != len(outs) or not all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

@@ -110,6 +110,34 @@ UpdateFilter = Callable[[Node, Placements, Placements], bool]
 placements a forced configuration allows (the update equal to the compute placement is
 offered to it too)."""
 
+
+def _release_import_frames(package: Any) -> int:
+    """Drop the tracebacks of the exceptions `package`'s modules keep from their import.
+
+    PuLP probes optional solvers when it is imported and keeps each failure as a class
+    attribute (`COPT_DLL.err`, `CPLEX_PY.err`) to show when that solver is asked for. A
+    traceback holds its frames, and every frame its caller (`f_back`): the whole stack of
+    the first `import pulp` stays alive for the process's life. That import happens lazily
+    inside the first solve, so a pipeline rank that solved its chunk kept its build's
+    locals (the user's model, the split pipeline: about two copies of the weights) after
+    the build returned. The messages stay; only the frames go. Returns how many were cut."""
+    cut = 0
+    prefix = package.__name__ + "."
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == package.__name__ or name.startswith(prefix)):
+            continue
+        for value in list(vars(module).values()):
+            holders = [value] if isinstance(value, BaseException) else \
+                [v for v in vars(value).values() if isinstance(v, BaseException)] if isinstance(value, type) else []
+            for exc in holders:
+                if exc.__traceback__ is not None:
+                    exc.__traceback__ = None
+                    cut += 1
+    return cut
+
+
+_release_import_frames(pulp)
+
 log = logging.getLogger(__name__)
 
 OBJECTIVE_SCALE = 1e6
