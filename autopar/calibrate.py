@@ -159,7 +159,7 @@ class Calibration:
     L x 8 tp2 pp4 against 0.45-0.6 for dp8): the stage DP's schedule already holds the
     waits between stages. The wait of collectives inside a stage (not send/recv) is now
     priced, fitted on the recorded sweeps rather than measured here
-    (`stage_collective_wait_s`, benchmarks/fit_cpu_constants.py)."""
+    (`stage_collective_wait_s`, benchmarks/fit/fit_cpu_constants.py)."""
     program_op_s: float = 0.0
     """Per node of a small elementwise chain run as the per-rank program runs its ops: a
     make_fx GraphModule of ATen op overloads under no_grad; all ranks busy; 0 = not measured
@@ -730,7 +730,7 @@ class Fitted:
 def latency_share_exponent(hardware: Hardware | None = None) -> float:
     """The exponent of the share law of collective latencies (cost_model/efficiency.py
     `collective_latency_share_exponent`) that `hardware` (default: the built-in `cpu`
-    profile, where benchmarks/fit_cpu_constants.py stores it) carries; 1 where it carries none."""
+    profile, where benchmarks/fit/fit_cpu_constants.py stores it) carries; 1 where it carries none."""
     hw = HARDWARE["cpu"] if hardware is None else hardware
     return float(dict(hw.efficiency).get("collective_latency_share_exponent", 1.0))
 
@@ -791,7 +791,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu", built_in: Hardware | Non
     """The profile whose rates are the measured ones, per dedicated core, with the cost
     model's efficiencies replaced by the measured per-op costs (module docstring). The
     constants calibrate does not measure (`CARRIED_FROM_BUILT_IN`) come from `built_in`
-    (default: the built-in `cpu` profile; benchmarks/fit_cpu_constants.py passes candidates)."""
+    (default: the built-in `cpu` profile; benchmarks/fit/fit_cpu_constants.py passes candidates)."""
     base = HARDWARE["cpu"] if built_in is None else built_in
     f = fit(cal, latency_exponent=latency_share_exponent(base))  # the share law this profile carries
     bus = f.bus_bytes_per_s["all_reduce"]
@@ -825,7 +825,7 @@ def to_hardware(cal: Calibration, *, name: str = "cpu", built_in: Hardware | Non
             **({"optimizer_tensor_overhead_s": f.param_tensor_s} if f.param_tensor_s > 0 else {}),
             **({"scalar_all_reduce_hop_s": f.scalar_hop_latency_s} if f.scalar_hop_latency_s > 0 else {}),
             # not measured here (a probe here was too noisy, or missed what whole programs show):
-            # the built-in profile's, which benchmarks/fit_cpu_constants.py fits on the recorded sweeps
+            # the built-in profile's, which benchmarks/fit/fit_cpu_constants.py fits on the recorded sweeps
             **{k: v for k, v in base.efficiency if k in CARRIED_FROM_BUILT_IN},
         }.items())),
     )

@@ -7,13 +7,17 @@ Usage: .venv/bin/python benchmarks/bench_price.py
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
-from autopar.models import resolve
-from autopar.trace import trace_model
-from analytic import price, price_profile, profile_graph
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks.*`
+
+from autopar.cluster import Cluster  # noqa: E402
+from autopar.config import ParallelConfig  # noqa: E402
+from autopar.models import resolve  # noqa: E402
+from autopar.trace import trace_model  # noqa: E402
+from benchmarks.baselines.analytic import price, price_profile, profile_graph  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ pipelines by the inter-op DP over ILP stage costs (solver/pipeline_search.py), o
 plans the runtime runs ranked. Targets: llama3-70b on h100:128x8 (1,024
 H100s) at global batch 1024 x seq 8192 in < 30 s; llama3-405b on h100:2048x8 (16,384
 H100s, global batch 2048 x seq 8192, Llama 3's 16M-token batch) in < 60 s, on this
-2-core machine; and two small recurrent models (benchmarks/small_models.py, an LSTM and a
+2-core machine; and two small recurrent models (benchmarks/lib/small_models.py, an LSTM and a
 GRU of 64 unrolled steps, no layer stack) on cpu:4 in < 15 s each. The plan and its
 predicted step time are printed. The search is
 single-threaded (HiGHS with one thread), so its CPU seconds are also printed: on a shared
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.small_models, run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lib.small_models, run from anywhere
 
 from autopar.api import search_plans  # noqa: E402
 from autopar.plan import describe_config  # noqa: E402
@@ -30,8 +30,8 @@ CASES = (
     ("llama3-70b", "h100:128x8", 1024, 8192, 30.0),
     ("llama3-405b", "h100:2048x8", 2048, 8192, 60.0),
     # small models on the cpu profile: recurrent layers traced unrolled (64 steps), no layer stack
-    ("benchmarks.small_models:lstm", "cpu:4", 8, None, 15.0),
-    ("benchmarks.small_models:gru", "cpu:4", 8, None, 15.0),
+    ("benchmarks.lib.small_models:lstm", "cpu:4", 8, None, 15.0),
+    ("benchmarks.lib.small_models:gru", "cpu:4", 8, None, 15.0),
 )
 
 

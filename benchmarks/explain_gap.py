@@ -46,9 +46,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sweep_cpu import REFERENCE_RANKS, load_factor  # noqa: E402  (the sweep's machine-speed reading)
+from benchmarks.sweep_cpu import REFERENCE_RANKS, load_factor  # noqa: E402  (the sweep's machine-speed reading)
 
 VIEW_OPS = frozenset({
     "aten::view", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten::expand", "aten::unsqueeze",

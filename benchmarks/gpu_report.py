@@ -1,7 +1,7 @@
 """benchmarks/results/gpu_h100.md from the JSON lines `benchmarks/gpu_check.sh` wrote on a GPU.
 
 Runs on the CPU machine: it reads the runs' rows, prices the same configurations with the
-built-in `h100` profile (the training step by the closed-form baseline, benchmarks/analytic/,
+built-in `h100` profile (the training step by the closed-form baseline, benchmarks/baselines/analytic/,
 which has the torch.compile option the measured compiled row needs; kernels by
 cost_model.compute) and writes the tables. Nothing
 here is measured: every figure labelled measured comes from the rows.
@@ -19,7 +19,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from autopar.cluster import Cluster  # noqa: E402
 from cost_model.compute import compute_time_s, gemm_time_s  # noqa: E402
@@ -35,7 +34,7 @@ def load(paths: list[Path]) -> list[list[dict[str, Any]]]:
 def price(model: str, batch: int, compiled: bool) -> dict[str, Any]:
     """The step of `model` at `batch` sequences on one H100, by the baseline (eager, or under
     torch.compile: RuntimeOptions.compiled), as its Estimate's JSON."""
-    import analytic
+    from benchmarks.baselines import analytic
     from autopar.config import ParallelConfig
     from autopar.models import resolve
     from autopar.trace import trace_model
@@ -141,7 +140,7 @@ def report(runs: list[list[dict[str, Any]]], names: list[str]) -> str:
     lines += [f"## A training step: `{model}` ({trains[0]['params'] / 1e9:.2f}B parameters), batch "
               f"{batch} x {trains[0]['seq']}", "",
               "bf16 autocast over fp32 parameters, fused AdamW, 20 measured steps after 3 warm-up steps, "
-              "one GPU; step = median. Priced: the closed-form baseline (`benchmarks/analytic/`, the "
+              "one GPU; step = median. Priced: the closed-form baseline (`benchmarks/baselines/analytic/`, the "
               f"configuration `--global-batch {batch} --micro-batch {batch}` on `h100:1x1`, bf16; its torch.compile "
               "option for the compiled row). MFU: the price's model FLOPs per step "
               f"({model_flops / 1e12:.1f} TFLOP) over the step time and 989 TFLOP/s.", "",

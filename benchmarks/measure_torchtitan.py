@@ -9,7 +9,7 @@ Needs the `bench` install (`make bench-install`); without torchtitan it prints o
 exits 0 (that is how `make bench` skips it). Re-run it whenever autopar's runtime changes:
 `make bench-torchtitan` rewrites results/torchtitan.{md,json,png}.
 
-The model (both sides): torchtitan's own Llama3 (benchmarks/torchtitan_baseline.py) at
+The model (both sides): torchtitan's own Llama3 (benchmarks/baselines/torchtitan_baseline.py) at
 SHAPE, with torchtitan's initialisation under one seed. torchtitan runs it through its own
 `parallelize_llama` / `pipeline_llm`. autopar compiles, through its public entry points only
 (`autopar.compile(model, "cpu:N", example_inputs=..., config=ParallelConfig(...))`, then
@@ -73,10 +73,9 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from measure_cpu import _mem_kib, _reset_peak, _timed, return_freed_memory_to_os  # noqa: E402
-from torchtitan_baseline import TitanConfig, TitanShape  # noqa: E402
+from benchmarks.measure_cpu import _mem_kib, _reset_peak, _timed, return_freed_memory_to_os  # noqa: E402
+from benchmarks.baselines.torchtitan_baseline import TitanConfig, TitanShape  # noqa: E402
 
 SHAPE = TitanShape(layers=4, dim=256, heads=4, kv_heads=2, ffn=512, vocab=1024, seq=64, fuse_qkv=False)
 """The model of measure_cpu.py (4 layers, hidden 256, GQA 4/2 heads, SwiGLU 512, vocab 1024),
@@ -178,7 +177,7 @@ def _build(case: Case, kind: str, world: int) -> tuple[Callable[[Any], float], A
     import torch
 
     import autopar
-    import torchtitan_baseline as tb
+    import benchmarks.baselines.torchtitan_baseline as tb
 
     if kind == "titan":
         program = tb.build(case.shape, case.titan, global_batch=GLOBAL_BATCH, lr=LR)
@@ -512,7 +511,7 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
         f"{'fused in one GEMM (wqkv, its flavors default)' if out['fuse_qkv'] else 'in three GEMMs, its stock QKVLinear, as the zoo Llama'}), "
         "torchtitan's init (seed 0), global batch "
         f"{out['global_batch']} x seq {out['seq']}, fp32, AdamW lr {LR}, no gradient clipping on either side. "
-        "torchtitan: its own `parallelize_llama` / `pipeline_llm` (benchmarks/torchtitan_baseline.py, CPU "
+        "torchtitan: its own `parallelize_llama` / `pipeline_llm` (benchmarks/baselines/torchtitan_baseline.py, CPU "
         "workarounds W1-W6 named there). autopar: `autopar.compile(..., config=ParallelConfig(...))` on its zoo "
         "Llama holding the same weights (rows without [tt]) or on torchtitan's module itself ([tt]: the per-op "
         "compiler shards any model on one stage; pipelines still need the zoo's rule tables); `autopar search`: "
@@ -617,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                              "ratio is below RATIO and add the report to --md")
     args = parser.parse_args(argv)
 
-    import torchtitan_baseline as tb
+    import benchmarks.baselines.torchtitan_baseline as tb
 
     why = tb.available()
     if why is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks.*`
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -183,12 +185,12 @@ def pipeline_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h
     """Timelines of one plan under 1F1B and interleaved 1F1B (tp 8, pp 4, dp 2, m 16) with
     per-stage times from the cost model, and its predicted per-stage memory."""
     from autopar.cluster import Cluster  # autopar before cost_model (import cycle)
-    import analytic
+    from benchmarks.baselines import analytic
     from autopar.config import ParallelConfig, default_stage_layers
     from autopar.models import resolve
     from autopar.plots import draw_memory, draw_timeline, pipeline_timeline, stage_times
     from autopar.trace import trace_model
-    from analytic.memory import stage_memory
+    from benchmarks.baselines.analytic.memory import stage_memory
 
     graph = trace_model(resolve(model), batch=1, dtype="bfloat16", layers_traced=2)
     profile = analytic.profile_graph(graph)
@@ -234,7 +236,7 @@ def explain_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h1
     from autopar.plan import describe_config, fingerprint_source
     from autopar.plots import plot_plan
     from autopar.trace import trace_model
-    import analytic
+    from benchmarks.baselines import analytic
     from solver.search import SearchSpace, search
 
     source = resolve(model)

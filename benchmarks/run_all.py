@@ -12,10 +12,10 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    results/measured_cpu.{md,json}; benchmarks/measure_torchtitan.py (autopar vs torchtitan
    itself, measured) -> results/torchtitan.{md,json,png}; with no `make bench-install` it
    prints one line saying it was skipped
-3. benchmarks/fit_cost_model.py: the fit on every published run (a reproducibility check of
+3. benchmarks/fit/fit_cost_model.py: the fit on every published run (a reproducibility check of
    the committed cost_model/fitted_constants.json -> results/fitted_constants.json), and
    the leave-one-source-out and leave-one-publication-out fits ->
-   results/loso_by_{source,publication}.json; with --full also benchmarks/fit_cpu_constants.py
+   results/loso_by_{source,publication}.json; with --full also benchmarks/fit/fit_cpu_constants.py
    (the cpu profile's GEMM memory efficiency, stage collective wait, latency share law and
    pipeline chunk-call host time refitted on the sweeps in benchmarks/data/cpu_sweeps/, ~50 min) ->
    results/fit_cpu_constants.{md,json}, checked
@@ -23,7 +23,7 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
 4. benchmarks/validate_cost_model.py (published runs in benchmarks/data/, LOSO headline,
    ranking groups, this machine's sweep) -> results/cost_model_validation.md, then
    benchmarks/validate_one_model.py (the same runs priced by the model that ranks plans,
-   ~5 min) -> results/one_model_validation.md (with --full first benchmarks/fit_one_model.py:
+   ~5 min) -> results/one_model_validation.md (with --full first benchmarks/fit/fit_one_model.py:
    the one model's constants fitted on the published runs, left out by publication and by
    source, ~30 min on 2 processes -> results/one_model_fit.{md,json}), and at the
    same time (single-process, after the measured part so it does not disturb it)
@@ -92,26 +92,27 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(("measure_torchtitan", time.perf_counter() - t))
 
     t = time.perf_counter()
-    _run([PY, "benchmarks/fit_cost_model.py", "--out", str(RESULTS / "fitted_constants.json")])
+    _run([PY, "benchmarks/fit/fit_cost_model.py", "--out", str(RESULTS / "fitted_constants.json")])
     committed = json.loads((ROOT / "cost_model" / "fitted_constants.json").read_text())["constants"]
     refit = json.loads((RESULTS / "fitted_constants.json").read_text())["constants"]
     drift = {k: (committed[k], refit[k]) for k in committed if abs(committed[k] - refit[k]) > 1e-3 * abs(committed[k])}
     print("refit reproduces the committed constants" if not drift else f"WARNING: refit differs from the committed "
-          f"constants: {drift} (commit results/fitted_constants.json's values with `fit_cost_model.py`)", flush=True)
-    _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json")])
-    _run([PY, "benchmarks/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
+          f"constants: {drift} (commit results/fitted_constants.json's values with "
+          "`benchmarks/fit/fit_cost_model.py`)", flush=True)
+    _run([PY, "benchmarks/fit/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json")])
+    _run([PY, "benchmarks/fit/fit_cost_model.py", "--loso", str(RESULTS / "loso_by_publication.json"),
           "--holdout", "publication"])
     phases.append(("fit + leave-one-out fits", time.perf_counter() - t))
     if args.full:  # ~50 min on 2 cores: the recorded sweeps priced at 7 + 5 + 8 + 7 values of the four constants
         t = time.perf_counter()
-        _run([PY, "benchmarks/fit_cpu_constants.py", "--json", str(RESULTS / "fit_cpu_constants.json"),
+        _run([PY, "benchmarks/fit/fit_cpu_constants.py", "--json", str(RESULTS / "fit_cpu_constants.json"),
               "--md", str(RESULTS / "fit_cpu_constants.md")])
         fitted = json.loads((RESULTS / "fit_cpu_constants.json").read_text())["chosen"]
         shipped = json.loads((ROOT / "autopar" / "cpu_profile.json").read_text())["hardware"]["efficiency"]
         drift = {k: (shipped.get(k), v) for k, v in fitted.items() if shipped.get(k) != v}
         print("refit reproduces the built-in profile's sweep-fitted constants" if not drift else
               f"WARNING: refit differs from the built-in profile (built-in, refit): {drift} "
-              "(store them with `fit_cpu_constants.py --write`)", flush=True)
+              "(store them with `benchmarks/fit/fit_cpu_constants.py --write`)", flush=True)
         phases.append(("fit_cpu_constants", time.perf_counter() - t))
 
     t = time.perf_counter()
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     _run([PY, "benchmarks/validate_cost_model.py", "--loso", str(RESULTS / "loso_by_source.json"),
           "--lopo", str(RESULTS / "loso_by_publication.json"), "--sweep", str(RESULTS / "sweep_cpu.json")])
     if args.full:
-        _run([PY, "benchmarks/fit_one_model.py"])
+        _run([PY, "benchmarks/fit/fit_one_model.py"])
     _run([PY, "benchmarks/validate_one_model.py"])
     vs.wait()  # exit 1 may mean a row below 1.0 (reported in its table): judge by the table written
     if not vs_out.exists() or vs_out.stat().st_mtime <= written_before:

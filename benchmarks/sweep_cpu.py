@@ -17,7 +17,7 @@ predicted/measured ratios are measured side by side. Why random (`--order`): a s
 depends on the step that ran just before it, and a round-robin order (round k starting at
 configuration k, reversed on odd rounds; `--order rotate`) gives every configuration
 the same two predecessors in every round, so that context is a fixed bias of each row, the
-same in every run (measured by benchmarks/probe_microbatches.py). A random order makes it
+same in every run (measured by benchmarks/probes/probe_microbatches.py). A random order makes it
 noise that every row shares, as Google Benchmark's random interleaving does against
 run-to-run variance (docs/random_interleaving.md, google/benchmark#1051). Each row keeps
 the label that ran just before it in every timed round (`predecessors`).
@@ -30,7 +30,7 @@ is reduced the same way, per block of REFERENCE_WINDOWS rounds (`reference_readi
 `--rounds` (a multiple of REFERENCE_WINDOWS, 11 by default) gives the minimum more draws:
 on the machine's slow mode the fastest round stood 3.3-5.3% below the second
 fastest at the median against 1.1-2.2% on quiet runs, so the minimum of 11 rested on one or two
-lucky rounds (benchmarks/sweep_estimators.py). Noise estimate: every world runs its first configuration twice, as
+lucky rounds (benchmarks/fit/sweep_estimators.py). Noise estimate: every world runs its first configuration twice, as
 two separately compiled programs (`REPEAT_SUFFIX`); the report gives how far apart the two
 identical programs measured under each estimator. Repeats are left out of the rankings.
 
@@ -81,9 +81,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_stats import spearman  # noqa: E402
+from benchmarks.lib.bench_stats import spearman  # noqa: E402
 
 SIZES = {
     "S": "llama:layers=4,hidden=128,heads=4,kv_heads=4,ffn=256,vocab=512,seq=64",
@@ -172,7 +171,7 @@ def cases(world: int) -> list[SweepCase]:
 
 
 def add_probe_arguments(ap: argparse.ArgumentParser, *, rounds: int) -> None:
-    """The arguments the probes of one sweep group share (benchmarks/probe_*.py): --size,
+    """The arguments the probes of one sweep group share (benchmarks/probes/probe_*.py): --size,
     --world, --only, --rounds, --warmup; `probe_cases` reads them."""
     ap.add_argument("--size", choices=sorted(SIZES), default="S")
     ap.add_argument("--world", type=int, choices=(4, 8), default=4)
@@ -280,7 +279,7 @@ def measure(spec: str, world_cases: list[SweepCase], *, warmup: int, timed: int,
 # ---- prediction and figures --------------------------------------------------------------
 
 def _profile(spec: str) -> Any:
-    import analytic
+    from benchmarks.baselines import analytic
     from autopar.models import resolve
     from autopar.trace import trace_model
 
@@ -290,7 +289,7 @@ def _profile(spec: str) -> Any:
 def predict(profile: Any, case: SweepCase, hardware: Any) -> float:
     """`price_profile`'s step time (the whole-model formula) on `hardware` (for a load
     other than the calibration's: `at_load`)."""
-    import analytic
+    from benchmarks.baselines import analytic
     from autopar.cluster import Cluster
 
     cluster = Cluster.parse(f"cpu:{case.world}", hardware=hardware)
@@ -345,7 +344,7 @@ def predict_pipeline(spec: str, case: SweepCase, hardware: Any) -> float:
     solver/stage_costs.py) assembled by the inter-op formulas (solver/stage_dp.py) for the
     configuration's even cuts, schedule and microbatches (vs_hand_tuned.price_template, the
     template grid's pricing of one point)."""
-    from vs_hand_tuned import GridCache, price_template
+    from benchmarks.vs_hand_tuned import GridCache, price_template
 
     from autopar.cluster import Cluster
     from autopar.models import resolve

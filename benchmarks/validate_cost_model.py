@@ -6,15 +6,15 @@
 
 Prices every row of a published-runs CSV (default: benchmarks/data/published_runs.csv, the
 runs shipped with the repository; see benchmarks/data/README.md) with the row's own
-configuration and runtime options (benchmarks/published_runs.py: explicit columns only, no
+configuration and runtime options (benchmarks/lib/published_runs.py: explicit columns only, no
 rule keyed on a source's name) and compares predicted with reported tokens/s per GPU.
 
 Headline: leave-one-source-out. For every source (one table of one publication), the
-global constants are fitted on all other sources (benchmarks/fit_cost_model.py) and the
+global constants are fitted on all other sources (benchmarks/fit/fit_cost_model.py) and the
 left-out rows are priced with that fit; the table gives that out-of-sample error beside the
 in-sample one (the committed constants, fitted on every row). `--lopo` adds the stricter
 leave-one-publication-out summary. The LOSO predictions are computed here unless a JSON
-from `fit_cost_model.py --loso` is given (run_all.py writes them first).
+from `fit/fit_cost_model.py --loso` is given (run_all.py writes them first).
 
 Rankings: for every group of runs of one model on one cluster at one sequence length
 measured under 2+ configurations, Spearman(predicted, measured throughput) and the regret
@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks.*`
 
-from bench_stats import percentile, spearman  # noqa: E402
+from benchmarks.lib.bench_stats import percentile, spearman  # noqa: E402
 
-from published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
+from benchmarks.lib.published_runs import DATA_CSV, ROOT, load_runs, price_run, profiles_for  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cost_model_validation.md"
 
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="?", default=str(DATA_CSV))
     ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--loso", default=None, help="fit_cost_model.py --loso JSON (else computed here)")
-    ap.add_argument("--lopo", default=None, help="fit_cost_model.py --loso --holdout publication JSON")
+    ap.add_argument("--loso", default=None, help="fit/fit_cost_model.py --loso JSON (else computed here)")
+    ap.add_argument("--lopo", default=None, help="fit/fit_cost_model.py --loso --holdout publication JSON")
     ap.add_argument("--sweep", default=None, help="benchmarks/sweep_cpu.py JSON: this machine's ranking groups")
     ap.add_argument("--rows", default="", help="only these row numbers, e.g. 10-15,22 (for iterating; "
                     "does not write --out unless given explicitly)")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.loso:
         loso = json.loads(Path(args.loso).read_text())
     else:
-        import fit_cost_model
+        from benchmarks.fit import fit_cost_model
 
         loso_path = Path("/tmp") / f"loso-{int(time.time())}.json"
         fit_cost_model._loso(runs, profiles, loso_path)
@@ -139,7 +139,7 @@ def _report(rows: list[dict[str, Any]], skipped: list[str], elapsed: float, trac
         "sources the reported tokens/s is derived with the source's own FLOP formula).", "",
         "## Headline: out of sample", "",
         "Leave-one-source-out: for each source (one table of one publication), the global constants "
-        f"(`{', '.join(FITTED)}`) are fitted on all other sources by `benchmarks/fit_cost_model.py` and the left-out "
+        f"(`{', '.join(FITTED)}`) are fitted on all other sources by `benchmarks/fit/fit_cost_model.py` and the left-out "
         "rows are priced with that fit. In-sample: the committed constants (`cost_model/fitted_constants.json`, "
         "fitted on every row). Flagged rows (float8 runs, power-capped GPUs of unknown peak) are priced but not in "
         "the fit's absolute term nor in these statistics.", "",

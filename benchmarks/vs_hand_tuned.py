@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks.*`
 
 import cost_model  # noqa: E402
 from autopar.cluster import GIB, Cluster  # noqa: E402
@@ -83,7 +83,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _job(row: dict[str, str]) -> Job:
-    from published_runs import _hardware_name, parse_options
+    from benchmarks.lib.published_runs import _hardware_name, parse_options
 
     gpus = int(row["gpus"])
     opts = parse_options(row["price_options"])

@@ -1,7 +1,7 @@
 """Rule tables: how a known model family is cut into pipeline chunks and split for TP.
 
 Where it sits: codegen, read by codegen/stages.py (pipeline chunks) and codegen/tp.py
-(tensor parallel), for the module-level template baseline (benchmarks/template_program.py)
+(tensor parallel), for the module-level template baseline (benchmarks/baselines/template_program.py)
 and codegen/emit.py. Everything family-specific lives here as data. Nothing on the
 execution path reads it (DESIGN: the plan is the program; tests/unit/test_layering.py
 checks that no module of autopar/ imports these tables).

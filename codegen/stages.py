@@ -1,6 +1,6 @@
 """Pipeline chunks: cut a zoo model into per-stage modules with the original parameter names.
 
-Where it sits: codegen, used by the template baseline (benchmarks/template_program.py) and
+Where it sits: codegen, used by the template baseline (benchmarks/baselines/template_program.py) and
 codegen/emit.py's module-level chunks, never by the runtime. A `Chunk` owns a contiguous run of
 layers (`layers.<i>` keep their global index, so parameter FQNs equal the unsplit model's
 and checkpoints/comparisons need no renaming), the embedding if it is the first chunk and

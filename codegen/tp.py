@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron column/row split, optional sequence parallelism) for chunks.
 
-Where it sits: codegen, called by the template baseline (benchmarks/template_program.py) and
+Where it sits: codegen, called by the template baseline (benchmarks/baselines/template_program.py) and
 codegen/emit.py on each module-level pipeline chunk before ZeRO wrapping; never by the runtime. The rule table (codegen/rules.py) names which module gets which style; this
 file only maps style names to `torch.distributed.tensor.parallel` styles and applies the
 family's fix-ups (per-rank head counts, fused-qkv row regrouping, shape-agnostic forwards).

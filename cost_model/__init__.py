@@ -12,7 +12,7 @@ Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
 One model prices every plan: these costs, assembled by the solver (solver/spmd_search.py
 for one stage, solver/stage_costs.py and solver/stage_dp.py for pipelines) into an
 `Estimate` (autopar/estimate.py). The closed-form whole-configuration formula that
-preceded it is a baseline under benchmarks/analytic/, outside the product.
+preceded it is a baseline under benchmarks/baselines/analytic/, outside the product.
 
 This package's namespace is the cost model's public surface: the solver (solver/) imports
 only `cost_model` itself, never a submodule (tests/unit/test_layering.py fails otherwise).

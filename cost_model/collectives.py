@@ -36,7 +36,7 @@ latencies grow by share ** `collective_latency_share_exponent` (fitted; 1 = line
 A collective inside one pipeline stage whose node's cores other stages' ranks share (a
 stage's cluster keeps the node's `node_ranks`) also pays `stage_collective_wait_s` in
 L0: while its members meet, the other stages' ranks run different work on the same cores,
-and the members wait for each other's turn (benchmarks/fit_cpu_constants.py). The groups of a
+and the members wait for each other's turn (benchmarks/fit/fit_cpu_constants.py). The groups of a
 one-stage program are not charged: every group runs the same program and reaches the same
 collective at the same time.
 
@@ -308,7 +308,7 @@ def loss_report_time_s(loss_placements: Placements, links: tuple[AxisLink, ...],
     4 KiB ones the ring's latency is measured on (`ring_hop_latency_s`): measured in place
     (S model, dp8 on 2 cores, the report skipped or issued once more in alternate rounds)
     the report cost 0.8-3 ms per step, where the ring's latency priced
-    it at 10.2 ms (benchmarks/probe_loss_report.py measures it)."""
+    it at 10.2 ms (benchmarks/probes/probe_loss_report.py measures it)."""
     total = sum(all_reduce_time_s(LOSS_BYTES, link) for p, link in zip(loss_placements, links)
                 if isinstance(p, Partial))
     if world_link is not None:

@@ -2,7 +2,7 @@
 
 Where it sits: read by cost_model/compute.py (op roofline), cost_model/collectives.py
 (bus bandwidths, latencies) and cost_model/table.py (host times); the closed-form
-baseline (benchmarks/analytic/step.py) also reads the fields only it uses (overlap,
+baseline (benchmarks/baselines/analytic/step.py) also reads the fields only it uses (overlap,
 torch.compile, async TP, DTensor host time: the runtime options of published stacks).
 Hardware peaks live in autopar/cluster.py; `Efficiency` says how much of a peak real
 kernels and collectives reach. A hardware profile may override fields
@@ -10,7 +10,7 @@ kernels and collectives reach. A hardware profile may override fields
 what `autopar calibrate` measured); `efficiency_for(hardware)` applies them.
 
 Two kinds of fields:
-- FITTED: global constants fitted by `benchmarks/fit_cost_model.py` on the published
+- FITTED: global constants fitted by `benchmarks/fit/fit_cost_model.py` on the published
   runs (benchmarks/data/published_runs.csv), one value for every row and every GPU; the
   values live in `fitted_constants.json` beside this module (written by that script,
   with the rows they were fitted on). Never edited by hand, never per row.
@@ -33,7 +33,7 @@ FITTED_CONSTANTS_PATH = Path(__file__).with_name("fitted_constants.json")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Efficiency:
-    # --- fitted (benchmarks/fit_cost_model.py) -------------------------------------------
+    # --- fitted (benchmarks/fit/fit_cost_model.py) -------------------------------------------
     gemm_efficiency: float
     """Share of the hardware's maximum achievable matmul rate (Hardware.matmul_fraction x
     peak, the best-shape cuBLAS rate) that training GEMMs of large, well-shaped tiles reach
@@ -123,7 +123,7 @@ class Efficiency:
     run different work (a stage's tensor-parallel pair, its data-parallel gradient sync):
     the members wait for each other's turn on a core. Not charged in a one-stage program,
     whose groups all reach the same collective at once. Fitted by
-    benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
+    benchmarks/fit/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
     docstring says which; docs/cost-model.md lists the value); 0 keeps it out."""
     collective_latency_share_exponent: float = 1.0
     """Ranks sharing cores (the cpu profile; never on GPUs, whose share is 1): a collective's
@@ -132,7 +132,7 @@ class Efficiency:
     in full; below 1, part of a ring step is a rank waiting on a peer whose core it shares,
     not CPU work. `autopar calibrate` stores the latencies per dedicated core by the same
     law (measured / share ** this), so a profile prices the rank count it was measured at
-    as measured, whatever the value. Fitted by benchmarks/fit_cpu_constants.py on the CPU
+    as measured, whatever the value. Fitted by benchmarks/fit/fit_cpu_constants.py on the CPU
     sweep's recorded runs (that script's docstring has the measurements behind it and
     says which runs; docs/cost-model.md lists the value)."""
     pipeline_call_host_s: float = 0.0
@@ -149,7 +149,7 @@ class Efficiency:
     boundary clones and tangent product, are a few us); trivial stages through the same
     runtime path (PerOpStage, 1F1B, 2 ranks) took 0.07 ms of CPU per call without
     messages and 0.2 ms with one message each way. Too entangled with the p2p and core-sharing terms to price from one probe: fitted
-    by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it out."""
+    by benchmarks/fit/fit_cpu_constants.py on the CPU sweep's recorded runs; 0 keeps it out."""
     scalar_all_reduce_hop_s: float = 0.0
     """gloo (the cpu profile; 0 on GPUs and in profiles from an older calibrate, which
     price every all-reduce by the ring's latency): latency per ring step of an all-reduce
@@ -166,7 +166,7 @@ class Efficiency:
     GEMM roofline is fitted as it is). On the cpu profile a training step's thin GEMMs (a
     small microbatch's few rows re-reading a whole weight, a weight gradient written once
     per microbatch) cost more per FLOP than the copy bandwidth prices their bytes: fitted
-    by benchmarks/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
+    by benchmarks/fit/fit_cpu_constants.py on the CPU sweep's recorded runs (that script's
     docstring has the measurements behind it and says which runs; docs/cost-model.md
     lists the value)."""
     collective_base_latency_s: float = 6.6e-6
@@ -182,7 +182,7 @@ class Efficiency:
 
 FITTED: tuple[str, ...] = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
                            "overlap_efficiency", "compiled_memory_factor", "gemm_overhead_s", "memory_overhead_s")
-"""The fields benchmarks/fit_cost_model.py fits (in this order)."""
+"""The fields benchmarks/fit/fit_cost_model.py fits (in this order)."""
 
 NVLINK_BUS_EFFICIENCY: dict[str, float] = {"a100-40gb": 0.70, "a100-80gb": 0.70, "h100": 0.82, "h200": 0.82,
                                            "b200": 0.82}
@@ -194,7 +194,7 @@ def load_fitted(path: Path = FITTED_CONSTANTS_PATH) -> dict[str, Any]:
     data = json.loads(path.read_text())
     missing = set(FITTED) - set(data["constants"])
     if missing:
-        raise ValueError(f"{path}: fitted constants {sorted(missing)} missing; rerun benchmarks/fit_cost_model.py")
+        raise ValueError(f"{path}: fitted constants {sorted(missing)} missing; rerun benchmarks/fit/fit_cost_model.py")
     return data
 
 

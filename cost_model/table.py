@@ -158,7 +158,7 @@ def compiled_scale(graph: Graph, cluster: Cluster) -> float:
     its graphs through Inductor (`graph.compiled`; codegen/inductor.py):
     `Efficiency.compiled_memory_factor` (Inductor fuses pointwise and reduction chains into
     one kernel, and views become index arithmetic in its code; the closed-form baseline
-    scales the same traffic by the same constant, benchmarks/analytic/step.py); 1 eager."""
+    scales the same traffic by the same constant, benchmarks/baselines/analytic/step.py); 1 eager."""
     if not graph.compiled:
         return 1.0
     from cost_model.efficiency import efficiency_for
@@ -176,7 +176,7 @@ def view_host_s(node: Node, cluster: Cluster) -> float:
     per-rank program calls it like any other op (`Efficiency.view_overhead_s`, what
     `autopar calibrate` measured a view to cost on the runtime's path; 0 on GPUs, where the
     host runs ahead of the kernels), x `core_share`. The baseline's price_profile makes
-    the same charge per view op (benchmarks/analytic/step.py `_host_time`)."""
+    the same charge per view op (benchmarks/baselines/analytic/step.py `_host_time`)."""
     if node.op in HOSTLESS_VIEWS:
         return 0.0
     from cost_model.efficiency import efficiency_for
@@ -187,7 +187,7 @@ def view_host_s(node: Node, cluster: Cluster) -> float:
 def core_share(cluster: Cluster) -> float:
     """Ranks per core on a node (the cpu profile's cores_per_node; 1 on GPUs): ranks sharing
     cores run their ops that much slower (the one definition: the solver's stage and plan
-    pricers multiply by it, and so does the baseline, benchmarks/analytic/step.py)."""
+    pricers multiply by it, and so does the baseline, benchmarks/baselines/analytic/step.py)."""
     cores = getattr(cluster.hardware, "cores_per_node", 0)
     return max(1.0, cluster.devices_per_node / cores) if cores else 1.0
 
@@ -197,7 +197,7 @@ def pipeline_call_time_s(cluster: Cluster, efficiency: Efficiency | None = None)
     through the schedule), beyond its graph's ops and boundary messages:
     `Efficiency.pipeline_call_host_s` (per dedicated core; 0 on GPUs) x `core_share`. Charged
     per stage per microbatch per chunk (solver/stage_dp.py `StageOption.call_s`; the
-    baseline's stage times, benchmarks/analytic/step.py). `efficiency`: replacement
+    baseline's stage times, benchmarks/baselines/analytic/step.py). `efficiency`: replacement
     constants (the profile's overrides win)."""
     from cost_model.efficiency import efficiency_for
 

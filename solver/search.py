@@ -4,7 +4,7 @@ Where it sits: the template grid, kept as a baseline (benchmarks/vs_hand_tuned.p
 product's planner is solver/pipeline_search.py (intra-op ILP stage costs + inter-op DP).
 Input: the frozen Graph (a few traced layers scaled to the real depth), a Cluster, the
 global batch and a pricing callable; output: ranked priced candidates and the best
-`autopar.plan.Plan`. Benchmarks wire it to the analytic baseline (benchmarks/analytic/ `price`);
+`autopar.plan.Plan`. Benchmarks wire it to the analytic baseline (benchmarks/baselines/analytic/ `price`);
 tests also drive it with tests/toy_price.py. It also holds the types both searches
 return (Ranked, SearchResult).
 

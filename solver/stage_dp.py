@@ -41,7 +41,7 @@ Ranks sharing cores (the cpu profile: more ranks than cores on a node, cost_mode
 = share > 1, every t_k priced contended): a rank waiting in a bubble frees its core for the
 others, so the step is the longer of the schedule's critical path run uncontended and all
 ranks' work over the cores (the same model as the baseline's price_profile,
-benchmarks/analytic/step.py), plus the cores left idle while the pipeline fills and drains
+benchmarks/baselines/analytic/step.py), plus the cores left idle while the pipeline fills and drains
 (`ramp_idle_s`; the baseline leaves that out):
 
     T_shared = max(T / share, m * sum_k t_k / p + R)

@@ -2,7 +2,7 @@
 
 Where it sits: tests/, beside the tests that use it (tests/unit/test_search.py); no
 product module imports it. The search (solver/search.py) prices candidates through a
-`PriceFn` callable; the real one is the baseline's `analytic.price` (benchmarks/analytic/; graph-derived, owned by the cost
+`PriceFn` callable; the real one is the baseline's `analytic.price` (benchmarks/baselines/analytic/; graph-derived, owned by the cost
 model). This toy exists so the search can be tested against brute force with a cost
 that is cheap, fully known and independent of the real model. It is NOT the project's
 prediction of record.

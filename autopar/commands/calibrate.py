@@ -96,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"  not measured, from the built-in profile: stage collective wait {wait * 1e6:.0f} us, GEMM bytes at "
           f"{gemm_bytes:.2f} of the copy bandwidth, collective latency x (ranks per core) ** {g:g}, a pipeline "
           f"stage's chunk call {call * 1e6:.0f} us of host time (fitted on the recorded CPU sweeps, "
-          "benchmarks/fit_cpu_constants.py)")
+          "benchmarks/fit/fit_cpu_constants.py)")
     print(f"written to {args.out}" if args.out else "not written (use --out profile.json)")
     return 0

@@ -16,7 +16,7 @@ without the memory limit) and flagged. `--hardware profile.json` prices against 
 calibrated or custom hardware profile.
 
 There is one model: the closed-form formula that preceded it is a baseline under
-benchmarks/analytic/ (what the published-run reports print beside it), not a command.
+benchmarks/baselines/analytic/ (what the published-run reports print beside it), not a command.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Llama embedding = head) are stored once, under the embedding's name, wherever pi
 stages keep their copies. The per-op programs keep every parameter in the model's own
 layout (GPT's fused qkv rows included: the ILP shards the op, no row regrouping), so each
 tensor is written shard by shard by the rank that holds it and one file serves any tp.
-(The module-level template, benchmarks/template_program.py, regroups qkv rows for TP; it
+(The module-level template, benchmarks/baselines/template_program.py, regroups qkv rows for TP; it
 is a baseline and is not checkpointed.)
 
 Crash safety. A checkpoint is written to `step_000006.tmp/`; after every rank's DCP write

@@ -13,7 +13,7 @@ timeout (`make_mesh`, `init_mesh`), the end of every step (`optimizer_update`: a
 loss stops training), the measured `StepStats`, and the sharded state dict of a program's
 chunks (`chunks_state_dict`, `load_chunks_state_dict`). No per-family rule table is read
 here: the module-level template program (pipeline stages cut by rule tables, Megatron TP
-by `parallelize_module`) is a baseline in benchmarks/template_program.py.
+by `parallelize_module`) is a baseline in benchmarks/baselines/template_program.py.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable
     `example_inputs` (needed). pp > 1: the model cut at its repeated layers, every stage a
     per-op program on its (dp, tp) submesh (autopar/runtime/pipe_spmd.py). The module-level
     builder (`build_module_program`, family rule tables) is not on this path: it lives in
-    benchmarks/template_program.py as a baseline.
+    benchmarks/baselines/template_program.py as a baseline.
 
     `fused_kernels` (default: on where CUDA is present and the program is not compiled)
     swaps the zoo's norms and MLP activations for the fused Triton ops of codegen/kernels

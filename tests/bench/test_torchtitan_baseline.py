@@ -1,4 +1,4 @@
-"""The torchtitan baseline (benchmarks/torchtitan_baseline.py) trains like one process, and
+"""The torchtitan baseline (benchmarks/baselines/torchtitan_baseline.py) trains like one process, and
 autopar's zoo Llama with the mapped weights computes torchtitan's model.
 
 Needs the `bench` install (`make bench-install`); skipped, with the reason, without it.
@@ -11,17 +11,12 @@ rtol 1e-4), and (2) both sides start from the same function: the zoo Llama holdi
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import torchtitan_baseline as tb  # noqa: E402
+import benchmarks.baselines.torchtitan_baseline as tb
 
 _why = tb.available()
 if _why is not None:

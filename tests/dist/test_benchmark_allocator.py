@@ -19,8 +19,6 @@ a freed mmapped chunk (hblks 0).
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +26,6 @@ from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 BLOCK = 1 << 20
 
 
@@ -54,8 +51,7 @@ def _mmapped_blocks_of_second_block() -> int:
 
 def _rank(rank: int, memory_phase: bool) -> int:
     if memory_phase:
-        sys.path.insert(0, str(BENCHMARKS))
-        from measure_cpu import return_freed_memory_to_os
+        from benchmarks.measure_cpu import return_freed_memory_to_os  # the repository root: conftest.py
 
         return_freed_memory_to_os()
     return _mmapped_blocks_of_second_block()

@@ -1,4 +1,4 @@
-"""The benchmark's hand-tuned baseline (benchmarks/handtuned.py) trains like one process.
+"""The benchmark's hand-tuned baseline (benchmarks/baselines/handtuned.py) trains like one process.
 
 The autopar-vs-hand-tuned figures (benchmarks/measure_cpu.py) only mean something if the
 baseline computes the same training step: 3 AdamW steps of a small Llama under each
@@ -8,9 +8,6 @@ DDP-style bucketed gradient all-reduce (tiny buckets here, so several are exerci
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,7 +16,6 @@ from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 LLAMA = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 CONFIGS = {  # (dp, tp, pp, zero)
     "dp4": (4, 1, 1, 0),
@@ -31,9 +27,9 @@ CONFIGS = {  # (dp, tp, pp, zero)
 
 
 def _worker(rank: int, job: TrainJob, configs: dict[str, tuple[int, int, int, int]]) -> dict[str, list[float]]:
-    sys.path.insert(0, str(BENCHMARKS))
-    import handtuned
     import torch.distributed as dist
+
+    from benchmarks.baselines import handtuned  # the repository root: conftest.py
 
     handtuned.DDP_BUCKET_BYTES = 64 * 1024  # several buckets for a model this small
     out = {}

@@ -256,7 +256,7 @@ def test_least_squares_is_the_constrained_optimum_not_a_clipped_one() -> None:
 def test_calibrated_profile_carries_the_sweep_fitted_constants(monkeypatch, name: str, other: float) -> None:
     """calibrate measures none of `stage_collective_wait_s`, `gemm_memory_efficiency`,
     `collective_latency_share_exponent` and `pipeline_call_host_s`
-    (benchmarks/fit_cpu_constants.py fits them on the recorded sweeps): a calibrated profile
+    (benchmarks/fit/fit_cpu_constants.py fits them on the recorded sweeps): a calibrated profile
     takes the built-in's values."""
     assert name in CARRIED_FROM_BUILT_IN
     built_in = HARDWARE["cpu"]
@@ -375,14 +375,11 @@ def test_profiles_from_kept_measurements_do_not_read_the_machine(monkeypatch, pa
     of its kept measurements, the constants fit's digest and its candidates are what they are
     here. Only a calibration that did not record its machine's memory reads this one."""
     import os
-    import sys
-    from pathlib import Path
 
     from autopar.calibrate import machine_memory_bytes
     from autopar.cluster import CPU_PROFILE_PATH
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import fit_cpu_constants
+    from benchmarks.fit import fit_cpu_constants
 
     digest_here = fit_cpu_constants.profile_digest()
     real = os.sysconf

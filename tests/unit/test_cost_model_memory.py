@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from autopar.cluster import Cluster
@@ -13,10 +10,8 @@ from autopar.models import resolve
 from autopar.trace import trace_model
 from cost_model import STATE_BYTES_PER_PARAM, model_state_bytes, state_bytes_per_param
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from analytic import price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
-from analytic.memory import inflight_microbatches, segment_activation_bytes, stage_memory  # noqa: E402
+from benchmarks.baselines.analytic import price_profile, profile_graph  # the baseline
+from benchmarks.baselines.analytic.memory import inflight_microbatches, segment_activation_bytes, stage_memory
 
 B, S, H, A = 2, 128, 256, 4
 SPEC = f"gpt:layers=4,hidden={H},heads={A},vocab=512,seq={S}"

@@ -1,9 +1,7 @@
 """Hardware.comm_overlap: on the cpu profile (gloo blocks the calling thread) nothing hides
 the data-parallel gradient sync or ZeRO-3 gathers; on GPUs the cost model's overlap applies."""
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +11,7 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import analytic  # noqa: E402  (the baseline, benchmarks/analytic)
+from benchmarks.baselines import analytic  # the baseline
 
 
 @pytest.fixture(scope="module")

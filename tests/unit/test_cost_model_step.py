@@ -3,9 +3,6 @@ call is a benchmark's, benchmarks/bench_search.py: not a timed test.)"""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from autopar.cluster import Cluster
@@ -13,9 +10,7 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from analytic import price, price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
+from benchmarks.baselines.analytic import price, price_profile, profile_graph  # the baseline
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=256"
 

@@ -3,9 +3,6 @@ latencies, core sharing; each against its closed form or the direction it must p
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import math
 from dataclasses import replace
 
@@ -20,9 +17,7 @@ from cost_model import mesh_axis_links
 from cost_model.compute import compute_time_s, gemm_shape_efficiency, gemm_time_s
 from cost_model.efficiency import DEFAULT_EFFICIENCY, efficiency_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from analytic import RuntimeOptions, price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
+from benchmarks.baselines.analytic import RuntimeOptions, price_profile, profile_graph  # the baseline
 
 SPEC = "llama:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1024,vocab=1024,seq=256"
 

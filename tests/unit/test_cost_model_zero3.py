@@ -3,9 +3,6 @@ re-gather) and the per-layer / per-op activation-checkpointing options of price_
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import dataclasses
 
 import pytest
@@ -17,10 +14,8 @@ from autopar.trace import trace_model
 from cost_model import AxisLink, all_gather_time_s, mesh_axis_links
 from cost_model.efficiency import DEFAULT_EFFICIENCY
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from analytic import price_profile, profile_graph  # noqa: E402  (the baseline, benchmarks/analytic)
-from analytic.zero3 import DEEPSPEED_2021, FSDP, zero3_layer_times, zero3_runtime  # noqa: E402
+from benchmarks.baselines.analytic import price_profile, profile_graph  # the baseline
+from benchmarks.baselines.analytic.zero3 import DEEPSPEED_2021, FSDP, zero3_layer_times, zero3_runtime
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,vocab=1024,seq=256"
 CLUSTER = Cluster.parse("a100-80gb:2x8")

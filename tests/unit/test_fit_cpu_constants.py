@@ -1,22 +1,19 @@
-"""benchmarks/fit_cpu_constants.py: how a value is chosen from priced runs, what the
+"""benchmarks/fit/fit_cpu_constants.py: how a value is chosen from priced runs, what the
 committed fit holds, and its errors on bad input (exit 2). No pricing runs here (a full
 fit takes ~30 min; `make bench --full` runs it)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+import autopar  # noqa: F401  (autopar before cost_model: import order)
+from autopar.cluster import HARDWARE
+from benchmarks.fit import fit_cpu_constants as fit
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import fit_cpu_constants as fit  # noqa: E402
-
-import autopar  # noqa: E402, F401
-from autopar.cluster import HARDWARE  # noqa: E402
 
 
 def _figures(spearman: list[float], error: float) -> dict:
@@ -64,7 +61,7 @@ def test_the_committed_fit_is_the_built_in_profile() -> None:
     assert result["chosen"] == {name: shipped[name] for name in fit.GRIDS}
     for name, one in result["constants"].items():
         assert one.get("profile") == fit.profile_digest(), (
-            f"{name} was fitted on other built-in measurements: run benchmarks/fit_cpu_constants.py --write")
+            f"{name} was fitted on other built-in measurements: run benchmarks/fit/fit_cpu_constants.py --write")
         assert set(one["table"]) == set(fit.RUNS)
         for run in fit.RUNS:
             assert set(one["table"][run]) == {fit._tag(v) for v in fit.GRIDS[name]}

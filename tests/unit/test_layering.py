@@ -128,7 +128,7 @@ KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = (
 )
 
 # The per-family rule tables and what applies them (the module-level template, a baseline:
-# benchmarks/template_program.py). DESIGN: no rule table on the execution path, so no module
+# benchmarks/baselines/template_program.py). DESIGN: no rule table on the execution path, so no module
 # of autopar/ (runtime, api, commands: the wiring included) and no other stage imports them;
 # only these modules themselves and RULE_TABLE_USERS do.
 RULE_TABLES = ("codegen.rules", "codegen.tp", "codegen.stages")
@@ -307,7 +307,7 @@ def rule_table_imports(imports: list[Import]) -> list[Import]:
 def test_nothing_on_the_execution_path_reads_the_rule_tables() -> None:
     found = rule_table_imports(project_imports())
     assert found == [], "per-family rule tables imported on the execution path (the template baseline " \
-        "lives in benchmarks/template_program.py):\n  " + "\n  ".join(
+        "lives in benchmarks/baselines/template_program.py):\n  " + "\n  ".join(
             f"{i.importer} (line {i.line}) -> {i.imported}" for i in found)
     users = {i.importer for i in project_imports() if i.imported in RULE_TABLES and i.importer not in RULE_TABLES}
     assert users == set(RULE_TABLE_USERS), f"RULE_TABLE_USERS no longer import the rule tables: " \

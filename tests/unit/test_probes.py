@@ -1,6 +1,6 @@
 """The two probes of what a step's time is made of on this machine
-(benchmarks/probe_cpu_accounting.py, benchmarks/probe_funcol_overhead.py,
-benchmarks/probe_collective_replay.py): how they reduce what the ranks timed and read the
+(benchmarks/probes/probe_cpu_accounting.py, benchmarks/probes/probe_funcol_overhead.py,
+benchmarks/probes/probe_collective_replay.py): how they reduce what the ranks timed and read the
 programs' graphs, and that bad input is refused before any rank starts.
 
 Pure functions on hand-made per-rank timings: no process starts.
@@ -8,19 +8,13 @@ Pure functions on hand-made per-rank timings: no process starts.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import probe_collective_replay  # noqa: E402
-import probe_cpu_accounting  # noqa: E402
-import probe_funcol_overhead  # noqa: E402
-import probe_loss_report  # noqa: E402
-import probe_program_choice  # noqa: E402
+from benchmarks.probes import (probe_collective_replay, probe_cpu_accounting, probe_funcol_overhead,
+                               probe_loss_report, probe_program_choice)
 
 
 def test_cpu_accounting_sets_the_ranks_core_work_against_the_median_wall():
@@ -182,7 +176,7 @@ def test_program_choice_probe_compares_two_solves_under_the_built_in_profile():
     from dataclasses import replace
 
     from autopar.cluster import HARDWARE
-    from sweep_cpu import SIZES, cases
+    from benchmarks.sweep_cpu import SIZES, cases
 
     hw = HARDWARE["cpu"]
     tp4 = next(c for c in cases(4) if c.label == "tp4")
@@ -205,11 +199,11 @@ def test_program_choice_probe_refuses_an_unreadable_profile_before_any_rank_star
 
 
 def test_probe_microbatches_refuses_bad_configs_before_any_rank_starts(capsys, monkeypatch):
-    """benchmarks/probe_microbatches.py: a malformed entry, one that does not fill the world
+    """benchmarks/probes/probe_microbatches.py: a malformed entry, one that does not fill the world
     and one whose micro-batch does not divide the global batch each end with exit 2 and a
     message naming the entry; nothing is measured."""
-    import probe_microbatches
-    import sweep_cpu
+    from benchmarks import sweep_cpu
+    from benchmarks.probes import probe_microbatches
 
     monkeypatch.setattr(sweep_cpu, "measure", lambda *a, **k: pytest.fail("measured a refused configuration"))
     for bad, says in (("4:2", "dp:pp:micro_batch"), ("2:2:2", "dp x pp = 4"), ("4:2:3", "does not divide"),

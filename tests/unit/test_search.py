@@ -22,9 +22,7 @@ from solver.inter_op import stage_work
 from solver.search import SearchSpace, enumerate_candidates, search
 from tests.toy_price import toy_price
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import analytic  # noqa: E402  (the baseline, benchmarks/analytic)
+from benchmarks.baselines import analytic  # the baseline
 
 SPEC = "llama:layers=6,hidden=1024,heads=8,kv_heads=4,ffn=2816,vocab=32000,seq=2048"
 

@@ -5,9 +5,6 @@ ILP stage costs (the full table: benchmarks/results/vs_hand_tuned.md)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from autopar.cluster import Cluster
@@ -16,8 +13,7 @@ from autopar.models import resolve
 from autopar.trace import trace_model
 from solver.pipeline_search import search
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vs_hand_tuned  # noqa: E402
+from benchmarks import vs_hand_tuned
 
 SPEC = "llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=512,seq=256"
 

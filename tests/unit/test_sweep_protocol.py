@@ -6,14 +6,11 @@ Pure functions on hand-made rows: no process starts.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import sweep_cpu  # noqa: E402
+from benchmarks import sweep_cpu
 
 
 def _row(label: str, times: list[float], predicted: float, size: str = "M", world: int = 4) -> dict:
@@ -118,10 +115,10 @@ def test_load_slows_local_work_not_collectives():
 
 
 def test_round_adjusted_estimator_separates_the_machine_from_one_program():
-    """benchmarks/sweep_estimators.py: rounds slowed for everyone (the machine: x1.0-1.6)
+    """benchmarks/fit/sweep_estimators.py: rounds slowed for everyone (the machine: x1.0-1.6)
     and one program hit on its own in two of five rounds (x1.3). The round-adjusted reading
     keeps the programs' true ratio; the minimum and the median over rounds do not."""
-    import sweep_estimators
+    from benchmarks.fit import sweep_estimators
 
     machine = [1.0, 1.4, 1.2, 1.6, 1.1]
     own = {"a": [1.3, 1.0, 1.3, 1.0, 1.0], "b": [1.0] * 5, "c": [1.0] * 5}
@@ -171,7 +168,7 @@ def test_measuring_sweep_needs_an_output_file(capsys, monkeypatch):
 
 
 def test_sweep_estimators_names_a_missing_file(tmp_path, capsys):
-    import sweep_estimators
+    from benchmarks.fit import sweep_estimators
 
     with pytest.raises(SystemExit) as err:
         sweep_estimators.main([str(tmp_path / "nope.json")])
@@ -207,12 +204,12 @@ def test_round_order_gives_every_configuration_many_predecessors():
 
 
 def test_pick_resolution_hindsight_and_paired_rounds(tmp_path, capsys):
-    """benchmarks/pick_resolution.py: where the measured best moves between runs, the one
+    """benchmarks/fit/pick_resolution.py: where the measured best moves between runs, the one
     configuration best on average (the hindsight ranker) still loses in the run it is not
     best in; paired per-round ratios read a constant ratio exactly."""
     import json
 
-    import pick_resolution
+    from benchmarks.fit import pick_resolution
 
     assert pick_resolution.paired([1.1, 2.2, 3.3], [1.0, 2.0, 3.0]) == pytest.approx((0.1, 0.1, 0.1))
     a = [_row("a", [1.00, 1.01], 1.0), _row("b", [1.05, 1.06], 2.0), _row("c", [1.3, 1.3], 3.0)]
@@ -241,7 +238,7 @@ def test_pick_resolution_reads_both_pick_targets_per_run():
     the minimum, the groups where the built-in profile picks the same configuration, the
     built-in's own picks within 3%, and the twins' widest gap; a run meets the targets only
     when every group does both."""
-    import pick_resolution
+    from benchmarks.fit import pick_resolution
 
     def row(label, times, cal, default, size="M", world=4):
         return {**_row(label, times, cal, size, world), "predicted_default_s": default}

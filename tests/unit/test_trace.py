@@ -234,7 +234,7 @@ def test_cli_trace_json_and_bad_input():
 
 
 def test_segments_are_stamped_and_a_wrapper_module_does_not_move_the_head_to_pre():
-    """lower() stamps Node.segment once (benchmarks/analytic/profile.py and the template solver read
+    """lower() stamps Node.segment once (benchmarks/baselines/analytic/profile.py and the template solver read
     it). A module wrapping the whole model (Hugging Face models under `hf.`) must not make
     every non-layer node "pre": the wrapped model's segments are the bare model's."""
 

@@ -1,10 +1,10 @@
 """Step time, throughput and memory of one full parallel configuration.
 
-Where it sits: benchmarks/analytic/, the closed-form baseline the product's one model
+Where it sits: benchmarks/baselines/analytic/, the closed-form baseline the product's one model
 (`autopar price` and `autopar search`: the ILP's costs, solver/) is validated beside on
 the published runs; `price_profile(profile, config, cluster, global_batch=...)` prices a
 whole configuration in a few ms, which is what the published-run fit of its constants
-(benchmarks/fit_cost_model.py) and the template grid (solver/search.py) call thousands
+(benchmarks/fit/fit_cost_model.py) and the template grid (solver/search.py) call thousands
 of times.
 `price_profile` is a straight line of one function per term, named below beside its
 formula; each function's docstring repeats the formula it implements.
@@ -84,10 +84,10 @@ from cost_model.efficiency import Efficiency, efficiency_for
 from cost_model.table import core_share, pipeline_call_time_s
 from autopar.estimate import Estimate
 from cost_model.memory import BYTES_WEIGHT
-from analytic.memory import stage_memory, stage_params
-from analytic.options import SELECTIVE_POLICIES, RuntimeOptions
-from analytic.profile import GraphProfile, OpItem, SegmentProfile
-from analytic.zero3 import Zero3LayerTimes, zero3_layer_times, zero3_runtime
+from .memory import stage_memory, stage_params
+from .options import SELECTIVE_POLICIES, RuntimeOptions
+from .profile import GraphProfile, OpItem, SegmentProfile
+from .zero3 import Zero3LayerTimes, zero3_layer_times, zero3_runtime
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """How a recorded CPU sweep's step times are read from its rounds, five ways, judged by the
 sweep's own noise probe.
 
-    .venv/bin/python benchmarks/sweep_estimators.py [--md OUT.md] [SWEEP.json ...]
+    .venv/bin/python benchmarks/fit/sweep_estimators.py [--md OUT.md] [SWEEP.json ...]
 
 With no files: every recorded sweep (benchmarks/data/cpu_sweeps/sweep_<run>.json) and the headline
 (benchmarks/results/sweep_cpu.json). Nothing is re-measured or re-priced: each row's
@@ -33,10 +33,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_stats import spearman  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.*`
+from benchmarks.lib.bench_stats import spearman  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPEAT = " (repeat)"
 
 

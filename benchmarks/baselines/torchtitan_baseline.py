@@ -1,7 +1,7 @@
 """torchtitan itself as the hand-tuned baseline: its Llama3 module, parallelized on this
 rank by its own `parallelize_llama` / `pipeline_llm`, for one hand-picked configuration.
 
-Where it sits: benchmarks, outside the autopar package. benchmarks/measure_torchtitan.py
+Where it sits: benchmarks/baselines/, outside the autopar package. benchmarks/measure_torchtitan.py
 times this beside autopar's program; tests/bench/test_torchtitan_baseline.py checks that it
 trains like one process. Needs the `bench` install (`make bench-install`: the `bench` extra
 plus `pip install --no-deps torchtitan==0.3.0`); torch stays at the project's 2.13.0.

@@ -1,13 +1,14 @@
 """The closed-form step model: the baseline beside the product's one model.
 
-Where it sits: benchmarks/ (not installed). autopar prices every plan with one model, the
-search's (the intra-op ILP's op and collective costs, the stage DP; `autopar price`,
-`autopar search`). This package is the whole-configuration formula that preceded it:
+Where it sits: benchmarks/baselines/analytic/ (not installed). autopar prices every plan
+with one model, the search's (the intra-op ILP's op and collective costs, the stage DP;
+`autopar price`, `autopar search`). This package is the whole-configuration formula that
+preceded it:
 `price_profile(profile_graph(graph), config, cluster, global_batch=...)` prices one
 configuration in a few ms from a per-graph profile, with runtime options that describe
 other training stacks (options.py: DeepSpeed's 2021 ZeRO-3, fp32 gradient reduction,
 torch.compile, async TP, ...). The published-run scripts report it beside the one model
-(validate_cost_model.py, validate_one_model.py), fit_cost_model.py fits its constants,
+(validate_cost_model.py, validate_one_model.py), fit/fit_cost_model.py fits its constants,
 and the template grid (solver/search.py) ranks configurations with it where a benchmark
 wires the two together (measure_cpu.py's template baseline, plots_results.py's plan
 figure).
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from analytic.options import RuntimeOptions
-from analytic.profile import GraphProfile, profile_graph
-from analytic.step import price_profile
-from analytic.zero3 import ZERO3_RUNTIMES, Zero3Runtime
+from .options import RuntimeOptions
+from .profile import GraphProfile, profile_graph
+from .step import price_profile
+from .zero3 import ZERO3_RUNTIMES, Zero3Runtime
 
 
 def price(graph: Any, config: Any, cluster: Any, *, global_batch: int, stage_layers: tuple[int, ...] | None = None,

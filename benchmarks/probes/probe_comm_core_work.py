@@ -9,7 +9,7 @@ GEMM ranks' slowdown under the communication, over their slowdown under GEMMs, i
 of its time that takes a core; the rest is waiting that frees it. The cost model prices every
 collective as core work on a shared CPU (the cpu profile's comm_overlap is 0.0): see
 docs/cost-model.md.
-Run: .venv/bin/python benchmarks/probe_comm_core_work.py [--seconds 6] [--rounds 2]
+Run: .venv/bin/python benchmarks/probes/probe_comm_core_work.py [--seconds 6] [--rounds 2]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-device memory of one pipeline stage: model state, activations, temporaries.
 
-Where it sits: benchmarks/analytic/ (the closed-form baseline), called by step.py for
+Where it sits: benchmarks/baselines/analytic/ (the closed-form baseline), called by step.py for
 every stage; torch-free. The model-state bytes per parameter are the product's
 (cost_model/memory.py).
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from autopar.config import ParallelConfig, microbatches_in_flight
 from cost_model.memory import BYTES_WEIGHT, model_state_bytes
-from analytic.profile import GraphProfile, SegmentProfile
+from .profile import GraphProfile, SegmentProfile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

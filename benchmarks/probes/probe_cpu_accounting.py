@@ -18,7 +18,7 @@ well above it. The cost model prices one-stage programs as local work (x the ran
 core) plus each collective's isolated latency (calibrate's timing windows), and pipelines
 as max(critical path / share, all work / cores) (solver/stage_dp.py).
 
-    .venv/bin/python benchmarks/probe_cpu_accounting.py --size S --world 4 \
+    .venv/bin/python benchmarks/probes/probe_cpu_accounting.py --size S --world 4 \
         [--only "dp4 mb4,dp4 z1"] [--rounds 6] [--warmup 2]
 
 Prints one row per configuration. What its runs found is in the cpu profile's terms
@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) -> dict[str, Any]:
@@ -45,7 +44,7 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
     import torch.distributed as dist
 
     import autopar
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
     from autopar.calibrate import reference_time, reference_workload
     from autopar.models import resolve
 
@@ -93,7 +92,7 @@ def graph_ops_per_step(compiled: Any, config: Any) -> int:
     codegen/apply.py adds) are not in its price."""
     import re
 
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
 
     m = sc.GLOBAL_BATCH // (config.dp * config.micro_batch)
     program = compiled.program
@@ -130,7 +129,7 @@ def ilp_priced_nodes(spec: str, config: Any) -> int:
     """Nodes of the traced step (one microbatch) that the intra-op ILP's cost table charges
     a time (cost_model/table.py `strategy_cost`): not parameters; views that are an op call
     (`view_host_s`), and other nodes that compute or move something."""
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
     from autopar.ir import Role
     from cost_model.table import HOSTLESS_VIEWS
 
@@ -143,7 +142,7 @@ def ilp_priced_nodes(spec: str, config: Any) -> int:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import os
 
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
     from autopar.cluster import HARDWARE
     from autopar.runtime.launch import spawn
 

@@ -1,7 +1,7 @@
 """Hand-tuned 3D parallelism, written the way torchtitan writes it: the baseline of
 benchmarks/measure_cpu.py.
 
-torchtitan itself is the anchor (benchmarks/torchtitan_baseline.py, measure_torchtitan.py);
+torchtitan itself is the anchor (torchtitan_baseline.py beside it, benchmarks/measure_torchtitan.py);
 this imitation is kept for what torchtitan does not give: it needs no extra install (the
 default `make test` checks it, tests/dist/test_handtuned_baseline.py, and measure_cpu.py
 measures against it where torchtitan is absent); it shards the zoo models as they are,

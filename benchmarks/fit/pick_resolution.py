@@ -1,7 +1,7 @@
 """Can a CPU sweep resolve the pick target (the priced top pick within 3% of the
 measured best)? Read from recorded sweeps; nothing is measured or re-priced.
 
-    .venv/bin/python benchmarks/pick_resolution.py [--md OUT.md] [SWEEP.json ...]
+    .venv/bin/python benchmarks/fit/pick_resolution.py [--md OUT.md] [SWEEP.json ...]
 
 With no files: the sweeps priced at the current cost-model constants (CURRENT_RUNS: runs
 28-35 re-priced with `sweep_cpu.py --repredict` and each run's calibration refitted, runs 36-38
@@ -37,14 +37,14 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPEAT = " (repeat)"
 TARGET = 0.03
 CURRENT_RUNS = [f"benchmarks/data/cpu_sweeps/sweep_{n}_repriced.json" for n in range(28, 36)] + [
     "benchmarks/data/cpu_sweeps/sweep_36.json", "benchmarks/results/sweep_cpu.json",
     "benchmarks/data/cpu_sweeps/sweep_38.json"]
 """Sweeps priced at the current constants: runs 28-33 (the fit's training runs,
-benchmarks/fit_cpu_constants.py; their calibrations predate the one-element all-reduce
+benchmarks/fit/fit_cpu_constants.py; their calibrations predate the one-element all-reduce
 measurement, so their calibrated column prices those as ring latency), runs 34 and 35 (out
 of sample), run 36 (NOISY), run 37 (the headline, benchmarks/results/) and run 38 (NOISY)."""
 

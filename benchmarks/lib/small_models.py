@@ -1,5 +1,5 @@
 """Small recurrent models for the search-speed benchmark (benchmarks/bench_search.py
---only small): factories `benchmarks.small_models:lstm` / `:gru`, built from sizes only.
+--only small): factories `benchmarks.lib.small_models:lstm` / `:gru`, built from sizes only.
 
 An embedding, one recurrent layer of 96 units over 64 steps, and a linear head over a
 64-token vocabulary (about 83k parameters for the LSTM). A recurrent layer is traced

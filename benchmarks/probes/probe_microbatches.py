@@ -10,7 +10,7 @@ built-in one. The step to step difference between two microbatch counts of one s
 marginal cost of the extra microbatches; measured over priced says whether the price of a
 microbatch's work (its GEMMs at fewer rows, its ops, its pipeline sends) keeps up.
 
-    .venv/bin/python benchmarks/probe_microbatches.py --size M --world 8 \\
+    .venv/bin/python benchmarks/probes/probe_microbatches.py --size M --world 8 \\
         --configs 2:4:1,2:4:2,4:2:1,4:2:2,4:2:4 [--profile benchmarks/results/cpu_profile.json] [--rounds 11]
 
 What its runs found: a configuration's step time depends on what ran before it in the round,
@@ -25,11 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import sweep_cpu  # noqa: E402
+from benchmarks import sweep_cpu  # noqa: E402
 
 
 def parse_configs(ap: argparse.ArgumentParser, text: str, world: int) -> list[Any]:

@@ -1,6 +1,6 @@
 """Published training runs as pricing jobs: the loader the validation, fit and ranking scripts share.
 
-Where it sits: benchmarks/ (not part of the installed package). Reads
+Where it sits: benchmarks/lib/ (not part of the installed package). Reads
 benchmarks/data/published_runs.csv (README beside it: sources, columns, options), turns
 every row into (model spec, ParallelConfig, Cluster, RuntimeOptions, stage split) using
 only the row's explicit columns, and caches traced graph profiles on disk so the fit
@@ -14,7 +14,7 @@ Row -> pricing job (no rule looks at the source's name):
   zero stage = the leading digit of zero_stage, recompute = the leading word of recompute;
 - price_options (`key=value;` pairs, the same names as `autopar price`'s flags):
   ParallelConfig fields (attention, sequence_parallel, recompute, interleave), runtime
-  options (analytic/options.py: zero3, checkpoint_every, selective_policy,
+  options (benchmarks/baselines/analytic/options.py: zero3, checkpoint_every, selective_policy,
   grad_reduce_bytes, compiled, async_tp, dp_bucket_bytes), the stage split
   (stage_layers=a/b/...), and the cluster's deviations from the named GPU profile
   (nic_gbps_per_gpu, hbm_tbps, memory_gb);
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA_CSV = ROOT / "benchmarks" / "data" / "published_runs.csv"
 CACHE_DIR = ROOT / "benchmarks" / ".cache" / "profiles"
 
@@ -44,8 +44,9 @@ LLAMA_SHAPES = {
 CONFIG_OPTIONS = ("attention", "sequence_parallel", "recompute", "interleave")
 CLUSTER_OPTIONS = ("nic_gbps_per_gpu", "hbm_tbps", "memory_gb")
 TRACE_SOURCES = ("autopar/trace.py", "autopar/ir.py", "autopar/models/gpt.py", "autopar/models/llama.py",
-                 "autopar/models/zoo.py", "benchmarks/analytic/profile.py")
-"""Files whose content keys the on-disk profile cache."""
+                 "autopar/models/zoo.py", "benchmarks/baselines/analytic/profile.py")
+"""Files whose paths and content key the on-disk profile cache (a moved file changes the
+pickled classes' module names, so it keys a new entry)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,7 +128,7 @@ def to_run(index: int, row: dict[str, str]) -> Run:
     """The pricing job of one CSV row (module docstring); ValueError if it cannot be priced."""
     from autopar.cluster import GIB, Cluster
     from autopar.config import ParallelConfig
-    from analytic.options import RuntimeOptions
+    from benchmarks.baselines.analytic.options import RuntimeOptions
 
     opts = parse_options(row.get("price_options", ""))
     unknown = set(opts) - set(CONFIG_OPTIONS) - set(CLUSTER_OPTIONS) - {"stage_layers"} - set(
@@ -178,7 +179,7 @@ def _sc21_tokens(row: dict[str, str]) -> float:
 def load_runs(path: Path | str = DATA_CSV, rows: str | None = None) -> tuple[list[Run], list[str]]:
     """(runs, skipped-row messages); `rows` ("10-15,22", a script's `--rows`) keeps only
     those row indices."""
-    from bench_stats import row_filter
+    from benchmarks.lib.bench_stats import row_filter
 
     keep = row_filter(rows)
     runs, skipped = [], []
@@ -196,6 +197,7 @@ def load_runs(path: Path | str = DATA_CSV, rows: str | None = None) -> tuple[lis
 def _trace_key(spec: str) -> str:
     digest = hashlib.sha256(spec.encode())
     for rel in TRACE_SOURCES:
+        digest.update(rel.encode())
         digest.update((ROOT / rel).read_bytes())
     return digest.hexdigest()[:24]
 
@@ -205,7 +207,7 @@ def profiles_for(runs: list[Run], *, log: Any = None) -> dict[str, Any]:
     from the on-disk cache when the tracer and profiler sources are unchanged."""
     from autopar.models import resolve
     from autopar.trace import trace_model
-    from analytic import profile_graph
+    from benchmarks.baselines.analytic import profile_graph
 
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {}
@@ -223,7 +225,7 @@ def profiles_for(runs: list[Run], *, log: Any = None) -> dict[str, Any]:
 
 
 def price_run(run: Run, profiles: dict[str, Any], efficiency: Any = None) -> Any:
-    from analytic import price_profile
+    from benchmarks.baselines.analytic import price_profile
 
     return price_profile(profiles[run.spec], run.config, run.cluster, global_batch=run.global_batch,
                          stage_layers=run.stage_layers, options=run.options, efficiency=efficiency)

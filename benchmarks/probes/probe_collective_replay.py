@@ -16,7 +16,7 @@ shapes, with no compute between them. Per configuration it prints:
   (`autopar/cpu_profile.json` `measurements.collective_s`, linear between calibrate's sizes),
   where the profile measured the kind on a group of that size.
 
-    .venv/bin/python benchmarks/probe_collective_replay.py [--size S] [--world 4]
+    .venv/bin/python benchmarks/probes/probe_collective_replay.py [--size S] [--world 4]
         [--only "dp4 z1,tp4"] [--rounds 5] [--warmup 2]
 
 What its runs found is in docs/cost-model.md (the `cpu` profile) and in the demo's gap
@@ -36,9 +36,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
          "all_reduce": "all_reduce", "all_reduce_": "all_reduce"}
@@ -105,7 +104,7 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     import autopar
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
     from autopar.calibrate import reference_time, reference_workload
     from autopar.models import resolve
 
@@ -177,7 +176,7 @@ def cpu_median(per_rank: list[dict[str, Any]], label: str, key: str) -> float:
 def ilp_reshard_s(spec: str, case: Any) -> float:
     """The ILP's price of the program's collectives per step: m x the solution's
     per-microbatch reshard cost (gradient syncs weighted 1/m), built-in profile."""
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
     from autopar.cluster import Cluster
     from autopar.runtime.spmd import solve_config
     from solver.spmd_search import SpmdCandidate, estimate
@@ -192,7 +191,7 @@ def ilp_reshard_s(spec: str, case: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    import sweep_cpu as sc
+    from benchmarks import sweep_cpu as sc
     from autopar.cluster import HARDWARE
     from autopar.runtime.launch import spawn
 

@@ -10,7 +10,7 @@ messages, is what a message costs with the schedule's own work around it (sender
 receiver together). The pipeline search prices each side of a message at the link's
 latency plus bytes over bandwidth (solver/pipeline_search.py boundary_p2p_s).
 
-Run: .venv/bin/python benchmarks/probe_pipeline_messages.py [--ranks 2 4 8] [--microbatches 8]
+Run: .venv/bin/python benchmarks/probes/probe_pipeline_messages.py [--ranks 2 4 8] [--microbatches 8]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _cpu_s() -> float:

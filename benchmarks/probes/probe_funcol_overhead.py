@@ -16,7 +16,7 @@ once, each pair's windows on its own barrier, as calibrate does), at calibrate's
   ops under it), shown for scale.
 The fastest of `--windows` windows, median over ranks.
 
-    .venv/bin/python benchmarks/probe_funcol_overhead.py [--devices 4] [--windows 3]
+    .venv/bin/python benchmarks/probes/probe_funcol_overhead.py [--devices 4] [--windows 3]
 
 Prints per (kind, group size, bytes) each path's ms and graph - raw. What its runs found is in docs/cost-model.md (the `cpu` profile).
 """
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PATHS = ("raw", "graph", "funcol")

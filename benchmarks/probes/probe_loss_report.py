@@ -15,7 +15,7 @@ Two parts, each on `--devices` spawned gloo ranks:
    report costs where the step issues it, and what one more costs right after it. Beside
    it the price (`cost_model.loss_report_time_s` on the built-in profile).
 
-    .venv/bin/python benchmarks/probe_loss_report.py [--devices 8] [--size S] [--rounds 30]
+    .venv/bin/python benchmarks/probes/probe_loss_report.py [--devices 8] [--size S] [--rounds 30]
 
 What it found: gloo's ring skips empty segments, so a one-element all-reduce costs about one
 ring step per rank (2.2 ms back to back over 8 ranks, against 18.8 ms for 1024 floats):
@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ELEMENTS = (1, 2, 4, 8, 16, 1024)
 VARIANTS = ("usual", "skipped", "twice", "four times")
@@ -47,7 +46,7 @@ def _rank(rank: int, spec: str, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import autopar
-    import sweep_cpu
+    from benchmarks import sweep_cpu
     from autopar.config import ParallelConfig
     from autopar.models import resolve
     from autopar.runtime.spmd import SpmdProgram
@@ -112,7 +111,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sweep_cpu
+    from benchmarks import sweep_cpu
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=8)

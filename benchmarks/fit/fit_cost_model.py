@@ -1,6 +1,6 @@
 """Fit the cost model's global efficiency constants on published runs (never by hand, never per row).
 
-    python benchmarks/fit_cost_model.py [--csv benchmarks/data/published_runs.csv]
+    python benchmarks/fit/fit_cost_model.py [--csv benchmarks/data/published_runs.csv]
         [--out cost_model/fitted_constants.json] [--loso results/loso.json]
 
 What is fitted: the fields `cost_model.efficiency.FITTED` (GEMM efficiency relative to the
@@ -37,9 +37,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.*`
 
-from published_runs import DATA_CSV, ROOT, Run, load_runs, price_run, profiles_for  # noqa: E402
+from benchmarks.lib.published_runs import DATA_CSV, ROOT, Run, load_runs, price_run, profiles_for  # noqa: E402
 
 BOUNDS = {
     "gemm_efficiency": (0.5, 1.0),
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "objective": round(value, 5),
         "in_sample": _summary(clean),
-        "script": "benchmarks/fit_cost_model.py",
+        "script": "benchmarks/fit/fit_cost_model.py",
         "date": datetime.date.today().isoformat(),
     }
     Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")

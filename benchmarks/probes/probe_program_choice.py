@@ -13,7 +13,7 @@ estimate). Per configuration it prints how many nodes the two solves place diffe
 own cost and `solver.forced.price_solution` of the other's placements: which one the ILP
 prefers, and by how much) and what each measured (fastest round, median).
 
-    .venv/bin/python benchmarks/probe_program_choice.py --other old.json [--size M]
+    .venv/bin/python benchmarks/probes/probe_program_choice.py --other old.json [--size M]
         [--world 4] [--only "tp2 pp2,tp4"] [--rounds 11] [--warmup 2]
 
 What its runs found is in docs/cost-model.md (the `cpu` profile).
@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sweep_cpu import GLOBAL_BATCH, SIZES, _step_graph, add_probe_arguments, probe_cases  # noqa: E402
+from benchmarks.sweep_cpu import GLOBAL_BATCH, SIZES, _step_graph, add_probe_arguments, probe_cases  # noqa: E402
 
 OTHER = " (other)"
 REPEAT = " (repeat)"

@@ -1,6 +1,6 @@
 """ZeRO-3 / FSDP runtimes: how parameters are gathered and gradients reduced (one place).
 
-Where it sits: benchmarks/analytic/, called by step.py once per priced configuration
+Where it sits: benchmarks/baselines/analytic/, called by step.py once per priced configuration
 with zero >= 3. Torch-free. Everything the step model assumes about a sharded-parameter
 runtime is here; the presets are facts about the runtimes, never fitted to a run.
 
