@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.fx.graph import _BoxedCodeGen
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config import ParallelConfig
@@ -210,6 +211,11 @@ def split_joint(gm: fx.GraphModule, seeds: set[str], forward_outputs: list[int],
             benv[n] = bwd.node_copy(n, lambda a: benv[a])
     bwd.output(tuple(benv[values[i]] if isinstance(values[i], fx.Node) else None for i in backward_outputs))
     fgm, bgm = fx.GraphModule(gm, fwd), fx.GraphModule(gm, bwd)
+    # boxed: the runner hands over one list of saved values and seeds, which the graph
+    # empties, so each saved activation is freed after its last use in the backward, as
+    # in a one-stage step graph (called with *args, every one was held to the end)
+    bgm.graph.set_codegen(_BoxedCodeGen())
+    bgm.recompile()
     return fgm, bgm, len(saved)
 
 
@@ -268,7 +274,9 @@ class StageRunner:
         else:
             seeds = [grads[i] if grads[i] is not None else torch.zeros((), dtype=tangent) for i in self.grad_outputs]
             seeds.append(torch.ones((), dtype=tangent))  # the joint's loss tangent
-        outs = list(self.backward_gm(*saved, *seeds))
+        args, saved = saved, None  # the boxed backward graph empties the list (split_joint)
+        args.extend(seeds)
+        outs = list(self.backward_gm(args))
         num_params = len(self.program.graphs.grads)
         raw, input_grads = outs[:num_params], outs[num_params:]
         from autopar.runtime.spmd import accumulate
