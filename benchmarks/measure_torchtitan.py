@@ -215,9 +215,9 @@ def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
         # found for its programs).
         for kind in _kinds(case):
             if kind != "compiled":
-                step, _, _ = _build(case, kind, dist.get_world_size())
+                step, _, program = _build(case, kind, dist.get_world_size())
                 step(batches[0])
-                del step
+                del step, program  # not held while the measured program builds
                 gc.collect()
         out[case.label] = {}
         for kind in _kinds(case):

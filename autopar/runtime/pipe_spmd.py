@@ -642,6 +642,9 @@ class PipeSpmdProgram:
         losses: list[torch.Tensor] = []
         args = local if 0 in self.chunk_ids else ()
         self._schedule(num_mb).step(*args, target=local[-1] if self.has_last else None, losses=losses)
+        for stage in self.stages:  # its microbatches' inputs and outputs (the last chunk's losses,
+            stage.clear_runtime_states()  # with their autograd graphs): the schedule clears them
+        # only when its next step starts
         grad_bytes = 0
         for r in self.runners:
             raw, r.raw = r.raw, None

@@ -722,3 +722,42 @@ def test_zero_2_syncs_every_microbatch_into_zero_1_layout() -> None:
         assert zero0.update is None and isinstance(zero0.outputs[0][0], Replicate)
         assert isinstance(zero1.outputs[0][0], Replicate) and isinstance(zero1.update[0], Shard)
         assert isinstance(zero3.outputs[0][0], Shard) and zero3.update is None
+
+
+def test_importing_the_ilp_keeps_no_stack_alive():
+    """PuLP keeps the exceptions of the optional solvers it probed at import (as class
+    attributes, e.g. `COPT_DLL.err`); each traceback held the whole stack of the first
+    `import pulp`, a solving rank's build included. After the ILP's import none is left
+    with its frames, and the messages PuLP shows stay."""
+    import sys
+
+    import pulp
+
+    import solver.intra_op.ilp as ilp
+
+    kept = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "pulp" or name.startswith("pulp.")):
+            continue
+        for value in vars(module).values():
+            found = [value] if isinstance(value, BaseException) else \
+                [v for v in vars(value).values() if isinstance(v, BaseException)] if isinstance(value, type) else []
+            kept += [(name, exc) for exc in found]
+    assert all(exc.__traceback__ is None for _, exc in kept), [n for n, e in kept if e.__traceback__ is not None]
+    assert all(str(exc) for _, exc in kept)
+
+    class Probe(Exception):
+        pass
+
+    def probe():  # a stored exception with a traceback, as PuLP stores them
+        try:
+            raise Probe("not available")
+        except Probe as exc:
+            return exc
+
+    pulp.apis.Probe = type("ProbeSolver", (), {"err": probe()})
+    try:
+        assert ilp._release_import_frames(pulp) == 1
+        assert pulp.apis.Probe.err.__traceback__ is None and str(pulp.apis.Probe.err) == "not available"
+    finally:
+        del pulp.apis.Probe
