@@ -499,7 +499,7 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     per-rank joint graph into the forward and backward graphs a PipelineStage runs. The
     chunk's parameters become DTensors in their placements."""
     from codegen.apply import apply
-    from autopar.runtime.spmd import SpmdProgram, distribute_parameters
+    from autopar.runtime.spmd import SpmdProgram, distribute_parameters, release_build_memory
     from solver.forced import zero_2_syncs
 
     extra = list(stage.extra)
@@ -529,6 +529,8 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     program = SpmdProgram(config=config, mesh=mesh, model=stage.chunk, graphs=graphs, graph=stage.graph,
                           optimizer_factory=optimizer, choices=tuple(choices), params=params,
                           grads_at_update=zero_2_syncs(config))
+    # as a one-stage program does: the joint and its two halves each carried make_fx's metadata
+    release_build_memory(graphs.step, forward, backward, graphs.grad_sync, graphs.param_gather)
     return StageRunner(index=stage.index, program=program, forward=forward, backward=backward, num_saved=num_saved,
                        slots=graphs.slots, num_inputs=num_inputs, grad_inputs=grad_inputs, outputs=outputs,
                        grad_outputs=stage.grad_outputs, last=stage.last)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
@@ -440,8 +440,9 @@ def distribute_parameters(model: nn.Module, graph: Graph, choices: Sequence[Node
     return out
 
 
-def release_build_memory(graphs: Any) -> None:
-    """Give back what building held and running does not need, before the first step.
+def release_build_memory(*modules: fx.GraphModule | None) -> None:
+    """Give back what building held and running does not need, before the first step:
+    `modules` are the per-rank graphs a program keeps (None: a graph it has not).
 
     The per-rank graphs carry, on every node, the fake value and shape metadata make_fx
     recorded (about 2,700 fake tensors for the benchmark Llama); running needs none of
@@ -461,7 +462,7 @@ def release_build_memory(graphs: Any) -> None:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    for gm in (graphs.step, graphs.grad_sync, graphs.param_gather):
+    for gm in modules:
         if gm is None:
             continue
         keep: set[Any] = set()
@@ -711,5 +712,6 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
     program = SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph,
                           optimizer_factory=optimizer, choices=choices, params=params, priced=priced,
                           grads_at_update=zero2)
-    release_build_memory(graphs)  # after the whole parameters were replaced by their shards
+    # after the whole parameters were replaced by their shards
+    release_build_memory(graphs.step, graphs.grad_sync, graphs.param_gather)
     return program
