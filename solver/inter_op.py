@@ -182,7 +182,3 @@ def cut_candidates(work: StageWork, pp: int, *, recompute: str, interleave: int 
     even = uniform_cuts(L, pp)
     balanced = balanced_cuts(L, pp, work.layer_work(recompute), work.pre_flops, work.post_flops)
     return (even,) if balanced == even else (even, balanced)
-
-
-def max_stage_flops(work: StageWork, cuts: Sequence[int], recompute: str) -> float:
-    return max(work.stage_flops(cuts, k, recompute) for k in range(len(cuts)))

@@ -1,34 +1,32 @@
-"""Whole-plan search for one-stage (pp = 1) plans, priced by the intra-op ILP that runs.
+"""One-stage (pp = 1) candidates, each priced by the intra-op ILP that runs.
 
-Where it sits: solver/, called by `autopar search` and `autopar.compile` (through
-autopar/api.py `search_plans`, which supplies how to trace the model at a
-given microbatch). Output: ranked candidates and the best `Plan`, whose per-op placements
-(`Plan.placements`) are exactly the program the runtime builds.
+Where it sits: solver/, the one-stage half of the whole-plan search in
+solver/pipeline_search.py `search` (which ranks these candidates beside pipelines and
+builds the Plans). Here: the candidates, their ILP solve, their step price and the Plan of
+one solved candidate, whose per-op placements (`Plan.placements`) are exactly the program
+the runtime builds. autopar/api.py reads `op_placements` for a pipeline stage's placements.
 
 The space: every configuration dp x tp = devices (tp within a node, dividing the
 attention heads) x every global microbatch g (a multiple of dp dividing the global batch
-B; m = B / g microbatches, at most MAX_MICROBATCH_CHOICES of the largest g) x every
-recompute policy. Each is solved by the intra-op ILP under the configuration's rules
-(solver/forced.py: the batch split over dp, every matrix sharded over tp), with each
-parameter's compute and update placement over dp the ILP's choice (ZeRO 0, 1 or 3 per
-parameter, `update_free`). So a configuration is priced the same way wherever it is priced:
-`autopar price` solves the same ILP for one configuration, and `autopar train --dp --tp`
-runs it; within the rules the ILP places every op, with no template, minimising
+B; m = B / g microbatches) x every recompute policy (the caller sets it per candidate).
+Each is solved by the intra-op ILP under the configuration's rules (solver/forced.py: the
+batch split over dp, every matrix sharded over tp), with each parameter's compute and
+update placement over dp the ILP's choice (ZeRO 0, 1 or 3 per parameter, `update_free`).
+So a configuration is priced the same way wherever it is priced: `autopar price` solves the
+same ILP for one configuration, and `autopar train --dp --tp` runs it; within the rules the
+ILP places every op, with no template, minimising
 
     step_time = m * (per-microbatch compute + resharding)  +  gradient sync (once)
                 + optimizer step over the local parameters (cost_model)
 
-which is the ILP objective times m (gradient edges weighted 1/m) plus the optimizer.
-Candidates are ranked by (step time, peak memory, mesh, m): a total order, so the plan
-is deterministic. Infeasible ones (nothing fits) are reported with the smallest memory
-any of them needs.
+which is the ILP objective times m (gradient edges weighted 1/m) plus the optimizer
+(`estimate`: the step price, with the optimizer, the microbatches' gradient accumulation
+and the loss report once per step).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -36,12 +34,11 @@ from typing import Any, Callable
 import cost_model
 from cost_model import core_share, grad_accumulation_time_s
 from autopar.cluster import Cluster
-from autopar.config import RECOMPUTE, ParallelConfig
+from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role, extrapolate_batch
 from autopar.placement import Shard, format_placements, shard_factor
 from autopar.plan import (
     Alternative,
-    GIB,
     InfeasiblePlanError,
     IntraOpInfo,
     OpPlacement,
@@ -50,7 +47,7 @@ from autopar.plan import (
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from solver.intra_op.ilp import CutoffExceeded
-from solver.search import ProgressFn, Ranked, SearchResult
+from solver.search import Ranked
 from solver.intra_op.space import coverage, enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -316,12 +313,6 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
     return solved
 
 
-def _sort_key(s: Solved) -> tuple[Any, ...]:
-    c = s.candidate
-    return (s.estimate.step_time_s, s.estimate.peak_memory_bytes, c.mesh, c.num_microbatches,
-            RECOMPUTE.index(c.recompute))
-
-
 def op_placements(graph: Graph, solution: IntraOpSolution) -> tuple[OpPlacement, ...]:
     """One entry per distinct node key (layer-shared nodes have one choice)."""
     by_node = {c.node: c for c in solution.choices}
@@ -363,56 +354,6 @@ def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple
             name = re.sub(r"\.\d+\.", ".*.", name, count=1)
         out.setdefault(name, parameter_placement_text(by_node[node.id]))
     return tuple(out.items())
-
-
-def search_spmd(trace_at: TraceAt, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
-                top: int = 5, time_limit_s: float | None = None, progress: ProgressFn | None = None,
-                num_layers: int | None = None, microbatch_choices: int = MAX_MICROBATCH_CHOICES) -> SearchResult:
-    """Rank every (mesh, microbatch) candidate by its ILP-priced step; the best as a Plan.
-    `microbatch_choices` caps the microbatch counts tried per mesh (largest microbatches first)."""
-    t0 = time.perf_counter()
-    cands = candidates(cluster, global_batch, microbatch_choices)
-    if not cands:
-        raise InfeasiblePlanError(f"no microbatch of the global batch {global_batch} splits over {cluster.spec}; "
-                                  f"use a global batch that is a multiple of the device count")
-    graphs: dict[Any, Graph] = {}
-    solved: list[Solved] = []
-    not_fit = 0
-    smallest: list[float] = []
-    per_solve_limit = None if time_limit_s is None else max(1.0, time_limit_s / len(cands))
-    for i, cand in enumerate(cands):
-        if progress:
-            progress("solve", i, len(cands))
-        s = solve_candidate(trace_at, cand, cluster, global_batch, graphs=graphs, time_limit_s=per_solve_limit,
-                            smallest=smallest)
-        if s is None or not s.estimate.fits:
-            not_fit += 1
-            continue
-        solved.append(s)
-    if progress:
-        progress("solve", len(cands), len(cands))
-    if not solved:
-        need = min(smallest) if smallest else None
-        raise InfeasiblePlanError(
-            f"No plan fits {cluster.device_memory_bytes / GIB:.3g} GiB/device for {model} on {cluster.spec} "
-            f"(global batch {global_batch})" + (f"; the smallest needs {need / GIB:.3g} GiB per device (every "
-                                                f"mesh and microbatch tried, every tensor's placement free)"
-                                                if need is not None else "")
-            + ". Add devices, raise --memory-gb, or use a smaller global batch", min_memory_bytes=need)
-    solved.sort(key=_sort_key)
-    best = solved[0]
-    phases = (("solve", time.perf_counter() - t0),)
-    ranked = tuple(Ranked(config=replace(s.candidate.config, zero=dict(s.estimate.config)["zero"]),
-                          stage_layers=(num_layers if num_layers is not None else s.graph.model.num_layers,),
-                          estimate=s.estimate, bubble_fraction=0.0) for s in solved)
-    plans = tuple(_plan(s, ranked[i:], cluster, global_batch=global_batch, model=model, fingerprint=fingerprint,
-                        num_candidates=len(cands), not_fit=not_fit) for i, s in enumerate(solved[:top]))
-    plan = plans[0]
-    log.info("per-op search: %d candidates, %d fit; best mesh %s, %d microbatches, step %.4g s",
-             len(cands), len(solved), best.candidate.mesh, best.candidate.num_microbatches,
-             best.estimate.step_time_s)
-    return SearchResult(ranked=ranked[:top], plan=plan, phases=phases, search_time_s=time.perf_counter() - t0,
-                        plans=plans)
 
 
 def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,

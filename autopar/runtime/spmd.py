@@ -31,7 +31,6 @@ scalar all-reduce per mesh axis where it is Partial (`_global_loss`), priced onc
 from __future__ import annotations
 
 import logging
-import os
 import resource
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -257,10 +256,6 @@ class SpmdProgram:
 
         with torch.no_grad():
             names = [name for name, _, _ in self.graphs.grads]
-            skip = os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
-            # test-only hook: this parameter keeps its unsynchronised gradient, a deliberately
-            # broken program that `train --check` must catch (tests/dist/test_check_random.py)
-            unsynced = raw[names.index(skip)] if skip in names else None
             if self.graphs.grad_sync is None:  # the step synced each bucket during its backward
                 # (compiled for one microbatch per step; a larger batch fed later is still
                 # right, reductions being linear, but syncs every microbatch)
@@ -268,8 +263,6 @@ class SpmdProgram:
             else:
                 synced = self.graphs.grad_sync(raw)  # boxed call: the graph empties the list as it goes
         by_name = dict(zip(names, synced))
-        if unsynced is not None:
-            by_name[skip] = unsynced
         grad_bytes = 0
         for name, param in self._params.items():
             g = by_name[name]
@@ -695,12 +688,11 @@ def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequen
         priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
         zero2 = solution.grads_each_microbatch
     # one microbatch: nothing to accumulate, so the step reduces each gradient bucket as soon
-    # as its last gradient is computed (raw gradients freed during the backward). The
-    # test-only hook AUTOPAR_TEST_DROP_GRAD_SYNC needs the raw gradients: separate sync.
+    # as its last gradient is computed (raw gradients freed during the backward).
     # ZeRO-2 (a solution that syncs the gradients every microbatch: forced.solve_one_stage
     # for zero 2) syncs in the step whatever the microbatches: each microbatch's gradients
     # are reduce-scattered as the backward leaves them and the shards accumulate
-    sync_in_step = (num_microbatches == 1 or zero2) and not os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
+    sync_in_step = num_microbatches == 1 or zero2
     params = distribute_parameters(model, graph, choices, mesh, masters)
     del masters
     graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step, compiled=config.compiled)

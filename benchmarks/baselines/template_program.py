@@ -231,10 +231,7 @@ class RankProgram:
             if isinstance(p, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         if self.config.dp > 1 and not self._fsdp_active():
-            # Test-only hook: leave the named parameter's gradient out of the dp all-reduce, a
-            # deliberately broken plan that `train --check` must catch (tests/dist/test_check_random.py).
-            skip = os.environ.get("AUTOPAR_TEST_DROP_GRAD_SYNC")
-            grads = [_local(p.grad) for n, p in named if p.grad is not None and n != skip]
+            grads = [_local(p.grad) for _, p in named if p.grad is not None]
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.mesh.get_group("dp"))
             flat /= self.config.dp

@@ -1,8 +1,9 @@
 """The intra-op solver: every op's placements on one (sub)mesh, by an ILP.
 
-Where it sits: solver/, after tracing (a frozen Graph) and before the whole-plan searches
-(solver/spmd_search.py, solver/pipeline_search.py) and codegen. The modules, in the
-order one solve runs them (`ilp.solve_intra_op` calls space, the cost table and sharing):
+Where it sits: solver/, after tracing (a frozen Graph) and before the whole-plan search
+(solver/pipeline_search.py, its one-stage candidates in solver/spmd_search.py) and
+codegen. The modules, in the order one solve runs them (`ilp.solve_intra_op` calls space,
+the cost table and sharing):
 - space.py         `enumerate_strategies(graph, mesh_shape) -> StrategySpace`: each node's
                    Shard/Replicate/Partial choices, from DTensor's registry
 - (prices)         `cost_model.cost_table(graph, space, cluster) -> CostTable`: compute,
