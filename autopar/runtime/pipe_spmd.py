@@ -93,7 +93,8 @@ def capture_boundaries(pipe: Any, microbatch: Sequence[torch.Tensor]) -> list[tu
     handles = []
     for index in range(pipe.num_stages):
         def hook(_module: nn.Module, args: Any, out: Any, index: int = index) -> None:
-            seen[index] = (tuple(keep(a) for a in args), tuple(keep(o) for o in (out if isinstance(out, tuple) else (out,))))
+            outs = out if isinstance(out, tuple) else (out,)
+            seen[index] = (tuple(keep(a) for a in args), tuple(keep(o) for o in outs))
         handles.append(pipe.get_stage_module(index).register_forward_hook(hook))
     try:
         pipe(*microbatch)

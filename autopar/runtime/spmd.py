@@ -439,8 +439,10 @@ def release_build_memory(*modules: fx.GraphModule | None) -> None:
 
     The per-rank graphs carry, on every node, the fake value and shape metadata make_fx
     recorded (about 2,700 fake tensors for the benchmark Llama); running needs none of
-    it, and only collective nodes' values are read afterwards (codegen/apply.py
-    `count_collectives`: price = run). FakeTensorMode's class-wide dispatch cache keeps an
+    it. Read afterwards, and kept: the values of collective nodes and their inputs
+    (codegen/apply.py `count_collectives`: price = run) and the collectives' "custom" tags
+    (a pipeline chunk's boundary reshards, which its ILP does not price, are told apart by
+    them: pipe_spmd `collectives_per_step`). FakeTensorMode's class-wide dispatch cache keeps an
     entry per traced op signature. Then collect: on the benchmark Llama (zero3 dp4) the
     graphs' metadata alone was about 9 MiB of Python objects per rank.
 
@@ -450,7 +452,7 @@ def release_build_memory(*modules: fx.GraphModule | None) -> None:
     first step but not the peak, which the step then reached by faulting the same pages
     in again. zero3 dp4's peak per rank over the template's, with the trim / without:
     1.16 / 1.11-1.12 in full benchmark runs, 1.09-1.12 / 1.04-1.05 in its memory phase
-    alone (per_op_memory_cpu.md item 10)."""
+    alone."""
     import gc
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -458,12 +460,11 @@ def release_build_memory(*modules: fx.GraphModule | None) -> None:
     for gm in modules:
         if gm is None:
             continue
-        keep: set[Any] = set()
+        collectives = [node for node in gm.graph.nodes
+                       if node.op == "call_function" and str(node.target).startswith("_c10d_functional.")]
+        keep = {"val": {*collectives, *(node.args[0] for node in collectives)}, "custom": set(collectives)}
         for node in gm.graph.nodes:
-            if node.op == "call_function" and str(node.target).startswith("_c10d_functional."):
-                keep.update((node, node.args[0]))
-        for node in gm.graph.nodes:
-            node.meta = {"val": node.meta["val"]} if node in keep and "val" in node.meta else {}
+            node.meta = {key: node.meta[key] for key, nodes in keep.items() if node in nodes and key in node.meta}
     FakeTensorMode.cache_clear()
     gc.collect()
 
