@@ -20,9 +20,12 @@ the closed-form model. It fits a first-order model of it instead (Gauss-Newton):
   scaled by e^step in its own evaluation of every row (the ILPs re-solved, so a plan
   that changes with the constants is in J);
 - the objective is fit_cost_model.py's (mean |log error| of the unflagged rows + the
-  ranking term over groups of one model on one cluster), minimised by the same
-  Nelder-Mead over log theta within the physical BOUNDS and a trust region
-  |log theta_k - log theta0_k| <= radius;
+  ranking term over groups of one model on one cluster) over log theta within the
+  physical BOUNDS and a trust region |log theta_k - log theta0_k| <= radius. On the
+  first-order model it is convex (absolute values of linear functions, plus the prior's
+  square), so it is solved exactly as a linear program by HiGHS (`solve_surrogate`), not
+  searched: a simplex search stalls on its kinks, and a fold's constants then depend on
+  where the search stopped rather than on the fold's rows;
 - every reported error is the one model itself priced at the fitted constants, never
   the first-order model.
 
@@ -59,7 +62,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks.*`
 
 from benchmarks.lib.bench_stats import percentile  # noqa: E402
-from benchmarks.fit.fit_cost_model import BOUNDS, RANK_WEIGHT, START, nelder_mead  # noqa: E402
+from benchmarks.fit.fit_cost_model import BOUNDS, RANK_WEIGHT, START  # noqa: E402
 from benchmarks.lib.published_runs import DATA_CSV, ROOT, Run, load_runs  # noqa: E402
 
 ONE_MODEL_FITTED = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
@@ -162,10 +165,80 @@ class _Surrogate:
         return clean + RANK_WEIGHT * float(dev[self.multi].mean())
 
 
+PRIOR_TANGENTS = 81
+"""Tangent lines that bound each constant's prior square from below in the linear program
+(`solve_surrogate`), evenly over its box: the square is exact at them and off by at most
+(box width / 80)^2 / 4 between them (1e-4 in log theta for a radius of 0.5)."""
+
+
+def solve_surrogate(sur: _Surrogate, x0: Any, lo: Any, hi: Any, start: Any, prior: float) -> Any:
+    """The log constants x in [lo, hi] minimising `_Surrogate.objective(x - x0)` plus
+    `prior` x mean_k (x_k - start_k)^2, exactly, as one linear program (HiGHS):
+
+        min  sum_r w_r t_r + sum_r v_r u_r + (prior / K) sum_k q_k
+        t_r >= +-(c_r - J_r x)                       (|log error| of unflagged row r)
+        u_r >= +-((c_r - cbar_g) - (J_r - Jbar_g) x)  (deviation from its group's mean)
+        q_k >= 2 z (x_k - start_k) - z^2  for PRIOR_TANGENTS values z  (the square)
+
+    with c = base + J x0 (so log error = c - J x), w_r = 1 / unflagged rows, v_r =
+    RANK_WEIGHT / (groups of two rows or more x rows in r's group)."""
+    import highspy
+    import numpy as np
+
+    k_n = len(x0)
+    c = sur.base + sur.jac @ x0
+    inf = highspy.kHighsInf
+    cost, lower, upper = [0.0] * k_n, list(lo), list(hi)
+    rows: list[tuple[float, dict[int, float]]] = []  # (lower bound, {column: coefficient}), upper bound inf
+
+    def var(weight: float) -> int:
+        cost.append(weight)
+        lower.append(0.0)
+        upper.append(inf)
+        return len(cost) - 1
+
+    def absolute(weight: float, value: float, slope: Any) -> None:
+        # t >= value - slope . x and t >= -(value - slope . x)
+        t = var(weight)
+        rows.append((value, {t: 1.0, **{k: float(slope[k]) for k in range(k_n)}}))
+        rows.append((-value, {t: 1.0, **{k: -float(slope[k]) for k in range(k_n)}}))
+
+    clean = np.flatnonzero(sur.clean)
+    for r in clean:
+        absolute(1.0 / len(clean), float(c[r]), sur.jac[r])
+    multi = np.flatnonzero(sur.multi)
+    for g in multi:
+        members = np.flatnonzero(sur.group == g)
+        c_mean, j_mean = c[members].mean(), sur.jac[members].mean(axis=0)
+        for r in members:
+            absolute(RANK_WEIGHT / (len(multi) * len(members)), float(c[r] - c_mean), sur.jac[r] - j_mean)
+    if prior > 0:
+        for k in range(k_n):
+            q = var(prior / k_n)
+            for z in np.linspace(lo[k] - start[k], hi[k] - start[k], PRIOR_TANGENTS):
+                rows.append((float(-2.0 * z * start[k] - z * z), {q: 1.0, k: float(-2.0 * z)}))
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.addVars(len(cost), np.array(lower), np.array(upper))
+    h.changeColsCost(len(cost), np.arange(len(cost), dtype=np.int32), np.array(cost))
+    starts, index, value = [], [], []
+    for _, coef in rows:
+        starts.append(len(index))
+        index += list(coef)
+        value += list(coef.values())
+    h.addRows(len(rows), np.array([lb for lb, _ in rows]), np.full(len(rows), inf), len(index),
+              np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        raise RuntimeError(f"the surrogate fit's linear program ended {h.getModelStatus()}")
+    return np.clip(np.array(h.getSolution().col_value[:k_n]), lo, hi)
+
+
 def fit_surrogate(runs: list[Run], base: dict[int, float], jac: dict[int, list[float]], theta0: dict[str, float],
                   radius: float, prior: float = 0.0) -> dict[str, float]:
     """Constants minimising `objective` on the first-order model (module docstring), plus
-    `prior` x the mean squared log distance from START (PRIOR_WEIGHTS)."""
+    `prior` x the mean squared log distance from START (PRIOR_WEIGHTS), solved exactly
+    (`solve_surrogate`)."""
     import numpy as np
 
     sur = _Surrogate([r for r in runs if r.index in base and r.index in jac], base, jac)
@@ -173,15 +246,8 @@ def fit_surrogate(runs: list[Run], base: dict[int, float], jac: dict[int, list[f
     start = np.array([math.log(START[k]) for k in ONE_MODEL_FITTED])
     lo = np.array([max(math.log(BOUNDS[k][0]), x - radius) for k, x in zip(ONE_MODEL_FITTED, x0)])
     hi = np.array([min(math.log(BOUNDS[k][1]), x + radius) for k, x in zip(ONE_MODEL_FITTED, x0)])
-
-    def f(x: list[float]) -> float:
-        v = np.clip(np.array(x), lo, hi)
-        # predicted throughput ~ 1 / step time: log error = base - J . d
-        return sur.objective(v - x0) + prior * float(((v - start) ** 2).mean())
-
-    x, _ = nelder_mead(f, list(x0), step=0.1, iters=600)
-    x, _ = nelder_mead(f, x, step=0.05, iters=600)
-    return {k: float(f"{math.exp(v):.4g}") for k, v in zip(ONE_MODEL_FITTED, np.clip(np.array(x), lo, hi))}
+    x = solve_surrogate(sur, x0, lo, hi, start, prior)
+    return {k: float(f"{math.exp(v):.4g}") for k, v in zip(ONE_MODEL_FITTED, x)}
 
 
 def held_out_error(train: list[Run], held: list[Run], base: dict[int, float], jac: dict[int, list[float]],
@@ -233,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--radius", type=float, default=0.5, help="trust region on log theta")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rows", default=None, help="only these row indices (e.g. 10-15,22): a smoke run")
+    ap.add_argument("--commit", default=None, metavar="CONSTANTS_JSON",
+                    help="also write the constants fitted on every row into this file (the product's: "
+                         "cost_model/fitted_constants.json), with a 'one_model' record of how they were fitted "
+                         "and validated; its other constants (the closed-form baseline's) are kept")
     ap.add_argument("--refit", default=None, help="an earlier --out JSON: reuse its committed prices and Jacobian "
                                                   "(same constants and rows), refit and re-price the folds only")
     ap.add_argument("--borrowed", default=str(ROOT / "benchmarks" / "results" / "loso_by_publication.json"),
@@ -318,8 +388,34 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     Path(args.report).write_text(report(result, skipped))
+    if args.commit:
+        commit_constants(Path(args.commit), result)
+        print(f"committed the constants fitted on every row to {args.commit}")
     print(f"wrote {args.out} and {args.report} ({elapsed:.0f} s)")
     return 0
+
+
+def commit_constants(path: Path, result: dict[str, Any]) -> None:
+    """Write `result`'s constants fitted on every row into the constants file at `path`
+    (cost_model/fitted_constants.json), with the record of their fit: the script, its
+    prior weight, and the one model's errors at them in sample and held out. The file's
+    other constants stay (the terms of the closed-form baseline only, which
+    benchmarks/fit/fit_cost_model.py fits and keeps these when it refits)."""
+    import datetime
+
+    data = json.loads(path.read_text())
+    data["constants"].update(result["fitted"])
+    data["one_model"] = {
+        "script": "benchmarks/fit/fit_one_model.py",
+        "date": datetime.date.today().isoformat(),
+        "constants": sorted(result["fitted"]),
+        "prior_weight": result["priors"]["all"]["all"],
+        "theta0": result["theta0"],
+        **{label: "median |error| {median:.1%}, p90 {p90:.1%} over {rows} rows".format(**summary(_errs(result, key)))
+           for key, label in (("in_sample", "in_sample"), ("lopo", "leave_one_publication_out"),
+                              ("loso", "leave_one_source_out"))},
+    }
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _errs(result: dict[str, Any], key: str, *, unflagged: bool = False,

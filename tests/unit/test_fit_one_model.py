@@ -1,0 +1,59 @@
+"""The one model's fit (benchmarks/fit/fit_one_model.py): its first-order model is solved
+exactly, so a fold's constants are the optimum of its rows, not where a search stopped."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.fit.fit_cost_model import START  # noqa: E402
+from benchmarks.fit.fit_one_model import ONE_MODEL_FITTED, _Surrogate, fit_surrogate, solve_surrogate  # noqa: E402
+
+
+def _rows(n: int, groups: int, flagged: int = 0) -> list[SimpleNamespace]:
+    return [SimpleNamespace(index=i, flags=("flag",) if i < flagged else (), group=("model", i % groups))
+            for i in range(n)]
+
+
+def test_noise_free_rows_give_back_their_constants() -> None:
+    rng = np.random.default_rng(0)
+    rows = _rows(40, 5)
+    k = len(ONE_MODEL_FITTED)
+    jac = {r.index: list(rng.uniform(-1.0, 0.2, k)) for r in rows}
+    truth = rng.uniform(-0.1, 0.1, k)  # log theta - log theta0, inside every BOUNDS
+    base = {r.index: float(np.dot(jac[r.index], truth)) for r in rows}  # log error = base - J d = 0 at truth
+    theta0 = dict(START)
+    fitted = fit_surrogate(rows, base, jac, theta0, radius=1.0, prior=0.0)
+    got = np.array([math.log(fitted[n]) - math.log(theta0[n]) for n in ONE_MODEL_FITTED])
+    assert got == pytest.approx(truth, abs=2e-3)  # 4 significant digits in the written constants
+
+
+@pytest.mark.parametrize("prior", [0.0, 0.3, 3.0])
+def test_the_solution_is_the_objective_s_minimum(prior: float) -> None:
+    """No point of the box, random or on its corners, beats the linear program's solution
+    on the objective it stands for (mean |error| + ranking term + prior)."""
+    rng = np.random.default_rng(1)
+    rows = _rows(60, 7, flagged=5)
+    k = len(ONE_MODEL_FITTED)
+    jac = {r.index: list(rng.normal(-0.4, 0.4, k)) for r in rows}
+    base = {r.index: float(rng.normal(0.0, 0.2)) for r in rows}
+    sur = _Surrogate(rows, base, jac)
+    x0 = np.zeros(k)
+    start = rng.normal(0.0, 0.3, k)
+    lo, hi = x0 - 0.5, x0 + 0.5
+
+    def f(x: np.ndarray) -> float:
+        return sur.objective(x - x0) + prior * float(((x - start) ** 2).mean())
+
+    best = f(solve_surrogate(sur, x0, lo, hi, start, prior))
+    others = [rng.uniform(lo, hi) for _ in range(300)] + [np.where(rng.random(k) < 0.5, lo, hi) for _ in range(50)]
+    assert best <= min(f(x) for x in others) + 1e-4
+    # nor does the point the fit starts from
+    assert best <= f(x0) + 1e-12
