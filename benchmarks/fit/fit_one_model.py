@@ -229,9 +229,14 @@ def solve_surrogate(sur: _Surrogate, x0: Any, lo: Any, hi: Any, start: Any, prio
     h.addRows(len(rows), np.array([lb for lb, _ in rows]), np.full(len(rows), inf), len(index),
               np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value))
     h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        raise RuntimeError(f"the surrogate fit's linear program ended {h.getModelStatus()}")
-    return np.clip(np.array(h.getSolution().col_value[:k_n]), lo, hi)
+    status, x = h.getModelStatus(), np.array(h.getSolution().col_value[:k_n])
+    # HiGHS's worker threads belong to this process: a pool forked after this solve (`evaluate`)
+    # would inherit a scheduler without its threads, and the ILPs its children solve end
+    # "Not Solved" at once. Stop them, so forked children start their own.
+    highspy.Highs.resetGlobalScheduler(True)
+    if status != highspy.HighsModelStatus.kOptimal:
+        raise RuntimeError(f"the surrogate fit's linear program ended {status}")
+    return np.clip(x, lo, hi)
 
 
 def fit_surrogate(runs: list[Run], base: dict[int, float], jac: dict[int, list[float]], theta0: dict[str, float],

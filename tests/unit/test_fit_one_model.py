@@ -57,3 +57,41 @@ def test_the_solution_is_the_objective_s_minimum(prior: float) -> None:
     assert best <= min(f(x) for x in others) + 1e-4
     # nor does the point the fit starts from
     assert best <= f(x0) + 1e-12
+
+
+def _child_solves_a_mip(out) -> None:  # in a forked child: a knapsack, as the ILP's branch and bound runs
+    import highspy
+
+    rng = np.random.default_rng(3)
+    n = 40
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.addVars(n, np.zeros(n), np.ones(n))
+    h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.array([highspy.HighsVarType.kInteger] * n))
+    h.changeColsCost(n, np.arange(n, dtype=np.int32), -rng.uniform(1, 10, n))
+    h.addRows(1, np.array([-highspy.kHighsInf]), np.array([50.0]), n, np.array([0], dtype=np.int32),
+              np.arange(n, dtype=np.int32), rng.uniform(1, 10, n))
+    h.run()
+    out.put(str(h.getModelStatus()))
+
+
+def test_a_pool_forked_after_the_fit_can_still_solve() -> None:
+    """The fit runs HiGHS in the parent and then forks the pool that prices rows (their ILPs
+    are HiGHS too): a child must not inherit a scheduler whose threads stayed behind."""
+    import multiprocessing
+
+    rows = _rows(20, 4)
+    k = len(ONE_MODEL_FITTED)
+    rng = np.random.default_rng(2)
+    sur = _Surrogate(rows, {r.index: float(rng.normal()) for r in rows},
+                     {r.index: list(rng.normal(size=k)) for r in rows})
+    solve_surrogate(sur, np.zeros(k), np.full(k, -0.5), np.full(k, 0.5), np.zeros(k), 1.0)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_solves_a_mip, args=(out,))
+    child.start()
+    child.join(30)
+    if child.is_alive():  # without the fix the child waits forever for its solver's threads
+        child.kill()
+    assert child.exitcode == 0
+    assert out.get(timeout=5) == "HighsModelStatus.kOptimal"
