@@ -169,8 +169,9 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
 
     import torch
 
+    from autopar.api import rank0_placements
+    from autopar.build import build_program
     from autopar.models import resolve
-    from autopar.runtime.program import build_program
     from benchmarks.baselines.handtuned import build
     from benchmarks.baselines.template_program import build_module_program
 
@@ -178,8 +179,10 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
     if which == "autopar":
         torch.manual_seed(0)
         example = source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
-        program = build_program(source.build(), case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                stage_layers=case.stage_layers, example_inputs=example)
+        model = source.build()
+        placed = rank0_placements(model, case.config, example, stage_layers=case.stage_layers)
+        program = build_program(model, placed, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                                example_inputs=example)
         return program.step, list(getattr(program, "chunks", ()))
     if which == "template":  # the module-level rule-table program autopar ran before the per-op compiler
         torch.manual_seed(0)

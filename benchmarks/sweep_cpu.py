@@ -320,7 +320,7 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any) -> float:
     (`price_solution`), not its own solve's: for dp x tp and tp4 a solve on the calibrated
     profile placed 0.3-31% of the nodes differently, a different program."""
     from autopar.cluster import HARDWARE, Cluster
-    from autopar.runtime.spmd import solve_config
+    from autopar.placing import solve_config
     from solver.forced import price_solution
     from solver.spmd_search import SpmdCandidate, estimate
 

@@ -2,7 +2,7 @@
 
 Where it sits: codegen, behind `autopar search --emit DIR` (`emit_plan`): a one-stage
 plan's per-op placements applied to its traced step (`emit_per_op`), a pipeline plan's
-chunks as the runtime builds them (autopar/runtime/pipe_spmd.py `stage_sources`, handed in
+chunks as every rank builds them (autopar/build/pipeline.py `stage_sources`, handed in
 by the wiring), both on a `fake` process group (`fake_world`). The module-level
 `emit(model, config, example_inputs=...)` below is the template's program (the
 hand-written baseline, not what `autopar train` runs): it builds each pipeline chunk
@@ -248,9 +248,9 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
 
     pp = 1: the plan's per-op placements applied to the traced step (`emit_per_op`).
     pp > 1: every chunk's per-rank forward/backward graphs, from
-    `stage_sources(plan, model, example_inputs, mesh)` (the runtime's builder,
-    autopar/runtime/pipe_spmd.py, handed in by the wiring: codegen does not import the
-    runtime), on a `fake` (dp, tp) world. The model is rebuilt from the plan's model
+    `stage_sources(plan, model, example_inputs, mesh)` (the per-rank build's, with the
+    chunks' placements, handed in by the wiring, autopar/commands/search.py: codegen does
+    not import the build), on a `fake` (dp, tp) world. The model is rebuilt from the plan's model
     string with real weights (the pipeline cut runs one forward), so this is for models up
     to `max_parameters`; the source of a large model's stage has the same shape as that of
     a shallower spec."""
@@ -259,8 +259,8 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
     if plan.config.pp == 1:  # a one-stage plan without per-op placements: the template's module program
         return write(_emit_module_plan(plan, max_parameters), directory)
     if stage_sources is None:
-        raise ValueError("emitting a pipeline plan needs the runtime's stage builder: pass "
-                         "stage_sources=autopar.runtime.pipe_spmd.stage_sources (as `autopar search --emit` does)")
+        raise ValueError("emitting a pipeline plan needs the per-rank build's stage builder: pass "
+                         "stage_sources= as `autopar search --emit` does (autopar/commands/search.py `_emit`)")
     from autopar.models import resolve
 
     source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)

@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -87,7 +89,7 @@ def runs(pp2_plan):
     plan = _replicated_chunk0(Plan.load(pp2_plan))
     jobs += (TrainJob(model=ZOO_LLAMA, configs=(plan.config,), steps=3, global_batch=BATCH, return_parameters=True,
                       stage_layers=(plan.stage_layers,), plans=(plan.dumps(),)),)
-    results = spawn(_jobs_worker, 4, (jobs,))
+    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
     return {name: ([results[r][j][0] for r in range(4)], reference_run(job))
             for j, (name, job) in enumerate(zip((*CASES, REPLAYED), jobs))}
 

@@ -145,8 +145,9 @@ def test_a_stage_is_priced_by_the_solve_its_chunks_run():
     import torch
 
     from autopar.config import ParallelConfig
-    from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
-    from autopar.runtime.spmd import priced_per_step
+    from autopar.build.chunks import trace_chunks
+    from autopar.placing import solve_stage
+    from autopar.placing import priced_per_step
 
     spec = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
     source = resolve(spec)
