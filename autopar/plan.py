@@ -39,7 +39,7 @@ PLAN_VERSION = 4
 bubble fraction moved beside it (`Plan.bubble_fraction`); version-2 files are read by
 `_from_version_2`.
 4: pipelines carry each chunk's per-op placements (`stage_placements`), replayed at build;
-version-3 files (without them: each build solves the stages) load unchanged."""
+version-3 files (without them: each run solves the stages before its ranks build) load unchanged."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 GIB = 1024**3
 
@@ -352,7 +352,7 @@ class Plan(JsonData):
             raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
         if data.get("version") == 2:
             data = _from_version_2(data)
-        if data.get("version") == 3:  # version 4 added stage_placements (absent: each build solves the stages)
+        if data.get("version") == 3:  # version 4 added stage_placements (absent: each run solves the stages)
             data = dict(data, version=4)
         if "version" in data and data["version"] != PLAN_VERSION:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
@@ -758,8 +758,9 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
 def _stage_placement_lines(plan: "Plan") -> list[str]:
     if not plan.stage_placements:
         return ["per-stage per-op placements: not in this plan (a file from before version 4, or a model the search "
-                "did not trace by chunks); every build solves each chunk's intra-op ILP under the configuration's "
-                "rules instead (same solver, so the same program; re-run `autopar search` to record them)"]
+                "did not trace by chunks); every run solves each chunk's intra-op ILP under the configuration's "
+                "rules before its ranks build (same solver, so the same program; re-run `autopar search` to record "
+                "them)"]
     lines = [f"per-stage per-op placements (the program each stage runs, replayed at build): "
              f"{len(plan.stage_placements)} chunks"]
     for s in plan.stage_placements:
