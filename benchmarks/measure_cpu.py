@@ -7,7 +7,7 @@ well the calibrated cost model ranks the same configurations.
 For each configuration (4 processes: dp4, zero3 dp4, dp2xtp2, dp2xpp2, tp2xpp2, plus the
 plan `autopar search` finds for cpu:4 with the calibrated profile; 8 processes:
 dp2xtp2xpp2) the same spawned ranks run, on the same model, seed and global batch:
-  A  autopar's program (autopar.runtime.program.build_program with the ParallelConfig, as
+  A  autopar's program (autopar.build.build_program with the ParallelConfig's placements, as
      `autopar train` / `autopar.compile` build it), and
   H  the hand-tuned torchtitan-style baseline (benchmarks/baselines/handtuned.py),
 with every program of one world size built side by side and timed in rounds (one step of

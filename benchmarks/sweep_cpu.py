@@ -38,7 +38,7 @@ Predicted: what the product ranks a configuration by (price = run), on `cpu:N`, 
 freshly calibrated profile (`autopar calibrate --devices 4 --out ...`; per dedicated core,
 so it prices 8 processes too) when given, and with the built-in `cpu` profile:
 - pp = 1: the per-op program's own price. The runtime solves the intra-op ILP for the
-  configuration (autopar/runtime/spmd.py `solve_config`, solver/forced.py rules) on the
+  configuration (autopar/placing.py `solve_config`, solver/forced.py rules) on the
   traced step at one global microbatch, and `autopar search` ranks one-stage candidates by
   that ILP's step time (solver/spmd_search.py `estimate`); the sweep prices the same
   solution (m x the ILP's per-microbatch cost + the optimizer step);

@@ -1,7 +1,7 @@
 """Per-op pipeline stages on real gloo ranks: the ILP's placements inside every stage.
 
-World 4. Every pipeline here goes through `autopar.runtime.program.build_program` (pp > 1:
-autopar/runtime/pipe_spmd.py): the model is cut at its repeated layers and each stage compiled
+World 4. Every pipeline here goes through `autopar.build.build_program` (pp > 1:
+autopar/build/pipeline.py): the model is cut at its repeated layers and each stage compiled
 by the per-op path on its (dp, tp) submesh. Hugging Face GPT-2 with tp 2 inside the
 stages (which the rule tables never ran), the zoo's Llama with pp2 x tp2 and pp2 x dp2
 (ZeRO layout, full recompute: recomputed ops in the stages' backward graphs), and GPT-2 on
