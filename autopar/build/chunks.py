@@ -381,13 +381,14 @@ def trace_chunks(model: nn.Module, config: ParallelConfig, example_inputs: Seque
                                                else chunk_ids)]
 
 
-def check_stage_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], plan: Any, *,
+def check_stage_placements(model: nn.Module, placed: Any, example_inputs: Sequence[Any], *,
                            loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
-    """Raise PlanFileError where `plan`'s stage placements do not match `model`'s chunks as
-    the ranks will trace them (node keys and ops, every chunk): found once, in this process
-    with no process group, before any rank starts (the launcher calls this)."""
+    """Raise PlanFileError where `placed`'s stage placements (autopar/plan.py
+    ProgramPlacements) do not match `model`'s chunks as the ranks will trace them (node keys
+    and ops, every chunk): found once, in this process with no process group, before any
+    rank starts (the launcher calls this)."""
     import copy
 
-    for stage in trace_chunks(copy.deepcopy(model), config, example_inputs, loss_fn=loss_fn,
-                              stage_layers=tuple(plan.stage_layers) or None):
-        plan.stage_placements_for(stage.index, stage.graph)
+    for stage in trace_chunks(copy.deepcopy(model), placed.config, example_inputs, loss_fn=loss_fn,
+                              stage_layers=placed.stage_layers or None):
+        placed.stage_choices_for(stage.index, stage.graph)

@@ -281,7 +281,7 @@ def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, ex
             else:
                 from autopar.build.chunks import check_stage_placements
 
-                check_stage_placements(model, config, example, plan)
+                check_stage_placements(model, placed, example)
         return placed
 
     if not torchrun:
