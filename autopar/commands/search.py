@@ -63,14 +63,14 @@ def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | N
 
 
 def _emit(plan: Any, directory: str) -> None:
-    """Write the plan's per-rank program (codegen/emit.py `emit_plan`); a pipeline's chunks
+    """Write the plan's per-rank program (autopar/build/emit.py `emit_plan`); a pipeline's chunks
     are built by the per-rank build's stage builder (autopar/build/pipeline.py), which this
     wiring hands to codegen with the chunks' placements: the plan's, or, for a plan that
     records none, solved for it here on its cluster (autopar/placing.py)."""
     from autopar.build.pipeline import stage_sources
     from autopar.cluster import Cluster
     from autopar.placing import program_placements
-    from codegen.emit import emit_plan
+    from autopar.build.emit import emit_plan
 
     def sources(plan: Any, model: Any, example: Any, mesh: Any) -> dict[str, str]:
         placed = program_placements(model, plan.config, example, plan=plan, cluster=Cluster.parse(plan.cluster))
