@@ -251,25 +251,22 @@ def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: i
 
 MAX_STAGE_TRACE_PARAMETERS = 5e8
 """Largest zoo model whose pipeline chunks the search traces with real weights (2 GB in
-float32) to record their per-op placements; a larger one's plan carries none and each
-build solves the chunks (what every rank does anyway; `explain` says so)."""
+float32) to record their per-op placements; a larger one's plan carries none, and they are
+solved for its configuration before its ranks build (autopar/placing.py; `explain` says so)."""
 
 
 def record_stage_placements(plan: Any, model: nn.Module | None = None, example_inputs: Sequence[Any] | None = None,
                             *, loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
     """`plan` (pp > 1) with every chunk's per-op placements (`Plan.stage_placements`), the
     program its stages run: the chunks traced in this process exactly as each rank traces
-    its own at build (autopar/runtime/pipe_spmd.py `trace_chunks`), each solved by the same
-    stage ILP under the plan's configuration, on the plan's cluster. `autopar search` calls
-    it for the pipeline it returns; call it to record them in an older plan.
+    its own at build, each solved by the stage ILP under the plan's configuration, on the
+    plan's cluster (autopar/placing.py `solve_stage_placements`). `autopar search` calls it
+    for the pipeline it returns; call it to record them in an older plan.
 
     `model` (left whole: a copy is cut) with `example_inputs` (one global batch), else the
     plan's model is built from its name with real weights (the cut runs one forward); a
-    zoo model over MAX_STAGE_TRACE_PARAMETERS is left unrecorded (each build solves)."""
-    from autopar.plan import StagePlacements
-    from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
-    from autopar.runtime.spmd import priced_per_step
-    from solver.spmd_search import op_placements
+    zoo model over MAX_STAGE_TRACE_PARAMETERS is left unrecorded (solved before each run)."""
+    from autopar.placing import solve_stage_placements
 
     config = plan.config
     if config.pp == 1:
@@ -286,7 +283,7 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
             with FakeTensorMode():
                 size = sum(p.numel() for p in source.build().parameters())
             if size > MAX_STAGE_TRACE_PARAMETERS:
-                log.info("%s: %.2gB parameters, over %.2gB: its plan's chunks are solved at build", plan.model,
+                log.info("%s: %.2gB parameters, over %.2gB: its plan's chunks are solved before each run", plan.model,
                          size / 1e9, MAX_STAGE_TRACE_PARAMETERS / 1e9)
                 return plan
             torch.manual_seed(0)
@@ -298,25 +295,19 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
     rows = config.dp * config.micro_batch
     num_microbatches = plan.global_batch // rows
     cluster = Cluster.parse(plan.cluster)
-    try:  # the cut the build makes (autopar/runtime/program.py build_program, given the plan's stage_layers)
-        stages = trace_chunks(model, config, example_inputs, loss_fn=loss_fn,
-                              stage_layers=tuple(plan.stage_layers) or None)
-    except ValueError as exc:  # the build refuses it the same way; the plan is still the search's answer
-        log.warning("%s: the plan's pipeline chunks were not traced (%s); each build solves them", plan.model, exc)
+    try:  # the chunks as every rank cuts and traces them at build (given the plan's stage_layers)
+        recorded = solve_stage_placements(model, config, example_inputs, cluster=cluster,
+                                          num_microbatches=num_microbatches, stage_layers=plan.stage_layers,
+                                          loss_fn=loss_fn)
+    except InfeasiblePlanError as exc:  # a chunk's stage ILP: the build's placements are solved where it runs
+        log.warning("%s: the chunks' placements were not recorded (%s); they are solved before each build",
+                    plan.model, exc)
         return plan
-    recorded = []
-    for stage in stages:
-        try:
-            solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
-        except ValueError as exc:  # InfeasiblePlanError: the build's own solve will say so where it runs
-            log.warning("%s: chunk %d's placements were not recorded (%s); each build solves the chunks", plan.model,
-                        stage.index, exc)
-            return plan
-        priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
-        recorded.append(StagePlacements(
-            chunk=stage.index, placements=op_placements(stage.graph, solution),
-            collectives=tuple(sorted((kind, axis, calls, nbytes) for (kind, axis), (calls, nbytes) in priced.items()))))
-    return replace(plan, stage_placements=tuple(recorded))
+    except ValueError as exc:  # the cut: the build refuses it the same way; the plan is still the search's answer
+        log.warning("%s: the plan's pipeline chunks were not traced (%s); they are solved before each build",
+                    plan.model, exc)
+        return plan
+    return replace(plan, stage_placements=recorded)
 
 
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
@@ -341,6 +332,38 @@ def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequen
         text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision,
                            compiled=compiled).dumps()
     return Plan.loads(gather_build_results(text)[0])  # the others wait out the search, however long
+
+
+def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *, plan: Any = None,
+                     loss_fn: Callable[..., torch.Tensor] | None = None, cluster: Cluster | None = None,
+                     stage_layers: Sequence[int] | None = None) -> Any:
+    """What every rank builds from (autopar/placing.py), for callers already inside the
+    ranks (`autopar.compile`, the benchmarks' workers); collective. A plan's recorded
+    placements are read on every rank; else rank 0 solves the configuration (a one-stage
+    one in a forked child, which gives the solver's memory back) and every rank receives
+    the placements as JSON text (or the error, which every rank raises). No rank but rank 0
+    enters the solver; `autopar train` decides them before its ranks start instead.
+    `stage_layers`: a pipeline's layers per stage or chunk (default the plan's, else even)."""
+    from autopar.placing import program_placements
+    from autopar.plan import ProgramPlacements
+    from autopar.runtime.launch import gather_build_results
+
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"  # init_mesh's
+    if plan is not None and (plan.placements if config.pp == 1 else plan.stage_placements):
+        return program_placements(model, config, example, plan=plan, loss_fn=loss_fn, cluster=cluster,
+                                  device_type=device_type)
+    mine: Any = None
+    if dist.get_rank() == 0:
+        try:
+            mine = program_placements(model, config, example, plan=plan, loss_fn=loss_fn, cluster=cluster,
+                                      stage_layers=stage_layers, device_type=device_type,
+                                      in_child=config.pp == 1).dumps()
+        except ValueError as exc:  # InfeasiblePlanError, TraceError, a cut refused: every rank raises it
+            mine = exc
+    got = gather_build_results(mine)[0]  # the other ranks wait out the solve, however long
+    if isinstance(got, Exception):
+        raise got
+    return ProgramPlacements.loads(got)
 
 
 class Compiled:
@@ -426,7 +449,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
                     plan: Any, config: ParallelConfig | None, compiled: bool = False,
                     precision: str = "") -> Compiled:
-    from autopar.runtime.program import build_program, model_dims
+    from autopar.build import build_program
+    from autopar.runtime.program import model_dims
 
     num_devices = _num_devices(mesh)
     _ensure_process_group(num_devices)
@@ -448,10 +472,10 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
     device_mesh = mesh if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names == ("pp", "dp", "tp") else None
     cluster = _cluster_of(mesh)
 
-    def build(example: Sequence[Any] | None) -> Any:
-        return build_program(model, config, loss_fn=loss_fn, optimizer=optimizer,
-                             stage_layers=tuple(plan.stage_layers) if getattr(plan, "stage_layers", None) else None,
-                             mesh=device_mesh, example_inputs=example, plan=plan, cluster=cluster)
+    def build(example: Sequence[Any]) -> Any:
+        placed = rank0_placements(model, config, example, plan=plan, loss_fn=loss_fn, cluster=cluster)
+        return build_program(model, placed, example_inputs=example, loss_fn=loss_fn, optimizer=optimizer,
+                             mesh=device_mesh)
 
     return Compiled(build, config=config, plan=plan,
                     example_inputs=tuple(example_inputs) if example_inputs is not None else None)

@@ -187,7 +187,7 @@ def runnable(shape: PlanShape) -> str | None:
     if v > 1 and any(s.num_layers % v for s in shape.stages):
         return (f"interleaved with non-uniform cuts: stage layers {'/'.join(str(s.num_layers) for s in shape.stages)} "
                 f"(the runtime splits each stage's layers evenly over its {v} chunks, "
-                "autopar/runtime/pipe_spmd.py chunk_layers)")
+                "autopar/build/chunks.py chunk_layers)")
     dp, tp = first.submesh
     return _pipeline_reason(shape.family, shape.num_layers, shape.name, (shape.heads, shape.kv_heads), pp=p, dp=dp,
                             tp=tp, zero=first.zero, recompute=first.recompute, chunks=chunks)

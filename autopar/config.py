@@ -118,6 +118,14 @@ class ParallelConfig:
         return policy(self.precision or default_policy(hardware), self.reduce_dtype)
 
     @property
+    def syncs_each_microbatch(self) -> bool:
+        """Whether this configuration's programs sync every microbatch's gradients to their
+        update shards (zero 2 over a dp axis): the rule the solver applies
+        (solver/forced.py `zero_2_syncs`, ILP `grads_each_microbatch`) and the build reads
+        for pipeline stages, where no solver runs (autopar/placing.py)."""
+        return self.zero == 2 and self.dp > 1
+
+    @property
     def num_devices(self) -> int:
         return self.dp * self.tp * self.pp
 

@@ -39,7 +39,7 @@ PLAN_VERSION = 4
 bubble fraction moved beside it (`Plan.bubble_fraction`); version-2 files are read by
 `_from_version_2`.
 4: pipelines carry each chunk's per-op placements (`stage_placements`), replayed at build;
-version-3 files (without them: each build solves the stages) load unchanged."""
+version-3 files (without them: each run solves the stages before its ranks build) load unchanged."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 GIB = 1024**3
 
@@ -352,7 +352,7 @@ class Plan(JsonData):
             raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
         if data.get("version") == 2:
             data = _from_version_2(data)
-        if data.get("version") == 3:  # version 4 added stage_placements (absent: each build solves the stages)
+        if data.get("version") == 3:  # version 4 added stage_placements (absent: each run solves the stages)
             data = dict(data, version=4)
         if "version" in data and data["version"] != PLAN_VERSION:
             raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
@@ -502,6 +502,100 @@ class Plan(JsonData):
                 lines.append(f"  {describe_config(a.config, a.stage_layers, self.global_batch)}: step "
                              f"{a.step_time_s:.4g} s ({rel:+.1%}), peak {a.peak_memory_bytes / GIB:.2f} GiB")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProgramPlacements(JsonData):
+    """What every rank builds its program from: one configuration's per-op placements,
+    decided once before any rank builds (autopar/placing.py: a plan's own, or the intra-op
+    ILP's for a configuration given by flags or `config=`), so a rank traces its step (or
+    its pipeline chunks) and applies them, and never solves. Plain data: it travels to
+    spawned ranks as JSON text (autopar/runtime/jobs.py TrainJob.placements).
+
+    pp = 1 uses `placements` (with `collectives` and `grads_each_microbatch`); pp > 1 uses
+    `stage_placements` (with `stage_layers`)."""
+
+    model: str
+    """The model's name as the plan or job gives it (for messages)."""
+    config: ParallelConfig
+    origin: str
+    """"plan": a saved or searched plan's placements; "solved": the ILP's for `config`."""
+    placements: tuple[OpPlacement, ...] = ()
+    """pp = 1: the per-op placements of the traced step at the microbatch that runs."""
+    collectives: tuple[tuple[str, str, int, int], ...] | None = None
+    """pp = 1: (kind, mesh axis name, calls per step, bytes per step) the placements were
+    priced at; None where unknown (a plan without `intra_op_info`)."""
+    grads_each_microbatch: bool = False
+    """pp = 1: the solution syncs every microbatch's gradients to their update shards
+    (ZeRO-2 as solver/forced.py solves it), so the step graph syncs them itself."""
+    fused_kernels: bool = False
+    """pp = 1: the placements were solved on the step traced with the fused-kernel modules
+    swapped in (codegen/kernels/modules.py), so the build swaps them in before it traces."""
+    stage_layers: tuple[int, ...] = ()
+    """pp > 1: the plan's layers per stage or chunk (empty: an even split)."""
+    stage_placements: tuple[StagePlacements, ...] = ()
+    """pp > 1: every chunk's per-op placements."""
+
+    def __post_init__(self) -> None:
+        if self.origin not in ("plan", "solved"):
+            raise PlanFileError(f"program placements origin {self.origin!r} must be 'plan' or 'solved'")
+        if self.config.pp == 1 and not self.placements:
+            raise PlanFileError(f"a one-stage program of {self.model!r} needs per-op placements; none were given")
+        if self.config.pp > 1:
+            chunks = [s.chunk for s in self.stage_placements]
+            want = list(range(self.config.pp * self.config.interleave))
+            if chunks != want:
+                raise PlanFileError(f"a pipeline program of {self.model!r} (pp {self.config.pp}, interleave "
+                                    f"{self.config.interleave}) needs placements for chunks {want}; got {chunks}")
+        _check_op_placements(self.placements, "placements")
+
+    def dumps(self) -> str:
+        """As JSON text (sorted keys): how a job sends it to its ranks."""
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    @classmethod
+    def loads(cls, text: str) -> "ProgramPlacements":
+        return decode(json.loads(text, parse_constant=_refuse_constant), cls, "placements")
+
+    @classmethod
+    def of_plan(cls, plan: "Plan", *, config: ParallelConfig | None = None,
+                grads_each_microbatch: bool = False) -> "ProgramPlacements":
+        """The program `plan` records, run under `config` (default the plan's own);
+        `grads_each_microbatch` as the field says (the wiring knows the solver's rule for
+        it, autopar/placing.py). PlanFileError where the plan
+        records none (a one-stage plan without `placements`, a pipeline without
+        `stage_placements`): such a plan is solved for its configuration first
+        (autopar/placing.py `program_placements`)."""
+        if plan.config.pp == 1 and not plan.placements or plan.config.pp > 1 and not plan.stage_placements:
+            raise PlanFileError(f"plan {plan.model!r} records no per-op placements for its program; solve its "
+                                "configuration first (autopar.placing.program_placements)")
+        info = plan.intra_op_info
+        return cls(model=plan.model, config=config or plan.config, origin="plan", placements=plan.placements,
+                   collectives=info.collectives if info is not None and plan.config.pp == 1 else None,
+                   grads_each_microbatch=grads_each_microbatch,
+                   stage_layers=tuple(plan.stage_layers) if plan.config.pp > 1 else (),
+                   stage_placements=plan.stage_placements)
+
+    def choices_for(self, graph: Any) -> tuple[Any, ...]:
+        """The per-op placements as one NodeStrategy per node of `graph` (the traced step at
+        the program's microbatch, any traced depth); PlanFileError where they do not match."""
+        return _match_placements(self.placements, graph, f"plan {self.model!r} does not match this model's "
+                                 "traced step" if self.origin == "plan" else
+                                 f"the placements solved for {self.model!r} do not match this rank's traced step")
+
+    def stage_choices_for(self, chunk: int, graph: Any) -> tuple[Any, ...]:
+        """Pipeline chunk `chunk`'s per-op placements as one NodeStrategy per node of `graph`
+        (that chunk's joint graph, autopar/build/pipeline.py `trace_stage`); PlanFileError where
+        they do not match."""
+        found = next(s for s in self.stage_placements if s.chunk == chunk)
+        return _match_placements(found.placements, graph,
+                                 f"plan {self.model!r} does not match this model's pipeline chunk {chunk}",
+                                 exact=True)
+
+    def stage_collectives(self, chunk: int) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(kind, mesh axis name): (calls, bytes)} per step that chunk `chunk`'s placements priced."""
+        found = next(s for s in self.stage_placements if s.chunk == chunk)
+        return {(kind, axis): (calls, nbytes) for kind, axis, calls, nbytes in found.collectives}
 
 
 def _check_op_placements(placements: Sequence[OpPlacement], where: str) -> None:
@@ -664,8 +758,9 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
 def _stage_placement_lines(plan: "Plan") -> list[str]:
     if not plan.stage_placements:
         return ["per-stage per-op placements: not in this plan (a file from before version 4, or a model the search "
-                "did not trace by chunks); every build solves each chunk's intra-op ILP under the configuration's "
-                "rules instead (same solver, so the same program; re-run `autopar search` to record them)"]
+                "did not trace by chunks); every run solves each chunk's intra-op ILP under the configuration's "
+                "rules before its ranks build (same solver, so the same program; re-run `autopar search` to record "
+                "them)"]
     lines = [f"per-stage per-op placements (the program each stage runs, replayed at build): "
              f"{len(plan.stage_placements)} chunks"]
     for s in plan.stage_placements:

@@ -6,7 +6,7 @@
 For every model (the zoo's GPT and Llama; Hugging Face GPT-2, Llama and DistilBERT built from
 configs, tests/hf_factories.py) and every cluster `cpu:N` (N in --worlds), the search
 (`autopar.api.search_plans`, what `autopar search` runs) returns its top plans;
-each plan trains --steps steps on N real gloo ranks (`autopar.runtime.jobs.train_worker`,
+each plan trains --steps steps on N real gloo ranks (`autopar.build.train_worker`,
 what `autopar train --plan` runs; all plans of one world in one set of ranks), and its
 losses are compared with the single-process reference (`reference_run`, rtol 1e-4), and the
 collectives its program ran with those its plan priced (price = run). The suite runs a
@@ -46,7 +46,7 @@ def _jobs_worker(rank: int, jobs: tuple[Any, ...]) -> list[Any]:
     """One set of ranks trains every job; a job that raises is reported, not fatal."""
     import torch.distributed as dist
 
-    from autopar.runtime.jobs import train_worker
+    from autopar.build import train_worker
 
     out = []
     for job in jobs:
@@ -82,7 +82,10 @@ def check_world(world: int, models: dict[str, str], top: int, steps: int) -> lis
                          "search_s": round(search_s, 2)})
             jobs.append(TrainJob(model=spec, configs=(plan.config,), plans=(plan.dumps(),), steps=steps,
                                  global_batch=GLOBAL_BATCH, stage_layers=(plan.stage_layers,)))
-    per_rank = spawn(_jobs_worker, world, (tuple(jobs),), timeout_s=3600.0)
+    from autopar.placing import place_job
+
+    # each searched plan's placements (read from it, or solved for it), decided before the ranks start
+    per_rank = spawn(_jobs_worker, world, (tuple(map(place_job, jobs)),), timeout_s=3600.0)
     references: dict[str, list[float]] = {}
     for row, job, j in zip(rows, jobs, range(len(jobs))):
         if job.model not in references:

@@ -7,7 +7,7 @@ well the calibrated cost model ranks the same configurations.
 For each configuration (4 processes: dp4, zero3 dp4, dp2xtp2, dp2xpp2, tp2xpp2, plus the
 plan `autopar search` finds for cpu:4 with the calibrated profile; 8 processes:
 dp2xtp2xpp2) the same spawned ranks run, on the same model, seed and global batch:
-  A  autopar's program (autopar.runtime.program.build_program with the ParallelConfig, as
+  A  autopar's program (autopar.build.build_program with the ParallelConfig's placements, as
      `autopar train` / `autopar.compile` build it), and
   H  the hand-tuned torchtitan-style baseline (benchmarks/baselines/handtuned.py),
 with every program of one world size built side by side and timed in rounds (one step of
@@ -169,8 +169,9 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
 
     import torch
 
+    from autopar.api import rank0_placements
+    from autopar.build import build_program
     from autopar.models import resolve
-    from autopar.runtime.program import build_program
     from benchmarks.baselines.handtuned import build
     from benchmarks.baselines.template_program import build_module_program
 
@@ -178,8 +179,10 @@ def _build(case: Case, which: str) -> tuple[Callable[[Any], float], list[Any]]:
     if which == "autopar":
         torch.manual_seed(0)
         example = source.example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
-        program = build_program(source.build(), case.config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                                stage_layers=case.stage_layers, example_inputs=example)
+        model = source.build()
+        placed = rank0_placements(model, case.config, example, stage_layers=case.stage_layers)
+        program = build_program(model, placed, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                                example_inputs=example)
         return program.step, list(getattr(program, "chunks", ()))
     if which == "template":  # the module-level rule-table program autopar ran before the per-op compiler
         torch.manual_seed(0)

@@ -38,7 +38,7 @@ Predicted: what the product ranks a configuration by (price = run), on `cpu:N`, 
 freshly calibrated profile (`autopar calibrate --devices 4 --out ...`; per dedicated core,
 so it prices 8 processes too) when given, and with the built-in `cpu` profile:
 - pp = 1: the per-op program's own price. The runtime solves the intra-op ILP for the
-  configuration (autopar/runtime/spmd.py `solve_config`, solver/forced.py rules) on the
+  configuration (autopar/placing.py `solve_config`, solver/forced.py rules) on the
   traced step at one global microbatch, and `autopar search` ranks one-stage candidates by
   that ILP's step time (solver/spmd_search.py `estimate`); the sweep prices the same
   solution (m x the ILP's per-microbatch cost + the optimizer step);
@@ -320,7 +320,7 @@ def predict_ilp(graph: Any, case: SweepCase, hardware: Any) -> float:
     (`price_solution`), not its own solve's: for dp x tp and tp4 a solve on the calibrated
     profile placed 0.3-31% of the nodes differently, a different program."""
     from autopar.cluster import HARDWARE, Cluster
-    from autopar.runtime.spmd import solve_config
+    from autopar.placing import solve_config
     from solver.forced import price_solution
     from solver.spmd_search import SpmdCandidate, estimate
 

@@ -171,7 +171,7 @@ def price_one_stage(cfg: ParallelConfig, cache: GridCache, cluster: Cluster, glo
     """A pp = 1 configuration priced as `autopar train --dp --tp --zero --recompute` runs it
     and as the search prices its one-stage candidates: the step traced under the recompute
     policy at the global microbatch dp x b, the intra-op ILP under the configuration's rules
-    (solver/forced.py, what runtime/spmd.solve_config solves, no memory row), assembled by
+    (solver/forced.py, what autopar/placing.py solve_config solves, no memory row), assembled by
     spmd_search.estimate (m microbatches + gradient accumulation + optimizer)."""
     g = cfg.dp * cfg.micro_batch
     zero = _layout_zero(cfg)

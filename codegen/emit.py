@@ -1,10 +1,9 @@
 """Readable per-stage sharded programs: trace one rank's stage step to Python source.
 
-Where it sits: codegen, behind `autopar search --emit DIR` (`emit_plan`): a one-stage
-plan's per-op placements applied to its traced step (`emit_per_op`), a pipeline plan's
-chunks as the runtime builds them (autopar/runtime/pipe_spmd.py `stage_sources`, handed in
-by the wiring), both on a `fake` process group (`fake_world`). The module-level
-`emit(model, config, example_inputs=...)` below is the template's program (the
+Where it sits: codegen, behind `autopar search --emit DIR` (autopar/build/emit.py
+`emit_plan`, which writes a plan's per-rank program with `write` on a `fake` process group,
+`fake_world`). The module-level `emit(model, config, example_inputs=...)` below is the
+template's program (the
 hand-written baseline, not what `autopar train` runs): it builds each pipeline chunk
 by the rule tables (codegen/stages.py, codegen/tp.py), then traces one microbatch of
 that chunk's forward + backward + data-parallel gradient sync with `make_fx` on fake
@@ -242,70 +241,6 @@ def count_collectives(source: str) -> dict[tuple[str, str], int]:
     return counts
 
 
-def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
-              stage_sources: Callable[..., dict[str, str]] | None = None) -> list[Path]:
-    """`autopar search --emit DIR`: write the per-rank program of a saved plan, as it runs.
-
-    pp = 1: the plan's per-op placements applied to the traced step (`emit_per_op`).
-    pp > 1: every chunk's per-rank forward/backward graphs, from
-    `stage_sources(plan, model, example_inputs, mesh)` (the runtime's builder,
-    autopar/runtime/pipe_spmd.py, handed in by the wiring: codegen does not import the
-    runtime), on a `fake` (dp, tp) world. The model is rebuilt from the plan's model
-    string with real weights (the pipeline cut runs one forward), so this is for models up
-    to `max_parameters`; the source of a large model's stage has the same shape as that of
-    a shallower spec."""
-    if getattr(plan, "placements", None):
-        return write(emit_per_op(plan), directory)
-    if plan.config.pp == 1:  # a one-stage plan without per-op placements: the template's module program
-        return write(_emit_module_plan(plan, max_parameters), directory)
-    if stage_sources is None:
-        raise ValueError("emitting a pipeline plan needs the runtime's stage builder: pass "
-                         "stage_sources=autopar.runtime.pipe_spmd.stage_sources (as `autopar search --emit` does)")
-    from autopar.models import resolve
-
-    source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
-    if source.config is None:
-        model, example = source.factory()
-    else:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode():
-            num_parameters = sum(p.numel() for p in source.build().parameters())
-        if num_parameters > max_parameters:
-            raise ValueError(
-                f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
-                f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
-                "to read the per-stage program, or call codegen.emit.emit_plan from Python on a machine with the "
-                "memory")
-        torch.manual_seed(0)
-        model, example = source.build(), source.example_inputs(plan.global_batch)
-    with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
-        sources = stage_sources(plan, model, example, mesh)
-    return write(sources, directory)
-
-
-def _emit_module_plan(plan: Any, max_parameters: float) -> dict[str, str]:
-    from autopar.models import resolve
-
-    source = resolve(plan.model).with_overrides(seq=plan.seq)
-    if source.config is None:
-        raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
-                         "call codegen.emit.emit(model, config, example_inputs=...) from Python")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        num_parameters = sum(p.numel() for p in source.build().parameters())
-    if num_parameters > max_parameters:
-        raise ValueError(
-            f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
-            f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
-            "to read the per-stage program, or call codegen.emit.emit from Python on a machine with the memory")
-    torch.manual_seed(0)
-    model = source.build()
-    return emit(model, plan.config, example_inputs=source.example_inputs(plan.config.micro_batch),
-                stage_layers=plan.stage_layers)
-
-
 @contextlib.contextmanager
 def fake_world(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[DeviceMesh]:
     """A DeviceMesh of `shape` on a `fake` process group, as its rank 0: programs are
@@ -323,32 +258,3 @@ def fake_world(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Devic
         _clear_dtensor_caches()
 
 
-def emit_per_op(plan: Any) -> dict[str, str]:
-    """The per-rank program of a one-stage plan, as rank 0 runs it: the model traced on
-    fake tensors at the plan's microbatch, the plan's per-op placements applied on a
-    `fake` process group of the plan's world (nothing runs, nothing is communicated)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autopar.cluster import Cluster
-    from autopar.models import resolve
-    from autopar.trace import trace_step
-    from codegen.apply import apply
-
-    source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
-    rows = plan.config.dp * plan.config.micro_batch
-    # traced in the plan's compute dtype (the search's): the node keys its placements are stored under hash it
-    policy = plan.config.policy(Cluster.parse(plan.cluster).hardware.name)
-    if source.config is None:
-        model, example = source.factory()
-        micro = [t[:rows] if isinstance(t, torch.Tensor) and t.dim() else t for t in example]
-    else:
-        with FakeTensorMode():  # built as the ranks build it; trace_step casts its parameters
-            model = source.build(layers=min(source.config.layers, 2))
-            micro = list(source.example_inputs(rows))
-    traced, graph = trace_step(model, micro, recompute=plan.config.recompute, precision=policy)
-    choices = plan.placements_for(graph)
-    with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
-        graphs = apply(traced.gm, graph, choices, mesh)
-    note = ("" if source.config is None or source.config.layers <= 2 else
-            f"# (the model's first 2 of {source.config.layers} layers: every further layer repeats the second's ops)\n")
-    return {"rank0": note + graphs.source}

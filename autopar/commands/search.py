@@ -63,12 +63,20 @@ def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | N
 
 
 def _emit(plan: Any, directory: str) -> None:
-    """Write the plan's per-rank program (codegen/emit.py `emit_plan`); a pipeline's chunks
-    are built by the runtime's stage builder, which this wiring hands to codegen."""
-    from autopar.runtime.pipe_spmd import stage_sources
-    from codegen.emit import emit_plan
+    """Write the plan's per-rank program (autopar/build/emit.py `emit_plan`); a pipeline's chunks
+    are built by the per-rank build's stage builder (autopar/build/pipeline.py), which this
+    wiring hands to codegen with the chunks' placements: the plan's, or, for a plan that
+    records none, solved for it here on its cluster (autopar/placing.py)."""
+    from autopar.build.pipeline import stage_sources
+    from autopar.cluster import Cluster
+    from autopar.placing import program_placements
+    from autopar.build.emit import emit_plan
 
-    emit_plan(plan, directory, stage_sources=stage_sources)
+    def sources(plan: Any, model: Any, example: Any, mesh: Any) -> dict[str, str]:
+        placed = program_placements(model, plan.config, example, plan=plan, cluster=Cluster.parse(plan.cluster))
+        return stage_sources(placed, model, example, mesh)
+
+    emit_plan(plan, directory, stage_sources=sources)
 
 
 def run(args: argparse.Namespace) -> int:

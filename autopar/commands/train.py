@@ -48,7 +48,8 @@ from autopar.batch import batch_size, seq_len, throughput_unit
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.preflight import check_job
-from autopar.runtime.jobs import RunResult, TrainJob, reference_run, step_line, train_worker
+from autopar.build import train_worker
+from autopar.runtime.jobs import RunResult, TrainJob, reference_run, step_line
 from autopar.runtime.launch import RankFailure, init_from_env, launched_by_torchrun, spawn
 
 LOSS_RTOL = 1e-4
@@ -205,24 +206,12 @@ def run(args: argparse.Namespace) -> int:
                                  stage_layers=stage_layers)
     if resume:
         _check_resume(args, model)
-    if plan is not None and config.pp == 1 and getattr(plan, "placements", None):
-        from autopar.runtime.spmd import check_plan_placements
-
-        check_plan_placements(model, config, example if source.factory is not None
-                              else source.example_inputs(global_batch), plan)
-    if plan is not None and config.pp > 1 and getattr(plan, "stage_placements", None):
-        from autopar.runtime.pipe_spmd import check_stage_placements
-
-        check_stage_placements(model, config, example if source.factory is not None
-                               else source.example_inputs(global_batch), plan)
-    if plan is None and config.pp == 1:
-        _check_placeable(args, model, config, example if source.factory is not None
-                         else source.example_inputs(global_batch), devices, global_batch)
-    found, updates = _random_ops(model, example if source.factory is not None
-                                 else source.example_inputs(global_batch)) if args.check else ({}, ())
+    example_inputs = example if source.factory is not None else source.example_inputs(global_batch)
+    placed = _placements(args, model, config, example_inputs, plan, stage_layers, devices, global_batch, torchrun)
+    found, updates = _random_ops(model, example_inputs) if args.check else ({}, ())
     job = TrainJob(model=args.model, configs=(config,), steps=args.steps, global_batch=global_batch, lr=args.lr,
                    seq=args.seq, stage_layers=(stage_layers,),
-                   plans=(plan.dumps() if plan is not None else None,),
+                   plans=(plan.dumps() if plan is not None else None,), placements=(placed.dumps(),),
                    checkpoint_dir=args.checkpoint_dir, save_every=args.save_every or 0, resume=resume,
                    deterministic_random=bool(found),
                    # buffers updated per forward: the reference runs the plan's microbatches
@@ -240,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if torchrun:
         import torch.distributed as dist
 
-        results = [train_worker(dist.get_rank(), job)]
+        results = [train_worker(dist.get_rank(), job)]  # the placements were decided above, by rank 0
         rank = dist.get_rank()
         dist.destroy_process_group()  # as spawned ranks do: no live group left for interpreter exit
         if rank != 0:
@@ -257,25 +246,63 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, job, config, num_microbatches, per_rank, ref_losses, found)
 
 
-def _check_placeable(args: argparse.Namespace, model: Any, config: ParallelConfig, example: Any, devices: int,
-                     global_batch: int) -> None:
-    """A configuration given by flags (or the default, dp over every device) must trace to
-    a training step and have a placement under its rules: found here, before any rank
-    starts (runtime/spmd.py check_config_placeable), not by every rank after spawn."""
-    from autopar.runtime.spmd import check_config_placeable
+def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, example: Any, plan: Any,
+                stage_layers: tuple[int, ...] | None, devices: int, global_batch: int, torchrun: bool) -> Any:
+    """The per-op placements every rank builds from, decided here, once, before any rank
+    builds (autopar/placing.py): a plan's own, checked against the model's trace (node keys
+    and ops, every pipeline chunk), else solved for the configuration (flags, or a plan that
+    records none) on the model traced as the ranks trace it. Under torchrun every rank runs
+    this command: rank 0 decides and sends the placements (or its error) to the others."""
+    from autopar.placing import program_placements
+    from autopar.plan import ProgramPlacements
     from autopar.sharding import InfeasiblePlanError
 
-    try:
-        check_config_placeable(model, config, example)
-    except InfeasiblePlanError as exc:
-        given = [f"--{f.replace('_', '-')}" for f in _CONFIG_FLAGS if getattr(args, f, None) is not None]
-        origin = (f"given by {' '.join(given)}" if given else f"the default for --devices {devices}: data parallel "
-                  "over every device")
-        reason = str(exc).split(". Drop the configuration flags")[0]
-        raise ValueError(
-            f"the configuration dp={config.dp} tp={config.tp} ({origin}) cannot run {args.model}: {reason}. Let the "
-            f"search place it: autopar search {args.model} --cluster cpu:{devices} --global-batch {global_batch} "
-            f"--out plan.json, then autopar train {args.model} --devices {devices} --plan plan.json") from None
+    def decide() -> ProgramPlacements:
+        device_type = "cuda" if torchrun and torch.cuda.is_available() else "cpu"  # the ranks' mesh device
+        try:
+            # under torchrun rank 0 solves in a forked child (one stage), so it trains without
+            # the solver's allocations, as the other ranks do
+            placed = program_placements(model, config, example, model_name=args.model, plan=plan,
+                                        stage_layers=stage_layers, device_type=device_type,
+                                        in_child=torchrun and config.pp == 1)
+        except InfeasiblePlanError as exc:
+            given = [f"--{f.replace('_', '-')}" for f in _CONFIG_FLAGS if getattr(args, f, None) is not None]
+            origin = (f"plan {args.plan}" if plan is not None else f"given by {' '.join(given)}" if given
+                      else f"the default for --devices {devices}: data parallel over every device")
+            reason = str(exc).split(". Drop the configuration flags")[0]
+            raise ValueError(
+                f"the configuration dp={config.dp} tp={config.tp}{f' pp={config.pp}' if config.pp > 1 else ''} "
+                f"({origin}) cannot run {args.model}: "
+                f"{reason}. Let the search place it: autopar search {args.model} --cluster cpu:{devices} "
+                f"--global-batch {global_batch} --out plan.json, then autopar train {args.model} --devices {devices} "
+                "--plan plan.json") from None
+        if placed.origin == "plan":  # what every rank would find when it builds, found once here
+            if config.pp == 1:
+                from autopar.build.one_stage import check_plan_placements
+
+                check_plan_placements(model, placed, example)
+            else:
+                from autopar.build.chunks import check_stage_placements
+
+                check_stage_placements(model, placed, example)
+        return placed
+
+    if not torchrun:
+        return decide()
+    import torch.distributed as dist
+
+    from autopar.runtime.launch import gather_build_results
+
+    mine: Any = None
+    if dist.get_rank() == 0:
+        try:
+            mine = decide().dumps()
+        except ValueError as exc:
+            mine = exc
+    got = gather_build_results(mine)[0]  # the other ranks wait out the solve, however long
+    if isinstance(got, Exception):
+        raise got
+    return ProgramPlacements.loads(got)
 
 
 def _random_ops(model: Any, example_inputs: Any) -> tuple[dict[str, int], tuple[str, ...]]:

@@ -1,8 +1,11 @@
 """Training jobs on synthetic data, and the single-process reference they are checked against.
 
 Where it sits: runtime, used by `autopar train` and the dist tests. A `TrainJob` is plain
-data (picklable, sent to spawned ranks); `train_worker(rank, job)` runs every config of the
-job in turn inside one process group (ranks start once, several configs run), and
+data (picklable, sent to spawned ranks) that carries, per configuration, the per-op
+placements its ranks build from (decided before they start: autopar/placing.py
+`place_job`); `run_job(rank, job, build=...)` runs every config of the job in turn inside
+one process group (ranks start once, several configs run; autopar.build.train_worker is
+the spawn target, which passes the per-rank build), and
 `reference_run(job)` trains the same model on one process with the same seed, data and
 optimizer: the oracle of every numerics check.
 
@@ -22,7 +25,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,8 +35,8 @@ from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.determinism import deterministic_random
 from autopar.models import resolve
-from autopar.plan import Plan, module_fingerprint
-from autopar.runtime.program import build_program
+from autopar.plan import module_fingerprint
+from autopar.plan import ProgramPlacements
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,8 +52,12 @@ class TrainJob:
     stage_layers: tuple[tuple[int, ...] | None, ...] = ()
     """Per config: the plan's layers per pipeline chunk, or None for an even split."""
     plans: tuple[str | None, ...] = ()
-    """Per config: a saved plan's JSON text (its per-op placements run), or None to solve
-    the configuration's placements."""
+    """Per config: a saved plan's JSON text (its per-op placements run), or None: the
+    configuration's placements are solved (before spawn, `placements`)."""
+    placements: tuple[str, ...] = ()
+    """Per config: the ProgramPlacements every rank builds from (autopar/plan.py, as JSON
+    text), decided before the ranks start (autopar/placing.py `place_job`, from `plans` or
+    solved for the configuration); ranks refuse a job without them."""
     return_parameters: bool = False
     """Return unsharded parameters (from the ranks with dp = tp = 0) for comparisons."""
     checkpoint_dir: str | None = None
@@ -273,18 +280,25 @@ def step_line(step: int, loss: float, reference: float | None, rate: float, unit
     return f"step {step}: loss {loss:.6f}{ref}   {rate:,.0f} {unit}"
 
 
-def train_worker(rank: int, job: TrainJob) -> list[RunResult]:
-    """Run on every rank of an initialised process group; one RunResult per config."""
+def run_job(rank: int, job: TrainJob, *, build: Callable[..., Any]) -> list[RunResult]:
+    """Run on every rank of an initialised process group; one RunResult per config.
+    `build(model, placements, example_inputs=..., optimizer=...)` makes the rank's program
+    (autopar/build `build_program`; autopar.build.train_worker is the spawn target that
+    passes it): the runtime trains, checkpoints and measures what it is handed."""
+    if len(job.placements) != len(job.configs):
+        raise ValueError(f"the job has {len(job.configs)} configurations but placements for {len(job.placements)}; "
+                         "decide them before spawning its ranks (autopar.placing.place_job(job))")
     results = []
     for i, config in enumerate(job.configs):
         memory = PeakMemory()
         model, batches, _ = build_model_and_batches(job)
         fingerprint = module_fingerprint(model)
-        stage_layers = job.stage_layers[i] if i < len(job.stage_layers) else None
-        plan = Plan.loads(job.plans[i]) if i < len(job.plans) and job.plans[i] else None
-        program = build_program(model, config, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
-                                stage_layers=stage_layers,
-                                example_inputs=batches[0], plan=plan)
+        placed = ProgramPlacements.loads(job.placements[i])
+        if placed.config != config:
+            raise ValueError(f"the job's placements {i} are for {placed.config}, not its configuration {config}; "
+                             "decide them again (autopar.placing.place_job(job))")
+        program = build(model, placed, optimizer=functools.partial(torch.optim.AdamW, lr=job.lr),
+                        example_inputs=batches[0])
         done = 0
         if job.resume and job.checkpoint_dir and checkpoint.latest(job.checkpoint_dir) is not None:
             done = checkpoint.load(program, job.checkpoint_dir, model_fingerprint=fingerprint).step

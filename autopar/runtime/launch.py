@@ -44,9 +44,9 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 """Long enough for a first step with lazy DTensor init on 8 ranks sharing 2 cores."""
 
 BUILD_EXCHANGE_TIMEOUT_S = 1800.0
-"""How long ranks wait for work one rank does alone while the program is built (the ILP
-solve on rank 0): minutes for a large model on a loaded machine, so not the collective
-timeout, which is sized for steps."""
+"""How long ranks wait for work one rank does alone before the program is built (the plan
+search or the ILP solve on rank 0 of ranks `autopar.compile` runs in): minutes for a large
+model on a loaded machine, so not the collective timeout, which is sized for steps."""
 
 
 class RankFailure(RuntimeError):
@@ -144,9 +144,11 @@ def gather_build_results(value: Any, *, timeout_s: float = BUILD_EXCHANGE_TIMEOU
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn.functional", "autopar.runtime.launch",
            "autopar.runtime.jobs", "autopar.runtime.program", "autopar.runtime.spmd", "autopar.runtime.pipe_spmd",
-           "codegen.apply", "torch._functorch.aot_autograd"]
+           "autopar.build", "autopar.build.one_stage", "autopar.build.pipeline", "codegen.apply",
+           "torch._functorch.aot_autograd"]
 """What the forkserver imports once, before it forks ranks (module docstring): torch (2.4 s
-per process here), the runtime every training rank imports (0.8 s more), and what tracing
+per process here), the runtime and the per-rank build every training rank imports (0.8 s
+more), and what tracing
 the step imports on first use (`aot_export_joint_with_descriptors`: torch._functorch.aot_autograd,
 which brings dynamo, inductor's config and caches, networkx, triton's Python package; 1.0-1.4
 s per process on a shared 2-core machine), which every rank paid again after

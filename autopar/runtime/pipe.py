@@ -1,16 +1,15 @@
-"""Cutting any model with a repeated layer stack into pipeline chunks at the layers' boundaries.
+"""What a pipeline cut needs of the runtime: routing, renaming, relays and tied-weight groups.
 
-Where it sits: runtime, read by autopar/runtime/pipe_spmd.py (which compiles each chunk by
-the per-op path and runs the chunks with torch's schedules). On every rank:
-1. find the repeated layer stack (the model's largest ModuleList / Sequential / numbered
-   ModuleDict: the container autopar/trace.py groups layers by) and cut it into
-   pp * interleave chunks (the plan's `stage_layers` or an even split, codegen/stages.py);
-2. capture one microbatch of the training step (model + loss, or a model whose forward
-   returns the loss) with `torch.distributed.pipelining.pipeline`, whose split points are
-   the first layer of every chunk but the first: chunk 0 holds everything before its last
-   layer's successor (embeddings, masks, position ids), the last chunk everything after
-   its first layer (final norm, head, loss). Parameter names inside each stage module are
-   the unsplit model's, so checkpoints and comparisons need no renaming.
+Where it sits: runtime. The cut itself (autopar/build/chunks.py `split_model`) finds the
+model's repeated layer stack (the model's largest ModuleList / Sequential / numbered
+ModuleDict: the container autopar/trace.py groups layers by), cuts it into pp * interleave
+chunks (the plan's `stage_layers` or an even split) and captures one microbatch of the
+training step with `torch.distributed.pipelining.pipeline` through `routed` (model +
+loss, or a model whose forward returns the loss), whose split points are the first layer
+of every chunk but the first: chunk 0 holds everything before its last layer's successor
+(embeddings, masks, position ids), the last chunk everything after its first layer
+(final norm, head, loss). Parameter names inside each stage module are the unsplit
+model's (`_canonicalize`), so checkpoints and comparisons need no renaming.
 
 Model inputs reach later stages through the first: every tensor input is copied at the
 top of the traced step, so the copy is made in chunk 0 and sent on like an activation
@@ -26,7 +25,7 @@ their gradients are summed (Megatron's embedding group).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,59 +63,6 @@ def routed(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> nn.
     out = copy.copy(model)  # shares _modules/_parameters: the same tensors under the same names
     out.__class__ = routed_cls
     return out
-
-
-def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
-                stage_layers: tuple[int, ...] | None = None,
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> tuple[Any, str, tuple[range, ...]]:
-    """Cut `model`'s training step into `num_chunks` pipeline stages at its repeated layers.
-
-    Returns (torch Pipe, layer container path, layer range per chunk). Raises ValueError
-    when the model has no repeated layer stack or too few layers."""
-    from unittest import mock
-
-    import torch.distributed.pipelining._IR as pipelining_ir
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    from autopar.capabilities import layer_stack, split_layers
-    from autopar.trace import _hf_compiling_patch, _sdpa_backends
-
-    prefix, num_layers = layer_stack(model)
-    if num_layers < 2:
-        raise ValueError(
-            f"--pp needs a model with a repeated layer stack (an nn.ModuleList of blocks) to cut into stages; "
-            f"{type(model).__name__} has none. Use --pp 1")
-    ranges = split_layers(num_layers, num_chunks, stage_layers)
-    split_spec = {f"{prefix}.{r.start}": SplitPoint.BEGINNING for r in ranges[1:]}
-    # Stage modules stay flat ATen graphs whose parameters keep their dotted names: torch
-    # rebuilds each stage's module hierarchy from the export's module stacks
-    # (`_outline_submodules`), which mis-scopes Hugging Face Llama's rotary embedding (its
-    # call reads a value made in the parent's scope; the rebuilt stage fails to run).
-    module_paths = [name for name, _ in model.named_modules() if name]
-
-    def flat_stage(graph: Any) -> nn.Module:
-        stage = graph.owning_module
-        for path in module_paths:  # empty containers: torch then places every parameter a stage
-            parent = stage         # reads (under any of its tied names) at its dotted name
-            for atom in path.split("."):
-                if not hasattr(parent, atom):
-                    parent.add_module(atom, nn.Module())
-                parent = getattr(parent, atom)
-        return stage
-
-    with _hf_compiling_patch(model), torch.nn.attention.sdpa_kernel(_sdpa_backends()), \
-            mock.patch.object(pipelining_ir, "_outline_submodules", flat_stage):
-        pipe = pipeline(routed(model, loss_fn), mb_args=tuple(microbatch), split_spec=split_spec)
-    if pipe.num_stages != num_chunks:
-        raise ValueError(f"cutting {type(model).__name__} at layers {[r.start for r in ranges[1:]]} of {prefix} "
-                         f"gave {pipe.num_stages} stages, not {num_chunks} (a layer is called out of order?)")
-    canonical = _canonical_names(model)
-    for index in range(pipe.num_stages):
-        _canonicalize(pipe.get_stage_module(index), canonical)
-    relays = relay_skips(pipe)
-    log.info("cut %s at layers %s of %s: %d stages, %d values relayed past a stage", type(model).__name__,
-             [r.start for r in ranges[1:]], prefix, pipe.num_stages, relays)
-    return pipe, prefix, ranges
 
 
 def relay_skips(pipe: Any) -> int:

@@ -1,10 +1,11 @@
-"""Run one parallel configuration on torch.distributed: the per-rank training program.
+"""Run one parallel configuration on torch.distributed: what every per-rank program shares.
 
-Where it sits: the last stage of the flow (DESIGN.md). `build_program(model, config, ...)`
-runs on every rank of an initialised process group (torchrun or autopar's spawner, see
-autopar/runtime/launch.py) and returns the rank's program, whose `step(batch)` trains once:
-- pp = 1: the per-op program (autopar/runtime/spmd.py): the plan's (or the ILP's)
-  placements applied to the traced training step;
+Where it sits: the last stage of the flow (DESIGN.md). The per-rank build
+(autopar/build/ `build_program`, on every rank of an initialised process group: torchrun
+or autopar's spawner, autopar/runtime/launch.py) returns the rank's program, whose
+`step(batch)` trains once:
+- pp = 1: the per-op program (autopar/runtime/spmd.py): the per-rank graphs of the
+  traced training step with its per-op placements applied;
 - pp > 1: the model cut at its repeated layers, every stage a per-op program on its
   (dp, tp) submesh, run by torch.distributed.pipelining's schedules
   (autopar/runtime/pipe_spmd.py).
@@ -170,58 +171,3 @@ def _default_group_timeout() -> Any:
     return backend.options._timeout
 
 
-def build_program(model: nn.Module, config: ParallelConfig, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-                  optimizer: OptimizerFactory | None = None, stage_layers: tuple[int, ...] | None = None,
-                  mesh: DeviceMesh | None = None,
-                  fused_kernels: bool | None = None, example_inputs: Sequence[Any] | None = None,
-                  plan: Any = None, cluster: Any = None) -> Any:
-    """Shard `model` (built identically on every rank) as `config` (or `plan`) says; collective.
-
-    pp = 1: the per-op program (autopar/runtime/spmd.py): the plan's per-op placements, or
-    the ILP's for `config`, applied to the traced graph of one global microbatch of
-    `example_inputs` (needed). pp > 1: the model cut at its repeated layers, every stage a
-    per-op program on its (dp, tp) submesh (autopar/runtime/pipe_spmd.py). The module-level
-    builder (`build_module_program`, family rule tables) is not on this path: it lives in
-    benchmarks/baselines/template_program.py as a baseline.
-
-    `fused_kernels` (default: on where CUDA is present and the program is not compiled)
-    swaps the zoo's norms and MLP activations for the fused Triton ops of codegen/kernels
-    before sharding; parameter names and values are unchanged, so plans and checkpoints do
-    not notice. Not with tp > 1 (the fused ops have no DTensor sharding rules yet). A
-    compiled program (`config.compiled`) leaves them out by default: Inductor fuses the
-    same chains as fast (one H100, benchmarks/results/gpu_h100.md: GPU busy time within 3%
-    for RMSNorm, SwiGLU and bias+GeLU, and cross-entropy 2.1x faster compiled).
-
-    `config.compiled`: every per-rank graph runs through Inductor (codegen/inductor.py),
-    compiled at its first call (`program.compile_times()` says how long each took)."""
-    if config.pp == 1:
-        from autopar.runtime.spmd import build_spmd_program
-
-        plan = plan if plan is not None and getattr(plan, "placements", None) else None
-        if (fused_kernels if fused_kernels is not None else torch.cuda.is_available() and not config.compiled) \
-                and plan is None:
-            # (a saved plan's placements name the nodes of the step it was searched on,
-            # unfused: it runs as searched)
-            # traced with the fused modules in: their ops (and backward ops) are in the
-            # joint graph, sharded by their own DTensor rules (codegen/kernels/sharding.py)
-            from codegen.kernels.modules import swap_fused_modules
-
-            model = swap_fused_modules(model)
-        if example_inputs is None:
-            raise ValueError("a pp = 1 program is compiled from the traced training step: pass example_inputs= "
-                             "(one global batch)")
-        return build_spmd_program(model, config, example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer(),
-                                  plan=plan, cluster=cluster)
-    # pp > 1, any model with a repeated layer stack (the zoo's included): stages cut at its
-    # layers, each compiled by the per-op path on its (dp, tp) submesh (autopar/runtime/pipe_spmd.py)
-    from autopar.capabilities import pipeline_support
-    from autopar.runtime.pipe_spmd import build_pipe_spmd_program
-
-    reason = pipeline_support(model, config)
-    if reason is not None:
-        raise ValueError(reason)
-    if example_inputs is None:
-        raise ValueError("a pipeline is cut from the traced training step: pass example_inputs= (one global batch)")
-    return build_pipe_spmd_program(model, config, example_inputs, loss_fn=loss_fn,
-                                   optimizer=optimizer or default_optimizer(), stage_layers=stage_layers, mesh=mesh,
-                                   cluster=cluster, plan=plan)

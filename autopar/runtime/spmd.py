@@ -1,20 +1,15 @@
-"""Run the per-op (SPMD) program of a plan: the ILP's placements, applied to the traced graph.
+"""Run the per-op (SPMD) program of a one-stage plan: the per-rank graphs its placements applied.
 
-Where it sits: runtime, behind `autopar.runtime.program.build_program` for plans without pipeline
-stages (pp = 1). On every rank of an initialised process group:
-1. trace the model's training step (forward + backward + loss) on fake tensors at the
-   global microbatch the plan runs (dp * micro_batch sequences), and lower it;
-2. take each op's placements from the plan (matched by node key, autopar/plan.py), or
-   solve the intra-op ILP for a configuration given by flags (rank 0 solves, in a
-   short-lived child process, and every rank receives the choice: one solve, identical
-   programs);
-3. apply them (codegen/apply.py): the per-rank graph of ATen ops and collectives;
-4. hold the parameters as DTensors in their chosen weight-update placements (in the
-   model's own modules, so `named_parameters()`, checkpoints and `full_tensor()` see
-   them) and step them with a stock `torch.optim` optimizer. Where a parameter's update
-   placement differs from its compute placement (weight-update sharding: ZeRO-1/2), the
-   program also holds its compute copy, gathered from the update shard once per step
-   after the optimizer step (the `param_gather` graph), which every microbatch reads.
+Where it sits: runtime, for programs without pipeline stages (pp = 1). The per-rank build
+(autopar/build/one_stage.py) traces the model's training step at the global microbatch,
+applies the per-op placements every rank was given (codegen/apply.py) and hands the
+per-rank graphs here, with the parameters already DTensors in their weight-update
+placements (`distribute_parameters`: in the model's own modules, so `named_parameters()`,
+checkpoints and `full_tensor()` see them). `SpmdProgram` steps them with a stock
+`torch.optim` optimizer. Where a parameter's update placement differs from its compute
+placement (weight-update sharding: ZeRO-1/2), the program also holds its compute copy,
+gathered from the update shard once per step after the optimizer step (the `param_gather`
+graph), which every microbatch reads.
 
 A step: the global batch is cut into m microbatches of dp * micro_batch rows; for each,
 this rank's input shards are taken per the plan's input placements, the per-rank graph
@@ -32,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import resource
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -46,8 +40,8 @@ from autopar.batch import batch_size, rows as batch_rows, tensors as tensor_leav
 from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
-from autopar.placement import Partial, Placements, Replicate, Shard
-from autopar.sharding import InfeasiblePlanError, NodeStrategy
+from autopar.placement import Partial, Placements, Shard
+from autopar.sharding import NodeStrategy
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +89,15 @@ def owned(t: torch.Tensor) -> torch.Tensor:
 
 
 class SpmdProgram:
-    """One rank's share of a per-op plan. Build with `build_spmd_program`."""
+    """One rank's share of a per-op plan. Built by autopar/build/one_stage.py `build_spmd_program`."""
 
     def __init__(self, *, config: ParallelConfig, mesh: DeviceMesh, model: nn.Module, graphs: Any,
                  graph: Graph, optimizer_factory: OptimizerFactory, choices: Sequence[NodeStrategy],
                  params: dict[str, nn.Parameter], priced: dict[tuple[str, str], tuple[int, int]] | None = None,
-                 grads_at_update: bool = False) -> None:
+                 grads_at_update: bool = False, collective_counts: "CollectiveCounts" = ()) -> None:
         self.config = config
+        self.collective_counts = collective_counts
+        """The collectives of the graphs this program runs, counted by the build."""
         self.grads_at_update = grads_at_update
         """ZeRO-2: every microbatch syncs its gradients and the shards accumulate (as priced)."""
         self.priced = priced
@@ -348,26 +344,35 @@ class SpmdProgram:
     def collectives_per_step(self, num_microbatches: int) -> dict[tuple[str, str], tuple[int, int]]:
         """The collectives this rank's program runs per step, from its graphs: {(kind, mesh
         axis name): (calls, bytes)}, the step graph m times, the gradient sync and the
-        gather of updated weights once."""
-        from codegen.apply import count_collectives
+        gather of updated weights once (`collective_counts`, counted by the build)."""
+        return collectives_by_axis(self.collective_counts, num_microbatches, self.mesh)
 
-        from torch.distributed.distributed_c10d import _resolve_process_group
 
-        # by member ranks: DTensor may reuse an equal earlier mesh's groups (its caches key
-        # meshes by value), so group names alone need not be this mesh's
-        axis_of = {tuple(dist.get_process_group_ranks(self.mesh.get_group(i))): name
-                   for i, name in enumerate(self.mesh.mesh_dim_names)}
-        out: dict[tuple[str, str], list[int]] = {}
-        for gm, times in ((self.graphs.step, num_microbatches), (self.graphs.grad_sync, 1),
-                          (self.graphs.param_gather, 1)):
-            if gm is None:  # gradients synced in the step (compiled for one microbatch)
-                continue
-            for (kind, group), sizes in count_collectives(gm).items():
-                ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
-                entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
-                entry[0] += times * len(sizes)
-                entry[1] += times * sum(sizes)
-        return {k: (v[0], v[1]) for k, v in out.items()}
+CollectiveCounts = tuple[tuple[bool, dict[tuple[str, str], list[int]]], ...]
+"""The collectives of a program's graphs as the build counted them (codegen/apply.py
+`count_collectives`, before `release_build_memory`): per graph, (whether it runs once per
+microbatch, {(kind, process group name): [bytes per call, ...]})."""
+
+
+def collectives_by_axis(counted: CollectiveCounts, num_microbatches: int, mesh: DeviceMesh
+                        ) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(kind, mesh axis name): (calls, bytes)} per step of `counted` on `mesh`: a graph run
+    per microbatch `num_microbatches` times, the others once. Groups are told apart by
+    their member ranks: DTensor may reuse an equal earlier mesh's groups (its caches key
+    meshes by value), so group names alone need not be this mesh's."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    axis_of = {tuple(dist.get_process_group_ranks(mesh.get_group(i))): name
+               for i, name in enumerate(mesh.mesh_dim_names)}
+    out: dict[tuple[str, str], list[int]] = {}
+    for per_microbatch, counts in counted:
+        times = num_microbatches if per_microbatch else 1
+        for (kind, group), sizes in counts.items():
+            ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group)))
+            entry = out.setdefault((kind, axis_of[ranks]), [0, 0])
+            entry[0] += times * len(sizes)
+            entry[1] += times * sum(sizes)
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def gathered_weights(graphs: Any, params: dict[str, nn.Parameter],
@@ -487,87 +492,6 @@ def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> De
     return init_mesh((config.dp, config.tp), ("dp", "tp"), device_type)
 
 
-def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
-    """The ILP's solution for a configuration given by flags (solver/forced.py rules)."""
-    from solver.forced import solve_one_stage
-
-    return solve_one_stage(graph, config, cluster, num_microbatches=num_microbatches)
-
-
-def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:
-    """`solve_config` in a forked child process (where the platform forks): its solution,
-    or the error it raised (InfeasiblePlanError / ValueError, or a RuntimeError saying the
-    child failed), returned (not raised) for the caller to send to every rank.
-
-    Why a child: the solve's own allocations (PuLP's model objects, HiGHS's native
-    buffers, the allocator arenas they grow) stayed resident in rank 0 after the solve,
-    and rank 0 alone solves, so it ran every step about 9-13 MiB above the other ranks on
-    the benchmark Llama, and the per-rank peak
-    is the max over ranks. A forked child shares the traced graph copy-on-write and gives
-    everything back when it exits; only the solution (about 100 KB pickled) comes back.
-    Where fork is unavailable (or the child cannot start) the solve runs in this process."""
-    import multiprocessing
-
-    def solve() -> Any:
-        try:
-            return solve_config(graph, config, cluster, num_microbatches=num_microbatches)
-        except (InfeasiblePlanError, ValueError) as exc:
-            return exc
-
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return solve()
-    ctx = multiprocessing.get_context("fork")
-    reader, writer = ctx.Pipe(duplex=False)
-
-    def child() -> None:
-        torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive fork
-        try:
-            out = solve()
-        except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
-            out = RuntimeError(f"the ILP solve failed in its child process: {type(exc).__name__}: {exc}")
-        try:
-            writer.send(out)
-        except Exception as exc:  # noqa: BLE001 (an unpicklable exception)
-            writer.send(RuntimeError(f"the ILP solve failed in its child process: {out!r} ({exc})"))
-        writer.close()
-
-    proc = ctx.Process(target=child, name="autopar-ilp-solve")
-    try:
-        proc.start()
-    except (AssertionError, OSError):  # e.g. a daemonic process may not have children
-        reader.close()
-        writer.close()
-        return solve()
-    writer.close()
-    try:
-        out = reader.recv()
-    except EOFError:
-        out = RuntimeError(f"the ILP solve's child process ended without a result (exit code {proc.exitcode})")
-    finally:
-        reader.close()
-        proc.join()
-    return out  # an exception too: the caller sends it to every rank, which all raise it
-
-
-def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:
-    """What a solution prices per step: {(kind, axis name): (calls, bytes)} (per-microbatch
-    edges m times, the bucketed gradient sync once (ZeRO-2's syncs are per-microbatch
-    edges); a traced layer counts `weight` times)."""
-    out: dict[tuple[str, str], list[float]] = {}
-    for c in solution.collectives:
-        times = c.weight * (1 if c.gradient_sync else num_microbatches)
-        entry = out.setdefault((c.kind, axis_names[c.axis]), [0.0, 0.0])
-        entry[0] += times
-        entry[1] += times * c.bytes
-    return {k: (int(round(v[0])), int(round(v[1]))) for k, v in out.items()}
-
-
-def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
-    by_node = {c.node: c for c in solution.choices}
-    return tuple(NodeStrategy(outputs=by_node[i].outputs, inputs=by_node[i].inputs, update=by_node[i].update)
-                 for i in range(len(graph)))
-
-
 def make_optimizer(factory: OptimizerFactory, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """`factory(params)`, with the fused implementation (else the multi-tensor one) where the
     factory is a torch.optim class, or a partial of one, that takes `fused` / `foreach` and
@@ -603,108 +527,3 @@ def _dtensor_fused(cls: type) -> bool:
                for o in (getattr(op, name) for name in op.overloads()))
 
 
-def check_plan_placements(model: nn.Module, config: ParallelConfig, example: Sequence[Any], plan: Any, *,
-                          loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
-    """Raise PlanFileError where `plan`'s per-op placements do not match `model`'s traced step
-    at the plan's microbatch (node keys and ops): what every rank would find when it builds,
-    found once, with no process group, before any rank starts (the launcher calls this)."""
-    import copy
-
-    from autopar.trace import trace_step
-
-    rows = config.dp * config.micro_batch
-    size = batch_size(example)
-    micro = batch_rows(example, 0, rows, size)
-    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute,
-                          precision=run_policy(config))
-    plan.placements_for(graph)
-
-
-def check_config_placeable(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
-                           loss_fn: Callable[..., torch.Tensor] | None = None, cluster: Any = None) -> Any:
-    """Trace `model`'s step at the configuration's microbatch and solve the configuration's
-    ILP, as rank 0 does when it builds (no process group): raises TraceError (the step is
-    not a training step: no scalar loss, ...) or InfeasiblePlanError (no placement obeys
-    the configuration's rules) once, before any rank starts. Returns the traced Graph."""
-    import copy
-
-    from autopar.trace import trace_step
-
-    rows = config.dp * config.micro_batch
-    size = batch_size(example)
-    micro = batch_rows(example, 0, rows, size)
-    _, graph = trace_step(copy.deepcopy(model), micro, loss_fn=loss_fn, recompute=config.recompute,
-                          precision=run_policy(config))
-    if cluster is None:
-        from autopar.cluster import Cluster
-
-        cluster = Cluster.parse(f"cpu:1x{config.num_devices}")
-    solve_config(graph, config, cluster, num_microbatches=max(1, size // rows))
-    return graph
-
-
-def build_spmd_program(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
-                       loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
-                       mesh: DeviceMesh | None = None, choices: Sequence[NodeStrategy] | None = None,
-                       plan: Any = None, cluster: Any = None) -> SpmdProgram:
-    """Compile `model` for this rank under `config` (pp = 1); collective.
-
-    `example` is one global batch (its first dp * micro_batch rows are traced).
-    Placements come from `choices`, else from `plan` (a saved plan's per-op placements,
-    matched to this trace by node key), else the ILP solves `config` on rank 0 for
-    `cluster` and every rank receives the solution."""
-    from codegen.apply import apply
-
-    if config.pp != 1:
-        raise ValueError("build_spmd_program runs pp = 1 plans; pipelines use autopar.runtime.program.build_program")
-    rows = config.dp * config.micro_batch
-    size = batch_size(example)
-    micro = batch_rows(example, 0, rows, size)
-    mesh = mesh if mesh is not None else make_spmd_mesh(config)
-    from autopar.trace import trace_step
-
-    precision = run_policy(config, mesh.device_type)
-    masters = master_weights(model, precision)  # before the model is cast to the compute dtype
-    traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute, precision=precision)
-    graph = replace(graph, compiled=config.compiled)  # priced as it runs (cost_model/table.py compiled_scale)
-    num_microbatches = max(1, size // rows)
-    priced = None
-    if choices is None and plan is not None:
-        choices = plan.placements_for(graph)
-        if plan.intra_op_info is not None:
-            priced = {(kind, axis): (calls, nbytes) for kind, axis, calls, nbytes in plan.intra_op_info.collectives}
-    zero2 = False
-    if choices is None:
-        if cluster is None:
-            from autopar.cluster import Cluster
-
-            cluster = Cluster.parse(f"cpu:1x{dist.get_world_size()}")
-        from autopar.runtime.launch import gather_build_results
-
-        mine = _solve_in_child(graph, config, cluster, num_microbatches) if dist.get_rank() == 0 else None
-        solution = gather_build_results(mine)[0]  # the other ranks wait out the solve, however long
-        if isinstance(solution, Exception):
-            raise solution
-        choices = solution_choices(graph, solution)
-        priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
-        zero2 = solution.grads_each_microbatch
-    # one microbatch: nothing to accumulate, so the step reduces each gradient bucket as soon
-    # as its last gradient is computed (raw gradients freed during the backward).
-    # ZeRO-2 (a solution that syncs the gradients every microbatch: forced.solve_one_stage
-    # for zero 2) syncs in the step whatever the microbatches: each microbatch's gradients
-    # are reduce-scattered as the backward leaves them and the shards accumulate
-    sync_in_step = num_microbatches == 1 or zero2
-    params = distribute_parameters(model, graph, choices, mesh, masters)
-    del masters
-    graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step, compiled=config.compiled)
-    del traced
-    log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
-             dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),
-             sum(1 for n in graphs.step.graph.nodes if str(n.target).startswith("_c10d_functional.")
-                 and "wait" not in str(n.target)))
-    program = SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph,
-                          optimizer_factory=optimizer, choices=choices, params=params, priced=priced,
-                          grads_at_update=zero2)
-    # after the whole parameters were replaced by their shards
-    release_build_memory(graphs.step, graphs.grad_sync, graphs.param_gather)
-    return program

@@ -2,7 +2,7 @@
 
 Where it sits: benchmarks/baselines/, a baseline only (DESIGN.md: no per-family rule table on the
 execution path). `autopar train`, `autopar.compile` and every plan run the per-op program
-(autopar/runtime/program.py `build_program`); benchmarks/measure_cpu.py measures it
+(autopar/build `build_program`); benchmarks/measure_cpu.py measures it
 against this template and the hand-tuned one (benchmarks/baselines/handtuned.py).
 
 `build_module_program(model, config, ...)` shards a zoo model (GPT, Llama) by the family

@@ -178,7 +178,7 @@ def ilp_reshard_s(spec: str, case: Any) -> float:
     per-microbatch reshard cost (gradient syncs weighted 1/m), built-in profile."""
     from benchmarks import sweep_cpu as sc
     from autopar.cluster import Cluster
-    from autopar.runtime.spmd import solve_config
+    from autopar.placing import solve_config
     from solver.spmd_search import SpmdCandidate, estimate
 
     config = case.config

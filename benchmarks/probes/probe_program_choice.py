@@ -51,8 +51,9 @@ def ilp_prices(spec: str, case: Any, other: Any) -> list[dict[str, Any]]:
 
     from autopar.cluster import HARDWARE
     from autopar.models import resolve
-    from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
-    from autopar.runtime.spmd import solution_choices, solve_config
+    from autopar.build.chunks import trace_chunks
+    from autopar.placing import solve_stage
+    from autopar.placing import solution_choices, solve_config
     from solver.forced import price_solution
 
     cfg, world = case.config, case.world

@@ -1,15 +1,16 @@
 """What a compiled program holds once built: its shards, nothing of the build.
 
 World 2, the zoo Llama, built by `autopar.compile` with a configuration (no search) as
-a pipeline (pp 2, 1F1B over 4 microbatches: each rank solves its own chunk's ILP, so
-both are solving ranks) and as one stage (dp 2 ZeRO-3). After the build and two steps:
+a pipeline (pp 2, 1F1B over 4 microbatches: rank 0 solves both chunks' ILPs before the
+build, autopar/placing.py, in its own process) and as one stage (dp 2 ZeRO-3, solved by
+rank 0 in a forked child). After the build and two steps:
 - no unsharded weight outlives the caller's model (`Compiled` drops its build closure,
   which held the model; the one-stage program shards the model's own modules in place);
 - no tensor carries an autograd graph between steps (the pipeline build's traced forward
   of the whole model on one microbatch kept every activation of it until the step);
-- no frame of the build is alive (PuLP's import-time exceptions held the whole stack of
-  the first solve, so a solving rank kept the build's locals: the model, the split
-  pipeline);
+- no frame of the build or of the solve before it is alive (PuLP's import-time exceptions
+  held the whole stack of the first solve, so a solving rank kept the build's locals: the
+  model, the split pipeline);
 - torch's split `Pipe` is gone.
 Each of these held about one copy of the weights, or every activation of the model,
 per rank on the benchmark Llama (benchmarks/measure_torchtitan.py)."""
@@ -50,7 +51,8 @@ def _held(config: ParallelConfig) -> dict:
     objects = gc.get_objects()
     graphs = [tuple(o.shape) for o in objects if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     frames = [o.f_code.co_name for o in objects if isinstance(o, types.FrameType)
-              and o.f_code.co_name in ("build_program", "build_pipe_spmd_program", "build_spmd_program")]
+              and o.f_code.co_name in ("build_program", "build_pipe_spmd_program", "build_spmd_program",
+                                       "program_placements", "solve_stage_placements", "rank0_placements")]
     pipes = [o for o in objects if type(o).__name__ == "Pipe"]
     return {"whole_weights": sum(w() is not None for w in weights), "graph_tensors": graphs, "build_frames": frames,
             "pipes": len(pipes), "losses": losses}

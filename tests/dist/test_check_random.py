@@ -21,7 +21,7 @@ import pytest
 from autopar import cli
 from autopar.commands import train as train_command
 from autopar.commands.train import EXIT_CHECK_MISMATCH
-from autopar.runtime.jobs import train_worker
+from autopar.build import train_worker
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers", reason="transformers not installed (extra 'test')")

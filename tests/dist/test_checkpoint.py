@@ -24,7 +24,8 @@ import autopar
 from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.program import build_program
+from autopar.build import build_program
+from autopar.plan import ProgramPlacements
 from autopar.runtime.launch import RankFailure, spawn
 
 pytestmark = pytest.mark.dist
@@ -43,9 +44,18 @@ def _batches() -> list[tuple[torch.Tensor, ...]]:
             for k in range(STEPS)]
 
 
-def _program(config: ParallelConfig, seed: int = 0):
+def _placed(model: str, batch: tuple[torch.Tensor, ...], *configs: ParallelConfig) -> dict[ParallelConfig, str]:
+    """Each configuration's placements, solved here before the ranks start (as `autopar
+    train` does), as the JSON text the ranks build from."""
+    from autopar.placing import program_placements
+
+    return {c: program_placements(resolve(model).build(), c, batch).dumps() for c in configs}
+
+
+def _program(config: ParallelConfig, placed: dict, seed: int = 0):
     torch.manual_seed(seed)
-    return build_program(resolve(MODEL).build(), config, example_inputs=_batches()[0],
+    return build_program(resolve(MODEL).build(), ProgramPlacements.loads(placed[config]),
+                         example_inputs=_batches()[0],
                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
 
 
@@ -54,9 +64,10 @@ LLAMA_SAVED = ParallelConfig(pp=2, dp=2, zero=3, schedule="interleaved", interle
 LLAMA_LOADED = ParallelConfig(tp=2, dp=2, zero=2)
 
 
-def _llama(config: ParallelConfig, seed: int):
+def _llama(config: ParallelConfig, placed: dict, seed: int):
     torch.manual_seed(seed)
-    return build_program(resolve(LLAMA).build(), config, example_inputs=_llama_batches()[0],
+    return build_program(resolve(LLAMA).build(), ProgramPlacements.loads(placed[config]),
+                         example_inputs=_llama_batches()[0],
                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
 
 
@@ -64,14 +75,14 @@ def _llama_batches() -> list[tuple[torch.Tensor, ...]]:
     return [resolve(LLAMA).example_inputs(GLOBAL_BATCH, generator=torch.Generator().manual_seed(k)) for k in range(3)]
 
 
-def _run_a(rank: int, ckpt: str, out: str) -> None:
-    llama = _llama(LLAMA_SAVED, 0)  # interleaved pipeline chunks, FSDP2 over dp
+def _run_a(rank: int, ckpt: str, out: str, placed: dict) -> None:
+    llama = _llama(LLAMA_SAVED, placed, 0)  # interleaved pipeline chunks, FSDP2 over dp
     losses = [llama.step(b) for b in _llama_batches()[:2]]
     checkpoint.save(llama, ckpt + "-llama", step=2)
     state = checkpoint.full_state(llama)  # this rank's stage only: every rank keeps its own
     losses.append(llama.step(_llama_batches()[2]))
     torch.save({"losses": losses, "state": state}, f"{out}-llama-{rank}")
-    program = _program(SAVED)
+    program = _program(SAVED, placed)
     batches = _batches()
     losses = [program.step(b) for b in batches[:SAVE_AT]]
     checkpoint.save(program, ckpt, step=SAVE_AT, samples_seen=SAVE_AT * GLOBAL_BATCH, model=MODEL)
@@ -90,7 +101,7 @@ def _run_a(rank: int, ckpt: str, out: str) -> None:
     checkpoint.save(program, ckpt, step=STEPS, samples_seen=STEPS * GLOBAL_BATCH, model=MODEL)
 
 
-def _run_b(rank: int, ckpt: str) -> list[dict]:
+def _run_b(rank: int, ckpt: str, placed: dict) -> list[dict]:
     batches = _batches()
     results = []
     for config in (SAVED, *OTHER_PLANS):
@@ -100,13 +111,13 @@ def _run_b(rank: int, ckpt: str) -> list[dict]:
                                        optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
             program, info = compiled.program, compiled.load_checkpoint(ckpt)
         else:
-            program = _program(config, seed=123)  # another init: the checkpoint must overwrite all of it
+            program = _program(config, placed, seed=123)  # another init: the checkpoint must overwrite all of it
             info = checkpoint.load(program, ckpt)
         state = checkpoint.full_state(program)
         losses = [program.step(b) for b in batches[info.step:]]
         results.append({"config": config, "step": info.step, "steps_done": program.steps_done,
                         "state": state, "losses": losses})
-    llama = _llama(LLAMA_LOADED, 5)
+    llama = _llama(LLAMA_LOADED, placed, 5)
     checkpoint.load(llama, ckpt + "-llama")
     results.append({"config": LLAMA_LOADED, "state": checkpoint.full_state(llama),
                     "losses": [llama.step(_llama_batches()[2])]})
@@ -115,8 +126,10 @@ def _run_b(rank: int, ckpt: str) -> list[dict]:
 
 def test_resume_reshard_and_crash_safety(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "run_a.pt"
+    placed = {**_placed(MODEL, _batches()[0], SAVED, *OTHER_PLANS[1:]),
+              **_placed(LLAMA, _llama_batches()[0], LLAMA_SAVED, LLAMA_LOADED)}
     with pytest.raises(RankFailure) as failure:
-        spawn(_run_a, 4, (str(ckpt), str(out)), collective_timeout_s=60.0)
+        spawn(_run_a, 4, (str(ckpt), str(out), placed), collective_timeout_s=60.0)
     assert failure.value.rank == 1 and "exit code 9" in str(failure.value)
     # the killed save left a half-written .tmp, never taken for a checkpoint
     assert (ckpt / "step_000006.tmp").is_dir() and not (ckpt / "step_000006.tmp" / "autopar.json").exists()
@@ -126,7 +139,7 @@ def test_resume_reshard_and_crash_safety(tmp_path):
     assert info.samples_seen == SAVE_AT * GLOBAL_BATCH and info.config == SAVED.to_json()
 
     run_a = torch.load(out)
-    results = spawn(_run_b, 4, (str(ckpt),))
+    results = spawn(_run_b, 4, (str(ckpt), placed))
     llama_saved = [torch.load(f"{out}-llama-{r}") for r in range(4)]
     _check_llama(llama_saved, [per_rank.pop() for per_rank in results])
     saved_state = run_a["state"]

@@ -22,7 +22,8 @@ from torch import nn
 from autopar import cli
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.program import build_program
+from autopar.build import build_program
+from autopar.plan import ProgramPlacements
 from autopar.runtime.launch import RankFailure, spawn
 
 pytestmark = pytest.mark.dist
@@ -68,11 +69,17 @@ def test_train_cli_rank_killed_mid_step(tmp_path, monkeypatch, capsys):
 GPT = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
 
 
-def _hang_in_step_2(rank: int, stamp: str) -> None:
-    source = resolve(GPT)
+HUNG_CONFIG = ParallelConfig(pp=2, dp=2, schedule="gpipe")
+
+
+def _hung_batch() -> tuple[torch.Tensor, ...]:
+    return resolve(GPT).example_inputs(4, generator=torch.Generator().manual_seed(1))
+
+
+def _hang_in_step_2(rank: int, stamp: str, placed: str) -> None:
     torch.manual_seed(0)
-    batch = source.example_inputs(4, generator=torch.Generator().manual_seed(1))
-    program = build_program(source.build(), ParallelConfig(pp=2, dp=2, schedule="gpipe"), example_inputs=batch)
+    batch = _hung_batch()
+    program = build_program(resolve(GPT).build(), ProgramPlacements.loads(placed), example_inputs=batch)
     program.step(batch)
     if rank == 1:
         with open(stamp, "w") as f:
@@ -82,9 +89,12 @@ def _hang_in_step_2(rank: int, stamp: str) -> None:
 
 
 def test_hung_rank_is_named_and_peers_time_out(tmp_path):
+    from autopar.placing import program_placements
+
     stamp = tmp_path / "hung_at"
+    placed = program_placements(resolve(GPT).build(), HUNG_CONFIG, _hung_batch()).dumps()  # before the ranks, as train
     with pytest.raises(RankFailure) as info:
-        spawn(_hang_in_step_2, 4, (str(stamp),), collective_timeout_s=5.0, grace_s=5.0)
+        spawn(_hang_in_step_2, 4, (str(stamp), placed), collective_timeout_s=5.0, grace_s=5.0)
     elapsed = time.time() - float(stamp.read_text())
     assert info.value.rank == 1, str(info.value)
     assert "rank 1 hung" in str(info.value) and "gave up" in str(info.value)

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -39,7 +41,7 @@ def runs(tmp_path_factory):
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
     try:
-        per_rank = spawn(train_worker, 2, (job,))
+        per_rank = spawn(train_worker, 2, (place_job(job),))
     finally:
         if before is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR")

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -48,7 +50,7 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
 def runs():
     jobs = tuple(TrainJob(model=model, configs=tuple(CONFIGS.values()), steps=STEPS, global_batch=8)
                  for model in MODELS.values())
-    results = spawn(_jobs_worker, 4, (jobs,))
+    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
     return {name: ([results[r][j] for r in range(4)], reference_run(job)[0], reference_run(job, "fp32")[0])
             for j, (name, job) in enumerate(zip(MODELS, jobs))}
 
@@ -96,20 +98,23 @@ def test_master_weights_are_fp32_and_compute_copies_bf16():
     """One rank (a process group of one, dp1 x tp1): the parameters the optimizer steps are
     float32, every compute copy the step graph reads is bfloat16, and the step graph was
     compiled for bfloat16 weights (its parameter inputs)."""
-    results = spawn(_one_rank_dtypes, 1, ())
+    job = TrainJob(model=MODELS["zoo-llama"], configs=(C(precision="bf16-mixed"),), steps=1, global_batch=2)
+    results = spawn(_one_rank_dtypes, 1, (place_job(job),))
     params, copies, step_dtypes = results[0]
     assert params and set(params) == {"torch.float32"}
     assert copies and set(copies) == {"torch.bfloat16"}
     assert step_dtypes == {"torch.bfloat16"}
 
 
-def _one_rank_dtypes(rank: int) -> tuple[list[str], list[str], set[str]]:
+def _one_rank_dtypes(rank: int, job: TrainJob) -> tuple[list[str], list[str], set[str]]:
+    from autopar.build import build_program
+    from autopar.plan import ProgramPlacements
     from autopar.runtime.jobs import build_model_and_batches
-    from autopar.runtime.program import build_program, default_optimizer
+    from autopar.runtime.program import default_optimizer
 
-    job = TrainJob(model=MODELS["zoo-llama"], configs=(C(precision="bf16-mixed"),), steps=1, global_batch=2)
     model, batches, _ = build_model_and_batches(job)
-    program = build_program(model, job.configs[0], optimizer=default_optimizer(), example_inputs=batches[0])
+    program = build_program(model, ProgramPlacements.loads(job.placements[0]), optimizer=default_optimizer(),
+                            example_inputs=batches[0])
     program.step(batches[0])
     params = [str(p.dtype) for _, p in program.named_parameters()]
     copies = [str(program.compute_weight(name).dtype) for name, _ in program.named_parameters()]

@@ -37,7 +37,9 @@ import torch
 
 from autopar import cli
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -86,7 +88,7 @@ def trained():
     for name, (model, config) in FORCED.items():
         jobs[name] = _job(model, config)
     names = list(jobs)
-    results = spawn(_worker, 4, (tuple(jobs[n] for n in names),))
+    results = spawn(_worker, 4, (tuple(place_job(jobs[n]) for n in names),))
     return {n: (jobs[n], [results[r][k] for r in range(4)]) for k, n in enumerate(names)}
 
 

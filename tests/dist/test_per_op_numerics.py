@@ -20,7 +20,9 @@ import torch
 from autopar.api import search_plans
 from autopar.config import ParallelConfig as C
 from autopar.plan import Plan
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -94,7 +96,7 @@ def runs():
                              steps=3, global_batch=BATCH, return_parameters=True))
     jobs.append(TrainJob(model=BIG_VOCAB, configs=(budget.config,), plans=(budget.dumps(),), steps=3,
                          global_batch=BATCH, return_parameters=True))
-    results = spawn(_jobs_worker, 4, (tuple(jobs),))
+    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
     out = {name: ([results[r][j] for r in range(4)], reference_run(job))
            for j, (name, job) in enumerate(zip(MODELS, jobs))}
     out["budget"] = ([results[r][-1] for r in range(4)], reference_run(jobs[-1]), budget, free)

@@ -21,7 +21,9 @@ import torch
 
 from autopar import cli
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -43,7 +45,7 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
 @pytest.fixture(scope="module")
 def world4():
     jobs = (TrainJob(model=GPT2_4, configs=tuple(CONFIGS.values()), steps=2, return_parameters=True),)
-    results = spawn(_jobs_worker, 4, (jobs,))
+    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
     return [[results[r][j] for r in range(4)] for j in range(len(jobs))], [reference_run(job) for job in jobs]
 
 

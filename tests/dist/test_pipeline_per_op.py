@@ -1,7 +1,7 @@
 """Per-op pipeline stages on real gloo ranks: the ILP's placements inside every stage.
 
-World 4. Every pipeline here goes through `autopar.runtime.program.build_program` (pp > 1:
-autopar/runtime/pipe_spmd.py): the model is cut at its repeated layers and each stage compiled
+World 4. Every pipeline here goes through `autopar.build.build_program` (pp > 1:
+autopar/build/pipeline.py): the model is cut at its repeated layers and each stage compiled
 by the per-op path on its (dp, tp) submesh. Hugging Face GPT-2 with tp 2 inside the
 stages (which the rule tables never ran), the zoo's Llama with pp2 x tp2 and pp2 x dp2
 (ZeRO layout, full recompute: recomputed ops in the stages' backward graphs), and GPT-2 on
@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -87,7 +89,7 @@ def runs(pp2_plan):
     plan = _replicated_chunk0(Plan.load(pp2_plan))
     jobs += (TrainJob(model=ZOO_LLAMA, configs=(plan.config,), steps=3, global_batch=BATCH, return_parameters=True,
                       stage_layers=(plan.stage_layers,), plans=(plan.dumps(),)),)
-    results = spawn(_jobs_worker, 4, (jobs,))
+    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
     return {name: ([results[r][j][0] for r in range(4)], reference_run(job))
             for j, (name, job) in enumerate(zip((*CASES, REPLAYED), jobs))}
 

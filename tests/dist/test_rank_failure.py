@@ -16,7 +16,8 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.program import build_program
+from autopar.build import build_program
+from autopar.plan import ProgramPlacements
 from autopar.runtime.launch import RankFailure, spawn
 
 pytestmark = pytest.mark.dist
@@ -24,12 +25,22 @@ pytestmark = pytest.mark.dist
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
 
 
-def _fail_mid_step(rank: int, failing_rank: int, how: str, stamp: str) -> float:
+def _batch(world: int) -> tuple[torch.Tensor, ...]:
+    return resolve(MODEL).example_inputs(world, generator=torch.Generator().manual_seed(1))
+
+
+def _placed(world: int) -> str:
+    """dp over `world` ranks, its placements solved before the ranks start (as `autopar train` does)."""
+    from autopar.placing import program_placements
+
+    return program_placements(resolve(MODEL).build(), ParallelConfig(dp=world), _batch(world)).dumps()
+
+
+def _fail_mid_step(rank: int, failing_rank: int, how: str, stamp: str, placed: str) -> float:
     source = resolve(MODEL)
     torch.manual_seed(0)
-    world = torch.distributed.get_world_size()
-    batch = source.example_inputs(world, generator=torch.Generator().manual_seed(1))
-    program = build_program(source.build(), ParallelConfig(dp=world), example_inputs=batch)
+    batch = _batch(torch.distributed.get_world_size())
+    program = build_program(source.build(), ProgramPlacements.loads(placed), example_inputs=batch)
     loss = program.step(batch)  # a healthy step first: the process group works
     if rank == failing_rank:
         with open(stamp, "w") as f:  # when the failure happens (start-up time excluded)
@@ -45,7 +56,7 @@ def _fail_mid_step(rank: int, failing_rank: int, how: str, stamp: str) -> float:
 def test_parent_stops_every_rank(how, world, tmp_path):
     stamp = tmp_path / "failed_at"
     with pytest.raises(RankFailure) as info:
-        spawn(_fail_mid_step, world, (1, how, str(stamp)), collective_timeout_s=120.0, grace_s=2.0)
+        spawn(_fail_mid_step, world, (1, how, str(stamp), _placed(world)), collective_timeout_s=120.0, grace_s=2.0)
     elapsed = time.time() - float(stamp.read_text())
     assert info.value.rank == 1
     expected = "injected failure" if how == "raise" else "exit code 7"
@@ -57,7 +68,7 @@ def test_parent_stops_every_rank(how, world, tmp_path):
 def test_gloo_timeout_releases_survivors(tmp_path):
     stamp = tmp_path / "failed_at"
     with pytest.raises(RankFailure) as info:
-        spawn(_fail_mid_step, 2, (1, "raise", str(stamp)), collective_timeout_s=4.0, grace_s=120.0)
+        spawn(_fail_mid_step, 2, (1, "raise", str(stamp), _placed(2)), collective_timeout_s=4.0, grace_s=120.0)
     elapsed = time.time() - float(stamp.read_text())
     assert info.value.rank == 1
     # the parent waited for the survivor (grace 120 s): it ended by its own 4 s gloo timeout

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -99,7 +101,7 @@ KIND = {GPT: "gpt", LLAMA: "llama", HF: "hf-llama"}
 def world4():
     jobs = tuple(TrainJob(model=m, configs=tuple(WORLD4[n] for n in NAMES[m]), steps=3, global_batch=8,
                           return_parameters=True) for m in NAMES)
-    results = spawn(_jobs_worker, 4, (jobs,))
+    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
     return {job.model: ([results[r][j] for r in range(4)], reference_run(job)) for j, job in enumerate(jobs)}
 
 
@@ -129,7 +131,7 @@ def test_3d_on_8_ranks_matches_reference():
     run on every rank."""
     jobs = tuple(TrainJob(model=m, configs=(c,), stage_layers=(layers,), steps=3, global_batch=4,
                           return_parameters=True) for m, (c, layers) in WORLD8.items())
-    results = spawn(_jobs_worker, 8, (jobs,))
+    results = spawn(_jobs_worker, 8, (tuple(map(place_job, jobs)),))
     for j, job in enumerate(jobs):
         ref_losses, ref_params = reference_run(job)
         _check([results[r][j][0] for r in range(8)], ref_losses, ref_params)

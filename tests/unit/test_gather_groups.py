@@ -40,7 +40,7 @@ def test_share_of_one_latency():
 
 
 def test_zero3_plan_prices_one_gather_per_layer_and_phase():
-    from autopar.runtime.spmd import priced_per_step, solve_config
+    from autopar.placing import priced_per_step, solve_config
 
     source = resolve("llama-tiny")
     graph = trace_model(source, batch=4, dtype="float32", layers_traced=source.config.layers)

@@ -696,7 +696,7 @@ def test_zero_2_syncs_every_microbatch_into_zero_1_layout() -> None:
     with sharded weights."""
     from autopar.config import ParallelConfig
     from autopar.models import resolve
-    from autopar.runtime.spmd import priced_per_step
+    from autopar.placing import priced_per_step
     from autopar.sharding import raw_gradient_bytes
     from autopar.trace import trace_model
     from solver.forced import solve_one_stage

@@ -12,7 +12,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.placement import Partial
-from autopar.runtime.spmd import solve_config
+from autopar.placing import solve_config
 from autopar.trace import trace_step
 from cost_model.collectives import LOSS_BYTES
 from solver.spmd_search import SpmdCandidate, estimate

@@ -13,7 +13,7 @@ import cost_model
 from autopar.cluster import HARDWARE, Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.spmd import solve_config
+from autopar.placing import solve_config
 from autopar.trace import trace_model
 from solver.spmd_search import SpmdCandidate, _local_parameter_tensors, _local_parameters, estimate
 from solver.stage_costs import split_solution

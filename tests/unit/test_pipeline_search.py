@@ -138,15 +138,16 @@ def test_stage_ilps_are_memoised(searched, monkeypatch):
 def test_a_stage_is_priced_by_the_solve_its_chunks_run():
     """Price = run for pipeline stages: the search's stage ILP (the whole traced step on the
     stage's (dp, tp) submesh) performs, per step, the collectives the runtime's chunk ILPs
-    perform together (autopar/runtime/pipe_spmd.py solve_stage on each chunk as a rank
+    perform together (autopar/placing.py solve_stage on each chunk, as a run
     traces it): the same kinds on the same axes, and the bytes each axis moves, and each
     kind that carries a tenth of them, within 10% (the chunks' boundaries add a few small
     collectives; the chunks sync their gradients in buckets of their own, so calls differ)."""
     import torch
 
     from autopar.config import ParallelConfig
-    from autopar.runtime.pipe_spmd import solve_stage, trace_chunks
-    from autopar.runtime.spmd import priced_per_step
+    from autopar.build.chunks import trace_chunks
+    from autopar.placing import solve_stage
+    from autopar.placing import priced_per_step
 
     spec = "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32"
     source = resolve(spec)

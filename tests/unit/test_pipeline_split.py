@@ -1,6 +1,6 @@
 """Cutting any model with a repeated layer stack into pipeline stages (no process group).
 
-autopar/runtime/pipe.py `split_model` cuts the traced step at the layers; run one after the
+autopar/build/chunks.py `split_model` cuts the traced step at the layers; run one after the
 other in one process, the stages give the unsplit model's loss, each stage reads only
 values its predecessor sends (skip values relayed), and parameter names are the unsplit
 model's. `autopar.capabilities.pipeline_support` says which pipelines run, with reasons.
@@ -16,7 +16,8 @@ import torch
 from autopar.capabilities import layer_stack, pipeline_support
 from autopar.config import ParallelConfig as C
 from autopar.models import resolve
-from autopar.runtime.pipe import _canonical_names, split_model
+from autopar.build.chunks import split_model
+from autopar.runtime.pipe import _canonical_names
 from tests import factories, hf_factories
 
 

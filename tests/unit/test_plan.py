@@ -239,14 +239,14 @@ def test_stage_placements_round_trip_validate_and_explain() -> None:
 
 
 def test_version_3_pipeline_plan_loads_and_says_the_build_solves() -> None:
-    """A version-3 pipeline plan (no stage placements) loads; explain says each build solves."""
+    """A version-3 pipeline plan (no stage placements) loads; explain says each run solves the chunks."""
     old = _plan().to_json()
     old.pop("stage_placements")
     old["version"] = 3
     loaded = Plan.loads(json.dumps(old))
     assert loaded == _plan() and loaded.stage_placements == ()
     assert "per-stage per-op placements: not in this plan" in loaded.explain()
-    assert "every build solves each chunk's intra-op ILP" in loaded.explain()
+    assert "every run solves each chunk's intra-op ILP" in loaded.explain()
 
 
 def test_stage_placements_for_matches_the_chunk_graph_or_says_why() -> None:

@@ -15,7 +15,7 @@ import torch
 from autopar.cluster import HARDWARE, Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.spmd import solve_config
+from autopar.placing import solve_config
 from solver.forced import price_solution
 from autopar.trace import trace_step
 

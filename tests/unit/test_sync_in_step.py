@@ -20,7 +20,7 @@ from autopar.buckets import gradient_bucket_key
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.runtime.spmd import priced_per_step, solution_choices, solve_config
+from autopar.placing import priced_per_step, solution_choices, solve_config
 from autopar.trace import trace_step
 from codegen.apply import apply, count_collectives
 from codegen.emit import _clear_dtensor_caches

@@ -1,0 +1,244 @@
+"""Per-op placements decided once, before any rank builds: a plan's, or the ILP's for a configuration.
+
+Where it sits: wiring (with autopar/api.py and autopar/commands/, which call it), between
+the solver and the per-rank build (autopar/build/). Every rank of a job builds its program
+from a `ProgramPlacements` (autopar/plan.py) and never solves; this module makes it:
+- from a plan that records its program (a one-stage plan's `placements`, a pipeline's
+  `stage_placements`), read as it is;
+- else for the configuration (given by flags, `config=`, or a plan that records no
+  placements): the model traced exactly as every rank traces it (autopar/build/one_stage.py
+  `trace_microbatch`, autopar/build/chunks.py `trace_chunks`) and the intra-op ILP solved
+  under the configuration's rules (solver/forced.py): the whole step for pp = 1, each
+  pipeline chunk on its (dp, tp) submesh for pp > 1, with the chunk's boundary values in
+  the one layout both neighbours agree on (split by batch over dp where dim 0 is the
+  microbatch's rows, whole over tp).
+The launcher (`autopar train`) calls it before spawning ranks (`place_job`); the API
+(`autopar.compile` with `config=`, or a searched plan without stage placements) on rank 0,
+which sends the result to every rank. The solution's placements are recorded per node key
+(Graph.node_keys: every layer of a repeated group has the same one), so each rank's own
+trace of the same model matches them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from autopar.batch import batch_size
+from autopar.config import ParallelConfig
+from autopar.ir import Graph
+from autopar.placement import Placements, boundary_placements
+from autopar.plan import ProgramPlacements, StagePlacements
+from autopar.sharding import InfeasiblePlanError, NodeStrategy
+
+log = logging.getLogger(__name__)
+
+
+def program_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
+                       model_name: str = "", plan: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                       cluster: Any = None, stage_layers: Sequence[int] | None = None, device_type: str = "cpu",
+                       fused_kernels: bool | None = None, in_child: bool = False) -> ProgramPlacements:
+    """What every rank of a run of `config` (or `plan`) builds from. `model` is left as it
+    is (a copy is traced); `example_inputs` is one global batch.
+
+    `plan`: its own placements where it records them; else solved for its configuration.
+    `cluster`: the hardware the ILP prices (default `config.num_devices` cpu devices; a
+    pipeline chunk is priced on its stage's share of it). `stage_layers`: a pipeline's
+    layers per stage or chunk (default the plan's, else an even split). `device_type`: the
+    ranks' device ("cpu" for gloo ranks), whose default precision policy applies where
+    `config` names none. `fused_kernels` (pp = 1, solved; default on where CUDA is present
+    and the program is not compiled): solve on the step traced with the fused Triton ops of
+    codegen/kernels swapped in, which the build then swaps in too (a plan's placements name
+    the ops of the step it was searched on, unfused: it runs as searched). `in_child`
+    (pp = 1): solve in a forked child process (`_solve_in_child`: a rank that solves for
+    the others gives the solver's memory back). Raises InfeasiblePlanError where no
+    placement obeys the configuration's rules, TraceError where the step does not trace."""
+    name = model_name or getattr(plan, "model", "") or type(model).__name__
+    if plan is not None and (plan.placements if config.pp == 1 else plan.stage_placements):
+        return ProgramPlacements.of_plan(plan, config=config,
+                                         grads_each_microbatch=config.pp > 1 and config.syncs_each_microbatch)
+    if stage_layers is None and plan is not None and config.pp > 1:
+        stage_layers = tuple(plan.stage_layers)
+    rows = config.dp * config.micro_batch
+    num_microbatches = max(1, batch_size(example_inputs) // rows)
+    if config.pp > 1:
+        stages = solve_stage_placements(copy.deepcopy(model), config, example_inputs, cluster=cluster,
+                                        num_microbatches=num_microbatches, stage_layers=stage_layers,
+                                        loss_fn=loss_fn)
+        return ProgramPlacements(model=name, config=config, origin="solved", stage_layers=tuple(stage_layers or ()),
+                                 stage_placements=stages, grads_each_microbatch=config.syncs_each_microbatch)
+    from autopar.build.one_stage import trace_microbatch
+    from solver.spmd_search import op_placements
+
+    if fused_kernels is None:
+        fused_kernels = torch.cuda.is_available() and not config.compiled
+    traced_model = copy.deepcopy(model)
+    if fused_kernels:
+        from codegen.kernels.modules import swap_fused_modules
+
+        traced_model = swap_fused_modules(traced_model)
+    _, graph = trace_microbatch(traced_model, config, example_inputs, loss_fn=loss_fn, device_type=device_type)
+    del traced_model
+    if cluster is None:
+        from autopar.cluster import Cluster
+
+        cluster = Cluster.parse(f"cpu:1x{config.num_devices}")
+    if in_child:
+        solution = _solve_in_child(graph, config, cluster, num_microbatches)
+        if isinstance(solution, Exception):
+            raise solution
+    else:
+        solution = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+    priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
+    log.info("%s: placements solved for %s", name, config)
+    return ProgramPlacements(model=name, config=config, origin="solved", placements=op_placements(graph, solution),
+                             collectives=_rows(priced), grads_each_microbatch=solution.grads_each_microbatch,
+                             fused_kernels=fused_kernels)
+
+
+def _rows(priced: dict[tuple[str, str], tuple[int, int]]) -> tuple[tuple[str, str, int, int], ...]:
+    return tuple(sorted((kind, axis, calls, nbytes) for (kind, axis), (calls, nbytes) in priced.items()))
+
+
+def solve_stage_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
+                           cluster: Any, num_microbatches: int, stage_layers: Sequence[int] | None = None,
+                           loss_fn: Callable[..., torch.Tensor] | None = None) -> tuple[StagePlacements, ...]:
+    """Every pipeline chunk's per-op placements under `config`'s rules: the chunks traced as
+    each rank traces its own (autopar/build/chunks.py `trace_chunks`; `model` is cut in
+    place), each solved by the stage ILP (`solve_stage`) on `cluster`, with what it prices
+    per step. Raises what the cut (ValueError) or a solve (InfeasiblePlanError) raises."""
+    from autopar.build.chunks import trace_chunks
+    from solver.spmd_search import op_placements
+
+    rows = config.dp * config.micro_batch
+    recorded = []
+    for stage in trace_chunks(model, config, example_inputs, loss_fn=loss_fn,
+                              stage_layers=tuple(stage_layers) if stage_layers else None):
+        solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
+        recorded.append(StagePlacements(chunk=stage.index, placements=op_placements(stage.graph, solution),
+                                        collectives=_rows(priced_per_step(solution, num_microbatches, ("dp", "tp")))))
+    return tuple(recorded)
+
+
+def place_job(job: Any, *, cluster: Any = None, device_type: str = "cpu") -> Any:
+    """`job` (autopar/runtime/jobs.py TrainJob) with the placements every rank builds each of
+    its configurations from (`TrainJob.placements`): its plan's, else solved here for the
+    configuration (`program_placements`), on the model and first batch every rank builds
+    (the same seed). Call before spawning the job's ranks."""
+    from autopar.plan import Plan
+    from autopar.runtime.jobs import build_model_and_batches
+
+    placed = []
+    for i, config in enumerate(job.configs):
+        model, batches, _ = build_model_and_batches(replace(job, steps=1))
+        plan = Plan.loads(job.plans[i]) if i < len(job.plans) and job.plans[i] else None
+        layers = job.stage_layers[i] if i < len(job.stage_layers) else None
+        placed.append(program_placements(model, config, batches[0], model_name=job.model, plan=plan,
+                                         cluster=cluster, stage_layers=layers, device_type=device_type).dumps())
+    return replace(job, placements=tuple(placed))
+
+
+def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int, rows: int) -> Any:
+    """The intra-op ILP on one chunk's (dp, tp) submesh under `config`'s rules
+    (solver/forced.py), its boundary inputs and tangents in the boundary layout. `cluster`:
+    the whole job's (one stage's devices of it are priced, as the pipeline search prices
+    a stage), default dp * tp cpu devices."""
+    from solver import forced
+
+    if cluster is None:
+        from autopar.cluster import Cluster
+
+        cluster = Cluster.parse(f"cpu:1x{config.dp * config.tp}")
+    if cluster.num_devices != config.dp * config.tp:
+        cluster = cluster.stage(config.dp * config.tp)
+
+    def keep_input(node: Any, placements: Placements) -> bool:
+        return tuple(placements) == boundary_placements(node.output.shape, rows, config.dp)
+
+    return forced.solve_stage(graph, config, cluster, num_microbatches=num_microbatches, keep_input=keep_input)
+
+
+def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
+    """The ILP's solution for a configuration given by flags (solver/forced.py rules)."""
+    from solver.forced import solve_one_stage
+
+    return solve_one_stage(graph, config, cluster, num_microbatches=num_microbatches)
+
+
+def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:
+    """`solve_config` in a forked child process (where the platform forks): its solution,
+    or the error it raised (InfeasiblePlanError / ValueError, or a RuntimeError saying the
+    child failed), returned (not raised) for the caller to send to every rank.
+
+    Why a child: the solve's own allocations (PuLP's model objects, HiGHS's native
+    buffers, the allocator arenas they grow) stayed resident in rank 0 after the solve,
+    and rank 0 alone solves, so it ran every step about 9-13 MiB above the other ranks on
+    the benchmark Llama, and the per-rank peak
+    is the max over ranks. A forked child shares the traced graph copy-on-write and gives
+    everything back when it exits; only the solution (about 100 KB pickled) comes back.
+    Where fork is unavailable (or the child cannot start) the solve runs in this process."""
+    import multiprocessing
+
+    def solve() -> Any:
+        try:
+            return solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+        except (InfeasiblePlanError, ValueError) as exc:
+            return exc
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return solve()
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive fork
+        try:
+            out = solve()
+        except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
+            out = RuntimeError(f"the ILP solve failed in its child process: {type(exc).__name__}: {exc}")
+        try:
+            writer.send(out)
+        except Exception as exc:  # noqa: BLE001 (an unpicklable exception)
+            writer.send(RuntimeError(f"the ILP solve failed in its child process: {out!r} ({exc})"))
+        writer.close()
+
+    proc = ctx.Process(target=child, name="autopar-ilp-solve")
+    try:
+        proc.start()
+    except (AssertionError, OSError):  # e.g. a daemonic process may not have children
+        reader.close()
+        writer.close()
+        return solve()
+    writer.close()
+    try:
+        out = reader.recv()
+    except EOFError:
+        out = RuntimeError(f"the ILP solve's child process ended without a result (exit code {proc.exitcode})")
+    finally:
+        reader.close()
+        proc.join()
+    return out  # an exception too: the caller sends it to every rank, which all raise it
+
+
+def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:
+    """What a solution prices per step: {(kind, axis name): (calls, bytes)} (per-microbatch
+    edges m times, the bucketed gradient sync once (ZeRO-2's syncs are per-microbatch
+    edges); a traced layer counts `weight` times)."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for c in solution.collectives:
+        times = c.weight * (1 if c.gradient_sync else num_microbatches)
+        entry = out.setdefault((c.kind, axis_names[c.axis]), [0.0, 0.0])
+        entry[0] += times
+        entry[1] += times * c.bytes
+    return {k: (int(round(v[0])), int(round(v[1]))) for k, v in out.items()}
+
+
+def solution_choices(graph: Graph, solution: Any) -> tuple[NodeStrategy, ...]:
+    by_node = {c.node: c for c in solution.choices}
+    return tuple(NodeStrategy(outputs=by_node[i].outputs, inputs=by_node[i].inputs, update=by_node[i].update)
+                 for i in range(len(graph)))
