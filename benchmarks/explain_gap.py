@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from autopar.api import search_plans
-    from autopar.plan import Plan, describe_config
+    from autopar.explain import describe_config
+    from autopar.plan import Plan
 
     try:
         plan = Plan.load(args.plan) if args.plan else search_plans(args.model, args.cluster,

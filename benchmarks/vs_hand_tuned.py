@@ -45,7 +45,8 @@ import cost_model  # noqa: E402
 from autopar.cluster import GIB, Cluster  # noqa: E402
 from autopar.config import ParallelConfig  # noqa: E402
 from autopar.models import resolve  # noqa: E402
-from autopar.plan import InfeasiblePlanError, Plan, describe_config  # noqa: E402
+from autopar.explain import describe_config  # noqa: E402
+from autopar.plan import InfeasiblePlanError, Plan  # noqa: E402
 from autopar.trace import trace_model  # noqa: E402
 from cost_model import core_share  # noqa: E402
 from solver import forced  # noqa: E402

@@ -65,16 +65,16 @@ from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
 from autopar.placement import Replicate
+from autopar.explain import describe_config
 from autopar.plan import (
-    GIB,
     Alternative,
     InfeasiblePlanError,
     PipelineInfo,
     PipelineStage,
     Plan,
     SearchInfo,
-    describe_config,
 )
+from autopar.units import GIB
 from cost_model import core_share
 from solver.search import ProgressFn, Ranked, SearchResult
 from solver.spmd_search import (

@@ -28,7 +28,8 @@ its functions. `test_each_package_imports_first` imports each stage package firs
 fresh interpreter, which is where such a cycle breaks.
 
 No import cycles at all, module by module (`test_no_import_cycles`): the graph of every
-import above (function-level ones too) has no strongly connected component of more than one
+import above (function-level ones too; those under `if TYPE_CHECKING:` never run and are no
+edges) has no strongly connected component of more than one
 module. A circle that is not a crash today (a function-level import) still ties its modules
 into one unit no reader can take apart; KNOWN_CYCLES lists the ones that remain, each with
 why, and only shrinks.
@@ -77,7 +78,7 @@ FLOW = tuple(STAGE_MODULES)
 # DTensor's registry/planner) and capabilities (what the runtime executes: the search ranks
 # only that; the tracer and the runtime read its layer stack and pipeline cut).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
-          "autopar.plan", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
+          "autopar.plan", "autopar.explain", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
           "autopar.capabilities", "autopar.units", "autopar.batch", "autopar.precision")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
@@ -165,6 +166,9 @@ class Import:
     importer: str
     imported: str
     line: int
+    type_only: bool = False
+    """Under `if TYPE_CHECKING:`: never executed, so it can close no import circle (it
+    still counts for the layering: a type is a dependence)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +204,15 @@ def imports_of(source: str, module: str, *, is_package: bool, modules: frozenset
     found: list[Import] = []
     bound: dict[str, str] = {}  # local name -> project module, from `import pkg [as x]`
 
+    type_only_lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                type_only_lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+
     def add(name: str, line: int) -> None:
         if name.split(".")[0] in PACKAGES:
-            found.append(Import(module, name, line))
+            found.append(Import(module, name, line, type_only=line in type_only_lines))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -286,10 +296,11 @@ def project_imports() -> list[Import]:
 
 def import_cycles(imports: list[Import]) -> list[frozenset[str]]:
     """The strongly connected components of more than one module of the import graph
-    (Tarjan's algorithm, iterative), sorted by their smallest module."""
+    (Tarjan's algorithm, iterative), sorted by their smallest module. Imports for type
+    checking only are no edges: they never run."""
     graph: dict[str, set[str]] = {}
     for imp in imports:
-        if imp.importer != imp.imported:
+        if imp.importer != imp.imported and not imp.type_only:
             graph.setdefault(imp.importer, set()).add(imp.imported)
             graph.setdefault(imp.imported, set())
     index: dict[str, int] = {}
@@ -534,5 +545,8 @@ def test_cycle_check_sees_function_level_and_package_cycles() -> None:
              (frozenset({"solver.a", "solver.b"}), "y"))
     smaller = [frozenset({"cost_model.a", "cost_model.b"})]
     assert compare_cycles(smaller, known) == ([], [frozenset({"solver.a", "solver.b"})])
+    type_only = {"solver.a": "from solver.b import x\n",
+                 "solver.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from solver.a import y\n"}
+    assert cycles(type_only) == []
     grown = [frozenset({"cost_model.a", "cost_model.b", "cost_model.c", "cost_model.d"})]
     assert compare_cycles(grown, known)[0] == grown
