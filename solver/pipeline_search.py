@@ -96,7 +96,7 @@ from solver.stage_costs import (
     placement_summary,
     split_solution,
 )
-from solver.intra_op.ilp import CutoffExceeded
+from solver.intra_op.backend import CutoffExceeded
 from solver.intra_op.space import divisibility_signature, enumerate_strategies
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline, stage_memory_parts
 

@@ -46,7 +46,7 @@ from autopar.plan import (
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
-from solver.intra_op.ilp import CutoffExceeded
+from solver.intra_op.backend import CutoffExceeded
 from solver.search import Ranked
 from solver.intra_op.space import coverage, enumerate_strategies
 
