@@ -356,7 +356,7 @@ def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple
     return tuple(out.items())
 
 
-def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,
+def spmd_plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,
           fingerprint: str, num_candidates: int, not_fit: int) -> Plan:
     graph, est = best.graph, best.estimate
     first = ranked[0]
