@@ -67,7 +67,7 @@ STAGE_MODULES: dict[str, tuple[str, ...]] = {
     # pipe, pipe_spmd, jobs (train loop), launch, checkpoint
     # Outside the flow, reading its data: calibrate measures a Hardware profile for the
     # cost model (spawning ranks as `train` does); plots draws a Plan.
-    "tools": ("autopar.calibrate", "autopar.plots"),
+    "tools": ("autopar.calibrate", "autopar.calibrate_rank", "autopar.plots"),
 }
 FLOW = tuple(STAGE_MODULES)
 
