@@ -388,13 +388,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     start = time.perf_counter()
     mesh_shape = tuple(int(s) for s in mesh_shape)
-    if space is None:
-        space = enumerate_strategies(graph, mesh_shape)
-    if keep_placeholder is not None or keep_update is not None:
-        space = restrict_placeholders(graph, space, keep_placeholder, keep_update)
-    if nodes is None:
-        space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
-                                  memo=prune_memo)
+    space = _restricted_space(graph, cluster, mesh_shape, space, nodes, keep_placeholder, keep_update,
+                              gather_free_axes, prune_memo)
     table = cost_table(graph, space, cluster, grads_at_update=grads_each_microbatch)
     red = reduce_graph(graph, space, table, nodes)
     pricer = ReshardPricer(table.links, gloo=runs_gloo(cluster.hardware),
@@ -417,6 +412,49 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
 
+    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, terms, memory_budget_bytes)
+    sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
+    status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
+                              memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
+                              elapsed_s=time.perf_counter() - start)
+    chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
+    solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape,
+                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, status=status, solver=solver,
+                                grads_each_microbatch=grads_each_microbatch,
+                                num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
+                                num_constraints=model.prob.numConstraints(),
+                                solve_time_s=time.perf_counter() - start)
+    objective_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
+    log.info("intra-op %s on %s: %d owners of %d nodes, %d vars, %d rows; build %.2f s, total %.2f s; "
+             "objective %.6g s (extracted %.6g s), %s",
+             graph.model.name, mesh_shape, len(red.owners), len(red.active), solution.num_variables,
+             solution.num_constraints, built - start, solution.solve_time_s, objective_s,
+             solution.cost.total_s, status)
+    return solution
+
+
+def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], space: StrategySpace | None,
+                      nodes: tuple[NodeId, ...] | None, keep_placeholder: PlaceholderFilter | None,
+                      keep_update: UpdateFilter | None, gather_free_axes: tuple[int, ...],
+                      prune_memo: dict | None) -> StrategySpace:
+    """The strategies this solve chooses from: `space` (or a new enumeration) under the
+    forced configuration's filters, pruned on the gather-free axes for a whole graph
+    (solver/intra_op/restrict.py)."""
+    if space is None:
+        space = enumerate_strategies(graph, mesh_shape)
+    if keep_placeholder is not None or keep_update is not None:
+        space = restrict_placeholders(graph, space, keep_placeholder, keep_update)
+    if nodes is None:
+        space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
+                                  memo=prune_memo)
+    return space
+
+
+def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
+                 edges: dict[tuple[NodeId, NodeId], tuple], terms: list, memory_budget_bytes: float | None
+                 ) -> tuple[_Model, int]:
+    """The ILP of the module docstring, one constraint family at a time; and its number of
+    edge variables."""
     model = _Model("intra_op", red)
     model.add_one_choice_constraints()
     model.add_forbidden_constraints(forbidden)
@@ -425,24 +463,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
-    sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
-    status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
-                              memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
-                              elapsed_s=time.perf_counter() - start)
-    chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
-    solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape, memory_budget_bytes,
-                        grad_sync_weight=grad_sync_weight, status=status, solver=solver,
-                        grads_each_microbatch=grads_each_microbatch,
-                        num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
-                        num_constraints=model.prob.numConstraints(),
-                        solve_time_s=time.perf_counter() - start)
-    objective_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
-    log.info("intra-op %s on %s: %d owners of %d nodes, %d vars, %d rows; build %.2f s, total %.2f s; "
-             "objective %.6g s (extracted %.6g s), %s",
-             graph.model.name, mesh_shape, len(red.owners), len(red.active), solution.num_variables,
-             solution.num_constraints, built - start, solution.solve_time_s, objective_s,
-             solution.cost.total_s, status)
-    return solution
+    return model, num_edge_vars
 
 
 def _node_costs(graph: Graph, table: CostTable, red: Reduction) -> dict[NodeId, list[float]]:
