@@ -44,7 +44,7 @@ collective's time is a fixed part plus parts linear in its sizes, wave counts
 ceil(k x) <= k ceil(x)), so m c(P, g) + S(P) + A(m) <= m' c(P, g') + S(P) + A(m')
 (S: the once-per-step terms, A: the accumulation, growing with the count): the optimum at
 g is at least as fast. By the same argument a mesh on which g has no plan for a reason
-other than memory (no placement keeps the batch split there: solver/intra_op/ilp.py
+other than memory (no placement keeps the batch split there: solver/intra_op/restrict.py
 prune_gather_free) has none at g' either, so g' is not solved. What this assumes: the
 step traced at g' is the one at g with a smaller batch (a model that branches on its
 batch size may trace differently). On an 83k-parameter LSTM on cpu:4 it skips the traces

@@ -186,7 +186,7 @@ class StageCostCache:
         divides alike (solver/intra_op/space.py divisibility_signature)."""
         self.signatures: dict[tuple, tuple] = {}
         self.prune_memo: dict[tuple, Any] = {}
-        """The stage solves' gather-free pruning passes (solver/intra_op/ilp.py prune_gather_free)."""
+        """The stage solves' gather-free pruning passes (solver/intra_op/restrict.py prune_gather_free)."""
 
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)

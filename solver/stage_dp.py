@@ -89,7 +89,7 @@ class StageOption:
     post_s: float
     p2p_s: float
     """One boundary's messages per microbatch: every value crossing it sent forward, the
-    gradients sent back (solver/pipeline_search.py boundary_p2p_s)."""
+    gradients sent back (solver/pipeline_stages.py boundary_p2p_s)."""
     pre_state_bytes: float
     layer_state_bytes: float
     post_state_bytes: float
