@@ -440,3 +440,17 @@ def _trace_tokens(rows: int):
 
     torch.manual_seed(0)
     return trace_step(_Tokens(time_major=False), _tokens_batch(rows))[1]
+
+
+def test_search_config_is_frozen_keyword_only_and_validated():
+    """The planner's input: built by keyword only, never changed, nonsense refused with what was given."""
+    import dataclasses
+
+    config = SearchConfig(global_batch=8, model="llama-small", fingerprint="f")
+    assert (config.top, config.min_pp, config.max_pp, config.fixed, config.family) == (5, 1, None, None, "")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SearchConfig(8, "llama-small", "f")  # type: ignore[misc]
+    with pytest.raises(ValueError, match="got 8, 0, "):
+        SearchConfig(global_batch=8, model="llama-small", fingerprint="f", top=0)
