@@ -1,7 +1,10 @@
 """Whole-plan search over pipeline degrees: one stage (per-op ILP) and pipelines (inter-op DP).
 
 Where it sits: solver/, the planner `autopar search` and `autopar.compile` call (through
-autopar/api.py `search_plans`, which supplies `trace_at`). It ranks
+autopar/api.py `search_plans`, which supplies `trace_at` and a `SearchConfig`:
+solver/search_config.py). The pipeline candidates, their stage costs and DP are
+solver/pipeline_stages.py's, and a ranked pipeline becomes a Plan in
+solver/pipeline_plans.py; this module queues, bounds and ranks. It ranks
 - one-stage plans (pp = 1): every (dp, tp) mesh x microbatch x recompute policy (none,
   selective, full: the step traced under the policy, autopar/recompute.py, as the runtime
   traces it; a policy that rewrites nothing is dropped), priced by the intra-op ILP on the
