@@ -3,8 +3,9 @@
 Where it sits: output of solver/search.py, input of codegen/ and the runtime. A plan is
 searched once and replayed many times (`autopar train --plan plan.json`), so it carries
 everything the runtime needs (`config`, `stage_layers`, the mesh) and everything a person
-needs to see why it was chosen (`explain()`): predicted metrics, per-stage work, the
-intra-op choices per layer group and the runner-up plans with their costs.
+needs to see why it was chosen (`explain()`, rendered by autopar/explain.py): predicted
+metrics, per-stage work, the intra-op choices per layer group and the runner-up plans with
+their costs.
 
 Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
 embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
