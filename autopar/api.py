@@ -131,6 +131,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     # would make `import cost_model` (before autopar) a cycle
     from solver.pipeline_search import search
     from solver.search import SearchResult
+    from solver.search_config import SearchConfig
 
     t0 = time.perf_counter()
     cluster = _cluster_of(mesh).with_memory_gb(memory_gb)
@@ -191,9 +192,10 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
         fingerprint = fingerprint_source(source) if source is not None else module_fingerprint(model)
     phases = (("fingerprint", time.perf_counter() - t),)
     extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
-    result = search(trace_at, cluster, global_batch=global_batch, model=name, fingerprint=fingerprint,
-                    family=family, top=top, time_limit_s=time_limit_s, progress=progress, num_layers=num_layers,
-                    min_pp=min_pp, max_pp=max_pp, fixed=fixed, **extra)
+    result = search(trace_at, cluster, SearchConfig(global_batch=global_batch, model=name, fingerprint=fingerprint,
+                                                    family=family, top=top, time_limit_s=time_limit_s,
+                                                    num_layers=num_layers, min_pp=min_pp, max_pp=max_pp, fixed=fixed,
+                                                    **extra), progress=progress)
     # the plans record the policy and compilation they were priced under, and run them
     def recorded(config: ParallelConfig) -> ParallelConfig:
         return replace(config, precision=named.precision, reduce_dtype=named.reduce_dtype, compiled=compiled)
@@ -226,7 +228,7 @@ def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: i
     ZeRO layout is chosen as in a search rather than fixed by `config.zero`;
     `stage_layers`: the pipeline's cuts (default: the stage DP's). A configuration that
     fits no plan in the memory limit is solved without it and flagged (`fits` false)."""
-    from solver.pipeline_search import Fixed
+    from solver.search_config import Fixed
 
     cluster = _cluster_of(mesh)
     fixed = Fixed(config=config, zero_given=not choose_zero, stage_layers=stage_layers)

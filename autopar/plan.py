@@ -3,8 +3,9 @@
 Where it sits: output of solver/search.py, input of codegen/ and the runtime. A plan is
 searched once and replayed many times (`autopar train --plan plan.json`), so it carries
 everything the runtime needs (`config`, `stage_layers`, the mesh) and everything a person
-needs to see why it was chosen (`explain()`): predicted metrics, per-stage work, the
-intra-op choices per layer group and the runner-up plans with their costs.
+needs to see why it was chosen (`explain()`, rendered by autopar/explain.py): predicted
+metrics, per-stage work, the intra-op choices per layer group and the runner-up plans with
+their costs.
 
 Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
 embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
@@ -31,7 +32,7 @@ from autopar.config import ParallelConfig
 from autopar.estimate import Estimate
 from autopar.json_codec import JsonData, JsonFormatError, decode
 from autopar.placement import parse_placements
-from autopar import units
+from autopar.explain import explain_plan
 
 PLAN_VERSION = 4
 """2: plans carry the ILP's per-op placements (`placements`), which is what runs.
@@ -41,7 +42,6 @@ bubble fraction moved beside it (`Plan.bubble_fraction`); version-2 files are re
 4: pipelines carry each chunk's per-op placements (`stage_placements`), replayed at build;
 version-3 files (without them: each run solves the stages before its ranks build) load unchanged."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
-GIB = 1024**3
 
 
 class PlanFileError(ValueError):
@@ -409,9 +409,6 @@ class Plan(JsonData):
         return _match_placements(found.placements, graph,
                                  f"plan {self.model!r} does not match this model's pipeline chunk {chunk}", exact=True)
 
-    def _explain_per_op(self) -> list[str]:
-        return _per_op_lines(self)
-
     def check_model(self, fingerprint: str) -> None:
         """Refuse to apply this plan to a different model: the one check of a plan against
         a model (`module_fingerprint(model)`), for `autopar train --plan` and
@@ -424,84 +421,10 @@ class Plan(JsonData):
                 "parameter names or shapes differ. Re-run `autopar search` for this model (or, in "
                 "autopar.compile, drop plan= to search one or pass config=)")
 
-    # -- explain ---------------------------------------------------------------------------
-
     def explain(self) -> str:
-        """Per stage and layer group: what was chosen and why (costs), from the plan alone."""
-        c, p = self.config, self.predicted
-        m = self.num_microbatches
-        lines = [
-            f"plan for {self.model} on {self.cluster} (global batch {self.global_batch} x seq {self.seq}, "
-            f"{self.memory_limit_bytes / GIB:.1f} GiB/device budget)",
-            f"mesh (pp, dp, tp) = ({c.pp}, {c.dp}, {c.tp}); tp inside a node, dp then pp across nodes",
-            f"config: zero {c.zero}, micro-batch {c.micro_batch} x {m} microbatches, schedule {c.schedule}"
-            + (f" (v={c.interleave})" if c.schedule == "interleaved" else "")
-            + f", recompute {c.recompute}, attention {c.attention}, sequence parallel {c.sequence_parallel}, "
-            f"precision {c.resolved(self.cluster.split(':')[0]).policy().name}"
-            + (", compiled by Inductor (memory-bound ops priced fused)" if c.compiled else ""),
-            f"predicted: step {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s "
-            f"({p.tokens_per_s_per_device:,.0f}/device), MFU {p.mfu:.1%}, peak {p.peak_memory_bytes / GIB:.2f} GiB "
-            f"({'fits' if p.fits else 'DOES NOT FIT'}), bubble {self.bubble_fraction:.1%}",
-        ]
-        if p.time_breakdown:
-            total = sum(v for _, v in p.time_breakdown) or 1.0
-            lines.append("  time:   " + ", ".join(f"{k} {v:.4g} s ({v / total:.0%})" for k, v in p.time_breakdown))
-        if p.memory_breakdown:
-            lines.append("  memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory_breakdown))
-        if self.placements:
-            lines.extend(self._explain_per_op())
-        if self.pipeline is not None and len(self.pipeline.stages) > 1:
-            lines.extend(_pipeline_lines(self.pipeline))
-        if c.pp > 1:
-            lines.extend(_stage_placement_lines(self))
-        lines.append("stages:")
-        if self.pipeline is not None and len(self.pipeline.stages) > 1:
-            lines.append("  see the pipeline stages above")
-        elif not self.stages and c.pp > 1:
-            lines.append(f"  {c.pp} stages of {list(self.stage_layers)} layers (the first also holds the embedding, "
-                         "the last the head and loss)")
-        elif not self.stages:
-            held = f"{self.num_layers} repeated layers" if self.num_layers else "every module, no repeated layer stack"
-            lines.append(f"  one stage: the whole model ({held}) on the (dp, tp) mesh")
-        for s in self.stages:
-            holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})" if s.num_layers
-                     else "every module (no repeated layer stack)"]
-            if s.has_embedding:
-                holds.insert(0, "embedding")
-            if s.has_head:
-                holds.append("final norm + head + loss")
-            lines.append(f"  stage {s.index}: {', '.join(holds)}; {units.flops(s.flops_per_microbatch)}/microbatch, "
-                         f"{units.count(s.num_parameters)} params, ~{s.memory_bytes / GIB:.2f} GiB/device")
-        if len(set(self.stage_layers)) > 1:
-            lines.append("  why non-uniform: the cut balances per-stage time (embedding and head are extra work "
-                         "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")
-        if self.intra_op:
-            lines.append("layer groups (intra-op):")
-        for choice in self.intra_op:
-            if choice.source == "ilp":
-                note = f"ilp, ILP cost {choice.cost_s:.4g} s per step; recorded beside the template, not priced"
-            else:
-                note = f"{choice.source}, priced by the cost model"
-            lines.append(f"  {choice.layer_group} on submesh {list(choice.submesh)} [{note}]")
-            for name, placement in choice.placements:
-                lines.append(f"    {name}: {placement}")
-        s = self.search
-        lines.append(
-            f"search ({s.cost_model}): {s.num_candidates} candidates, {s.num_priced} priced, "
-            f"{s.num_pruned_memory} pruned by memory bound, {s.num_pruned_dominated} dominated, "
-            f"{s.num_not_fitting} priced but over the memory budget"
-            + ("" if s.complete else "; STOPPED by the time limit, the space was not fully searched"))
-        if self.pipeline is not None and self.pipeline.runners_up:
-            lines.append("why the runners-up lost (priced by the same ILP stage costs):")
-            for label, step, why in self.pipeline.runners_up:
-                lines.append(f"  {label}: step {step:.4g} s, {why}")
-        elif s.alternatives:
-            lines.append("runners-up (why not these):")
-            for a in s.alternatives:
-                rel = a.step_time_s / p.step_time_s - 1 if p.step_time_s else 0.0
-                lines.append(f"  {describe_config(a.config, a.stage_layers, self.global_batch)}: step "
-                             f"{a.step_time_s:.4g} s ({rel:+.1%}), peak {a.peak_memory_bytes / GIB:.2f} GiB")
-        return "\n".join(lines)
+        """Per stage and layer group: what was chosen and why (costs), from the plan alone
+        (autopar/explain.py renders it)."""
+        return explain_plan(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -664,139 +587,6 @@ def _from_version_2(data: Mapping[str, Any]) -> dict[str, Any]:
         pred.setdefault("config", {**config, **extra})
     out["predicted"] = pred
     return out
-
-
-def _per_op_lines(plan: "Plan") -> list[str]:
-    info = plan.intra_op_info
-    lines = [f"per-op placements (the program that runs): {len(plan.placements)} ops chosen by the intra-op ILP"]
-    if info is None:
-        return lines
-    lines[0] += (f", {info.status}" + (" (STOPPED by the time limit: feasible, not proven optimal)"
-                                      if info.status == "time_limit" else ""))
-    lines.append(f"  coverage: {info.coverage:.1%} of the step's FLOPs in ops with a sharded strategy"
-                 + (f"; replicated for lack of a strategy: {', '.join(info.fallback_ops)}" if info.fallback_ops else ""))
-    if info.time_s:
-        lines.append("  ILP per step: " + ", ".join(f"{k} {v:.4g}" for k, v in info.time_s))
-    if info.collectives:
-        lines.append("  collectives per step: " + ", ".join(
-            f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)" for kind, axis, n, b in info.collectives))
-    else:
-        lines.append("  collectives per step: none (every rank computes the whole step)")
-    if info.parameters:
-        lines.append("  per layer group: " + "; ".join(summarize_placements(info.parameters)))
-        lines.append("  parameters (dp, tp), with their weight-update placement where it differs:")
-        lines.extend(f"    {name}: {placement}" for name, placement in info.parameters)
-    return lines
-
-
-_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("norms", ("norm", "ln_", ".ln")),
-    ("embedding", ("embed", "wte", "wpe", "tok_")),
-    ("head", ("lm_head", "output.", "head")),
-    ("attention", ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")),
-    ("MLP", ("mlp", "feed_forward", "ffn", "fc", "gate_proj", "up_proj", "down_proj")),
-)
-
-
-def _tp_words(group: str, name: str, tp: str) -> str:
-    if tp == "R":
-        return "replicated over tp"
-    if group == "embedding":
-        return {"S(0)": "vocab over tp", "S(1)": "hidden over tp"}.get(tp, f"{tp} over tp")
-    if group == "head":
-        return {"S(0)": "vocab over tp (vocab-parallel)", "S(1)": "hidden over tp"}.get(tp, f"{tp} over tp")
-    if group == "attention":
-        return {"S(0)": "heads over tp (column)", "S(1)": "heads over tp (row)"}.get(tp, f"{tp} over tp")
-    return {"S(0)": "column over tp", "S(1)": "row over tp"}.get(tp, f"{tp} over tp")
-
-
-def _axes(text: str) -> list[str]:
-    """The per-axis entries of a placement text: "(R, S(0))" -> ["R", "S(0)"]."""
-    inner = text.strip()
-    if inner.startswith("(") and inner.endswith(")"):
-        inner = inner[1:-1]
-    return [p.strip() for p in inner.split(",")]
-
-
-def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
-    """One line per layer group (embedding, attention, MLP, norms, head, other): how its
-    parameters sit on the (dp, tp) mesh, e.g. "MLP: column/row over tp; replicated over dp", or
-    "...; weights replicated over dp, update S(0) over dp (ZeRO-1)" where the weight update
-    is sharded (a placement text "compute update update-placement",
-    autopar.sharding.parameter_placement_text)."""
-    from autopar.sharding import UPDATE_SEPARATOR
-
-    found: dict[str, list[tuple[str, str, str]]] = {}
-    for name, text in params:
-        compute, _, update = text.partition(UPDATE_SEPARATOR)
-        dp, tp = (_axes(compute) + ["R", "R"])[:2]
-        update_dp = (_axes(update) + ["R"])[0] if update else dp
-        if dp == "R" and update_dp != "R":
-            dp = f"weights replicated over dp, update {update_dp} over dp (ZeRO-1)"
-        elif dp != "R":
-            dp = f"{dp} over dp (sharded: ZeRO-3)"
-        else:
-            dp = "replicated over dp"
-        low = name.lower()
-        group = next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")
-        found.setdefault(group, []).append((name, dp, tp))
-    out = []
-    for group in [g for g, _ in _GROUPS] + ["other"]:
-        if group not in found:
-            continue
-        rows = found[group]
-        tp_desc = list(dict.fromkeys(_tp_words(group, n, tp) for n, _, tp in rows))
-        dp_desc = list(dict.fromkeys(dp for _, dp, _ in rows))
-        if len(tp_desc) > 1 and all("over tp" in d and "replicated" not in d for d in tp_desc) and group == "MLP":
-            tp_text = "column/row over tp"
-        else:
-            tp_text = " / ".join(tp_desc)
-        out.append(f"{group} ({len(rows)} params): {tp_text}; {' / '.join(dp_desc)}")
-    return out
-
-
-def _stage_placement_lines(plan: "Plan") -> list[str]:
-    if not plan.stage_placements:
-        return ["per-stage per-op placements: not in this plan (a file from before version 4, or a model the search "
-                "did not trace by chunks); every run solves each chunk's intra-op ILP under the configuration's "
-                "rules before its ranks build (same solver, so the same program; re-run `autopar search` to record "
-                "them)"]
-    lines = [f"per-stage per-op placements (the program each stage runs, replayed at build): "
-             f"{len(plan.stage_placements)} chunks"]
-    for s in plan.stage_placements:
-        lines.append(f"  chunk {s.chunk} (stage {s.chunk % plan.config.pp}): {len(s.placements)} ops; collectives per "
-                     "step: " + (", ".join(f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)"
-                                           for kind, axis, n, b in s.collectives) or "none"))
-    return lines
-
-
-def _pipeline_lines(pipe: PipelineInfo) -> list[str]:
-    sched = pipe.schedule + (f" (v={pipe.chunks})" if pipe.schedule == "interleaved" else "")
-    lines = [f"pipeline: {len(pipe.stages)} stages, schedule {sched}, {pipe.num_microbatches} microbatches of "
-             f"{pipe.microbatch} sequences; bubble {pipe.bubble_s:.4g} s, p2p on the critical stage {pipe.p2p_s:.4g} s "
-             "per step"]
-    for st in pipe.stages:
-        holds = ([f"embedding"] if st.has_embedding else []) + [
-            f"layers {st.first_layer}-{st.first_layer + st.num_layers - 1} ({st.num_layers})"] + (
-            ["final norm + head + loss"] if st.has_head else [])
-        lines.append(f"  stage {st.index}: {', '.join(holds)} on submesh (dp, tp) = {st.submesh}, recompute "
-                     f"{st.recompute}, zero {st.zero}: {st.time_per_microbatch_s:.4g} s/microbatch, "
-                     f"{st.memory_bytes / GIB:.2f} GiB/device with {st.inflight_microbatches:g} microbatches in flight")
-        lines.extend(f"    {line}" for line in summarize_placements(st.placements))
-        if st.collectives:
-            lines.append("    collectives per microbatch: " + ", ".join(
-                f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)" for kind, axis, n, b in st.collectives))
-    return lines
-
-
-def describe_config(config: ParallelConfig, stage_layers: Sequence[int], global_batch: int) -> str:
-    """One-line summary used in tables and explain output."""
-    c = config
-    m = global_batch // (c.dp * c.micro_batch)
-    sched = f"{c.schedule}" + (f"/v{c.interleave}" if c.schedule == "interleaved" else "")
-    cuts = "" if len(set(stage_layers)) <= 1 else " cuts " + "/".join(str(n) for n in stage_layers)
-    return (f"tp{c.tp} pp{c.pp} dp{c.dp} z{c.zero} mb{c.micro_batch}x{m} "
-            f"{sched if c.pp > 1 else 'no-pp'} rc-{c.recompute}{cuts}")
 
 
 def _refuse_constant(name: str) -> float:

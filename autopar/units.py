@@ -7,6 +7,9 @@ machine-learning convention of B for 10^9) and keep three significant digits.
 
 from __future__ import annotations
 
+GIB = 1024**3
+"""Bytes in a GiB: memory is printed in GiB everywhere (plans, tables, error messages)."""
+
 _COUNT = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
 _FLOP = ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP"))
 

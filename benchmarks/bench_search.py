@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lib.small_models, run from anywhere
 
 from autopar.api import search_plans  # noqa: E402
-from autopar.plan import describe_config  # noqa: E402
+from autopar.explain import describe_config  # noqa: E402
 
 CASES = (
     ("llama3-70b", "h100:128x8", 1024, 8192, 30.0),

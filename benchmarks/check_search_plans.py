@@ -67,7 +67,7 @@ def _search(model: str, world: int, top: int) -> list[Any]:
 def check_world(world: int, models: dict[str, str], top: int, steps: int) -> list[dict[str, Any]]:
     import torch
 
-    from autopar.plan import describe_config
+    from autopar.explain import describe_config
     from autopar.runtime.jobs import TrainJob, reference_run
     from autopar.runtime.launch import spawn
 

@@ -128,7 +128,7 @@ def _worker(rank: int, model: str, cluster_spec: str, global_batch: int, plan_js
     from autopar.models import resolve
     from autopar.plan import Plan
 
-    from autopar.calibrate import reference_time, reference_workload
+    from autopar.calibrate_rank import reference_time, reference_workload
 
     # the machine's speed now, against the profile's calibration (benchmarks/sweep_cpu.py)
     reference = reference_workload() if rank < REFERENCE_RANKS else (lambda: None)
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from autopar.api import search_plans
-    from autopar.plan import Plan, describe_config
+    from autopar.explain import describe_config
+    from autopar.plan import Plan
 
     try:
         plan = Plan.load(args.plan) if args.plan else search_plans(args.model, args.cluster,

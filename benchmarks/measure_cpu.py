@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
 
     from autopar.cluster import HARDWARE, Cluster, load_hardware  # autopar before cost_model (import cycle)
-    from autopar.plan import describe_config
+    from autopar.explain import describe_config
     from benchmarks.baselines import analytic
 
     t0 = time.perf_counter()

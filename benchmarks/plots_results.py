@@ -233,7 +233,8 @@ def explain_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h1
     (search restricted to ZeRO 0, so that the plan pipelines)."""
     from autopar.cluster import Cluster  # autopar before cost_model (import cycle)
     from autopar.models import resolve
-    from autopar.plan import describe_config, fingerprint_source
+    from autopar.explain import describe_config
+    from autopar.plan import fingerprint_source
     from autopar.plots import plot_plan
     from autopar.trace import trace_model
     from benchmarks.baselines import analytic

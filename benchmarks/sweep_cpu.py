@@ -50,7 +50,7 @@ The whole-model formula `price_profile` is kept for every row too (`*_analytic_s
 two pricings of one-stage plans can be compared against the same measurements.
 The machine is shared (load averages of 10-20 on 2 cores were seen while developing this),
 so its speed drifts between a calibration and a sweep: every round also times
-`autopar.calibrate.reference_workload` on as many of the same ranks as the calibration ran
+`autopar.calibrate_rank.reference_workload` on as many of the same ranks as the calibration ran
 (`REFERENCE_RANKS`), and the ratio of that time to the profile's own reference time
 (`load_factor`, per dedicated core) slows the profile's local work (GEMM peak, copy
 bandwidth, per-op overheads: `at_load`) before it prices the group; the collectives keep
@@ -96,13 +96,13 @@ PREDICTION_KEYS = ("predicted_calibrated_s", "predicted_default_s", "predicted_c
                    "predicted_default_analytic_s")
 """Headline predictions (what the product ranks by), then price_profile for every row."""
 WARMUP_ROUNDS = 2
-from autopar.calibrate import REFERENCE_CALLS, REFERENCE_WINDOWS  # noqa: E402
+from autopar.calibrate_rank import REFERENCE_CALLS, REFERENCE_WINDOWS  # noqa: E402
 
 TIMED_ROUNDS = REFERENCE_WINDOWS
 """The reference workload runs as one window of REFERENCE_CALLS calls per timed round, and
 the load factor takes the fastest: the fastest of REFERENCE_WINDOWS windows of
 REFERENCE_CALLS calls, how `autopar calibrate` reduces its own reference time
-(`autopar.calibrate.reference_time`), so the two compare like with like. (Calibrate took
+(`autopar.calibrate_rank.reference_time`), so the two compare like with like. (Calibrate took
 the fastest of 3 windows of 5 calls before, 10-15% slower on an unchanged machine, and
 every prediction here was scaled down by that.)"""
 ORDERS = ("random", "rotate")
@@ -225,7 +225,7 @@ def _worker(rank: int, spec: str, world_cases: list[SweepCase], warmup: int, tim
     import torch.distributed as dist
 
     import autopar
-    from autopar.calibrate import reference_workload
+    from autopar.calibrate_rank import reference_workload
     from autopar.models import resolve
 
     ranks = min(REFERENCE_RANKS, dist.get_world_size())
@@ -451,7 +451,7 @@ def at_load(hardware: Any, load: float) -> Any:
     small autograd ops, a copy): it says nothing of gloo. Measured in the other direction:
     the reference workload's gloo all-reduce, when it had one, ran 20% faster inside a
     process that had built and stepped training programs than at the start of a
-    calibration, while its local parts ran the same (`autopar.calibrate.reference_workload`).
+    calibration, while its local parts ran the same (`autopar.calibrate_rank.reference_workload`).
     So the load scales the local work, not the whole prediction."""
     from dataclasses import replace
 

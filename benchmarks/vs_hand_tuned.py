@@ -13,7 +13,7 @@ into a step time by the pipeline formulas of solver/stage_dp.py:
            gpipe | 1f1b | interleaved v2, recompute none | selective | full), stages cut evenly,
            every stage the template layout: data parallel over dp (ZeRO-1: the weights'
            update sharded over it; ZeRO-3: the weights too), every weight sharded over tp, the ILP placing the rest on the stage's
-           (dp, tp) submesh (pipeline_search._StageCostCache: the stage costs the search itself
+           (dp, tp) submesh (pipeline_stages.StageCostCache: the stage costs the search itself
            uses, the solve the runtime's stages run).
 - hand:    the published configuration priced as one grid point (ZeRO-2 priced as ZeRO-1's
            layout, solver/forced.py; unstated micro-batch, interleave chunks and
@@ -45,12 +45,15 @@ import cost_model  # noqa: E402
 from autopar.cluster import GIB, Cluster  # noqa: E402
 from autopar.config import ParallelConfig  # noqa: E402
 from autopar.models import resolve  # noqa: E402
-from autopar.plan import InfeasiblePlanError, Plan, describe_config  # noqa: E402
+from autopar.explain import describe_config  # noqa: E402
+from autopar.plan import InfeasiblePlanError, Plan  # noqa: E402
 from autopar.trace import trace_model  # noqa: E402
 from cost_model import core_share  # noqa: E402
 from solver import forced  # noqa: E402
-from solver.pipeline_search import (  # noqa: E402
-    MAX_RANK_MICROBATCH, ZERO_CHOICES, _StageCostCache, boundary_p2p_s, pipeline_loss_report_s, search, whole_nodes)
+from solver.pipeline_search import search  # noqa: E402
+from solver.pipeline_stages import (  # noqa: E402
+    MAX_RANK_MICROBATCH, ZERO_CHOICES, StageCostCache, boundary_p2p_s, pipeline_loss_report_s, whole_nodes)
+from solver.search_config import SearchConfig  # noqa: E402
 from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
@@ -145,7 +148,7 @@ def even_cuts(num_layers: int, pp: int, chunks: int) -> tuple[int, ...] | None:
     return None if any(n % chunks for n in cuts) else cuts
 
 
-class GridCache(_StageCostCache):
+class GridCache(StageCostCache):
     """The search's stage costs plus the forced one-stage solves of the grid (memoised)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -377,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                     hand = got
         t0 = time.perf_counter()
         try:
-            result = search(trace_at, cluster, global_batch=job.global_batch, model=job.spec, fingerprint="-",
-                            family=source.family, num_layers=L)
+            result = search(trace_at, cluster, SearchConfig(global_batch=job.global_batch, model=job.spec,
+                                                            fingerprint="-", family=source.family, num_layers=L))
         except InfeasiblePlanError as exc:
             skipped.append(f"{label}: autopar found no fitting plan ({exc})")
             continue

@@ -45,7 +45,7 @@ Math, for node n under strategy s on a mesh with axis sizes (n_1..n_k):
                      of its bucket's latency, plus copying its local bytes into the bucket
                      (`bucket_copy_s_per_byte`). The program runs one collective per bucket,
                      however small, so a bucket's members pay one whole latency together:
-                     in the plan's price (solver/intra_op/ilp.py `_extract`) each pays its
+                     in the plan's price (solver/intra_op/solution.py `extract_solution`) each pays its
                      bytes over its real bucket's; in the ILP's objective, before the
                      buckets are known, over the bucket it is expected to share
                      (`expected_bucket_bytes`: the bucket autopar/buckets.py would put it in

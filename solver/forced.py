@@ -114,7 +114,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     from this solve of the whole traced step (solver/pipeline_search.py), so what a stage
     is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage); `space`:
     the graph's strategy enumeration on this mesh, where the caller has it; `prune_memo`:
-    solver/intra_op/ilp.py prune_gather_free's, shared by the caller's solves."""
+    solver/intra_op/restrict.py prune_gather_free's, shared by the caller's solves."""
     from solver.intra_op.ilp import solve_intra_op
 
     base = keep_placeholder(config, update_free=update_free)

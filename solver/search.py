@@ -42,16 +42,16 @@ from typing import Any, Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
+from autopar.explain import describe_config
 from autopar.plan import (
-    GIB,
     Alternative,
     InfeasiblePlanError,
     IntraOpChoice,
     Plan,
     SearchInfo,
     StageInfo,
-    describe_config,
 )
+from autopar.units import GIB
 from cost_model import Estimate, state_bytes_per_param
 from solver.inter_op import StageWork, cut_candidates, stage_work
 

@@ -46,7 +46,7 @@ from autopar.plan import (
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
-from solver.intra_op.ilp import CutoffExceeded
+from solver.intra_op.backend import CutoffExceeded
 from solver.search import Ranked
 from solver.intra_op.space import coverage, enumerate_strategies
 
@@ -356,7 +356,7 @@ def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple
     return tuple(out.items())
 
 
-def _plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,
+def spmd_plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, global_batch: int, model: str,
           fingerprint: str, num_candidates: int, not_fit: int) -> Plan:
     graph, est = best.graph, best.estimate
     first = ranked[0]

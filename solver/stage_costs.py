@@ -327,7 +327,7 @@ def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, dou
     instead of scaling with the batch (MPT-760m at 768 sequences: the plain scaling said
     94.9 GiB where a 74.3 GiB plan exists). Without it (or if the graphs differ in
     shape), every activation scales with `scale`."""
-    from solver.intra_op.ilp import live_intervals
+    from solver.intra_op.liveness import live_intervals
 
     aliases = {alias for alias, _ in graph.tied_params}
     derived = graph.parameter_derived()

@@ -89,7 +89,7 @@ class StageOption:
     post_s: float
     p2p_s: float
     """One boundary's messages per microbatch: every value crossing it sent forward, the
-    gradients sent back (solver/pipeline_search.py boundary_p2p_s)."""
+    gradients sent back (solver/pipeline_stages.py boundary_p2p_s)."""
     pre_state_bytes: float
     layer_state_bytes: float
     post_state_bytes: float
@@ -277,6 +277,19 @@ def _shortest(gathered: np.ndarray, bound: float, num_layers: int) -> tuple[floa
     return float(F[L]), cuts
 
 
+def _least_feasible_bound(gathered: np.ndarray, bounds: np.ndarray, num_layers: int) -> int:
+    """The index of the smallest bound in `bounds` (sorted) under which the cuts have a path
+    (`_shortest`): feasibility is monotone in the bound, so found by bisection."""
+    lo, hi = 0, len(bounds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _shortest(gathered, float(bounds[mid]), num_layers) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, options: Sequence[StageOption],
                    schedule: Schedule, memory_budget_bytes: float,
                    tables: Sequence[np.ndarray] | None = None, cutoff_s: float = math.inf,
@@ -329,15 +342,8 @@ def solve_pipeline(num_layers: int, num_stages: int, num_microbatches: int, opti
     if scale * s_free >= cutoff_s:
         return None
     bounds = np.unique(tmin[np.isfinite(tmin)])
-    # feasibility is monotone in the bound: find the smallest feasible one by bisection,
-    # then scan upwards while a larger bound can still pay for itself
-    lo, hi = 0, len(bounds) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _shortest(gathered, float(bounds[mid]), L) is None:
-            lo = mid + 1
-        else:
-            hi = mid
+    # from the smallest feasible bound, scan upwards while a larger bound can still pay for itself
+    lo = _least_feasible_bound(gathered, bounds, L)
     best: list[int] | None = None
     best_t = cutoff_s
     for bound in bounds[lo:]:

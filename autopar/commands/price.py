@@ -1,7 +1,7 @@
 """`autopar price MODEL --cluster ... --global-batch B [config flags]`, or
 `autopar price --plan plan.json`: the step time and memory of one configuration.
 
-The price is the search's own (solver/pipeline_search.py `Fixed`): the model is traced as
+The price is the search's own (solver/search_config.py `Fixed`): the model is traced as
 the search traces it (float32 on the cpu profile, else bfloat16), the intra-op ILP places
 every op under the configuration's rules (solver/forced.py) and, for pp > 1, the stage DP
 cuts the layers and prices the schedule. So a configuration priced here and the same

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from autopar.api import search_plans
-from autopar.plan import GIB
+from autopar.units import GIB
 from solver.search import ProgressFn
 
 

@@ -156,7 +156,8 @@ def _tokens_per_step(job: TrainJob) -> tuple[int, str]:
     return batch_size(example) * seq, throughput_unit(seq)
 
 
-def run(args: argparse.Namespace) -> int:
+def _resume_requested(args: argparse.Namespace) -> bool:
+    """Whether this run resumes from a checkpoint; the checkpoint flags checked together."""
     resume = args.resume or args.resume_if_exists
     if (args.save_every or resume) and not args.checkpoint_dir:
         flag = "--save-every" if args.save_every else "--resume" if args.resume else "--resume-if-exists"
@@ -164,16 +165,44 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir and not (args.save_every or resume):
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} given without --save-every K or --resume; add "
                          "--save-every K to write checkpoints, --resume to continue from one")
-    torchrun = launched_by_torchrun()
-    if torchrun:
-        import torch.distributed as dist
+    return resume
 
-        init_from_env()
-        devices = dist.get_world_size()
-        if args.devices != devices:
-            raise ValueError(f"--devices {args.devices} but torchrun started {devices} ranks; make them equal")
-    else:
-        devices = args.devices
+
+def _num_devices(args: argparse.Namespace, torchrun: bool) -> int:
+    """The job's ranks: torchrun's world (joined here, and checked against --devices), else --devices."""
+    if not torchrun:
+        return args.devices
+    import torch.distributed as dist
+
+    init_from_env()
+    devices = dist.get_world_size()
+    if args.devices != devices:
+        raise ValueError(f"--devices {args.devices} but torchrun started {devices} ranks; make them equal")
+    return devices
+
+
+def _model_and_batch(args: argparse.Namespace, source: Any, config: ParallelConfig, plan: Any) -> tuple[Any, Any, int]:
+    """(model, a factory's example inputs or None, global batch): a factory's inputs fix the
+    batch, which must agree with --global-batch and the plan; a preset's is the flag's, else
+    one sequence per data-parallel rank and pipeline stage per micro-batch."""
+    if source.factory is None:
+        return source.build(), None, args.global_batch or config.dp * config.micro_batch * config.pp
+    model, example = source.factory()
+    global_batch = batch_size(example)
+    if args.global_batch not in (None, global_batch):
+        raise ValueError(f"--global-batch {args.global_batch} but factory {args.model!r} gives batches of "
+                         f"{global_batch}; drop --global-batch")
+    if plan is not None and plan.global_batch != global_batch:
+        raise ValueError(f"plan {args.plan} was searched for a global batch of {plan.global_batch} but factory "
+                         f"{args.model!r} gives batches of {global_batch}; search again with --global-batch "
+                         f"{global_batch}")
+    return model, example, global_batch
+
+
+def run(args: argparse.Namespace) -> int:
+    resume = _resume_requested(args)
+    torchrun = launched_by_torchrun()
+    devices = _num_devices(args, torchrun)
     plan = None
     if args.plan:
         config, stage_layers, plan = _plan_config(args)
@@ -189,19 +218,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         config, stage_layers = config_from_flags(args, devices), None
     source = resolve(args.model).with_overrides(seq=args.seq)
-    if source.factory is not None:
-        model, example = source.factory()
-        global_batch = batch_size(example)
-        if args.global_batch not in (None, global_batch):
-            raise ValueError(f"--global-batch {args.global_batch} but factory {args.model!r} gives batches of "
-                             f"{global_batch}; drop --global-batch")
-        if plan is not None and plan.global_batch != global_batch:
-            raise ValueError(f"plan {args.plan} was searched for a global batch of {plan.global_batch} but factory "
-                             f"{args.model!r} gives batches of {global_batch}; search again with --global-batch "
-                             f"{global_batch}")
-    else:
-        model = source.build()
-        global_batch = args.global_batch or config.dp * config.micro_batch * config.pp
+    model, example, global_batch = _model_and_batch(args, source, config, plan)
     num_microbatches = check_job(model, config, num_devices=devices, global_batch=global_batch,
                                  stage_layers=stage_layers)
     if resume:

@@ -45,7 +45,7 @@ def _worker(rank: int, spec: str, cases: list[Any], warmup: int, rounds: int) ->
 
     import autopar
     from benchmarks import sweep_cpu as sc
-    from autopar.calibrate import reference_time, reference_workload
+    from autopar.calibrate_rank import reference_time, reference_workload
     from autopar.models import resolve
 
     # the machine's speed now, as the sweep times it (on REFERENCE_RANKS ranks; the others

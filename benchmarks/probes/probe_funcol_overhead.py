@@ -43,7 +43,7 @@ def _rank(rank: int, windows: int) -> dict[tuple[str, int, int, str], float]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from autopar.calibrate import COLLECTIVE_BYTES, COLLECTIVE_REPEATS
+    from autopar.calibrate_rank import COLLECTIVE_BYTES, COLLECTIVE_REPEATS
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     n = dist.get_world_size()

@@ -8,7 +8,7 @@ The CPU time of all ranks per step (process CPU, gloo's threads included), less 
 of the same modules' forward+backward run M times without the schedule, divided by the
 messages, is what a message costs with the schedule's own work around it (sender and
 receiver together). The pipeline search prices each side of a message at the link's
-latency plus bytes over bandwidth (solver/pipeline_search.py boundary_p2p_s).
+latency plus bytes over bandwidth (solver/pipeline_stages.py boundary_p2p_s).
 
 Run: .venv/bin/python benchmarks/probes/probe_pipeline_messages.py [--ranks 2 4 8] [--microbatches 8]
 """

@@ -144,7 +144,7 @@ def test_bad_profiles_are_user_errors(tmp_path) -> None:
 def test_reference_time_is_the_fastest_window_of_the_sweeps_shape() -> None:
     """`reference_s` and the sweep's reference timings are reduced alike: the fastest of
     REFERENCE_WINDOWS windows of REFERENCE_CALLS calls (one warm-up call first)."""
-    from autopar import calibrate
+    from autopar import calibrate_rank as calibrate
 
     clock = {"t": 0.0}
     calls = []

@@ -63,7 +63,7 @@ def test_a_plan_says_where_ranks_only_repeat_the_step():
     from autopar.cluster import Cluster
     from autopar.trace import trace_step
     from solver.intra_op.ilp import solve_intra_op
-    from solver.pipeline_search import repeated_axes
+    from solver.pipeline_plans import repeated_axes
 
     from autopar.placement import Replicate, Shard
 

@@ -16,7 +16,8 @@ from autopar.cluster import Cluster
 from autopar.models import resolve
 from autopar.plan import Plan
 from autopar.trace import trace_model
-from solver import pipeline_search
+from solver import pipeline_search, pipeline_stages
+from solver.search_config import SearchConfig
 from solver.stage_costs import lower_bound_s
 
 SPEC = "llama:layers=8,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=512,seq=256"
@@ -60,8 +61,8 @@ def searched():
         return trace_model(source, batch=g, dtype="bfloat16", layers_traced=2, recompute=recompute)
 
     cluster = Cluster.parse("h100:1x4")
-    result = pipeline_search.search(trace_at, cluster, global_batch=16, model=SPEC, fingerprint="f",
-                                    family="llama", top=5, num_layers=8, min_pp=2)
+    result = pipeline_search.search(trace_at, cluster, SearchConfig(global_batch=16, model=SPEC, fingerprint="f",
+                                                                    family="llama", top=5, num_layers=8, min_pp=2))
     return result, traces, cluster
 
 
@@ -101,10 +102,10 @@ def test_unrunnable_candidates_are_kept_with_reasons():
     the uniform ones on a runtime schedule carry none."""
     source = resolve(SPEC)
     cluster = Cluster.parse("h100:1x4")
-    cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
+    cache = pipeline_stages.StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
                                                                   layers_traced=2), cluster, 16, {}, None)
-    cand = pipeline_search.PipelineCandidate(pp=2, microbatch=4, num_microbatches=4)
-    results = pipeline_search.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8,
+    cand = pipeline_stages.PipelineCandidate(pp=2, microbatch=4, num_microbatches=4)
+    results = pipeline_stages.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8,
                                                        info=cache.graph(1).model)
     reasons = {r.schedule.name: r.reason for r in results if len({(s.mesh, s.zero, rc) for s, rc in r.stages}) == 1}
     assert "zbv" in (reasons.get("zbv") or "") and reasons["1f1b"] is None and reasons["gpipe"] is None
@@ -125,13 +126,13 @@ def test_stage_ilps_are_memoised(searched, monkeypatch):
     monkeypatch.setattr(forced, "solve_stage", counting)
     source = resolve(SPEC)
     cluster = Cluster.parse("h100:1x4")
-    cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
+    cache = pipeline_stages.StageCostCache(lambda g: trace_model(source, batch=g, dtype="bfloat16",
                                                                   layers_traced=2), cluster, 16, {}, None)
     ref = cache.graph(1)
-    cands = pipeline_search.pipeline_candidates(cluster, 16, 8)
+    cands = pipeline_stages.pipeline_candidates(cluster, 16, 8)
     assert {c.pp for c in cands} == {2, 4}, cands
     for cand in cands:
-        pipeline_search.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8, info=ref.model)
+        pipeline_stages.solve_pipeline_candidate(cand, cache, cluster, family="llama", num_layers=8, info=ref.model)
     assert calls and len(calls) == len(set(calls)), calls
 
 
@@ -165,7 +166,7 @@ def test_a_stage_is_priced_by_the_solve_its_chunks_run():
             entry = run.setdefault(key, [0, 0])
             entry[0] += calls
             entry[1] += nbytes
-    cache = pipeline_search._StageCostCache(lambda g: trace_model(source, batch=g, dtype="float32"), cluster,
+    cache = pipeline_stages.StageCostCache(lambda g: trace_model(source, batch=g, dtype="float32"), cluster,
                                             global_batch, {}, None)
     priced = priced_per_step(cache.get((dp, tp), rows, 0).solution, m, ("dp", "tp"))
     assert ("all_reduce", "dp") in priced and any(axis == "tp" for _, axis in priced), priced
@@ -220,10 +221,10 @@ def test_candidate_meshes_and_stages_are_what_the_pricing_can_express():
     two_nodes = {c.mesh for c in candidates(Cluster.parse("a100-80gb:2x8"), 16, 16)}
     assert (1, 16) not in two_nodes and (2, 8) in two_nodes
     big = Cluster.parse("a100-80gb:315x8")
-    pps = {c.pp for c in pipeline_search.pipeline_candidates(big, 2520, 105)}
+    pps = {c.pp for c in pipeline_stages.pipeline_candidates(big, 2520, 105)}
     assert 2 not in pps and 35 in pps
-    assert all(pipeline_search.whole_nodes(big, big.num_devices // p) for p in pps)
-    assert {c.pp for c in pipeline_search.pipeline_candidates(Cluster.parse("cpu:8"), 16, 4)} == {2, 4}
+    assert all(pipeline_stages.whole_nodes(big, big.num_devices // p) for p in pps)
+    assert {c.pp for c in pipeline_stages.pipeline_candidates(Cluster.parse("cpu:8"), 16, 4)} == {2, 4}
 
 
 def test_pipelines_pay_the_reported_loss(searched):
@@ -258,10 +259,10 @@ def test_boundary_p2p_pays_core_sharing_once():
     for profile, low, high in ((linear, 4.0, 4.0), (hw, 4.0 ** g, 4.0)):
         shared = Cluster.parse("cpu:8", hardware=profile)
         dedicated = Cluster.parse("cpu:8", hardware=replace(profile, cores_per_node=8))
-        got = pipeline_search.boundary_p2p_s(shared, 4, 2, messages)
+        got = pipeline_stages.boundary_p2p_s(shared, 4, 2, messages)
         link = cost_model.mesh_axis_links(shared, (4, 2))[0]
         assert got == pytest.approx(2 * one(64 * 1024, link) + one(8192, link))
-        ratio = got / pipeline_search.boundary_p2p_s(dedicated, 4, 2, messages)
+        ratio = got / pipeline_stages.boundary_p2p_s(dedicated, 4, 2, messages)
         assert low * (1 - 1e-9) <= ratio <= high * (1 + 1e-9)
 
 
@@ -314,19 +315,20 @@ def test_every_stage_option_pays_the_chunk_calls_host_time(monkeypatch):
     expected = cost_model.pipeline_call_time_s(cluster)
     assert expected == pytest.approx(2 * 3e-4)
     seen = []
-    real = pipeline_search.solve_pipeline
+    real = pipeline_stages.solve_pipeline
 
     def spy(num_layers, pp, m, options, *args, **kw):
         seen.extend(o.call_s for o in options)
         return real(num_layers, pp, m, options, *args, **kw)
 
-    monkeypatch.setattr(pipeline_search, "solve_pipeline", spy)
+    monkeypatch.setattr(pipeline_stages, "solve_pipeline", spy)
     spec = "llama:layers=4,hidden=64,heads=4,kv_heads=4,ffn=128,vocab=128,seq=16"
     source = resolve(spec)
     result = pipeline_search.search(
         lambda g, recompute="none": trace_model(source, batch=g, dtype="float32", layers_traced=2,
                                                 recompute=recompute),
-        cluster, global_batch=8, model=spec, fingerprint="f", family="llama", top=3, num_layers=4, min_pp=2)
+        cluster, SearchConfig(global_batch=8, model=spec, fingerprint="f", family="llama", top=3, num_layers=4,
+                              min_pp=2))
     assert result.ranked and seen and all(c == pytest.approx(expected) for c in seen)
 
 
@@ -439,3 +441,17 @@ def _trace_tokens(rows: int):
 
     torch.manual_seed(0)
     return trace_step(_Tokens(time_major=False), _tokens_batch(rows))[1]
+
+
+def test_search_config_is_frozen_keyword_only_and_validated():
+    """The planner's input: built by keyword only, never changed, nonsense refused with what was given."""
+    import dataclasses
+
+    config = SearchConfig(global_batch=8, model="llama-small", fingerprint="f")
+    assert (config.top, config.min_pp, config.max_pp, config.fixed, config.family) == (5, 1, None, None, "")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SearchConfig(8, "llama-small", "f")  # type: ignore[misc]
+    with pytest.raises(ValueError, match="got 8, 0, "):
+        SearchConfig(global_batch=8, model="llama-small", fingerprint="f", top=0)

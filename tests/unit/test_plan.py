@@ -276,7 +276,8 @@ def test_weight_update_placements_round_trip_and_explain() -> None:
     applied at build and `explain` names the ZeRO-1 layout per layer group."""
     from types import SimpleNamespace
 
-    from autopar.plan import OpPlacement, StagePlacements, summarize_placements
+    from autopar.explain import summarize_placements
+    from autopar.plan import OpPlacement, StagePlacements
     from autopar.placement import Replicate, Shard
 
     ops = (OpPlacement(key="N0", op="placeholder", outputs=("(R, S(0))",), inputs=(), update="(S(1), S(0))"),

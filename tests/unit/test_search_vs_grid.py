@@ -12,6 +12,7 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.trace import trace_model
 from solver.pipeline_search import search
+from solver.search_config import SearchConfig
 
 from benchmarks import vs_hand_tuned
 
@@ -38,8 +39,8 @@ def test_search_never_worse_than_grid_or_hand(memory_gb, traces):
     batch = 16
     info = trace_at(1).model
     cache = vs_hand_tuned.GridCache(trace_at, cluster, batch, {}, None)
-    result = search(trace_at, cluster, global_batch=batch, model=SPEC, fingerprint="-", family="llama",
-                    num_layers=info.num_layers)
+    result = search(trace_at, cluster, SearchConfig(global_batch=batch, model=SPEC, fingerprint="-", family="llama",
+                                                    num_layers=info.num_layers))
     best = result.plan.predicted.step_time_s
     grid = vs_hand_tuned.grid(cache, cluster, batch, info)
     assert grid is not None and grid.fits

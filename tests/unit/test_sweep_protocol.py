@@ -71,7 +71,7 @@ def test_load_factor_takes_the_fastest_reference_window():
 def test_reference_reduced_as_calibrate_reduces_it():
     """The sweep's reference timings (one window per timed round, the fastest) are the
     estimator of `Calibration.reference_s`: same window length, same number of windows."""
-    from autopar import calibrate
+    from autopar import calibrate_rank as calibrate
 
     assert sweep_cpu.REFERENCE_CALLS == calibrate.REFERENCE_CALLS
     assert sweep_cpu.TIMED_ROUNDS == calibrate.REFERENCE_WINDOWS

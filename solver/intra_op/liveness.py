@@ -1,0 +1,75 @@
+"""Liveness for the intra-op ILP's memory rows: which tensors are live when.
+
+Where it sits: read by solver/intra_op/ilp.py (its `memory/t=T` rows) and by
+solver/stage_costs.py (a stage's activation memory), so both count the same tensors.
+Parameters count at every point; an activation counts from its producer to its last user,
+a view aliasing its base. The rows check the MEMORY_POINTS times with the largest
+replicated live bytes: sharding scales tensors unevenly, so this is a heuristic for the
+true peak, exact at the checked points.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+from autopar.ir import Graph, NodeId, Role
+from cost_model import CostTable
+from solver.intra_op.sharing import Reduction
+
+MEMORY_POINTS = 4
+"""Liveness points checked by memory rows (largest replicated live bytes first)."""
+
+
+def live_intervals(graph: Graph, nodes: Sequence[NodeId]) -> tuple[list[NodeId], list[NodeId], dict[NodeId, NodeId]]:
+    """What the memory rows count, over `nodes` (in order): (parameters, live tensors, the
+    last use of each live tensor). A view aliases its base, which lives until the last use
+    of any alias; gradients and multi-output nodes own no storage of their own."""
+    active = set(nodes)
+    end = {n: n for n in nodes}
+    base: dict[NodeId, NodeId] = {}
+    for n in nodes:  # views alias their base tensor; the base lives until the last alias use
+        node = graph[n]
+        if node.is_view and node.op not in ("getitem", "placeholder") and node.inputs and node.inputs[0] in active:
+            base[n] = base.get(node.inputs[0], node.inputs[0])
+        else:
+            base[n] = n
+        for u in node.inputs:
+            if u in active:
+                end[base[u]] = max(end[base[u]], n)
+    static, live = [], []
+    for n in nodes:
+        node = graph[n]
+        if node.role is Role.PARAMETER:
+            static.append(n)
+        elif base[n] == n and node.role is not Role.GRADIENT and len(node.outputs) == 1 \
+                and node.op != "placeholder" or node.role in (Role.INPUT, Role.TANGENT):
+            live.append(n)
+    return static, live, end
+
+
+def memory_terms(graph: Graph, table: CostTable, red: Reduction) -> list[tuple[int, dict[NodeId, list[float]]]]:
+    """Per checked time point T: coefficients mem[o][j] of the live bytes at T."""
+    static, live, end = live_intervals(graph, red.active)
+    # replicated profile via a sweep over interval starts/ends
+    delta: dict[int, float] = defaultdict(float)
+    for n in live:
+        full = graph.weight(n) * graph[n].output.size_bytes
+        delta[n] += full
+        delta[end[n] + 1] -= full
+    profile, running = {}, 0.0
+    for t in red.active:
+        running += delta.get(t, 0.0)
+        profile[t] = running
+    points = sorted(sorted(profile, key=lambda t: (-profile[t], t))[:MEMORY_POINTS])
+    terms = []
+    for t in points:
+        coef: dict[NodeId, list[float]] = {}
+        for n in static + [m for m in live if m <= t <= end[m]]:
+            o = red.owner[n]
+            row = coef.setdefault(o, [0.0] * len(red.smap[o]))
+            w = graph.weight(n)
+            for j, s in enumerate(red.smap[n]):
+                row[j] += w * table.nodes[n][s].memory_bytes
+        terms.append((t, coef))
+    return terms

@@ -1,0 +1,139 @@
+"""Reading the intra-op ILP's solution: per-node choices, costs and collectives.
+
+Where it sits: the last step of `solve_intra_op` (solver/intra_op/ilp.py). The chosen
+strategies are priced again from the cost table and the reshard pricer, not read off the
+solver's objective (which carries tie-breakers and expected, not real, bucket sizes):
+what this returns is what the program runs, collective by collective, and what the
+search ranks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from autopar.buckets import UPDATE_PHASE, gather_group, gather_share
+from autopar.cluster import Cluster
+from autopar.ir import Graph, NodeId, Role
+from autopar.placement import Placements
+from autopar.sharding import CostBreakdown, IntraOpSolution, NodeChoice, PricedCollective
+from cost_model import CostTable, ReshardPricer
+from solver.intra_op.collective_groups import (
+    gradient_bucket_shares,
+    gradient_sync_collectives,
+    layer_parameter_bytes,
+    param_gather_bytes,
+    update_gather,
+)
+from solver.intra_op.sharing import Reduction
+
+
+def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, pick: dict[NodeId, int],
+                    reshard: dict[NodeId, float], grad_sync_weight: float) -> list[PricedCollective]:
+    """The gathers of updated weights the chosen placements imply, once per step (charged to
+    each parameter's `reshard`, weighted like the gradient sync): one flat all-gather per
+    (layer, axis, dtype) group of single-axis gathers, as codegen/apply.py `_WeightGather`
+    runs them; any other gather on its own. A traced layer's group stands for `weight`
+    real layers' groups."""
+    group_bytes = layer_parameter_bytes(graph)
+    groups: dict[tuple, list[PricedCollective]] = {}
+    out: list[PricedCollective] = []
+    for n in red.active:
+        node = graph[n]
+        if node.role is not Role.PARAMETER:
+            continue
+        strategy = space[n][pick[n]]
+        got = update_gather(pricer, node.output, strategy, group_bytes.get(node.layer, 0.0))
+        assert got is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
+        reshard[n] += got[0] * grad_sync_weight
+        axis = pricer.gather_axis(node.output, strategy.update, strategy.outputs[0]) if got[1] else None
+        for c in got[1]:
+            one = PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes, weight=graph.weight(n),
+                                   gradient_sync=True)
+            if axis is None:
+                out.append(one)
+            else:
+                groups.setdefault(gather_group(node.layer, UPDATE_PHASE, axis, node.output.dtype), []).append(one)
+    for members in groups.values():
+        first = members[0]
+        out.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
+                                    bytes=sum(c.bytes for c in members), weight=first.weight, gradient_sync=True))
+    return out
+
+
+def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
+             chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
+             budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
+    """Per-node choices, costs and collectives recomputed from the chosen strategies (not
+    from the solver's objective)."""
+    active = set(red.active)
+    pick = {n: red.smap[n][chosen[red.owner[n]]] for n in red.active}
+    reshard: dict[NodeId, float] = defaultdict(float)
+    collectives: list[PricedCollective] = []
+
+    group_bytes = param_gather_bytes(graph)
+    derived = graph.parameter_derived()
+    groups: dict[tuple, dict[tuple, Any]] = {}  # gather group -> {(param, src, dst): collective}
+
+    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements) -> float:
+        meta = graph[u].output
+        steps = pricer.collectives(meta, src, dst)
+        assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
+        if u in derived:
+            axis = pricer.gather_axis(meta, src, dst)
+            if axis is not None:  # one flat all-gather per group, each parameter once in it
+                members = groups.setdefault(gather_group(graph[v].layer, graph[v].phase.value, axis, meta.dtype), {})
+                if (u, src, dst) in members:
+                    return 0.0  # gathered once for its group: its first reader paid
+                members[(u, src, dst)] = PricedCollective(src=u, dst=v, kind="all_gather", axis=axis,
+                                                          bytes=steps[0].bytes, weight=graph.weight(v))
+                share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
+                return pricer.gather_time(meta, src, dst, share) or 0.0
+        for c in steps:
+            collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
+                                                weight=graph.weight(v)))
+        return pricer(meta, src, dst) or 0.0
+
+    for v in red.active:
+        for p, u in enumerate(graph[v].inputs):
+            if u in active and len(graph[u].outputs) == 1:
+                reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p])
+    for buf, value in graph.buffer_updates:
+        if buf in active and value in active:
+            reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0])
+    for members in groups.values():
+        first = next(iter(members.values()))
+        collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
+                                            bytes=sum(c.bytes for c in members.values()), weight=first.weight))
+    syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
+    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
+    shares = gradient_bucket_shares(graph, sync_items, pricer)
+    for param, grad in syncs:
+        t = pricer.grad_sync_time(graph.grad_meta(grad), space[grad][pick[grad]].outputs[0],
+                                  space[param][pick[param]].update_placements, share=shares.get(grad)) or 0.0
+        reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
+    grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)
+    if meta.get("grads_each_microbatch"):  # ZeRO-2: every microbatch syncs them, as its edges
+        grad_syncs = [replace(c, gradient_sync=False) for c in grad_syncs]
+    collectives.extend(grad_syncs)
+    collectives.extend(update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight))
+    choices = []
+    compute = comm = resh = 0.0
+    for n in red.active:
+        node, s, c = graph[n], space[n][pick[n]], table.nodes[n][pick[n]]
+        w = graph.weight(n)
+        compute += w * c.compute_s
+        comm += w * c.comm_s
+        resh += w * reshard[n]
+        choices.append(NodeChoice(node=n, name=node.name, op=node.op, outputs=s.outputs, inputs=s.inputs,
+                                  compute_s=c.compute_s, comm_s=c.comm_s, reshard_s=reshard[n],
+                                  memory_bytes=c.memory_bytes, weight=w, update=s.update))
+    peak = 0.0
+    for _t, coef in terms:
+        peak = max(peak, sum(row[chosen[o]] for o, row in coef.items()))
+    cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh,
+                         peak_memory_bytes=peak)
+    return IntraOpSolution(graph_fingerprint=graph.fingerprint(), cluster=cluster.spec, mesh_shape=mesh_shape,
+                           choices=tuple(choices), cost=cost, memory_budget_bytes=budget,
+                           collectives=tuple(collectives), grad_sync_weight=grad_sync_weight, **meta)
