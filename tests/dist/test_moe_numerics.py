@@ -4,12 +4,12 @@ World 4, mesh (dp 2, tp 2) from the forced configuration `--dp 2 --tp 2` (solver
 The model (autopar/models/moe.py) dispatches GShard-style: routing masks from topk, a
 one-hot and cumsum, dispatch `einsum('gsec,gsm->egcm')`, experts as batched matmuls over
 the expert dim e, combine `einsum('gsec,egcm->gsm')`. On this mesh the ILP splits the
-expert weights [E, d, f] on e over the tp axis: expert parallelism over that axis, each
-rank computing its own experts' slots of every group it holds (the groups split by dp),
-the combine a pending sum over the axis. 3 AdamW steps, 2 microbatches per step: losses
-equal the single-process reference (rtol 1e-4), parameters stay close (atol 1e-3), and
-the collectives each rank's program runs per step (kind, mesh axis, calls, bytes) equal
-those the ILP priced.
+expert weights [E, d, f] on e over the tp axis (expert parallelism over that axis) and
+moves the routed tokens between the group split and the expert split with DTensor's
+all-to-all on that axis (which gloo runs as an all-gather and a local chunk, priced so).
+3 AdamW steps, 2 microbatches per step: losses equal the single-process reference (rtol
+1e-4), parameters stay close (atol 1e-3), and the collectives each rank's program runs
+per step (kind, mesh axis, calls, bytes) equal those the ILP priced.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from autopar.models import resolve
 from autopar.placement import Shard
 from autopar.runtime.jobs import TrainJob, reference_run, train_worker
 from autopar.runtime.launch import spawn
-from autopar.runtime.spmd import solve_config
+from autopar.runtime.spmd import priced_per_step, solve_config
 from autopar.trace import trace_step
+from cost_model.table import Collective, reshard_collectives
 
 pytestmark = pytest.mark.dist
 
@@ -50,26 +51,57 @@ def run():
 
 
 @pytest.fixture(scope="module")
-def expert_placements():
-    """The compute placements the ILP gives the expert weights under CONFIG, solved as rank
-    0 solves them when it builds (autopar/runtime/spmd.py build_spmd_program)."""
+def solved():
+    """The traced step and the ILP's solution for CONFIG, as rank 0 traces and solves them
+    when it builds (autopar/runtime/spmd.py build_spmd_program)."""
     source = resolve(MODEL)
-    torch.manual_seed(0)
     model = source.build()
     example = source.example_inputs(BATCH)
     rows = CONFIG.dp * CONFIG.micro_batch
     _, graph = trace_step(copy.deepcopy(model), batch_rows(example, 0, rows, batch_size(example)))
-    solution = solve_config(graph, CONFIG, Cluster.parse("cpu:1x4"), num_microbatches=BATCH // rows)
+    return graph, solve_config(graph, CONFIG, Cluster.parse("cpu:1x4"), num_microbatches=BATCH // rows)
+
+
+def _all_to_alls(graph, solution) -> list[tuple[str, str, Collective]]:
+    """(producer, consumer, priced collective) for each reshard inside a MoE layer that
+    DTensor's planner does with an all-to-all (a Shard -> Shard move on one axis): on gloo
+    DTensor runs it as an all-gather and a local chunk, and it is priced so."""
     chosen = {c.node: c for c in solution.choices}
-    nodes = (graph[i] for i in chosen)
-    return {n.param_name: chosen[n.id].outputs[0] for n in nodes
-            if n.op == "placeholder" and n.param_name and n.param_name.endswith(EXPERT_WEIGHTS)}
+    out = []
+    for c in solution.choices:
+        node = graph[c.node]
+        if not node.module_path.endswith(".moe"):
+            continue
+        for position, u in enumerate(node.inputs):
+            if u not in chosen or len(graph[u].outputs) != 1:
+                continue
+            meta, src, dst = graph[u].outputs[0], chosen[u].outputs[0], c.inputs[position]
+            plain = reshard_collectives(meta, src, dst, solution.mesh_shape, gloo=False) or ()
+            on_gloo = reshard_collectives(meta, src, dst, solution.mesh_shape, gloo=True) or ()
+            out.extend((graph[u].name, node.name, g) for p, g in zip(plain, on_gloo) if p.kind == "all_to_all")
+    return out
 
 
-def test_experts_are_sharded_on_the_expert_dim(expert_placements):
-    assert len(expert_placements) == 2 * len(EXPERT_WEIGHTS), expert_placements  # 2 layers
-    for name, placements in expert_placements.items():
+def test_experts_are_sharded_on_the_expert_dim(solved):
+    graph, solution = solved
+    chosen = {c.node: c for c in solution.choices}
+    experts = {n.param_name: chosen[n.id].outputs[0] for n in graph.nodes
+               if n.op == "placeholder" and n.param_name and n.param_name.endswith(EXPERT_WEIGHTS)}
+    assert len(experts) == 2 * len(EXPERT_WEIGHTS), experts  # 2 layers
+    for name, placements in experts.items():
         assert Shard(0) in placements, (name, placements)
+
+
+def test_tokens_reach_their_experts_by_all_to_all(solved):
+    """The plan moves the routed tokens between the group split and the expert split with
+    all-to-alls in the forward (dispatch or combine) and the backward, each priced."""
+    graph, solution = solved
+    moves = _all_to_alls(graph, solution)
+    phases = {graph[next(n.id for n in graph.nodes if n.name == consumer)].phase.name for _, consumer, _ in moves}
+    assert phases == {"FORWARD", "BACKWARD"}, moves
+    priced = {(graph[c.src].name, graph[c.dst].name, c.kind, c.axis, c.bytes) for c in solution.collectives}
+    for producer, consumer, c in moves:
+        assert (producer, consumer, c.kind, c.axis, c.bytes) in priced, (producer, consumer, c)
 
 
 def test_losses_and_parameters_match_the_reference(run):
@@ -86,8 +118,18 @@ def test_losses_and_parameters_match_the_reference(run):
         torch.testing.assert_close(value, ref_params[name], atol=1e-3, rtol=0, msg=name)
 
 
-def test_price_equals_run(run):
+def test_price_equals_run(run, solved):
+    """Every rank's program runs per step the collectives the ILP priced, by (kind, mesh
+    axis): calls and bytes; the solution inspected above is the one that ran (same priced
+    collectives), so its all-to-alls (all-gathers on gloo, on the tp axis) are among them."""
     per_rank, _ = run
+    graph, solution = solved
+    microbatches = BATCH // (CONFIG.dp * CONFIG.micro_batch)
+    assert priced_per_step(solution, microbatches, ("dp", "tp")) == per_rank[0].priced
+    moves = _all_to_alls(graph, solution)
+    assert moves and all(c.kind == "all_gather" and c.axis == 1 for _, _, c in moves)
+    calls, nbytes = per_rank[0].priced[("all_gather", "tp")]
+    assert calls >= microbatches * len(moves) and nbytes >= microbatches * sum(c.bytes for _, _, c in moves)
     for rank, r in enumerate(per_rank):
         assert r.priced is not None and r.collectives, f"rank {rank}"
         assert r.collectives == r.priced, f"rank {rank}"
