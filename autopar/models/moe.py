@@ -9,8 +9,10 @@ all layers.
 Why the dispatch is written this way (GShard, Lepikhin et al. 2020, arXiv 2006.16668,
 section 2.2 and its Algorithm 1): every shape is static, so the step traces on fake
 tensors and every op has a sharding strategy in DTensor's registry.
-- Groups: each sequence is one group (g = batch row, s = its tokens), so groups shard
-  with the batch wherever the batch is split (GShard's groups are a device's tokens).
+- Groups: a group is a run of `group_tokens` consecutive tokens of one sequence (by
+  default the whole sequence): g indexes (batch row, run), s the tokens of a run, so
+  groups split with the batch wherever the batch is split (GShard's groups are a
+  device's tokens).
 - Capacity: each expert takes at most C = ceil(capacity_factor * s * k / E) tokens of a
   group (`MoEConfig.capacity`). Slots are taken in priority order: every token's first
   choice before any second choice, earlier tokens first within a choice (GShard's
@@ -25,6 +27,13 @@ tensors and every op has a sharding strategy in DTensor's registry.
   sharded (Shard(g)) and the expert weights sharded on e, the change from Shard(g) to
   Shard(e) between dispatch and experts is DTensor's all-to-all: expert parallelism is a
   placement the intra-op ILP can choose, and the per-op program runs it.
+- Cost of the formulation: the masks are [g, s, E, C] and the dispatch and combine
+  einsums are dense, 2 * E * C * d FLOPs per token each, which grows with the group size
+  (C ~ capacity_factor * k * s / E). Against the experts' 6 * k * d * f forward FLOPs per
+  token that is 4 * capacity_factor * s / (6 f): 0.06 for Mixtral's sizes in groups of
+  1024 tokens, 1.3 for DeepSeek-V3's in groups of 4096, hence the large presets' smaller
+  groups. Systems that gather and scatter tokens by index (MegaBlocks, DeepSeek's
+  kernels) pay no such term; their data-dependent shapes are what this formulation avoids.
 
 Routing follows DeepSeek-V3 (arXiv 2412.19437, section 2.1.2) in its structure: shared
 experts every token passes through, plus top-k routed experts whose gates are the
@@ -67,6 +76,11 @@ class MoEConfig:
     shared_experts: int = 1
     """Experts every token passes through (DeepSeek's shared experts; 0 for Mixtral). They
     run as one SwiGLU of inner size shared_experts * expert_ffn."""
+    group_tokens: int = 0
+    """Tokens per routing group (GShard's group size); 0, or anything at least seq, means one
+    sequence per group. A smaller size must divide seq. The dispatch and combine einsums cost 2 * E * C * d FLOPs per token each, with C
+    proportional to the group size (module docstring), so long sequences route in smaller
+    groups."""
     capacity_factor: float = 1.25
     """Slots per expert per group, relative to an even split of the group's k*s choices
     (GShard, Switch Transformer); choices beyond capacity are dropped (module docstring)."""
@@ -93,6 +107,9 @@ class MoEConfig:
             raise ValueError("moe spec: kv_heads, expert_ffn and shared_experts must be >= 0")
         if self.heads % self.num_kv_heads:
             raise ValueError(f"moe spec: heads={self.heads} is not divisible by kv_heads={self.num_kv_heads}")
+        if self.group_tokens < 0 or (0 < self.group_tokens < self.seq and self.seq % self.group_tokens):
+            raise ValueError(f"moe spec: group_tokens={self.group_tokens} must divide seq={self.seq} (0: one "
+                             "sequence per group)")
         if not self.capacity_factor > 0:
             raise ValueError(f"moe spec: capacity_factor must be > 0, got {self.capacity_factor}")
 
@@ -110,13 +127,14 @@ class MoEConfig:
 
     @property
     def ffn(self) -> int:
-        """The shared experts' inner size (what the Llama attention/FFN helpers read)."""
+        """The shared experts' summed inner size."""
         return self.shared_experts * self.ffn_hidden
 
     @property
     def capacity(self) -> int:
-        """Slots per expert per group (one sequence of `seq` tokens)."""
-        return capacity(self.seq, self.top_k, self.experts, self.capacity_factor)
+        """Slots per expert per group of `group_tokens` (else `seq`) tokens."""
+        return capacity(min(self.group_tokens or self.seq, self.seq), self.top_k, self.experts,
+                        self.capacity_factor)
 
 
 def capacity(tokens_per_group: int, top_k: int, experts: int, capacity_factor: float) -> int:
@@ -152,12 +170,11 @@ def route(logits: torch.Tensor, top_k: int, slots: int) -> tuple[torch.Tensor, t
     by_priority = chosen.transpose(1, 2).reshape(g, top_k * s, num_experts)
     slot = (by_priority.cumsum(dim=1) - 1.0).reshape(g, top_k, s, num_experts).transpose(1, 2)
     kept = chosen * (slot < slots).to(probs.dtype)                      # [g, s, k, E]
-    # each kept choice's slot as one-hot over C (a dropped or unchosen entry's slot is
-    # clamped into range and zeroed by `kept`)
-    where = _one_hot(slot.clamp(0, slots - 1).long(), slots, probs.dtype)       # [g, s, k, E, C]
-    placed = kept.unsqueeze(-1) * where
-    dispatch = placed.sum(dim=2)                                         # [g, s, E, C]
-    combine = (placed * gates[..., None, None]).sum(dim=2)
+    # a token picks k distinct experts, so each (token, expert) pair has at most one kept
+    # choice: fold k before the slot one-hot (a [g, s, E] slot, not a [g, s, k, E, C] mask)
+    slot_of = (kept * slot).sum(dim=2)                                   # [g, s, E]
+    dispatch = kept.sum(dim=2).unsqueeze(-1) * _one_hot(slot_of.long(), slots, probs.dtype)  # [g, s, E, C]
+    combine = (kept * gates.unsqueeze(-1)).sum(dim=2).unsqueeze(-1) * dispatch
     fraction = chosen.sum(dim=2).mean(dim=1) / top_k                    # [g, E]
     mean_prob = probs.mean(dim=1)                                        # [g, E]
     aux = num_experts * (fraction * mean_prob).sum(dim=-1).mean()
@@ -170,6 +187,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.top_k, self.num_experts, self.capacity_factor = cfg.top_k, cfg.experts, cfg.capacity_factor
+        self.group_tokens = cfg.group_tokens
         self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
         e, d, f = cfg.experts, cfg.hidden, cfg.ffn_hidden
         self.w1 = nn.Parameter(torch.empty(e, d, f))
@@ -180,8 +198,14 @@ class MoEFeedForward(nn.Module):
         self.shared = SharedExperts(cfg.hidden, cfg.ffn) if cfg.shared_experts else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, s, d] -> (y [b, s, d], aux loss); groups are the batch rows."""
-        slots = capacity(x.shape[1], self.top_k, self.num_experts, self.capacity_factor)
+        """x [b, s, d] -> (y [b, s, d], aux loss); groups are runs of `group_tokens` tokens
+        of a sequence (whole sequences by default), so they split with the batch."""
+        b, s, d = x.shape
+        size = min(self.group_tokens or s, s)
+        if s % size:
+            raise ValueError(f"MoE layer: {s} tokens per sequence do not split into groups of {size}")
+        x = x.reshape(b * (s // size), size, d)
+        slots = capacity(size, self.top_k, self.num_experts, self.capacity_factor)
         dispatch, combine, aux = route(self.gate(x), self.top_k, slots)
         xe = torch.einsum("gsec,gsm->egcm", dispatch, x)
         h = F.silu(torch.einsum("egcm,emf->egcf", xe, self.w1)) * torch.einsum("egcm,emf->egcf", xe, self.w3)
@@ -189,7 +213,7 @@ class MoEFeedForward(nn.Module):
         y = torch.einsum("gsec,egcm->gsm", combine, ye)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, aux
+        return y.reshape(b, s, d), aux
 
 
 class SharedExperts(nn.Module):

@@ -57,9 +57,10 @@ PRESETS: dict[str, ModelConfig] = {
     "moe-small": MoEConfig(layers=4, hidden=128, heads=4, kv_heads=2, vocab=512, seq=64, experts=8, top_k=2,
                            expert_ffn=128, shared_experts=1),
     "mixtral-8x7b": MoEConfig(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, seq=4096, experts=8,
-                              top_k=2, expert_ffn=14336, shared_experts=0, rope_theta=1e6),
+                              top_k=2, expert_ffn=14336, shared_experts=0, group_tokens=1024, rope_theta=1e6),
     "deepseek-v3-like": MoEConfig(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, experts=256,
-                                  top_k=8, expert_ffn=2048, shared_experts=1, capacity_factor=1.0,
+                                  top_k=8, expert_ffn=2048, shared_experts=1, group_tokens=512,
+                                  capacity_factor=1.0,
                                   aux_loss_coef=1e-4, rope_theta=10000.0),
 }
 
@@ -70,7 +71,7 @@ _SPEC_KEYS: dict[str, dict[str, Callable[[str], Any]]] = {
               "kv_heads": int, "tie": lambda v: v not in ("0", "false", "False")},
     "moe": {"layers": int, "hidden": int, "heads": int, "vocab": int, "seq": int, "kv_heads": int,
             "experts": int, "top_k": int, "expert_ffn": int, "shared_experts": int,
-            "capacity_factor": float, "aux_loss_coef": float,
+            "group_tokens": int, "capacity_factor": float, "aux_loss_coef": float,
             "tie": lambda v: v not in ("0", "false", "False")},
 }
 _CONFIGS: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig}

@@ -88,7 +88,30 @@ def test_specs_and_their_errors():
         parse_spec("moe:layers=2,hidden=64,heads=4,vocab=128,seq=16")
     with pytest.raises(ValueError, match="top_k=5 exceeds experts=4"):
         parse_spec("moe:layers=2,hidden=64,heads=4,vocab=128,seq=16,experts=4,top_k=5")
+    with pytest.raises(ValueError, match="group_tokens=5 must divide seq=16"):
+        parse_spec(TINY + ",group_tokens=5")
     assert resolve("moe-tiny").family == "moe"
+
+
+def test_routing_groups_are_runs_of_a_sequence():
+    """Groups of the whole sequence (group_tokens=0 or seq) route alike; groups of 4 tokens
+    route each run of 4 on its own: the same as a batch of those runs."""
+    torch.manual_seed(0)
+    whole = resolve(TINY).build()
+    same = resolve(TINY + ",group_tokens=16").build()
+    runs = resolve(TINY + ",group_tokens=4").build()
+    same.load_state_dict(whole.state_dict())
+    runs.load_state_dict(whole.state_dict())
+    x = torch.randn(2, 16, 64)
+    layer = whole.layers[0].moe
+    y, aux = layer(x)
+    y_same, aux_same = same.layers[0].moe(x)
+    torch.testing.assert_close(y_same, y, rtol=0, atol=0)
+    y_runs, aux_runs = runs.layers[0].moe(x)
+    layer.group_tokens = 0
+    y_batch, aux_batch = layer.__class__.forward(runs.layers[0].moe, x.reshape(8, 4, 64))
+    torch.testing.assert_close(y_runs, y_batch.reshape(2, 16, 64))
+    torch.testing.assert_close(aux_runs, aux_batch)
 
 
 def test_mixtral_preset_has_the_published_parameter_count():
