@@ -143,37 +143,24 @@ def capacity(tokens_per_group: int, top_k: int, experts: int, capacity_factor: f
     return max(1, min(tokens_per_group, math.ceil(capacity_factor * tokens_per_group * top_k / experts)))
 
 
-def _one_hot(index: torch.Tensor, num_classes: int, dtype: torch.dtype) -> torch.Tensor:
-    """F.one_hot(index, num_classes) as `dtype`, written as a comparison with arange (the
-    mesh-tensorflow one_hot GShard used). Why not F.one_hot: traced on fake tensors it
-    becomes this same comparison plus two range checks, `_assert_async(all(index >= 0))`
-    and `_assert_async(all(index < num_classes))`. DTensor's rule for `all` over a sharded
-    tensor leaves a pending product, a placement autopar's strategy space leaves out, so the
-    checks pin the routing indices whole on every device; under data parallelism (no
-    gathers over the batch axis) that makes every plan with a batch split infeasible. The
-    indices here come from topk and a clamp, in range by construction."""
-    classes = torch.arange(num_classes, device=index.device)
-    return (index.unsqueeze(-1) == classes).to(dtype)
-
-
 def route(logits: torch.Tensor, top_k: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dispatch [g, s, E, C], combine [g, s, E, C], aux loss) from router logits [g, s, E].
 
-    Static shapes only (module docstring): a one-hot of the top-k choices, a cumsum over the
+    Static shapes only (module docstring): one_hot of the top-k choices, a cumsum over the
     group's choices in priority order (all first choices, then all second choices, ...)
     gives each choice its slot in its expert, and choices at slot >= C are dropped."""
     g, s, num_experts = logits.shape
     probs = logits.float().softmax(dim=-1)
     top_p, top_i = probs.topk(top_k, dim=-1)                            # [g, s, k]
     gates = top_p / top_p.sum(dim=-1, keepdim=True)
-    chosen = _one_hot(top_i, num_experts, probs.dtype)                  # [g, s, k, E]
+    chosen = F.one_hot(top_i, num_experts).to(probs.dtype)              # [g, s, k, E]
     by_priority = chosen.transpose(1, 2).reshape(g, top_k * s, num_experts)
     slot = (by_priority.cumsum(dim=1) - 1.0).reshape(g, top_k, s, num_experts).transpose(1, 2)
     kept = chosen * (slot < slots).to(probs.dtype)                      # [g, s, k, E]
     # a token picks k distinct experts, so each (token, expert) pair has at most one kept
     # choice: fold k before the slot one-hot (a [g, s, E] slot, not a [g, s, k, E, C] mask)
     slot_of = (kept * slot).sum(dim=2)                                   # [g, s, E]
-    dispatch = kept.sum(dim=2).unsqueeze(-1) * _one_hot(slot_of.long(), slots, probs.dtype)  # [g, s, E, C]
+    dispatch = kept.sum(dim=2).unsqueeze(-1) * F.one_hot(slot_of.long(), slots).to(probs.dtype)  # [g, s, E, C]
     combine = (kept * gates.unsqueeze(-1)).sum(dim=2).unsqueeze(-1) * dispatch
     fraction = chosen.sum(dim=2).mean(dim=1) / top_k                    # [g, E]
     mean_prob = probs.mean(dim=1)                                        # [g, E]
