@@ -207,3 +207,65 @@ def test_the_ilp_splits_the_experts_and_dispatches_by_all_to_all(tiny_dp2_tp2):
             assert (u, v, *want[:1], axis, want[1]) in priced, (hw, graph[u].name, graph[v].name)
 
 
+
+def _by_kind(counts: dict) -> dict:
+    out: dict = {}
+    for (kind, _), sizes in counts.items():
+        entry = out.setdefault(kind, [0, 0])
+        entry[0] += len(sizes)
+        entry[1] += sum(sizes)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch):
+    """Price = run for the all-to-alls of a GPU mesh: the ILP's plan for --dp 2 --tp 2 on
+    H100s, applied on a fake process group of 4 ranks (nothing runs), holds in its per-rank
+    graphs exactly the collectives priced, all-to-alls included, by kind, count and bytes.
+    DTensor picks its all-to-all by the mesh's device type (a CPU mesh all-gathers and keeps
+    a chunk, which gloo prices: tests/dist/test_moe_numerics.py), so the trace takes the
+    branch a GPU mesh takes, `_dtensor.shard_dim_alltoall`, on this CPU mesh."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import placement_types
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.runtime.spmd import priced_per_step, solution_choices, solve_config
+    from autopar.trace import trace_step
+    from codegen.apply import apply, count_collectives
+    from codegen.emit import _clear_dtensor_caches
+
+    def gpu_all_to_all(tensor, gather_dim, shard_dim, mesh, mesh_dim):
+        group = funcol._group_or_group_name(funcol._resolve_group((mesh, mesh_dim)))
+        return torch.ops._dtensor.shard_dim_alltoall(tensor, gather_dim, shard_dim, group)
+
+    monkeypatch.setattr(placement_types, "shard_dim_alltoall", gpu_all_to_all)
+    config = ParallelConfig(dp=2, tp=2, micro_batch=2)
+    source = resolve(TINY)
+    torch.manual_seed(0)
+    traced, graph = trace_step(source.build(), list(source.example_inputs(4)))
+    solution = solve_config(graph, config, Cluster.parse("h100:1x4"), num_microbatches=1)
+    priced: dict = {}
+    for (kind, _), (calls, nbytes) in priced_per_step(solution, 1, ("dp", "tp")).items():
+        entry = priced.setdefault(kind, [0, 0])
+        entry[0] += calls
+        entry[1] += nbytes
+    priced = {k: tuple(v) for k, v in priced.items()}
+    _clear_dtensor_caches()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        program = apply(traced.gm, graph, solution_choices(graph, solution), mesh, sync_in_step=True)
+    finally:
+        dist.destroy_process_group()
+        _clear_dtensor_caches()
+    ran: dict = {}
+    for gm in (program.step, program.grad_sync, program.param_gather):
+        if gm is not None:
+            for kind, (calls, nbytes) in _by_kind(count_collectives(gm)).items():
+                entry = ran.setdefault(kind, [0, 0])
+                entry[0] += calls
+                entry[1] += nbytes
+    ran = {k: tuple(v) for k, v in ran.items()}
+    assert priced.get("all_to_all", (0, 0))[0] > 0, priced
+    assert ran == priced, (ran, priced)
