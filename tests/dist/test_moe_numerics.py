@@ -1,12 +1,14 @@
 """The zoo's mixture of experts on real gloo ranks: experts sharded by the ILP, trained like one process.
 
 World 4, mesh (dp 2, tp 2) from the forced configuration `--dp 2 --tp 2` (solver/forced.py).
-The model (autopar/models/moe.py) dispatches GShard-style: routing masks from topk, a
-one-hot and cumsum, dispatch `einsum('gsec,gsm->egcm')`, experts as batched matmuls over
+The model (autopar/models/moe.py) dispatches GShard-style: routing masks from topk,
+one_hot and cumsum, dispatch `einsum('gsec,gsm->egcm')`, experts as batched matmuls over
 the expert dim e, combine `einsum('gsec,egcm->gsm')`. On this mesh the ILP splits the
-expert weights [E, d, f] on e over the tp axis (expert parallelism over that axis) and
-moves routed tokens between the group split and the expert split with DTensor's
-all-to-all on that axis (which gloo runs as an all-gather and a local chunk, priced so).
+expert weights [E, d, f] on e over the tp axis: expert parallelism over that axis, each
+rank computing its own experts' slots. How the tokens reach them is the ILP's choice: on
+gloo DTensor runs an all-to-all as an all-gather and a local chunk, priced so, so
+gathering the whole is no dearer there than an all-to-all (the all-to-alls of a GPU
+mesh's program are checked against their price in tests/unit/test_moe.py).
 3 AdamW steps, 2 microbatches per step: losses equal the single-process reference (rtol
 1e-4), parameters stay close (atol 1e-3), and the collectives each rank's program runs
 per step (kind, mesh axis, calls, bytes) equal those the ILP priced.
@@ -28,7 +30,6 @@ from autopar.runtime.jobs import TrainJob, reference_run, train_worker
 from autopar.runtime.launch import spawn
 from autopar.runtime.spmd import priced_per_step, solve_config
 from autopar.trace import trace_step
-from cost_model.table import Collective, reshard_collectives
 
 pytestmark = pytest.mark.dist
 
@@ -62,26 +63,6 @@ def solved():
     return graph, solve_config(graph, CONFIG, Cluster.parse("cpu:1x4"), num_microbatches=BATCH // rows)
 
 
-def _all_to_alls(graph, solution) -> list[tuple[str, str, Collective]]:
-    """(producer, consumer, priced collective) for each reshard inside a MoE layer that
-    DTensor's planner does with an all-to-all (a Shard -> Shard move on one axis): on gloo
-    DTensor runs it as an all-gather and a local chunk, and it is priced so."""
-    chosen = {c.node: c for c in solution.choices}
-    out = []
-    for c in solution.choices:
-        node = graph[c.node]
-        if not node.module_path.endswith(".moe"):
-            continue
-        for position, u in enumerate(node.inputs):
-            if u not in chosen or len(graph[u].outputs) != 1:
-                continue
-            meta, src, dst = graph[u].outputs[0], chosen[u].outputs[0], c.inputs[position]
-            plain = reshard_collectives(meta, src, dst, solution.mesh_shape, gloo=False) or ()
-            on_gloo = reshard_collectives(meta, src, dst, solution.mesh_shape, gloo=True) or ()
-            out.extend((graph[u].name, node.name, g) for p, g in zip(plain, on_gloo) if p.kind == "all_to_all")
-    return out
-
-
 def test_experts_are_sharded_on_the_expert_dim(solved):
     graph, solution = solved
     chosen = {c.node: c for c in solution.choices}
@@ -90,19 +71,6 @@ def test_experts_are_sharded_on_the_expert_dim(solved):
     assert len(experts) == 2 * len(EXPERT_WEIGHTS), experts  # 2 layers
     for name, placements in experts.items():
         assert Shard(0) in placements, (name, placements)
-
-
-def test_tokens_reach_their_experts_by_all_to_all(solved):
-    """The plan moves routed tokens (or their gradients) between the group split and the
-    expert split with all-to-alls, each priced. Which edges: the ILP's choice; on gloo an
-    all-to-all costs the all-gather it runs as, so a gather of the whole is no dearer
-    there and the forward may gather instead (tests/unit/test_moe.py prices a GPU mesh)."""
-    graph, solution = solved
-    moves = _all_to_alls(graph, solution)
-    assert moves
-    priced = {(graph[c.src].name, graph[c.dst].name, c.kind, c.axis, c.bytes) for c in solution.collectives}
-    for producer, consumer, c in moves:
-        assert (producer, consumer, c.kind, c.axis, c.bytes) in priced, (producer, consumer, c)
 
 
 def test_losses_and_parameters_match_the_reference(run):
@@ -122,15 +90,11 @@ def test_losses_and_parameters_match_the_reference(run):
 def test_price_equals_run(run, solved):
     """Every rank's program runs per step the collectives the ILP priced, by (kind, mesh
     axis): calls and bytes; the solution inspected above is the one that ran (same priced
-    collectives), so its all-to-alls (all-gathers on gloo, on the tp axis) are among them."""
+    collectives)."""
     per_rank, _ = run
     graph, solution = solved
     microbatches = BATCH // (CONFIG.dp * CONFIG.micro_batch)
     assert priced_per_step(solution, microbatches, ("dp", "tp")) == per_rank[0].priced
-    moves = _all_to_alls(graph, solution)
-    assert moves and all(c.kind == "all_gather" and c.axis == 1 for _, _, c in moves)
-    calls, nbytes = per_rank[0].priced[("all_gather", "tp")]
-    assert calls >= microbatches * len(moves) and nbytes >= microbatches * sum(c.bytes for _, _, c in moves)
     for rank, r in enumerate(per_rank):
         assert r.priced is not None and r.collectives, f"rank {rank}"
         assert r.collectives == r.priced, f"rank {rank}"
