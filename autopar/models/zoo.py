@@ -60,8 +60,7 @@ PRESETS: dict[str, ModelConfig] = {
                               top_k=2, expert_ffn=14336, shared_experts=0, group_tokens=1024, rope_theta=1e6),
     "deepseek-v3-like": MoEConfig(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, experts=256,
                                   top_k=8, expert_ffn=2048, shared_experts=1, group_tokens=512,
-                                  capacity_factor=1.0,
-                                  aux_loss_coef=1e-4, rope_theta=10000.0),
+                                  capacity_factor=1.0, aux_loss_coef=1e-4, rope_theta=10000.0),
 }
 
 _SPEC_KEYS: dict[str, dict[str, Callable[[str], Any]]] = {
