@@ -11,7 +11,10 @@ gathering the whole is no dearer there than an all-to-all (the all-to-alls of a 
 mesh's program are checked against their price in tests/unit/test_moe.py).
 3 AdamW steps, 2 microbatches per step: losses equal the single-process reference (rtol
 1e-4), parameters stay close (atol 1e-3), and the collectives each rank's program runs
-per step (kind, mesh axis, calls, bytes) equal those the ILP priced.
+per step (kind, mesh axis, calls, bytes) equal those the ILP priced. The same model also
+trains as a pipeline of two stages on (dp 1, tp 2) submeshes (`--pp 2 --tp 2`), the
+layers' balance losses crossing the stage boundary; which placements its stages' ILPs
+choose is not checked here.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ pytestmark = pytest.mark.dist
 
 MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=64"
 CONFIG = ParallelConfig(dp=2, tp=2, micro_batch=2)
+PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
+"""Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance
+loss is added to the training loss in the last stage, so it must cross the stage boundary."""
 BATCH = 8
 EXPERT_WEIGHTS = ("moe.w1", "moe.w3", "moe.w2")
 """The routed experts' weights, [E, d, f] / [E, f, d], under each layer's module path."""
@@ -46,9 +52,9 @@ def _worker(rank: int, job: TrainJob) -> list:
 
 @pytest.fixture(scope="module")
 def run():
-    job = TrainJob(model=MODEL, configs=(CONFIG,), steps=3, global_batch=BATCH, return_parameters=True)
+    job = TrainJob(model=MODEL, configs=(CONFIG, PIPELINE), steps=3, global_batch=BATCH, return_parameters=True)
     results = spawn(_worker, 4, (job,))
-    return [r[0] for r in results], reference_run(job)
+    return [r[0] for r in results], reference_run(job), [r[1] for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +79,10 @@ def test_experts_are_sharded_on_the_expert_dim(solved):
         assert Shard(0) in placements, (name, placements)
 
 
-def test_losses_and_parameters_match_the_reference(run):
-    per_rank, (ref_losses, ref_params) = run
+@pytest.mark.parametrize("which", ["dp2xtp2", "pp2xtp2"])
+def test_losses_and_parameters_match_the_reference(run, which):
+    one_stage, (ref_losses, ref_params), pipeline = run
+    per_rank = one_stage if which == "dp2xtp2" else pipeline
     losses = per_rank[0].losses
     assert len(losses) == 3 and all(r.losses == losses for r in per_rank), "every rank reports the same global loss"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
@@ -91,7 +99,7 @@ def test_price_equals_run(run, solved):
     """Every rank's program runs per step the collectives the ILP priced, by (kind, mesh
     axis): calls and bytes; the solution inspected above is the one that ran (same priced
     collectives)."""
-    per_rank, _ = run
+    per_rank, _, _ = run
     graph, solution = solved
     microbatches = BATCH // (CONFIG.dp * CONFIG.micro_batch)
     assert priced_per_step(solution, microbatches, ("dp", "tp")) == per_rank[0].priced
