@@ -37,10 +37,10 @@ RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules the planner may rank and the per-op pipeline runs (autopar/runtime/pipe_spmd.py);
 `zb` is refused (module docstring)."""
 
-ZOO_FAMILIES = ("gpt", "llama")
+ZOO_FAMILIES = ("gpt", "llama", "moe")
 """The zoo's model families (autopar/models), as `zoo_family` names them."""
 
-_ZOO_MODULES = {"autopar.models.gpt": "gpt", "autopar.models.llama": "llama"}
+_ZOO_MODULES = {"autopar.models.gpt": "gpt", "autopar.models.llama": "llama", "autopar.models.moe": "moe"}
 """Where the zoo's model classes live (by name: this module imports no stage)."""
 
 
@@ -94,7 +94,7 @@ def split_layers(num_layers: int, num_chunks: int, stage_layers: tuple[int, ...]
 
 
 def zoo_family(model: Any) -> str:
-    """The zoo family ("gpt", "llama") of a model built from autopar/models, else ""."""
+    """The zoo family ("gpt", "llama", "moe") of a model built from autopar/models, else ""."""
     return next((_ZOO_MODULES[c.__module__] for c in type(model).__mro__ if c.__module__ in _ZOO_MODULES), "")
 
 

@@ -228,6 +228,7 @@ def trace(
         _merge_tied(gm, tied)
     _mutations_last(gm, type(model).__name__)
     _drop_empty_concat_inputs(gm)
+    _drop_value_checks(gm)
     if recompute != "none":
         from autopar.recompute import apply_recompute
 
@@ -265,6 +266,31 @@ def _drop_empty_concat_inputs(gm: fx.GraphModule) -> None:
         graph.eliminate_dead_code()
         graph.lint()
         gm.recompile()
+
+
+_VALUE_CHECKS = (torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg)
+
+
+def _drop_value_checks(gm: fx.GraphModule) -> None:
+    """Drop runtime value checks and the ops only they read: F.one_hot traces to a
+    comparison with arange plus `_assert_async(all(index >= 0))` and
+    `_assert_async(all(index < num_classes))`. DTensor runs `all` over a sharded tensor as a
+    pending product, a placement the strategy space leaves out, so each check would pin its
+    index tensor whole on every device: no data parallelism for a model that one-hots
+    anything batch-derived (mixture-of-experts routing, label smoothing). The checks return
+    nothing; the eager model (and the single-process reference) still runs them."""
+    graph = gm.graph
+    checks = [n for n in graph.nodes if n.op == "call_function" and n.target in _VALUE_CHECKS]
+    if not checks:
+        return
+    pending = list(checks)
+    while pending:
+        node = pending.pop()
+        inputs = [a for a in node.all_input_nodes if a.op == "call_function"]
+        graph.erase_node(node)
+        pending.extend(a for a in inputs if not a.users and not a.is_impure())
+    graph.lint()
+    gm.recompile()
 
 
 def _merge_tied(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:

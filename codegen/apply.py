@@ -794,13 +794,27 @@ def _source(program: RankGraphs) -> str:
     return "\n".join(header) + "\n" + program.step.code + sync
 
 
+_SHARD_DIM_ALLTOALL = torch.ops._dtensor.shard_dim_alltoall.default
+"""The op DTensor's redistribute records for an all-to-all on a non-CPU mesh."""
+
+
 def count_collectives(gm: fx.GraphModule, where: Any = None) -> dict[tuple[str, str], list[int]]:
     """{(kind, process group name): [bytes per call, ...]} over a per-rank graph, bytes as
     cost_model/table.py `Collective` defines them (all_gather: gathered output); `where(node)`,
     if given, picks the collective nodes counted."""
     out: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional."):
+        if node.op != "call_function":
+            continue
+        if node.target is _SHARD_DIM_ALLTOALL:
+            # DTensor's Shard(i) -> Shard(j) on a non-CPU mesh: one all-to-all of the local
+            # shard (a CPU mesh all-gathers instead, a _c10d_functional node)
+            if where is None or where(node):
+                source = node.args[0].meta.get("val")
+                out.setdefault(("all_to_all", str(node.args[-1])), []).append(
+                    int(source.numel() * source.element_size()))
+            continue
+        if not str(node.target).startswith("_c10d_functional."):
             continue
         if where is not None and not where(node):
             continue

@@ -1,14 +1,22 @@
 """Presets, spec strings and factories: everything `MODEL` on the command line can be.
 
 - preset: a name in `PRESETS` (`gpt2`, `gpt3-175b`, `llama3-70b`, `gpt-tiny`, ...);
-- spec: `gpt:layers=96,hidden=12288,heads=96,vocab=51200,seq=2048` or
-  `llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,seq=8192`;
+- spec: `gpt:layers=96,hidden=12288,heads=96,vocab=51200,seq=2048`,
+  `llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,seq=8192` or
+  `moe:layers=2,hidden=64,heads=4,vocab=256,seq=32,experts=4,top_k=2` (autopar/models/moe.py);
 - factory: `package.module:function` returning `(model, example_inputs)`, where the
   model's forward returns the scalar loss.
 
 Published sizes the presets reproduce (parameters): gpt2 124M (with a vocabulary padded
 to 50304 as nanoGPT does, so it shards), gpt3-1.3b 1.3B, gpt3-175b 175B, llama3-8b 8.03B,
 llama3-70b 70.6B, llama3-405b 405.9B (Llama 3 paper, Table 3; Meta model cards).
+Mixture of experts (autopar/models/moe.py): mixtral-8x7b has Mixtral 8x7B's architecture
+(Jiang et al. 2024, arXiv 2401.04088, Table 1: 46.7B parameters, 12.9B active) with
+GShard-style capacity routing; deepseek-v3-like has DeepSeek-V3's widths, expert counts
+and routing shape (arXiv 2412.19437, section 4.2: hidden 7168, 61 layers, 1 shared + 256
+routed experts of inner size 2048, top-8, vocabulary 129280) with grouped-query attention
+in place of multi-head latent attention and every layer a MoE layer, so its parameter
+count is near, not equal to, V3's 671B. moe-tiny and moe-small are for tests.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from torch import nn
 
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
+from autopar.models.moe import MoE, MoEConfig
 
-ModelConfig = GPTConfig | LlamaConfig
+ModelConfig = GPTConfig | LlamaConfig | MoEConfig
 
 PRESETS: dict[str, ModelConfig] = {
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq=32),
@@ -43,6 +52,15 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-405b": LlamaConfig(
         layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq=8192
     ),
+    "moe-tiny": MoEConfig(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq=32, experts=4, top_k=2,
+                          expert_ffn=64, shared_experts=1),
+    "moe-small": MoEConfig(layers=4, hidden=128, heads=4, kv_heads=2, vocab=512, seq=64, experts=8, top_k=2,
+                           expert_ffn=128, shared_experts=1),
+    "mixtral-8x7b": MoEConfig(layers=32, hidden=4096, heads=32, kv_heads=8, vocab=32000, seq=4096, experts=8,
+                              top_k=2, expert_ffn=14336, shared_experts=0, group_tokens=1024, rope_theta=1e6),
+    "deepseek-v3-like": MoEConfig(layers=61, hidden=7168, heads=128, vocab=129280, seq=4096, experts=256,
+                                  top_k=8, expert_ffn=2048, shared_experts=1, group_tokens=512,
+                                  capacity_factor=1.0, aux_loss_coef=1e-4, rope_theta=10000.0),
 }
 
 _SPEC_KEYS: dict[str, dict[str, Callable[[str], Any]]] = {
@@ -50,7 +68,13 @@ _SPEC_KEYS: dict[str, dict[str, Callable[[str], Any]]] = {
             "tie": lambda v: v not in ("0", "false", "False")},
     "llama": {"layers": int, "hidden": int, "heads": int, "vocab": int, "seq": int, "ffn": int,
               "kv_heads": int, "tie": lambda v: v not in ("0", "false", "False")},
+    "moe": {"layers": int, "hidden": int, "heads": int, "vocab": int, "seq": int, "kv_heads": int,
+            "experts": int, "top_k": int, "expert_ffn": int, "shared_experts": int,
+            "group_tokens": int, "capacity_factor": float, "aux_loss_coef": float,
+            "tie": lambda v: v not in ("0", "false", "False")},
 }
+_CONFIGS: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig}
+_BUILDERS: dict[type, Callable[[Any], nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama, MoEConfig: MoE}
 _REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
 
 
@@ -68,6 +92,8 @@ class ModelSource:
             return "gpt"
         if isinstance(self.config, LlamaConfig):
             return "llama"
+        if isinstance(self.config, MoEConfig):
+            return "moe"
         return "custom"
 
     def with_overrides(self, *, seq: int | None = None, layers: int | None = None) -> "ModelSource":
@@ -87,7 +113,7 @@ class ModelSource:
         if self.config is None:
             raise ValueError(f"{self.name!r} is a factory; call it through example()")
         cfg = self.config if layers is None else dataclasses.replace(self.config, layers=layers)
-        return GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)
+        return _BUILDERS[type(cfg)](cfg)
 
     def example_inputs(self, batch: int, *, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Synthetic (tokens, labels) of shape (batch, seq): labels are tokens shifted by one.
@@ -107,10 +133,10 @@ class ModelSource:
 
 
 def parse_spec(spec: str) -> ModelConfig:
-    """`gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32` -> GPTConfig (likewise llama)."""
+    """`gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32` -> GPTConfig (likewise llama, moe)."""
     family, _, body = spec.partition(":")
     if family not in _SPEC_KEYS:
-        raise ValueError(f"unknown model family {family!r} in spec {spec!r}; use 'gpt:' or 'llama:'")
+        raise ValueError(f"unknown model family {family!r} in spec {spec!r}; use 'gpt:', 'llama:' or 'moe:'")
     keys = _SPEC_KEYS[family]
     values: dict[str, Any] = {}
     for item in filter(None, body.split(",")):
@@ -126,12 +152,12 @@ def parse_spec(spec: str) -> ModelConfig:
             values[key] = keys[key](raw.strip())
         except ValueError:
             raise ValueError(f"spec key {key}={raw!r} in {spec!r} is not a valid number") from None
-    missing = [k for k in _REQUIRED if k not in values]
+    missing = [k for k in _REQUIRED + (("experts",) if family == "moe" else ()) if k not in values]
     if missing:
         raise ValueError(f"{family} spec {spec!r} is missing {', '.join(missing)}")
     if "tie" in values:
         values["tie_embeddings"] = values.pop("tie")
-    return GPTConfig(**values) if family == "gpt" else LlamaConfig(**values)
+    return _CONFIGS[family](**values)
 
 
 def _load_factory(path: str) -> Callable[[], tuple[nn.Module, tuple[Any, ...]]]:
@@ -164,7 +190,7 @@ def resolve(name: str) -> ModelSource:
         raise ValueError(f"model must be a preset name, spec or factory path, got {name!r}")
     if name in PRESETS:
         return ModelSource(name=name, config=PRESETS[name])
-    if name.startswith(("gpt:", "llama:")) or ("=" in name and ":" in name):
+    if name.startswith(tuple(f"{family}:" for family in _SPEC_KEYS)) or ("=" in name and ":" in name):
         return ModelSource(name=name, config=parse_spec(name))
     if ":" in name and "=" not in name:
         return ModelSource(name=name, factory=_load_factory(name))

@@ -1,0 +1,108 @@
+"""The zoo's mixture of experts on real gloo ranks: experts sharded by the ILP, trained like one process.
+
+World 4, mesh (dp 2, tp 2) from the forced configuration `--dp 2 --tp 2` (solver/forced.py).
+The model (autopar/models/moe.py) dispatches GShard-style: routing masks from topk,
+one_hot and cumsum, dispatch `einsum('gsec,gsm->egcm')`, experts as batched matmuls over
+the expert dim e, combine `einsum('gsec,egcm->gsm')`. On this mesh the ILP splits the
+expert weights [E, d, f] on e over the tp axis: expert parallelism over that axis, each
+rank computing its own experts' slots. How the tokens reach them is the ILP's choice: on
+gloo DTensor runs an all-to-all as an all-gather and a local chunk, priced so, so
+gathering the whole is no dearer there than an all-to-all (the all-to-alls of a GPU
+mesh's program are checked against their price in tests/unit/test_moe.py).
+3 AdamW steps, 2 microbatches per step: losses equal the single-process reference (rtol
+1e-4), parameters stay close (atol 1e-3), and the collectives each rank's program runs
+per step (kind, mesh axis, calls, bytes) equal those the ILP priced. The same model also
+trains as a pipeline of two stages on (dp 1, tp 2) submeshes (`--pp 2 --tp 2`), the
+layers' balance losses crossing the stage boundary; which placements its stages' ILPs
+choose is not checked here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autopar.batch import batch_size, rows as batch_rows
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.models import resolve
+from autopar.placement import Shard
+from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.runtime.launch import spawn
+from autopar.runtime.spmd import priced_per_step, solve_config
+from autopar.trace import trace_step
+
+pytestmark = pytest.mark.dist
+
+MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=64"
+CONFIG = ParallelConfig(dp=2, tp=2, micro_batch=2)
+PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
+"""Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance
+loss is added to the training loss in the last stage, so it must cross the stage boundary."""
+BATCH = 8
+EXPERT_WEIGHTS = ("moe.w1", "moe.w3", "moe.w2")
+"""The routed experts' weights, [E, d, f] / [E, f, d], under each layer's module path."""
+
+
+def _worker(rank: int, job: TrainJob) -> list:
+    return train_worker(rank, job)
+
+
+@pytest.fixture(scope="module")
+def run():
+    job = TrainJob(model=MODEL, configs=(CONFIG, PIPELINE), steps=3, global_batch=BATCH, return_parameters=True)
+    results = spawn(_worker, 4, (job,))
+    return [r[0] for r in results], reference_run(job), [r[1] for r in results]
+
+
+@pytest.fixture(scope="module")
+def solved():
+    """The traced step and the ILP's solution for CONFIG, as rank 0 traces and solves them
+    when it builds (autopar/runtime/spmd.py build_spmd_program)."""
+    source = resolve(MODEL)
+    model = source.build()
+    example = source.example_inputs(BATCH)
+    rows = CONFIG.dp * CONFIG.micro_batch
+    _, graph = trace_step(copy.deepcopy(model), batch_rows(example, 0, rows, batch_size(example)))
+    return graph, solve_config(graph, CONFIG, Cluster.parse("cpu:1x4"), num_microbatches=BATCH // rows)
+
+
+def test_experts_are_sharded_on_the_expert_dim(solved):
+    graph, solution = solved
+    chosen = {c.node: c for c in solution.choices}
+    experts = {n.param_name: chosen[n.id].outputs[0] for n in graph.nodes
+               if n.op == "placeholder" and n.param_name and n.param_name.endswith(EXPERT_WEIGHTS)}
+    assert len(experts) == 2 * len(EXPERT_WEIGHTS), experts  # 2 layers
+    for name, placements in experts.items():
+        assert Shard(0) in placements, (name, placements)
+
+
+@pytest.mark.parametrize("which", ["dp2xtp2", "pp2xtp2"])
+def test_losses_and_parameters_match_the_reference(run, which):
+    one_stage, (ref_losses, ref_params), pipeline = run
+    per_rank = one_stage if which == "dp2xtp2" else pipeline
+    losses = per_rank[0].losses
+    assert len(losses) == 3 and all(r.losses == losses for r in per_rank), "every rank reports the same global loss"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    params = {}
+    for r in per_rank:
+        params.update(r.parameters)
+    assert any(name.endswith(EXPERT_WEIGHTS) for name in params)
+    assert params and set(params) <= set(ref_params)
+    for name, value in params.items():
+        torch.testing.assert_close(value, ref_params[name], atol=1e-3, rtol=0, msg=name)
+
+
+def test_price_equals_run(run, solved):
+    """Every rank's program runs per step the collectives the ILP priced, by (kind, mesh
+    axis): calls and bytes; the solution inspected above is the one that ran (same priced
+    collectives)."""
+    per_rank, _, _ = run
+    graph, solution = solved
+    microbatches = BATCH // (CONFIG.dp * CONFIG.micro_batch)
+    assert priced_per_step(solution, microbatches, ("dp", "tp")) == per_rank[0].priced
+    for rank, r in enumerate(per_rank):
+        assert r.priced is not None and r.collectives, f"rank {rank}"
+        assert r.collectives == r.priced, f"rank {rank}"
