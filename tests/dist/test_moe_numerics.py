@@ -29,9 +29,10 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.placement import Shard
-from autopar.runtime.jobs import TrainJob, reference_run, train_worker
+from autopar.build import train_worker
+from autopar.placing import place_job, priced_per_step, solve_config
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
-from autopar.runtime.spmd import priced_per_step, solve_config
 from autopar.trace import trace_step
 
 pytestmark = pytest.mark.dist
@@ -53,14 +54,14 @@ def _worker(rank: int, job: TrainJob) -> list:
 @pytest.fixture(scope="module")
 def run():
     job = TrainJob(model=MODEL, configs=(CONFIG, PIPELINE), steps=3, global_batch=BATCH, return_parameters=True)
-    results = spawn(_worker, 4, (job,))
+    results = spawn(_worker, 4, (place_job(job),))
     return [r[0] for r in results], reference_run(job), [r[1] for r in results]
 
 
 @pytest.fixture(scope="module")
 def solved():
-    """The traced step and the ILP's solution for CONFIG, as rank 0 traces and solves them
-    when it builds (autopar/runtime/spmd.py build_spmd_program)."""
+    """The traced step and the ILP's solution for CONFIG, as the job's placements are solved
+    before its ranks start (autopar/placing.py place_job)."""
     source = resolve(MODEL)
     model = source.build()
     example = source.example_inputs(BATCH)

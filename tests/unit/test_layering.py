@@ -139,10 +139,6 @@ KNOWN_CYCLES: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"autopar.ir", "autopar.precision"}),
      "ModelInfo.precision and Graph.grad_meta read the precision policy (function-level imports), "
      "while the policy reads ir's DTYPE_BYTES"),
-    (frozenset({"autopar.runtime.pipe", "autopar.runtime.pipe_spmd", "autopar.runtime.program",
-                "autopar.runtime.spmd"}),
-     "the runtime's program builders call each other (one-stage, pipelined and per-op pipelined "
-     "programs); being dissolved"),
 )
 
 # The per-family rule tables and what applies them (the module-level template, a baseline:

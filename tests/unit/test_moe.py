@@ -228,7 +228,7 @@ def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch):
     from torch.distributed.tensor import placement_types
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autopar.runtime.spmd import priced_per_step, solution_choices, solve_config
+    from autopar.placing import priced_per_step, solution_choices, solve_config
     from autopar.trace import trace_step
     from codegen.apply import apply, count_collectives
     from codegen.emit import _clear_dtensor_caches
