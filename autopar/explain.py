@@ -192,8 +192,9 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
 def _stage_placement_lines(plan: Plan) -> list[str]:
     if not plan.stage_placements:
         return ["per-stage per-op placements: not in this plan (a file from before version 4, or a model the search "
-                "did not trace by chunks); every build solves each chunk's intra-op ILP under the configuration's "
-                "rules instead (same solver, so the same program; re-run `autopar search` to record them)"]
+                "did not trace by chunks); every run solves each chunk's intra-op ILP under the configuration's "
+                "rules before its ranks build (same solver, so the same program; re-run `autopar search` to record "
+                "them)"]
     lines = [f"per-stage per-op placements (the program each stage runs, replayed at build): "
              f"{len(plan.stage_placements)} chunks"]
     for s in plan.stage_placements:
