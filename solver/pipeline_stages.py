@@ -26,7 +26,7 @@ from cost_model import core_share
 from solver.intra_op.space import divisibility_signature, enumerate_strategies
 from solver.search_config import Fixed
 from solver.spmd_search import TraceAt, traced
-from solver.stage_costs import SubmeshCosts, split_solution
+from solver.stage_costs import RECOMPUTE_POLICIES, SubmeshCosts, split_solution
 from solver.stage_dp import PipelineSolution, Schedule, option_tables, solve_pipeline
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ def interleave_depths(num_stages: int, num_layers: int) -> range:
     return range(2, num_layers // num_stages + 1) if num_stages > 1 else range(0)
 
 
-RECOMPUTE_CHOICES = ("none", "selective", "full")
+RECOMPUTE_CHOICES = RECOMPUTE_POLICIES
+"""The recompute policies the search tries per stage: every one the stage costs price."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

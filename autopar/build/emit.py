@@ -46,21 +46,27 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
     if source.config is None:
         model, example = source.factory()
     else:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode():
-            num_parameters = sum(p.numel() for p in source.build().parameters())
-        if num_parameters > max_parameters:
-            raise ValueError(
-                f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
-                f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
-                "to read the per-stage program, or call codegen.emit.emit_plan from Python on a machine with the "
-                "memory")
+        _check_size(plan.model, source, max_parameters, "autopar.build.emit.emit_plan")
         torch.manual_seed(0)
         model, example = source.build(), source.example_inputs(plan.global_batch)
     with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
         sources = stage_sources(plan, model, example, mesh)
     return write(sources, directory)
+
+
+def _check_size(name: str, source: Any, max_parameters: float, function: str) -> None:
+    """Refuse to build `source` with real weights when it has more than `max_parameters`
+    (counted on fake tensors, so nothing is allocated): `--emit` builds the model to trace it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        num_parameters = sum(p.numel() for p in source.build().parameters())
+    if num_parameters > max_parameters:
+        raise ValueError(
+            f"--emit builds {name!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
+            f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
+            f"to read the per-stage program, or call {function} from Python on a machine with the "
+            "memory")
 
 
 def _emit_module_plan(plan: Any, max_parameters: float) -> dict[str, str]:
@@ -70,15 +76,7 @@ def _emit_module_plan(plan: Any, max_parameters: float) -> dict[str, str]:
     if source.config is None:
         raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
                          "call codegen.emit.emit(model, config, example_inputs=...) from Python")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        num_parameters = sum(p.numel() for p in source.build().parameters())
-    if num_parameters > max_parameters:
-        raise ValueError(
-            f"--emit builds {plan.model!r} with real weights ({num_parameters / 1e9:.1f}B parameters, "
-            f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
-            "to read the per-stage program, or call codegen.emit.emit from Python on a machine with the memory")
+    _check_size(plan.model, source, max_parameters, "codegen.emit.emit")
     torch.manual_seed(0)
     model = source.build()
     return emit(model, plan.config, example_inputs=source.example_inputs(plan.config.micro_batch),

@@ -137,18 +137,11 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.apply(_init_weights)
-        head_dim = cfg.hidden // cfg.heads
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        angles = torch.outer(torch.arange(cfg.seq).float(), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.apply(init_weights)
+        register_rope(self, cfg)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        cos = self.rope_cos[:s].to(self.tok_embeddings.weight.dtype)
-        sin = self.rope_sin[:s].to(self.tok_embeddings.weight.dtype)
+        cos, sin = rope(self, tokens.shape[1], self.tok_embeddings.weight.dtype)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -156,7 +149,24 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def _init_weights(module: nn.Module) -> None:
+def register_rope(module: nn.Module, cfg: LlamaConfig) -> None:
+    """Rotary position tables for `cfg.seq` positions as `module`'s non-persistent buffers
+    `rope_cos` and `rope_sin` ([seq, head_dim], each frequency twice: the rotate-half form),
+    frequencies theta^(-2i / head_dim) (RoFormer, arXiv 2104.09864)."""
+    head_dim = cfg.hidden // cfg.heads
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(cfg.seq).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    module.register_buffer("rope_cos", angles.cos(), persistent=False)
+    module.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+
+def rope(module: nn.Module, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq` rows of `module`'s rotary tables (`register_rope`), in `dtype`."""
+    return module.rope_cos[:seq].to(dtype), module.rope_sin[:seq].to(dtype)
+
+
+def init_weights(module: nn.Module) -> None:
     """GPT-2 initialisation: N(0, 0.02) weights, zero biases (loss starts near log(vocab))."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

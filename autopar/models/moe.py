@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.models.llama import Attention, RMSNorm, _init_weights
+from autopar.models.llama import Attention, RMSNorm, init_weights, register_rope, rope
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,18 +244,11 @@ class MoE(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.apply(_init_weights)
-        head_dim = cfg.hidden // cfg.heads
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        angles = torch.outer(torch.arange(cfg.seq).float(), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.apply(init_weights)
+        register_rope(self, cfg)  # type: ignore[arg-type]  # reads hidden, heads, rope_theta, seq
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        cos = self.rope_cos[:s].to(self.tok_embeddings.weight.dtype)
-        sin = self.rope_sin[:s].to(self.tok_embeddings.weight.dtype)
+        cos, sin = rope(self, tokens.shape[1], self.tok_embeddings.weight.dtype)
         x = self.tok_embeddings(tokens)
         auxes = []
         for layer in self.layers:
