@@ -1,7 +1,11 @@
 """Fit the cost model's global efficiency constants on published runs (never by hand, never per row).
 
     python benchmarks/fit/fit_cost_model.py [--csv benchmarks/data/published_runs.csv]
-        [--out cost_model/fitted_constants.json] [--loso results/loso.json]
+        [--out benchmarks/results/fitted_constants.json] [--loso results/loso.json]
+
+The closed-form baseline's fit. Its output is results/fitted_constants.json; with
+`--out cost_model/fitted_constants.json` it commits its constants to the product, keeping
+those the one model's fit committed there (benchmarks/fit/fit_one_model.py --commit).
 
 What is fitted: the fields `cost_model.efficiency.FITTED` (GEMM efficiency relative to the
 hardware's best-shape matmul rate, the GEMM K-ramp, fused attention efficiency, memory-bound
