@@ -118,7 +118,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     plan's per-op placements are the program that runs), pipelines by the inter-op DP over
     ILP stage costs, ranked only where the runtime runs them. `progress(phase, done, total)`
     is told of the phases; deterministic unless `time_limit_s` stops the solver. `min_pp` > 1
-    ranks pipelines only, `max_pp` = 1 one-stage plans only. `fixed` (solver.pipeline_search.Fixed):
+    ranks pipelines only, `max_pp` = 1 one-stage plans only. `fixed` (solver.search_config.Fixed):
     price one configuration the way the search prices it (`autopar price`); its pipeline
     chunks are not traced for their placements. `precision` / `reduce_dtype` name the
     precision policy (autopar/precision.py; "" is the cluster's default, and `fixed`'s
@@ -222,7 +222,7 @@ UNLIMITED_MEMORY_GB = 1e9
 def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: int, seq: int | None = None,
           choose_zero: bool = False, stage_layers: tuple[int, ...] | None = None) -> Any:
     """One configuration priced as the search prices it (`autopar price`): the search
-    restricted to `config` (solver.pipeline_search.Fixed), its Plan returned, with the
+    restricted to `config` (solver.search_config.Fixed), its Plan returned, with the
     prediction in `plan.predicted`. `model` is a zoo or factory name. The per-op
     placements are the ILP's; `choose_zero`: each parameter's (one stage) or each stage's
     ZeRO layout is chosen as in a search rather than fixed by `config.zero`;

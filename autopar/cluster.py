@@ -66,7 +66,7 @@ class Hardware:
     same cores); 0 = every device has its own compute (GPUs). With more ranks than cores
     the cost model slows compute, per-op costs and collectives by ranks / cores."""
     reference_s: float = 0.0
-    """A calibrated profile's time of autopar.calibrate.reference_workload per dedicated core
+    """A calibrated profile's time of autopar.calibrate_rank.reference_workload per dedicated core
     when it was measured (0 = not calibrated): runs on a shared machine compare their own
     reference time with it to know the load they ran under."""
     efficiency: tuple[tuple[str, float], ...] = ()
@@ -219,7 +219,7 @@ class Cluster:
         """The devices one pipeline stage runs on (`devices` of this cluster). Where ranks
         share a node's cores (the cpu profile), the other stages' ranks still share them:
         the cores are scaled with the devices, keeping the node's contention. (The pipeline
-        search prices a stage on this: solver/pipeline_search.py `_stage_cluster`.)"""
+        search prices a stage on this: solver/pipeline_stages.py `_stage_cluster`.)"""
         per_node = min(self.devices_per_node, devices)
         hw = self.hardware
         if hw.cores_per_node and per_node < self.devices_per_node:

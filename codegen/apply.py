@@ -632,7 +632,7 @@ class _WeightGather:
     """The updated weights from their update placements to their compute placements, once
     per step (weight-update sharding). Weights gathered on one mesh axis travel per layer
     in one flat all-gather (autopar/buckets.py gather_group, phase UPDATE_PHASE, as
-    solver/intra_op/ilp.py `_update_gathers` prices them): the shards packed into one
+    solver/intra_op/solution.py `update_gathers` prices them): the shards packed into one
     buffer, gathered, each weight concatenated out of the gathered rows. Any other change
     of placement through DTensor, one by one."""
 

@@ -93,7 +93,7 @@ def keep_update(config: ParallelConfig, *, update_free: bool = False):
 def zero_2_syncs(config: ParallelConfig) -> bool:
     """Whether `config`'s programs sync every microbatch's gradients to their update shard
     (zero 2 over a dp axis): the ILP's `grads_each_microbatch`, the runtime's in-step sync
-    (autopar/runtime/spmd.py, autopar/runtime/pipe_spmd.py build_stage_runner)."""
+    (autopar/build/one_stage.py, autopar/build/pipeline.py build_stage_runner)."""
     return config.zero == 2 and config.dp > 1
 
 
@@ -108,9 +108,9 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     """The intra-op ILP of a pipeline stage on its (dp, tp) submesh under `config`'s rules,
     its gradient syncs weighted 1 / num_microbatches (once per step; 1 under zero 2, whose
     stages sync every microbatch). One solve for both
-    sides of a pipeline plan: the runtime solves each chunk's graph with `keep_input`
+    sides of a pipeline plan: the wiring solves each chunk's graph with `keep_input`
     holding its boundary inputs in the layout they travel in
-    (autopar/runtime/pipe_spmd.py solve_stage), and the pipeline search prices every stage
+    (autopar/placing.py solve_stage, before the ranks build), and the pipeline search prices every stage
     from this solve of the whole traced step (solver/pipeline_search.py), so what a stage
     is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage); `space`:
     the graph's strategy enumeration on this mesh, where the caller has it; `prune_memo`:
@@ -134,8 +134,8 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
 def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int,
                     space: Any = None, update_free: bool = False, memory_budget_bytes: float | None = None,
                     time_limit_s: float | None = None, cutoff_s: float | None = None) -> Any:
-    """The intra-op ILP of a one-stage configuration under its rules (what the runtime solves:
-    autopar/runtime/spmd.py `solve_config`); `space`: the strategies to choose from (default:
+    """The intra-op ILP of a one-stage configuration under its rules (what a run solves before its ranks build:
+    autopar/placing.py `solve_config`); `space`: the strategies to choose from (default:
     the graph's enumeration on the configuration's mesh)."""
     from solver.intra_op.ilp import solve_intra_op
 
