@@ -32,16 +32,14 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
+from autopar.precision import of_model, unrecorded_dtype
+from autopar.units import DTYPE_BYTES  # noqa: F401  (re-exported: the IR's tensors count bytes by it)
+
 NodeId = int
 
 SEGMENTS: tuple[str, ...] = ("pre", "layer", "post")
 """The values of `Node.segment`, in pipeline order (module doc)."""
 
-DTYPE_BYTES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
-}
 
 GEMM_OPS: frozenset[str] = frozenset({
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
@@ -234,8 +232,6 @@ class ModelInfo:
     @property
     def precision(self) -> Any:
         """The precision policy this step is priced and run under (autopar.precision.Precision)."""
-        from autopar.precision import of_model
-
         return of_model(self.dtype, self.master_dtype, self.reduce_dtype)
 
 
@@ -269,8 +265,6 @@ class Graph:
         in the precision policy's reduction dtype (ModelInfo.precision; float32 where a
         bf16-mixed step computes it in bfloat16). Every price of a gradient's accumulation
         and sync reads this, as the program's gradient buckets are (codegen/apply.py)."""
-        from autopar.precision import unrecorded_dtype
-
         meta = self[grad].output
         reduce = self.model.reduce_dtype or unrecorded_dtype(self.model.dtype)
         if meta.dtype == reduce or meta.dtype not in ("float32", "bfloat16", "float16", "float64"):

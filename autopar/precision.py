@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.ir import DTYPE_BYTES
+from autopar.units import DTYPE_BYTES
 
 POLICIES: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16")
 REDUCE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")

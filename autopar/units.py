@@ -1,4 +1,5 @@
-"""Numbers for people: counts and FLOPs with the SI prefix that fits their size.
+"""Units: bytes per element of each dtype, and numbers for people (counts and FLOPs with the
+SI prefix that fits their size).
 
 A tiny model has 10^4-10^6 parameters and a large one 10^11, so one fixed unit prints
 either "0.000B" or a 12-digit number; these pick the prefix (k, M, B, T for counts: the
@@ -9,6 +10,14 @@ from __future__ import annotations
 
 GIB = 1024**3
 """Bytes in a GiB: memory is printed in GiB everywhere (plans, tables, error messages)."""
+
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
+}
+"""Bytes per element of each dtype by torch's name (the IR's tensors, the precision
+policy's copies): one table, so every byte count agrees."""
 
 _COUNT = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
 _FLOP = ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "kFLOP"))

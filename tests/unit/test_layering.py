@@ -135,11 +135,7 @@ BUILD_NEVER_IMPORTS = ("solver", "cost_model")
 # graph, why it is there). A cycle found must lie inside one entry; an entry with no cycle
 # inside it is deleted. Never add one to make a new import pass: move what is shared to the
 # module that owns it.
-KNOWN_CYCLES: tuple[tuple[frozenset[str], str], ...] = (
-    (frozenset({"autopar.ir", "autopar.precision"}),
-     "ModelInfo.precision and Graph.grad_meta read the precision policy (function-level imports), "
-     "while the policy reads ir's DTYPE_BYTES"),
-)
+KNOWN_CYCLES: tuple[tuple[frozenset[str], str], ...] = ()  # none today
 
 # The per-family rule tables and what applies them (the module-level template, a baseline:
 # benchmarks/baselines/template_program.py). DESIGN: no rule table on the execution path, so no module
