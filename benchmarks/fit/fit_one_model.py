@@ -168,7 +168,7 @@ class _Surrogate:
 PRIOR_TANGENTS = 81
 """Tangent lines that bound each constant's prior square from below in the linear program
 (`solve_surrogate`), evenly over its box: the square is exact at them and off by at most
-(box width / 80)^2 / 4 between them (1e-4 in log theta for a radius of 0.5)."""
+(box width / 80)^2 / 4 between them (4e-5 in the squared log distance for a radius of 0.5)."""
 
 
 def solve_surrogate(sur: _Surrogate, x0: Any, lo: Any, hi: Any, start: Any, prior: float) -> Any:
