@@ -126,9 +126,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     its dtypes, and the plans record it. `compiled`: the plans run their per-rank graphs
     through Inductor (`--compile`, `fixed`'s configuration's where it says so), priced so
     (cost_model/table.py `compiled_scale`), and record it."""
-    # the solver (and through it cost_model) is imported on use: `import autopar` imports
-    # this module, and cost_model imports autopar's types, so a module-level import here
-    # would make `import cost_model` (before autopar) a cycle
+    # imported on use: cost_model (under the solver) imports autopar's types, which import this module
     from solver.pipeline_search import search
     from solver.search import SearchResult
     from solver.search_config import SearchConfig
@@ -138,64 +136,33 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     if progress:
         progress("trace", 0, 1)
     source = resolve(model).with_overrides(seq=seq) if isinstance(model, str) else None
-    num_layers = source.config.layers if source is not None and source.config is not None else None
+    zoo = source is not None and source.config is not None
+    num_layers = source.config.layers if zoo else None
     if fixed is not None and fixed.config.precision:
         precision, reduce_dtype = fixed.config.precision, fixed.config.reduce_dtype
     compiled = compiled or (fixed is not None and fixed.config.compiled)
     named = ParallelConfig(precision=precision, reduce_dtype=reduce_dtype,
                            compiled=compiled).resolved(cluster.hardware.name)
-    policy = named.policy()
-    if source is not None and source.config is not None:
+    module: nn.Module | None = None
+    example: Sequence[Any] | None = None
+    if zoo:
         name, family = model, source.family
-
-        def trace_at(rows: int, recompute: str = "none") -> Any:
-            key = (model, seq, rows, policy, recompute)
-            if key not in _ZOO_TRACES:
-                while len(_ZOO_TRACES) >= MAX_ZOO_TRACES:
-                    _ZOO_TRACES.pop(next(iter(_ZOO_TRACES)))
-                _ZOO_TRACES[key] = with_precision(trace_model(source, batch=rows, dtype=policy.compute,
-                                                              layers_traced=LAYERS_TRACED, recompute=recompute),
-                                                  policy)
-            return replace(_ZOO_TRACES[key], compiled=True) if compiled else _ZOO_TRACES[key]
-
-        trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
+        trace_at = _zoo_tracer(model, seq, source, named.policy(), compiled)
     else:
-        if source is not None:  # a factory: runs as one stage or cut at its layers, never by the rule tables
-            module, example = source.factory()
-            name, family = model, ""
-        elif isinstance(model, nn.Module) and example_inputs is not None:
-            module, example = model, example_inputs
-            name, family = type(model).__name__, zoo_family(model)
-        else:
-            raise ValueError(f"search a zoo or factory name, or an nn.Module with example_inputs= (one global "
-                             f"batch); got {type(model).__name__} with example_inputs={example_inputs!r}")
-        batch = batches.batch_size(example)
-        if global_batch is None:
-            global_batch = batch
-        elif global_batch != batch:
-            what = f"factory {model!r} gives" if source is not None else "example_inputs give"
-            raise ValueError(f"{what} batches of {batch}; search it with --global-batch {batch}")
-
-        def trace_at(rows: int, recompute: str = "none") -> Any:
-            micro = batches.rows(example, 0, rows, batch)
-            graph = trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute,
-                               precision=policy)[1]
-            return replace(graph, compiled=compiled)
+        module, example, name, family = _module_and_batch(model, source, example_inputs)
+        global_batch = _checked_global_batch(model, source, example, global_batch)
+        trace_at = _module_tracer(module, example, loss_fn, named.policy(), compiled)
     if global_batch is None:
         raise ValueError(f"searching {model!r} needs global_batch= (--global-batch)")
     t = time.perf_counter()
-    if source is not None and source.config is not None:
-        if (model, seq) not in _ZOO_FINGERPRINTS:
-            _ZOO_FINGERPRINTS[(model, seq)] = fingerprint_source(source)
-        fingerprint = _ZOO_FINGERPRINTS[(model, seq)]
-    else:
-        fingerprint = fingerprint_source(source) if source is not None else module_fingerprint(model)
+    fingerprint = _fingerprint(model, seq, source, zoo)
     phases = (("fingerprint", time.perf_counter() - t),)
     extra = {} if microbatch_choices is None else {"microbatch_choices": microbatch_choices}
     result = search(trace_at, cluster, SearchConfig(global_batch=global_batch, model=name, fingerprint=fingerprint,
                                                     family=family, top=top, time_limit_s=time_limit_s,
                                                     num_layers=num_layers, min_pp=min_pp, max_pp=max_pp, fixed=fixed,
                                                     **extra), progress=progress)
+
     # the plans record the policy and compilation they were priced under, and run them
     def recorded(config: ParallelConfig) -> ParallelConfig:
         return replace(config, precision=named.precision, reduce_dtype=named.reduce_dtype, compiled=compiled)
@@ -205,14 +172,77 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     if best.config.pp > 1 and fixed is None:
         # the pipeline's program: each chunk traced as the ranks trace it and solved, recorded
         t = time.perf_counter()
-        zoo = source is not None and source.config is not None
-        best = record_stage_placements(best, None if zoo else module, None if zoo else example, loss_fn=loss_fn)
+        best = record_stage_placements(best, module, example, loss_fn=loss_fn)
         plans = (best, *plans[1:]) if plans else plans
         phases += (("stages", time.perf_counter() - t),)
     log.info("searched plan: %s", best.config)
     ranked = tuple(replace(r, config=recorded(r.config)) for r in result.ranked)
     return SearchResult(ranked=ranked, plan=best, phases=phases + result.phases,
                         search_time_s=time.perf_counter() - t0, plans=plans)
+
+
+def _zoo_tracer(model: str, seq: int | None, source: Any, policy: Any, compiled: bool) -> Callable[..., Any]:
+    """`trace_at(rows, recompute)` of the search for a zoo model: LAYERS_TRACED layers traced
+    on fake tensors in the policy's compute dtype, kept in _ZOO_TRACES (at most
+    MAX_ZOO_TRACES, the oldest dropped first)."""
+    def trace_at(rows: int, recompute: str = "none") -> Any:
+        key = (model, seq, rows, policy, recompute)
+        if key not in _ZOO_TRACES:
+            while len(_ZOO_TRACES) >= MAX_ZOO_TRACES:
+                _ZOO_TRACES.pop(next(iter(_ZOO_TRACES)))
+            _ZOO_TRACES[key] = with_precision(trace_model(source, batch=rows, dtype=policy.compute,
+                                                          layers_traced=LAYERS_TRACED, recompute=recompute),
+                                              policy)
+        return replace(_ZOO_TRACES[key], compiled=True) if compiled else _ZOO_TRACES[key]
+
+    trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
+    return trace_at
+
+
+def _module_and_batch(model: Any, source: Any, example_inputs: Sequence[Any] | None
+                      ) -> tuple[nn.Module, Sequence[Any], str, str]:
+    """(module, one global batch, name, family) of a factory name or an nn.Module with its
+    example inputs; ValueError for anything else."""
+    if source is not None:  # a factory: runs as one stage or cut at its layers, never by the rule tables
+        module, example = source.factory()
+        return module, example, model, ""
+    if isinstance(model, nn.Module) and example_inputs is not None:
+        return model, example_inputs, type(model).__name__, zoo_family(model)
+    raise ValueError(f"search a zoo or factory name, or an nn.Module with example_inputs= (one global "
+                     f"batch); got {type(model).__name__} with example_inputs={example_inputs!r}")
+
+
+def _checked_global_batch(model: Any, source: Any, example: Sequence[Any], global_batch: int | None) -> int:
+    """The global batch of a module's search: its example batch's size, which `global_batch`
+    must equal where given."""
+    batch = batches.batch_size(example)
+    if global_batch is not None and global_batch != batch:
+        what = f"factory {model!r} gives" if source is not None else "example_inputs give"
+        raise ValueError(f"{what} batches of {batch}; search it with --global-batch {batch}")
+    return batch
+
+
+def _module_tracer(module: nn.Module, example: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None,
+                   policy: Any, compiled: bool) -> Callable[..., Any]:
+    """`trace_at(rows, recompute)` of the search for a module: the first `rows` rows of its
+    batch traced whole, on a copy."""
+    size = batches.batch_size(example)
+
+    def trace_at(rows: int, recompute: str = "none") -> Any:
+        micro = batches.rows(example, 0, rows, size)
+        graph = trace_step(copy.deepcopy(module), micro, loss_fn=loss_fn, recompute=recompute, precision=policy)[1]
+        return replace(graph, compiled=compiled)
+
+    return trace_at
+
+
+def _fingerprint(model: Any, seq: int | None, source: Any, zoo: bool) -> str:
+    """The model's fingerprint, recorded in its plans (a zoo model's kept in _ZOO_FINGERPRINTS)."""
+    if zoo:
+        if (model, seq) not in _ZOO_FINGERPRINTS:
+            _ZOO_FINGERPRINTS[(model, seq)] = fingerprint_source(source)
+        return _ZOO_FINGERPRINTS[(model, seq)]
+    return fingerprint_source(source) if source is not None else module_fingerprint(model)
 
 
 UNLIMITED_MEMORY_GB = 1e9

@@ -30,8 +30,6 @@ KNOWN_LONG_FILES: dict[str, str] = {
     "codegen/apply.py": "plan application, collectives and the per-rank graphs' source in one module; being split",
 }
 KNOWN_LONG_FUNCTIONS: dict[tuple[str, str], str] = {
-    ("autopar/api.py", "search_plans"): "traces, fingerprints, searches and records the chosen pipeline's "
-                                        "program in one body; being split",
     ("autopar/trace.py", "lower"): "FX graph to Graph in one pass; being split",
 }
 
