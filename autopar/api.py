@@ -128,7 +128,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     (cost_model/table.py `compiled_scale`), and record it."""
     # imported on use: cost_model (under the solver) imports autopar's types, which import this module
     from solver.pipeline_search import search
-    from solver.search import SearchResult
+    from solver.results import SearchResult
     from solver.search_config import SearchConfig
 
     t0 = time.perf_counter()

@@ -238,7 +238,7 @@ def explain_figure(out: Path, model: str = "llama3-70b", cluster_spec: str = "h1
     from autopar.plots import plot_plan
     from autopar.trace import trace_model
     from benchmarks.baselines import analytic
-    from solver.search import SearchSpace, search
+    from benchmarks.baselines.template.search import SearchSpace, search
 
     source = resolve(model)
     graph = trace_model(source, batch=1, dtype="bfloat16", layers_traced=2)

@@ -80,7 +80,7 @@ from solver.pipeline_stages import (
     pipeline_candidates,
     solve_pipeline_candidate,
 )
-from solver.search import ProgressFn, Ranked, SearchResult
+from solver.results import ProgressFn, Ranked, SearchResult
 from solver.search_config import SearchConfig
 from solver.spmd_search import (
     Solved,

@@ -47,8 +47,8 @@ from autopar.plan import (
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from solver.intra_op.backend import CutoffExceeded
-from solver.search import Ranked
 from solver.intra_op.space import coverage, enumerate_strategies
+from solver.results import Ranked
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""A closed-form stand-in cost model for the whole-plan search: a test oracle.
+"""A closed-form stand-in cost model for the template grid search: a test oracle.
 
-Where it sits: tests/, beside the tests that use it (tests/unit/test_search.py); no
-product module imports it. The search (solver/search.py) prices candidates through a
-`PriceFn` callable; the real one is the baseline's `analytic.price` (benchmarks/baselines/analytic/; graph-derived, owned by the cost
-model). This toy exists so the search can be tested against brute force with a cost
-that is cheap, fully known and independent of the real model. It is NOT the project's
-prediction of record.
+Where it sits: tests/, beside the tests that use it (tests/unit/test_template_search.py);
+no product module imports it. The template grid (benchmarks/baselines/template/search.py)
+prices candidates through a `PriceFn` callable; the real one is the baseline's
+`analytic.price` (benchmarks/baselines/analytic/; graph-derived). This toy exists so the
+search can be tested against brute force with a cost that is cheap, fully known and
+independent of the real model. It is NOT the project's prediction of record.
 
 Math (textbook formulas from notes/cost-model-facts.md; b micro-batch, s seq, h hidden,
 t/p/d the tp/pp/dp degrees, m microbatches, v interleave, P parameters):
@@ -32,7 +32,7 @@ from autopar.config import ParallelConfig, default_stage_layers
 from autopar.ir import Graph
 from cost_model import state_bytes_per_param
 from autopar.estimate import Estimate
-from solver.inter_op import StageWork, stage_work
+from benchmarks.baselines.template.inter_op import StageWork, stage_work
 
 EFFICIENCY = 0.5
 """Fraction of dense peak that layer compute reaches in the toy (one global factor)."""

@@ -4,10 +4,11 @@ Where it sits: the per-rank build (autopar/build/), behind the wiring (autopar/c
 A one-stage plan's per-op placements are applied to its traced step (`emit_per_op`), a
 pipeline plan's chunks are built as every rank builds them (autopar/build/pipeline.py
 `stage_sources`, handed in with the chunks' placements by the wiring), both on a `fake`
-process group (codegen/emit.py `fake_world`): nothing runs and nothing is communicated. A
-one-stage plan without per-op placements is shown as the template's module program
-(codegen/emit.py `emit`, the hand-written baseline). The model is resolved from the plan's
-model string here, so codegen/ neither resolves nor traces models.
+process group (codegen/emit.py `fake_world`): nothing runs and nothing is communicated. The
+search records per-op placements in every one-stage plan (solver/spmd_search.py
+`spmd_plan`); a one-stage plan without them has no program to show (the hand-written
+template's source is a baseline, benchmarks/baselines/template/emit.py). The model is
+resolved from the plan's model string here, so codegen/ neither resolves nor traces models.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from codegen.emit import emit, fake_world, write
+from codegen.emit import fake_world, write
 
 
 def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
@@ -35,8 +36,10 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
     a shallower spec."""
     if getattr(plan, "placements", None):
         return write(emit_per_op(plan), directory)
-    if plan.config.pp == 1:  # a one-stage plan without per-op placements: the template's module program
-        return write(_emit_module_plan(plan, max_parameters), directory)
+    if plan.config.pp == 1:
+        raise ValueError(f"this one-stage plan of {plan.model!r} records no per-op placements, so it names no "
+                         "program to emit; search again (`autopar search ... --emit DIR`: the search records them "
+                         "in every one-stage plan)")
     if stage_sources is None:
         raise ValueError("emitting a pipeline plan needs the per-rank build's stage builder: pass "
                          "stage_sources= as `autopar search --emit` does (autopar/commands/search.py `_emit`)")
@@ -67,20 +70,6 @@ def _check_size(name: str, source: Any, max_parameters: float, function: str) ->
             f"limit {max_parameters / 1e9:.0f}B); emit a spec with fewer layers and the same widths "
             f"to read the per-stage program, or call {function} from Python on a machine with the "
             "memory")
-
-
-def _emit_module_plan(plan: Any, max_parameters: float) -> dict[str, str]:
-    from autopar.models import resolve
-
-    source = resolve(plan.model).with_overrides(seq=plan.seq)
-    if source.config is None:
-        raise ValueError(f"--emit needs a preset or spec model, got factory {plan.model!r}; "
-                         "call codegen.emit.emit(model, config, example_inputs=...) from Python")
-    _check_size(plan.model, source, max_parameters, "codegen.emit.emit")
-    torch.manual_seed(0)
-    model = source.build()
-    return emit(model, plan.config, example_inputs=source.example_inputs(plan.config.micro_batch),
-                stage_layers=plan.stage_layers)
 
 
 def emit_per_op(plan: Any) -> dict[str, str]:

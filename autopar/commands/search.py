@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from autopar.api import search_plans
 from autopar.units import GIB
-from solver.search import ProgressFn
+from solver.results import ProgressFn
 
 
 PLAIN_EVERY_S = 5.0

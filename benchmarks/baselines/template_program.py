@@ -6,7 +6,7 @@ execution path). `autopar train`, `autopar.compile` and every plan run the per-o
 against this template and the hand-tuned one (benchmarks/baselines/handtuned.py).
 
 `build_module_program(model, config, ...)` shards a zoo model (GPT, Llama) by the family
-rule tables (codegen/rules.py), on every rank of an initialised process group:
+rule tables (benchmarks/baselines/template/rules.py), on every rank of an initialised process group:
 - mesh: ("pp", "dp", "tp"), tp innermost (autopar.runtime.program.make_mesh).
 - pp: the model is cut into pp * interleave chunks (codegen/stages.py); rank r on the pp
   axis owns chunks r, r + pp, ... and runs them with `torch.distributed.pipelining`
@@ -62,9 +62,9 @@ from autopar.runtime.program import (
     make_mesh,
     optimizer_update,
 )
-from codegen.rules import FamilyRules, permutation_for, rules_for
-from codegen.stages import build_chunks
-from codegen.tp import apply_tp, check_tp
+from benchmarks.baselines.template.rules import FamilyRules, permutation_for, rules_for
+from benchmarks.baselines.template.stages import build_chunks
+from benchmarks.baselines.template.tp import apply_tp, check_tp
 
 log = logging.getLogger(__name__)
 

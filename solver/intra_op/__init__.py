@@ -22,10 +22,6 @@ restrict, the cost table, sharing, then builds the ILP, solves it and reads the 
 - backend.py       running HiGHS or CBC: one thread, fixed seed, LP relaxation first,
                    native solver output kept off stdout
 - solution.py      the chosen strategies priced again into costs and collectives
-- template.py      the Megatron tp + dp placement per layer group, recorded by the template
-                   search (solver/search.py, a baseline)
-- layer_groups.py  the ILP's choice per (layer group, submesh), memoised, recorded beside
-                   the template in that search's plans
 
 Nothing is re-exported here: import from the module that defines a name.
 """

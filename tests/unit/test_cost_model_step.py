@@ -95,7 +95,7 @@ def test_default_stage_layers_is_one_split_that_sums_to_the_layers(profile) -> N
     """The even split the cost model prices is the one codegen's pipeline chunks run (one
     home: autopar/config.py), and it sums to L when pp does not divide L."""
     from autopar.config import default_stage_layers
-    from codegen.stages import split_layers
+    from autopar.capabilities import split_layers
 
     assert default_stage_layers(10, 4) == (3, 3, 2, 2) and default_stage_layers(8, 4) == (2, 2, 2, 2)
     for layers, stages in ((7, 3), (5, 5), (9, 2), (0, 1)):

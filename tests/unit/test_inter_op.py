@@ -9,7 +9,7 @@ import pytest
 
 from autopar.models import resolve
 from autopar.trace import trace_model
-from solver.inter_op import balanced_cuts, cut_candidates, stage_work, uniform_cuts
+from benchmarks.baselines.template.inter_op import balanced_cuts, cut_candidates, stage_work, uniform_cuts
 
 
 def _compositions(total: int, parts: int):

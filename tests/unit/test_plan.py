@@ -304,3 +304,16 @@ def test_weight_update_placements_round_trip_and_explain() -> None:
            "weights replicated over dp, update S(0) over dp (ZeRO-1)" in lines
     assert "attention (1 params): heads over tp (column); S(0) over dp (sharded: ZeRO-3)" in lines
     assert "norms (1 params): replicated over tp; replicated over dp" in lines
+
+
+def test_emit_refuses_a_one_stage_plan_without_per_op_placements(tmp_path) -> None:
+    """`--emit` writes the program a plan runs; a one-stage plan that records no per-op
+    placements names none, so it is refused (the template's module program is a baseline,
+    benchmarks/baselines/template/emit.py), and nothing is written."""
+    from autopar.build.emit import emit_plan
+
+    plan = _plan(config=ParallelConfig(tp=2, dp=4, micro_batch=2), stage_layers=(4,), mesh_shape=(1, 4, 2), stages=())
+    assert plan.config.pp == 1 and plan.placements == ()
+    with pytest.raises(ValueError, match="records no per-op placements.*search again"):
+        emit_plan(plan, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -72,7 +72,7 @@ def test_a_zero_2_candidate_is_labelled_and_priced_as_searched(capsys) -> None:
     from autopar.cluster import Cluster
     from autopar.models import resolve
     from autopar.trace import trace_model
-    from solver.search import Ranked
+    from solver.results import Ranked
     from solver.spmd_search import SpmdCandidate, solve_candidate, zero_is_uniform
 
     spec = "llama-small"

@@ -1,7 +1,8 @@
 """The config-template intra-op choice: Megatron tensor parallelism plus data parallelism.
 
-Where it sits: solver/, used by solver/search.py as the per-layer-group intra-op choice
-when the intra-op ILP (solver/intra_op/ilp.py) is not used. It records, per parameter of a
+Where it sits: benchmarks/baselines/template/, used by the template grid (search.py here)
+as the per-layer-group intra-op choice; the product's choice is the intra-op ILP
+(solver/intra_op/ilp.py). It records, per parameter of a
 layer group, how Megatron shards it over the tp axis, so a plan file can say what each
 weight does without re-running anything.
 

@@ -1,5 +1,6 @@
-"""codegen.emit with fused kernels: the per-rank program of a Llama stage calls the fused
-ops (torch.ops.autopar.*) in place of the RMSNorm and SwiGLU patterns, forward and backward."""
+"""The template's module-level emit (benchmarks/baselines/template/emit.py) with fused
+kernels: the per-rank program of a Llama stage calls the fused ops (torch.ops.autopar.*)
+in place of the RMSNorm and SwiGLU patterns, forward and backward."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from codegen.emit import emit
+from benchmarks.baselines.template.emit import emit
 
 
 def _count(code: dict[str, str], pattern: str) -> int:

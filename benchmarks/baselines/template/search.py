@@ -1,12 +1,13 @@
 """Whole-plan search: mesh shape x stage cuts x ZeRO x microbatching x schedule x recompute.
 
-Where it sits: the template grid, kept as a baseline (benchmarks/vs_hand_tuned.py); the
-product's planner is solver/pipeline_search.py (intra-op ILP stage costs + inter-op DP).
-Input: the frozen Graph (a few traced layers scaled to the real depth), a Cluster, the
-global batch and a pricing callable; output: ranked priced candidates and the best
-`autopar.plan.Plan`. Benchmarks wire it to the analytic baseline (benchmarks/baselines/analytic/ `price`);
-tests also drive it with tests/toy_price.py. It also holds the types both searches
-return (Ranked, SearchResult).
+Where it sits: benchmarks/baselines/template/, the template grid autopar searched before
+the per-op compiler, kept as a baseline (benchmarks/plots_results.py draws one of its
+plans); the product's planner is solver/pipeline_search.py (intra-op ILP stage costs +
+inter-op DP). Input: the frozen Graph (a few traced layers scaled to the real depth), a
+Cluster, the global batch and a pricing callable; output: ranked priced candidates and the
+best `autopar.plan.Plan`, as the product's types (solver/results.py Ranked, SearchResult).
+Benchmarks wire it to the analytic baseline (benchmarks/baselines/analytic/ `price`);
+tests also drive it with tests/toy_price.py.
 
 The space (each axis independent, all under the per-device memory limit):
 - mesh (pp, dp, tp): tp divides the devices of a node (tensor parallelism needs NVLink;
@@ -14,11 +15,11 @@ The space (each axis independent, all under the per-device memory limit):
   dp = devices / (tp * pp) divides the global batch.
 - micro-batch b dividing global_batch / dp (optionally b <= max_micro_batch), m = B / (dp b).
 - schedule: none for pp = 1; gpipe, 1f1b, interleaved with v chunks (v | L/pp, m % pp = 0).
-- stage cuts (solver/inter_op.py): the even split and the exact min-max balanced cut.
+- stage cuts (inter_op.py here): the even split and the exact min-max balanced cut.
 - ZeRO 0-3 and recompute none/selective/full.
-- intra-op: the config template (Megatron tp + dp, solver/intra_op/template.py) is what is
-  priced; `intra_op_fn` (e.g. solver/intra_op/layer_groups.py, the per-(layer group, submesh) ILP,
-  memoised) adds its choices for the chosen plan to the plan file.
+- intra-op: the config template (Megatron tp + dp, intra_op.py here) is what is priced;
+  `intra_op_fn` (e.g. layer_groups.py here, the per-(layer group, submesh) ILP, memoised)
+  adds its choices for the chosen plan to the plan file.
 
 Pruning (both exact under stated assumptions; the brute-force test checks them):
 1. memory bound: model state per device >= MEMORY_BOUND_SLACK * P_stage / tp * bytes per
@@ -52,8 +53,10 @@ from autopar.plan import (
     StageInfo,
 )
 from autopar.units import GIB
+from benchmarks.baselines.template.inter_op import StageWork, cut_candidates, stage_work
+from benchmarks.baselines.template.intra_op import template_intra_op
 from cost_model import Estimate, state_bytes_per_param
-from solver.inter_op import StageWork, cut_candidates, stage_work
+from solver.results import ProgressFn, Ranked, SearchResult
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +70,6 @@ MAX_ALTERNATIVES = 8
 PriceFn = Callable[[ParallelConfig, tuple[int, ...]], Estimate]
 """price(config, stage_layers) for the search's fixed graph, cluster and global batch: the
 cost model's Estimate (tests/toy_price.py returns one too)."""
-ProgressFn = Callable[[str, int, int], None]
-"""progress(phase, done, total)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,70 +100,12 @@ class Candidate:
     memory_bound_bytes: float
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ranked:
-    """One priced candidate."""
-
-    config: ParallelConfig
-    stage_layers: tuple[int, ...]
-    estimate: Estimate
-    bubble_fraction: float
-    repeated_axes: tuple[str, ...] = ()
-    """Mesh axes (of size > 1) on which the plan shards nothing: every rank of such an axis
-    runs the same whole step (a tiny model, where any split costs more than it saves). The
-    step time and throughput are right; the degrees name devices, not parallelism."""
-    zero_mixed: bool = False
-    """The ILP (or the stage DP) chose different ZeRO layouts for different parameters (or
-    stages): `config.zero` names the one most parameter bytes use, and the configuration
-    is priced as searched without `--zero` (`price_flags`)."""
-
-    def price_flags(self) -> tuple[str, ...]:
-        """The `autopar price` flags that price this candidate as the search did."""
-        c = self.config
-        flags = ["--tp", str(c.tp), "--pp", str(c.pp), "--dp", str(c.dp), "--micro-batch", str(c.micro_batch),
-                 "--recompute", c.recompute]
-        if c.pp > 1:
-            flags += ["--schedule", c.schedule] + (["--interleave", str(c.interleave)] if c.interleave > 1 else [])
-        if not self.zero_mixed:
-            flags += ["--zero", str(c.zero)]
-        if c.precision:
-            flags += ["--precision", c.precision] + (["--reduce-dtype", c.reduce_dtype] if c.reduce_dtype else [])
-        return tuple(flags)
-
-    def label(self, global_batch: int) -> str:
-        """describe_config's label, saying where ranks only repeat the work."""
-        text = describe_config(self.config, self.stage_layers, global_batch)
-        if self.repeated_axes:
-            text += f" ({' and '.join(self.repeated_axes)} only repeat the step: nothing is split over them)"
-        return text
-
-    def sort_key(self) -> tuple[Any, ...]:
-        c = self.config
-        return (self.estimate.step_time_s, self.estimate.peak_memory_bytes, c.tp, c.pp, c.zero, c.micro_batch,
-                c.schedule, c.interleave, RECOMPUTE.index(c.recompute), self.stage_layers)
-
-    def to_json(self, global_batch: int) -> dict[str, Any]:
-        data = dict(self.estimate.to_json())
-        config = self.config.to_json()
-        config["num_microbatches"] = self.config.num_microbatches(global_batch)
-        data["config"] = config
-        data["stage_layers"] = list(self.stage_layers)
-        data["bubble_fraction"] = self.bubble_fraction
-        data["repeated_axes"] = list(self.repeated_axes)
-        data["price_flags"] = list(self.price_flags())
-        return data
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SearchResult:
-    ranked: tuple[Ranked, ...]
-    """Fitting candidates, best first (at most `top`)."""
-    plan: Plan
-    phases: tuple[tuple[str, float], ...]
-    search_time_s: float
-    plans: tuple[Plan, ...] = ()
-    """Where the search builds them (the per-op search): a runnable plan for each of
-    `ranked`, in the same order (plans[0] is `plan`)."""
+def rank_key(ranked: Ranked) -> tuple[Any, ...]:
+    """(step time, peak memory, then the configuration): a total order, so the ranking and
+    the plan file are deterministic."""
+    c = ranked.config
+    return (ranked.estimate.step_time_s, ranked.estimate.peak_memory_bytes, c.tp, c.pp, c.zero, c.micro_batch,
+            c.schedule, c.interleave, RECOMPUTE.index(c.recompute), ranked.stage_layers)
 
 
 def bubble_fraction(config: ParallelConfig, num_microbatches: int) -> float:
@@ -269,7 +212,7 @@ def run_search(graph: Graph, cluster: Cluster, *, global_batch: int, price: Pric
                               bubble_fraction=bubble_fraction(cand.config, m)))
     if progress:
         progress("price", len(candidates), len(candidates))
-    fitting.sort(key=Ranked.sort_key)
+    fitting.sort(key=rank_key)
     info = SearchInfo(cost_model="", num_candidates=len(candidates), num_priced=num_priced,
                       num_pruned_memory=pruned_mem, num_pruned_dominated=pruned_dom, num_not_fitting=not_fit,
                       complete=complete, alternatives=())
@@ -353,7 +296,7 @@ def pick_runners_up(ranked: Sequence[Ranked]) -> list[Ranked]:
         if key not in seen and len(chosen) < MAX_ALTERNATIVES:
             seen.add(key)
             chosen.append(r)
-    return sorted(chosen, key=Ranked.sort_key)
+    return sorted(chosen, key=rank_key)
 
 
 def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn, model: str, fingerprint: str,
@@ -361,8 +304,6 @@ def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
            time_limit_s: float | None = None, progress: ProgressFn | None = None,
            intra_op_fn: Callable[[ParallelConfig], tuple[IntraOpChoice, ...]] | None = None) -> SearchResult:
     """The whole search; raises InfeasiblePlanError when nothing fits the memory limit."""
-    from solver.intra_op.template import template_intra_op
-
     t0 = time.perf_counter()
     phases: list[tuple[str, float]] = []
     ranked, info, candidates = run_search(graph, cluster, global_batch=global_batch, price=price, space=space,
@@ -372,7 +313,7 @@ def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
         raise infeasible_error(graph, cluster, global_batch, candidates, price)
     t1 = time.perf_counter()
     best = ranked[0]
-    # the template is what the cost model priced; ILP choices (solver/intra_op/layer_groups.py) are added beside it
+    # the template is what the cost model priced; ILP choices (layer_groups.py here) are added beside it
     intra = template_intra_op(graph, best.config.tp) + (intra_op_fn(best.config) if intra_op_fn else ())
     plan = build_plan(graph, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint, best=best,
                       runners_up=pick_runners_up(ranked), info=info, cost_model_name=cost_model_name,

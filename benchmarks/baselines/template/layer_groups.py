@@ -1,11 +1,11 @@
 """Intra-op choices from the ILP (solver/intra_op/ilp.py) for a chosen plan, memoised.
 
-Where it sits: solver/, an optional `intra_op_fn` for solver/search.py. The whole-plan
-search ranks candidates with the cost model's config template (Megatron tp + dp); this
-module then solves the intra-op ILP for the chosen plan's repeated layer on one pipeline
-stage's (dp, tp) submesh and records, per parameter, the placement the ILP picked and
-the ILP objective, so `autopar explain` can show where the ILP agrees with the template.
-The ILP is solved once per distinct (layer group signature, submesh) and memoised in
+Where it sits: benchmarks/baselines/template/, an optional `intra_op_fn` for the template
+grid (search.py here). That search ranks candidates with the cost model's config template
+(Megatron tp + dp); this module then solves the intra-op ILP for the chosen plan's repeated
+layer on one pipeline stage's (dp, tp) submesh and records, per parameter, the placement
+the ILP picked and the ILP objective, so `autopar explain` can show where the ILP agrees
+with the template. The ILP is solved once per distinct (layer group signature, submesh) and memoised in
 the caller-owned `cache` (no process-global state).
 
 It does not change the ranking: the cost model prices the template; feeding ILP costs

@@ -1,10 +1,11 @@
 """Rule tables: how a known model family is cut into pipeline chunks and split for TP.
 
-Where it sits: codegen, read by codegen/stages.py (pipeline chunks) and codegen/tp.py
-(tensor parallel), for the module-level template baseline (benchmarks/baselines/template_program.py)
-and codegen/emit.py. Everything family-specific lives here as data. Nothing on the
-execution path reads it (DESIGN: the plan is the program; tests/unit/test_layering.py
-checks that no module of autopar/ imports these tables).
+Where it sits: benchmarks/baselines/template/, read by stages.py (pipeline chunks) and
+tp.py (tensor parallel) here, for the module-level template baseline
+(benchmarks/baselines/template_program.py) and its source (emit.py here). Everything
+family-specific lives here as data. Nothing on the execution path reads it (DESIGN: the
+plan is the program; tests/unit/test_layering.py checks that no product module imports
+benchmarks/).
 
 Terms: a *chunk* is one pipeline stage's module (a contiguous run of layers, plus the
 embedding on the first chunk and the head on the last); *tp* is the tensor-parallel
@@ -24,7 +25,7 @@ from torch import nn
 from autopar.models.gpt import GPT
 from autopar.models.llama import Llama
 
-# TP styles a rule can name (codegen/tp.py maps them to torch.distributed.tensor.parallel):
+# TP styles a rule can name (tp.py here maps them to torch.distributed.tensor.parallel):
 #   colwise      weight rows sharded (output features); input replicated
 #   rowwise      weight columns sharded (input features); output summed (all-reduce), or
 #                reduce-scattered over the sequence with SP

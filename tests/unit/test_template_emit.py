@@ -1,5 +1,6 @@
-"""codegen.emit: the per-stage source shows the collectives the config implies, and the
-emitted program computes what eager autograd computes (single-process numerics check)."""
+"""The template's module-level emit (benchmarks/baselines/template/emit.py): the per-stage
+source shows the collectives the config implies, and the emitted program computes what
+eager autograd computes (single-process numerics check)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from codegen.emit import count_collectives, emit, write
-from codegen.rules import rules_for
-from codegen.stages import split_layers
+from autopar.capabilities import split_layers
+from benchmarks.baselines.template.emit import count_collectives, emit
+from benchmarks.baselines.template.rules import rules_for
+from codegen.emit import write
 
 GPT = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
@@ -83,7 +85,7 @@ def test_emitted_program_matches_eager(recompute):
     """One-device program traced to a GraphModule, run on real tensors: same loss and grads."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import codegen.emit as E
+    import benchmarks.baselines.template.emit as E
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.distributed.device_mesh import init_device_mesh
@@ -99,8 +101,7 @@ def test_emitted_program_matches_eager(recompute):
     try:
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
         from autopar.models.llama import Llama  # noqa: F401  (family rules apply)
-        from codegen.rules import rules_for
-        from codegen.stages import build_chunks
+        from benchmarks.baselines.template.stages import build_chunks
 
         chunk = build_chunks(model, rules_for(model), 1, (0,), recompute=recompute)[0]
         step, names, local, _, buffers = E._stage_step(chunk, rules_for(model), config, mesh, is_first=True,

@@ -1,6 +1,7 @@
 """Inter-op planning: how much work each pipeline stage gets, and where to cut the layers.
 
-Where it sits: solver/, called by solver/search.py for every pipeline degree it tries.
+Where it sits: benchmarks/baselines/template/, called by the template grid (search.py here)
+for every pipeline degree it tries; the product cuts stages in solver/stage_dp.py.
 Reads the frozen Graph only; returns new frozen values.
 
 Terms: the model is  pre (embedding) | L repeated layers | post (final norm, head, loss),

@@ -1,12 +1,13 @@
 """Pipeline chunks: cut a zoo model into per-stage modules with the original parameter names.
 
-Where it sits: codegen, used by the template baseline (benchmarks/baselines/template_program.py) and
-codegen/emit.py's module-level chunks, never by the runtime. A `Chunk` owns a contiguous run of
-layers (`layers.<i>` keep their global index, so parameter FQNs equal the unsplit model's
-and checkpoints/comparisons need no renaming), the embedding if it is the first chunk and
-the head if it is the last. Its forward maps tokens (first chunk) or hidden states to
-hidden states, or logits on the last chunk; the loss is applied outside (by the pipeline
-schedule or the runtime), so the last chunk's output is what the schedule's loss sees.
+Where it sits: benchmarks/baselines/template/, used by the template baseline
+(benchmarks/baselines/template_program.py) and its source (emit.py here), never by the
+runtime. A `Chunk` owns a contiguous run of layers (`layers.<i>` keep their global index,
+so parameter FQNs equal the unsplit model's and checkpoints/comparisons need no renaming),
+the embedding if it is the first chunk and the head if it is the last. Its forward maps
+tokens (first chunk) or hidden states to hidden states, or logits on the last chunk; the
+loss is applied outside (by the pipeline schedule or the runtime), so the last chunk's
+output is what the schedule's loss sees.
 
 Recomputation (`none | selective | full`) and the sequence-parallel boundary live here
 because both wrap the per-layer loop: `full` checkpoints every layer, `selective`
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.capabilities import split_layers
 from autopar.ir import ATTENTION_FWD_OPS
-from codegen.rules import FamilyRules
+from benchmarks.baselines.template.rules import FamilyRules
 
 # The fused kernels are autopar/ir.py's ATTENTION_FWD_OPS (their one home), plus the
 # composite SDPA op that dispatches to them.
@@ -54,7 +55,7 @@ class Chunk(nn.Module):
         self.is_last = is_last
         self.recompute = recompute
         self.sp_mesh: DeviceMesh | None = None
-        """Set by codegen/tp.py when sequence parallelism is on: the TP mesh."""
+        """Set by tp.py here when sequence parallelism is on: the TP mesh."""
         if is_first:
             for name in rules.embed:
                 setattr(self, name, getattr(model, name))
@@ -101,4 +102,4 @@ def build_chunks(model: nn.Module, rules: FamilyRules, num_chunks: int, chunk_id
     ]
 
 
-__all__ = ["Chunk", "build_chunks", "split_layers"]
+__all__ = ["Chunk", "build_chunks"]

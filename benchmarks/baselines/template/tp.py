@@ -1,9 +1,11 @@
 """Tensor parallelism (Megatron column/row split, optional sequence parallelism) for chunks.
 
-Where it sits: codegen, called by the template baseline (benchmarks/baselines/template_program.py) and
-codegen/emit.py on each module-level pipeline chunk before ZeRO wrapping; never by the runtime. The rule table (codegen/rules.py) names which module gets which style; this
-file only maps style names to `torch.distributed.tensor.parallel` styles and applies the
-family's fix-ups (per-rank head counts, fused-qkv row regrouping, shape-agnostic forwards).
+Where it sits: benchmarks/baselines/template/, called by the template baseline
+(benchmarks/baselines/template_program.py) and its source (emit.py here) on each
+module-level pipeline chunk before ZeRO wrapping; never by the runtime. The rule table
+(rules.py here) names which module gets which style; this file only maps style names to
+`torch.distributed.tensor.parallel` styles and applies the family's fix-ups (per-rank
+head counts, fused-qkv row regrouping, shape-agnostic forwards).
 
 Layouts (one TP mesh axis): without SP, activations between blocks are replicated and
 each row-parallel output is all-reduced. With SP the residual stream is Shard(1) (over
@@ -29,8 +31,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from codegen.rules import FamilyRules, TPRule
-from codegen.stages import Chunk
+from benchmarks.baselines.template.rules import FamilyRules, TPRule
+from benchmarks.baselines.template.stages import Chunk
 
 
 def _style(rule: TPRule, sequence_parallel: bool) -> ParallelStyle | None:
