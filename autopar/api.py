@@ -4,8 +4,8 @@ Where it sits: with autopar/cli.py, the only place that wires stages together. I
 resolves the mesh to a world size, joins or checks the process group (torchrun's env://
 world, ranks started by `autopar.runtime.launch.spawn`, or a one-rank world it creates),
 takes the configuration from `plan=` (replayed after a fingerprint check), `config=`, or
-else searches one (trace on the example inputs, price with the cost model, solver/search.py),
-and builds the per-rank program (autopar/runtime/program.py).
+else searches one (trace on the example inputs, price with the cost model,
+solver/pipeline_search.py), and builds the per-rank program (autopar/runtime/program.py).
 
 Batches: `step(batch)` takes the *global* batch, identical on every rank (as synthetic
 data or a seeded loader gives it); each rank takes its data-parallel slice. Weight init:

@@ -1,6 +1,6 @@
 """Plans: what the whole-plan search decided, saved as versioned JSON and explained.
 
-Where it sits: output of solver/search.py, input of codegen/ and the runtime. A plan is
+Where it sits: output of solver/pipeline_search.py, input of codegen/ and the runtime. A plan is
 searched once and replayed many times (`autopar train --plan plan.json`), so it carries
 everything the runtime needs (`config`, `stage_layers`, the mesh) and everything a person
 needs to see why it was chosen (`explain()`, rendered by autopar/explain.py): predicted

@@ -1,7 +1,8 @@
 """A forced configuration (`--dp --tp --zero`) as constraints on the intra-op ILP.
 
-Where it sits: solver/, read by the ILP's callers (solver/search.py, the runtime when it
-solves a configuration given by flags). The per-op compiler has no templates: a
+Where it sits: solver/, read by the ILP's callers (the search's solver/spmd_search.py and
+solver/pipeline_stages.py, and autopar/placing.py when it solves a configuration given by
+flags). The per-op compiler has no templates: a
 configuration does not say how each op is split, only what each mesh axis is for; the
 ILP still chooses every placement within these rules.
 

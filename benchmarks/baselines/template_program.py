@@ -6,15 +6,15 @@ execution path). `autopar train`, `autopar.compile` and every plan run the per-o
 against this template and the hand-tuned one (benchmarks/baselines/handtuned.py).
 
 `build_module_program(model, config, ...)` shards a zoo model (GPT, Llama) by the family
-rule tables (benchmarks/baselines/template/rules.py), on every rank of an initialised process group:
+rule tables (template/rules.py here), on every rank of an initialised process group:
 - mesh: ("pp", "dp", "tp"), tp innermost (autopar.runtime.program.make_mesh).
-- pp: the model is cut into pp * interleave chunks (codegen/stages.py); rank r on the pp
+- pp: the model is cut into pp * interleave chunks (template/stages.py); rank r on the pp
   axis owns chunks r, r + pp, ... and runs them with `torch.distributed.pipelining`
   (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble for
   `zb`). The schedule splits the local batch into microbatches and scales gradients by
   1/num_microbatches.
-- tp: codegen/tp.py (DTensor, `parallelize_module`), optional sequence parallelism; GPT's
-  fused qkv rows are regrouped for TP (codegen/rules.py Permutation) and put back in the
+- tp: template/tp.py (DTensor, `parallelize_module`), optional sequence parallelism; GPT's
+  fused qkv rows are regrouped for TP (template/rules.py Permutation) and put back in the
   model's order by `full_parameters`.
 - dp and ZeRO, over the "dp" axis:
   zero 0: gradients all-reduced (one flat bucket per step) after the last microbatch;
@@ -301,7 +301,7 @@ def build_module_program(model: nn.Module, config: ParallelConfig, *,
                          compile_stages: bool | None = None, mesh: DeviceMesh | None = None,
                          fused_kernels: bool | None = None) -> RankProgram:
     """The module-level template program (module docstring): pipeline stages cut by the
-    family rule tables (codegen/rules.py), Megatron-style TP by `parallelize_module`, FSDP2 /
+    family rule tables (template/rules.py), Megatron-style TP by `parallelize_module`, FSDP2 /
     ZeroRedundancyOptimizer for ZeRO; collective. The baseline the per-op program is
     measured against (benchmarks/measure_cpu.py), not a path `autopar train` or
     `autopar.compile` takes."""

@@ -9,7 +9,7 @@ configuration in a few ms from a per-graph profile, with runtime options that de
 other training stacks (options.py: DeepSpeed's 2021 ZeRO-3, fp32 gradient reduction,
 torch.compile, async TP, ...). The published-run scripts report it beside the one model
 (validate_cost_model.py, validate_one_model.py), fit/fit_cost_model.py fits its constants,
-and the template grid (solver/search.py) ranks configurations with it where a benchmark
+and the template grid (benchmarks/baselines/template/search.py) ranks configurations with it where a benchmark
 wires the two together (measure_cpu.py's template baseline, plots_results.py's plan
 figure).
 

@@ -4,8 +4,8 @@ Where it sits: benchmarks/baselines/analytic/, the closed-form baseline the prod
 (`autopar price` and `autopar search`: the ILP's costs, solver/) is validated beside on
 the published runs; `price_profile(profile, config, cluster, global_batch=...)` prices a
 whole configuration in a few ms, which is what the published-run fit of its constants
-(benchmarks/fit/fit_cost_model.py) and the template grid (solver/search.py) call thousands
-of times.
+(benchmarks/fit/fit_cost_model.py) and the template grid (benchmarks/baselines/template/
+search.py) call thousands of times.
 `price_profile` is a straight line of one function per term, named below beside its
 formula; each function's docstring repeats the formula it implements.
 
