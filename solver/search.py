@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE, ParallelConfig
 from autopar.ir import Graph
+from autopar.estimate import CommunicationTime
 from autopar.explain import describe_config
 from autopar.plan import (
     Alternative,
@@ -163,6 +164,10 @@ class SearchResult:
     plans: tuple[Plan, ...] = ()
     """Where the search builds them (the per-op search): a runnable plan for each of
     `ranked`, in the same order (plans[0] is `plan`)."""
+    communication: tuple[CommunicationTime, ...] = ()
+    """`plan`'s communication per step by collective kind and mesh axis, split out of its
+    `time_breakdown` (solver/comm_time.py): what `autopar price` reports. Not in the plan
+    file (a plan records its prediction's rows, not this split)."""
 
 
 def bubble_fraction(config: ParallelConfig, num_microbatches: int) -> float:
