@@ -75,6 +75,31 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
     return out
 
 
+def gradient_syncs(graph: Graph, space, pricer: ReshardPricer, pick: dict[NodeId, int], active: set[NodeId],
+                   reshard: dict[NodeId, float], parts: dict[tuple[NodeId, str, int], float], grad_sync_weight: float,
+                   *, each_microbatch: bool) -> list[PricedCollective]:
+    """The gradient syncs the chosen placements imply, bucketed as the program runs them:
+    each gradient's time (its share of its bucket's latency) charged to its parameter's
+    `reshard`, weighted like the ILP's gradient-sync edges (`parts` gets the same split by
+    kind), and the buckets' collectives. `each_microbatch` (ZeRO-2): every microbatch syncs
+    them, as its edges."""
+    syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
+    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
+    shares = gradient_bucket_shares(graph, sync_items, pricer)
+    for param, grad in syncs:
+        grad_meta, src, dst = graph.grad_meta(grad), space[grad][pick[grad]].outputs[0], \
+            space[param][pick[param]].update_placements
+        t = pricer.grad_sync_time(grad_meta, src, dst, share=shares.get(grad)) or 0.0
+        reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
+        if src != dst:
+            _charge(parts, param, pricer.grad_sync_parts(grad_meta, src, dst, share=shares.get(grad)),
+                    grad_sync_weight * graph.weight(grad) / graph.weight(param))
+    grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)
+    if each_microbatch:
+        grad_syncs = [replace(c, gradient_sync=False) for c in grad_syncs]
+    return grad_syncs
+
+
 def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
              budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
@@ -124,21 +149,8 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         first = next(iter(members.values()))
         collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
                                             bytes=sum(c.bytes for c in members.values()), weight=first.weight))
-    syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
-    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
-    shares = gradient_bucket_shares(graph, sync_items, pricer)
-    for param, grad in syncs:
-        grad_meta, src, dst = graph.grad_meta(grad), space[grad][pick[grad]].outputs[0], \
-            space[param][pick[param]].update_placements
-        t = pricer.grad_sync_time(grad_meta, src, dst, share=shares.get(grad)) or 0.0
-        reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
-        if src != dst:
-            _charge(parts, param, pricer.grad_sync_parts(grad_meta, src, dst, share=shares.get(grad)),
-                    grad_sync_weight * graph.weight(grad) / graph.weight(param))
-    grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)
-    if meta.get("grads_each_microbatch"):  # ZeRO-2: every microbatch syncs them, as its edges
-        grad_syncs = [replace(c, gradient_sync=False) for c in grad_syncs]
-    collectives.extend(grad_syncs)
+    collectives.extend(gradient_syncs(graph, space, pricer, pick, active, reshard, parts, grad_sync_weight,
+                                      each_microbatch=bool(meta.get("grads_each_microbatch"))))
     collectives.extend(update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight, parts))
     choices = []
     compute = comm = resh = 0.0
