@@ -90,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
         result = price_result(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
                               seq=saved.seq if zoo else None, choose_zero=True,
                               stage_layers=tuple(saved.stage_layers) if saved.config.pp > 1 else None)
-        if saved.model_fingerprint and result.plan.model_fingerprint != saved.model_fingerprint:
+        now = result.plan.model_fingerprint
+        if saved.model_fingerprint and now != saved.model_fingerprint:
             raise ValueError(f"{plan_file} was searched for another version of {saved.model!r} (fingerprint "
-                             f"{saved.model_fingerprint[:12]}, now {result.plan.model_fingerprint[:12]}); search it again")
+                             f"{saved.model_fingerprint[:12]}, now {now[:12]}); search it again")
         return _report(args, result, cluster, saved)
     if args.model is None or args.cluster is None or args.global_batch is None:
         raise ValueError("price needs MODEL, --cluster and --global-batch (or --plan PLAN_JSON)")
@@ -209,5 +210,5 @@ def _print_communication(est: Any, communication: tuple, plan: Any) -> None:
     for part in dict.fromkeys(r.part_of for r in communication):
         total = sum(r.time_s for r in communication if r.part_of == part)
         table.add_row("total", "", "", "", f"{total:.4g}", f"{total / est.step_time_s:.1%}" if est.step_time_s else "",
-                      f"{part.removesuffix('_s')} ({rows.get(part, 0.0):.4g} s)", end_section=False)
+                      f"{part.removesuffix('_s')} ({rows.get(part, 0.0):.4g} s)")
     Console().print(table)
