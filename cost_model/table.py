@@ -10,6 +10,8 @@ What it hands over:
   memory (`strategy_cost`), with the mesh axes' links;
 - `ReshardPricer`: resharding, grouped-gather and bucketed gradient-sync times of an edge
   (None where DTensor cannot reshard), memoised per solve, and the collectives behind them;
+  each time also as its parts (`ChargePart`: per collective kind and axis, and the local
+  copies), whose in-order sum it is;
 - `collective_time_s(Collective, links)`: one collective on its mesh axis;
 - `core_share(cluster)`: the CPU contention factor every op time is multiplied by.
 It calls the formulas of cost_model/ (roofline compute.py, alpha-beta collectives.py per

@@ -134,3 +134,35 @@ def test_pipeline_rows_close_on_the_critical_stage_and_p2p(capsys, monkeypatch) 
     for key in ("all_reduce", "dp"), ("all_reduce", "tp"), ("reduce_scatter", "dp"):
         assert rows[key]["time_s"] == pytest.approx(run[key], rel=1e-9), key
         assert rows[key]["count"] > 0
+
+
+@pytest.mark.parametrize("spec", ["cpu:4", "h100:2x8"])
+def test_pricer_parts_add_up_to_its_times_bit_for_bit(spec) -> None:
+    """Every time the pricer charges is its parts' sum in order (cost_model `charged_s`),
+    so the split cannot drift from the price: a plain reshard over both axes, a grouped
+    gather and a bucketed gradient sync, each with its kinds and its local copy."""
+    from autopar.ir import TensorMeta
+    from autopar.placement import Partial, Replicate, Shard
+    from cost_model import LOCAL_COPY, ReshardPricer, bucket_copy_s_per_byte, charged_s
+
+    cluster = Cluster.parse(spec)
+    mesh = (2, cluster.num_devices // 2)
+    pricer = ReshardPricer(cost_model.mesh_axis_links(cluster, mesh), gloo=cost_model.runs_gloo(cluster.hardware),
+                           copy_s_per_byte=bucket_copy_s_per_byte(cluster))
+    meta = TensorMeta(shape=(1024, 512), dtype="float32")
+    plain = pricer.reshard_parts(meta, (Partial(), Shard(0)), (Replicate(), Replicate()))
+    assert [(kind, axis) for kind, axis, _ in plain] == [(c.kind, c.axis) for c in pricer.collectives(
+        meta, (Partial(), Shard(0)), (Replicate(), Replicate()))] and len(plain) == 2
+    assert charged_s(plain) == pricer(meta, (Partial(), Shard(0)), (Replicate(), Replicate()))
+    gather = pricer.gather_parts(meta, (Replicate(), Shard(0)), (Replicate(), Replicate()), 0.25)
+    assert [kind for kind, _, _ in gather] == ["all_gather", LOCAL_COPY] and gather[1][2] > 0
+    assert charged_s(gather) == pricer.gather_time(meta, (Replicate(), Shard(0)), (Replicate(), Replicate()), 0.25)
+    sync = pricer.grad_sync_parts(meta, (Partial(), Replicate()), (Replicate(), Replicate()), share=0.5)
+    assert [kind for kind, _, _ in sync] == [LOCAL_COPY, "all_reduce"]
+    assert charged_s(sync) == pricer.grad_sync_time(meta, (Partial(), Replicate()), (Replicate(), Replicate()),
+                                                    share=0.5)
+    # the all-reduce's part is its bandwidth term plus half its latency
+    link = pricer.links[0]
+    whole = cost_model.collective_time_s(cost_model.Collective(kind="all_reduce", axis=0, bytes=1024 * 512 * 4),
+                                         pricer.links)
+    assert sync[1][2] == pytest.approx(whole - 0.5 * collective_latency_s("all_reduce", link), rel=1e-12)
