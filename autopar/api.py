@@ -178,7 +178,7 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     log.info("searched plan: %s", best.config)
     ranked = tuple(replace(r, config=recorded(r.config)) for r in result.ranked)
     return SearchResult(ranked=ranked, plan=best, phases=phases + result.phases,
-                        search_time_s=time.perf_counter() - t0, plans=plans)
+                        search_time_s=time.perf_counter() - t0, plans=plans, communication=result.communication)
 
 
 def _zoo_tracer(model: str, seq: int | None, source: Any, policy: Any, compiled: bool) -> Callable[..., Any]:
@@ -258,16 +258,24 @@ def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: i
     ZeRO layout is chosen as in a search rather than fixed by `config.zero`;
     `stage_layers`: the pipeline's cuts (default: the stage DP's). A configuration that
     fits no plan in the memory limit is solved without it and flagged (`fits` false)."""
+    return price_result(model, mesh, config, global_batch=global_batch, seq=seq, choose_zero=choose_zero,
+                        stage_layers=stage_layers).plan
+
+
+def price_result(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: int, seq: int | None = None,
+                 choose_zero: bool = False, stage_layers: tuple[int, ...] | None = None) -> Any:
+    """`price`'s whole SearchResult (its `plan` as `price` returns it): with the plan's
+    communication per step by collective kind (`SearchResult.communication`)."""
     from solver.search_config import Fixed
 
     cluster = _cluster_of(mesh)
     fixed = Fixed(config=config, zero_given=not choose_zero, stage_layers=stage_layers)
     try:
-        return search_plans(model, cluster, global_batch=global_batch, seq=seq, top=1, fixed=fixed).plan
+        result = search_plans(model, cluster, global_batch=global_batch, seq=seq, top=1, fixed=fixed)
     except InfeasiblePlanError:
         try:
-            plan = search_plans(model, cluster.with_memory_gb(UNLIMITED_MEMORY_GB), global_batch=global_batch,
-                                seq=seq, top=1, fixed=fixed).plan
+            result = search_plans(model, cluster.with_memory_gb(UNLIMITED_MEMORY_GB), global_batch=global_batch,
+                                  seq=seq, top=1, fixed=fixed)
         except InfeasiblePlanError as exc:
             chunks = f"{config.pp} stages x {config.interleave} chunks" if config.interleave > 1 \
                 else f"{config.pp} stages"
@@ -276,9 +284,10 @@ def price(model: str, mesh: MeshLike, config: ParallelConfig, *, global_batch: i
                 "interleave), and that the runtime runs such a pipeline (`autopar search` lists what it cannot run)")
             raise ValueError(f"{model} has no plan under {config} on {cluster.spec} even without a memory limit: "
                              f"{why}") from None
+    plan = result.plan
     budget = cluster.device_memory_bytes
     est = replace(plan.predicted, fits=plan.predicted.peak_memory_bytes <= budget, memory_limit_bytes=int(budget))
-    return replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec)
+    return replace(result, plan=replace(plan, predicted=est, memory_limit_bytes=int(budget), cluster=cluster.spec))
 
 
 MAX_STAGE_TRACE_PARAMETERS = 5e8

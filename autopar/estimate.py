@@ -52,3 +52,28 @@ class Estimate(JsonData):
         """The fields (autopar/json_codec.py rules) plus the derived `over_memory_bytes`,
         which `autopar price --json` reports; a plan file stores the fields only."""
         return {**encode(self, Estimate), "over_memory_bytes": self.over_memory_bytes}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommunicationTime(JsonData):
+    """One row of a priced plan's communication per step (`autopar price`): what one
+    collective kind on one mesh axis costs, split out of the `time_breakdown` row that
+    charges it (solver/comm_time.py). The seconds are the solver's own charges, each the
+    pricer's part of an edge's time (cost_model `ChargePart`), so the rows of one
+    `part_of` add up to that row's communication."""
+
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all; send_recv (pipeline boundary
+    messages); local_copy (gradients copied into their bucket, grouped gathers' shards
+    packed and unpacked: memory traffic the communication charge includes, no collective)."""
+    axis: str
+    """The mesh axis ("dp", "tp"; "pp" for send_recv; "-" for local_copy)."""
+    count: float
+    """Calls per step (for a pipeline: the critical stage's, see solver/comm_time.py)."""
+    bytes: float
+    """Bytes per step as the collective records count them (cost_model `Collective`)."""
+    time_s: float
+    """Seconds per step charged for it."""
+    part_of: str
+    """The `time_breakdown` row whose seconds include these: "reshard_s" (one stage),
+    "critical_stage_s" or "p2p_s" (a pipeline)."""

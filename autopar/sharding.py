@@ -143,6 +143,11 @@ class IntraOpSolution:
     grads_each_microbatch: bool = False
     """ZeRO-2: every microbatch's gradients are synced to their weight-update placement as
     the backward leaves them, and accumulated there (solve_intra_op `grads_each_microbatch`)."""
+    reshard_parts: tuple[tuple[NodeId, str, int, float], ...] = ()
+    """Every node's `reshard_s` split by what it pays for: (node, collective kind or
+    "local_copy", mesh axis or -1, seconds), the pricer's own parts of each charge
+    (cost_model `ChargePart`), weighted as the node's `reshard_s` is: per node, the parts
+    add up to its `reshard_s`. What `autopar price` reports per collective kind."""
     solve_time_s: float = field(default=0.0, compare=False)
     """Wall time; not part of the JSON so that the same inputs give byte-identical files."""
 
@@ -166,6 +171,7 @@ class IntraOpSolution:
             **({"grads_each_microbatch": True} if self.grads_each_microbatch else {}),
             "collectives": [[c.src, c.dst, c.kind, c.axis, c.bytes, c.weight, c.gradient_sync]
                             for c in self.collectives],
+            "reshard_parts": [list(p) for p in self.reshard_parts],
             "cost": {
                 "compute_s": self.cost.compute_s, "comm_s": self.cost.comm_s,
                 "reshard_s": self.cost.reshard_s, "total_s": self.cost.total_s,
@@ -209,7 +215,8 @@ class IntraOpSolution:
                    num_constraints=d["num_constraints"], grad_sync_weight=d["grad_sync_weight"],
                    grads_each_microbatch=bool(d.get("grads_each_microbatch", False)),
                    collectives=tuple(PricedCollective(src=a, dst=b, kind=k, axis=x, bytes=n, weight=w, gradient_sync=g)
-                                     for a, b, k, x, n, w, g in d["collectives"]))
+                                     for a, b, k, x, n, w, g in d["collectives"]),
+                   reshard_parts=tuple((n, k, x, t) for n, k, x, t in d.get("reshard_parts", ())))
 
     def explain(self, *, all_nodes: bool = False) -> str:
         """One line per node: op, placements, compute, communication and memory.

@@ -8,7 +8,8 @@ Where it sits: after tracing (DESIGN.md flow). Modules, one idea each:
 - memory.py      model-state bytes per parameter under ZeRO
 - table.py       the solver's cost table: `cost_table` (per node and strategy: compute,
                  communication, memory), `ReshardPricer` (resharding and gradient-sync
-                 time of an edge), `collective_time_s`, `core_share`
+                 time of an edge, and the same split by collective kind:
+                 `ChargePart`), `collective_time_s`, `core_share`
 One model prices every plan: these costs, assembled by the solver (solver/spmd_search.py
 for one stage, solver/stage_costs.py and solver/stage_dp.py for pipelines) into an
 `Estimate` (autopar/estimate.py). The closed-form whole-configuration formula that
@@ -40,11 +41,15 @@ from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from autopar.estimate import Estimate
 from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, parameter_state_bytes, state_bytes_per_param
 from cost_model.table import (
+    LOCAL_AXIS,
+    LOCAL_COPY,
+    ChargePart,
     Collective,
     CostTable,
     ReshardPricer,
     StrategyCost,
     bucket_copy_s_per_byte,
+    charged_s,
     collective_time_s,
     compiled_scale,
     core_share,
@@ -55,9 +60,11 @@ from cost_model.table import (
 
 
 __all__ = [
-    "AxisLink", "Collective", "CostTable", "DEFAULT_EFFICIENCY", "Efficiency", "Estimate",
+    "AxisLink", "ChargePart", "Collective", "LOCAL_AXIS", "LOCAL_COPY", "CostTable", "DEFAULT_EFFICIENCY",
+    "Efficiency", "Estimate",
     "ReshardPricer", "StrategyCost",
-    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "bucket_copy_s_per_byte", "collective_time_s",
+    "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "bucket_copy_s_per_byte", "charged_s",
+    "collective_time_s",
     "compiled_scale", "compute_time_s", "core_share", "cost_table", "grad_accumulation_time_s",
     "loss_report_time_s",
     "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "parameter_state_bytes", "pipeline_call_time_s",

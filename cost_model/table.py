@@ -10,6 +10,8 @@ What it hands over:
   memory (`strategy_cost`), with the mesh axes' links;
 - `ReshardPricer`: resharding, grouped-gather and bucketed gradient-sync times of an edge
   (None where DTensor cannot reshard), memoised per solve, and the collectives behind them;
+  each time also as its parts (`ChargePart`: per collective kind and axis, and the local
+  copies), whose in-order sum it is;
 - `collective_time_s(Collective, links)`: one collective on its mesh axis;
 - `core_share(cluster)`: the CPU contention factor every op time is multiplied by.
 It calls the formulas of cost_model/ (roofline compute.py, alpha-beta collectives.py per
@@ -280,6 +282,27 @@ def collective_time_s(c: Collective, links: tuple[AxisLink, ...]) -> float:
     raise ValueError(f"unknown collective kind {c.kind!r}")
 
 
+LOCAL_COPY = "local_copy"
+"""The kind of a charged part that is no collective: a bucketed gradient copied into its
+bucket's flat buffer, a grouped gather's shard packed into the group's buffer and the
+gathered rows copied out (`bucket_copy_s_per_byte`); its axis is LOCAL_AXIS."""
+
+LOCAL_AXIS = -1
+"""The mesh axis of a LOCAL_COPY part: none (the copy runs on each device alone)."""
+
+ChargePart = tuple[str, int, float]
+"""(collective kind or LOCAL_COPY, mesh axis or LOCAL_AXIS, seconds): one part of what the
+pricer charges an edge. The pricer's times are the sums of their parts, in order, so a
+solution's charges can be split by kind with no second formula
+(solver/intra_op/solution.py `extract_solution`, `IntraOpSolution.reshard_parts`)."""
+
+
+def charged_s(parts: tuple[ChargePart, ...] | None) -> float | None:
+    """The time of `parts`: their seconds summed in order from 0.0 (the pricer's methods
+    return this, so a split adds up to the time bit for bit)."""
+    return None if parts is None else sum((p[2] for p in parts), 0.0)
+
+
 class ReshardPricer:
     """Resharding time (None where DTensor cannot reshard) with a per-solve memo: many
     edges share shapes and placements."""
@@ -317,6 +340,12 @@ class ReshardPricer:
             (src, dst, steps)
         return axis
 
+    def reshard_parts(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[ChargePart, ...] | None:
+        """`__call__`'s time split by collective: (kind, mesh axis, collective_time_s) per
+        step DTensor's redistribute takes, in order (their sum is `__call__`'s, bit for bit)."""
+        found = self._lookup(meta, src, dst) if src != dst else (0.0, ())
+        return None if found is None else tuple((c.kind, c.axis, collective_time_s(c, self.links)) for c in found[1])
+
     def gather_time(self, meta: TensorMeta, src: Placements, dst: Placements, share: float) -> float | None:
         """A grouped parameter gather: its bandwidth term plus `share` of the collective's
         latency (the group pays one), plus the copies the group runs for it
@@ -325,11 +354,20 @@ class ReshardPricer:
         the n gathered rows (all of them). Any other reshard as __call__."""
         if self.gather_axis(meta, src, dst) is None:
             return self(meta, src, dst)
+        return charged_s(self.gather_parts(meta, src, dst, share))
+
+    def gather_parts(self, meta: TensorMeta, src: Placements, dst: Placements, share: float
+                     ) -> tuple[ChargePart, ...] | None:
+        """`gather_time` split into what it charges: the all-gather's part (bandwidth term
+        and latency share) and the local copies (LOCAL_COPY)."""
+        if self.gather_axis(meta, src, dst) is None:
+            return self.reshard_parts(meta, src, dst)
         (step,) = self.collectives(meta, src, dst)
         link = self.links[step.axis]
         latency = collective_latency_s(step.kind, link)
         copies = self.copy_s_per_byte * step.bytes * (1 + 1 / link.size)
-        return collective_time_s(step, self.links) - latency + latency * share + copies
+        return ((step.kind, step.axis, collective_time_s(step, self.links) - latency + latency * share),
+                (LOCAL_COPY, LOCAL_AXIS, copies))
 
     def bucket_key(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple | None:
         """The bucket a gradient reduction `src -> dst` can share (autopar/buckets.py), or
@@ -360,7 +398,16 @@ class ReshardPricer:
             return 0.0
         if self.bucket_key(meta, src, dst) is None:
             return self(meta, src, dst)
-        total = self.copy_s_per_byte * meta.size_bytes / shard_factor(src, self.mesh_shape)
+        return charged_s(self.grad_sync_parts(meta, src, dst, share, bucket_bytes))
+
+    def grad_sync_parts(self, meta: TensorMeta, src: Placements, dst: Placements, share: float | None = None,
+                        bucket_bytes: tuple[float, float] | None = None) -> tuple[ChargePart, ...] | None:
+        """`grad_sync_time` split into what it charges: the copy into the bucket
+        (LOCAL_COPY) and each collective's part (bandwidth term and latency share)."""
+        if self.bucket_key(meta, src, dst) is None:
+            return self.reshard_parts(meta, src, dst)
+        parts: list[ChargePart] = [(LOCAL_COPY, LOCAL_AXIS,
+                                    self.copy_s_per_byte * meta.size_bytes / shard_factor(src, self.mesh_shape))]
         for step in self.collectives(meta, src, dst):
             latency = collective_latency_s(step.kind, self.links[step.axis])
             if share is not None:
@@ -370,8 +417,8 @@ class ReshardPricer:
                 part = min(1.0, meta.size_bytes / expected) if expected > 0 else 1.0
             else:
                 part = min(1.0, step.bytes / BUCKET_BYTES)
-            total += collective_time_s(step, self.links) - latency + latency * part
-        return total
+            parts.append((step.kind, step.axis, collective_time_s(step, self.links) - latency + latency * part))
+        return tuple(parts)
 
     def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:
         key = (meta.shape, meta.strides, meta.dtype, src, dst)

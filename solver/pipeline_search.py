@@ -67,9 +67,11 @@ from autopar.cluster import Cluster
 from autopar.config import RECOMPUTE
 from autopar.explain import describe_config
 from autopar.ir import Graph
+from autopar.estimate import CommunicationTime
 from autopar.plan import Alternative, InfeasiblePlanError, PipelineInfo, PipelineStage, SearchInfo
 from autopar.units import GIB
 from cost_model import core_share
+from solver.comm_time import one_stage_communication, pipeline_communication
 from solver.intra_op.backend import CutoffExceeded
 from solver.pipeline_plans import pipeline_config, pipeline_estimate, pipeline_plan, repeated_axes
 from solver.pipeline_stages import (
@@ -433,7 +435,14 @@ class _Search:
                  ranked_entries[0].step_time_s, elapsed)
         phases = (("trace", self.t_trace), ("solve", elapsed - self.t_trace))
         return SearchResult(ranked=ranked[:config.top], plan=plans[0], phases=phases, search_time_s=elapsed,
-                            plans=tuple(plans))
+                            plans=tuple(plans), communication=_communication(ranked_entries[0]))
+
+
+def _communication(entry: _Entry) -> tuple[CommunicationTime, ...]:
+    """The entry's communication per step by collective kind (solver/comm_time.py)."""
+    if entry.spmd is not None:
+        return one_stage_communication(entry.spmd.solution, entry.spmd.candidate.num_microbatches)
+    return pipeline_communication(entry.pipeline, dict(entry.estimate.time_breakdown)["p2p_s"])
 
 
 def _why(entry_label: str, entry_step: float, entry_terms: dict[str, float], reason: str | None,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autopar.config import ParallelConfig
+from autopar.estimate import CommunicationTime
 from autopar.explain import describe_config
 from autopar.plan import Plan
 from cost_model import Estimate
@@ -84,6 +85,10 @@ class SearchResult:
     plans: tuple[Plan, ...] = ()
     """Where the search builds them (the per-op search): a runnable plan for each of
     `ranked`, in the same order (plans[0] is `plan`)."""
+    communication: tuple[CommunicationTime, ...] = ()
+    """`plan`'s communication per step by collective kind and mesh axis, split out of its
+    `time_breakdown` (solver/comm_time.py): what `autopar price` reports. Not in the plan
+    file (a plan records its prediction's rows, not this split)."""
 
 
 __all__ = ["ProgressFn", "Ranked", "SearchResult"]

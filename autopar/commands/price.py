@@ -73,7 +73,7 @@ def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.api import price
+    from autopar.api import price_result
     from autopar.plan import Plan
 
     plan_file = getattr(args, "plan", None)
@@ -87,13 +87,14 @@ def run(args: argparse.Namespace) -> int:
         saved = Plan.load(plan_file)
         cluster = _cluster(args, saved.cluster)
         zoo = resolve(saved.model).config is not None  # a factory's batch fixes its sequence length
-        plan = price(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
-                                   seq=saved.seq if zoo else None, choose_zero=True,
-                                   stage_layers=tuple(saved.stage_layers) if saved.config.pp > 1 else None)
-        if saved.model_fingerprint and plan.model_fingerprint != saved.model_fingerprint:
+        result = price_result(saved.model, cluster, global_batch=saved.global_batch, config=saved.config,
+                              seq=saved.seq if zoo else None, choose_zero=True,
+                              stage_layers=tuple(saved.stage_layers) if saved.config.pp > 1 else None)
+        now = result.plan.model_fingerprint
+        if saved.model_fingerprint and now != saved.model_fingerprint:
             raise ValueError(f"{plan_file} was searched for another version of {saved.model!r} (fingerprint "
-                             f"{saved.model_fingerprint[:12]}, now {plan.model_fingerprint[:12]}); search it again")
-        return _report(args, plan, cluster, saved)
+                             f"{saved.model_fingerprint[:12]}, now {now[:12]}); search it again")
+        return _report(args, result, cluster, saved)
     if args.model is None or args.cluster is None or args.global_batch is None:
         raise ValueError("price needs MODEL, --cluster and --global-batch (or --plan PLAN_JSON)")
     cluster = _cluster(args, args.cluster)
@@ -106,30 +107,39 @@ def run(args: argparse.Namespace) -> int:
     if config.attention != "flash":
         raise ValueError(f"--attention {config.attention}: autopar traces and runs the model's fused attention "
                          "(scaled_dot_product_attention), so that is what it prices; drop --attention")
-    plan = price(args.model, cluster, global_batch=args.global_batch, config=config, seq=args.seq,
-                 choose_zero=args.zero is None)
-    return _report(args, plan, cluster, None)
+    result = price_result(args.model, cluster, global_batch=args.global_batch, config=config, seq=args.seq,
+                          choose_zero=args.zero is None)
+    return _report(args, result, cluster, None)
 
 
-def _report(args: argparse.Namespace, plan: Any, cluster: Cluster, saved: Any) -> int:
+def _communication_json(est: Any, communication: tuple) -> list[dict[str, Any]]:
+    """`communication` rows as objects, each with its share of the step."""
+    return [dict(row.to_json(), share=row.time_s / est.step_time_s if est.step_time_s else 0.0)
+            for row in communication]
+
+
+def _report(args: argparse.Namespace, result: Any, cluster: Cluster, saved: Any) -> int:
+    plan = result.plan
     est = plan.predicted
+    communication = tuple(r for r in result.communication if r.count or r.time_s)
     if args.json:
         out = est.to_json()
         out["stage_layers"] = list(plan.stage_layers)
         out["collectives"] = [list(c) for c in _collectives(plan)]
+        out["communication"] = _communication_json(est, communication)
         if saved is not None:
             out["plan_step_time_s"] = saved.predicted.step_time_s
             out["plan_peak_memory_bytes"] = saved.predicted.peak_memory_bytes
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    _print(f"{plan.model} on {cluster.spec}", est, cluster, _collectives(plan), plan)
+    _print(f"{plan.model} on {cluster.spec}", est, cluster, _collectives(plan), plan, communication)
     if saved is not None:
         print(f"the plan file predicted {saved.predicted.step_time_s:.4g} s and "
               f"{saved.predicted.peak_memory_bytes / GIB:.3g} GiB")
     return 0
 
 
-def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any) -> None:
+def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any, communication: tuple = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -161,16 +171,44 @@ def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any)
             stages.add_row(str(s.index), str(s.num_layers), f"{s.submesh[0]} x {s.submesh[1]}", str(s.zero),
                            s.recompute, f"{s.time_per_microbatch_s:.4g}", f"{s.memory_bytes / GIB:.3g}")
         console.print(stages)
-    if collectives:
-        table = Table(title="collectives per step" if plan.config.pp == 1 else "collectives per microbatch")
+    if collectives and plan.config.pp > 1:
+        table = Table(title="collectives per microbatch")
         for col in ("kind", "axis", "count", "MiB"):
             table.add_column(col, justify="right")
         for kind, axis, count, size in collectives:
             table.add_row(kind, axis, str(count), f"{size / 2**20:,.1f}")
         console.print(table)
+    _print_communication(est, communication, plan)
     mem = Table(title=f"memory on the peak device (stage {est.peak_stage})")
     mem.add_column("component")
     mem.add_column("GiB", justify="right")
     for name, value in est.memory_breakdown:
         mem.add_row(name.removesuffix("_bytes"), f"{value / GIB:.3g}")
     console.print(mem)
+
+
+def _print_communication(est: Any, communication: tuple, plan: Any) -> None:
+    """The communication `time_breakdown` charges, by collective kind and mesh axis
+    (solver/comm_time.py): for one stage, the `reshard` row's parts; for a pipeline, the
+    critical stage's share of `critical_stage` and the `p2p` row. The seconds of each row
+    of the time table add up (the total line)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not communication:
+        return
+    one_stage = plan.config.pp == 1
+    table = Table(title="collectives per step" if one_stage else "communication per step on the critical stage")
+    for col in ("kind", "axis", "count", "MiB", "seconds", "share", "in"):
+        table.add_column(col, justify="right")
+    for row in communication:
+        table.add_row(row.kind, row.axis, f"{row.count:,.0f}" if row.kind != "local_copy" else "",
+                      f"{row.bytes / 2**20:,.1f}" if row.kind != "local_copy" else "", f"{row.time_s:.4g}",
+                      f"{row.time_s / est.step_time_s:.1%}" if est.step_time_s else "",
+                      row.part_of.removesuffix("_s"))
+    rows = dict(est.time_breakdown)
+    for part in dict.fromkeys(r.part_of for r in communication):
+        total = sum(r.time_s for r in communication if r.part_of == part)
+        table.add_row("total", "", "", "", f"{total:.4g}", f"{total / est.step_time_s:.1%}" if est.step_time_s else "",
+                      f"{part.removesuffix('_s')} ({rows.get(part, 0.0):.4g} s)")
+    Console().print(table)

@@ -29,13 +29,22 @@ from solver.intra_op.collective_groups import (
 from solver.intra_op.sharing import Reduction
 
 
+def _charge(parts: dict[tuple[NodeId, str, int], float], node: NodeId, charged: Any, factor: float = 1.0) -> None:
+    """Add a pricer's split charge (cost_model `ChargePart`s, scaled by `factor` exactly as
+    the time itself is) to `node`'s parts by (kind, axis)."""
+    for kind, axis, seconds in charged or ():
+        key = (node, kind, axis)
+        parts[key] = parts.get(key, 0.0) + seconds * factor
+
+
 def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, pick: dict[NodeId, int],
-                    reshard: dict[NodeId, float], grad_sync_weight: float) -> list[PricedCollective]:
+                   reshard: dict[NodeId, float], grad_sync_weight: float,
+                   parts: dict[tuple[NodeId, str, int], float]) -> list[PricedCollective]:
     """The gathers of updated weights the chosen placements imply, once per step (charged to
     each parameter's `reshard`, weighted like the gradient sync): one flat all-gather per
     (layer, axis, dtype) group of single-axis gathers, as codegen/apply.py `_WeightGather`
     runs them; any other gather on its own. A traced layer's group stands for `weight`
-    real layers' groups."""
+    real layers' groups. `parts` gets the charge split by kind (`_charge`)."""
     group_bytes = layer_parameter_bytes(graph)
     groups: dict[tuple, list[PricedCollective]] = {}
     out: list[PricedCollective] = []
@@ -47,6 +56,10 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
         got = update_gather(pricer, node.output, strategy, group_bytes.get(node.layer, 0.0))
         assert got is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
         reshard[n] += got[0] * grad_sync_weight
+        if got[1]:
+            share = gather_share(node.output.size_bytes, group_bytes.get(node.layer, 0.0))
+            _charge(parts, n, pricer.gather_parts(node.output, strategy.update, strategy.outputs[0], share),
+                    grad_sync_weight)
         axis = pricer.gather_axis(node.output, strategy.update, strategy.outputs[0]) if got[1] else None
         for c in got[1]:
             one = PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes, weight=graph.weight(n),
@@ -62,6 +75,31 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
     return out
 
 
+def gradient_syncs(graph: Graph, space, pricer: ReshardPricer, pick: dict[NodeId, int], active: set[NodeId],
+                   reshard: dict[NodeId, float], parts: dict[tuple[NodeId, str, int], float], grad_sync_weight: float,
+                   *, each_microbatch: bool) -> list[PricedCollective]:
+    """The gradient syncs the chosen placements imply, bucketed as the program runs them:
+    each gradient's time (its share of its bucket's latency) charged to its parameter's
+    `reshard`, weighted like the ILP's gradient-sync edges (`parts` gets the same split by
+    kind), and the buckets' collectives. `each_microbatch` (ZeRO-2): every microbatch syncs
+    them, as its edges."""
+    syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
+    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
+    shares = gradient_bucket_shares(graph, sync_items, pricer)
+    for param, grad in syncs:
+        grad_meta, src, dst = graph.grad_meta(grad), space[grad][pick[grad]].outputs[0], \
+            space[param][pick[param]].update_placements
+        t = pricer.grad_sync_time(grad_meta, src, dst, share=shares.get(grad)) or 0.0
+        reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
+        if src != dst:
+            _charge(parts, param, pricer.grad_sync_parts(grad_meta, src, dst, share=shares.get(grad)),
+                    grad_sync_weight * graph.weight(grad) / graph.weight(param))
+    grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)
+    if each_microbatch:
+        grad_syncs = [replace(c, gradient_sync=False) for c in grad_syncs]
+    return grad_syncs
+
+
 def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
              budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
@@ -70,13 +108,15 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
     active = set(red.active)
     pick = {n: red.smap[n][chosen[red.owner[n]]] for n in red.active}
     reshard: dict[NodeId, float] = defaultdict(float)
+    parts: dict[tuple[NodeId, str, int], float] = {}  # the same charges by (node, kind, axis)
     collectives: list[PricedCollective] = []
 
     group_bytes = param_gather_bytes(graph)
     derived = graph.parameter_derived()
     groups: dict[tuple, dict[tuple, Any]] = {}  # gather group -> {(param, src, dst): collective}
 
-    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements) -> float:
+    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, to: NodeId) -> float:
+        """The time of edge u -> v (charged to node `to`), its collectives recorded."""
         meta = graph[u].output
         steps = pricer.collectives(meta, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
@@ -89,35 +129,29 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
                 members[(u, src, dst)] = PricedCollective(src=u, dst=v, kind="all_gather", axis=axis,
                                                           bytes=steps[0].bytes, weight=graph.weight(v))
                 share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
+                _charge(parts, to, pricer.gather_parts(meta, src, dst, share))
                 return pricer.gather_time(meta, src, dst, share) or 0.0
         for c in steps:
             collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
                                                 weight=graph.weight(v)))
+        _charge(parts, to, pricer.reshard_parts(meta, src, dst))
         return pricer(meta, src, dst) or 0.0
 
     for v in red.active:
         for p, u in enumerate(graph[v].inputs):
             if u in active and len(graph[u].outputs) == 1:
-                reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p])
+                reshard[v] += edge(u, v, space[u][pick[u]].outputs[0], space[v][pick[v]].inputs[p], v)
     for buf, value in graph.buffer_updates:
         if buf in active and value in active:
-            reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0])
+            reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0],
+                                   value)
     for members in groups.values():
         first = next(iter(members.values()))
         collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
                                             bytes=sum(c.bytes for c in members.values()), weight=first.weight))
-    syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
-    sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
-    shares = gradient_bucket_shares(graph, sync_items, pricer)
-    for param, grad in syncs:
-        t = pricer.grad_sync_time(graph.grad_meta(grad), space[grad][pick[grad]].outputs[0],
-                                  space[param][pick[param]].update_placements, share=shares.get(grad)) or 0.0
-        reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
-    grad_syncs = gradient_sync_collectives(graph, sync_items, pricer)
-    if meta.get("grads_each_microbatch"):  # ZeRO-2: every microbatch syncs them, as its edges
-        grad_syncs = [replace(c, gradient_sync=False) for c in grad_syncs]
-    collectives.extend(grad_syncs)
-    collectives.extend(update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight))
+    collectives.extend(gradient_syncs(graph, space, pricer, pick, active, reshard, parts, grad_sync_weight,
+                                      each_microbatch=bool(meta.get("grads_each_microbatch"))))
+    collectives.extend(update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight, parts))
     choices = []
     compute = comm = resh = 0.0
     for n in red.active:
@@ -136,4 +170,6 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
                          peak_memory_bytes=peak)
     return IntraOpSolution(graph_fingerprint=graph.fingerprint(), cluster=cluster.spec, mesh_shape=mesh_shape,
                            choices=tuple(choices), cost=cost, memory_budget_bytes=budget,
-                           collectives=tuple(collectives), grad_sync_weight=grad_sync_weight, **meta)
+                           collectives=tuple(collectives), grad_sync_weight=grad_sync_weight,
+                           reshard_parts=tuple((n, kind, axis, t) for (n, kind, axis), t in sorted(parts.items())),
+                           **meta)

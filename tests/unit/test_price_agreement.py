@@ -47,6 +47,12 @@ def test_price_reproduces_the_search(capsys, tmp_path, model, cluster, batch, se
             assert got["peak_memory_bytes"] == pytest.approx(want_m, rel=0.01), (i, ranked.label(batch))
             assert got["fits"] is True
             assert got["stage_layers"] == list(ranked.stage_layers)
+            # communication by kind (solver/comm_time.py): a one-stage plan's closes on its reshard row
+            if ranked.config.pp == 1:
+                assert sum(r["time_s"] for r in got["communication"]) == pytest.approx(
+                    got["time_breakdown"]["reshard_s"], rel=1e-9)
+        assert [(r["kind"], r["axis"]) for r in by_plan["communication"]] == \
+            [(r["kind"], r["axis"]) for r in by_flags["communication"]]
         assert by_plan["plan_step_time_s"] == pytest.approx(want_t, rel=1e-9)
     best = result.ranked[0]
     by_api = autopar.price(model, cluster, best.config, global_batch=batch, seq=seq, choose_zero=best.zero_mixed)

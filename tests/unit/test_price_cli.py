@@ -1,5 +1,5 @@
-"""`autopar price`: bad flags exit 2 with a message; --json carries the DESIGN.md keys; a
-configuration that does not fit is priced and flagged."""
+"""`autopar price`: bad flags exit 2 with a message; --json carries the DESIGN.md keys and
+the communication by collective kind; a configuration that does not fit is priced and flagged."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def test_json_has_the_contract_keys(capsys) -> None:
     # the peak stage's memory by component: model state, activations in flight, temporaries
     assert set(out["memory_breakdown"]) == {"model_state_bytes", "activations_bytes", "temporaries_bytes"}
     assert sum(out["memory_breakdown"].values()) == pytest.approx(out["peak_memory_bytes"], abs=1)
+    # communication by kind (solver/comm_time.py): the critical stage's inside its row, the sends the p2p row
+    rows = out["communication"]
+    assert {r["part_of"] for r in rows} == {"critical_stage_s", "p2p_s"}
+    inside = sum(r["time_s"] for r in rows if r["part_of"] == "critical_stage_s")
+    assert 0 < inside < out["time_breakdown"]["critical_stage_s"]
+    assert [r["time_s"] for r in rows if r["part_of"] == "p2p_s"] == [out["time_breakdown"]["p2p_s"]]
 
 
 def test_memory_breakdown_is_the_peak_by_component(capsys) -> None:
@@ -57,6 +63,10 @@ def test_memory_breakdown_is_the_peak_by_component(capsys) -> None:
     assert mem["gradients_bytes"] == pytest.approx(0.8 * mem["weights_bytes"]) and mem["weights_bytes"] > 0
     assert mem["optimizer_state_bytes"] == pytest.approx(0.4 * mem["weights_bytes"])
     assert mem["activations_bytes"] > 0
+    # ZeRO-1's collectives by kind over dp add up to the reshard row (solver/comm_time.py)
+    rows = {(r["kind"], r["axis"]): r for r in out["communication"]}
+    assert {("reduce_scatter", "dp"), ("all_gather", "dp")} <= set(rows)
+    assert sum(r["time_s"] for r in rows.values()) == pytest.approx(out["time_breakdown"]["reshard_s"], rel=1e-12)
 
 
 def test_config_that_does_not_fit_is_priced_and_flagged(capsys) -> None:
