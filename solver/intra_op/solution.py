@@ -2,9 +2,11 @@
 
 Where it sits: the last step of `solve_intra_op` (solver/intra_op/ilp.py). The chosen
 strategies are priced again from the cost table and the reshard pricer, not read off the
-solver's objective (which carries tie-breakers and expected, not real, bucket sizes):
-what this returns is what the program runs, collective by collective, and what the
-search ranks.
+solver's objective (which carries tie-breakers and expected, not real, bucket and
+gather-group sizes): what this returns is what the program runs, collective by
+collective, and what the search ranks. Grouped collectives are priced against the groups
+the chosen placements form: each gradient bucket and each weight-gather group pays one
+latency, shared by its members in proportion to their bytes.
 """
 
 from __future__ import annotations
@@ -19,13 +21,7 @@ from autopar.ir import Graph, NodeId, Role
 from autopar.placement import Placements
 from autopar.sharding import CostBreakdown, IntraOpSolution, NodeChoice, PricedCollective
 from cost_model import CostTable, ReshardPricer
-from solver.intra_op.collective_groups import (
-    gradient_bucket_shares,
-    gradient_sync_collectives,
-    layer_parameter_bytes,
-    param_gather_bytes,
-    update_gather,
-)
+from solver.intra_op.collective_groups import gradient_bucket_shares, gradient_sync_collectives
 from solver.intra_op.sharing import Reduction
 
 
@@ -43,35 +39,55 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
     """The gathers of updated weights the chosen placements imply, once per step (charged to
     each parameter's `reshard`, weighted like the gradient sync): one flat all-gather per
     (layer, axis, dtype) group of single-axis gathers, as codegen/apply.py `_WeightGather`
-    runs them; any other gather on its own. A traced layer's group stands for `weight`
-    real layers' groups. `parts` gets the charge split by kind (`_charge`)."""
-    group_bytes = layer_parameter_bytes(graph)
-    groups: dict[tuple, list[PricedCollective]] = {}
+    runs them, each member paying its bytes' share of that group's one latency
+    (`grouped_gathers`); any other gather on its own. A traced layer's group stands for
+    `weight` real layers' groups. `parts` gets the charge split by kind (`_charge`)."""
+    groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]] = {}
     out: list[PricedCollective] = []
     for n in red.active:
         node = graph[n]
         if node.role is not Role.PARAMETER:
             continue
         strategy = space[n][pick[n]]
-        got = update_gather(pricer, node.output, strategy, group_bytes.get(node.layer, 0.0))
-        assert got is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
-        reshard[n] += got[0] * grad_sync_weight
-        if got[1]:
-            share = gather_share(node.output.size_bytes, group_bytes.get(node.layer, 0.0))
-            _charge(parts, n, pricer.gather_parts(node.output, strategy.update, strategy.outputs[0], share),
-                    grad_sync_weight)
-        axis = pricer.gather_axis(node.output, strategy.update, strategy.outputs[0]) if got[1] else None
-        for c in got[1]:
-            one = PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes, weight=graph.weight(n),
-                                   gradient_sync=True)
-            if axis is None:
-                out.append(one)
-            else:
-                groups.setdefault(gather_group(node.layer, UPDATE_PHASE, axis, node.output.dtype), []).append(one)
+        if strategy.update is None or strategy.update == strategy.outputs[0]:
+            continue
+        steps = pricer.collectives(node.output, strategy.update, strategy.outputs[0])
+        assert steps is not None, f"the ILP chose an update placement DTensor cannot gather for node {n}"
+        axis = pricer.gather_axis(node.output, strategy.update, strategy.outputs[0])
+        if axis is not None:
+            members = groups.setdefault(gather_group(node.layer, UPDATE_PHASE, axis, node.output.dtype), {})
+            members[(n, strategy.update, strategy.outputs[0])] = (n, n, steps[0].bytes)
+            continue
+        reshard[n] += (pricer(node.output, strategy.update, strategy.outputs[0]) or 0.0) * grad_sync_weight
+        _charge(parts, n, pricer.reshard_parts(node.output, strategy.update, strategy.outputs[0]), grad_sync_weight)
+        out.extend(PricedCollective(src=n, dst=n, kind=c.kind, axis=c.axis, bytes=c.bytes, weight=graph.weight(n),
+                                    gradient_sync=True) for c in steps)
+    return out + grouped_gathers(graph, pricer, groups, reshard, parts, grad_sync_weight, gradient_sync=True)
+
+
+def grouped_gathers(graph: Graph, pricer: ReshardPricer, groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]],
+                    reshard: dict[NodeId, float], parts: dict[tuple[NodeId, str, int], float], factor: float = 1.0,
+                    *, gradient_sync: bool = False) -> list[PricedCollective]:
+    """Price the gather groups the program forms (autopar/buckets.py `gather_group`) and
+    return one all-gather record per group. `groups`: per group, its members
+    {(tensor, source, target placements): (reader, node charged, all-gather bytes)}, each
+    tensor once per group as codegen/apply.py gathers it. Each member pays its bandwidth
+    term, its copies and share = its bytes / the group's bytes of the one latency
+    (`ReshardPricer.gather_time`), so a group's members pay exactly one latency together:
+    the time function applied to the group's record. Charged to `reshard` (and `parts`)
+    of the node charged, times `factor`."""
+    out = []
     for members in groups.values():
-        first = members[0]
-        out.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
-                                    bytes=sum(c.bytes for c in members), weight=first.weight, gradient_sync=True))
+        total = sum(nbytes for _reader, _to, nbytes in members.values())
+        for (u, src, dst), (_reader, to, nbytes) in members.items():
+            share = gather_share(nbytes, total)
+            meta = graph[u].output
+            reshard[to] += (pricer.gather_time(meta, src, dst, share) or 0.0) * factor
+            _charge(parts, to, pricer.gather_parts(meta, src, dst, share), factor)
+        (u, src, dst), (reader, _to, _nbytes) = next(iter(members.items()))
+        out.append(PricedCollective(src=u, dst=reader, kind="all_gather",
+                                    axis=pricer.gather_axis(graph[u].output, src, dst), bytes=total,
+                                    weight=graph.weight(reader), gradient_sync=gradient_sync))
     return out
 
 
@@ -111,12 +127,12 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
     parts: dict[tuple[NodeId, str, int], float] = {}  # the same charges by (node, kind, axis)
     collectives: list[PricedCollective] = []
 
-    group_bytes = param_gather_bytes(graph)
     derived = graph.parameter_derived()
-    groups: dict[tuple, dict[tuple, Any]] = {}  # gather group -> {(param, src, dst): collective}
+    groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]] = {}  # gather group -> members (grouped_gathers)
 
     def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, to: NodeId) -> float:
-        """The time of edge u -> v (charged to node `to`), its collectives recorded."""
+        """The time of edge u -> v (charged to node `to`), its collectives recorded; a
+        grouped gather is recorded in its group, priced once the groups are whole."""
         meta = graph[u].output
         steps = pricer.collectives(meta, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
@@ -124,13 +140,8 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
             axis = pricer.gather_axis(meta, src, dst)
             if axis is not None:  # one flat all-gather per group, each parameter once in it
                 members = groups.setdefault(gather_group(graph[v].layer, graph[v].phase.value, axis, meta.dtype), {})
-                if (u, src, dst) in members:
-                    return 0.0  # gathered once for its group: its first reader paid
-                members[(u, src, dst)] = PricedCollective(src=u, dst=v, kind="all_gather", axis=axis,
-                                                          bytes=steps[0].bytes, weight=graph.weight(v))
-                share = gather_share(meta.size_bytes, group_bytes[(graph[v].layer, graph[v].phase.value)])
-                _charge(parts, to, pricer.gather_parts(meta, src, dst, share))
-                return pricer.gather_time(meta, src, dst, share) or 0.0
+                members.setdefault((u, src, dst), (v, to, steps[0].bytes))
+                return 0.0
         for c in steps:
             collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
                                                 weight=graph.weight(v)))
@@ -145,10 +156,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         if buf in active and value in active:
             reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0],
                                    value)
-    for members in groups.values():
-        first = next(iter(members.values()))
-        collectives.append(PricedCollective(src=first.src, dst=first.dst, kind="all_gather", axis=first.axis,
-                                            bytes=sum(c.bytes for c in members.values()), weight=first.weight))
+    collectives.extend(grouped_gathers(graph, pricer, groups, reshard, parts))
     collectives.extend(gradient_syncs(graph, space, pricer, pick, active, reshard, parts, grad_sync_weight,
                                       each_microbatch=bool(meta.get("grads_each_microbatch"))))
     collectives.extend(update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight, parts))
