@@ -4,7 +4,8 @@ Where it sits: shared by the two halves of solver/intra_op: the ILP's objective
 (solver/intra_op/ilp.py), which must charge a collective before the placements are
 known, and the reading of the chosen solution (solver/intra_op/solution.py), which
 prices the collectives the program will run. Both use these functions so that the
-objective and the reported cost group collectives alike.
+objective and the reported cost group collectives alike. The gather groups' latency in
+the objective is solver/intra_op/gather_rows.py's (exact: one per group formed).
 
 Terms: a *gather group* is the set of parameter-derived tensors that the program gathers
 in one flat all-gather (autopar/buckets.py `gather_group`: one per consumer layer, phase,
@@ -15,30 +16,13 @@ latency, its bytes over the group's.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
-from autopar.buckets import gather_share, gradient_bucket_key, plan_buckets
+from autopar.buckets import gradient_bucket_key, plan_buckets
 from autopar.ir import Graph, NodeId
 from autopar.placement import Placements
 from autopar.sharding import PricedCollective
 from cost_model import ReshardPricer
-
-
-def param_gather_bytes(graph: Graph) -> dict[tuple[int | None, str], float]:
-    """Per (consumer layer, phase): the bytes of the distinct parameter-derived tensors
-    (a weight, its transpose, a cast of it) that compute ops there consume, the size of
-    that group's gathers when each is gathered once, before its compute op (autopar/buckets.py gather_group; each member pays its
-    share of one latency)."""
-    derived = graph.parameter_derived()
-    seen: dict[tuple[int | None, str], dict[NodeId, float]] = {}
-    for v in graph.nodes:
-        if v.id in derived:
-            continue  # a view or cast of a weight: its consumer reads the weight (counted there)
-        for u in v.inputs:
-            if u in derived and len(graph[u].outputs) == 1:
-                seen.setdefault((v.layer, v.phase.value), {})[u] = graph[u].output.size_bytes
-    return {k: sum(d.values()) for k, d in seen.items()}
 
 
 def expected_bucket_bytes(graph: Graph) -> dict[NodeId, tuple[float, float]]:
@@ -76,30 +60,18 @@ def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]
     return uses
 
 
-def layer_parameter_bytes(graph: Graph) -> dict[int | None, float]:
-    """Per layer (None: outside the layer stack): the bytes of its parameters, the group
-    its updated weights are gathered in (autopar/buckets.py UPDATE_PHASE) where all of them
-    are update-sharded on one axis: what a parameter's share of that group's latency is
-    charged against before the placements are known (solver/intra_op/solution.py prices the same shares)."""
-    out: dict[int | None, float] = defaultdict(float)
-    for p, _g in graph.param_grads:
-        out[graph[p].layer] += graph[p].output.size_bytes
-    return dict(out)
-
-
-def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any, group_bytes: float
-                  ) -> tuple[float, list[Any]] | None:
+def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any, share: float) -> tuple[float, list[Any]] | None:
     """(time, collectives) of bringing a parameter's updated weights from its update
     placement back to its compute placement, once per step ((0, []) where they are the
     same; None where DTensor cannot). A gather on one axis travels in its layer's group
     (one flat all-gather, codegen/apply.py `_WeightGather`): its bandwidth term, copies and
-    its share of the group's latency against `group_bytes`."""
+    `share` of the group's latency (the ILP passes 0 and charges the group's latency once,
+    solver/intra_op/gather_rows.py)."""
     if strategy.update is None or strategy.update == strategy.outputs[0]:
         return 0.0, []
     steps = pricer.collectives(meta, strategy.update, strategy.outputs[0])
     if steps is None:
         return None
-    share = gather_share(meta.size_bytes, group_bytes)
     return pricer.gather_time(meta, strategy.update, strategy.outputs[0], share) or 0.0, list(steps)
 
 

@@ -25,15 +25,22 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
                another (NodeStrategy.update: weight-update sharding, Xu et al. 2020), the
                all-gather of its updated weights from the update placement back to the
                compute placement, once per step (weighted like the gradient sync; a
-               layer's weights travel in one flat all-gather, each paying its share of
-               the latency: `_add_update_gathers`); 0 for every other node
+               layer's weights travel in one flat all-gather: its bandwidth term here,
+               its latency once per group through y_g below, `_add_update_gathers`);
+               0 for every other node
     C_ab     = sum over graph edges u->v with o(u)=a, o(v)=b of w_v reshard(u->v), plus
                for each (parameter p, gradient g) the edge g->p, priced as resharding the
                gradient into its parameter's weight-update placement (all-reduce from
                Partial = data parallel, reduce-scatter into a Shard = ZeRO-1/2 where the
                compute placement is replicated, ZeRO-3/FSDP where it is the same shard):
                forward/backward consistency is a cost, so it can never make the problem
-               infeasible.
+               infeasible. An edge from a parameter-derived tensor that is one all-gather
+               on one axis is a member of its gather group: C_ab holds its bandwidth
+               term and copies, the group's latency is y_g's.
+    y_g      = in [0, 1], charged w_g lat(axis) in the objective: 1 where any member of
+               gather group g (one flat all-gather per consumer layer, phase, axis and
+               dtype, or per layer for the updated weights) gathers, by the rows
+               gather/g/... (solver/intra_op/gather_rows.py: exact for one-hot x)
                Rows r and columns k are classes of identical rows/columns of the matrix.
 
     one_choice/o:     sum_j x[o,j] = 1
@@ -77,11 +84,10 @@ from typing import Any, Callable
 import pulp
 
 from autopar.cluster import Cluster
-from autopar.buckets import gather_share
 from autopar.ir import Graph, NodeId, Role
 from autopar.placement import Placements, Replicate, is_partial
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
-from cost_model import CostTable, ReshardPricer, bucket_copy_s_per_byte, cost_table, runs_gloo
+from cost_model import CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table, runs_gloo
 from solver.intra_op.backend import (
     OBJECTIVE_SCALE,
     SOLVERS,
@@ -89,13 +95,8 @@ from solver.intra_op.backend import (
     native_stdout_to_stderr,
     solve,
 )
-from solver.intra_op.collective_groups import (
-    expected_bucket_bytes,
-    layer_parameter_bytes,
-    param_gather_bytes,
-    param_gather_uses,
-    update_gather,
-)
+from solver.intra_op.collective_groups import expected_bucket_bytes, param_gather_uses, update_gather
+from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import PlaceholderFilter, UpdateFilter, prune_gather_free, restrict_placeholders
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
@@ -133,8 +134,8 @@ class _EdgePrices:
 
     def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
-                 prices: tuple[dict, dict, dict] | None) -> None:
-        self.graph, self.red, self.pricer = graph, red, pricer
+                 prices: tuple[dict, dict, dict] | None, gathers: GatherGroups) -> None:
+        self.graph, self.red, self.pricer, self.gathers = graph, red, pricer, gathers
         self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
         self.from_params = graph.parameter_derived() if gather_free_axes else frozenset()
         self.edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
@@ -142,7 +143,6 @@ class _EdgePrices:
         self.pair_cost: dict[tuple, float]
         self.matrices: dict[tuple, list[list[float]]]
         self.intern, self.pair_cost, self.matrices = prices if prices is not None else ({}, {}, {})
-        self.group_bytes = param_gather_bytes(graph)
         self.gather_uses = param_gather_uses(graph)
         self.derived = graph.parameter_derived()
         self.expected_buckets = expected_bucket_bytes(graph)
@@ -177,10 +177,12 @@ class _EdgePrices:
         share, uses = None, 1
         if grad:
             share = self.expected_buckets[u]
-        elif u in self.derived:
-            share = gather_share(meta.size_bytes, self.group_bytes[(graph[v].layer, graph[v].phase.value)])
-            uses = self.gather_uses[(u, graph[v].layer, graph[v].phase.value)]
+        elif u in self.derived:  # a grouped gather: its group's latency is y_g's (gather_rows.py)
+            share, uses = 0.0, self.gather_uses[(u, graph[v].layer, graph[v].phase.value)]
         a, b = red.owner[u], red.owner[v]
+        if share == 0.0:
+            self.gathers.add_edge(graph[v].layer, graph[v].phase.value, meta.dtype,
+                                  a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
         if a == b:
             coef = self.node_coef[a]
             for j in range(len(coef)):
@@ -211,17 +213,18 @@ class _EdgePrices:
 
 
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
-                   node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], *,
-                   grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
+                   node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
+                   *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
                    prices: tuple[dict, dict, dict] | None = None
                    ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
     same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
     matrix) price memos of earlier solves with the same pricer and axes (a search's solves
-    of one submesh share them: every key holds the tensor and both layouts it prices)."""
+    of one submesh share them: every key holds the tensor and both layouts it prices).
+    `gathers` collects the grouped weight gathers' rows (gather_rows.py)."""
     active = set(red.active)
-    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices)
+    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers)
     for v in red.active:
         node = graph[v]
         for p, u in enumerate(node.inputs):
@@ -330,6 +333,17 @@ class _Model:
                 self.prob += expr == 0, f"edge/{a}->{b}/col={k}"
         return count
 
+    def add_gather_group_rows(self, gathers: GatherGroups) -> int:
+        """One continuous y_g per gather group, charged its latency, and its rows
+        (gather_rows.py); returns the number of groups."""
+        for i, (group, cost_s) in enumerate(sorted(gathers.costs_s().items(), key=lambda kv: repr(kv[0]))):
+            y = self.prob.add_variable(f"y_{i}", lowBound=0, upBound=1)
+            self.objective[y] = cost_s * OBJECTIVE_SCALE
+            for r, (terms, const) in enumerate(sorted(gathers.rows[group])):
+                expr = pulp.LpAffineExpression([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)])
+                self.prob += expr <= -const, f"gather/{i}/{r}"
+        return len(gathers.weight)
+
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
         return pulp.LpAffineExpression([(self.x[o][j], m * MEMORY_SCALE) for o, row in sorted(coef.items())
                                         for j, m in enumerate(row) if m])
@@ -400,19 +414,20 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         _add_step_terms(graph, space, red, node_coef, cluster, mesh_shape, num_microbatches,
                         synced=grads_each_microbatch)
     forbidden: dict[NodeId, set[int]] = {}
-    _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight)
+    gathers = GatherGroups([collective_latency_s("all_gather", link) for link in table.links])
+    _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight, gathers)
     prices = None
     if prune_memo is not None:  # the search's solves: edge prices depend on the pricer and axes only
         prices = prune_memo.setdefault(("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes,
                                         grads_each_microbatch), ({}, {}, {}))
-    edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden,
+    edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
                                            grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
                                            prices=prices),
                             node_coef, forbidden)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
 
-    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, terms, memory_budget_bytes)
+    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes)
     sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
     status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
                               memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
@@ -451,15 +466,15 @@ def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...
 
 
 def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
-                 edges: dict[tuple[NodeId, NodeId], tuple], terms: list, memory_budget_bytes: float | None
-                 ) -> tuple[_Model, int]:
+                 edges: dict[tuple[NodeId, NodeId], tuple], gathers: GatherGroups, terms: list,
+                 memory_budget_bytes: float | None) -> tuple[_Model, int]:
     """The ILP of the module docstring, one constraint family at a time; and its number of
-    edge variables."""
+    edge and gather-group variables."""
     model = _Model("intra_op", red)
     model.add_one_choice_constraints()
     model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
-    num_edge_vars = model.add_edge_constraints(edges)
+    num_edge_vars = model.add_edge_constraints(edges) + model.add_gather_group_rows(gathers)
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
@@ -518,18 +533,27 @@ def _solution_status(sol_status: int, model: _Model, red: Reduction, terms: list
 
 def _add_update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                         node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
-                        grad_sync_weight: float) -> None:
+                        grad_sync_weight: float, gathers: GatherGroups) -> None:
     """Weight-update sharding: a parameter whose update runs in another placement than its
     compute (NodeStrategy.update) gathers its updated weights back once per step: weighted
     like the gradient sync (`grad_sync_weight`, 1/m of a per-microbatch objective), plus
-    TIE_BREAK_S per collective (all-reduce over reduce-scatter + all-gather where equal)."""
-    group_bytes = layer_parameter_bytes(graph)
+    TIE_BREAK_S per collective (all-reduce over reduce-scatter + all-gather where equal).
+    A gather on one axis travels in its layer's group: its bandwidth term and copies here,
+    the group's latency through `gathers` (gather_rows.py)."""
+    grouped: dict[tuple[NodeId, int], list[int]] = {}
     for node, coef, w, j, s in _parameter_options(graph, red, node_coef):
-        got = update_gather(pricer, node.output, space[node.id][s], group_bytes.get(node.layer, 0.0))
+        strategy = space[node.id][s]
+        got = update_gather(pricer, node.output, strategy, 0.0)
         if got is None:
             forbidden.setdefault(red.owner[node.id], set()).add(j)
         elif got[1]:
             coef[j] += w * (got[0] * grad_sync_weight + TIE_BREAK_S * len(got[1]))
+            axis = pricer.gather_axis(node.output, strategy.update, strategy.outputs[0])
+            if axis is not None:
+                grouped.setdefault((node.id, axis), []).append(j)
+    for (n, axis), options in grouped.items():
+        gathers.add_update(graph[n].layer, graph[n].output.dtype, red.owner[n], options, axis,
+                           graph.weight(n) * grad_sync_weight)
 
 
 def _parameter_options(graph: Graph, red: Reduction, node_coef: dict[NodeId, list[float]]) -> Any:

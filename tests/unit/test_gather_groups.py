@@ -54,3 +54,69 @@ def test_zero3_plan_prices_one_gather_per_layer_and_phase():
     assert len(gathers) < params
     calls, nbytes = priced_per_step(solution, 1, ("dp",))[("all_gather", "dp")]
     assert calls == len(gathers) and nbytes == sum(c.bytes for c in gathers)
+
+
+def test_gather_rows_are_the_gather_indicator_on_every_pair_of_layouts():
+    """The ILP's rows for a member edge between two owners (solver/intra_op/gather_rows.py):
+    for every pair of one-hot choices, the largest right-hand side over a group's rows is 1
+    exactly where `single_gather_axis` says the pair gathers on that group's axis, else
+    <= 0, so y_g (minimised) is the group's indicator."""
+    from itertools import product
+
+    from solver.intra_op.gather_rows import GatherGroups
+
+    layouts = [tuple(p) for p in product([R, Shard(0), Shard(1), Partial()], repeat=2)]
+    groups = GatherGroups((1.0, 2.0))
+    groups.add_edge(3, "forward", "float32", 10, layouts, 20, layouts, 1.0)
+    assert set(groups.weight) == {(3, "forward", 0, "float32"), (3, "forward", 1, "float32")}
+    for (j, src), (k, dst) in product(enumerate(layouts), repeat=2):
+        chosen = {(10, j), (20, k)}
+        for group, rows in groups.rows.items():
+            rhs = max(sum(t in chosen for t in terms) + const for terms, const in rows)
+            assert rhs == (1 if single_gather_axis(src, dst) == group[2] else min(rhs, 0)), (src, dst, group)
+    assert groups.costs_s() == {(3, "forward", 0, "float32"): 1.0, (3, "forward", 1, "float32"): 2.0}
+
+
+def test_ilp_charges_one_latency_per_gather_group_formed(caplog, monkeypatch):
+    """At tp2 x dp2 with ZeRO-1 the ILP gathers only some of a layer's weights (over tp) and
+    every layer's updated weights (over dp, once per step): its objective charges each group
+    one latency through y_g, as the solution's price does with its members' shares of the
+    groups formed (solver/intra_op/solution.py `grouped_gathers`), so the two agree. The
+    gradient buckets are the one other term the objective charges before it knows the
+    groups: both sides charge them the same share here (as test_intra_op.py does)."""
+    import logging
+    import re
+
+    import solver.intra_op.ilp as ilp
+    import solver.intra_op.solution as solution
+    from autopar.buckets import BUCKET_BYTES
+    from cost_model import Collective, collective_time_s, mesh_axis_links
+    from solver.forced import gather_free_axes, keep_placeholder, keep_update, mesh_shape
+    from solver.intra_op.ilp import solve_intra_op
+
+    monkeypatch.setattr(solution, "gradient_bucket_shares", lambda graph, syncs, pricer: {
+        g: graph.grad_meta(g).size_bytes / BUCKET_BYTES for g, _s, _d in syncs})
+    monkeypatch.setattr(ilp, "expected_bucket_bytes",
+                        lambda graph: {g: (float(BUCKET_BYTES),) * 2 for _p, g in graph.param_grads})
+
+    source = resolve("llama-tiny")
+    graph = trace_model(source, batch=4, dtype="float32", layers_traced=source.config.layers)
+    config = ParallelConfig(tp=2, dp=2, zero=1)
+    with caplog.at_level(logging.INFO, logger="solver.intra_op.ilp"):
+        sol = solve_intra_op(graph, Cluster.parse("cpu:4"), mesh_shape(config), keep_placeholder=keep_placeholder(config),
+                             keep_update=keep_update(config), gather_free_axes=gather_free_axes(config),
+                             grad_sync_weight=1.0)
+    (line,) = [r.getMessage() for r in caplog.records if "extracted" in r.getMessage()]
+    objective_s = float(re.search(r"objective (\S+) s", line).group(1))
+    derived = graph.parameter_derived()
+    gathers = [c for c in sol.collectives if c.kind == "all_gather" and c.src in derived]
+    assert {c.axis for c in gathers} == {0, 1} and sum(c.gradient_sync for c in gathers) > 0
+    assert objective_s == pytest.approx(sol.cost.total_s, rel=1e-5)  # tie-breaks are ~1e-10 s
+    # and that price is the time function of the groups' records: one latency per group
+    links = mesh_axis_links(Cluster.parse("cpu:4"), sol.mesh_shape)
+    weight = {c.node: c.weight for c in sol.choices}
+    for axis in (0, 1):
+        charged = sum(weight[n] * t for n, kind, a, t in sol.reshard_parts if (kind, a) == ("all_gather", axis))
+        run = sum(c.weight * collective_time_s(Collective(kind=c.kind, axis=c.axis, bytes=c.bytes), links)
+                  for c in sol.collectives if (c.kind, c.axis) == ("all_gather", axis))
+        assert charged == pytest.approx(run, rel=1e-9), axis
