@@ -195,7 +195,9 @@ class PipelineStage(JsonData):
     """(parameter, placement on the stage's (dp, tp) submesh) from the stage's ILP, layers
     once per layer group as `layers.*`."""
     collectives: tuple[tuple[str, str, int, int], ...] = ()
-    """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced."""
+    """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced
+    for this stage's pieces: its layers, and the embedding or head where it holds them
+    (solver/pipeline_plans.py; a gradient sync's once per step over m)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

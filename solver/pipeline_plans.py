@@ -15,6 +15,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.placement import Replicate
 from autopar.plan import PipelineInfo, PipelineStage, Plan, SearchInfo
+from solver.comm_time import piece_factors
 from solver.pipeline_stages import PipelineResult
 from solver.spmd_search import AXIS_NAMES
 from solver.stage_costs import SubmeshCosts, placement_summary
@@ -64,12 +65,18 @@ def pipeline_config(r: PipelineResult) -> ParallelConfig:
                           recompute=rc)  # type: ignore[arg-type]
 
 
-def _collectives_per_microbatch(sc: SubmeshCosts) -> tuple[tuple[str, str, int, int], ...]:
+def _collectives_per_microbatch(sc: SubmeshCosts, factor: dict[int, float]) -> tuple[tuple[str, str, int, int], ...]:
+    """(kind, axis, calls, bytes) per microbatch of the stage that runs `factor` of each node
+    of the traced graph (solver/comm_time.py `piece_factors`: its pieces), as the
+    communication rows attribute them: a record counts in the piece of the node that reads
+    it, a gradient sync's once per step over m."""
     calls: Counter = Counter()
     volume: Counter = Counter()
     m = sc.num_microbatches
     for c in sc.solution.collectives:
-        times = c.weight / (m if c.gradient_sync else 1)
+        times = c.weight / (m if c.gradient_sync else 1) * factor[c.dst]
+        if times == 0:
+            continue
         key = (c.kind, AXIS_NAMES[c.axis])
         calls[key] += times
         volume[key] += times * c.bytes
@@ -90,7 +97,7 @@ def pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster,
             inflight_microbatches=r.schedule.inflight(k, len(sol.stage_layers), r.candidate.num_microbatches),
             placements=placement_summary(sc.graph, sc.solution, ("pre",) * (k == 0) + ("layer",) + (
                 ("post",) if k == len(sol.stage_layers) - 1 else ())),
-            collectives=_collectives_per_microbatch(sc)))
+            collectives=_collectives_per_microbatch(sc, piece_factors(sc.graph, k, len(sol.stage_layers), n))))
         first += n
     cfg = pipeline_config(r)
     pipe = PipelineInfo(schedule=r.schedule.name, chunks=r.schedule.chunks, microbatch=r.candidate.microbatch,

@@ -136,6 +136,14 @@ def test_pipeline_rows_close_on_the_critical_stage_and_p2p(capsys, monkeypatch) 
     for key in ("all_reduce", "dp"), ("all_reduce", "tp"), ("reduce_scatter", "dp"):
         assert rows[key]["time_s"] == pytest.approx(run[key], rel=1e-9), key
         assert rows[key]["count"] > 0
+    # each stage's collectives per microbatch (the plan's stage table) are its own pieces',
+    # as the rows attribute them: the critical stage's x m are its rows' counts
+    per_microbatch = {(name.split(" ", 2)[2], axis): count for name, axis, count, _ in out["collectives"]
+                      if name.startswith(f"stage {k} ")}
+    counted = {key: r["count"] for key, r in rows.items() if r["part_of"] == "critical_stage_s" and r["count"]}
+    assert set(per_microbatch) == set(counted)
+    for key, count in counted.items():
+        assert m * per_microbatch[key] == pytest.approx(count, abs=m / 2), key
 
 
 @pytest.mark.parametrize("spec", ["cpu:4", "h100:2x8"])
