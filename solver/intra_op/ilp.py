@@ -175,12 +175,11 @@ class _EdgePrices:
         graph, red = self.graph, self.red
         activation = bool(self.gather_free_axes) and u not in self.from_params and not grad
         share, uses = None, 1
+        a, b = red.owner[u], red.owner[v]
         if grad:
             share = self.expected_buckets[u]
         elif u in self.derived:  # a grouped gather: its group's latency is y_g's (gather_rows.py)
             share, uses = 0.0, self.gather_uses[(u, graph[v].layer, graph[v].phase.value)]
-        a, b = red.owner[u], red.owner[v]
-        if share == 0.0:
             self.gathers.add_edge(graph[v].layer, graph[v].phase.value, meta.dtype,
                                   a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
         if a == b:
@@ -336,12 +335,13 @@ class _Model:
     def add_gather_group_rows(self, gathers: GatherGroups) -> int:
         """One continuous y_g per gather group, charged its latency, and its rows
         (gather_rows.py); returns the number of groups."""
-        for i, (group, cost_s) in enumerate(sorted(gathers.costs_s().items(), key=lambda kv: repr(kv[0]))):
-            y = self.prob.add_variable(f"y_{i}", lowBound=0, upBound=1)
+        for group, cost_s in sorted(gathers.costs_s().items(), key=lambda kv: repr(kv[0])):
+            name = "_".join(map(str, group))  # layer, phase, axis, dtype
+            y = self.prob.add_variable(f"y_{name}", lowBound=0, upBound=1)
             self.objective[y] = cost_s * OBJECTIVE_SCALE
             for r, (terms, const) in enumerate(sorted(gathers.rows[group])):
                 expr = pulp.LpAffineExpression([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)])
-                self.prob += expr <= -const, f"gather/{i}/{r}"
+                self.prob += expr <= -const, f"gather/{name}/{r}"
         return len(gathers.weight)
 
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
