@@ -1,0 +1,179 @@
+"""Price the published mixture-of-experts runs with the one model, held out by construction.
+
+    python benchmarks/validate_moe.py [--rows 0-5,9] [--group-tokens 512]
+        [--out benchmarks/results/moe_validation.md] [--json benchmarks/results/moe_validation.json]
+
+Every row of benchmarks/data/published_moe_runs.csv (sources and columns:
+benchmarks/data/README.md) is priced by `autopar.price`, the path `autopar price` takes:
+its `moe:` spec, cluster and configuration (benchmarks/lib/published_moe_runs.py) traced,
+solved by the intra-op ILP under the configuration, cut into stages by the stage DP, at
+the committed constants (cost_model/fitted_constants.json, cost_model/efficiency.py).
+
+Out of sample: those constants were fitted on dense-model rows only (published_runs.csv,
+benchmarks/fit/fit_one_model.py), so every MoE row and every MoE publication is held out;
+the errors here are what leave-one-publication-out would report for them.
+
+Expert parallelism is not a flag of `autopar price`: the experts' [E, d, f] weights are
+placed by the ILP like any tensor, sharded on E over the mesh axes where that pays. Each row
+reports the published EP degree beside the one the ILP chose (`ep_priced`, from the plan's
+placement of the routed experts' first weight) and the share of the experts' FLOPs that the
+traced dense GShard dispatch adds, 2 g / (3 f) for groups of g tokens and experts of inner
+size f (autopar/models/moe.py), which the index-based dispatch of the measured systems does
+not pay.
+
+Reported: per row predicted vs measured tokens/s per GPU; median and p90 |error| overall
+and per publication, headline rows (bf16 on a GPU with a profile) apart from flagged ones.
+A row that fails to price, or that takes longer than --row-limit-s, is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.lib.bench_stats import percentile, row_filter  # noqa: E402
+from benchmarks.lib.published_moe_runs import (  # noqa: E402
+    DEFAULT_GROUP_TOKENS, MOE_CSV, MoERun, experts_degree, load_moe_runs)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class RowTimeout(Exception):
+    """A row's pricing ran past --row-limit-s."""
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise RowTimeout
+
+
+def price_row(run: MoERun, limit_s: int) -> dict[str, Any]:
+    """One row priced by `autopar.price` (module docstring), with its reported figures."""
+    import autopar
+    from autopar.models.zoo import parse_spec
+
+    cfg = parse_spec(run.spec)
+    group = min(cfg.group_tokens or cfg.seq, cfg.seq)
+    entry: dict[str, Any] = {
+        "row": run.index, "publication": run.row["publication"], "source": run.row["source_id"],
+        "model": run.row["model"], "gpus": run.cluster.num_devices, "hardware": run.cluster.hardware.name,
+        "config": run.label, "ep_published": run.row["ep"], "reported": run.reported_tokens_per_gpu,
+        "spec": run.spec, "priced_as": list(run.priced_as), "flags": list(run.flags),
+        "dispatch_share": 2 * group / (3 * cfg.ffn_hidden)}
+    t = time.perf_counter()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(limit_s)
+    try:
+        plan = autopar.price(run.spec, run.cluster, run.config, global_batch=run.global_batch)
+    except RowTimeout:
+        entry["error"] = f"not priced: over {limit_s} s on this machine"
+    except (ValueError, RuntimeError) as exc:
+        entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    else:
+        est = plan.predicted
+        degree, placement = experts_degree(plan)
+        entry.update(predicted=est.tokens_per_s_per_device, step_s=est.step_time_s, fits=bool(est.fits),
+                     peak_gib=est.peak_memory_bytes / 2**30, terms=dict(est.time_breakdown),
+                     ep_priced=degree, experts_placement=placement)
+    finally:
+        signal.alarm(0)
+    entry["seconds"] = round(time.perf_counter() - t, 1)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="?", default=str(MOE_CSV))
+    parser.add_argument("--rows", default=None, help="only these row indices (e.g. 0-5,9)")
+    parser.add_argument("--group-tokens", type=int, default=DEFAULT_GROUP_TOKENS,
+                        help=f"routing-group size of the priced dispatch (default {DEFAULT_GROUP_TOKENS})")
+    parser.add_argument("--row-limit-s", type=int, default=180, help="give up on a row after this many seconds")
+    parser.add_argument("--out", default=str(RESULTS / "moe_validation.md"))
+    parser.add_argument("--json", default=str(RESULTS / "moe_validation.json"))
+    args = parser.parse_args(argv)
+    if args.group_tokens <= 0:
+        print(f"error: --group-tokens must be positive, got {args.group_tokens}", file=sys.stderr)
+        return 2
+    keep = row_filter(args.rows)
+    runs = [r for r in load_moe_runs(args.csv, args.group_tokens) if keep is None or r.index in keep]
+    results = []
+    t0 = time.perf_counter()
+    for k, run in enumerate(runs, 1):
+        entry = price_row(run, args.row_limit_s)
+        results.append(entry)
+        print(f"[{k}/{len(runs)}] row {run.index} {run.row['model']} {run.label}: "
+              + (f"{entry['predicted']:,.0f} vs {entry['reported']:,.0f} tokens/s/GPU "
+                 f"({entry['predicted'] / entry['reported'] - 1:+.1%}), ep {entry['ep_priced']}"
+                 if "predicted" in entry else entry["error"]) + f" ({entry['seconds']} s)",
+              file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - t0
+    Path(args.json).write_text(json.dumps({"group_tokens": args.group_tokens, "rows": results}, indent=1,
+                                          sort_keys=True) + "\n")
+    Path(args.out).write_text(report(results, args.group_tokens, elapsed))
+    print(f"wrote {args.out} and {args.json}")
+    return 0
+
+
+def _err(r: dict[str, Any]) -> float:
+    return abs(r["predicted"] / r["reported"] - 1)
+
+
+def _summary(rows: list[dict[str, Any]]) -> str:
+    errs = [_err(r) for r in rows]
+    if not errs:
+        return "- | -"
+    signed = statistics.median(r["predicted"] / r["reported"] - 1 for r in rows)
+    return f"{statistics.median(errs):.1%} / {percentile(errs, 0.9):.1%} | {signed:+.1%}"
+
+
+def report(results: list[dict[str, Any]], group_tokens: int, elapsed: float) -> str:
+    priced = [r for r in results if "predicted" in r]
+    headline = [r for r in priced if not r["flags"]]
+    lines = ["# The one model against published mixture-of-experts runs", "",
+             "Generated by `.venv/bin/python benchmarks/validate_moe.py`. Each row of "
+             "benchmarks/data/published_moe_runs.csv priced by `autopar.price` (what `autopar price` computes for "
+             "its `moe:` spec and configuration) at the committed constants, which were fitted on dense rows only: "
+             "every row here is held out, so these are leave-one-publication-out errors. Error = |predicted / "
+             "reported - 1| of tokens/s per GPU; signed = median of predicted / reported - 1 (negative: the model "
+             f"is too slow). Routing groups of {group_tokens} tokens, capacity factor 1.0 for the dropless, "
+             "force-balanced runs.", "",
+             f"{len(priced)} of {len(results)} rows priced ({len(headline)} headline: bf16 on a profiled GPU); "
+             f"{elapsed:.0f} s.", "",
+             "| rows | n | median / p90 abs error | median signed |", "|---|---|---|---|",
+             f"| headline (bf16, profiled GPU) | {len(headline)} | {_summary(headline)} |",
+             f"| all priced, flagged included | {len(priced)} | {_summary(priced)} |"]
+    for pub in sorted({r["publication"] for r in priced}):
+        rows = [r for r in headline if r["publication"] == pub]
+        lines.append(f"| {pub} (headline) | {len(rows)} | {_summary(rows)} |")
+    lines += ["", "## Per row", "",
+              "EP: published degree / the degree the ILP chose (experts [E, d, f] sharded on E over those mesh "
+              "axes). Dispatch: FLOPs the traced dense dispatch and combine add, as a share of the experts' "
+              "FLOPs (2 g / (3 f)). Largest term: the biggest component of the predicted step.", "",
+              "| row | publication | model | GPUs | config | EP pub / priced | reported | predicted | error | "
+              "dispatch | fits | largest term | priced as | flags |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "predicted" not in r:
+            continue
+        term, value = max(r["terms"].items(), key=lambda kv: kv[1])
+        lines.append(f"| {r['row']} | {r['publication']} | {r['model']} | {r['gpus']} {r['hardware']} | {r['config']} | "
+                     f"{r['ep_published'] or '-'} / {r['ep_priced']} | {r['reported']:,.0f} | {r['predicted']:,.0f} | "
+                     f"{r['predicted'] / r['reported'] - 1:+.0%} | {r['dispatch_share']:.2f} | "
+                     f"{'yes' if r['fits'] else 'no (%.0f GiB)' % r['peak_gib']} | "
+                     f"{term.removesuffix('_s')} {value / r['step_s']:.0%} of {r['step_s']:.3g} s | "
+                     f"{'; '.join(r['priced_as']) or '-'} | {'; '.join(r['flags']) or '-'} |")
+    failed = [r for r in results if "predicted" not in r]
+    if failed:
+        lines += ["", "## Not priced", ""]
+        lines += [f"- row {r['row']} {r['model']} {r['config']}: {r['error']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
