@@ -71,21 +71,29 @@ def price_row(run: MoERun, limit_s: int) -> dict[str, Any]:
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(limit_s)
     try:
-        plan = autopar.price(run.spec, run.cluster, run.config, global_batch=run.global_batch)
+        fixed = autopar.price(run.spec, run.cluster, run.config, global_batch=run.global_batch)
+        chosen = autopar.price(run.spec, run.cluster, run.config, global_batch=run.global_batch, choose_zero=True)
     except RowTimeout:
         entry["error"] = f"not priced: over {limit_s} s on this machine"
     except (ValueError, RuntimeError) as exc:
         entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     else:
-        est = plan.predicted
-        degree, placement = experts_degree(plan)
-        entry.update(predicted=est.tokens_per_s_per_device, step_s=est.step_time_s, fits=bool(est.fits),
-                     peak_gib=est.peak_memory_bytes / 2**30, terms=dict(est.time_breakdown),
-                     ep_priced=degree, experts_placement=placement)
+        entry.update(_priced(fixed, ""))
+        entry.update(_priced(chosen, "chosen_"))
     finally:
         signal.alarm(0)
     entry["seconds"] = round(time.perf_counter() - t, 1)
     return entry
+
+
+def _priced(plan: Any, prefix: str) -> dict[str, Any]:
+    """A plan's prediction and the experts' placement, keys prefixed."""
+    est = plan.predicted
+    degree, placement = experts_degree(plan)
+    values = dict(predicted=est.tokens_per_s_per_device, step_s=est.step_time_s, fits=bool(est.fits),
+                  peak_gib=est.peak_memory_bytes / 2**30, terms=dict(est.time_breakdown), ep_priced=degree,
+                  experts_placement=placement)
+    return {prefix + k: v for k, v in values.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         entry = price_row(run, args.row_limit_s)
         results.append(entry)
         print(f"[{k}/{len(runs)}] row {run.index} {run.row['model']} {run.label}: "
-              + (f"{entry['predicted']:,.0f} vs {entry['reported']:,.0f} tokens/s/GPU "
-                 f"({entry['predicted'] / entry['reported'] - 1:+.1%}), ep {entry['ep_priced']}"
+              + (f"{entry['reported']:,.0f} tokens/s/GPU reported; published zero {entry['predicted']:,.0f} "
+                 f"(ep {entry['ep_priced']}), zero chosen {entry['chosen_predicted']:,.0f} (ep {entry['chosen_ep_priced']})"
                  if "predicted" in entry else entry["error"]) + f" ({entry['seconds']} s)",
               file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - t0
@@ -121,16 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _err(r: dict[str, Any]) -> float:
-    return abs(r["predicted"] / r["reported"] - 1)
+def _err(r: dict[str, Any], key: str) -> float:
+    return abs(r[key] / r["reported"] - 1)
 
 
-def _summary(rows: list[dict[str, Any]]) -> str:
-    errs = [_err(r) for r in rows]
+def _summary(rows: list[dict[str, Any]], key: str) -> str:
+    errs = [_err(r, key) for r in rows]
     if not errs:
         return "- | -"
-    signed = statistics.median(r["predicted"] / r["reported"] - 1 for r in rows)
+    signed = statistics.median(r[key] / r["reported"] - 1 for r in rows)
     return f"{statistics.median(errs):.1%} / {percentile(errs, 0.9):.1%} | {signed:+.1%}"
+
+
+def _cell(r: dict[str, Any], prefix: str) -> str:
+    fits = "" if r[prefix + "fits"] else f", over memory ({r[prefix + 'peak_gib']:.0f} GiB)"
+    term, value = max(r[prefix + "terms"].items(), key=lambda kv: kv[1])
+    return (f"{r[prefix + 'predicted']:,.0f} ({r[prefix + 'predicted'] / r['reported'] - 1:+.0%}), EP "
+            f"{r[prefix + 'ep_priced']}{fits}; {term.removesuffix('_s')} {value / r[prefix + 'step_s']:.0%}")
 
 
 def report(results: list[dict[str, Any]], group_tokens: int, elapsed: float) -> str:
@@ -144,30 +159,32 @@ def report(results: list[dict[str, Any]], group_tokens: int, elapsed: float) -> 
              "reported - 1| of tokens/s per GPU; signed = median of predicted / reported - 1 (negative: the model "
              f"is too slow). Routing groups of {group_tokens} tokens, capacity factor 1.0 for the dropless, "
              "force-balanced runs.", "",
+             "Two pricings per row: **published ZeRO** fixes the row's ZeRO stage (`autopar price --zero Z`; "
+             "under ZeRO 0-2 every weight's compute placement is replicated over dp, so experts can be split "
+             "over tp only); **ZeRO chosen** lets the ILP place each parameter (`autopar price` without "
+             "`--zero`), so experts can be split on E over dp too, as Megatron-Core and DeepEP carve expert "
+             "parallelism out of the data-parallel ranks.", "",
              f"{len(priced)} of {len(results)} rows priced ({len(headline)} headline: bf16 on a profiled GPU); "
              f"{elapsed:.0f} s.", "",
-             "| rows | n | median / p90 abs error | median signed |", "|---|---|---|---|",
-             f"| headline (bf16, profiled GPU) | {len(headline)} | {_summary(headline)} |",
-             f"| all priced, flagged included | {len(priced)} | {_summary(priced)} |"]
-    for pub in sorted({r["publication"] for r in priced}):
-        rows = [r for r in headline if r["publication"] == pub]
-        lines.append(f"| {pub} (headline) | {len(rows)} | {_summary(rows)} |")
+             "| rows | n | published ZeRO: median / p90 abs error | signed | ZeRO chosen: median / p90 | signed |",
+             "|---|---|---|---|---|---|"]
+    groups = [("headline (bf16, profiled GPU)", headline), ("all priced, flagged included", priced)]
+    groups += [(f"{pub} (headline)", [r for r in headline if r["publication"] == pub])
+               for pub in sorted({r["publication"] for r in priced})]
+    for name, rows in groups:
+        lines.append(f"| {name} | {len(rows)} | {_summary(rows, 'predicted')} | {_summary(rows, 'chosen_predicted')} |")
     lines += ["", "## Per row", "",
-              "EP: published degree / the degree the ILP chose (experts [E, d, f] sharded on E over those mesh "
-              "axes). Dispatch: FLOPs the traced dense dispatch and combine add, as a share of the experts' "
-              "FLOPs (2 g / (3 f)). Largest term: the biggest component of the predicted step.", "",
-              "| row | publication | model | GPUs | config | EP pub / priced | reported | predicted | error | "
-              "dispatch | fits | largest term | priced as | flags |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        if "predicted" not in r:
-            continue
-        term, value = max(r["terms"].items(), key=lambda kv: kv[1])
-        lines.append(f"| {r['row']} | {r['publication']} | {r['model']} | {r['gpus']} {r['hardware']} | {r['config']} | "
-                     f"{r['ep_published'] or '-'} / {r['ep_priced']} | {r['reported']:,.0f} | {r['predicted']:,.0f} | "
-                     f"{r['predicted'] / r['reported'] - 1:+.0%} | {r['dispatch_share']:.2f} | "
-                     f"{'yes' if r['fits'] else 'no (%.0f GiB)' % r['peak_gib']} | "
-                     f"{term.removesuffix('_s')} {value / r['step_s']:.0%} of {r['step_s']:.3g} s | "
-                     f"{'; '.join(r['priced_as']) or '-'} | {'; '.join(r['flags']) or '-'} |")
+              "Each pricing: predicted tokens/s per GPU (error), the expert-parallel degree the ILP chose (experts "
+              "[E, d, f] sharded on E over those mesh axes), memory where over the budget, and the largest term "
+              "of the step. Dispatch: FLOPs the traced dense dispatch and combine add, as a share of the experts' "
+              "FLOPs (2 g / (3 f)).", "",
+              "| row | publication | model | GPUs | config | EP | reported | published ZeRO | ZeRO chosen | "
+              "dispatch | priced as | flags |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in priced:
+        lines.append(f"| {r['row']} | {r['publication']} | {r['model']} | {r['gpus']} {r['hardware']} | "
+                     f"{r['config']} | {r['ep_published'] or '-'} | {r['reported']:,.0f} | {_cell(r, '')} | "
+                     f"{_cell(r, 'chosen_')} | {r['dispatch_share']:.2f} | {'; '.join(r['priced_as']) or '-'} | "
+                     f"{'; '.join(r['flags']) or '-'} |")
     failed = [r for r in results if "predicted" not in r]
     if failed:
         lines += ["", "## Not priced", ""]

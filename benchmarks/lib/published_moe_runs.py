@@ -172,27 +172,29 @@ def load_moe_runs(path: Path | str = MOE_CSV, group_tokens: int = DEFAULT_GROUP_
 def experts_degree(plan: Any) -> tuple[int, str]:
     """(expert-parallel degree, the experts' placement) the plan chose: the product of the
     (dp, tp) mesh axes on which the first routed-expert weight `moe.w1` [E, d, f] is
-    sharded on E (Shard(0)); from the plan's parameter placements (one stage) or the first
-    chunk's per-op placements (pipelines)."""
-    text = ""
-    if plan.intra_op_info is not None:
-        text = next((p for name, p in plan.intra_op_info.parameters if name.endswith("moe.w1")), "")
-    if not text:
-        for chunk in plan.stage_placements:
-            op = next((o for o in chunk.placements if o.key.endswith("moe.w1") or "moe.w1" in o.key), None)
-            if op is not None:
-                text = op.outputs[0]
-                break
-    if not text:
+    sharded on E (Shard(0)); from the plan's parameter placements (one stage) or its
+    pipeline stages' (the largest degree where stages differ, every distinct placement
+    listed)."""
+    tables = [plan.intra_op_info.parameters] if plan.intra_op_info is not None else []
+    if plan.pipeline is not None:
+        tables += [stage.placements for stage in plan.pipeline.stages]
+    found = dict.fromkeys(p for table in tables for name, p in table if name.endswith("moe.w1"))
+    if not found:
         return 0, "not found"
-    axes = [a.strip() for a in text.split("update")[0].strip().strip("()").split(",")]
-    sizes = plan.mesh_shape[-len(axes):]
+    return max(shard_degree(p, plan.mesh_shape) for p in found), "; ".join(found)
+
+
+def shard_degree(placement: str, mesh_shape: tuple[int, ...]) -> int:
+    """Ways a tensor is split on dim 0 by a placement text `(p_dp, p_tp)[ update ...]` on a
+    mesh of `mesh_shape` (the trailing axes are the placement's): the product of the sizes
+    of the axes placed Shard(0)."""
+    text = placement.split("update")[0].strip().removeprefix("(").removesuffix(")")
+    axes = [a.strip() for a in text.split(",")]
     degree = 1
-    for axis, size in zip(axes, sizes):
+    for axis, size in zip(axes, mesh_shape[-len(axes):]):
         if axis == "S(0)":
             degree *= size
-    return degree, text.strip()
-
+    return degree
 
 __all__ = ["DEFAULT_GROUP_TOKENS", "MOE_CSV", "MoERun", "attention_heads", "experts_degree", "load_moe_runs",
-           "moe_spec", "to_moe_run"]
+           "moe_spec", "shard_degree", "to_moe_run"]
