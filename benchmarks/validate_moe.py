@@ -14,9 +14,13 @@ benchmarks/fit/fit_one_model.py), so every MoE row and every MoE publication is 
 the errors here are what leave-one-publication-out would report for them.
 
 Expert parallelism is not a flag of `autopar price`: the experts' [E, d, f] weights are
-placed by the ILP like any tensor, sharded on E over the mesh axes where that pays. Each row
-reports the published EP degree beside the one the ILP chose (`ep_priced`, from the plan's
-placement of the routed experts' first weight) and the share of the experts' FLOPs that the
+placed by the ILP like any tensor. Each row reports the published EP degree beside the
+ways the plan stores the routed experts split on E (`ep_priced`, from the plan's parameter
+placement of the first expert weight). Storage is not compute: in the configurations
+benchmarks/probes/probe_expert_placement.py solves, the expert matmuls take the weights
+gathered to Replicate and split the token slots over dp whether the weights are stored
+Shard(0) on E or FSDP-style (equal objectives), so no row is priced as the token
+all-to-all of the measured systems' expert parallelism. Each row also gives the share of the experts' FLOPs that the
 traced dense GShard dispatch adds, 2 g / (3 f) for groups of g tokens and experts of inner
 size f (autopar/models/moe.py), which the index-based dispatch of the measured systems does
 not pay.
@@ -174,8 +178,10 @@ def report(results: list[dict[str, Any]], group_tokens: int, elapsed: float) -> 
     for name, rows in groups:
         lines.append(f"| {name} | {len(rows)} | {_summary(rows, 'predicted')} | {_summary(rows, 'chosen_predicted')} |")
     lines += ["", "## Per row", "",
-              "Each pricing: predicted tokens/s per GPU (error), the expert-parallel degree the ILP chose (experts "
-              "[E, d, f] sharded on E over those mesh axes), memory where over the budget, and the largest term "
+              "Each pricing: predicted tokens/s per GPU (error), EP: the ways the plan stores the routed experts "
+              "[E, d, f] split on E (storage, not compute: benchmarks/probes/probe_expert_placement.py finds the "
+              "expert matmuls gathering the weights and splitting the token slots either way), memory where over "
+              "the budget, and the largest term "
               "of the step. Dispatch: FLOPs the traced dense dispatch and combine add, as a share of the experts' "
               "FLOPs (2 g / (3 f)).", "",
               "| row | publication | model | GPUs | config | EP | reported | published ZeRO | ZeRO chosen | "

@@ -24,8 +24,10 @@ Row -> pricing job (no rule looks at the source's name):
   (blank: none); a row's `vp` is priced as the interleaved schedule only where its layers
   cut evenly into pp x vp chunks, else as 1F1B (listed in `priced_as`).
 - expert parallelism: `autopar price` has no expert-parallel degree. Experts are a
-  placement: the weights [E, d, f] sharded on E over the (dp, tp) mesh axes the ILP
-  chooses. The row's `ep` is reported beside the degree the ILP chose (`ep_priced`).
+  placement: the weights [E, d, f] may be sharded on E over the (dp, tp) mesh axes the ILP
+  chooses. The row's `ep` is reported beside the ways the plan stores them split on E
+  (`experts_degree`; what the expert matmuls compute on is the probe
+  benchmarks/probes/probe_expert_placement.py's question).
 - flags: float8 runs, and GPUs without a profile (H800: H100 compute, NVLink cut to
   400 GB/s) are priced as bf16 on the nearest profile and kept out of the headline figures.
 """
@@ -170,7 +172,7 @@ def load_moe_runs(path: Path | str = MOE_CSV, group_tokens: int = DEFAULT_GROUP_
 
 
 def experts_degree(plan: Any) -> tuple[int, str]:
-    """(expert-parallel degree, the experts' placement) the plan chose: the product of the
+    """(ways split on E, the experts' placement) the plan stores them in: the product of the
     (dp, tp) mesh axes on which the first routed-expert weight `moe.w1` [E, d, f] is
     sharded on E (Shard(0)); from the plan's parameter placements (one stage) or its
     pipeline stages' (the largest degree where stages differ, every distinct placement
