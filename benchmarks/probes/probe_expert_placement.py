@@ -9,7 +9,8 @@ the same traced graph (solver/forced.py `solve_one_stage`, what `autopar price` 
 free, and with every routed-expert weight (`*.moe.w1`, `w2`, `w3`) restricted to
 strategies whose compute placement is Shard(0) over dp (expert parallelism over the
 data-parallel ranks), and prints each solution's objective by term and the experts'
-placement, and the first MoE layer's forward batched matmuls with the layouts their
+placement, the largest ops' shares of the priced compute, and the first MoE layer's
+forward batched matmuls with the layouts their
 inputs arrive in. Equal objectives mean the ILP sees no gain in expert parallelism: the
 placement `benchmarks/validate_moe.py` reports is then a tie-break, and the expert matmuls
 show what runs (experts gathered to Replicate and the token slots split, or the experts
@@ -64,6 +65,13 @@ def solve_both(args: argparse.Namespace) -> None:
         cost = solution.cost
         print(f"{tag}: objective {cost.total_s:.4f} s (compute {cost.compute_s:.4f}, reshard {cost.reshard_s:.4f}); "
               f"routed experts {placement}; status {solution.status}")
+        by_op: dict[str, float] = {}
+        for c in solution.choices:
+            if graph[c.node].role is not Role.PARAMETER:
+                by_op[graph[c.node].op] = by_op.get(graph[c.node].op, 0.0) + c.weight * c.compute_s
+        total = sum(by_op.values())
+        print("  compute by op: " + ", ".join(f"{op.removeprefix('aten.')} {t / total:.0%}" for op, t in
+                                              sorted(by_op.items(), key=lambda kv: -kv[1])[:6]))
         for c in solution.choices:  # the first MoE layer's forward batched matmuls: dispatch, experts, combine
             node = graph[c.node]
             if node.op == "aten.bmm.default" and node.phase is Phase.FORWARD and node.module_path.endswith("0.moe"):
