@@ -29,7 +29,7 @@ Row -> pricing job (no rule looks at the source's name):
   (`experts_degree`; what the expert matmuls compute on is the probe
   benchmarks/probes/probe_expert_placement.py's question).
 - flags: float8 runs, and GPUs without a profile (H800: H100 compute, NVLink cut to
-  400 GB/s) are priced as bf16 on the nearest profile and kept out of the headline figures.
+  400 GB/s bidirectional) are priced as bf16 on the nearest profile and kept out of the headline figures.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ its dense dispatch and combine cost 2 g / (3 f) of the experts' FLOPs, 0.12-0.44
 rows' expert sizes f = 768-2880 (the share each row pays is reported)."""
 BALANCED_CAPACITY_FACTOR = 1.0
 """A dropless run with a force-balanced router gives every expert exactly k s / E tokens."""
-H800_NVLINK_BYTES_PER_S = 400e9
-"""H800 SXM: the H100 SXM's compute and memory with NVLink cut from 900 to 400 GB/s."""
+H800_NVLINK_BYTES_PER_S = 200e9
+"""H800 SXM: the H100 SXM's compute and memory with NVLink cut from 900 to 400 GB/s
+bidirectional, i.e. 200 GB/s per direction (the h100 profile's 450 GB/s is per direction)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +127,7 @@ def _flags(row: dict[str, str]) -> tuple[str, ...]:
     if "fp8" in row["precision"].lower():
         flags.append("fp8 run priced in bf16")
     if "h800" in row["gpu_type"].lower():
-        flags.append("H800 priced as H100 with 400 GB/s NVLink")
+        flags.append("H800 priced as H100 with NVLink at 200 GB/s per direction")
     return tuple(flags)
 
 
