@@ -14,7 +14,11 @@ forward batched matmuls with the layouts their
 inputs arrive in. Equal objectives mean the ILP sees no gain in expert parallelism: the
 placement `benchmarks/validate_moe.py` reports is then a tie-break, and the expert matmuls
 show what runs (experts gathered to Replicate and the token slots split, or the experts
-split on E with the tokens moved to them).
+split on E with the tokens moved to them). A third solve also restricts the expert matmuls
+to operands split on E (expert parallelism as Megatron-Core and DeepEP run it over the
+data-parallel ranks) and prints why no plan exists: moving the token slots from their
+batch split to the expert dim is an all-to-all on the data-parallel axis, which
+solver/intra_op/restrict.py `prune_gather_free` (and the ILP's edges) forbid there.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def solve_both(args: argparse.Namespace) -> None:
     from autopar.config import ParallelConfig
     from autopar.ir import Phase, Role
     from autopar.models import resolve
+    from autopar.sharding import InfeasiblePlanError
     from autopar.trace import trace_model, with_precision
     from solver.forced import mesh_shape, solve_one_stage
     from solver.intra_op.space import enumerate_strategies
@@ -58,6 +63,16 @@ def solve_both(args: argparse.Namespace) -> None:
         if node.role is Role.PARAMETER and _is_routed_expert(node.param_name):
             strategies[node.id] = tuple(s for s in strategies[node.id] if str(s.outputs[0][0]) == "S(0)")
     forced_space = replace(space, strategies=tuple(strategies))
+    num_experts = next(n.output.shape[0] for n in graph if n.role is Role.PARAMETER and _is_routed_expert(n.param_name))
+    for node in graph:  # the expert matmuls: both operands [E, ., .], split on E
+        if node.op == "aten.bmm.default" and all(graph[i].output.shape[0] == num_experts for i in node.inputs):
+            strategies[node.id] = tuple(s for s in strategies[node.id] if all(str(p[0]) == "S(0)" for p in s.inputs))
+    ep_space = replace(space, strategies=tuple(strategies))
+    try:
+        solve_one_stage(graph, config, cluster, num_microbatches=steps, space=ep_space)
+        print("expert matmuls split on E over dp: a plan exists")
+    except InfeasiblePlanError as exc:
+        print(f"expert matmuls split on E over dp: no plan ({str(exc).split(': ', 1)[1][:240]}...)")
     for tag, chosen_space in (("free", None), ("experts Shard(0) over dp", forced_space)):
         solution = solve_one_stage(graph, config, cluster, num_microbatches=steps, space=chosen_space)
         placement = next(([str(p) for p in c.outputs[0]] for c in solution.choices
