@@ -113,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.group_tokens <= 0:
         print(f"error: --group-tokens must be positive, got {args.group_tokens}", file=sys.stderr)
         return 2
-    keep = row_filter(args.rows)
-    runs = [r for r in load_moe_runs(args.csv, args.group_tokens) if keep is None or r.index in keep]
+    try:
+        keep = row_filter(args.rows)
+        runs = [r for r in load_moe_runs(args.csv, args.group_tokens) if keep is None or r.index in keep]
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read the MoE runs from {args.csv} (--rows {args.rows}): {exc}. Give the CSV of "
+              "benchmarks/data/published_moe_runs.csv's columns and row indices like 0-5,9", file=sys.stderr)
+        return 2
     results = []
     t0 = time.perf_counter()
     for k, run in enumerate(runs, 1):
