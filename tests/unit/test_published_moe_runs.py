@@ -69,3 +69,24 @@ def test_expert_parallel_degree_is_the_product_of_the_axes_sharding_experts():
     assert shard_degree("(R, S(0))", (1, 4, 2)) == 2
     assert shard_degree("(S(0), R) update (S(0), S(1))", (1, 4, 2)) == 4
     assert shard_degree("(R, S(1))", (1, 4, 2)) == 1
+
+
+def test_priced_models_have_the_published_parameter_counts(rows):
+    """Each distinct spec built with one layer under FakeTensorMode (nothing allocated):
+    its layer scaled to the row's depth, plus embedding and head, is within 10% of the
+    published total (the priced attention and the dense-as-MoE first layers move it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.models import resolve
+
+    seen: dict[str, float] = {}
+    for run, row in zip(load_moe_runs(), rows):
+        if run.spec not in seen:
+            cfg = parse_spec(run.spec)
+            with FakeTensorMode():
+                model = resolve(run.spec).build(layers=1)
+            outside = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+            layer = sum(p.numel() for p in model.layers[0].parameters())
+            assert tuple(model.layers[0].moe.w1.shape) == (cfg.experts, cfg.hidden, cfg.ffn_hidden)
+            seen[run.spec] = (outside + cfg.layers * layer) / 1e9
+        assert seen[run.spec] == pytest.approx(float(row["params_b_total"]), rel=0.10), row["model"]
