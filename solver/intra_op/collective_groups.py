@@ -92,7 +92,7 @@ def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any, group_bytes: 
     """(time, collectives) of bringing a parameter's updated weights from its update
     placement back to its compute placement, once per step ((0, []) where they are the
     same; None where DTensor cannot). A gather on one axis travels in its layer's group
-    (one flat all-gather, codegen/apply.py `_WeightGather`): its bandwidth term, copies and
+    (one flat all-gather, codegen/collectives.py `WeightGather`): its bandwidth term, copies and
     its share of the group's latency against `group_bytes`."""
     if strategy.update is None or strategy.update == strategy.outputs[0]:
         return 0.0, []

@@ -42,7 +42,7 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
                    parts: dict[tuple[NodeId, str, int], float]) -> list[PricedCollective]:
     """The gathers of updated weights the chosen placements imply, once per step (charged to
     each parameter's `reshard`, weighted like the gradient sync): one flat all-gather per
-    (layer, axis, dtype) group of single-axis gathers, as codegen/apply.py `_WeightGather`
+    (layer, axis, dtype) group of single-axis gathers, as codegen/collectives.py `WeightGather`
     runs them; any other gather on its own. A traced layer's group stands for `weight`
     real layers' groups. `parts` gets the charge split by kind (`_charge`)."""
     group_bytes = layer_parameter_bytes(graph)
