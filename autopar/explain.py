@@ -144,7 +144,7 @@ def _tp_words(group: str, name: str, tp: str) -> str:
     return {"S(0)": "column over tp", "S(1)": "row over tp"}.get(tp, f"{tp} over tp")
 
 
-def _axes(text: str) -> list[str]:
+def placement_axes(text: str) -> list[str]:
     """The per-axis entries of a placement text: "(R, S(0))" -> ["R", "S(0)"]."""
     inner = text.strip()
     if inner.startswith("(") and inner.endswith(")"):
@@ -163,8 +163,8 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
     found: dict[str, list[tuple[str, str, str]]] = {}
     for name, text in params:
         compute, _, update = text.partition(UPDATE_SEPARATOR)
-        dp, tp = (_axes(compute) + ["R", "R"])[:2]
-        update_dp = (_axes(update) + ["R"])[0] if update else dp
+        dp, tp = (placement_axes(compute) + ["R", "R"])[:2]
+        update_dp = (placement_axes(update) + ["R"])[0] if update else dp
         if dp == "R" and update_dp != "R":
             dp = f"weights replicated over dp, update {update_dp} over dp (ZeRO-1)"
         elif dp != "R":

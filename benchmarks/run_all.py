@@ -30,7 +30,9 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    source, ~30 min on 2 processes -> results/one_model_fit.{md,json}), and at the
    same time (single-process, after the measured part so it does not disturb it)
    benchmarks/vs_hand_tuned.py: the first QUICK_GROUPS groups (smallest clusters) ->
-   results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md
+   results/vs_hand_tuned_quick.md, or with --full every group -> results/vs_hand_tuned.md;
+   with --full also benchmarks/validate_moe.py (the published mixture-of-experts runs,
+   held out of the dense fit, ~5 min) -> results/moe_validation.{md,json}
 5. benchmarks/op_coverage.py (share of each model's FLOPs the ILP can shard) ->
    results/op_coverage.md; benchmarks/gpu_report.py: results/gpu_h100.md re-priced from the
    rows a lent H100 measured (results/gpu_h100_run*.jsonl; nothing is measured here); with
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.full:
         _run([PY, "benchmarks/fit/fit_one_model.py"])
     _run([PY, "benchmarks/validate_one_model.py"])
+    if args.full:
+        _run([PY, "benchmarks/validate_moe.py"])
     vs.wait()  # exit 1 may mean a row below 1.0 (reported in its table): judge by the table written
     if not vs_out.exists() or vs_out.stat().st_mtime <= written_before:
         print(f"WARNING: vs_hand_tuned.py (exit {vs.returncode}) did not write {vs_out.name}; the table there "

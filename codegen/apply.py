@@ -36,6 +36,9 @@ collectives, same bytes: the price (these edges weighed 1/m = 1) is unchanged.
 Every collective in the two graphs is one the ILP priced on an edge (price = run; the
 test counts them). The dispatcher's output placement is checked against the chosen one
 at every node: a mismatch is a bug in the strategy space and raises.
+
+The collectives that are not one op's input edge (gradient buckets, the gather of updated
+weights) and the count of a graph's collectives live in codegen/collectives.py.
 """
 
 from __future__ import annotations
@@ -56,14 +59,15 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import dtensor_bridge as bridge
 from autopar.ir import Graph, NodeId, Role
 from autopar.buckets import gather_group
-from autopar.placement import Placements, Replicate, local_shape, redistribute_plan, single_gather_axis, transfer_kind
+from autopar.placement import Placements, Replicate, local_shape, single_gather_axis
 from autopar.sharding import NodeStrategy
+from codegen.collectives import (  # noqa: F401  count_collectives: the apply stage's surface (autopar/build)
+    GradSync, WeightGather, count_collectives, dtensor_of, redistribute_to, share_repeated_collectives)
 from codegen.inductor import CompileTimes, compile_graphs
 
 
@@ -125,12 +129,6 @@ class RankGraphs:
             compile_graphs(graphs, self.compile_times)
 
 
-def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int],
-             stride: Sequence[int]) -> DTensor:
-    return DTensor.from_local(local, mesh, bridge.to_dtensor_placements(placements), run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))
-
-
 def _runnable(op: Any) -> Any:
     """What runs `op` on DTensors. An op DTensor has no rule for, whose strategies the space
     derived from its decomposition (solver/intra_op/space.py), runs as that decomposition: its
@@ -180,7 +178,7 @@ def _on_whole_tensors(op: Any, mesh: DeviceMesh, *args: Any, **kwargs: Any) -> A
         if isinstance(o, (list, tuple)):
             return type(o)(wrap(x) for x in o)
         if isinstance(o, torch.Tensor):
-            return _dtensor(o, mesh, (Replicate(),) * mesh.ndim, o.shape, o.stride())
+            return dtensor_of(o, mesh, (Replicate(),) * mesh.ndim, o.shape, o.stride())
         return o
 
     return wrap(op(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()}))
@@ -188,16 +186,6 @@ def _on_whole_tensors(op: Any, mesh: DeviceMesh, *args: Any, **kwargs: Any) -> A
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 """Ops that need a viewable (not necessarily contiguous) input."""
-
-
-def _redistribute(t: DTensor, placements: Placements, contiguous: bool) -> DTensor:
-    """`t` in `placements` (DTensor's own redistribute, which may also make pending sums:
-    the public `.redistribute` refuses those)."""
-    target = DTensorSpec(t.device_mesh, bridge.to_dtensor_placements(placements), tensor_meta=t._spec.tensor_meta)
-    local = redistribute_local_tensor(t._local_tensor, t._spec, target)
-    if contiguous and not local.is_contiguous():
-        local = local.contiguous()  # a local chunk of a non-leading dim; views need contiguity
-    return DTensor(local, target, requires_grad=False)
 
 
 def _same(got: Any, want: Placements) -> bool:
@@ -246,7 +234,7 @@ def _wrap_replicated_plain_outputs(out: Any, choice: NodeStrategy, mesh: DeviceM
         return out  # a sharded choice cannot be inferred from a whole tensor: _check says so
     wrapped = list(out)
     for i in plain:
-        wrapped[i] = _dtensor(out[i], mesh, wanted[i], out[i].shape, out[i].stride())
+        wrapped[i] = dtensor_of(out[i], mesh, wanted[i], out[i].shape, out[i].stride())
     return tuple(wrapped) if isinstance(out, tuple) else wrapped
 
 
@@ -269,7 +257,7 @@ class _Interpreter:
         self.extra_outputs: tuple[tuple[NodeId, Placements], ...] = ()
         """(node, placements) returned after the gradients, each brought to its placements
         (a pipeline stage's boundary values: autopar/runtime/pipe_spmd.py)."""
-        self.sync: _GradSync | None = None
+        self.sync: GradSync | None = None
         """Set: `run` reduces each gradient bucket as soon as its last gradient is computed
         and returns synced gradients (one microbatch per step)."""
 
@@ -319,7 +307,7 @@ class _Interpreter:
             full = torch.cat([rows[r, offset:offset + size].view(local.shape) for r in range(n)], dim=src[axis].dim)
             offset += size
             meta = self.graph[u].output
-            self.gathered[(u, src, dst)] = _dtensor(full, self.mesh, dst, meta.shape, meta.strides)
+            self.gathered[(u, src, dst)] = dtensor_of(full, self.mesh, dst, meta.shape, meta.strides)
         self.issuing.discard(key)
 
     def _ensure(self, node: fx.Node, env: dict[fx.Node, Any]) -> None:
@@ -341,7 +329,7 @@ class _Interpreter:
         for node, local in zip(self.placeholders(), locals_):
             nid = self.ids[node]
             meta = self.graph[nid].output
-            env[node] = _dtensor(local, self.mesh, self.choices[nid].outputs[0], meta.shape, meta.strides)
+            env[node] = dtensor_of(local, self.mesh, self.choices[nid].outputs[0], meta.shape, meta.strides)
         grad_nodes = self._grad_outputs()
         synced: dict[int, torch.Tensor] = {}
         waiting: dict[fx.Node, list[int]] = {}  # gradient node -> the buckets it is in
@@ -382,13 +370,13 @@ class _Interpreter:
                 # tagged: these collectives are the pipeline's boundary reshards, not priced
                 # by the ILP (counted apart: autopar/runtime/pipe_spmd.py collectives_per_step)
                 with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
-                    t = _redistribute(t, want, True)
+                    t = redistribute_to(t, want, True)
             extras.append(t._local_tensor.contiguous())
         updates = []
         for buf, value in self.graph.buffer_updates:  # the edge value -> buffer the ILP priced
             t, want = env[self.fx_nodes[value]], self.choices[buf].outputs[0]
             if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
-                t = _redistribute(t, want, True)
+                t = redistribute_to(t, want, True)
             updates.append(t._local_tensor.contiguous())
         return (loss._local_tensor, *grads, *extras, *updates)
 
@@ -400,13 +388,13 @@ class _Interpreter:
         choice = self.choices[nid]
         if node.op == "get_attr":
             value = getattr(self.gm, node.target)
-            return _dtensor(value, self.mesh, choice.outputs[0], value.shape, value.stride())
+            return dtensor_of(value, self.mesh, choice.outputs[0], value.shape, value.stride())
         if node.target is operator.getitem:
             return env[node.args[0]][node.args[1]]
         ir = self.graph[nid]
         if not ir.inputs:  # a factory: made whole on every device (replicated)
             value = node.target(*node.args, **node.kwargs)
-            return _dtensor(value, self.mesh, choice.outputs[0], value.shape, value.stride())
+            return dtensor_of(value, self.mesh, choice.outputs[0], value.shape, value.stride())
         positions = iter(range(len(ir.inputs)))
 
         def arg(a: Any) -> Any:
@@ -424,7 +412,7 @@ class _Interpreter:
                 t = env[a]
                 contiguous = self.graph[self.ids[a]].output.stride == ()
                 if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
-                    t = _redistribute(t, want, contiguous)
+                    t = redistribute_to(t, want, contiguous)
                 elif contiguous and not t._local_tensor.is_contiguous():
                     # a kernel laid its local output out differently from the trace (e.g.
                     # SDPA's): views that follow need the traced (contiguous) layout
@@ -453,9 +441,9 @@ class _Interpreter:
                 # or a redistribution laid it out differently): view a contiguous copy
                 first = args[0]
                 shape = first.shape
-                args = (_dtensor(first._local_tensor.contiguous(), first.device_mesh,
-                                 bridge.from_dtensor_placements(first.placements), shape,
-                                 make_contiguous_strides_for(shape)), *args[1:])
+                args = (dtensor_of(first._local_tensor.contiguous(), first.device_mesh,
+                                   bridge.from_dtensor_placements(first.placements), shape,
+                                   make_contiguous_strides_for(shape)), *args[1:])
                 out = target(*args, **kwargs)
         except Exception as exc:
             raise ApplyError(f"node {node.name} ({node.target}) failed under placements "
@@ -536,14 +524,14 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
                       choices[pid].update_placements, graph.grad_meta(gid)))  # sized as synced
     position = {gid: k for k, gid in enumerate(grad_ids)}
     order = [position[g] for _, g in graph.param_grads if g in position]
-    grad_sync = _GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order,
+    grad_sync = GradSync(grads, [graph[g].layer for g in grad_ids], mesh, order,
                           dtype=getattr(torch, graph.model.precision.reduce), functional=compiled)
 
     examples = _examples([(local_shape(s.shape, s.placements, mesh_shape), s.dtype) for s in slots], mesh.device_type)
     interp.sync = grad_sync if sync_in_step else None
     with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
         step = make_fx(interp.run, tracing_mode="fake")(*examples)
-    _share_repeated_collectives(step)
+    share_repeated_collectives(step)
     _name_placeholders(step, [_slot_name(s) for s in slots])
 
     sync = None
@@ -560,7 +548,7 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
                 and choices[s.node].update is not None and choices[s.node].update != s.placements]
     param_gather = None
     if gathered:
-        gather = _WeightGather([(update, compute, slot, graph[slot.node].layer)
+        gather = WeightGather([(update, compute, slot, graph[slot.node].layer)
                                 for _, update, compute, slot in gathered], mesh)
         param_gather = make_fx(gather, tracing_mode="fake")(
             *_examples([(local_shape(slot.shape, update, mesh_shape), slot.dtype) for _, update, _, slot in gathered],
@@ -579,201 +567,9 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     return program
 
 
-def _share_repeated_collectives(gm: fx.GraphModule) -> None:
-    """Consumers of a collective that repeats an earlier one (same op, same input, same
-    arguments: one per consumer edge, as the ILP prices edges) read the earlier result.
-
-    The repeated collective still runs (it is priced: price = run counts it), but its
-    result has no reader and is freed at once. Otherwise every copy would live until its
-    consumer's backward: a norm output all-reduced for q, k and v saved three identical
-    activations (benchmark Llama dp2xtp2: 12 such copies, 6 MiB per rank at the step's
-    peak). Equal results: the same collective on the same data."""
-    first: dict[tuple, fx.Node] = {}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional.") \
-                or "wait_tensor" in str(node.target):
-            continue
-        key = (node.target, repr(fx.node.map_arg((node.args, node.kwargs), id)))
-        earlier = first.setdefault(key, node)
-        waits = [[u for u in n.users if "wait_tensor" in str(u.target)] for n in (earlier, node)]
-        if earlier is node or any(len(w) != 1 for w in waits) or len(node.users) != 1:
-            continue
-        (wait_earlier,), (wait_here,) = waits
-        if order[wait_earlier] < order[wait_here]:
-            wait_here.replace_all_uses_with(wait_earlier)
-    gm.recompile()
-
-
 def _slot_name(slot: Slot) -> str:
     prefix = {Role.PARAMETER: "p_", Role.BUFFER: "b_"}.get(slot.role, "")
     return prefix + slot.name
-
-
-def _bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple | None:
-    """The key cost_model/table.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
-    from the same DTensor plan): all-reduces over one or more axes, or one reduce-scatter,
-    every other axis unchanged; None for any other reshard."""
-    steps = [(transfer_kind(a, b), axis, logical) for axis, a, b, logical in
-             redistribute_plan(meta.shape, src, dst, mesh_shape) if transfer_kind(a, b) != "local"]
-    kinds = {t[0] for t in steps}
-    if not steps or not (kinds == {"all_reduce"} or (kinds == {"reduce_scatter"} and len(steps) == 1)):
-        return None
-    axes = {t[1] for t in steps}
-    if any(a != b for k, (a, b) in enumerate(zip(src, dst)) if k not in axes):
-        return None
-    ops = tuple(getattr(src[t[1]], "reduce_op", None) for t in steps)
-    if None in ops:
-        return None
-    return (tuple((t[0], t[1], op) for t, op in zip(steps, ops)), meta.dtype)
-
-
-class _WeightGather:
-    """The updated weights from their update placements to their compute placements, once
-    per step (weight-update sharding). Weights gathered on one mesh axis travel per layer
-    in one flat all-gather (autopar/buckets.py gather_group, phase UPDATE_PHASE, as
-    solver/intra_op/solution.py `update_gathers` prices them): the shards packed into one
-    buffer, gathered, each weight concatenated out of the gathered rows. Any other change
-    of placement through DTensor, one by one."""
-
-    def __init__(self, items: list[tuple[Placements, Placements, Slot, int | None]], mesh: DeviceMesh) -> None:
-        from autopar.buckets import UPDATE_PHASE
-
-        self.items = items
-        self.mesh = mesh
-        self.groups: dict[tuple, list[int]] = {}
-        self.alone: list[int] = []
-        for i, (update, compute, slot, layer) in enumerate(items):
-            axis = single_gather_axis(update, compute)
-            if axis is None:
-                self.alone.append(i)
-            else:
-                self.groups.setdefault(gather_group(layer, UPDATE_PHASE, axis, slot.dtype), []).append(i)
-
-    def __call__(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        import torch.distributed._functional_collectives as funcol
-
-        out: dict[int, torch.Tensor] = {}
-        for i in self.alone:
-            update, compute, slot, _ = self.items[i]
-            out[i] = _redistribute(_dtensor(shards[i], self.mesh, update, slot.shape,
-                                            make_contiguous_strides_for(slot.shape)), compute, True)._local_tensor
-        for key, members in self.groups.items():
-            axis = key[2]
-            n = self.mesh.shape[axis]
-            flat = torch.cat([shards[i].reshape(-1) for i in members])
-            rows = funcol.all_gather_single(flat, 0, (self.mesh, axis)).view(n, -1)
-            offset = 0
-            for i in members:
-                update, _, _, _ = self.items[i]
-                local, size = shards[i], shards[i].numel()
-                out[i] = torch.cat([rows[r, offset:offset + size].view(local.shape) for r in range(n)],
-                                   dim=update[axis].dim)
-                offset += size
-        return tuple(out[i] for i in range(len(self.items)))
-
-
-class _GradSync:
-    """Bring raw gradients to their parameters' placements, bucketed: one flat all-reduce
-    or reduce-scatter per bucket (autopar/buckets.py, in `order`: graph order of the
-    gradients, as the pricing takes them; reduce-scatters per layer), other gradients
-    through DTensor one by one.
-
-    Called on all raw gradients, it is the `grad_sync` graph's function; `reduce` syncs one
-    bucket (what the step calls where the bucket's last gradient is computed).
-
-    Each bucket is one flat buffer, filled piece by piece: a raw gradient is copied in and
-    (fx frees a value after its last use; the grad_sync graph is called boxed) freed at
-    once, and the buffer's pages are touched as they are filled, so a bucket's sync holds
-    about one copy of its gradients, not raw + flat + the collective's output: the
-    all-reduce runs in place on the buffer (the functional all_reduce clones its input).
-
-    Buffers are in `dtype`, the precision policy's reduction dtype: a bf16-mixed step's
-    bf16 gradients are cast as they are copied in and reduced in float32 (the bytes the
-    ILP prices for the sync: cost_model/table.py `gradient_sync_scale`).
-
-    `functional`: the functional all-reduce instead of the in-place one, for graphs that
-    Inductor compiles (AOTAutograd cannot functionalise an in-place custom op; Inductor
-    reinplaces the functional one: codegen/inductor.py)."""
-
-    def __init__(self, grads: list[tuple[str, Placements, Placements, Any]], layers: list[int | None],
-                 mesh: DeviceMesh, order: list[int], dtype: torch.dtype = torch.float32,
-                 functional: bool = False) -> None:
-        from autopar.buckets import gradient_bucket_key, plan_buckets
-
-        self.dtype = dtype
-        self.functional = functional
-        self.grads = grads
-        self.mesh = mesh
-        self.mesh_shape = tuple(mesh.shape)
-        self.keys = {i: _bucket_key(grads[i][3], grads[i][1], grads[i][2], self.mesh_shape)
-                     if grads[i][1] != grads[i][2] else None for i in order}
-        sizes = {i: grads[i][3].size_bytes for i in order}  # as the pricing sizes them
-        items = [(gradient_bucket_key(self.keys[i], layers[i]), sizes[i]) for i in order]
-        self.buckets = [[order[k] for k in bucket] for bucket in plan_buckets(items)]
-
-    def __call__(self, *raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            out.update(self.reduce(bucket, {i: raw[i] for i in bucket}))
-        return tuple(out[i] for i in range(len(raw)))
-
-    def _pack(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """One flat buffer in the reduction dtype holding `pieces` in order. Eager: filled
-        piece by piece (each piece freed once copied, the class docstring). Functional
-        (Inductor): one `cat`, a single kernel; the copies into slices of one buffer would
-        be functionalised into a scatter per piece, each rewriting the whole buffer."""
-        if self.functional:
-            return torch.cat([p.reshape(-1).to(self.dtype) for p in pieces])
-        flat = pieces[0].new_empty(sum(p.numel() for p in pieces), dtype=self.dtype)
-        offset = 0
-        for p in pieces:
-            flat[offset:offset + p.numel()].copy_(p.reshape(-1))
-            offset += p.numel()
-        return flat
-
-    def reduce(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{gradient index: synced local gradient} of one bucket, from its raw local ones."""
-        import torch.distributed._functional_collectives as funcol
-
-        mesh, grads, mesh_shape = self.mesh, self.grads, self.mesh_shape
-        out: dict[int, torch.Tensor] = {}
-        key = self.keys[bucket[0]]
-        if key is None:
-            for i in bucket:
-                _, src, dst, meta = grads[i]
-                g = raw[i].to(self.dtype) if raw[i].is_floating_point() else raw[i]
-                out[i] = g if src == dst else _redistribute(
-                    _dtensor(g, mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
-            return out
-        steps, _ = key
-        if steps[0][0] == "all_reduce":
-            shapes = {i: raw[i].shape for i in bucket}
-            flat = self._pack([raw[i] for i in bucket])
-            for _, axis, reduce_op in steps:
-                group = funcol._resolve_group_name((mesh, axis))
-                reduce = torch.ops._c10d_functional.all_reduce if self.functional \
-                    else torch.ops._c10d_functional.all_reduce_
-                flat = torch.ops._c10d_functional.wait_tensor(reduce(flat, reduce_op.lower(), group))
-            offset = 0
-            for i in bucket:
-                n = shapes[i].numel()
-                out[i] = flat[offset:offset + n].view(shapes[i])
-                offset += n
-            return out
-        ((_, axis, reduce_op),) = steps
-        n = mesh_shape[axis]
-        pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
-        local = {i: pieces[i][0].shape for i in bucket}
-        stride = sum(local[i].numel() for i in bucket)  # one rank's share of the bucket
-        flat = self._pack([pieces[i][r] for r in range(n) for i in bucket])  # rank r's share at r * stride
-        reduced = funcol.reduce_scatter_single(flat, reduce_op, 0, (mesh, axis))
-        offset = 0
-        for i in bucket:
-            size = local[i].numel()
-            out[i] = reduced[offset:offset + size].view(local[i])
-            offset += size
-        return out
 
 
 def _source(program: RankGraphs) -> str:
@@ -794,43 +590,3 @@ def _source(program: RankGraphs) -> str:
     return "\n".join(header) + "\n" + program.step.code + sync
 
 
-_SHARD_DIM_ALLTOALL = torch.ops._dtensor.shard_dim_alltoall.default
-"""The op DTensor's redistribute records for an all-to-all on a non-CPU mesh."""
-
-
-def count_collectives(gm: fx.GraphModule, where: Any = None) -> dict[tuple[str, str], list[int]]:
-    """{(kind, process group name): [bytes per call, ...]} over a per-rank graph, bytes as
-    cost_model/table.py `Collective` defines them (all_gather: gathered output); `where(node)`,
-    if given, picks the collective nodes counted."""
-    out: dict[tuple[str, str], list[int]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is _SHARD_DIM_ALLTOALL:
-            # DTensor's Shard(i) -> Shard(j) on a non-CPU mesh: one all-to-all of the local
-            # shard (a CPU mesh all-gathers instead, a _c10d_functional node)
-            if where is None or where(node):
-                source = node.args[0].meta.get("val")
-                out.setdefault(("all_to_all", str(node.args[-1])), []).append(
-                    int(source.numel() * source.element_size()))
-            continue
-        if not str(node.target).startswith("_c10d_functional."):
-            continue
-        if where is not None and not where(node):
-            continue
-        kind = str(node.target).split(".")[1]
-        if kind == "wait_tensor":
-            continue
-        value = node.meta.get("val")
-        source = node.args[0].meta.get("val")
-        if kind.startswith("all_gather"):
-            kind, nbytes = "all_gather", value.numel() * value.element_size()
-        elif kind.startswith("reduce_scatter"):
-            kind, nbytes = "reduce_scatter", source.numel() * source.element_size()
-        elif kind.startswith("all_reduce"):
-            kind, nbytes = "all_reduce", source.numel() * source.element_size()
-        else:
-            nbytes = source.numel() * source.element_size()
-        group = node.args[-1]
-        out.setdefault((kind, str(group)), []).append(int(nbytes))
-    return out

@@ -9,7 +9,7 @@ the graph (`torch._inductor.compile_fx.compile_fx`: AOTAutograd's functionalisat
 decompositions, then Inductor's fusion and its C++ (CPU) or Triton (GPU) kernels).
 Collectives stay functional collectives in the compiled code, so Inductor schedules
 them and reuses their buffers (its reinplacing pass turns the functional all-reduce
-into the in-place one; `_GradSync(functional=True)` emits the functional form, since
+into the in-place one; codegen/collectives.py `GradSync(functional=True)` emits the functional form, since
 AOTAutograd cannot functionalise the in-place custom op the eager program uses).
 
 The graph is compiled at its first call, on that call's tensors (their strides and

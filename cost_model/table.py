@@ -208,7 +208,7 @@ def pipeline_call_time_s(cluster: Cluster, efficiency: Efficiency | None = None)
 
 def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     """A bucketed gradient sync copies each raw local gradient into one flat buffer before
-    the collective (codegen/apply.py `_GradSync.reduce`: read it, write the buffer; the
+    the collective (codegen/collectives.py `GradSync.reduce`: read it, write the buffer; the
     all-reduce then runs in place and the synced gradients are views of the buffer):
     2 bytes of memory traffic per gradient byte at achievable bandwidth, ranks sharing
     cores (`core_share`). Measured on the CPU sweep's large model (dp4, 4 ranks on 2

@@ -1,6 +1,8 @@
 """`autopar explain plan.json`: what the plan chose per stage and layer group, and why.
 
 Reads the plan file only (no tracing, no re-solving): a plan is explainable from itself.
+For the zoo's mixtures of experts it adds how tokens are routed (the capacity policy,
+autopar/models/moe.py) and where the routed experts run, read off the plan's placements.
 """
 
 from __future__ import annotations
@@ -8,7 +10,59 @@ from __future__ import annotations
 import argparse
 import json
 
+from autopar.explain import placement_axes
 from autopar.plan import Plan
+from autopar.sharding import UPDATE_SEPARATOR
+
+
+def routing_lines(plan: Plan) -> list[str]:
+    """For a plan of the zoo's mixture of experts: its capacity policy and where its routed
+    experts `[E, d, f]` run; [] for any other model.
+
+    Capacity (GShard, Lepikhin et al. 2020, arXiv 2006.16668): each expert takes at most
+    C = ceil(capacity_factor * s * k / E) of a group's s tokens' k choices; a choice past
+    it is dropped and the residual carries the token (Switch Transformer, Fedus et al.
+    2021, arXiv 2101.03961, section 2.2). Where the experts run: the compute placement
+    the ILP gave the routed experts' weights (`moe.w1`, `moe.w3`, `moe.w2`)."""
+    from autopar.models import resolve
+    from autopar.models.moe import MoEConfig, capacity
+
+    try:
+        config = resolve(plan.model).config
+    except (ValueError, ImportError):  # a Hugging Face or user model: its routing is its own
+        return []
+    if not isinstance(config, MoEConfig):
+        return []
+    group = min(config.group_tokens or plan.seq, plan.seq)
+    slots = capacity(group, config.top_k, config.experts, config.capacity_factor)
+    lines = [f"mixture of experts: {config.experts} routed experts per layer, top-{config.top_k}, "
+             f"{config.shared_experts} shared; capacity factor {config.capacity_factor:g}: at most {slots} of a group's "
+             f"{group} tokens' {config.top_k * group} choices per expert (ceil({config.capacity_factor:g} x {group} x "
+             f"{config.top_k} / {config.experts})), a choice past its expert's capacity is dropped and the "
+             "residual connection carries the token"]
+    info = plan.intra_op_info
+    experts = [(name, placement) for name, placement in (info.parameters if info else ())
+               if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".moe." in f".{name}"]
+    if not experts:
+        lines.append("  routed experts: placements per stage are not summarised here (see the per-stage placements)")
+        return lines
+    name, placement = experts[0]
+    compute = placement.partition(UPDATE_SEPARATOR)[0]
+    split = [axis for axis, p in zip(("dp", "tp"), placement_axes(compute)) if p == "S(0)"]
+    if split:
+        ways = 1
+        for axis in split:
+            ways *= {"dp": plan.config.dp, "tp": plan.config.tp}[axis]
+        lines.append(f"  routed experts: split {ways} ways on E over {' and '.join(split)} ({name}: {placement}); "
+                     "tokens travel to their experts' ranks and back as the placements change (all-to-all on "
+                     "GPU meshes, all-gather and chunk on CPU meshes), priced and run")
+    else:
+        lines.append(f"  routed experts: not split on E ({name}: {placement}). Tokens can reach an expert's rank "
+                     "only over tp: a data-parallel axis moves no activations between its ranks (each keeps its "
+                     f"own rows), and this plan has tp={plan.config.tp}"
+                     + ("; the search found no plan with tp > 1 faster (its runners-up are above)"
+                        if plan.config.tp == 1 else "; the ILP priced them whole over tp cheaper here"))
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
         plot_plan(plan, args.plot)
     if args.json:
-        print(json.dumps({"plan": plan.to_json(), "explanation": plan.explain().splitlines()}, indent=2,
-                         sort_keys=True))
+        print(json.dumps({"plan": plan.to_json(), "explanation": plan.explain().splitlines() + routing_lines(plan)},
+                         indent=2, sort_keys=True))
     else:
-        print(plan.explain())
+        print("\n".join([plan.explain(), *routing_lines(plan)]))
     return 0

@@ -445,7 +445,7 @@ def release_build_memory(*modules: fx.GraphModule | None) -> None:
     The per-rank graphs carry, on every node, the fake value and shape metadata make_fx
     recorded (about 2,700 fake tensors for the benchmark Llama); running needs none of
     it. Read afterwards, and kept: the values of collective nodes and their inputs
-    (codegen/apply.py `count_collectives`: price = run) and the collectives' "custom" tags
+    (codegen/collectives.py `count_collectives`: price = run) and the collectives' "custom" tags
     (a pipeline chunk's boundary reshards, which its ILP does not price, are told apart by
     them: pipe_spmd `collectives_per_step`). FakeTensorMode's class-wide dispatch cache keeps an
     entry per traced op signature. Then collect: on the benchmark Llama (zero3 dp4) the

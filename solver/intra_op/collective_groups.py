@@ -64,9 +64,9 @@ def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any, share: float)
     """(time, collectives) of bringing a parameter's updated weights from its update
     placement back to its compute placement, once per step ((0, []) where they are the
     same; None where DTensor cannot). A gather on one axis travels in its layer's group
-    (one flat all-gather, codegen/apply.py `_WeightGather`): its bandwidth term, copies and
-    `share` of the group's latency (the ILP passes 0 and charges the group's latency once,
-    solver/intra_op/gather_rows.py)."""
+    (one flat all-gather, codegen/collectives.py `WeightGather`): its bandwidth term, copies
+    and `share` of the group's latency (the ILP passes 0 and charges the group's latency
+    once, solver/intra_op/gather_rows.py)."""
     if strategy.update is None or strategy.update == strategy.outputs[0]:
         return 0.0, []
     steps = pricer.collectives(meta, strategy.update, strategy.outputs[0])

@@ -38,10 +38,10 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
                    parts: dict[tuple[NodeId, str, int], float]) -> list[PricedCollective]:
     """The gathers of updated weights the chosen placements imply, once per step (charged to
     each parameter's `reshard`, weighted like the gradient sync): one flat all-gather per
-    (layer, axis, dtype) group of single-axis gathers, as codegen/apply.py `_WeightGather`
-    runs them, each member paying its bytes' share of that group's one latency
-    (`grouped_gathers`); any other gather on its own. A traced layer's group stands for
-    `weight` real layers' groups. `parts` gets the charge split by kind (`_charge`)."""
+    (layer, axis, dtype) group of single-axis gathers, as codegen/collectives.py
+    `WeightGather` runs them, each member paying its bytes' share of that group's one
+    latency (`grouped_gathers`); any other gather on its own. A traced layer's group stands
+    for `weight` real layers' groups. `parts` gets the charge split by kind (`_charge`)."""
     groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]] = {}
     out: list[PricedCollective] = []
     for n in red.active:

@@ -27,7 +27,6 @@ MAX_FUNCTION_LINES = 80
 # a new file or function pass: split it.
 KNOWN_LONG_FILES: dict[str, str] = {
     "autopar/trace.py": "capture, lowering and the HF patches in one module; being split",
-    "codegen/apply.py": "plan application, collectives and the per-rank graphs' source in one module; being split",
 }
 KNOWN_LONG_FUNCTIONS: dict[tuple[str, str], str] = {
     ("autopar/trace.py", "lower"): "FX graph to Graph in one pass; being split",

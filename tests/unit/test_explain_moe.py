@@ -1,0 +1,52 @@
+"""`autopar explain` on the zoo's mixture of experts: the capacity policy and where the
+routed experts run, read off the plan (autopar/commands/explain.py `routing_lines`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from autopar.commands.explain import routing_lines
+from autopar.config import ParallelConfig
+from autopar.models import resolve
+from autopar.models.moe import capacity
+from autopar.sharding import UPDATE_SEPARATOR
+
+EXPERTS = ("layers.*.moe.w1", "layers.*.moe.w3", "layers.*.moe.w2")
+
+
+def _plan(model: str, config: ParallelConfig, expert_placement: str, seq: int = 32) -> SimpleNamespace:
+    """What routing_lines reads of a Plan: its model, seq, config and per-parameter placements."""
+    parameters = (("layers.*.attention.wq.weight", "(R, R)"),
+                  *((name, expert_placement) for name in EXPERTS), ("layers.*.moe.gate.weight", "(R, R)"))
+    return SimpleNamespace(model=model, seq=seq, config=config,
+                           intra_op_info=SimpleNamespace(parameters=parameters))
+
+
+def test_capacity_is_gshards_formula_for_the_plans_sequence():
+    cfg = resolve("moe-tiny").config
+    for seq in (32, 16):
+        (line, _) = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(R, R)", seq=seq))
+        slots = capacity(min(cfg.group_tokens or seq, seq), cfg.top_k, cfg.experts, cfg.capacity_factor)
+        assert f"at most {slots} of a group's {seq} tokens' {cfg.top_k * seq} choices per expert" in line
+        assert f"{cfg.experts} routed experts" in line and "dropped" in line
+
+
+def test_experts_split_over_tp_are_named_with_their_ways():
+    lines = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), "(R, S(0))"))
+    assert "split 2 ways on E over tp" in lines[1], lines
+    both = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), "(S(0), S(0))"))
+    assert "split 4 ways on E over dp and tp" in both[1], both
+    # the compute placement counts, not where the update is sharded (ZeRO-1)
+    zero1 = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), f"(R, R){UPDATE_SEPARATOR}(S(0), R)"))
+    assert "not split on E" in zero1[1], zero1
+
+
+def test_whole_experts_say_why():
+    lines = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(R, R)"))
+    assert "not split on E" in lines[1] and "data-parallel axis moves no activations" in lines[1]
+    assert "tp=1" in lines[1]
+
+
+def test_dense_and_user_models_get_no_routing_lines():
+    assert routing_lines(_plan("gpt-tiny", ParallelConfig(dp=4), "(R, R)")) == []
+    assert routing_lines(_plan("not-a-model-anyone-has", ParallelConfig(dp=4), "(R, R)")) == []
