@@ -7,8 +7,9 @@ solution is priced the same way (solver/intra_op/solution.py `grouped_gathers`).
 
 Terms: a gather group g = (layer, phase, axis, dtype) (autopar/buckets.py `gather_group`)
 is the one flat all-gather the program runs (codegen/apply.py `_gather_groups`,
-codegen/collectives.py `WeightGather`) whenever at least one of its member edges gathers a parameter-derived
-tensor on that axis (autopar/placement.py `single_gather_axis`). Which edges do depends
+codegen/collectives.py `WeightGather`) whenever at least one of its member edges
+gathers a parameter-derived tensor on that axis (autopar/placement.py
+`single_gather_axis`). Which edges do depends
 on the placements, so the membership is not known before the solve; the latency is
 charged through an indicator instead of a per-member share.
 
