@@ -17,6 +17,7 @@ The optimizer is not traced: its memory and time are priced per parameter downst
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import logging
 import re
@@ -230,13 +231,35 @@ def trace(
     _drop_empty_concat_inputs(gm)
     _drop_value_checks(gm)
     if recompute != "none":
-        from autopar.recompute import apply_recompute
-
-        copied = apply_recompute(gm, recompute, layer_prefix)
-        log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
+        _rewrite_recompute(gm, recompute, layer_prefix)
     elapsed = time.perf_counter() - start
     log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
     return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed, tied=tied)
+
+
+def _rewrite_recompute(gm: fx.GraphModule, recompute: str, layer_prefix: str) -> None:
+    from autopar.recompute import apply_recompute
+
+    copied = apply_recompute(gm, recompute, layer_prefix)
+    log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
+
+
+def recompute_copy(traced: Traced, recompute: str) -> Traced:
+    """`traced` (captured with recompute "none") rewritten for `recompute` on a copy of its
+    graph: what `trace(..., recompute=recompute)` returns for the same model and inputs,
+    without capturing the joint graph again. The rewrite (autopar/recompute.py) reads only
+    the captured graph, its nodes' meta and the layer prefix, and the copy keeps every
+    node's name, order and meta (`fx.Graph.__deepcopy__`; the meta dicts are copied, their
+    fake-tensor values shared and never written), so the rewritten copy is node for node
+    the rewritten capture. A search that prices several policies at one batch captures
+    once (the capture is most of a trace's time: aot_export_joint_with_descriptors)."""
+    if recompute == "none":
+        return traced
+    start = time.perf_counter()
+    gm = fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph))
+    _rewrite_recompute(gm, recompute, traced.layer_prefix)
+    return Traced(gm=gm, layer_prefix=traced.layer_prefix, num_layers=traced.num_layers,
+                  trace_time_s=traced.trace_time_s + time.perf_counter() - start, tied=traced.tied)
 
 
 def _drop_empty_concat_inputs(gm: fx.GraphModule) -> None:
@@ -420,12 +443,15 @@ def trace_model(
     dtype: str = "float32",
     layers_traced: int | None = None,
     recompute: str = "none",
+    captured: dict[tuple[int, str, int], Traced] | None = None,
 ) -> Graph:
     """Trace a zoo model on fake tensors and lower it.
 
     `layers_traced` traces only that many layers and scales the layer group to the real
     depth (costs of a uniform model are per-layer sums, so this is exact for them).
     `recompute` rewrites the step for that policy, as the runtime traces it.
+    `captured`: the caller's memo of the policy-free captures by (batch, dtype, depth);
+    each policy is rewritten on a copy of the memoised capture (`recompute_copy`).
     """
     if source.config is None:
         assert source.factory is not None
@@ -441,13 +467,19 @@ def trace_model(
     depth = cfg.layers if layers_traced is None else max(1, min(layers_traced, cfg.layers))
     from autopar.precision import cast_parameters
 
-    with FakeTensorMode():
-        # built as the ranks build it (float32), then its parameters cast to `dtype`, as the
-        # runtime casts them (`cast_parameters`): the same traced step, node for node
-        model = source.build(layers=depth)
-        cast_parameters(model, dtype)
-        tokens, labels = source.example_inputs(batch)
-    traced = trace(model, (tokens, labels), recompute=recompute)
+    key = (batch, dtype, depth)
+    if captured is None or key not in captured:
+        with FakeTensorMode():
+            # built as the ranks build it (float32), then its parameters cast to `dtype`, as the
+            # runtime casts them (`cast_parameters`): the same traced step, node for node
+            model = source.build(layers=depth)
+            cast_parameters(model, dtype)
+            tokens, labels = source.example_inputs(batch)
+        if captured is None:
+            traced = trace(model, (tokens, labels), recompute=recompute)
+            return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
+        captured[key] = trace(model, (tokens, labels))
+    traced = recompute_copy(captured[key], recompute)
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
 
 
