@@ -22,6 +22,7 @@ import hashlib
 import logging
 import re
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -256,7 +257,11 @@ def recompute_copy(traced: Traced, recompute: str) -> Traced:
     if recompute == "none":
         return traced
     start = time.perf_counter()
-    gm = fx.GraphModule(traced.gm, copy.deepcopy(traced.gm.graph))
+    with warnings.catch_warnings():
+        # torch's own deepcopy of the graph's pytree codegen trips its LeafSpec deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(traced.gm.graph)
+    gm = fx.GraphModule(traced.gm, graph)
     _rewrite_recompute(gm, recompute, traced.layer_prefix)
     return Traced(gm=gm, layer_prefix=traced.layer_prefix, num_layers=traced.num_layers,
                   trace_time_s=traced.trace_time_s + time.perf_counter() - start, tied=traced.tied)
