@@ -88,9 +88,15 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
                      for i, options in enumerate(space.strategies)))
         if key in memo:
             return _replay(memo[key][0], space)
+    reshards = None
+    if memo is not None:  # its answers are pure in (shape, dtype, layouts): shared by the search's passes
+        reshards = memo.get(("reshards", space.mesh_shape, gather_free_axes, gloo))
+    if reshards is None:
+        reshards = _GatherFreeReshards(space.mesh_shape, gather_free_axes, gloo=gloo)
+        if memo is not None:
+            memo[("reshards", space.mesh_shape, gather_free_axes, gloo)] = reshards
     try:
-        kept = _surviving_strategies(graph, space, derived, _GatherFreeReshards(space.mesh_shape, gather_free_axes,
-                                                                               gloo=gloo))
+        kept = _surviving_strategies(graph, space, derived, reshards)
     except InfeasiblePlanError as blocked:
         if key is not None:
             memo[key] = (blocked, space.strategies)  # the lists stay alive: their ids key the memo
@@ -122,13 +128,28 @@ def _replay(kept: list[list[int] | None] | InfeasiblePlanError | None, space: St
 class _GatherFreeReshards:
     """Which reshards keep activations split on the gather-free axes: a memo of DTensor's
     planner by (shape, dtype, source, destination), with placements interned as ints
-    (hashing placement objects dominated the pass)."""
+    (hashing placement objects dominated the pass). Its answers depend on the mesh, the
+    axes and the backend only, so one search shares it between its passes on one mesh
+    (prune_gather_free's `memo`), and a strategy list's interned layouts are kept by the
+    list's identity (`layouts_of`: layer twins and the solves of one space share lists)."""
 
     def __init__(self, mesh: tuple[int, ...], gather_free_axes: tuple[int, ...], *, gloo: bool) -> None:
         self.mesh, self.gather_free_axes, self.gloo = mesh, gather_free_axes, gloo
         self.ids: dict[Placements, int] = {}
         self.layouts: list[Placements] = []
         self.compatible: dict[tuple, bool] = {}
+        self.by_list: dict[int, tuple[tuple, list, list]] = {}
+        """id(strategy list) -> (the list, kept alive so its id stays its own; per strategy
+        its interned output layouts; its interned input layouts)."""
+
+    def layouts_of(self, options: tuple) -> tuple[list, list]:
+        """(per strategy, its outputs' layout ids; per strategy, its inputs' layout ids)."""
+        found = self.by_list.get(id(options))
+        if found is None:
+            found = self.by_list[id(options)] = (
+                options, [tuple(self.intern(o) for o in st.outputs) for st in options],
+                [tuple(self.intern(x) for x in st.inputs) for st in options])
+        return found[1], found[2]
 
     def intern(self, pl: Placements) -> int:
         i = self.ids.get(pl)
@@ -183,8 +204,9 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
     dropping a strategy whose input no remaining producer strategy reaches (prune_gather_free).
     Raises the InfeasiblePlanError of a node left with none."""
     twins = _layer_twins(graph)
-    out_ids = [[tuple(reshards.intern(o) for o in st.outputs) for st in options] for options in space.strategies]
-    in_ids = [[tuple(reshards.intern(x) for x in st.inputs) for st in options] for options in space.strategies]
+    ids = [reshards.layouts_of(options) for options in space.strategies]
+    out_ids = [o for o, _ in ids]
+    in_ids = [i for _, i in ids]
     edges = _activation_edges(graph, derived)
     kept: list[list[int]] = [list(range(len(options))) for options in space.strategies]
     changed = True
