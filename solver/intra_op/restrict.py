@@ -87,7 +87,7 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
                tuple(0 if i in derived else options if graph[i].op == "placeholder" else id(options)
                      for i, options in enumerate(space.strategies)))
         if key in memo:
-            return _replay(memo[key][0], space)
+            return _replay(memo[key][0], space, memo)
     reshards = None
     if memo is not None:  # its answers are pure in (shape, dtype, layouts): shared by the search's passes
         reshards = memo.get(("reshards", space.mesh_shape, gather_free_axes, gloo))
@@ -107,20 +107,32 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
         return space
     if key is not None:  # derived nodes keep the caller's lists (the pass never reads or changes them)
         memo[key] = ([None if i in derived else k for i, k in enumerate(kept)], space.strategies)
+        return _replay(memo[key][0], space, memo)
     return StrategySpace(mesh_shape=space.mesh_shape, strategies=tuple(tuple(options[j] for j in k)
                                                                        for k, options in zip(kept, space.strategies)),
                          fallback_ops=space.fallback_ops, follows=space.follows)
 
 
-def _replay(kept: list[list[int] | None] | InfeasiblePlanError | None, space: StrategySpace) -> StrategySpace:
+def _replay(kept: list[list[int] | None] | InfeasiblePlanError | None, space: StrategySpace,
+            memo: dict) -> StrategySpace:
     """A memoised pass applied to `space`: its error raised again, `space` itself where it
-    pruned nothing, else the strategies it kept (None: the node's list unchanged)."""
+    pruned nothing, else the strategies it kept (None: the node's list unchanged). A kept
+    sublist is built once per (list, indices) and then shared (`memo`), so the solves that
+    replay one pass see the same list objects, which later per-list memos key by identity
+    (cost_model/table.py cost_table's `memo`)."""
     if isinstance(kept, InfeasiblePlanError):
         raise InfeasiblePlanError(str(kept))
     if kept is None:
         return space
+
+    def sublist(options: tuple, k: list[int]) -> tuple:
+        key = ("kept", id(options), tuple(k))
+        if key not in memo:  # the list is kept alive beside its sublist: its id stays its own
+            memo[key] = (options, tuple(options[j] for j in k))
+        return memo[key][1]
+
     return StrategySpace(mesh_shape=space.mesh_shape, strategies=tuple(
-        options if k is None else tuple(options[j] for j in k)
+        options if k is None else sublist(options, k)
         for k, options in zip(kept, space.strategies)), fallback_ops=space.fallback_ops,
         follows=space.follows)
 
