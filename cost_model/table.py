@@ -299,7 +299,11 @@ class ReshardPricer:
     """Resharding time (None where DTensor cannot reshard) with a per-solve memo: many
     edges share shapes and placements."""
 
-    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False, copy_s_per_byte: float = 0.0) -> None:
+    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False, copy_s_per_byte: float = 0.0,
+                 memo: dict | None = None) -> None:
+        """`memo`: the reshard memo of earlier pricers with the same `links` and `gloo` (a
+        search's solves on one submesh share it): a reshard's collectives and time are
+        pure in (tensor shape, strides, dtype, layouts) given those."""
         self.links = links
         self.mesh_shape = tuple(link.size for link in links)
         self.gloo = gloo
@@ -308,7 +312,7 @@ class ReshardPricer:
         gradient sync (each raw gradient into its bucket's flat buffer) and every grouped
         parameter gather (each shard into the group's flat buffer, each gathered parameter
         out of the gathered rows: `gather_time`)."""
-        self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {}
+        self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {} if memo is None else memo
 
     def collectives(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[Collective, ...] | None:
         found = self._lookup(meta, src, dst)
