@@ -150,6 +150,7 @@ class _GatherFreeReshards:
         self.ids: dict[Placements, int] = {}
         self.layouts: list[Placements] = []
         self.compatible: dict[tuple, bool] = {}
+        self.reach: dict[tuple, frozenset[int]] = {}
         self.by_list: dict[int, tuple[tuple, list, list]] = {}
         """id(strategy list) -> (the list, kept alive so its id stays its own; per strategy
         its interned output layouts; its interned input layouts)."""
@@ -169,6 +170,15 @@ class _GatherFreeReshards:
             i = self.ids[pl] = len(self.layouts)
             self.layouts.append(pl)
         return i
+
+    def reachable(self, meta: Any, produced: frozenset[int], need: frozenset[int]) -> frozenset[int]:
+        """The layouts of `need` that some layout of `produced` reshards to (`ok`), memoised:
+        layer twins and the fixed point's later sweeps ask again."""
+        key = (meta.shape, meta.dtype, produced, need)
+        found = self.reach.get(key)
+        if found is None:
+            found = self.reach[key] = frozenset(d for d in need if any(self.ok(meta, s, d) for s in produced))
+        return found
 
     def ok(self, meta: Any, src: int, dst: int) -> bool:
         if src == dst:
@@ -228,11 +238,10 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
             v = node.id
             alive = kept[v]
             for p, u, idx, reshard in edges[v]:
-                produced = {out_ids[u][i][idx] for i in kept[u]}
-                need = {in_ids[v][j][p] for j in alive}
+                produced = frozenset(out_ids[u][i][idx] for i in kept[u])
+                need = frozenset(in_ids[v][j][p] for j in alive)
                 if reshard:
-                    meta = graph[u].output
-                    reachable = {d for d in need if any(reshards.ok(meta, s, d) for s in produced)}
+                    reachable = reshards.reachable(graph[u].output, produced, need)
                 else:
                     reachable = need & produced
                 if len(reachable) != len(need):
