@@ -17,12 +17,10 @@ The optimizer is not traced: its memory and time are priced per parameter downst
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import logging
 import re
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -232,39 +230,13 @@ def trace(
     _drop_empty_concat_inputs(gm)
     _drop_value_checks(gm)
     if recompute != "none":
-        _rewrite_recompute(gm, recompute, layer_prefix)
+        from autopar.recompute import apply_recompute
+
+        copied = apply_recompute(gm, recompute, layer_prefix)
+        log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
     elapsed = time.perf_counter() - start
     log.info("traced %s: %d FX nodes in %.2f s", type(model).__name__, len(gm.graph.nodes), elapsed)
     return Traced(gm=gm, layer_prefix=layer_prefix, num_layers=num_layers, trace_time_s=elapsed, tied=tied)
-
-
-def _rewrite_recompute(gm: fx.GraphModule, recompute: str, layer_prefix: str) -> None:
-    from autopar.recompute import apply_recompute
-
-    copied = apply_recompute(gm, recompute, layer_prefix)
-    log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
-
-
-def recompute_copy(traced: Traced, recompute: str) -> Traced:
-    """`traced` (captured with recompute "none") rewritten for `recompute` on a copy of its
-    graph: what `trace(..., recompute=recompute)` returns for the same model and inputs,
-    without capturing the joint graph again. The rewrite (autopar/recompute.py) reads only
-    the captured graph, its nodes' meta and the layer prefix, and the copy keeps every
-    node's name, order and meta (`fx.Graph.__deepcopy__`; the meta dicts are copied, their
-    fake-tensor values shared and never written), so the rewritten copy is node for node
-    the rewritten capture. A search that prices several policies at one batch captures
-    once (the capture is most of a trace's time: aot_export_joint_with_descriptors)."""
-    if recompute == "none":
-        return traced
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        # torch's own deepcopy of the graph's pytree codegen trips its LeafSpec deprecation
-        warnings.simplefilter("ignore", FutureWarning)
-        graph = copy.deepcopy(traced.gm.graph)
-    gm = fx.GraphModule(traced.gm, graph)
-    _rewrite_recompute(gm, recompute, traced.layer_prefix)
-    return Traced(gm=gm, layer_prefix=traced.layer_prefix, num_layers=traced.num_layers,
-                  trace_time_s=traced.trace_time_s + time.perf_counter() - start, tied=traced.tied)
 
 
 def _drop_empty_concat_inputs(gm: fx.GraphModule) -> None:
@@ -456,7 +428,8 @@ def trace_model(
     depth (costs of a uniform model are per-layer sums, so this is exact for them).
     `recompute` rewrites the step for that policy, as the runtime traces it.
     `captured`: the caller's memo of the policy-free captures by (batch, dtype, depth);
-    each policy is rewritten on a copy of the memoised capture (`recompute_copy`).
+    each policy is rewritten on a copy of the memoised capture
+    (autopar/recompute.py `recompute_copy`).
     """
     if source.config is None:
         assert source.factory is not None
@@ -484,6 +457,8 @@ def trace_model(
             traced = trace(model, (tokens, labels), recompute=recompute)
             return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
         captured[key] = trace(model, (tokens, labels))
+    from autopar.recompute import recompute_copy
+
     traced = recompute_copy(captured[key], recompute)
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
 
