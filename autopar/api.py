@@ -185,13 +185,16 @@ def _zoo_tracer(model: str, seq: int | None, source: Any, policy: Any, compiled:
     """`trace_at(rows, recompute)` of the search for a zoo model: LAYERS_TRACED layers traced
     on fake tensors in the policy's compute dtype, kept in _ZOO_TRACES (at most
     MAX_ZOO_TRACES, the oldest dropped first)."""
+    captured: dict = {}  # this search's policy-free captures: each policy is a rewrite of one
+
     def trace_at(rows: int, recompute: str = "none") -> Any:
         key = (model, seq, rows, policy, recompute)
         if key not in _ZOO_TRACES:
             while len(_ZOO_TRACES) >= MAX_ZOO_TRACES:
                 _ZOO_TRACES.pop(next(iter(_ZOO_TRACES)))
             _ZOO_TRACES[key] = with_precision(trace_model(source, batch=rows, dtype=policy.compute,
-                                                          layers_traced=LAYERS_TRACED, recompute=recompute),
+                                                          layers_traced=LAYERS_TRACED, recompute=recompute,
+                                                          captured=captured),
                                               policy)
         return replace(_ZOO_TRACES[key], compiled=True) if compiled else _ZOO_TRACES[key]
 

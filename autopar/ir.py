@@ -259,6 +259,7 @@ class Graph:
     codegen/inductor.py): every price of its ops reads this (cost_model/table.py)."""
     _users: tuple[tuple[NodeId, ...], ...] = field(default=(), repr=False, compare=False)
     _weights: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    _derived: frozenset[NodeId] = field(default=frozenset(), repr=False, compare=False)
 
     def grad_meta(self, grad: NodeId) -> TensorMeta:
         """Gradient node `grad`'s tensor as it is accumulated over microbatches and synced:
@@ -274,13 +275,9 @@ class Graph:
     def parameter_derived(self) -> frozenset[NodeId]:
         """Nodes computed from parameters alone (a weight, its transpose, a cast of it): on a
         data-parallel axis these may be gathered (ZeRO), activations may not; their gathers
-        travel in groups (autopar/buckets.py gather_group)."""
-        derived: set[NodeId] = set()
-        for node in self.nodes:
-            if node.role is Role.PARAMETER or (node.inputs and node.op != "placeholder"
-                                               and all(i in derived for i in node.inputs)):
-                derived.add(node.id)
-        return frozenset(derived)
+        travel in groups (autopar/buckets.py gather_group). Computed once per graph (the
+        search's solves read it several times each)."""
+        return self._derived
 
     def __post_init__(self) -> None:
         for i, node in enumerate(self.nodes):
@@ -296,6 +293,12 @@ class Graph:
                 for nid in layer_nodes:
                     weights[nid] = group.scale
         object.__setattr__(self, "_weights", tuple(weights))
+        derived: set[NodeId] = set()
+        for node in self.nodes:
+            if node.role is Role.PARAMETER or (node.inputs and node.op != "placeholder"
+                                               and all(i in derived for i in node.inputs)):
+                derived.add(node.id)
+        object.__setattr__(self, "_derived", frozenset(derived))
 
     def __len__(self) -> int:
         return len(self.nodes)

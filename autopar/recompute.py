@@ -26,14 +26,21 @@ Random ops (dropout masks) are never recomputed: a new draw would differ.
 
 from __future__ import annotations
 
+import copy
+import logging
 import operator
 import re
+import time
+import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import fx
 
 from autopar.ir import ATTENTION_FWD_OPS, GEMM_OPS
+
+log = logging.getLogger(__name__)
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
@@ -133,3 +140,25 @@ def apply_recompute(gm: fx.GraphModule, policy: str, layer_prefix: str) -> int:
 
 
 __all__ = ["RECOMPUTE_POLICIES", "apply_recompute"]
+
+
+def recompute_copy(traced: Any, policy: str) -> Any:
+    """`traced` (an autopar.trace.Traced captured with recompute "none") rewritten for
+    `policy` on a copy of its graph: what `trace(..., recompute=policy)` returns for the same
+    model and inputs, without capturing the joint graph again. The rewrite (`apply_recompute`)
+    reads only the captured graph, its nodes' meta and the layer prefix, and the copy keeps
+    every node's name, order and meta (`fx.Graph.__deepcopy__`; the meta dicts are copied,
+    their fake-tensor values shared and never written), so the rewritten copy is node for
+    node the rewritten capture. A search that prices several policies at one batch captures
+    once (the capture is most of a trace's time: aot_export_joint_with_descriptors)."""
+    if policy == "none":
+        return traced
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        # torch's own deepcopy of the graph's pytree codegen trips its LeafSpec deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(traced.gm.graph)
+    gm = fx.GraphModule(traced.gm, graph)
+    copied = apply_recompute(gm, policy, traced.layer_prefix)
+    log.info("recompute %s: %d forward ops recomputed in backward", policy, copied)
+    return replace(traced, gm=gm, trace_time_s=traced.trace_time_s + time.perf_counter() - start)

@@ -420,12 +420,16 @@ def trace_model(
     dtype: str = "float32",
     layers_traced: int | None = None,
     recompute: str = "none",
+    captured: dict[tuple[int, str, int], Traced] | None = None,
 ) -> Graph:
     """Trace a zoo model on fake tensors and lower it.
 
     `layers_traced` traces only that many layers and scales the layer group to the real
     depth (costs of a uniform model are per-layer sums, so this is exact for them).
     `recompute` rewrites the step for that policy, as the runtime traces it.
+    `captured`: the caller's memo of the policy-free captures by (batch, dtype, depth);
+    each policy is rewritten on a copy of the memoised capture
+    (autopar/recompute.py `recompute_copy`).
     """
     if source.config is None:
         assert source.factory is not None
@@ -441,13 +445,21 @@ def trace_model(
     depth = cfg.layers if layers_traced is None else max(1, min(layers_traced, cfg.layers))
     from autopar.precision import cast_parameters
 
-    with FakeTensorMode():
-        # built as the ranks build it (float32), then its parameters cast to `dtype`, as the
-        # runtime casts them (`cast_parameters`): the same traced step, node for node
-        model = source.build(layers=depth)
-        cast_parameters(model, dtype)
-        tokens, labels = source.example_inputs(batch)
-    traced = trace(model, (tokens, labels), recompute=recompute)
+    key = (batch, dtype, depth)
+    if captured is None or key not in captured:
+        with FakeTensorMode():
+            # built as the ranks build it (float32), then its parameters cast to `dtype`, as the
+            # runtime casts them (`cast_parameters`): the same traced step, node for node
+            model = source.build(layers=depth)
+            cast_parameters(model, dtype)
+            tokens, labels = source.example_inputs(batch)
+        if captured is None:
+            traced = trace(model, (tokens, labels), recompute=recompute)
+            return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
+        captured[key] = trace(model, (tokens, labels))
+    from autopar.recompute import recompute_copy
+
+    traced = recompute_copy(captured[key], recompute)
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
 
 

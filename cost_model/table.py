@@ -220,22 +220,37 @@ def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     return 2.0 * core_share(cluster) / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
 
 
-def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at_update: bool = False) -> CostTable:
+def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at_update: bool = False,
+               memo: dict | None = None) -> CostTable:
     """Cost of every strategy of every node (nodes with identical structure priced once).
     The solver assembles a plan's Estimate from these costs (solver/spmd_search.py,
     solver/stage_costs.py).
-    `grads_at_update`: gradients accumulate in the weight-update placement (ZeRO-2)."""
+    `grads_at_update`: gradients accumulate in the weight-update placement (ZeRO-2).
+    `memo` (one search's, shared by its solves): each node's row by (node, strategy list
+    identity) for this graph, cluster, mesh and `grads_at_update`, so the solves of one
+    graph whose spaces share a node's list (the ZeRO layouts of one stage differ in the
+    parameters' lists only) price it once. A row is a function of exactly those, so
+    the table is the one a fresh call returns."""
     mesh_shape = space.mesh_shape
     links = mesh_axis_links(cluster, mesh_shape)
     dtype = graph.model.dtype
     cache: dict[tuple, tuple[StrategyCost, ...]] = {}
+    rows: dict[tuple[int, int], tuple] | None = None
+    if memo is not None:  # the graph is kept beside its rows: its id stays its own
+        rows = memo.setdefault(("cost rows", cluster, mesh_shape, grads_at_update, id(graph)), (graph, {}))[1]
     table = []
     for node, strategies in zip(graph.nodes, space.strategies):
+        seen = None if rows is None else rows.get((node.id, id(strategies)))
+        if seen is not None:
+            table.append(seen[1])
+            continue
         key = (node.op, node.role, node.outputs, tuple(graph[i].outputs for i in node.inputs),
                node.flops, node.bytes_moved, node.is_view, node.is_causal, strategies)
         if key not in cache:
             cache[key] = tuple(strategy_cost(graph, node, s, cluster, mesh_shape, dtype, grads_at_update)
                                for s in strategies)
+        if rows is not None:  # the list is kept beside its row: its id stays its own
+            rows[(node.id, id(strategies))] = (strategies, cache[key])
         table.append(cache[key])
     return CostTable(mesh_shape=mesh_shape, links=links, nodes=tuple(table))
 
@@ -307,7 +322,11 @@ class ReshardPricer:
     """Resharding time (None where DTensor cannot reshard) with a per-solve memo: many
     edges share shapes and placements."""
 
-    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False, copy_s_per_byte: float = 0.0) -> None:
+    def __init__(self, links: tuple[AxisLink, ...], *, gloo: bool = False, copy_s_per_byte: float = 0.0,
+                 memo: dict | None = None) -> None:
+        """`memo`: the reshard memo of earlier pricers with the same `links` and `gloo` (a
+        search's solves on one submesh share it): a reshard's collectives and time are
+        pure in (tensor shape, strides, dtype, layouts) given those."""
         self.links = links
         self.mesh_shape = tuple(link.size for link in links)
         self.gloo = gloo
@@ -316,7 +335,7 @@ class ReshardPricer:
         gradient sync (each raw gradient into its bucket's flat buffer) and every grouped
         parameter gather (each shard into the group's flat buffer, each gathered parameter
         out of the gathered rows: `gather_time`)."""
-        self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {}
+        self._memo: dict[tuple, tuple[float, tuple[Collective, ...]] | None] = {} if memo is None else memo
 
     def collectives(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[Collective, ...] | None:
         found = self._lookup(meta, src, dst)

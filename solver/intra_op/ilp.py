@@ -389,7 +389,9 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     relaxation proves the per-microbatch objective is at least this (the search's pruning).
     `num_microbatches` m: a one-stage step of m microbatches; gradient edges are weighted
     1/m and the once-per-step optimizer and accumulation terms join the objective / m
-    (module docstring). `prune_memo`: shares `prune_gather_free` passes between solves.
+    (module docstring). `prune_memo`: the search's memo shared by its solves:
+    `prune_gather_free` passes, the cost table's rows, the reshard prices and the
+    edge prices.
     `grads_each_microbatch` (ZeRO-2): every microbatch syncs its gradients to their update
     placements (the edges weighed 1, not 1/m) and accumulates them there: the gradient
     bytes and the accumulation are the update shard's, not the raw gradient's.
@@ -404,10 +406,11 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     mesh_shape = tuple(int(s) for s in mesh_shape)
     space = _restricted_space(graph, cluster, mesh_shape, space, nodes, keep_placeholder, keep_update,
                               gather_free_axes, prune_memo)
-    table = cost_table(graph, space, cluster, grads_at_update=grads_each_microbatch)
+    table = cost_table(graph, space, cluster, grads_at_update=grads_each_microbatch, memo=prune_memo)
     red = reduce_graph(graph, space, table, nodes)
-    pricer = ReshardPricer(table.links, gloo=runs_gloo(cluster.hardware),
-                           copy_s_per_byte=bucket_copy_s_per_byte(cluster))
+    gloo = runs_gloo(cluster.hardware)
+    shared = None if prune_memo is None else prune_memo.setdefault(("reshard prices", table.links, gloo), {})
+    pricer = ReshardPricer(table.links, gloo=gloo, copy_s_per_byte=bucket_copy_s_per_byte(cluster), memo=shared)
 
     node_coef = _node_costs(graph, table, red)
     if num_microbatches is not None:

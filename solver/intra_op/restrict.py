@@ -87,10 +87,16 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
                tuple(0 if i in derived else options if graph[i].op == "placeholder" else id(options)
                      for i, options in enumerate(space.strategies)))
         if key in memo:
-            return _replay(memo[key][0], space)
+            return _replay(memo[key][0], space, memo)
+    reshards = None
+    if memo is not None:  # its answers are pure in (shape, dtype, layouts): shared by the search's passes
+        reshards = memo.get(("reshards", space.mesh_shape, gather_free_axes, gloo))
+    if reshards is None:
+        reshards = _GatherFreeReshards(space.mesh_shape, gather_free_axes, gloo=gloo)
+        if memo is not None:
+            memo[("reshards", space.mesh_shape, gather_free_axes, gloo)] = reshards
     try:
-        kept = _surviving_strategies(graph, space, derived, _GatherFreeReshards(space.mesh_shape, gather_free_axes,
-                                                                               gloo=gloo))
+        kept = _surviving_strategies(graph, space, derived, reshards)
     except InfeasiblePlanError as blocked:
         if key is not None:
             memo[key] = (blocked, space.strategies)  # the lists stay alive: their ids key the memo
@@ -101,20 +107,32 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
         return space
     if key is not None:  # derived nodes keep the caller's lists (the pass never reads or changes them)
         memo[key] = ([None if i in derived else k for i, k in enumerate(kept)], space.strategies)
+        return _replay(memo[key][0], space, memo)
     return StrategySpace(mesh_shape=space.mesh_shape, strategies=tuple(tuple(options[j] for j in k)
                                                                        for k, options in zip(kept, space.strategies)),
                          fallback_ops=space.fallback_ops, follows=space.follows)
 
 
-def _replay(kept: list[list[int] | None] | InfeasiblePlanError | None, space: StrategySpace) -> StrategySpace:
+def _replay(kept: list[list[int] | None] | InfeasiblePlanError | None, space: StrategySpace,
+            memo: dict) -> StrategySpace:
     """A memoised pass applied to `space`: its error raised again, `space` itself where it
-    pruned nothing, else the strategies it kept (None: the node's list unchanged)."""
+    pruned nothing, else the strategies it kept (None: the node's list unchanged). A kept
+    sublist is built once per (list, indices) and then shared (`memo`), so the solves that
+    replay one pass see the same list objects, which later per-list memos key by identity
+    (cost_model/table.py cost_table's `memo`)."""
     if isinstance(kept, InfeasiblePlanError):
         raise InfeasiblePlanError(str(kept))
     if kept is None:
         return space
+
+    def sublist(options: tuple, k: list[int]) -> tuple:
+        key = ("kept", id(options), tuple(k))
+        if key not in memo:  # the list is kept alive beside its sublist: its id stays its own
+            memo[key] = (options, tuple(options[j] for j in k))
+        return memo[key][1]
+
     return StrategySpace(mesh_shape=space.mesh_shape, strategies=tuple(
-        options if k is None else tuple(options[j] for j in k)
+        options if k is None else sublist(options, k)
         for k, options in zip(kept, space.strategies)), fallback_ops=space.fallback_ops,
         follows=space.follows)
 
@@ -122,13 +140,29 @@ def _replay(kept: list[list[int] | None] | InfeasiblePlanError | None, space: St
 class _GatherFreeReshards:
     """Which reshards keep activations split on the gather-free axes: a memo of DTensor's
     planner by (shape, dtype, source, destination), with placements interned as ints
-    (hashing placement objects dominated the pass)."""
+    (hashing placement objects dominated the pass). Its answers depend on the mesh, the
+    axes and the backend only, so one search shares it between its passes on one mesh
+    (prune_gather_free's `memo`), and a strategy list's interned layouts are kept by the
+    list's identity (`layouts_of`: layer twins and the solves of one space share lists)."""
 
     def __init__(self, mesh: tuple[int, ...], gather_free_axes: tuple[int, ...], *, gloo: bool) -> None:
         self.mesh, self.gather_free_axes, self.gloo = mesh, gather_free_axes, gloo
         self.ids: dict[Placements, int] = {}
         self.layouts: list[Placements] = []
         self.compatible: dict[tuple, bool] = {}
+        self.reach: dict[tuple, frozenset[int]] = {}
+        self.by_list: dict[int, tuple[tuple, list, list]] = {}
+        """id(strategy list) -> (the list, kept alive so its id stays its own; per strategy
+        its interned output layouts; its interned input layouts)."""
+
+    def layouts_of(self, options: tuple) -> tuple[list, list]:
+        """(per strategy, its outputs' layout ids; per strategy, its inputs' layout ids)."""
+        found = self.by_list.get(id(options))
+        if found is None:
+            found = self.by_list[id(options)] = (
+                options, [tuple(self.intern(o) for o in st.outputs) for st in options],
+                [tuple(self.intern(x) for x in st.inputs) for st in options])
+        return found[1], found[2]
 
     def intern(self, pl: Placements) -> int:
         i = self.ids.get(pl)
@@ -136,6 +170,15 @@ class _GatherFreeReshards:
             i = self.ids[pl] = len(self.layouts)
             self.layouts.append(pl)
         return i
+
+    def reachable(self, meta: Any, produced: frozenset[int], need: frozenset[int]) -> frozenset[int]:
+        """The layouts of `need` that some layout of `produced` reshards to (`ok`), memoised:
+        layer twins and the fixed point's later sweeps ask again."""
+        key = (meta.shape, meta.dtype, produced, need)
+        found = self.reach.get(key)
+        if found is None:
+            found = self.reach[key] = frozenset(d for d in need if any(self.ok(meta, s, d) for s in produced))
+        return found
 
     def ok(self, meta: Any, src: int, dst: int) -> bool:
         if src == dst:
@@ -183,8 +226,9 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
     dropping a strategy whose input no remaining producer strategy reaches (prune_gather_free).
     Raises the InfeasiblePlanError of a node left with none."""
     twins = _layer_twins(graph)
-    out_ids = [[tuple(reshards.intern(o) for o in st.outputs) for st in options] for options in space.strategies]
-    in_ids = [[tuple(reshards.intern(x) for x in st.inputs) for st in options] for options in space.strategies]
+    ids = [reshards.layouts_of(options) for options in space.strategies]
+    out_ids = [o for o, _ in ids]
+    in_ids = [i for _, i in ids]
     edges = _activation_edges(graph, derived)
     kept: list[list[int]] = [list(range(len(options))) for options in space.strategies]
     changed = True
@@ -194,11 +238,10 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
             v = node.id
             alive = kept[v]
             for p, u, idx, reshard in edges[v]:
-                produced = {out_ids[u][i][idx] for i in kept[u]}
-                need = {in_ids[v][j][p] for j in alive}
+                produced = frozenset(out_ids[u][i][idx] for i in kept[u])
+                need = frozenset(in_ids[v][j][p] for j in alive)
                 if reshard:
-                    meta = graph[u].output
-                    reachable = {d for d in need if any(reshards.ok(meta, s, d) for s in produced)}
+                    reachable = reshards.reachable(graph[u].output, produced, need)
                 else:
                     reachable = need & produced
                 if len(reachable) != len(need):

@@ -631,16 +631,29 @@ def test_memoised_gather_free_pruning_is_the_pass_it_stands_for() -> None:
     memo: dict = {}
     calls = 0
     for graph in (g8, g16):
+        got_by_zero = {}
         for zero in (0, 3):
             config = ParallelConfig(dp=2, tp=2, zero=zero)
             restricted = restrict_placeholders(graph, space, forced.keep_placeholder(config))
             axes = forced.gather_free_axes(config)
             want = prune_gather_free(graph, restricted, axes, gloo=True)
-            got = prune_gather_free(graph, restricted, axes, gloo=True, memo=memo)
+            got = got_by_zero[zero] = prune_gather_free(graph, restricted, axes, gloo=True, memo=memo)
             calls += 1
             assert got == want, (graph.model.batch, zero)
             assert sum(map(len, want.strategies)) < sum(map(len, restricted.strategies))  # it prunes
-    assert 1 <= len(memo) < calls
+        # the layouts' spaces share every non-placeholder list object (what cost_table's memo keys by)
+        zero0, zero3 = got_by_zero[0].strategies, got_by_zero[3].strategies
+        assert all(zero0[n.id] is zero3[n.id] for n in graph.nodes if n.op != "placeholder")
+    passes = [k for k in memo if not isinstance(k[0], str)]  # beside the shared reshards and sublists
+    assert 1 <= len(passes) < calls
+    # cost_table's rows memoised by list identity: each table is the one a fresh call gives
+    from cost_model.table import cost_table
+
+    cluster = Cluster.parse("h100:1x4")
+    for zero in (0, 3, 0):
+        restricted = restrict_placeholders(g8, space, forced.keep_placeholder(ParallelConfig(dp=2, tp=2, zero=zero)))
+        pruned = prune_gather_free(g8, restricted, (0,), gloo=True, memo=memo)
+        assert cost_table(g8, pruned, cluster, memo=memo) == cost_table(g8, pruned, cluster), zero
 
 
 class SquareTwice(nn.Module):

@@ -344,3 +344,21 @@ def test_full_recompute_re_runs_fused_attention_without_dropout():
                                  ((q, q, q, 0.1), {}, True), ((q, q, q), {"dropout_p": 0.1}, True)):
         assert _is_random(g.call_function(op, args, kwargs)) is random
     assert _is_random(g.call_function(torch.ops.aten.native_dropout.default, (q, 0.0, True)))
+
+
+@pytest.mark.parametrize("spec", ["moe-tiny"])
+def test_a_policy_rewritten_on_a_captured_copy_equals_its_own_trace(spec):
+    """trace_model with a `captured` memo (the search's zoo tracer) captures the joint graph
+    once per batch and rewrites a copy per recompute policy: each lowered graph equals the
+    one a fresh trace under that policy gives, node for node, and the captured graph itself
+    is left as captured (the "none" graph after the rewrites equals a fresh "none" trace)."""
+    import dataclasses
+
+    src = resolve(spec)
+    captured: dict = {}
+    got = {rc: trace_model(src, batch=2, recompute=rc, captured=captured) for rc in ("full", "none")}
+    assert len(captured) == 1
+    for rc, graph in got.items():
+        want = trace_model(src, batch=2, recompute=rc)
+        assert dataclasses.replace(graph, trace_time_s=0.0) == dataclasses.replace(want, trace_time_s=0.0), rc
+    assert len(got["full"].nodes) > len(got["none"].nodes)
