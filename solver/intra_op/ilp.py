@@ -379,11 +379,10 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration), `keep_update`
-    the parameters' weight-update placements;
-    `grad_sync_weight` weighs the gradient reshards per microbatch (1/m);
-    `gather_free_axes` are data-parallel axes on which activations are never gathered
-    (so the batch stays split there). `space` reuses
-    an enumeration of the same graph and mesh. Raises InfeasiblePlanError (a ValueError)
+    the parameters' weight-update placements; `grad_sync_weight` weighs the gradient
+    reshards per microbatch (1/m); `gather_free_axes` are data-parallel axes on which
+    activations are never gathered (so the batch stays split there). `space` reuses an
+    enumeration of the same graph and mesh. Raises InfeasiblePlanError (a ValueError)
     when no plan fits `memory_budget_bytes`, with the smallest memory any plan needs.
     `cutoff_s` (HiGHS only): raise CutoffExceeded instead of branching when the LP
     relaxation proves the per-microbatch objective is at least this (the search's pruning).
