@@ -128,6 +128,7 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("embedding", ("embed", "wte", "wpe", "tok_")),
     ("head", ("lm_head", "output.", "head")),
     ("attention", ("attn", "attention", "q_proj", "k_proj", "v_proj", "o_proj")),
+    ("routed experts", ("moe.w1", "moe.w2", "moe.w3")),  # the zoo MoE's stacked [E, d, f] weights
     ("MLP", ("mlp", "feed_forward", "ffn", "fc", "gate_proj", "up_proj", "down_proj")),
 )
 
@@ -139,6 +140,8 @@ def _tp_words(group: str, name: str, tp: str) -> str:
         return {"S(0)": "vocab over tp", "S(1)": "hidden over tp"}.get(tp, f"{tp} over tp")
     if group == "head":
         return {"S(0)": "vocab over tp (vocab-parallel)", "S(1)": "hidden over tp"}.get(tp, f"{tp} over tp")
+    if group == "routed experts":  # [E, d, f]: dim 0 is the expert
+        return "experts over tp (E split: expert parallelism)" if tp == "S(0)" else f"{tp} over tp (inside each expert)"
     if group == "attention":
         return {"S(0)": "heads over tp (column)", "S(1)": "heads over tp (row)"}.get(tp, f"{tp} over tp")
     return {"S(0)": "column over tp", "S(1)": "row over tp"}.get(tp, f"{tp} over tp")

@@ -50,3 +50,12 @@ def test_whole_experts_say_why():
 def test_dense_and_user_models_get_no_routing_lines():
     assert routing_lines(_plan("gpt-tiny", ParallelConfig(dp=4), "(R, R)")) == []
     assert routing_lines(_plan("not-a-model-anyone-has", ParallelConfig(dp=4), "(R, R)")) == []
+
+
+def test_the_layer_group_summary_names_the_expert_split():
+    from autopar.explain import summarize_placements
+
+    (line,) = [g for g in summarize_placements([(name, "(R, S(0))") for name in EXPERTS])]
+    assert line.startswith("routed experts (3 params): experts over tp (E split")
+    (dense,) = summarize_placements([("layers.*.feed_forward.w1.weight", "(R, S(0))")])
+    assert "column over tp" in dense  # a 2-D linear's dim 0 is still its output features
