@@ -198,9 +198,9 @@ class GradSync:
     def reduce(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """{gradient index: synced local gradient} of one bucket, from its raw local ones."""
         mesh, grads, mesh_shape = self.mesh, self.grads, self.mesh_shape
-        out: dict[int, torch.Tensor] = {}
         key = self.keys[bucket[0]]
         if key is None:
+            out: dict[int, torch.Tensor] = {}
             for i in bucket:
                 _, src, dst, meta = grads[i]
                 g = raw[i].to(self.dtype) if raw[i].is_floating_point() else raw[i]
@@ -216,25 +216,23 @@ class GradSync:
                 reduce = torch.ops._c10d_functional.all_reduce if self.functional \
                     else torch.ops._c10d_functional.all_reduce_
                 flat = torch.ops._c10d_functional.wait_tensor(reduce(flat, reduce_op.lower(), group))
-            offset = 0
-            for i in bucket:
-                n = shapes[i].numel()
-                out[i] = flat[offset:offset + n].view(shapes[i])
-                offset += n
-            return out
+            return _unpack(flat, shapes)
         ((_, axis, reduce_op),) = steps
         n = mesh_shape[axis]
         pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
         local = {i: pieces[i][0].shape for i in bucket}
-        stride = sum(local[i].numel() for i in bucket)  # one rank's share of the bucket
-        flat = self._pack([pieces[i][r] for r in range(n) for i in bucket])  # rank r's share at r * stride
-        reduced = funcol.reduce_scatter_single(flat, reduce_op, 0, (mesh, axis))
-        offset = 0
-        for i in bucket:
-            size = local[i].numel()
-            out[i] = reduced[offset:offset + size].view(local[i])
-            offset += size
-        return out
+        # rank r's share of the bucket (its pieces, in bucket order) at r * (one share's numel)
+        flat = self._pack([pieces[i][r] for r in range(n) for i in bucket])
+        return _unpack(funcol.reduce_scatter_single(flat, reduce_op, 0, (mesh, axis)), local)
+
+
+def _unpack(flat: torch.Tensor, shapes: dict[int, torch.Size]) -> dict[int, torch.Tensor]:
+    """{index: view of `flat`}: the pieces of a bucket's flat buffer, packed in `shapes`' order."""
+    out, offset = {}, 0
+    for i, shape in shapes.items():
+        out[i] = flat[offset:offset + shape.numel()].view(shape)
+        offset += shape.numel()
+    return out
 
 
 _SHARD_DIM_ALLTOALL = torch.ops._dtensor.shard_dim_alltoall.default
