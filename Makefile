@@ -24,14 +24,11 @@ demo: $(STAMP)
 	$(BIN)/autopar explain out/demo-plan.json
 	$(BIN)/autopar train llama-small --devices 4 --plan out/demo-plan.json --steps 10 --check
 
-# The single-process tests on 2 workers (pytest-xdist), then the multi-process gloo tests on 2
-# workers, a whole file to a worker (`--dist loadfile`: a file's module-scoped fixture, such as
-# the training runs its parametrised checks read, runs once). Each of those spawns 2-8 ranks,
-# but a rank spends much of a test waiting (on rank 0's solve, a peer's collective, the
-# parent's placements), so two at a time keep the cores busier than one.
+# The single-process tests on 2 workers (pytest-xdist), then the multi-process gloo tests one
+# at a time: each of those already spawns 2-8 ranks on the machine's cores.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests/unit tests/kernels
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/dist tests/bench
+	$(BIN)/python -m pytest -q tests/dist tests/bench
 
 # `make bench` includes the torchtitan comparison when `make bench-install` was run, and
 # prints one line saying it was skipped otherwise.
