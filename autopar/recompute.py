@@ -139,8 +139,6 @@ def apply_recompute(gm: fx.GraphModule, policy: str, layer_prefix: str) -> int:
     return made
 
 
-__all__ = ["RECOMPUTE_POLICIES", "apply_recompute"]
-
 
 def recompute_copy(traced: Any, policy: str) -> Any:
     """`traced` (an autopar.trace.Traced captured with recompute "none") rewritten for
@@ -162,3 +160,6 @@ def recompute_copy(traced: Any, policy: str) -> Any:
     copied = apply_recompute(gm, policy, traced.layer_prefix)
     log.info("recompute %s: %d forward ops recomputed in backward", policy, copied)
     return replace(traced, gm=gm, trace_time_s=traced.trace_time_s + time.perf_counter() - start)
+
+
+__all__ = ["RECOMPUTE_POLICIES", "apply_recompute", "recompute_copy"]
