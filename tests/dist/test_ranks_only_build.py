@@ -30,12 +30,15 @@ import torch
 
 from autopar import cli
 from autopar.commands import train as train_command
+from autopar.models import resolve
 from autopar.runtime.launch import spawn
+from tests.reference import reference_losses
 
 pytestmark = pytest.mark.dist
 
 SOLVER_DIR = str(Path(__file__).resolve().parents[2] / "solver")
 MODEL = "gpt-tiny"
+STEPS = 3
 
 
 class _SolverImports:
@@ -162,9 +165,9 @@ def _compile_worker(rank: int, out_dir: str, plan_text: str | None) -> float:
     torch.manual_seed(0)
     plan = Plan.loads(plan_text) if plan_text is not None else None
     compiled = autopar.compile(resolve(MODEL).build(), 2, example_inputs=_batch(), plan=plan)
-    loss = compiled.step(_batch())
-    _report(counts, out_dir, rank, build=build, searched=plan is None)
-    return loss
+    losses = [compiled.step(_batch()) for _ in range(STEPS)]
+    _report(counts, out_dir, rank, build=build, searched=plan is None, plan=compiled.plan.dumps())
+    return losses
 
 
 def test_compile_builds_each_rank_with_one_trace_and_no_solver(tmp_path):
@@ -173,6 +176,12 @@ def test_compile_builds_each_rank_with_one_trace_and_no_solver(tmp_path):
     given.mkdir()
     losses = spawn(_compile_worker, 2, (str(searched), None))
     assert losses[0] == losses[1]
+    # the plan the ranks searched trains like one process (same seed, data and optimizer)
+    assert len({counts["plan"] for counts in _read(searched, 2)}) == 1  # every rank got the same plan
+    torch.manual_seed(0)
+    expected = reference_losses(resolve(MODEL).build(), _batch(), steps=STEPS,
+                                optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    assert losses[0] == pytest.approx(expected, rel=1e-4)
     for rank, counts in enumerate(_read(searched, 2)):
         # every rank's build: one trace, no solver call
         assert counts["build"] == {"traces": 1, "solver_calls": []}, (rank, counts)
@@ -181,7 +190,6 @@ def test_compile_builds_each_rank_with_one_trace_and_no_solver(tmp_path):
     assert _read(searched, 2)[0]["solver_imported"], "rank 0 searched the plan (the API's search in the ranks)"
 
     from autopar.api import search_plan
-    from autopar.models import resolve
 
     torch.manual_seed(0)
     plan = search_plan(resolve(MODEL).build(), 2, example_inputs=_batch())  # before the ranks start

@@ -40,7 +40,6 @@ WORLD4 = {
     "pp2xdp2_1f1b": C(pp=2, dp=2, schedule="1f1b"),
     "pp2xdp2_interleaved": C(pp=2, dp=2, schedule="interleaved", interleave=2),
     "dp2xtp2_zero1": C(dp=2, tp=2, zero=1),
-    "pp2xdp2_zero1_gpipe": C(pp=2, dp=2, zero=1, schedule="gpipe"),
     "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b"),
     "pp2xdp2_zero2_1f1b": C(pp=2, dp=2, zero=2, schedule="1f1b"),
 }
@@ -84,12 +83,12 @@ NAMES = {
     # test_3d_on_8_ranks' (GPT 1F1B with tp and dp); the interleaved schedule stays here.
     # Weight-update sharding (zero 1/2) runs on the Llama.
     GPT: ("dp4", "zero3", "tp2xdp2_sp", "pp2xdp2_interleaved"),
-    # Llama's pipelines: pp2 x dp2 ZeRO-1 here (GPipe, 1F1B), test_pipeline_per_op.py's
-    # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); ZeRO-2
-    # reduce-scatters every microbatch's gradients and accumulates the shards, one-stage
-    # and in pipeline stages alike
-    LLAMA: ("dp4", "zero1", "zero2", "zero3", "tp2xdp2_sp", "dp2xtp2_zero1", "pp2xdp2_zero1_gpipe",
-            "pp2xdp2_zero1_1f1b", "pp2xdp2_zero2_1f1b"),
+    # Llama's pipelines: pp2 x dp2 ZeRO-1 1F1B here, test_pipeline_per_op.py's (pp2 x tp2
+    # GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); a ZeRO-1 GPipe pipeline
+    # is test_checkpoint.py's; ZeRO-2 reduce-scatters every microbatch's gradients and
+    # accumulates the shards, one-stage and in pipeline stages alike. Its tp runs under
+    # ZeRO-1 (dp2 x tp2); GPT's tp2 x dp2 has sequence parallelism.
+    LLAMA: ("dp4", "zero1", "zero2", "zero3", "dp2xtp2_zero1", "pp2xdp2_zero1_1f1b", "pp2xdp2_zero2_1f1b"),
     # a Hugging Face model: weight-update sharding in pipeline stages (the harder case)
     HF: ("pp2xdp2_zero1_1f1b",),
 }
@@ -186,7 +185,7 @@ def test_pipeline_stage_gathers_its_weights_once_per_step(world4):
     and holds AdamW's two moments for half of its weights."""
     per_rank, _ = world4[LLAMA]
     names = list(NAMES[LLAMA])
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("1f1b",):  # (GPipe: test_checkpoint.py)
         for rank in range(4):
             r = per_rank[rank][names.index(f"pp2xdp2_zero1_{schedule}")]
             calls, nbytes = r.collectives[("all_gather", "dp")]
