@@ -48,20 +48,19 @@ def routing_lines(plan: Plan) -> list[str]:
         return lines
     name, placement = experts[0]
     compute = placement.partition(UPDATE_SEPARATOR)[0]
-    split = [axis for axis, p in zip(("dp", "tp"), placement_axes(compute)) if p == "S(0)"]
-    if split:
-        ways = 1
-        for axis in split:
-            ways *= {"dp": plan.config.dp, "tp": plan.config.tp}[axis]
-        lines.append(f"  routed experts: split {ways} ways on E over {' and '.join(split)} ({name}: {placement}); "
-                     "tokens travel to their experts' ranks and back as the placements change (all-to-all on "
-                     "GPU meshes, all-gather and chunk on CPU meshes), priced and run")
+    dp, tp = (placement_axes(compute) + ["R", "R"])[:2]
+    stored = ("; over dp the split is ZeRO-3 storage, gathered before use (a data-parallel axis moves no tokens)"
+              if dp == "S(0)" else "")
+    if tp == "S(0)":
+        lines.append(f"  routed experts: split {plan.config.tp} ways on E over tp ({name}: {placement}); tokens "
+                     "travel to their experts' ranks and back as the placements change (all-to-all on GPU meshes, "
+                     "all-gather and chunk on CPU meshes), priced and run" + stored)
     else:
         lines.append(f"  routed experts: not split on E ({name}: {placement}). Tokens can reach an expert's rank "
                      "only over tp: a data-parallel axis moves no activations between its ranks (each keeps its "
                      f"own rows), and this plan has tp={plan.config.tp}"
                      + ("; the search found no plan with tp > 1 faster (its runners-up are above)"
-                        if plan.config.tp == 1 else "; the ILP priced them whole over tp cheaper here"))
+                        if plan.config.tp == 1 else "; the ILP priced them whole over tp cheaper here") + stored)
     return lines
 
 

@@ -34,8 +34,12 @@ def test_capacity_is_gshards_formula_for_the_plans_sequence():
 def test_experts_split_over_tp_are_named_with_their_ways():
     lines = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), "(R, S(0))"))
     assert "split 2 ways on E over tp" in lines[1], lines
+    # over dp an E split is where the weights are stored (ZeRO-3), gathered before use: tokens
+    # do not travel over a data-parallel axis
     both = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), "(S(0), S(0))"))
-    assert "split 4 ways on E over dp and tp" in both[1], both
+    assert "split 2 ways on E over tp" in both[1] and "over dp the split is ZeRO-3 storage" in both[1], both
+    stored = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(S(0), R)"))
+    assert "not split on E" in stored[1] and "ZeRO-3 storage" in stored[1], stored
     # the compute placement counts, not where the update is sharded (ZeRO-1)
     zero1 = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), f"(R, R){UPDATE_SEPARATOR}(S(0), R)"))
     assert "not split on E" in zero1[1], zero1
