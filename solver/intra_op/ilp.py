@@ -97,7 +97,8 @@ from solver.intra_op.backend import (
 )
 from solver.intra_op.collective_groups import expected_bucket_bytes, param_gather_uses, update_gather
 from solver.intra_op.gather_rows import GatherGroups
-from solver.intra_op.restrict import PlaceholderFilter, UpdateFilter, prune_gather_free, restrict_placeholders
+from solver.intra_op.restrict import (
+    PlaceholderFilter, UpdateFilter, exchange_nodes, gathers_rows, prune_gather_free, restrict_placeholders)
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.solution import extract_solution
@@ -134,8 +135,12 @@ class _EdgePrices:
 
     def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
-                 prices: tuple[dict, dict, dict] | None, gathers: GatherGroups) -> None:
+                 prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
+                 exchange: frozenset[NodeId] = frozenset()) -> None:
         self.graph, self.red, self.pricer, self.gathers = graph, red, pricer, gathers
+        # a grouped op's edges, and those of the nodes that follow it in one choice (reduce_graph
+        # ties a view of its result to it, so the split can only move past the view)
+        self.exchange = frozenset(red.owner[n] for n in exchange if n in red.owner)
         self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
         self.from_params = graph.parameter_derived() if gather_free_axes else frozenset()
         self.edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
@@ -147,9 +152,11 @@ class _EdgePrices:
         self.derived = graph.parameter_derived()
         self.expected_buckets = expected_bucket_bytes(graph)
 
-    def priced(self, meta: Any, s: Placements, d: Placements, activation: bool, grad: bool,
+    def priced(self, meta: Any, s: Placements, d: Placements, activation: bool | str, grad: bool,
                share: float | None = None, uses: int = 1) -> float | None:
-        """The objective's price of resharding `meta` from `s` to `d` (None: not allowed)."""
+        """The objective's price of resharding `meta` from `s` to `d` (None: not allowed).
+        `activation`: False, True (no gather on a gather-free axis) or "exchange" (an edge of
+        a grouped op: a split may move to another split there, restrict.py `gathers_rows`)."""
         intern, pricer = self.intern, self.pricer
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
@@ -163,7 +170,7 @@ class _EdgePrices:
                 # where every reader asks for the same placement; solution.py prices the program)
                 t /= uses
             if t is not None and activation and any(
-                    c.axis in self.gather_free_axes and c.kind in ("all_gather", "all_to_all")
+                    gathers_rows(c, s, d, self.gather_free_axes, activation == "exchange")
                     for c in pricer.collectives(meta, s, d) or ()):
                 t = None
             self.pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
@@ -173,7 +180,9 @@ class _EdgePrices:
             dst_of: Callable[[int], Placements], weight: float, grad: bool = False) -> None:
         """The edge u -> v carrying `meta`, its layouts at strategy j of u and of v."""
         graph, red = self.graph, self.red
-        activation = bool(self.gather_free_axes) and u not in self.from_params and not grad
+        activation: bool | str = bool(self.gather_free_axes) and u not in self.from_params and not grad
+        if activation and (red.owner[u] in self.exchange or red.owner[v] in self.exchange):
+            activation = "exchange"
         share, uses = None, 1
         a, b = red.owner[u], red.owner[v]
         if grad:
@@ -214,16 +223,18 @@ class _EdgePrices:
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
                    *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
-                   prices: tuple[dict, dict, dict] | None = None
+                   prices: tuple[dict, dict, dict] | None = None, exchange: frozenset[NodeId] = frozenset()
                    ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
     same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
     matrix) price memos of earlier solves with the same pricer and axes (a search's solves
     of one submesh share them: every key holds the tensor and both layouts it prices).
-    `gathers` collects the grouped weight gathers' rows (gather_rows.py)."""
+    `gathers` collects the grouped weight gathers' rows (gather_rows.py); `exchange` the
+    grouped ops, on whose edges a split may move over `gather_free_axes` (restrict.py
+    `exchange_nodes`)."""
     active = set(red.active)
-    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers)
+    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers, exchange)
     for v in red.active:
         node = graph[v]
         for p, u in enumerate(node.inputs):
@@ -403,8 +414,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     start = time.perf_counter()
     mesh_shape = tuple(int(s) for s in mesh_shape)
-    space = _restricted_space(graph, cluster, mesh_shape, space, nodes, keep_placeholder, keep_update,
-                              gather_free_axes, prune_memo)
+    space, exchange = _restricted_space(graph, cluster, mesh_shape, space, nodes, keep_placeholder, keep_update,
+                                        gather_free_axes, prune_memo)
     table = cost_table(graph, space, cluster, grads_at_update=grads_each_microbatch, memo=prune_memo)
     red = reduce_graph(graph, space, table, nodes)
     gloo = runs_gloo(cluster.hardware)
@@ -424,7 +435,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                                         grads_each_microbatch), ({}, {}, {}))
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
                                            grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
-                                           prices=prices),
+                                           prices=prices, exchange=exchange),
                             node_coef, forbidden)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
@@ -453,18 +464,21 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
 def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], space: StrategySpace | None,
                       nodes: tuple[NodeId, ...] | None, keep_placeholder: PlaceholderFilter | None,
                       keep_update: UpdateFilter | None, gather_free_axes: tuple[int, ...],
-                      prune_memo: dict | None) -> StrategySpace:
+                      prune_memo: dict | None) -> tuple[StrategySpace, frozenset[NodeId]]:
     """The strategies this solve chooses from: `space` (or a new enumeration) under the
     forced configuration's filters, pruned on the gather-free axes for a whole graph
-    (solver/intra_op/restrict.py)."""
+    (solver/intra_op/restrict.py); and the grouped ops whose edges may move a split over
+    those axes (`exchange_nodes`, read off the space before pruning, the same set for the
+    pruning and the ILP's edges)."""
     if space is None:
         space = enumerate_strategies(graph, mesh_shape)
     if keep_placeholder is not None or keep_update is not None:
         space = restrict_placeholders(graph, space, keep_placeholder, keep_update)
+    exchange = exchange_nodes(graph, space, gather_free_axes)
     if nodes is None:
         space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
-                                  memo=prune_memo)
-    return space
+                                  memo=prune_memo, exchange=exchange)
+    return space, exchange
 
 
 def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from autopar.ir import Graph, Node, NodeId, Role
-from autopar.placement import Placements
+from autopar.placement import Placements, Shard
 from autopar.sharding import InfeasiblePlanError, StrategySpace
 from cost_model import reshard_collectives
 
@@ -47,8 +47,90 @@ def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderF
                          fallback_ops=space.fallback_ops, follows=space.follows)
 
 
+def stacked_gradient_bound(graph: Graph) -> frozenset[NodeId]:
+    """Nodes computed only for stacked parameters' gradients (three or more dims): such a
+    gradient node, and every node whose users are all such nodes (a weight-gradient batched
+    matmul and the views that shape its result). The mirror of Graph.parameter_derived on
+    the backward's far end."""
+    bound: set[NodeId] = set()
+    for node in reversed(graph.nodes):
+        users = graph.users(node.id)
+        if (node.role is Role.GRADIENT and len(node.outputs) == 1 and len(node.output.shape) >= 3) or (
+                node.role is not Role.GRADIENT and users and all(u in bound for u in users)):
+            bound.add(node.id)
+    return frozenset(bound)
+
+
+def exchange_nodes(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...]) -> frozenset[NodeId]:
+    """The grouped ops of `graph`: nodes that compute with a stacked parameter (three or more
+    dims: routed experts' weights [E, d, f]) or a stacked parameter's gradient, and that have
+    a strategy splitting that tensor on a gather-free axis with every activation they read
+    and write split on the same axis (none whole, none a pending sum). Such a strategy is
+    expert parallelism over the data-parallel ranks: each device computes its own experts
+    on the tokens sent to them. The token slots reach it split by batch and must move to the
+    expert split: on the edges into and out of these nodes `gathers_rows` allows the
+    all-to-all (Shard(i) -> Shard(j)) over the gather-free axes; everywhere else
+    activations stay where their batch split put them.
+
+    A dense layer's matmul never qualifies (its weights have two dims, and splitting a
+    weight over the axis leaves the input whole or the output a pending sum), nor a norm's
+    vector weight, so the dense strategy space is unchanged."""
+    if not gather_free_axes:
+        return frozenset()
+    derived = graph.parameter_derived()
+    bound = stacked_gradient_bound(graph)
+    out = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or node.id in derived:
+            continue
+        stacked = [p for p, u in enumerate(node.inputs) if u in derived and len(graph[u].output.shape) >= 3]
+        grad_out = node.id in bound and len(node.outputs) == 1 and len(node.output.shape) >= 3
+        if not stacked and not grad_out:
+            continue
+        reads = [p for p, u in enumerate(node.inputs) if u not in derived]
+        for st in space.strategies[node.id]:
+            if any(_all_split(st, a, stacked, reads, grad_out) for a in gather_free_axes):
+                out.add(node.id)
+                break
+    return frozenset(out)
+
+
+def _all_split(st: Any, axis: int, stacked: list[int], reads: list[int], grad_out: bool) -> bool:
+    """Whether strategy `st` splits its stacked tensor (input positions `stacked`, or its
+    output if `grad_out`) and all its activation inputs `reads` and outputs on `axis`."""
+    weight = any(isinstance(st.inputs[p][axis], Shard) for p in stacked) or (
+        grad_out and isinstance(st.outputs[0][axis], Shard))
+    return weight and all(isinstance(st.inputs[p][axis], Shard) for p in reads) \
+        and all(isinstance(o[axis], Shard) for o in st.outputs)
+
+
+def gathers_rows(collective: Any, src: Placements, dst: Placements, gather_free_axes: tuple[int, ...],
+                 exchange: bool = False) -> bool:
+    """Whether `collective`, one step of resharding an activation from `src` to `dst`,
+    gathers rows on a gather-free (data-parallel) axis: an all-gather or all-to-all there.
+    `exchange` (an edge into or out of a grouped op, `exchange_nodes`): except where that
+    axis goes from Shard(i) to Shard(j), i != j.
+
+    Such a move keeps every device holding 1/n of the tensor and computing on its own
+    share: rows are exchanged, not duplicated, so the axis still divides the work. It is
+    how expert parallelism sends tokens to the device holding their expert's weights and
+    back (GShard, arXiv 2006.16668, section 2.2: the dispatch and combine all-to-alls;
+    Megatron-Core and torchtitan carve the expert-parallel group out of the data-parallel
+    ranks). DTensor runs it as one all-to-all on a GPU mesh, or an all-gather and a local
+    chunk on a CPU (gloo) mesh, and it is priced as it runs (cost_model
+    `reshard_collectives`). A gather to Replicate or to a pending sum stays forbidden:
+    every device would then compute the same rows."""
+    if collective.axis not in gather_free_axes or collective.kind not in ("all_gather", "all_to_all"):
+        return False
+    if not exchange:
+        return True
+    a, b = src[collective.axis], dst[collective.axis]
+    return not (isinstance(a, Shard) and isinstance(b, Shard) and a.dim != b.dim)
+
+
 def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...], *,
-                      gloo: bool, memo: dict | None = None) -> StrategySpace:
+                      gloo: bool, memo: dict | None = None,
+                      exchange: frozenset[NodeId] = frozenset()) -> StrategySpace:
     """`space` without the strategies no plan can use under `gather_free_axes`: a node's
     strategy goes when one of its activation inputs (an edge `_edge_matrices` prices, from
     a tensor not derived from a parameter) has no remaining producer strategy that DTensor
@@ -77,13 +159,16 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
     strategy lists there (the ZeRO layouts of one stage, microbatches with one
     divisibility signature: solver/pipeline_search.py) share one pass. Keyed by those
     lists (placeholders' by value: restrict_placeholders rebuilds them per solve, the
-    others by identity, kept alive in the memo)."""
+    others by identity, kept alive in the memo).
+
+    `exchange`: the grouped ops (`exchange_nodes` of `space`), on whose edges an
+    activation may move from one split to another over the axes (`gathers_rows`)."""
     if not gather_free_axes:
         return space
     derived = graph.parameter_derived()
     key = None
     if memo is not None:
-        key = (gather_free_axes, gloo, len(graph.nodes),
+        key = (gather_free_axes, gloo, len(graph.nodes), exchange,
                tuple(0 if i in derived else options if graph[i].op == "placeholder" else id(options)
                      for i, options in enumerate(space.strategies)))
         if key in memo:
@@ -96,7 +181,7 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
         if memo is not None:
             memo[("reshards", space.mesh_shape, gather_free_axes, gloo)] = reshards
     try:
-        kept = _surviving_strategies(graph, space, derived, reshards)
+        kept = _surviving_strategies(graph, space, derived, reshards, exchange)
     except InfeasiblePlanError as blocked:
         if key is not None:
             memo[key] = (blocked, space.strategies)  # the lists stay alive: their ids key the memo
@@ -171,24 +256,27 @@ class _GatherFreeReshards:
             self.layouts.append(pl)
         return i
 
-    def reachable(self, meta: Any, produced: frozenset[int], need: frozenset[int]) -> frozenset[int]:
+    def reachable(self, meta: Any, produced: frozenset[int], need: frozenset[int],
+                  exchange: bool = False) -> frozenset[int]:
         """The layouts of `need` that some layout of `produced` reshards to (`ok`), memoised:
         layer twins and the fixed point's later sweeps ask again."""
-        key = (meta.shape, meta.dtype, produced, need)
+        key = (meta.shape, meta.dtype, produced, need, exchange)
         found = self.reach.get(key)
         if found is None:
-            found = self.reach[key] = frozenset(d for d in need if any(self.ok(meta, s, d) for s in produced))
+            found = self.reach[key] = frozenset(d for d in need if any(self.ok(meta, s, d, exchange)
+                                                                       for s in produced))
         return found
 
-    def ok(self, meta: Any, src: int, dst: int) -> bool:
+    def ok(self, meta: Any, src: int, dst: int, exchange: bool = False) -> bool:
         if src == dst:
             return True
-        key = (meta.shape, meta.dtype, src, dst)
+        key = (meta.shape, meta.dtype, src, dst, exchange)
         found = self.compatible.get(key)
         if found is None:
-            steps = reshard_collectives(meta, self.layouts[src], self.layouts[dst], self.mesh, gloo=self.gloo)
+            a, b = self.layouts[src], self.layouts[dst]
+            steps = reshard_collectives(meta, a, b, self.mesh, gloo=self.gloo)
             found = self.compatible[key] = steps is not None and not any(
-                c.axis in self.gather_free_axes and c.kind in ("all_gather", "all_to_all") for c in steps)
+                gathers_rows(c, a, b, self.gather_free_axes, exchange) for c in steps)
         return found
 
 
@@ -221,7 +309,7 @@ def _activation_edges(graph: Graph, derived: frozenset[NodeId]) -> list[list[tup
 
 
 def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset[NodeId],
-                          reshards: _GatherFreeReshards) -> list[list[int]]:
+                          reshards: _GatherFreeReshards, exchange: frozenset[NodeId]) -> list[list[int]]:
     """Per node, the indices of the strategies some plan can still use: the fixed point of
     dropping a strategy whose input no remaining producer strategy reaches (prune_gather_free).
     Raises the InfeasiblePlanError of a node left with none."""
@@ -241,7 +329,7 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
                 produced = frozenset(out_ids[u][i][idx] for i in kept[u])
                 need = frozenset(in_ids[v][j][p] for j in alive)
                 if reshard:
-                    reachable = reshards.reachable(graph[u].output, produced, need)
+                    reachable = reshards.reachable(graph[u].output, produced, need, u in exchange or v in exchange)
                 else:
                     reachable = need & produced
                 if len(reachable) != len(need):

@@ -524,6 +524,7 @@ def test_native_solver_output_stays_off_stdout() -> None:
     ("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32", (2, 2), 0),
     ("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=32", (4, 2), 3),
     ("gpt:layers=4,hidden=64,heads=4,vocab=128,seq=32", (2, 2), 0),
+    ("moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=64", (4, 1), 3),
 ])
 def test_gather_free_pruning_keeps_every_usable_strategy(spec, mesh, zero, monkeypatch) -> None:
     """prune_gather_free drops only strategies no plan can use on a data-parallel axis: the
@@ -543,7 +544,7 @@ def test_gather_free_pruning_keeps_every_usable_strategy(spec, mesh, zero, monke
     pruned = ilp.prune_gather_free(graph, whole, forced.gather_free_axes(config), gloo=True)
     assert pruned.num_strategies * 2 < whole.num_strategies, (pruned.num_strategies, whole.num_strategies)
     with_pruning = forced.solve_stage(graph, config, cluster, num_microbatches=2)
-    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None: space)
+    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None, exchange=(): space)
     without = forced.solve_stage(graph, config, cluster, num_microbatches=2)
     for c in without.choices:
         assert any(s.outputs == c.outputs and s.inputs == c.inputs for s in pruned[c.node]), graph[c.node]
