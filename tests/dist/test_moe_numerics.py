@@ -14,7 +14,11 @@ mesh's program are checked against their price in tests/unit/test_moe.py).
 per step (kind, mesh axis, calls, bytes) equal those the ILP priced. The same model also
 trains as a pipeline of two stages on (dp 1, tp 2) submeshes (`--pp 2 --tp 2`), the
 layers' balance losses crossing the stage boundary; which placements its stages' ILPs
-choose is not checked here.
+choose is not checked here. A third configuration is expert parallelism over the
+data-parallel ranks (`--dp 4 --zero 3`): the ILP splits the experts on e over dp and moves
+the token slots from their batch split to the expert split and back (the dispatch and
+combine all-to-alls, solver/intra_op/restrict.py `exchange_nodes`), which wins here
+because the experts are wide (f = 4096) against the few tokens of a step.
 """
 
 from __future__ import annotations
@@ -31,14 +35,17 @@ from autopar.models import resolve
 from autopar.placement import Shard
 from autopar.build import train_worker
 from autopar.placing import place_job, priced_per_step, solve_config
+from autopar.plan import ProgramPlacements
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 from autopar.trace import trace_step
 
 pytestmark = pytest.mark.dist
 
-MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=64"
+MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=4096"
 CONFIG = ParallelConfig(dp=2, tp=2, micro_batch=2)
+EP_OVER_DP = ParallelConfig(dp=4, zero=3, micro_batch=1)
+"""Four ranks, data parallel with ZeRO-3 layouts: each rank holds one expert of each layer."""
 PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
 """Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance
 loss is added to the training loss in the last stage, so it must cross the stage boundary."""
@@ -53,9 +60,10 @@ def _worker(rank: int, job: TrainJob) -> list:
 
 @pytest.fixture(scope="module")
 def run():
-    job = TrainJob(model=MODEL, configs=(CONFIG, PIPELINE), steps=3, global_batch=BATCH, return_parameters=True)
-    results = spawn(_worker, 4, (place_job(job),))
-    return [r[0] for r in results], reference_run(job), [r[1] for r in results]
+    job = place_job(TrainJob(model=MODEL, configs=(CONFIG, PIPELINE, EP_OVER_DP), steps=3, global_batch=BATCH,
+                             return_parameters=True))
+    results = spawn(_worker, 4, (job,))
+    return [r[0] for r in results], reference_run(job), [r[1] for r in results], [r[2] for r in results], job
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +88,10 @@ def test_experts_are_sharded_on_the_expert_dim(solved):
         assert Shard(0) in placements, (name, placements)
 
 
-@pytest.mark.parametrize("which", ["dp2xtp2", "pp2xtp2"])
+@pytest.mark.parametrize("which", ["dp2xtp2", "pp2xtp2", "ep4_over_dp"])
 def test_losses_and_parameters_match_the_reference(run, which):
-    one_stage, (ref_losses, ref_params), pipeline = run
-    per_rank = one_stage if which == "dp2xtp2" else pipeline
+    one_stage, (ref_losses, ref_params), pipeline, ep_over_dp, _ = run
+    per_rank = {"dp2xtp2": one_stage, "pp2xtp2": pipeline, "ep4_over_dp": ep_over_dp}[which]
     losses = per_rank[0].losses
     assert len(losses) == 3 and all(r.losses == losses for r in per_rank), "every rank reports the same global loss"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
@@ -100,10 +108,34 @@ def test_price_equals_run(run, solved):
     """Every rank's program runs per step the collectives the ILP priced, by (kind, mesh
     axis): calls and bytes; the solution inspected above is the one that ran (same priced
     collectives)."""
-    per_rank, _, _ = run
+    per_rank, _, _, ep_over_dp, _ = run
     graph, solution = solved
     microbatches = BATCH // (CONFIG.dp * CONFIG.micro_batch)
     assert priced_per_step(solution, microbatches, ("dp", "tp")) == per_rank[0].priced
     for rank, r in enumerate(per_rank):
         assert r.priced is not None and r.collectives, f"rank {rank}"
         assert r.collectives == r.priced, f"rank {rank}"
+
+
+def test_experts_over_dp_run_where_their_tokens_are_sent(run):
+    """Under EP_OVER_DP the program each rank ran computes every expert matmul, forward and
+    backward, on its own expert (the stacked weight and the token slots split on e over dp:
+    no weight gathered), and its collectives per step are those the ILP priced: on gloo
+    each dispatch or combine runs as an all-gather of the slots and a local chunk."""
+    *_, ep_over_dp, job = run
+    placed = ProgramPlacements.loads(job.placements[2])
+    by_key = {p.key: p for p in placed.placements}
+    source = resolve(MODEL)
+    example = source.example_inputs(BATCH)
+    rows = EP_OVER_DP.dp * EP_OVER_DP.micro_batch
+    _, graph = trace_step(copy.deepcopy(source.build()), batch_rows(example, 0, rows, batch_size(example)))
+    keys = graph.node_keys()
+    expert_matmuls = [n for n in graph.nodes if n.op == "aten.bmm.default" and any(  # f = 4096: experts only
+        4096 in shape for shape in (n.output.shape, *(graph[i].output.shape for i in n.inputs)))]
+    assert len(expert_matmuls) == 2 * 3 * 3, len(expert_matmuls)  # 2 layers x (w1, w3, w2) x (fwd, dgrad, wgrad)
+    for n in expert_matmuls:
+        inputs = by_key[keys[n.id]].inputs
+        assert all(layout.startswith("(S(0)") for layout in inputs), (n.name, inputs)
+    for rank, r in enumerate(ep_over_dp):
+        assert r.priced is not None and r.collectives == r.priced, f"rank {rank}"
+        assert any(kind == "all_gather" for kind, _ in r.collectives), r.collectives
