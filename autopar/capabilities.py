@@ -46,7 +46,7 @@ _ZOO_MODULES = {"autopar.models.gpt": "gpt", "autopar.models.llama": "llama", "a
 
 def layer_container(model: Any) -> tuple[str, int]:
     """(module path, length) of the model's largest nn.ModuleList / nn.Sequential /
-    numbered nn.ModuleDict, ('', 0) if none: where autopar/trace.py reads layer indices."""
+    numbered nn.ModuleDict, ('', 0) if none: where autopar/trace/ reads layer indices."""
     from torch import nn
 
     best = ("", 0)

@@ -6,7 +6,7 @@ single-process reference; with dropout the two draw different masks (different R
 streams, batch slices and call orders), so their losses differ by noise that a broken
 plan could hide behind. Two pieces make the check meaningful again:
 
-- `random_ops(gm)`: the random ops of a traced joint graph (autopar/trace.py), found by
+- `random_ops(gm)`: the random ops of a traced joint graph (autopar/trace/), found by
   torch's own `nondeterministic_seeded` op tag; attention and RNN ops carry that tag for
   their dropout and count only when their dropout probability is above 0.
 - `deterministic_random()`: a context manager (a TorchDispatchMode below autograd, plus the

@@ -119,7 +119,7 @@ def cast_parameters(model: Any, dtype: str) -> None:
     Buffers keep the dtype the model made them in, as FSDP2's mixed precision leaves them
     (`param_dtype` casts parameters only): a model that keeps rotary tables or running
     statistics in float32 computes with them in float32. The tracer casts a model so
-    before tracing its step (autopar/trace.py), the single-process reference its compute
+    before tracing its step (autopar/trace/), the single-process reference its compute
     copy (autopar/runtime/jobs.py). torch is imported here, on use: the rest of this module
     is read by the torch-free cost model."""
     import torch

@@ -1,6 +1,6 @@
 """Recomputation (activation checkpointing) as a rewrite of the traced joint graph.
 
-Where it sits: between tracing and lowering (autopar/trace.py `trace(..., recompute=)`).
+Where it sits: between capture and lowering (autopar/trace/capture.py `trace(..., recompute=)`).
 A policy names which forward values of each repeated layer the backward reads from
 memory; every other forward value the backward needs is recomputed: its forward op is
 copied (with the chain of recomputed values it depends on) just before the backward of

@@ -50,7 +50,7 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from autopar.capabilities import layer_stack, split_layers
-    from autopar.trace import _hf_compiling_patch, _sdpa_backends
+    from autopar.trace import hf_compiling_patch, sdpa_backends
 
     prefix, num_layers = layer_stack(model)
     if num_layers < 2:
@@ -75,7 +75,7 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
                 parent = getattr(parent, atom)
         return stage
 
-    with _hf_compiling_patch(model), torch.nn.attention.sdpa_kernel(_sdpa_backends()), \
+    with hf_compiling_patch(model), torch.nn.attention.sdpa_kernel(sdpa_backends()), \
             mock.patch.object(pipelining_ir, "_outline_submodules", flat_stage):
         pipe = pipeline(routed(model, loss_fn), mb_args=tuple(microbatch), split_spec=split_spec)
     if pipe.num_stages != num_chunks:
@@ -172,9 +172,10 @@ def _forward_mul_source(gm: fx.GraphModule, tangent: fx.Node) -> fx.Node:
 
 
 def _annotate_modules(chunk: fx.GraphModule) -> None:
-    """Give every node of a chunk's flat graph its module path the way autopar/trace.py
-    records it (meta "custom" "module"), from the export's module stack, so the traced
-    joint graph knows its layers (layer groups for the ILP, recompute regions)."""
+    """Give every node of a chunk's flat graph its module path the way the tracer's capture
+    (autopar/trace/capture.py) records it (meta "custom" "module"), from the export's module
+    stack, so the traced joint graph knows its layers (layer groups for the ILP, recompute
+    regions)."""
     for node in chunk.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:

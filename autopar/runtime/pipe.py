@@ -2,7 +2,7 @@
 
 Where it sits: runtime. The cut itself (autopar/build/chunks.py `split_model`) finds the
 model's repeated layer stack (the model's largest ModuleList / Sequential / numbered
-ModuleDict: the container autopar/trace.py groups layers by), cuts it into pp * interleave
+ModuleDict: the container autopar/trace/ groups layers by), cuts it into pp * interleave
 chunks (the plan's `stage_layers` or an even split) and captures one microbatch of the
 training step with `torch.distributed.pipelining.pipeline` through `routed` (model +
 loss, or a model whose forward returns the loss), whose split points are the first layer

@@ -43,8 +43,9 @@ LLAMA_SHAPES = {
 }
 CONFIG_OPTIONS = ("attention", "sequence_parallel", "recompute", "interleave")
 CLUSTER_OPTIONS = ("nic_gbps_per_gpu", "hbm_tbps", "memory_gb")
-TRACE_SOURCES = ("autopar/trace.py", "autopar/ir.py", "autopar/models/gpt.py", "autopar/models/llama.py",
-                 "autopar/models/zoo.py", "benchmarks/baselines/analytic/profile.py")
+TRACE_SOURCES = ("autopar/trace/__init__.py", "autopar/trace/capture.py", "autopar/trace/lowering.py", "autopar/ir.py",
+                 "autopar/models/gpt.py", "autopar/models/llama.py", "autopar/models/zoo.py",
+                 "benchmarks/baselines/analytic/profile.py")
 """Files whose paths and content key the on-disk profile cache (a moved file changes the
 pickled classes' module names, so it keys a new entry)."""
 

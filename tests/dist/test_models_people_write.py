@@ -7,7 +7,7 @@ through the CLI (`search --out`, then `train --plan --check`).
 Aliased parameters: one Parameter registered under two names (a masked-LM head whose bias
 is its decoder's bias, tests/factories.py `shared_bias`, and Hugging Face's BERT, whose
 `cls.predictions.bias` is `cls.predictions.decoder.bias`), and one module applied twice.
-The tracer makes each aliased tensor one graph input with one gradient (autopar/trace.py
+The tracer makes each aliased tensor one graph input with one gradient (autopar/trace/capture.py
 `_merge_tied`): where only the alias is read, its gradient is the parameter's.
 
 An encoder-decoder: Hugging Face T5 from a small config, searched and forced (dp4: the

@@ -132,7 +132,7 @@ def test_deepseek_v3_like_preset_counts_its_own_formula():
 
 def test_one_hot_range_checks_do_not_pin_the_batch():
     """F.one_hot traces to a comparison plus `_assert_async(all(...))` range checks; the
-    tracer drops the checks (autopar/trace.py _drop_value_checks), so a model that one-hots
+    tracer drops the checks (autopar/trace/capture.py _drop_value_checks), so a model that one-hots
     batch-derived indices (routing) still splits its batch four ways."""
     from torch import nn
     from torch.nn import functional as F
