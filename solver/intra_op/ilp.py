@@ -98,7 +98,7 @@ from solver.intra_op.backend import (
 from solver.intra_op.collective_groups import expected_bucket_bytes, param_gather_uses, update_gather
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import (
-    PlaceholderFilter, UpdateFilter, exchange_nodes, gathers_rows, prune_gather_free, restrict_placeholders)
+    Exchange, PlaceholderFilter, UpdateFilter, exchange_nodes, gathers_rows, prune_gather_free, restrict_placeholders)
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.solution import extract_solution
@@ -136,11 +136,9 @@ class _EdgePrices:
     def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
                  prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
-                 exchange: frozenset[NodeId] = frozenset()) -> None:
+                 exchange: Exchange | None = None) -> None:
         self.graph, self.red, self.pricer, self.gathers = graph, red, pricer, gathers
-        # a grouped op's edges, and those of the nodes that follow it in one choice (reduce_graph
-        # ties a view of its result to it, so the split can only move past the view)
-        self.exchange = frozenset(red.owner[n] for n in exchange if n in red.owner)
+        self.owner_ep = _owner_flags(red, exchange or {})
         self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
         self.from_params = graph.parameter_derived() if gather_free_axes else frozenset()
         self.edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
@@ -180,9 +178,10 @@ class _EdgePrices:
             dst_of: Callable[[int], Placements], weight: float, grad: bool = False) -> None:
         """The edge u -> v carrying `meta`, its layouts at strategy j of u and of v."""
         graph, red = self.graph, self.red
-        activation: bool | str = bool(self.gather_free_axes) and u not in self.from_params and not grad
-        if activation and (red.owner[u] in self.exchange or red.owner[v] in self.exchange):
-            activation = "exchange"
+        activation = bool(self.gather_free_axes) and u not in self.from_params and not grad
+        if activation and (red.owner[u] in self.owner_ep or red.owner[v] in self.owner_ep):
+            self._add_exchange(u, v, meta, src_of, dst_of, weight)  # a grouped op's edge
+            return
         share, uses = None, 1
         a, b = red.owner[u], red.owner[v]
         if grad:
@@ -208,6 +207,42 @@ class _EdgePrices:
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
             distinct = {(a, b): self.priced(meta, a, b, activation, grad, share, uses) for a in us for b in ud}
             unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
+        self._accumulate(a, b, unit, weight)
+
+    def _add_exchange(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
+                      dst_of: Callable[[int], Placements], weight: float) -> None:
+        """An activation edge into or out of a grouped op, or a node that takes its choice
+        (`_owner_flags`): a split may move to another split over the gather-free axes where
+        the choice on either side is expert-parallel, and nowhere else. Priced per pair of
+        owner choices; equal edges (layer twins) share one matrix."""
+        red = self.red
+        a, b = red.owner[u], red.owner[v]
+        no = (False,) * max(len(red.smap[u]), len(red.smap[v]))
+        ep_a, ep_b = self.owner_ep.get(a, no), self.owner_ep.get(b, no)
+
+        def price(ja: int, jb: int) -> float | None:
+            return self.priced(meta, src_of(red.smap[u][ja]), dst_of(red.smap[v][jb]),
+                               "exchange" if ep_a[ja] or ep_b[jb] else True, False)
+
+        if a == b:
+            coef = self.node_coef[a]
+            for j in range(len(coef)):
+                c = price(j, j)
+                if c is None:
+                    self.forbidden.setdefault(a, set()).add(j)
+                else:
+                    coef[j] += weight * c
+            return
+        src = tuple(src_of(j) for j in red.smap[u])
+        dst = tuple(dst_of(j) for j in red.smap[v])
+        key = ("exchange", meta.shape, meta.strides, meta.dtype, src, dst, ep_a[:len(src)], ep_b[:len(dst)])
+        unit = self.matrices.get(key)
+        if unit is None:
+            unit = self.matrices[key] = [[price(ja, jb) for jb in range(len(dst))] for ja in range(len(src))]
+        self._accumulate(a, b, unit, weight)
+
+    def _accumulate(self, a: NodeId, b: NodeId, unit: list[list[float | None]], weight: float) -> None:
+        """Add `weight` x `unit` to the edge matrix of owners (a, b) (None: forbidden)."""
         matrix = self.edges.get((a, b))
         if matrix is None:
             self.edges[(a, b)] = [[None if c is None else weight * c for c in row] for row in unit]
@@ -220,10 +255,26 @@ class _EdgePrices:
                     row[jb] += weight * c
 
 
+def _owner_flags(red: Reduction, exchange: Exchange) -> dict[NodeId, tuple[bool, ...]]:
+    """Per owner holding a grouped op (restrict.py `exchange_nodes`) or taking its choice
+    with one, per owner choice: whether a grouped op's strategy there is expert-parallel.
+    A view that follows a grouped op (sharing.py) takes its layout unchanged, so the split
+    leaving the op can only move on the view's own out-edge: its edges are the op's."""
+    flags: dict[NodeId, list[bool]] = {}
+    for n, ep in exchange.items():
+        if red.owner[n] < 0:
+            continue
+        a = red.owner[n]
+        mine = flags.setdefault(a, [False] * len(red.smap[a]))
+        for j, k in enumerate(red.smap[n]):
+            mine[j] = mine[j] or ep[k]
+    return {a: tuple(f) for a, f in flags.items()}
+
+
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
                    *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
-                   prices: tuple[dict, dict, dict] | None = None, exchange: frozenset[NodeId] = frozenset()
+                   prices: tuple[dict, dict, dict] | None = None, exchange: Exchange | None = None
                    ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
@@ -231,8 +282,8 @@ def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     matrix) price memos of earlier solves with the same pricer and axes (a search's solves
     of one submesh share them: every key holds the tensor and both layouts it prices).
     `gathers` collects the grouped weight gathers' rows (gather_rows.py); `exchange` the
-    grouped ops, on whose edges a split may move over `gather_free_axes` (restrict.py
-    `exchange_nodes`)."""
+    grouped ops, into and out of whose expert-parallel strategies a split may move over
+    `gather_free_axes` (restrict.py `exchange_nodes`)."""
     active = set(red.active)
     edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers, exchange)
     for v in red.active:
@@ -464,20 +515,22 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
 def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], space: StrategySpace | None,
                       nodes: tuple[NodeId, ...] | None, keep_placeholder: PlaceholderFilter | None,
                       keep_update: UpdateFilter | None, gather_free_axes: tuple[int, ...],
-                      prune_memo: dict | None) -> tuple[StrategySpace, frozenset[NodeId]]:
+                      prune_memo: dict | None) -> tuple[StrategySpace, Exchange]:
     """The strategies this solve chooses from: `space` (or a new enumeration) under the
     forced configuration's filters, pruned on the gather-free axes for a whole graph
-    (solver/intra_op/restrict.py); and the grouped ops whose edges may move a split over
-    those axes (`exchange_nodes`, read off the space before pruning, the same set for the
-    pruning and the ILP's edges)."""
+    (solver/intra_op/restrict.py); and the grouped ops' expert-parallel strategies in it
+    (`exchange_nodes`: the same rule for the pruning and the ILP's edges)."""
     if space is None:
         space = enumerate_strategies(graph, mesh_shape)
     if keep_placeholder is not None or keep_update is not None:
         space = restrict_placeholders(graph, space, keep_placeholder, keep_update)
     exchange = exchange_nodes(graph, space, gather_free_axes)
     if nodes is None:
-        space = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
-                                  memo=prune_memo, exchange=exchange)
+        pruned = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
+                                   memo=prune_memo, exchange=exchange)
+        if pruned is not space and exchange:
+            exchange = exchange_nodes(graph, pruned, gather_free_axes)
+        space = pruned
     return space, exchange
 
 

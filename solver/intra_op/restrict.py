@@ -61,25 +61,32 @@ def stacked_gradient_bound(graph: Graph) -> frozenset[NodeId]:
     return frozenset(bound)
 
 
-def exchange_nodes(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...]) -> frozenset[NodeId]:
-    """The grouped ops of `graph`: nodes that compute with a stacked parameter (three or more
-    dims: routed experts' weights [E, d, f]) or a stacked parameter's gradient, and that have
-    a strategy splitting that tensor on a gather-free axis with every activation they read
-    and write split on the same axis (none whole, none a pending sum). Such a strategy is
-    expert parallelism over the data-parallel ranks: each device computes its own experts
-    on the tokens sent to them. The token slots reach it split by batch and must move to the
-    expert split: on the edges into and out of these nodes `gathers_rows` allows the
-    all-to-all (Shard(i) -> Shard(j)) over the gather-free axes; everywhere else
-    activations stay where their batch split put them.
+Exchange = dict[NodeId, tuple[bool, ...]]
+"""Per grouped op (`exchange_nodes`), per strategy of its list: whether it is expert
+parallelism over a gather-free axis (the only strategies a moved split may feed or leave)."""
+
+
+def exchange_nodes(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...]) -> Exchange:
+    """The grouped ops of `graph` and their expert-parallel strategies. A grouped op computes
+    with a stacked parameter (three or more dims: routed experts' weights [E, d, f]) or
+    produces a stacked parameter's gradient (`stacked_gradient_bound`); its expert-parallel
+    strategies split that tensor on a gather-free axis with every activation they read and
+    write split on the same axis (none whole, none a pending sum): each device computes its
+    own experts on the tokens sent to them. The token slots reach such a strategy split by
+    batch and must move to the expert split, and back after it: on the edges into and out
+    of a grouped op, and only for these strategies, `gathers_rows` allows the all-to-all
+    (Shard(i) -> Shard(j)) over the gather-free axes. Everywhere else activations stay where
+    their batch split put them, and a grouped op's other strategies (the weights gathered,
+    or the contraction split into a pending sum) read their inputs as before.
 
     A dense layer's matmul never qualifies (its weights have two dims, and splitting a
     weight over the axis leaves the input whole or the output a pending sum), nor a norm's
     vector weight, so the dense strategy space is unchanged."""
     if not gather_free_axes:
-        return frozenset()
+        return {}
     derived = graph.parameter_derived()
     bound = stacked_gradient_bound(graph)
-    out = set()
+    out: Exchange = {}
     for node in graph.nodes:
         if node.op == "placeholder" or node.id in derived:
             continue
@@ -88,11 +95,11 @@ def exchange_nodes(graph: Graph, space: StrategySpace, gather_free_axes: tuple[i
         if not stacked and not grad_out:
             continue
         reads = [p for p, u in enumerate(node.inputs) if u not in derived]
-        for st in space.strategies[node.id]:
-            if any(_all_split(st, a, stacked, reads, grad_out) for a in gather_free_axes):
-                out.add(node.id)
-                break
-    return frozenset(out)
+        flags = tuple(any(_all_split(st, a, stacked, reads, grad_out) for a in gather_free_axes)
+                      for st in space.strategies[node.id])
+        if any(flags):
+            out[node.id] = flags
+    return out
 
 
 def _all_split(st: Any, axis: int, stacked: list[int], reads: list[int], grad_out: bool) -> bool:
@@ -108,8 +115,8 @@ def gathers_rows(collective: Any, src: Placements, dst: Placements, gather_free_
                  exchange: bool = False) -> bool:
     """Whether `collective`, one step of resharding an activation from `src` to `dst`,
     gathers rows on a gather-free (data-parallel) axis: an all-gather or all-to-all there.
-    `exchange` (an edge into or out of a grouped op, `exchange_nodes`): except where that
-    axis goes from Shard(i) to Shard(j), i != j.
+    `exchange` (an edge into or out of a grouped op's expert-parallel strategy,
+    `exchange_nodes`): except where that axis goes from Shard(i) to Shard(j), i != j.
 
     Such a move keeps every device holding 1/n of the tensor and computing on its own
     share: rows are exchanged, not duplicated, so the axis still divides the work. It is
@@ -129,8 +136,7 @@ def gathers_rows(collective: Any, src: Placements, dst: Placements, gather_free_
 
 
 def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...], *,
-                      gloo: bool, memo: dict | None = None,
-                      exchange: frozenset[NodeId] = frozenset()) -> StrategySpace:
+                      gloo: bool, memo: dict | None = None, exchange: Exchange | None = None) -> StrategySpace:
     """`space` without the strategies no plan can use under `gather_free_axes`: a node's
     strategy goes when one of its activation inputs (an edge `_edge_matrices` prices, from
     a tensor not derived from a parameter) has no remaining producer strategy that DTensor
@@ -161,14 +167,16 @@ def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tupl
     lists (placeholders' by value: restrict_placeholders rebuilds them per solve, the
     others by identity, kept alive in the memo).
 
-    `exchange`: the grouped ops (`exchange_nodes` of `space`), on whose edges an
-    activation may move from one split to another over the axes (`gathers_rows`)."""
+    `exchange`: the grouped ops (`exchange_nodes` of `space`), into and out of whose
+    expert-parallel strategies an activation may move from one split to another over the
+    axes (`gathers_rows`)."""
+    exchange = exchange or {}
     if not gather_free_axes:
         return space
     derived = graph.parameter_derived()
     key = None
     if memo is not None:
-        key = (gather_free_axes, gloo, len(graph.nodes), exchange,
+        key = (gather_free_axes, gloo, len(graph.nodes), tuple(sorted(exchange.items())),
                tuple(0 if i in derived else options if graph[i].op == "placeholder" else id(options)
                      for i, options in enumerate(space.strategies)))
         if key in memo:
@@ -309,7 +317,7 @@ def _activation_edges(graph: Graph, derived: frozenset[NodeId]) -> list[list[tup
 
 
 def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset[NodeId],
-                          reshards: _GatherFreeReshards, exchange: frozenset[NodeId]) -> list[list[int]]:
+                          reshards: _GatherFreeReshards, exchange: Exchange) -> list[list[int]]:
     """Per node, the indices of the strategies some plan can still use: the fixed point of
     dropping a strategy whose input no remaining producer strategy reaches (prune_gather_free).
     Raises the InfeasiblePlanError of a node left with none."""
@@ -328,11 +336,17 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
             for p, u, idx, reshard in edges[v]:
                 produced = frozenset(out_ids[u][i][idx] for i in kept[u])
                 need = frozenset(in_ids[v][j][p] for j in alive)
-                if reshard:
-                    reachable = reshards.reachable(graph[u].output, produced, need, u in exchange or v in exchange)
-                else:
+                if not reshard:
                     reachable = need & produced
-                if len(reachable) != len(need):
+                elif u in exchange or v in exchange:
+                    reachable = _exchange_reachable(graph[u].output, reshards, produced, need, p, idx,
+                                                    exchange.get(u), kept[u], out_ids[u], exchange.get(v), alive,
+                                                    in_ids[v])
+                else:
+                    reachable = reshards.reachable(graph[u].output, produced, need)
+                if isinstance(reachable, dict):  # per strategy of v
+                    alive = [j for j in alive if reachable[j]]
+                elif len(reachable) != len(need):
                     alive = [j for j in alive if in_ids[v][j][p] in reachable]
             if len(alive) == len(kept[v]):
                 continue
@@ -343,6 +357,23 @@ def _surviving_strategies(graph: Graph, space: StrategySpace, derived: frozenset
                 kept[n] = [j for j in kept[n] if j in alive_set]
             changed = True
     return kept
+
+
+def _exchange_reachable(meta: Any, reshards: _GatherFreeReshards, produced: frozenset[int], need: frozenset[int],
+                        p: int, idx: int, ep_u: tuple[bool, ...] | None, kept_u: list[int], out_u: list,
+                        ep_v: tuple[bool, ...] | None, alive: list[int], in_v: list) -> dict[int, bool]:
+    """{strategy j of v: whether its input p is reachable} on an edge of a grouped op: a
+    layout reached without moving a split, or by a move out of one of u's expert-parallel
+    strategies, or by a move into one of v's."""
+    plain = reshards.reachable(meta, produced, need)
+    from_ep = frozenset()
+    if ep_u is not None:
+        from_ep = reshards.reachable(meta, frozenset(out_u[i][idx] for i in kept_u if ep_u[i]), need, True)
+    into_ep = frozenset()
+    if ep_v is not None:
+        into_ep = reshards.reachable(meta, produced, frozenset(in_v[j][p] for j in alive if ep_v[j]), True)
+    return {j: in_v[j][p] in plain or in_v[j][p] in from_ep or (ep_v is not None and ep_v[j] and in_v[j][p] in into_ep)
+            for j in alive}
 
 
 def _no_split_error(graph: Graph, node: Node, gather_free_axes: tuple[int, ...],

@@ -206,6 +206,36 @@ def test_the_ilp_splits_the_experts_and_dispatches_by_all_to_all(tiny_dp2_tp2):
 
 
 
+@pytest.mark.parametrize("spec", [TINY, "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=16",
+                                  "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16"])
+def test_grouped_ops_are_the_expert_matmuls(spec):
+    """The ops on whose edges a split may move over dp (restrict.py exchange_nodes) are the
+    routed experts' batched matmuls, forward, input-gradient and weight-gradient (and views
+    of a stacked weight's gradient), each with an expert-parallel strategy; a dense model
+    has none, so its strategy space is what it was."""
+    from solver.forced import keep_placeholder
+    from solver.intra_op.restrict import exchange_nodes, restrict_placeholders
+    from solver.intra_op.space import enumerate_strategies
+
+    graph = trace_model(resolve(spec), batch=4)
+    space = restrict_placeholders(graph, enumerate_strategies(graph, (4, 1)),
+                                  keep_placeholder(ParallelConfig(dp=4, zero=3)))
+    grouped = exchange_nodes(graph, space, (0,))
+    if not spec.startswith("moe"):
+        assert grouped == {}
+        return
+    matmuls = {n.id for n in graph.nodes if n.op == "aten.bmm.default" and any(
+        64 in (graph[i].output.shape[1:]) and graph[i].output.shape[0] == 4 for i in n.inputs)
+        and n.module_path.endswith(".moe") and "experts" not in n.module_path}
+    expert_bmms = {n for n in grouped if graph[n].op == "aten.bmm.default"}
+    assert len(expert_bmms) == 2 * 3 * 3, len(expert_bmms)  # 2 layers x (w1, w3, w2) x (fwd, dgrad, wgrad)
+    assert expert_bmms <= matmuls
+    assert {graph[n].op for n in grouped} <= {"aten.bmm.default", "aten.view.default", "aten.permute.default",
+                                               "aten.squeeze.dim", "aten.transpose.int", "aten._unsafe_view.default"}
+    for n, flags in grouped.items():
+        assert any(flags) and len(flags) == len(space[n])
+
+
 def _by_kind(counts: dict) -> dict:
     out: dict = {}
     for (kind, _), sizes in counts.items():
@@ -215,10 +245,20 @@ def _by_kind(counts: dict) -> dict:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch):
-    """Price = run for the all-to-alls of a GPU mesh: the ILP's plan for --dp 2 --tp 2 on
-    H100s, applied on a fake process group of 4 ranks (nothing runs), holds in its per-rank
-    graphs exactly the collectives priced, all-to-alls included, by kind, count and bytes.
+WIDE = TINY.replace("expert_ffn=64", "expert_ffn=4096")
+"""Experts wide against a step's tokens: gathering them costs more than moving the tokens."""
+
+
+@pytest.mark.parametrize("spec,config,axis", [
+    (TINY, ParallelConfig(dp=2, tp=2, micro_batch=2), "tp"),
+    (WIDE, ParallelConfig(dp=4, zero=3, micro_batch=1), "dp"),
+], ids=["ep-over-tp", "ep-over-dp"])
+def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch, spec, config, axis):
+    """Price = run for the all-to-alls of a GPU mesh: the ILP's plan for --dp 2 --tp 2 (the
+    experts split over tp) and for --dp 4 --zero 3 (split over dp: expert parallelism over
+    the data-parallel ranks, solver/intra_op/restrict.py exchange_nodes) on H100s, applied
+    on a fake process group of 4 ranks (nothing runs), holds in its per-rank graphs exactly
+    the collectives priced, all-to-alls included, by kind, count and bytes.
     DTensor picks its all-to-all by the mesh's device type (a CPU mesh all-gathers and keeps
     a chunk, which gloo prices: tests/dist/test_moe_numerics.py), so the trace takes the
     branch a GPU mesh takes, `_dtensor.shard_dim_alltoall`, on this CPU mesh."""
@@ -238,13 +278,14 @@ def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch):
         return torch.ops._dtensor.shard_dim_alltoall(tensor, gather_dim, shard_dim, group)
 
     monkeypatch.setattr(placement_types, "shard_dim_alltoall", gpu_all_to_all)
-    config = ParallelConfig(dp=2, tp=2, micro_batch=2)
-    source = resolve(TINY)
+    source = resolve(spec)
     torch.manual_seed(0)
     traced, graph = trace_step(source.build(), list(source.example_inputs(4)))
     solution = solve_config(graph, config, Cluster.parse("h100:1x4"), num_microbatches=1)
+    per_axis = priced_per_step(solution, 1, ("dp", "tp"))
+    assert any(kind == "all_to_all" and where == axis for kind, where in per_axis), per_axis
     priced: dict = {}
-    for (kind, _), (calls, nbytes) in priced_per_step(solution, 1, ("dp", "tp")).items():
+    for (kind, _), (calls, nbytes) in per_axis.items():
         entry = priced.setdefault(kind, [0, 0])
         entry[0] += calls
         entry[1] += nbytes
@@ -252,7 +293,7 @@ def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch):
     _clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (config.dp, config.tp), mesh_dim_names=("dp", "tp"))
         program = apply(traced.gm, graph, solution_choices(graph, solution), mesh, sync_in_step=True)
     finally:
         dist.destroy_process_group()
