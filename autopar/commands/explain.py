@@ -23,7 +23,9 @@ def routing_lines(plan: Plan) -> list[str]:
     C = ceil(capacity_factor * s * k / E) of a group's s tokens' k choices; a choice past
     it is dropped and the residual carries the token (Switch Transformer, Fedus et al.
     2021, arXiv 2101.03961, section 2.2). Where the experts run: the compute placement
-    the ILP gave the routed experts' weights (`moe.w1`, `moe.w3`, `moe.w2`)."""
+    the ILP gave the routed experts' weights (`moe.w1`, `moe.w3`, `moe.w2`); an E split
+    over dp is expert parallelism where the plan moves tokens over dp (its all-to-alls
+    there: solver/intra_op/restrict.py exchange_nodes), else ZeRO-3 storage."""
     from autopar.models import resolve
     from autopar.models.moe import MoEConfig, capacity
 
@@ -49,18 +51,32 @@ def routing_lines(plan: Plan) -> list[str]:
     name, placement = experts[0]
     compute = placement.partition(UPDATE_SEPARATOR)[0]
     dp, tp = (placement_axes(compute) + ["R", "R"])[:2]
-    stored = ("; over dp the split is ZeRO-3 storage, gathered before use (a data-parallel axis moves no tokens)"
-              if dp == "S(0)" else "")
+    moves = {axis: calls for kind, axis, calls, _ in info.collectives
+             if kind == "all_to_all"}
+    if dp == "S(0)" and moves.get("dp"):
+        over_dp = (f"; over dp too, {plan.config.dp} ways: each data-parallel rank computes its own experts on the "
+                   f"tokens sent to it ({moves['dp']} all-to-alls over dp per microbatch), expert parallelism over "
+                   "the data-parallel ranks")
+    elif dp == "S(0)":
+        over_dp = ("; over dp the split is ZeRO-3 storage, gathered before use" if not plan.cluster.startswith("cpu")
+                   else "; over dp the experts are split on E: stored (ZeRO-3) and gathered before use, or computed "
+                        "where they are stored with the tokens sent to them (on a CPU mesh that move runs as an "
+                        "all-gather and a chunk: the per-op placements say which)")
+    else:
+        over_dp = ""
     if tp == "S(0)":
         lines.append(f"  routed experts: split {plan.config.tp} ways on E over tp ({name}: {placement}); tokens "
                      "travel to their experts' ranks and back as the placements change (all-to-all on GPU meshes, "
-                     "all-gather and chunk on CPU meshes), priced and run" + stored)
+                     "all-gather and chunk on CPU meshes), priced and run" + over_dp)
+    elif dp == "S(0)" and moves.get("dp"):
+        lines.append(f"  routed experts: split {plan.config.dp} ways on E over dp ({name}: {placement}): each "
+                     f"data-parallel rank computes its own experts on the tokens sent to it and back "
+                     f"({moves['dp']} all-to-alls over dp per microbatch), expert parallelism over the "
+                     "data-parallel ranks, priced and run")
     else:
-        lines.append(f"  routed experts: not split on E ({name}: {placement}). Tokens can reach an expert's rank "
-                     "only over tp: a data-parallel axis moves no activations between its ranks (each keeps its "
-                     f"own rows), and this plan has tp={plan.config.tp}"
-                     + ("; the search found no plan with tp > 1 faster (its runners-up are above)"
-                        if plan.config.tp == 1 else "; the ILP priced them whole over tp cheaper here") + stored)
+        lines.append(f"  routed experts: not split on E for compute ({name}: {placement}): the ILP priced each rank "
+                     "computing its own tokens with the experts whole cheaper than sending the tokens to split "
+                     "experts (an all-to-all over tp or dp)" + over_dp)
     return lines
 
 

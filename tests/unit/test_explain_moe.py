@@ -14,12 +14,14 @@ from autopar.sharding import UPDATE_SEPARATOR
 EXPERTS = ("layers.*.moe.w1", "layers.*.moe.w3", "layers.*.moe.w2")
 
 
-def _plan(model: str, config: ParallelConfig, expert_placement: str, seq: int = 32) -> SimpleNamespace:
-    """What routing_lines reads of a Plan: its model, seq, config and per-parameter placements."""
+def _plan(model: str, config: ParallelConfig, expert_placement: str, seq: int = 32,
+          collectives: tuple = (), cluster: str = "h100:1x4") -> SimpleNamespace:
+    """What routing_lines reads of a Plan: its model, seq, config, cluster, per-parameter
+    placements and collectives per microbatch."""
     parameters = (("layers.*.attention.wq.weight", "(R, R)"),
                   *((name, expert_placement) for name in EXPERTS), ("layers.*.moe.gate.weight", "(R, R)"))
-    return SimpleNamespace(model=model, seq=seq, config=config,
-                           intra_op_info=SimpleNamespace(parameters=parameters))
+    return SimpleNamespace(model=model, seq=seq, config=config, cluster=cluster,
+                           intra_op_info=SimpleNamespace(parameters=parameters, collectives=collectives))
 
 
 def test_capacity_is_gshards_formula_for_the_plans_sequence():
@@ -34,21 +36,27 @@ def test_capacity_is_gshards_formula_for_the_plans_sequence():
 def test_experts_split_over_tp_are_named_with_their_ways():
     lines = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), "(R, S(0))"))
     assert "split 2 ways on E over tp" in lines[1], lines
-    # over dp an E split is where the weights are stored (ZeRO-3), gathered before use: tokens
-    # do not travel over a data-parallel axis
+    # over dp an E split without tokens moving over dp is where the weights are stored
+    # (ZeRO-3), gathered before use
     both = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), "(S(0), S(0))"))
     assert "split 2 ways on E over tp" in both[1] and "over dp the split is ZeRO-3 storage" in both[1], both
     stored = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(S(0), R)"))
-    assert "not split on E" in stored[1] and "ZeRO-3 storage" in stored[1], stored
+    assert "not split on E for compute" in stored[1] and "ZeRO-3 storage" in stored[1], stored
+    # with all-to-alls over dp it is expert parallelism over the data-parallel ranks
+    ep = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(S(0), R)",
+                             collectives=(("all_to_all", "dp", 12, 4096), ("all_gather", "dp", 3, 64))))
+    assert "split 4 ways on E over dp" in ep[1] and "12 all-to-alls over dp" in ep[1], ep
+    # on a CPU mesh the move is an all-gather: both readings are named
+    cpu = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(S(0), R)", cluster="cpu:4"))
+    assert "ZeRO-3" in cpu[1] and "tokens sent to them" in cpu[1], cpu
     # the compute placement counts, not where the update is sharded (ZeRO-1)
     zero1 = routing_lines(_plan("moe-tiny", ParallelConfig(dp=2, tp=2), f"(R, R){UPDATE_SEPARATOR}(S(0), R)"))
-    assert "not split on E" in zero1[1], zero1
+    assert "not split on E for compute" in zero1[1], zero1
 
 
 def test_whole_experts_say_why():
     lines = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(R, R)"))
-    assert "not split on E" in lines[1] and "data-parallel axis moves no activations" in lines[1]
-    assert "tp=1" in lines[1]
+    assert "not split on E for compute" in lines[1] and "cheaper than sending the tokens" in lines[1], lines
 
 
 def test_dense_and_user_models_get_no_routing_lines():
