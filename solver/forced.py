@@ -14,7 +14,9 @@ The mesh of a configuration is (dp, tp) (pp stages each get one). On the axes:
   over dp (for parameters with a dim that dp divides; others stay whole):
   zero 0: compute and update replicated (gradients all-reduced);
   zero 1/2: compute replicated, update sharded (the optimizer steps the shard, the
-  updated weights all-gathered once per step); zero 1 reduce-scatters the gradients once
+  updated weights all-gathered once per step), except that a stacked parameter (routed
+  experts [E, d, f]) may also be split on E, computed and updated where it is stored and
+  never gathered (expert parallelism over dp, `expert_split`); zero 1 reduce-scatters the gradients once
   per step, after the microbatches accumulated them whole; zero 2 reduce-scatters each
   microbatch's gradients during its backward and accumulates the shards: m
   reduce-scatters per step instead of one, gradient memory 1/N (the ILP's
@@ -65,13 +67,31 @@ def keep_placeholder(config: ParallelConfig, *, update_free: bool = False):
         if node.role is Role.PARAMETER:
             if config.dp > 1 and not update_free:
                 sharded_dp = config.zero >= 3 and _shardable(shape, config.dp)
-                if sharded_dp != isinstance(dp, Shard):
+                if sharded_dp != isinstance(dp, Shard) and not (config.zero < 3 and expert_split(shape, dp, config.dp)):
                     return False
             if config.tp > 1 and len(shape) >= 2 and _shardable(shape, config.tp):
                 return isinstance(tp, Shard)
         return True
 
     return keep
+
+
+def expert_split(shape: tuple[int, ...], placement: Any, dp: int) -> bool:
+    """Whether `placement` over dp splits a stacked parameter (three or more dims: routed
+    experts [E, d, f]) on its leading dim: under ZeRO 0-2 such a parameter may be stored
+    split over dp, each rank holding its own experts, and is then computed where it is
+    stored, never gathered (`weights_whole_axes`): expert parallelism over the
+    data-parallel ranks (solver/intra_op/restrict.py exchange_nodes), as Megatron-Core and
+    torchtitan run it beside ZeRO-1 for the dense weights."""
+    return len(shape) >= 3 and placement == Shard(0) and shape[0] % dp == 0
+
+
+def weights_whole_axes(config: ParallelConfig, *, update_free: bool = False) -> tuple[int, ...]:
+    """Axes on which no weight is gathered per use: dp under ZeRO 0-2 (weights are computed
+    whole or, for experts split over dp, where they are stored; the ZeRO-1/2 gather of
+    updated weights is the update edge's, once per step); none under ZeRO-3 or where the
+    ILP chooses each parameter's layout."""
+    return (DP_AXIS,) if config.dp > 1 and config.zero < 3 and not update_free else ()
 
 
 def keep_update(config: ParallelConfig, *, update_free: bool = False):
@@ -84,7 +104,8 @@ def keep_update(config: ParallelConfig, *, update_free: bool = False):
             return update == compute or (isinstance(compute[DP_AXIS], Replicate)
                                          and isinstance(update[DP_AXIS], Shard) and update[TP_AXIS] == compute[TP_AXIS])
         if update == compute:
-            return not (config.zero in (1, 2) and config.dp > 1 and _shardable(node.output.shape, config.dp))
+            return isinstance(compute[DP_AXIS], Shard) or not (
+                config.zero in (1, 2) and config.dp > 1 and _shardable(node.output.shape, config.dp))
         return config.zero in (1, 2) and isinstance(compute[DP_AXIS], Replicate) \
             and isinstance(update[DP_AXIS], Shard) and update[TP_AXIS] == compute[TP_AXIS]
 
@@ -129,6 +150,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     return solve_intra_op(graph, cluster, mesh_shape(config), keep_placeholder=keep,
                           keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
+                          weights_whole_axes=weights_whole_axes(config, update_free=update_free),
                           time_limit_s=time_limit_s, space=space, prune_memo=prune_memo, grads_each_microbatch=zero2)
 
 
@@ -144,6 +166,7 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
                           keep_placeholder=keep_placeholder(config, update_free=update_free),
                           keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches, space=space,
+                          weights_whole_axes=weights_whole_axes(config, update_free=update_free),
                           grads_each_microbatch=not update_free and zero_2_syncs(config),
                           memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, cutoff_s=cutoff_s)
 

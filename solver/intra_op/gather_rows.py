@@ -1,7 +1,7 @@
 """The intra-op ILP's weight-gather groups: one latency per group the chosen placements form.
 
 Where it sits: collected by solver/intra_op/ilp.py while it prices the edges from
-parameter-derived tensors (`_EdgePrices.add`) and the updated weights' gathers
+parameter-derived tensors (edges.py `EdgePrices.add`) and the updated weights' gathers
 (`_add_update_gathers`); its rows join the ILP (`_Model.add_gather_group_rows`). The
 solution is priced the same way (solver/intra_op/solution.py `grouped_gathers`).
 

@@ -36,7 +36,11 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
                forward/backward consistency is a cost, so it can never make the problem
                infeasible. An edge from a parameter-derived tensor that is one all-gather
                on one axis is a member of its gather group: C_ab holds its bandwidth
-               term and copies, the group's latency is y_g's.
+               term and copies, the group's latency is y_g's. None (the pair is not a
+               plan) where an activation would be gathered on a data-parallel axis,
+               except into or out of a grouped op's expert-parallel strategy (the
+               dispatch and combine all-to-alls), or a weight on an axis where weights
+               stay whole (ZeRO 0-2): solver/intra_op/edges.py.
     y_g      = in [0, 1], charged w_g lat(axis) in the objective: 1 where any member of
                gather group g (one flat all-gather per consumer layer, phase, axis and
                dtype, or per layer for the updated weights) gathers, by the rows
@@ -79,13 +83,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pulp
 
 from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Role
-from autopar.placement import Placements, Replicate, is_partial
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
 from cost_model import CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table, runs_gloo
 from solver.intra_op.backend import (
@@ -95,10 +98,11 @@ from solver.intra_op.backend import (
     native_stdout_to_stderr,
     solve,
 )
-from solver.intra_op.collective_groups import expected_bucket_bytes, param_gather_uses, update_gather
+from solver.intra_op.collective_groups import update_gather
 from solver.intra_op.gather_rows import GatherGroups
+from solver.intra_op.edges import TIE_BREAK_S, edge_matrices
 from solver.intra_op.restrict import (
-    Exchange, PlaceholderFilter, UpdateFilter, exchange_nodes, gathers_rows, prune_gather_free, restrict_placeholders)
+    Exchange, PlaceholderFilter, UpdateFilter, exchange_nodes, prune_gather_free, restrict_placeholders)
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.solution import extract_solution
@@ -110,199 +114,11 @@ log = logging.getLogger(__name__)
 MEMORY_SCALE = 1.0 / 2**20
 """Memory rows are written in MiB for the same reason."""
 
-TIE_BREAK_S = 1e-10
-"""Added to the objective (not to reported costs) per collective an edge needs: among
-equal-time plans prefer fewer collectives (an all-reduce over reduce-scatter + all-gather)."""
-
 MEMORY_TIE_BREAK_S_PER_BYTE = 1e-19
 """Added to the objective (not to reported costs) per byte of a non-parameter tensor:
 among equal-time plans prefer sharded activations and inputs (an input placeholder is
 free to arrive replicated or sharded; 1 GiB weighs 1e-10 s). Parameters have none, so
 that TIE_BREAK_S alone decides between data parallel and ZeRO when their times tie."""
-
-
-def _num_collectives(src: Placements, dst: Placements) -> int:
-    """Axes whose change needs communication (R->anything is local)."""
-    return sum(1 for a, b in zip(src, dst) if a != b and not isinstance(a, Replicate) and not is_partial(b))
-
-
-class _EdgePrices:
-    """The edge terms of one solve, added one graph edge at a time (`_edge_matrices`): same-owner
-    edges fold into `node_coef` or `forbidden`; the others collect as matrices over (j_a, j_b)
-    in `edges`. Layer-shared edges repeat the same (tensor, placements) matrix, and placements
-    repeat within one: each distinct pair is priced once, keyed by small ints (hashing
-    placement dataclasses dominated the build)."""
-
-    def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
-                 forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
-                 prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
-                 exchange: Exchange | None = None) -> None:
-        self.graph, self.red, self.pricer, self.gathers = graph, red, pricer, gathers
-        self.owner_ep = _owner_flags(red, exchange or {})
-        self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
-        self.from_params = graph.parameter_derived() if gather_free_axes else frozenset()
-        self.edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
-        self.intern: dict[Placements, int]
-        self.pair_cost: dict[tuple, float]
-        self.matrices: dict[tuple, list[list[float]]]
-        self.intern, self.pair_cost, self.matrices = prices if prices is not None else ({}, {}, {})
-        self.gather_uses = param_gather_uses(graph)
-        self.derived = graph.parameter_derived()
-        self.expected_buckets = expected_bucket_bytes(graph)
-
-    def priced(self, meta: Any, s: Placements, d: Placements, activation: bool | str, grad: bool,
-               share: float | None = None, uses: int = 1) -> float | None:
-        """The objective's price of resharding `meta` from `s` to `d` (None: not allowed).
-        `activation`: False, True (no gather on a gather-free axis) or "exchange" (an edge of
-        a grouped op: a split may move to another split there, restrict.py `gathers_rows`)."""
-        intern, pricer = self.intern, self.pricer
-        i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
-        if i == k:
-            return 0.0
-        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad, share, uses)
-        if key not in self.pair_cost:
-            t = pricer.grad_sync_time(meta, s, d, bucket_bytes=share) if grad else pricer(meta, s, d) \
-                if share is None else pricer.gather_time(meta, s, d, share)
-            if t is not None and uses > 1 and pricer.gather_axis(meta, s, d) is not None:
-                # read `uses` times in its group, gathered once: each read pays its part (exact
-                # where every reader asks for the same placement; solution.py prices the program)
-                t /= uses
-            if t is not None and activation and any(
-                    gathers_rows(c, s, d, self.gather_free_axes, activation == "exchange")
-                    for c in pricer.collectives(meta, s, d) or ()):
-                t = None
-            self.pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
-        return self.pair_cost[key]
-
-    def add(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
-            dst_of: Callable[[int], Placements], weight: float, grad: bool = False) -> None:
-        """The edge u -> v carrying `meta`, its layouts at strategy j of u and of v."""
-        graph, red = self.graph, self.red
-        activation = bool(self.gather_free_axes) and u not in self.from_params and not grad
-        if activation and (red.owner[u] in self.owner_ep or red.owner[v] in self.owner_ep):
-            self._add_exchange(u, v, meta, src_of, dst_of, weight)  # a grouped op's edge
-            return
-        share, uses = None, 1
-        a, b = red.owner[u], red.owner[v]
-        if grad:
-            share = self.expected_buckets[u]
-        elif u in self.derived:  # a grouped gather: its group's latency is y_g's (gather_rows.py)
-            share, uses = 0.0, self.gather_uses[(u, graph[v].layer, graph[v].phase.value)]
-            self.gathers.add_edge(graph[v].layer, graph[v].phase.value, meta.dtype,
-                                  a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
-        if a == b:
-            coef = self.node_coef[a]
-            for j in range(len(coef)):
-                c = self.priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad, share, uses)
-                if c is None:
-                    self.forbidden.setdefault(a, set()).add(j)
-                else:
-                    coef[j] += weight * c
-            return
-        src = tuple(src_of(j) for j in red.smap[u])
-        dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad, share, uses)
-        unit = self.matrices.get(key)
-        if unit is None:  # price each distinct (source, target) layout pair once
-            us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-            distinct = {(a, b): self.priced(meta, a, b, activation, grad, share, uses) for a in us for b in ud}
-            unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
-        self._accumulate(a, b, unit, weight)
-
-    def _add_exchange(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
-                      dst_of: Callable[[int], Placements], weight: float) -> None:
-        """An activation edge into or out of a grouped op, or a node that takes its choice
-        (`_owner_flags`): a split may move to another split over the gather-free axes where
-        the choice on either side is expert-parallel, and nowhere else. Priced per pair of
-        owner choices; equal edges (layer twins) share one matrix."""
-        red = self.red
-        a, b = red.owner[u], red.owner[v]
-        no = (False,) * max(len(red.smap[u]), len(red.smap[v]))
-        ep_a, ep_b = self.owner_ep.get(a, no), self.owner_ep.get(b, no)
-
-        def price(ja: int, jb: int) -> float | None:
-            return self.priced(meta, src_of(red.smap[u][ja]), dst_of(red.smap[v][jb]),
-                               "exchange" if ep_a[ja] or ep_b[jb] else True, False)
-
-        if a == b:
-            coef = self.node_coef[a]
-            for j in range(len(coef)):
-                c = price(j, j)
-                if c is None:
-                    self.forbidden.setdefault(a, set()).add(j)
-                else:
-                    coef[j] += weight * c
-            return
-        src = tuple(src_of(j) for j in red.smap[u])
-        dst = tuple(dst_of(j) for j in red.smap[v])
-        key = ("exchange", meta.shape, meta.strides, meta.dtype, src, dst, ep_a[:len(src)], ep_b[:len(dst)])
-        unit = self.matrices.get(key)
-        if unit is None:
-            unit = self.matrices[key] = [[price(ja, jb) for jb in range(len(dst))] for ja in range(len(src))]
-        self._accumulate(a, b, unit, weight)
-
-    def _accumulate(self, a: NodeId, b: NodeId, unit: list[list[float | None]], weight: float) -> None:
-        """Add `weight` x `unit` to the edge matrix of owners (a, b) (None: forbidden)."""
-        matrix = self.edges.get((a, b))
-        if matrix is None:
-            self.edges[(a, b)] = [[None if c is None else weight * c for c in row] for row in unit]
-            return
-        for row, unit_row in zip(matrix, unit):
-            for jb, c in enumerate(unit_row):
-                if c is None or row[jb] is None:
-                    row[jb] = None
-                elif c:
-                    row[jb] += weight * c
-
-
-def _owner_flags(red: Reduction, exchange: Exchange) -> dict[NodeId, tuple[bool, ...]]:
-    """Per owner holding a grouped op (restrict.py `exchange_nodes`) or taking its choice
-    with one, per owner choice: whether a grouped op's strategy there is expert-parallel.
-    A view that follows a grouped op (sharing.py) takes its layout unchanged, so the split
-    leaving the op can only move on the view's own out-edge: its edges are the op's."""
-    flags: dict[NodeId, list[bool]] = {}
-    for n, ep in exchange.items():
-        if red.owner[n] < 0:
-            continue
-        a = red.owner[n]
-        mine = flags.setdefault(a, [False] * len(red.smap[a]))
-        for j, k in enumerate(red.smap[n]):
-            mine[j] = mine[j] or ep[k]
-    return {a: tuple(f) for a, f in flags.items()}
-
-
-def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
-                   node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
-                   *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
-                   prices: tuple[dict, dict, dict] | None = None, exchange: Exchange | None = None
-                   ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
-    """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
-    cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
-    same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
-    matrix) price memos of earlier solves with the same pricer and axes (a search's solves
-    of one submesh share them: every key holds the tensor and both layouts it prices).
-    `gathers` collects the grouped weight gathers' rows (gather_rows.py); `exchange` the
-    grouped ops, into and out of whose expert-parallel strategies a split may move over
-    `gather_free_axes` (restrict.py `exchange_nodes`)."""
-    active = set(red.active)
-    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers, exchange)
-    for v in red.active:
-        node = graph[v]
-        for p, u in enumerate(node.inputs):
-            if u not in active or len(graph[u].outputs) != 1:
-                continue
-            edges.add(u, v, graph[u].output, lambda j, u=u: space[u][j].outputs[0],
-                      lambda j, v=v, p=p: space[v][j].inputs[p], graph.weight(v))
-    for param, grad in graph.param_grads:
-        if param in active and grad in active:
-            edges.add(grad, param, graph.grad_meta(grad), lambda j, g=grad: space[g][j].outputs[0],
-                      lambda j, q=param: space[q][j].update_placements, graph.weight(grad) * grad_sync_weight,
-                      grad=True)
-    for buf, value in graph.buffer_updates:  # a buffer's new value, written back every microbatch
-        if buf in active and value in active:
-            edges.add(value, buf, graph[value].output, lambda j, u=value: space[u][j].outputs[0],
-                      lambda j, b=buf: space[b][j].outputs[0], graph.weight(value))
-    return edges.edges
 
 
 def _classes(vectors: list[tuple[float, ...]]) -> list[list[int]]:
@@ -437,7 +253,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    grad_sync_weight: float = 1.0,
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
                    cutoff_s: float | None = None, num_microbatches: int | None = None,
-                   prune_memo: dict | None = None, grads_each_microbatch: bool = False) -> IntraOpSolution:
+                   prune_memo: dict | None = None, grads_each_microbatch: bool = False,
+                   weights_whole_axes: tuple[int, ...] = ()) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration), `keep_update`
@@ -456,11 +273,10 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     `grads_each_microbatch` (ZeRO-2): every microbatch syncs its gradients to their update
     placements (the edges weighed 1, not 1/m) and accumulates them there: the gradient
     bytes and the accumulation are the update shard's, not the raw gradient's.
-    """
-    if num_microbatches is not None:
-        grad_sync_weight = 1.0 / num_microbatches
-    if grads_each_microbatch:
-        grad_sync_weight = 1.0
+    `weights_whole_axes` (ZeRO 0-2 over dp, solver/forced.py): no weight is gathered there
+    per use (experts stored split on E are computed where they are stored)."""
+    grad_sync_weight = 1.0 if grads_each_microbatch else \
+        grad_sync_weight if num_microbatches is None else 1.0 / num_microbatches
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     start = time.perf_counter()
@@ -480,17 +296,16 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     forbidden: dict[NodeId, set[int]] = {}
     gathers = GatherGroups([collective_latency_s("all_gather", link) for link in table.links])
     _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight, gathers)
-    prices = None
-    if prune_memo is not None:  # the search's solves: edge prices depend on the pricer and axes only
-        prices = prune_memo.setdefault(("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes,
-                                        grads_each_microbatch), ({}, {}, {}))
-    edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
+    # the search's solves share edge prices: they depend on the pricer and the axes' rules only
+    prices = None if prune_memo is None else prune_memo.setdefault(
+        ("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes, grads_each_microbatch,
+         weights_whole_axes), ({}, {}, {}))
+    edges = _fold_separable(edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
                                            grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
-                                           prices=prices, exchange=exchange),
+                                           prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes),
                             node_coef, forbidden)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
-
     model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes)
     sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
     status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,

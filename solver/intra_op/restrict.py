@@ -138,10 +138,10 @@ def gathers_rows(collective: Any, src: Placements, dst: Placements, gather_free_
 def prune_gather_free(graph: Graph, space: StrategySpace, gather_free_axes: tuple[int, ...], *,
                       gloo: bool, memo: dict | None = None, exchange: Exchange | None = None) -> StrategySpace:
     """`space` without the strategies no plan can use under `gather_free_axes`: a node's
-    strategy goes when one of its activation inputs (an edge `_edge_matrices` prices, from
+    strategy goes when one of its activation inputs (an edge `edges.edge_matrices` prices, from
     a tensor not derived from a parameter) has no remaining producer strategy that DTensor
     can reshard to it without an all-gather or all-to-all on such an axis (the edges
-    `_edge_matrices` forbids): no plan loses a strategy it could use. Propagated in
+    `edges.edge_matrices` forbids): no plan loses a strategy it could use. Propagated in
     topological order to a fixed point; layer-shared nodes (reduce_graph) take one choice
     together, so they keep the strategies all of them can use and their lists stay
     identical. On a (dp, tp) mesh with data-parallel dp most of the product space is such

@@ -15,10 +15,12 @@ per step (kind, mesh axis, calls, bytes) equal those the ILP priced. The same mo
 trains as a pipeline of two stages on (dp 1, tp 2) submeshes (`--pp 2 --tp 2`), the
 layers' balance losses crossing the stage boundary; which placements its stages' ILPs
 choose is not checked here. A third configuration is expert parallelism over the
-data-parallel ranks (`--dp 4 --zero 3`): the ILP splits the experts on e over dp and moves
-the token slots from their batch split to the expert split and back (the dispatch and
-combine all-to-alls, solver/intra_op/restrict.py `exchange_nodes`), which wins here
-because the experts are wide (f = 4096) against the few tokens of a step.
+data-parallel ranks beside ZeRO-1 (`--dp 4 --zero 1`, the layout Megatron-Core and
+torchtitan run): the ILP stores the experts split on e over dp (solver/forced.py
+`expert_split`), the dense weights whole with their update sharded, and moves the token
+slots from their batch split to the expert split and back (the dispatch and combine
+all-to-alls, solver/intra_op/restrict.py `exchange_nodes`), which wins here because the
+experts are wide (f = 4096) against the few tokens of a step.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ pytestmark = pytest.mark.dist
 
 MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=4096"
 CONFIG = ParallelConfig(dp=2, tp=2, micro_batch=2)
-EP_OVER_DP = ParallelConfig(dp=4, zero=3, micro_batch=1)
-"""Four ranks, data parallel with ZeRO-3 layouts: each rank holds one expert of each layer."""
+EP_OVER_DP = ParallelConfig(dp=4, zero=1, micro_batch=1)
+"""Four ranks, data parallel with ZeRO-1: each rank holds one expert of each layer."""
 PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
 """Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance
 loss is added to the training loss in the last stage, so it must cross the stage boundary."""
@@ -136,6 +138,12 @@ def test_experts_over_dp_run_where_their_tokens_are_sent(run):
     for n in expert_matmuls:
         inputs = by_key[keys[n.id]].inputs
         assert all(layout.startswith("(S(0)") for layout in inputs), (n.name, inputs)
+    stored = {n.param_name: by_key[keys[n.id]] for n in graph.nodes if n.op == "placeholder" and n.param_name}
+    for name, row in stored.items():  # experts stored split on e; dense weights whole, updates sharded (ZeRO-1)
+        if name.endswith(EXPERT_WEIGHTS) and ".shared." not in name:
+            assert row.outputs[0].startswith("(S(0)") and row.update == "", (name, row)
+        elif name.endswith("attention.wq.weight"):
+            assert row.outputs[0].startswith("(R") and row.update.startswith("(S("), (name, row)
     for rank, r in enumerate(ep_over_dp):
         assert r.priced is not None and r.collectives == r.priced, f"rank {rank}"
         assert any(kind == "all_gather" for kind, _ in r.collectives), r.collectives

@@ -87,7 +87,7 @@ def test_ilp_charges_one_latency_per_gather_group_formed(caplog, monkeypatch):
     import logging
     import re
 
-    import solver.intra_op.ilp as ilp
+    import solver.intra_op.edges as edges
     import solver.intra_op.solution as solution
     from autopar.buckets import BUCKET_BYTES
     from cost_model import Collective, collective_time_s, mesh_axis_links
@@ -96,7 +96,7 @@ def test_ilp_charges_one_latency_per_gather_group_formed(caplog, monkeypatch):
 
     monkeypatch.setattr(solution, "gradient_bucket_shares", lambda graph, syncs, pricer: {
         g: graph.grad_meta(g).size_bytes / BUCKET_BYTES for g, _s, _d in syncs})
-    monkeypatch.setattr(ilp, "expected_bucket_bytes",
+    monkeypatch.setattr(edges, "expected_bucket_bytes",
                         lambda graph: {g: (float(BUCKET_BYTES),) * 2 for _p, g in graph.param_grads})
 
     source = resolve("llama-tiny")

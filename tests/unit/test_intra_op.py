@@ -432,14 +432,14 @@ def test_ilp_objective_is_the_reported_cost(caplog, monkeypatch) -> None:
     # charges a gradient its share of an expected bucket's latency, the report its share of
     # its real bucket's (they differ where gradients of one graph sync over different mesh
     # axes, as here): both charge the same share here, so the two must agree exactly.
-    import solver.intra_op.ilp as ilp
+    import solver.intra_op.edges as edges
     import solver.intra_op.solution as solution
 
     def shares(graph, syncs, pricer):
         return {g: graph[g].output.size_bytes / BUCKET_BYTES for g, _s, _d in syncs}
 
     monkeypatch.setattr(solution, "gradient_bucket_shares", shares)
-    monkeypatch.setattr(ilp, "expected_bucket_bytes",
+    monkeypatch.setattr(edges, "expected_bucket_bytes",
                         lambda graph: {g: (float(BUCKET_BYTES),) * 2 for _p, g in graph.param_grads})
     graph = _graph(lambda: Layer(1024, 4), (16, 512, 1024), (16, 512, 1024))
     with caplog.at_level(logging.INFO, logger="solver.intra_op.ilp"):
@@ -544,7 +544,7 @@ def test_gather_free_pruning_keeps_every_usable_strategy(spec, mesh, zero, monke
     pruned = ilp.prune_gather_free(graph, whole, forced.gather_free_axes(config), gloo=True)
     assert pruned.num_strategies * 2 < whole.num_strategies, (pruned.num_strategies, whole.num_strategies)
     with_pruning = forced.solve_stage(graph, config, cluster, num_microbatches=2)
-    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None, exchange=(): space)
+    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None, exchange=None: space)
     without = forced.solve_stage(graph, config, cluster, num_microbatches=2)
     for c in without.choices:
         assert any(s.outputs == c.outputs and s.inputs == c.inputs for s in pruned[c.node]), graph[c.node]

@@ -397,7 +397,7 @@ def test_a_batch_split_no_op_can_keep_is_infeasible_before_the_ilp(monkeypatch):
                                                   r"\(4 devices\): node \d+ \(aten\.") as pruned:
         forced.solve_one_stage(graph, config, cluster, num_microbatches=1)
     assert "proj" in str(pruned.value) and "batch dim outermost" in str(pruned.value)
-    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None: space)
+    monkeypatch.setattr(ilp, "prune_gather_free", lambda graph, space, axes, gloo, memo=None, exchange=None: space)
     with pytest.raises(InfeasiblePlanError, match="No placement of"):
         forced.solve_one_stage(graph, config, cluster, num_microbatches=1)
     # the batch-outer model has its data-parallel plan
