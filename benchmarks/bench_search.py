@@ -23,7 +23,10 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lib.small_models, run from anywhere
 
@@ -46,7 +49,7 @@ EXPERT_WEIGHTS = re.compile(r"\.moe\.w[123]$")
 """The routed experts' stacked weights [E, d, f] / [E, f, d] (autopar/models/moe.py)."""
 
 
-def expert_placements(plan: Any) -> str:
+def expert_placements(plan: Plan) -> str:
     """How a MoE plan places its routed experts' weights, from the plan file alone: per
     stage (a pipeline) or per op (one stage), each distinct compute placement of the expert
     weights over the (dp, tp) axes, and whether some axis shards their expert dim (S(0):
