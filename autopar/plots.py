@@ -148,7 +148,9 @@ def stage_times(time_breakdown: dict[str, float], num_microbatches: int,
 
 def plan_stage_times(plan: Plan) -> tuple[list[float], list[float]]:
     """`stage_times` from a Plan file: its prediction and its stages' FLOPs."""
-    flops = [s.flops_per_microbatch for s in plan.stages] or [1.0] * plan.config.pp
+    flops = [s.flops_per_microbatch for s in plan.stages]
+    if not any(flops):  # none counted (the inter-op DP prices stage time, not FLOPs): equal stages
+        flops = [1.0] * plan.config.pp
     return stage_times(dict(plan.predicted.time_breakdown), plan.num_microbatches, flops)
 
 

@@ -66,7 +66,7 @@ def _collectives(plan: Plan) -> list[tuple[str, str, int, int]]:
         return [tuple(c) for c in info.collectives] if info is not None else []
     calls: Counter = Counter()
     volume: Counter = Counter()
-    for stage in plan.pipeline.stages:
+    for stage in plan.stages:
         for kind, axis, count, size in stage.collectives:
             calls[(f"stage {stage.index} {kind}", axis)] += count
             volume[(f"stage {stage.index} {kind}", axis)] += size
@@ -167,7 +167,7 @@ def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Plan
         stages = Table(title="stages")
         for col in ("stage", "layers", "dp x tp", "zero", "recompute", "s / microbatch", "GiB"):
             stages.add_column(col, justify="right")
-        for s in plan.pipeline.stages:
+        for s in plan.stages:
             stages.add_row(str(s.index), str(s.num_layers), f"{s.submesh[0]} x {s.submesh[1]}", str(s.zero),
                            s.recompute, f"{s.time_per_microbatch_s:.4g}", f"{s.memory_bytes / GIB:.3g}")
         console.print(stages)

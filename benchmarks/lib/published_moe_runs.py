@@ -182,8 +182,7 @@ def experts_degree(plan: Plan) -> tuple[int, str]:
     pipeline stages' (the largest degree where stages differ, every distinct placement
     listed)."""
     tables = [plan.intra_op_info.parameters] if plan.intra_op_info is not None else []
-    if plan.pipeline is not None:
-        tables += [stage.placements for stage in plan.pipeline.stages]
+    tables += [stage.placements for stage in plan.stages]
     found = dict.fromkeys(p for table in tables for name, p in table if name.endswith("moe.w1"))
     if not found:
         return 0, "not found"
