@@ -33,7 +33,7 @@ from autopar.capabilities import zoo_family
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.plan import InfeasiblePlanError, fingerprint_source, module_fingerprint
+from autopar.plan import InfeasiblePlanError, Plan, ProgramPlacements, fingerprint_source, module_fingerprint
 from autopar.runtime.launch import destroy_at_exit, init_from_env, launched_by_torchrun
 from autopar.trace import trace_model, trace_step, with_precision
 
@@ -299,8 +299,8 @@ float32) to record their per-op placements; a larger one's plan carries none, an
 solved for its configuration before its ranks build (autopar/placing.py; `explain` says so)."""
 
 
-def record_stage_placements(plan: Any, model: nn.Module | None = None, example_inputs: Sequence[Any] | None = None,
-                            *, loss_fn: Callable[..., torch.Tensor] | None = None) -> Any:
+def record_stage_placements(plan: Plan, model: nn.Module | None = None, example_inputs: Sequence[Any] | None = None,
+                            *, loss_fn: Callable[..., torch.Tensor] | None = None) -> Plan:
     """`plan` (pp > 1) with every chunk's per-op placements (`Plan.stage_placements`), the
     program its stages run: the chunks traced in this process exactly as each rank traces
     its own at build, each solved by the stage ILP under the plan's configuration, on the
@@ -356,7 +356,7 @@ def record_stage_placements(plan: Any, model: nn.Module | None = None, example_i
 
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
                 loss_fn: Callable[..., torch.Tensor] | None = None, precision: str = "",
-                compiled: bool = False) -> Any:
+                compiled: bool = False) -> Plan:
     """Trace `model` on its example inputs (one global batch), search the whole plan for
     `mesh` (`search_plans`, under the precision policy `precision`, compiled by Inductor
     where `compiled`) and return the best Plan. Deterministic (no time limit)."""
@@ -365,10 +365,8 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
 
 
 def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
-                     loss_fn: Callable[..., torch.Tensor] | None, precision: str = "", compiled: bool = False) -> Any:
+                     loss_fn: Callable[..., torch.Tensor] | None, precision: str = "", compiled: bool = False) -> Plan:
     """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
-    from autopar.plan import Plan
-
     from autopar.runtime.launch import gather_build_results
 
     text = None
@@ -378,9 +376,9 @@ def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequen
     return Plan.loads(gather_build_results(text)[0])  # the others wait out the search, however long
 
 
-def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *, plan: Any = None,
+def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *, plan: Plan | None = None,
                      loss_fn: Callable[..., torch.Tensor] | None = None, cluster: Cluster | None = None,
-                     stage_layers: Sequence[int] | None = None) -> Any:
+                     stage_layers: Sequence[int] | None = None) -> ProgramPlacements:
     """What every rank builds from (autopar/placing.py), for callers already inside the
     ranks (`autopar.compile`, the benchmarks' workers); collective. A plan's recorded
     placements are read on every rank; else rank 0 solves the configuration (a one-stage
@@ -389,7 +387,6 @@ def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence
     enters the solver; `autopar train` decides them before its ranks start instead.
     `stage_layers`: a pipeline's layers per stage or chunk (default the plan's, else even)."""
     from autopar.placing import program_placements
-    from autopar.plan import ProgramPlacements
     from autopar.runtime.launch import gather_build_results
 
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"  # init_mesh's
@@ -416,10 +413,10 @@ class Compiled:
     Without example inputs a one-stage program is compiled at the first `step` (the
     traced step needs a batch's shapes)."""
 
-    def __init__(self, build: Callable[[Sequence[Any]], Any], *, config: ParallelConfig, plan: Any,
+    def __init__(self, build: Callable[[Sequence[Any]], Any], *, config: ParallelConfig, plan: Plan | None,
                  example_inputs: tuple[Any, ...] | None) -> None:
         self._build: Callable[[Sequence[Any]], Any] | None = build
-        self.plan = plan
+        self.plan: Plan | None = plan
         """The Plan replayed or searched, else None (a configuration given by config=)."""
         self.config: ParallelConfig = config
         self._example_inputs = example_inputs
@@ -491,7 +488,7 @@ class Compiled:
 
 def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any] | None,
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
-                    plan: Any, config: ParallelConfig | None, compiled: bool = False,
+                    plan: Plan | None, config: ParallelConfig | None, compiled: bool = False,
                     precision: str = "") -> Compiled:
     from autopar.build import build_program
     from autopar.runtime.program import model_dims
@@ -527,7 +524,7 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
 
 def compile(model: nn.Module | type | Callable[..., Any] | None = None, mesh: MeshLike | None = None, *,
             example_inputs: Sequence[Any] | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-            optimizer: OptimizerFactory | None = None, plan: Any = None, config: ParallelConfig | None = None,
+            optimizer: OptimizerFactory | None = None, plan: Plan | None = None, config: ParallelConfig | None = None,
             compiled: bool = False, example_kwargs: dict[str, Any] | None = None,
             precision: str = "") -> Any:
     """Compile `model` for `mesh` on this rank, or decorate a module class / factory.

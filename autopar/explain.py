@@ -19,7 +19,7 @@ from autopar.config import ParallelConfig
 from autopar.units import GIB
 
 if TYPE_CHECKING:  # the types rendered; plan.py imports this module to explain itself
-    from autopar.plan import PipelineInfo, Plan
+    from autopar.plan import PipelineInfo, Plan, StageInfo
 
 
 def explain_plan(plan: Plan) -> str:
@@ -46,20 +46,21 @@ def explain_plan(plan: Plan) -> str:
         lines.append("  memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory_breakdown))
     if plan.placements:
         lines.extend(_per_op_lines(plan))
-    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-        lines.extend(_pipeline_lines(plan.pipeline))
+    if plan.pipeline is not None and len(plan.stages) > 1:
+        lines.extend(_pipeline_lines(plan.pipeline, plan.stages))
     if c.pp > 1:
         lines.extend(_stage_placement_lines(plan))
     lines.append("stages:")
-    if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
+    counted = plan.stages if plan.pipeline is None else ()  # the template search's: FLOPs and parameters
+    if plan.pipeline is not None and len(plan.stages) > 1:
         lines.append("  see the pipeline stages above")
-    elif not plan.stages and c.pp > 1:
+    elif not counted and c.pp > 1:
         lines.append(f"  {c.pp} stages of {list(plan.stage_layers)} layers (the first also holds the embedding, "
                      "the last the head and loss)")
-    elif not plan.stages:
+    elif not counted:
         held = f"{plan.num_layers} repeated layers" if plan.num_layers else "every module, no repeated layer stack"
         lines.append(f"  one stage: the whole model ({held}) on the (dp, tp) mesh")
-    for s in plan.stages:
+    for s in counted:
         holds = [f"layers {s.first_layer}-{s.first_layer + s.num_layers - 1} ({s.num_layers})" if s.num_layers
                  else "every module (no repeated layer stack)"]
         if s.has_embedding:
@@ -207,12 +208,12 @@ def _stage_placement_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _pipeline_lines(pipe: PipelineInfo) -> list[str]:
+def _pipeline_lines(pipe: PipelineInfo, stages: Sequence[StageInfo]) -> list[str]:
     sched = pipe.schedule + (f" (v={pipe.chunks})" if pipe.schedule == "interleaved" else "")
-    lines = [f"pipeline: {len(pipe.stages)} stages, schedule {sched}, {pipe.num_microbatches} microbatches of "
+    lines = [f"pipeline: {len(stages)} stages, schedule {sched}, {pipe.num_microbatches} microbatches of "
              f"{pipe.microbatch} sequences; bubble {pipe.bubble_s:.4g} s, p2p on the critical stage {pipe.p2p_s:.4g} s "
              "per step"]
-    for st in pipe.stages:
+    for st in stages:
         holds = ([f"embedding"] if st.has_embedding else []) + [
             f"layers {st.first_layer}-{st.first_layer + st.num_layers - 1} ({st.num_layers})"] + (
             ["final norm + head + loss"] if st.has_head else [])

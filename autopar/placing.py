@@ -33,14 +33,14 @@ from autopar.batch import batch_size
 from autopar.config import ParallelConfig
 from autopar.ir import Graph
 from autopar.placement import Placements, boundary_placements
-from autopar.plan import ProgramPlacements, StagePlacements
+from autopar.plan import Plan, ProgramPlacements, StagePlacements
 from autopar.sharding import InfeasiblePlanError, NodeStrategy
 
 log = logging.getLogger(__name__)
 
 
 def program_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *,
-                       model_name: str = "", plan: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                       model_name: str = "", plan: Plan | None = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                        cluster: Any = None, stage_layers: Sequence[int] | None = None, device_type: str = "cpu",
                        fused_kernels: bool | None = None, in_child: bool = False) -> ProgramPlacements:
     """What every rank of a run of `config` (or `plan`) builds from. `model` is left as it
@@ -58,7 +58,7 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
     (pp = 1): solve in a forked child process (`_solve_in_child`: a rank that solves for
     the others gives the solver's memory back). Raises InfeasiblePlanError where no
     placement obeys the configuration's rules, TraceError where the step does not trace."""
-    name = model_name or getattr(plan, "model", "") or type(model).__name__
+    name = model_name or (plan.model if plan is not None else "") or type(model).__name__
     if plan is not None and (plan.placements if config.pp == 1 else plan.stage_placements):
         return ProgramPlacements.of_plan(plan, config=config,
                                          grads_each_microbatch=config.pp > 1 and config.syncs_each_microbatch)

@@ -7,6 +7,14 @@ needs to see why it was chosen (`explain()`, rendered by autopar/explain.py): pr
 metrics, per-stage work, the intra-op choices per layer group and the runner-up plans with
 their costs.
 
+One record per pipeline stage (`Plan.stages`, StageInfo): what the stage holds, its
+submesh, recompute and ZeRO, and what the search priced for it. The per-op placements are
+kept per *chunk* (`Plan.stage_placements`), not inside the stage records: under the
+interleaved schedule stage k runs chunks k, k + pp, ... (chunk c on stage c % pp,
+autopar/build/pipeline.py), each its own traced graph with its own placements, and the
+build and the ranks' `ProgramPlacements` look them up by chunk. One placement row type
+(OpPlacement) serves a one-stage plan (`placements`) and every chunk alike.
+
 Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
 embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
 number of layers of stage i. A model without a repeated layer stack (num_layers 0) is one
@@ -33,14 +41,11 @@ from autopar.estimate import Estimate
 from autopar.json_codec import JsonData, JsonFormatError, decode
 from autopar.placement import parse_placements
 from autopar.explain import explain_plan
+from autopar.plan_migrations import MIGRATIONS
 
-PLAN_VERSION = 4
-"""2: plans carry the ILP's per-op placements (`placements`), which is what runs.
-3: `predicted` is the whole `Estimate` the search priced (autopar/estimate.py) and the
-bubble fraction moved beside it (`Plan.bubble_fraction`); version-2 files are read by
-`_from_version_2`.
-4: pipelines carry each chunk's per-op placements (`stage_placements`), replayed at build;
-version-3 files (without them: each run solves the stages before its ranks build) load unchanged."""
+PLAN_VERSION = 5
+"""The version `Plan.dumps` writes; older files are brought forward on load, one version at a
+time (what each version changed, and how: autopar/plan_migrations.py)."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
 
 
@@ -83,18 +88,38 @@ def fingerprint_source(source: Any) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageInfo(JsonData):
-    """What one pipeline stage holds and does, from the traced graph (for explain)."""
+    """One pipeline stage as the search chose and priced it: what it holds, where it runs,
+    what it costs (for explain, `autopar price` and the timeline plot). The inter-op DP
+    (solver/pipeline_plans.py, and solver/pipeline_search.py for a one-stage plan) prices
+    each stage's time, microbatches in flight, placements and collectives; the template
+    search (benchmarks/baselines/template/search.py) counts its FLOPs and parameters. A
+    field its search does not price keeps its default (0 or empty)."""
 
     index: int
     first_layer: int
     num_layers: int
     has_embedding: bool
     has_head: bool
-    flops_per_microbatch: float
-    """Forward+backward FLOPs of this stage for one microbatch, whole stage (before tp)."""
-    num_parameters: int
+    submesh: tuple[int, int]
+    """(dp, tp) of the stage's devices."""
+    recompute: str
+    zero: int
     memory_bytes: int
-    """Per-device memory estimate the stage-cut search used for this stage."""
+    """Per-device memory the search priced for this stage: the inter-op DP's peak (state +
+    in-flight activations + workspace), the template's model state."""
+    time_per_microbatch_s: float = 0.0
+    """Forward + backward of one microbatch on this stage (sync and optimizer amortised)."""
+    inflight_microbatches: float = 0.0
+    flops_per_microbatch: float = 0.0
+    """Forward+backward FLOPs of this stage for one microbatch, whole stage (before tp)."""
+    num_parameters: int = 0
+    placements: tuple[tuple[str, str], ...] = ()
+    """(parameter, placement on the stage's (dp, tp) submesh) from the stage's ILP, layers
+    once per layer group as `layers.*`."""
+    collectives: tuple[tuple[str, str, int, int], ...] = ()
+    """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced
+    for this stage's pieces: its layers, and the embedding or head where it holds them
+    (solver/pipeline_plans.py; a gradient sync's once per step over m)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,7 +158,10 @@ class OpPlacement(JsonData):
 class StagePlacements(JsonData):
     """One pipeline chunk's per-op placements: the intra-op ILP's solution for the chunk's
     joint graph (autopar/runtime/pipe_spmd.py traces it as every rank does) on its (dp, tp)
-    submesh. Keys name the chunk's ops as `OpPlacement.key` does (Graph.node_keys)."""
+    submesh. Keys name the chunk's ops as `OpPlacement.key` does (Graph.node_keys). Keyed
+    by chunk, not held in StageInfo: a stage runs several chunks under the interleaved
+    schedule, and they are recorded after the search (autopar/api.py
+    `record_stage_placements`), or not at all for a large model."""
 
     chunk: int
     """Pipeline chunk index (0 .. pp * interleave - 1; the stage is chunk % pp)."""
@@ -174,36 +202,9 @@ class Alternative(JsonData):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PipelineStage(JsonData):
-    """One pipeline stage as the inter-op DP chose it (solver/pipeline_search.py)."""
-
-    index: int
-    first_layer: int
-    num_layers: int
-    has_embedding: bool
-    has_head: bool
-    submesh: tuple[int, int]
-    """(dp, tp) of the stage's devices."""
-    recompute: str
-    zero: int
-    time_per_microbatch_s: float
-    """Forward + backward of one microbatch on this stage (sync and optimizer amortised)."""
-    memory_bytes: int
-    """Per-device peak: state + in-flight activations + workspace."""
-    inflight_microbatches: float
-    placements: tuple[tuple[str, str], ...] = ()
-    """(parameter, placement on the stage's (dp, tp) submesh) from the stage's ILP, layers
-    once per layer group as `layers.*`."""
-    collectives: tuple[tuple[str, str, int, int], ...] = ()
-    """(kind, mesh axis, calls per microbatch, bytes per microbatch) the stage's ILP priced
-    for this stage's pieces: its layers, and the embedding or head where it holds them
-    (solver/pipeline_plans.py; a gradient sync's once per step over m)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineInfo(JsonData):
-    """The inter-op decision: per-stage layer ranges, submeshes and recompute, the schedule
-    and its terms, and why the runners-up lost (from the plan alone: `autopar explain`)."""
+    """The inter-op decision beyond its stages (those are `Plan.stages`): the schedule and
+    its terms, and why the runners-up lost (from the plan alone: `autopar explain`)."""
 
     schedule: str
     """gpipe, 1f1b, interleaved or zbv (solver/stage_dp.py prices each); "none": one stage."""
@@ -211,7 +212,6 @@ class PipelineInfo(JsonData):
     microbatch: int
     """Sequences per microbatch over the whole pipeline."""
     num_microbatches: int
-    stages: tuple[PipelineStage, ...]
     bubble_s: float
     """Step time above m x the slowest stage (the schedule's bubble)."""
     p2p_s: float
@@ -257,6 +257,9 @@ class Plan(JsonData):
     mesh_shape: tuple[int, ...]
     mesh_axis_names: tuple[str, ...] = MESH_AXIS_NAMES
     stages: tuple[StageInfo, ...] = ()
+    """One per pipeline stage, in order (their layers are `stage_layers`); empty where the
+    search recorded none. Made by the inter-op DP where `pipeline` is set, else by the
+    template search."""
     intra_op: tuple[IntraOpChoice, ...] = ()
     predicted: Estimate
     """The cost model's forecast of the chosen plan, as the search priced it."""
@@ -268,8 +271,8 @@ class Plan(JsonData):
     """The ILP's per-op placements: the program that runs (pp = 1 plans)."""
     intra_op_info: IntraOpInfo | None = None
     pipeline: PipelineInfo | None = None
-    """The inter-op decision (per-stage submesh, recompute, schedule, runners-up); written
-    null for plans the search did not make (a configuration given by flags)."""
+    """The inter-op decision (schedule, bubble, runners-up; its stages are `stages`); written
+    null for plans the inter-op search did not make (a configuration given by flags)."""
     stage_placements: tuple[StagePlacements, ...] = ()
     """pp > 1: every chunk's per-op placements, the program each stage runs (replayed at
     build); empty where the plan lacks them (a version-3 file): each build then solves."""
@@ -291,9 +294,7 @@ class Plan(JsonData):
         """Consistency of the numbers; raises PlanFileError saying what disagrees."""
         c = self.config
         if self.version != PLAN_VERSION:
-            raise PlanFileError(f"plan version {self.version!r} is not supported; this autopar reads "
-                                f"version {PLAN_VERSION} (and versions 2 and 3). Re-run `autopar search` to write a "
-                                "new plan")
+            raise _unsupported_version(self.version)
         try:
             cluster = Cluster.parse(self.cluster)
         except ValueError as exc:
@@ -315,16 +316,17 @@ class Plan(JsonData):
         if sum(self.stage_layers) != self.num_layers:
             raise PlanFileError(f"plan stage_layers {list(self.stage_layers)} sum to {sum(self.stage_layers)} "
                                 f"but the model has {self.num_layers} layers")
-        if self.stages and [s.num_layers for s in self.stages] != list(self.stage_layers):
-            raise PlanFileError("plan stages[].num_layers disagree with stage_layers")
+        firsts = [sum(self.stage_layers[:k]) for k in range(len(self.stage_layers))]
+        if self.stages and ([(s.index, s.first_layer, s.num_layers) for s in self.stages]
+                            != list(zip(range(len(firsts)), firsts, self.stage_layers))):
+            raise PlanFileError(f"plan stages (index, first_layer, num_layers) "
+                                f"{[(s.index, s.first_layer, s.num_layers) for s in self.stages]} disagree with "
+                                f"stage_layers {list(self.stage_layers)}; the file was edited. Re-run `autopar search`")
         if self.global_batch <= 0 or self.global_batch % (c.dp * c.micro_batch):
             raise PlanFileError(f"plan global_batch {self.global_batch} is not a multiple of dp * micro_batch "
                                 f"= {c.dp} * {c.micro_batch}")
         if self.memory_limit_bytes <= 0 or self.seq <= 0:
             raise PlanFileError("plan memory_limit_bytes and seq must be positive")
-        if self.pipeline is not None and len(self.pipeline.stages) > 1 \
-                and [st.num_layers for st in self.pipeline.stages] != list(self.stage_layers):
-            raise PlanFileError("plan pipeline.stages[].num_layers disagree with stage_layers")
         _check_op_placements(self.placements, "placements")
         if self.stage_placements:
             chunks = [s.chunk for s in self.stage_placements]
@@ -348,18 +350,14 @@ class Plan(JsonData):
     @classmethod
     def from_json(cls, data: Any, where: str = "plan") -> "Plan":
         """A Plan from parsed JSON, by the generic codec (autopar/json_codec.py) after two
-        checks that speak of plan files: the version (versions 2 and 3 are read as 4), and a
-        fingerprint that is a digest."""
+        checks that speak of plan files: the version (an older one in MIGRATIONS is brought
+        forward one version at a time), and a fingerprint that is a digest."""
         if not isinstance(data, Mapping):
             raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
-        if data.get("version") == 2:
-            data = _from_version_2(data)
-        if data.get("version") == 3:  # version 4 added stage_placements (absent: each run solves the stages)
-            data = dict(data, version=4)
+        while isinstance(data.get("version"), int) and data["version"] in MIGRATIONS:
+            data = MIGRATIONS[data["version"]](data)
         if "version" in data and data["version"] != PLAN_VERSION:
-            raise PlanFileError(f"plan version {data['version']!r} is not supported; this autopar reads "
-                                f"version {PLAN_VERSION} (and versions 2 and 3). Re-run `autopar search` to write a "
-                                "new plan")
+            raise _unsupported_version(data["version"])
         if "model_fingerprint" in data and not re.fullmatch(r"[0-9a-f]{1,64}", str(data["model_fingerprint"])):
             raise PlanFileError(f"plan model_fingerprint {str(data['model_fingerprint'])[:80]!r} is not a (sha256) hex "
                                 "digest; the file was edited or truncated. Re-run `autopar search` to write a new plan")
@@ -568,27 +566,11 @@ def _match_placements(placements: Sequence[OpPlacement], graph: Any, what: str, 
     return tuple(out)
 
 
-def _from_version_2(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A version-2 plan file's JSON as version 3. Its `predicted` held nine of the Estimate's
-    fields and the bubble fraction: the fraction moves to `bubble_fraction`, and the fields
-    it lacked are the plan's own (memory limit, config with its microbatch count) or the
-    Estimate's defaults (hardware TFLOP/s 0, peak stage 0). Anything malformed is left for
-    the codec to report."""
-    out = dict(data, version=3)
-    pred, config = data.get("predicted"), data.get("config")
-    if not isinstance(pred, Mapping):
-        return out
-    pred = dict(pred)
-    out["bubble_fraction"] = pred.pop("bubble_fraction", 0.0)
-    pred.setdefault("memory_limit_bytes", data.get("memory_limit_bytes"))
-    if isinstance(config, Mapping):
-        try:
-            extra = {"num_microbatches": int(data["global_batch"]) // (int(config["dp"]) * int(config["micro_batch"]))}
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
-            extra = {}
-        pred.setdefault("config", {**config, **extra})
-    out["predicted"] = pred
-    return out
+def _unsupported_version(version: Any) -> PlanFileError:
+    older = sorted(MIGRATIONS)
+    return PlanFileError(f"plan version {version!r} is not supported; this autopar reads version {PLAN_VERSION} "
+                         f"(and versions {', '.join(map(str, older[:-1]))} and {older[-1]}). Re-run `autopar search` "
+                         "to write a new plan")
 
 
 def _refuse_constant(name: str) -> float:

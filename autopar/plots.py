@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from autopar.plan import Plan
+
 GIB = 1024**3
 FORWARD_SHARE = 1 / 3
 """Forward share of a layer's forward+backward compute (backward does twice the FLOPs)."""
@@ -144,9 +146,11 @@ def stage_times(time_breakdown: dict[str, float], num_microbatches: int,
     return fwd, bwd
 
 
-def plan_stage_times(plan: Any) -> tuple[list[float], list[float]]:
+def plan_stage_times(plan: Plan) -> tuple[list[float], list[float]]:
     """`stage_times` from a Plan file: its prediction and its stages' FLOPs."""
-    flops = [s.flops_per_microbatch for s in plan.stages] or [1.0] * plan.config.pp
+    flops = [s.flops_per_microbatch for s in plan.stages]
+    if not any(flops):  # none counted (the inter-op DP prices stage time, not FLOPs): equal stages
+        flops = [1.0] * plan.config.pp
     return stage_times(dict(plan.predicted.time_breakdown), plan.num_microbatches, flops)
 
 
@@ -196,7 +200,7 @@ def draw_memory(ax: Any, bars: Sequence[tuple[str, dict[str, float]]], *, limit_
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def plot_plan(plan: Any, path: str) -> Timeline | None:
+def plot_plan(plan: Plan, path: str) -> Timeline | None:
     """`autopar explain --plot`: the pipeline timeline (if pp > 1) and the peak device's
     predicted memory breakdown, side by side, written as PNG."""
     import matplotlib

@@ -23,7 +23,10 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.lib.small_models, run from anywhere
 
@@ -46,13 +49,13 @@ EXPERT_WEIGHTS = re.compile(r"\.moe\.w[123]$")
 """The routed experts' stacked weights [E, d, f] / [E, f, d] (autopar/models/moe.py)."""
 
 
-def expert_placements(plan: Any) -> str:
+def expert_placements(plan: Plan) -> str:
     """How a MoE plan places its routed experts' weights, from the plan file alone: per
     stage (a pipeline) or per op (one stage), each distinct compute placement of the expert
     weights over the (dp, tp) axes, and whether some axis shards their expert dim (S(0):
     expert parallelism). Empty for a model without them."""
-    if plan.pipeline is not None and any(st.placements for st in plan.pipeline.stages):
-        found = {text.split(" update")[0] for st in plan.pipeline.stages for name, text in st.placements
+    if any(st.placements for st in plan.stages):
+        found = {text.split(" update")[0] for st in plan.stages for name, text in st.placements
                  if EXPERT_WEIGHTS.search(name)}
     else:
         found = {op.outputs[0] for op in plan.placements if op.op == "placeholder" and EXPERT_WEIGHTS.search(op.key)}
@@ -91,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         experts = expert_placements(plan)
         if experts:
             print(f"  {experts}")
-        if plan.pipeline is not None and len(plan.pipeline.stages) > 1:
-            for st in plan.pipeline.stages:
+        if plan.pipeline is not None and len(plan.stages) > 1:
+            for st in plan.stages:
                 print(f"    stage {st.index}: layers {st.first_layer}-{st.first_layer + st.num_layers - 1} on (dp, tp) "
                       f"{st.submesh}, recompute {st.recompute}, zero {st.zero}, "
                       f"{st.time_per_microbatch_s * 1e3:.1f} ms/microbatch, {st.memory_bytes / 2**30:.1f} GiB")

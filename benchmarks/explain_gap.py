@@ -42,7 +42,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,7 +83,7 @@ def op_class(name: str) -> str:
     return "memory"
 
 
-def predicted_terms(model: str, cluster_spec: str, global_batch: int, plan: Any) -> dict[str, float]:
+def predicted_terms(model: str, cluster_spec: str, global_batch: int, plan: Plan) -> dict[str, float]:
     """The ILP's price of `plan` split into the terms (seconds per step per rank)."""
     from autopar.api import LAYERS_TRACED, _cluster_of
     from autopar.ir import ATTENTION_OPS, GEMM_OPS, Role
@@ -185,7 +188,7 @@ def _ops_below(ev: Any) -> float:
     return total
 
 
-def run_once(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+def run_once(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     from autopar.api import _cluster_of
     from autopar.runtime.launch import spawn
 

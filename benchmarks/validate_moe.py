@@ -39,7 +39,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -90,7 +93,7 @@ def price_row(run: MoERun, limit_s: int) -> dict[str, Any]:
     return entry
 
 
-def _priced(plan: Any, prefix: str) -> dict[str, Any]:
+def _priced(plan: Plan, prefix: str) -> dict[str, Any]:
     """A plan's prediction and the experts' placement, keys prefixed."""
     est = plan.predicted
     degree, placement = experts_degree(plan)

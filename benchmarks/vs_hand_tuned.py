@@ -292,7 +292,7 @@ def beyond_grid(plan: Plan, cache: GridCache, cluster: Cluster, global_batch: in
     even = even_cuts(num_layers, cfg.pp, cfg.interleave if cfg.schedule == "interleaved" else 1)
     if tuple(plan.stage_layers) != even:
         reasons.append("uneven cuts " + "/".join(map(str, plan.stage_layers)))
-    if pipe is not None and len({(s.submesh, s.recompute, s.zero) for s in pipe.stages}) > 1:
+    if len({(s.submesh, s.recompute, s.zero) for s in plan.stages}) > 1:
         reasons.append("stages differ in submesh / recompute / ZeRO")
     if not reasons:
         return None

@@ -14,7 +14,7 @@ import cost_model
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.placement import Replicate
-from autopar.plan import PipelineInfo, PipelineStage, Plan, SearchInfo
+from autopar.plan import PipelineInfo, Plan, SearchInfo, StageInfo
 from solver.comm_time import piece_factors
 from solver.pipeline_stages import PipelineResult
 from solver.spmd_search import AXIS_NAMES
@@ -90,7 +90,7 @@ def pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster,
     stages = []
     first = 0
     for k, (n, (sc, rc)) in enumerate(zip(sol.stage_layers, r.stages)):
-        stages.append(PipelineStage(
+        stages.append(StageInfo(
             index=k, first_layer=first, num_layers=n, has_embedding=k == 0, has_head=k == len(sol.stage_layers) - 1,
             submesh=sc.mesh, recompute=rc, zero=sc.zero, time_per_microbatch_s=sol.stage_times_s[k],
             memory_bytes=int(sol.stage_memory_bytes[k]),
@@ -101,12 +101,12 @@ def pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster,
         first += n
     cfg = pipeline_config(r)
     pipe = PipelineInfo(schedule=r.schedule.name, chunks=r.schedule.chunks, microbatch=r.candidate.microbatch,
-                        num_microbatches=r.candidate.num_microbatches, stages=tuple(stages), bubble_s=sol.bubble_s,
+                        num_microbatches=r.candidate.num_microbatches, bubble_s=sol.bubble_s,
                         p2p_s=dict(est.time_breakdown)["p2p_s"], runners_up=runners_up)
     seq = r.stages[0][0].graph.model.seq
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=num_layers, seq=seq, global_batch=global_batch,
                 cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes), config=cfg,
-                stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=(), intra_op=(),
+                stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=tuple(stages), intra_op=(),
                 predicted=est, bubble_fraction=sol.bubble_s / r.step_time_s if r.step_time_s else 0.0,
                 search=info, placements=(), intra_op_info=None, pipeline=pipe)
 

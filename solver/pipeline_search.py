@@ -68,7 +68,7 @@ from autopar.config import RECOMPUTE
 from autopar.explain import describe_config
 from autopar.ir import Graph
 from autopar.estimate import CommunicationTime
-from autopar.plan import Alternative, InfeasiblePlanError, PipelineInfo, PipelineStage, SearchInfo
+from autopar.plan import Alternative, InfeasiblePlanError, PipelineInfo, SearchInfo, StageInfo
 from autopar.units import GIB
 from cost_model import core_share
 from solver.comm_time import one_stage_communication, pipeline_communication
@@ -421,7 +421,8 @@ class _Search:
             if e.spmd is not None:
                 plan = spmd_plan(e.spmd, ranked[i:], cluster, global_batch=config.global_batch, model=config.model,
                                  fingerprint=config.fingerprint, num_candidates=len(queue), not_fit=self.not_fit)
-                plan = replace(plan, search=this_info, pipeline=_one_stage_info(e, L, why))
+                stage, pipe = _one_stage_info(e, L, why)
+                plan = replace(plan, search=this_info, stages=(stage,), pipeline=pipe)
             else:
                 plan = pipeline_plan(e.pipeline, e.estimate, cluster, global_batch=config.global_batch,
                                      model=config.model, fingerprint=config.fingerprint, num_layers=L, info=this_info,
@@ -470,15 +471,17 @@ def _ranked(e: _Entry, num_layers: int) -> Ranked:
                   zero_mixed=len({sc.zero for sc, _ in r.stages}) > 1)
 
 
-def _one_stage_info(e: _Entry, num_layers: int, why: tuple[tuple[str, float, str], ...]) -> PipelineInfo:
+def _one_stage_info(e: _Entry, num_layers: int, why: tuple[tuple[str, float, str], ...]
+                    ) -> tuple[StageInfo, PipelineInfo]:
+    """A one-stage plan's stage record and its inter-op decision (no schedule: "none")."""
     s = e.spmd
     c = s.candidate
-    stage = PipelineStage(index=0, first_layer=0, num_layers=num_layers, has_embedding=True, has_head=True,
-                          submesh=c.mesh, recompute=c.recompute, zero=dict(s.estimate.config)["zero"],
-                          time_per_microbatch_s=s.solution.cost.total_s, memory_bytes=int(s.estimate.peak_memory_bytes),
-                          inflight_microbatches=1.0, placements=(), collectives=())
-    return PipelineInfo(schedule="none", chunks=1, microbatch=c.microbatch, num_microbatches=c.num_microbatches,
-                        stages=(stage,), bubble_s=0.0, p2p_s=0.0, runners_up=why)
+    stage = StageInfo(index=0, first_layer=0, num_layers=num_layers, has_embedding=True, has_head=True,
+                      submesh=c.mesh, recompute=c.recompute, zero=dict(s.estimate.config)["zero"],
+                      time_per_microbatch_s=s.solution.cost.total_s, memory_bytes=int(s.estimate.peak_memory_bytes),
+                      inflight_microbatches=1.0, placements=(), collectives=())
+    return stage, PipelineInfo(schedule="none", chunks=1, microbatch=c.microbatch,
+                               num_microbatches=c.num_microbatches, bubble_s=0.0, p2p_s=0.0, runners_up=why)
 
 
 __all__ = ["search"]

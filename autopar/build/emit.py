@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import torch
 
+from autopar.plan import Plan
 from codegen.emit import fake_world, write
 
 
-def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
+def emit_plan(plan: Plan, directory: str | Path, *, max_parameters: float = 2e9,
               stage_sources: Callable[..., dict[str, str]] | None = None) -> list[Path]:
     """`autopar search --emit DIR`: write the per-rank program of a saved plan, as it runs.
 
@@ -34,7 +35,7 @@ def emit_plan(plan: Any, directory: str | Path, *, max_parameters: float = 2e9,
     string with real weights (the pipeline cut runs one forward), so this is for models up
     to `max_parameters`; the source of a large model's stage has the same shape as that of
     a shallower spec."""
-    if getattr(plan, "placements", None):
+    if plan.placements:
         return write(emit_per_op(plan), directory)
     if plan.config.pp == 1:
         raise ValueError(f"this one-stage plan of {plan.model!r} records no per-op placements, so it names no "
@@ -72,7 +73,7 @@ def _check_size(name: str, source: Any, max_parameters: float, function: str) ->
             "memory")
 
 
-def emit_per_op(plan: Any) -> dict[str, str]:
+def emit_per_op(plan: Plan) -> dict[str, str]:
     """The per-rank program of a one-stage plan, as rank 0 runs it: the model traced on
     fake tensors at the plan's microbatch, the plan's per-op placements applied on a
     `fake` process group of the plan's world (nothing runs, nothing is communicated)."""

@@ -28,6 +28,7 @@ from typing import Any
 from autopar.cluster import GIB, Cluster, load_hardware
 from autopar.config import ParallelConfig
 from autopar.models import resolve
+from autopar.plan import Plan
 
 
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
@@ -55,7 +56,7 @@ def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
     return Cluster.parse(spec, hardware=hardware).with_memory_gb(args.memory_gb)
 
 
-def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
+def _collectives(plan: Plan) -> list[tuple[str, str, int, int]]:
     """Collectives per step by (kind, axis): count and bytes (a pipeline's: per microbatch
     of each stage, times the microbatches; stage gradient syncs are counted once)."""
     from collections import Counter
@@ -65,7 +66,7 @@ def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
         return [tuple(c) for c in info.collectives] if info is not None else []
     calls: Counter = Counter()
     volume: Counter = Counter()
-    for stage in plan.pipeline.stages:
+    for stage in plan.stages:
         for kind, axis, count, size in stage.collectives:
             calls[(f"stage {stage.index} {kind}", axis)] += count
             volume[(f"stage {stage.index} {kind}", axis)] += size
@@ -74,7 +75,6 @@ def _collectives(plan: Any) -> list[tuple[str, str, int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     from autopar.api import price_result
-    from autopar.plan import Plan
 
     plan_file = getattr(args, "plan", None)
     if plan_file:
@@ -118,7 +118,7 @@ def _communication_json(est: Any, communication: tuple) -> list[dict[str, Any]]:
             for row in communication]
 
 
-def _report(args: argparse.Namespace, result: Any, cluster: Cluster, saved: Any) -> int:
+def _report(args: argparse.Namespace, result: Any, cluster: Cluster, saved: Plan | None) -> int:
     plan = result.plan
     est = plan.predicted
     communication = tuple(r for r in result.communication if r.count or r.time_s)
@@ -139,7 +139,7 @@ def _report(args: argparse.Namespace, result: Any, cluster: Cluster, saved: Any)
     return 0
 
 
-def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any, communication: tuple = ()) -> None:
+def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Plan, communication: tuple = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -148,8 +148,8 @@ def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any,
     console.print(f"[bold]{title}[/]: tp={c['tp']} pp={c['pp']} dp={c['dp']} "
                   f"zero={c['zero']} micro-batch={c['micro_batch']} x {c['num_microbatches']} microbatches, "
                   f"schedule={c['schedule']} interleave={c['interleave']} recompute={c['recompute']}"
-                  + (f", stages of {'/'.join(map(str, plan.stage_layers))} layers" if plan is not None
-                     and len(plan.stage_layers) > 1 else ""))
+                  + (f", stages of {'/'.join(map(str, plan.stage_layers))} layers"
+                     if len(plan.stage_layers) > 1 else ""))
     console.print(f"step {est.step_time_s:.4g} s | {est.tokens_per_s:,.0f} tokens/s "
                   f"({est.tokens_per_s_per_device:,.1f} per device) | "
                   f"{est.model_tflops_per_device:.1f} model TFLOP/s per device | MFU {est.mfu:.1%}")
@@ -163,11 +163,11 @@ def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any,
     for name, value in est.time_breakdown:
         times.add_row(name.removesuffix("_s"), f"{value:.4g}", f"{value / est.step_time_s:.1%}")
     console.print(times)
-    if plan is not None and plan.config.pp > 1:
+    if plan.config.pp > 1:
         stages = Table(title="stages")
         for col in ("stage", "layers", "dp x tp", "zero", "recompute", "s / microbatch", "GiB"):
             stages.add_column(col, justify="right")
-        for s in plan.pipeline.stages:
+        for s in plan.stages:
             stages.add_row(str(s.index), str(s.num_layers), f"{s.submesh[0]} x {s.submesh[1]}", str(s.zero),
                            s.recompute, f"{s.time_per_microbatch_s:.4g}", f"{s.memory_bytes / GIB:.3g}")
         console.print(stages)
@@ -187,7 +187,7 @@ def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Any,
     console.print(mem)
 
 
-def _print_communication(est: Any, communication: tuple, plan: Any) -> None:
+def _print_communication(est: Any, communication: tuple, plan: Plan) -> None:
     """The communication `time_breakdown` charges, by collective kind and mesh axis
     (solver/comm_time.py): for one stage, the `reshard` row's parts; for a pipeline, the
     critical stage's share of `critical_stage` and the `p2p` row. The seconds of each row

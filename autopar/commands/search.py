@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 from autopar.api import search_plans
+from autopar.plan import Plan
 from autopar.units import GIB
 from solver.results import ProgressFn
 
@@ -62,7 +63,7 @@ def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | N
     return bar.start, update, bar.stop
 
 
-def _emit(plan: Any, directory: str) -> None:
+def _emit(plan: Plan, directory: str) -> None:
     """Write the plan's per-rank program (autopar/build/emit.py `emit_plan`); a pipeline's chunks
     are built by the per-rank build's stage builder (autopar/build/pipeline.py), which this
     wiring hands to codegen with the chunks' placements: the plan's, or, for a plan that
@@ -72,7 +73,7 @@ def _emit(plan: Any, directory: str) -> None:
     from autopar.placing import program_placements
     from autopar.build.emit import emit_plan
 
-    def sources(plan: Any, model: Any, example: Any, mesh: Any) -> dict[str, str]:
+    def sources(plan: Plan, model: Any, example: Any, mesh: Any) -> dict[str, str]:
         placed = program_placements(model, plan.config, example, plan=plan, cluster=Cluster.parse(plan.cluster))
         return stage_sources(placed, model, example, mesh)
 

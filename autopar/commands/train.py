@@ -47,6 +47,7 @@ import torch
 from autopar.batch import batch_size, seq_len, throughput_unit
 from autopar.config import ParallelConfig
 from autopar.models import resolve
+from autopar.plan import Plan, ProgramPlacements, module_fingerprint
 from autopar.preflight import check_job
 from autopar.build import train_worker
 from autopar.runtime.jobs import RunResult, TrainJob, reference_run, step_line
@@ -89,28 +90,19 @@ def config_from_flags(args: argparse.Namespace, devices: int) -> ParallelConfig:
     ).resolved("cuda" if torch.cuda.is_available() else "cpu")  # the ranks' hardware default, said in the header
 
 
-def _plan_config(args: argparse.Namespace) -> tuple[ParallelConfig, tuple[int, ...] | None, Any]:
+def _plan_config(args: argparse.Namespace) -> tuple[ParallelConfig, tuple[int, ...], Plan]:
     given = [f"--{f.replace('_', '-')}" for f in _CONFIG_FLAGS if getattr(args, f, None) is not None]
     if given:
         raise ValueError(f"--plan replays a saved plan; drop the configuration flags {', '.join(given)}")
-    try:
-        from autopar.plan import Plan
-    except ImportError as exc:
-        raise ValueError(f"--plan needs autopar.plan, which this version lacks ({exc}); use configuration flags")
     plan = Plan.load(args.plan)
     if args.compile and not plan.config.compiled:
         raise ValueError(f"--compile with --plan {args.plan}: the plan was searched and priced for the eager program "
                          "(its config has compiled false); search it with --compile, or drop --compile")
-    layers = getattr(plan, "stage_layers", None)
-    return plan.config, (tuple(layers) if layers else None), plan
+    return plan.config, tuple(plan.stage_layers), plan
 
 
-def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None:
+def _check_plan_fingerprint(plan: Plan, model_name: str, seq: int | None) -> None:
     """The plan's own check (`Plan.check_model`) against the model built on the meta device."""
-    import torch
-
-    from autopar.plan import module_fingerprint
-
     source = resolve(model_name).with_overrides(seq=seq)
     with torch.device("meta"):
         model = source.build() if source.factory is None else source.factory()[0]
@@ -120,7 +112,6 @@ def _check_plan_fingerprint(plan: Any, model_name: str, seq: int | None) -> None
 def _check_resume(args: argparse.Namespace, model: Any) -> None:
     """Refuse a resume that cannot work before any rank starts (files only, no process group)."""
     from autopar.runtime import checkpoint
-    from autopar.plan import module_fingerprint
 
     info = checkpoint.latest(args.checkpoint_dir)
     if info is None:
@@ -181,7 +172,7 @@ def _num_devices(args: argparse.Namespace, torchrun: bool) -> int:
     return devices
 
 
-def _model_and_batch(args: argparse.Namespace, source: Any, config: ParallelConfig, plan: Any) -> tuple[Any, Any, int]:
+def _model_and_batch(args: argparse.Namespace, source: Any, config: ParallelConfig, plan: Plan | None) -> tuple[Any, Any, int]:
     """(model, a factory's example inputs or None, global batch): a factory's inputs fix the
     batch, which must agree with --global-batch and the plan; a preset's is the flag's, else
     one sequence per data-parallel rank and pipeline stage per micro-batch."""
@@ -208,12 +199,12 @@ def run(args: argparse.Namespace) -> int:
         config, stage_layers, plan = _plan_config(args)
         if config.num_devices != devices:
             raise ValueError(
-                f"plan {args.plan} was searched for {config.num_devices} devices ({getattr(plan, 'cluster', '?')}, "
+                f"plan {args.plan} was searched for {config.num_devices} devices ({plan.cluster}, "
                 f"mesh (pp, dp, tp) = ({config.pp}, {config.dp}, {config.tp})) but this run has {devices}; run "
                 f"with --devices {config.num_devices}, or search a plan for these devices (--cluster cpu:{devices})")
         if resolve(args.model).factory is None:  # a factory's inputs fix its own batch and sequence
-            args.seq = args.seq or getattr(plan, "seq", None)
-            args.global_batch = args.global_batch or getattr(plan, "global_batch", None)
+            args.seq = args.seq or plan.seq
+            args.global_batch = args.global_batch or plan.global_batch
         _check_plan_fingerprint(plan, args.model, args.seq)
     else:
         config, stage_layers = config_from_flags(args, devices), None
@@ -263,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, job, config, num_microbatches, per_rank, ref_losses, found)
 
 
-def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, example: Any, plan: Any,
+def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, example: Any, plan: Plan | None,
                 stage_layers: tuple[int, ...] | None, devices: int, global_batch: int, torchrun: bool) -> Any:
     """The per-op placements every rank builds from, decided here, once, before any rank
     builds (autopar/placing.py): a plan's own, checked against the model's trace (node keys
@@ -271,7 +262,6 @@ def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, ex
     records none) on the model traced as the ranks trace it. Under torchrun every rank runs
     this command: rank 0 decides and sends the placements (or its error) to the others."""
     from autopar.placing import program_placements
-    from autopar.plan import ProgramPlacements
     from autopar.sharding import InfeasiblePlanError
 
     def decide() -> ProgramPlacements:

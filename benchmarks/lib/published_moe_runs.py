@@ -37,7 +37,10 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
 
 from benchmarks.lib.published_runs import ROOT, _hardware_name, _int
 
@@ -172,15 +175,14 @@ def load_moe_runs(path: Path | str = MOE_CSV, group_tokens: int = DEFAULT_GROUP_
         return [to_moe_run(i, row, group_tokens) for i, row in enumerate(csv.DictReader(f))]
 
 
-def experts_degree(plan: Any) -> tuple[int, str]:
+def experts_degree(plan: Plan) -> tuple[int, str]:
     """(ways split on E, the experts' placement) the plan stores them in: the product of the
     (dp, tp) mesh axes on which the first routed-expert weight `moe.w1` [E, d, f] is
     sharded on E (Shard(0)); from the plan's parameter placements (one stage) or its
     pipeline stages' (the largest degree where stages differ, every distinct placement
     listed)."""
     tables = [plan.intra_op_info.parameters] if plan.intra_op_info is not None else []
-    if plan.pipeline is not None:
-        tables += [stage.placements for stage in plan.pipeline.stages]
+    tables += [stage.placements for stage in plan.stages]
     found = dict.fromkeys(p for table in tables for name, p in table if name.endswith("moe.w1"))
     if not found:
         return 0, "not found"

@@ -83,7 +83,7 @@ FLOW = tuple(STAGE_MODULES)
 # DTensor's registry/planner) and capabilities (what the runtime executes: the search ranks
 # only that; the tracer and the runtime read its layer stack and pipeline cut).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
-          "autopar.plan", "autopar.explain", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
+          "autopar.plan", "autopar.plan_migrations", "autopar.explain", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
           "autopar.capabilities", "autopar.units", "autopar.batch", "autopar.precision")
 
 # May import anything (they are what wires the stages together). `autopar` is the package

@@ -26,7 +26,8 @@ def test_search_plans_one_stage_holding_everything(factory):
     plan = search_plan(model, "cpu:2", example_inputs=batch)
     assert plan.num_layers == 0 and plan.stage_layers == (0,) and plan.config.pp == 1
     assert plan.config.tp * plan.config.dp == 2  # one stage on a (dp, tp) mesh, per-op placements
-    assert plan.stages == () and plan.placements and plan.intra_op_info is not None
+    assert [(s.first_layer, s.num_layers, s.has_embedding, s.has_head) for s in plan.stages] == [(0, 0, True, True)]
+    assert plan.placements and plan.intra_op_info is not None
     # every parameter has a placement in the plan (the one stage holds them all)
     named = {n for n, _ in plan.intra_op_info.parameters}
     assert named == {n for n, _ in model.named_parameters()}

@@ -72,7 +72,7 @@ def test_only_runnable_plans_are_ranked(searched):
     assert all(p.config.pp > 1 for p in result.plans)
     for plan, r in zip(result.plans, result.ranked):
         assert plan.config == r.config
-        stages = plan.pipeline.stages
+        stages = plan.stages
         shape = PlanShape(family="llama", heads=8, kv_heads=4, num_layers=8, schedule=plan.config.schedule
                           if plan.config.pp > 1 else "1f1b", chunks=plan.config.interleave,
                           stages=tuple(StageShape(num_layers=s.num_layers, submesh=s.submesh, recompute=s.recompute,

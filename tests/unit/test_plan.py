@@ -28,10 +28,12 @@ def _plan(**overrides) -> Plan:
     values = dict(
         model="llama-small", model_fingerprint="ab" * 32, num_layers=4, seq=64, global_batch=16,
         cluster="h100:1x8", memory_limit_bytes=80 * 10**9, config=cfg, stage_layers=(1, 3), mesh_shape=(2, 2, 2),
-        stages=(StageInfo(index=0, first_layer=0, num_layers=1, has_embedding=True, has_head=False,
-                          flops_per_microbatch=1.5e9, num_parameters=1000, memory_bytes=9000),
-                StageInfo(index=1, first_layer=1, num_layers=3, has_embedding=False, has_head=True,
-                          flops_per_microbatch=3.5e9, num_parameters=3000, memory_bytes=27000)),
+        stages=(StageInfo(index=0, first_layer=0, num_layers=1, has_embedding=True, has_head=False, submesh=(2, 2),
+                          recompute="selective", zero=1, flops_per_microbatch=1.5e9, num_parameters=1000,
+                          memory_bytes=9000),
+                StageInfo(index=1, first_layer=1, num_layers=3, has_embedding=False, has_head=True, submesh=(2, 2),
+                          recompute="selective", zero=1, flops_per_microbatch=3.5e9, num_parameters=3000,
+                          memory_bytes=27000)),
         intra_op=(IntraOpChoice(layer_group="layers", submesh=(2,), source="template",
                                 placements=(("attention.wq.weight", "Shard(0) column-parallel"),)),),
         predicted=Estimate(step_time_s=0.5, tokens_per_s=2048.0, tokens_per_s_per_device=256.0,
@@ -58,7 +60,7 @@ def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
     data = json.loads(text)
-    assert data["version"] == 4
+    assert data["version"] == 5
     assert data["predicted"]["config"]["num_microbatches"] == 4 and data["bubble_fraction"] == 0.25
     assert list(data) == sorted(data)
     assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
@@ -201,7 +203,7 @@ def test_version_2_plan_file_loads() -> None:
     assert config["num_microbatches"] == 4 and config["tp"] == 2 and config["attention"] == "flash"
     assert loaded.predicted.time_breakdown == plan.predicted.time_breakdown
     assert loaded.explain() == plan.explain()
-    assert json.loads(loaded.dumps())["version"] == 4
+    assert json.loads(loaded.dumps())["version"] == 5
     with pytest.raises(PlanFileError, match=r"plan\.predicted: missing keys \['fits'\]"):
         Plan.loads(json.dumps({**old, "predicted": {k: v for k, v in old["predicted"].items() if k != "fits"}}))
 
@@ -247,6 +249,41 @@ def test_version_3_pipeline_plan_loads_and_says_the_build_solves() -> None:
     assert loaded == _plan() and loaded.stage_placements == ()
     assert "per-stage per-op placements: not in this plan" in loaded.explain()
     assert "every run solves each chunk's intra-op ILP" in loaded.explain()
+
+
+def test_version_4_plan_files_load_with_one_stage_list() -> None:
+    """Version 4 kept an inter-op plan's stage records in `pipeline.stages` (with `stages`
+    empty) and the template's in `stages` without a submesh, recompute or ZeRO (the plan's
+    config): both load as version 5's one list, and explain the same."""
+    from autopar.plan import PipelineInfo
+
+    template = _plan()
+    old = template.to_json()
+    old["version"] = 4
+    for s in old["stages"]:
+        for key in ("submesh", "recompute", "zero", "time_per_microbatch_s", "inflight_microbatches", "placements",
+                    "collectives"):
+            s.pop(key)
+    assert Plan.loads(json.dumps(old)) == template
+    stages = tuple(StageInfo(index=k, first_layer=k, num_layers=n, has_embedding=k == 0, has_head=k == 1,
+                             submesh=(2, 2), recompute="selective", zero=1, memory_bytes=9000,
+                             time_per_microbatch_s=0.1, inflight_microbatches=2.0 - k,
+                             placements=(("layers.*.attn.qkv.weight", "(R, S(0))"),),
+                             collectives=(("all_reduce", "tp", 4, 1024),)) for k, n in enumerate((1, 3)))
+    searched = _plan(stages=stages, pipeline=PipelineInfo(schedule="1f1b", chunks=1, microbatch=4, num_microbatches=4,
+                                                          bubble_s=0.1, p2p_s=0.01))
+    old = searched.to_json()
+    old["version"] = 4
+    old["pipeline"]["stages"] = [{k: v for k, v in s.items() if k not in ("flops_per_microbatch", "num_parameters")}
+                                 for s in old["stages"]]
+    old["stages"] = []
+    loaded = Plan.loads(json.dumps(old))
+    assert loaded == searched and loaded.explain() == searched.explain()
+    assert "stage 1: layers 1-3 (3), final norm + head + loss on submesh (dp, tp) = (2, 2)" in loaded.explain()
+    old["pipeline"]["stages"][1]["num_layers"] = 2
+    with pytest.raises(PlanFileError, match=r"plan stages \(index, first_layer, num_layers\) .* disagree with "
+                                            r"stage_layers \[1, 3\]"):
+        Plan.loads(json.dumps(old))
 
 
 def test_stage_placements_for_matches_the_chunk_graph_or_says_why() -> None:

@@ -271,7 +271,7 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
         params = work.stage_params(cuts, k)
         stages.append(StageInfo(
             index=k, first_layer=first, num_layers=n, has_embedding=k == 0, has_head=k == len(cuts) - 1,
-            flops_per_microbatch=work.stage_flops(cuts, k, c.recompute) * c.micro_batch, num_parameters=params,
+            submesh=(c.dp, c.tp), recompute=c.recompute, zero=c.zero, flops_per_microbatch=work.stage_flops(cuts, k, c.recompute) * c.micro_batch, num_parameters=params,
             memory_bytes=int(params / c.tp * state_bytes_per_param(c.zero, c.dp))))
         first += n
     alternatives = tuple(
