@@ -48,6 +48,9 @@ def add_config_flags(p: argparse.ArgumentParser, *, required: bool) -> None:
     p.add_argument("--dp", type=_positive_int, default=None, help="data-parallel degree (default devices/(tp*pp))")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, required=required,
                    help="ZeRO stage: 0 data parallel; 1/2 weights whole, update sharded over dp; 3 FSDP")
+    p.add_argument("--ep", type=_positive_int, default=None,
+                   help="expert parallelism: 1, or --dp to store the routed experts split over the data-parallel "
+                        "ranks (each computes its own; tokens travel by all-to-all)")
     p.add_argument("--micro-batch", type=_positive_int, default=None, required=required,
                    help="sequences per microbatch per data-parallel rank")
     p.add_argument("--schedule", choices=SCHEDULES, default=None)

@@ -65,6 +65,12 @@ class ParallelConfig:
     update sharded (gradients reduce-scattered once per step, optimizer state and step on the
     shard, updated weights all-gathered once per step; the per-op program runs 2 as 1, the
     gradient accumulated whole); 3 both sharded (FSDP: weights gathered for each use)."""
+    ep: int = 1
+    """Expert parallelism over dp: 1, or dp (the routed experts' stacked weights [E, ...]
+    stored split on E over the data-parallel ranks, each rank holding and computing its own
+    experts, tokens sent to them by all-to-all; solver/forced.py). With 1 the ILP may still
+    split them where that is faster. A group smaller than dp would need a mesh axis of its
+    own, which the (dp, tp) mesh does not have."""
     micro_batch: int = 1
     schedule: Schedule = "1f1b"
     interleave: int = 1
@@ -85,12 +91,16 @@ class ParallelConfig:
     eager time (cost_model/table.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch", "interleave"):
+        for name in ("tp", "pp", "dp", "ep", "micro_batch", "interleave"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.ep not in (1, self.dp):
+            raise ValueError(f"--ep {self.ep}: expert parallelism runs over the whole data-parallel axis, so --ep must "
+                             f"be 1 or equal --dp ({self.dp}); use --ep {self.dp}, or --dp {self.ep} with the "
+                             "other degrees adjusted")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE:

@@ -14,9 +14,7 @@ The mesh of a configuration is (dp, tp) (pp stages each get one). On the axes:
   over dp (for parameters with a dim that dp divides; others stay whole):
   zero 0: compute and update replicated (gradients all-reduced);
   zero 1/2: compute replicated, update sharded (the optimizer steps the shard, the
-  updated weights all-gathered once per step), except that a stacked parameter (routed
-  experts [E, d, f]) may also be split on E, computed and updated where it is stored and
-  never gathered (expert parallelism over dp, `expert_split`); zero 1 reduce-scatters the gradients once
+  updated weights all-gathered once per step); zero 1 reduce-scatters the gradients once
   per step, after the microbatches accumulated them whole; zero 2 reduce-scatters each
   microbatch's gradients during its backward and accumulates the shards: m
   reduce-scatters per step instead of one, gradient memory 1/N (the ILP's
@@ -65,9 +63,12 @@ def keep_placeholder(config: ParallelConfig, *, update_free: bool = False):
             batch_split = config.dp > 1 and bool(shape) and shape[0] % config.dp == 0
             return (dp == Shard(0) if batch_split else isinstance(dp, Replicate)) and isinstance(tp, Replicate)
         if node.role is Role.PARAMETER:
-            if config.dp > 1 and not update_free:
+            if config.ep > 1 and expert_split(shape, Shard(0), config.ep):
+                if dp != Shard(0):  # --ep: the experts are stored split on E over dp
+                    return False
+            elif config.dp > 1 and not update_free:
                 sharded_dp = config.zero >= 3 and _shardable(shape, config.dp)
-                if sharded_dp != isinstance(dp, Shard) and not (config.zero < 3 and expert_split(shape, dp, config.dp)):
+                if sharded_dp != isinstance(dp, Shard):
                     return False
             if config.tp > 1 and len(shape) >= 2 and _shardable(shape, config.tp):
                 return isinstance(tp, Shard)
@@ -76,14 +77,46 @@ def keep_placeholder(config: ParallelConfig, *, update_free: bool = False):
     return keep
 
 
-def expert_split(shape: tuple[int, ...], placement: Any, dp: int) -> bool:
+def expert_split(shape: tuple[int, ...], placement: Any, ep: int) -> bool:
     """Whether `placement` over dp splits a stacked parameter (three or more dims: routed
-    experts [E, d, f]) on its leading dim: under ZeRO 0-2 such a parameter may be stored
-    split over dp, each rank holding its own experts, and is then computed where it is
-    stored, never gathered (`weights_whole_axes`): expert parallelism over the
-    data-parallel ranks (solver/intra_op/restrict.py exchange_nodes), as Megatron-Core and
-    torchtitan run it beside ZeRO-1 for the dense weights."""
-    return len(shape) >= 3 and placement == Shard(0) and shape[0] % dp == 0
+    experts [E, d, f]) ep ways on its leading dim. Under `ParallelConfig.ep` such a
+    parameter is stored so, each rank holding its own experts, beside any ZeRO layout of
+    the others; under ZeRO 0-2 it is then computed where it is stored, never gathered
+    (`weights_whole_axes`): expert parallelism over the data-parallel ranks
+    (solver/intra_op/restrict.py exchange_nodes), as Megatron-Core and torchtitan run it
+    beside ZeRO-1 for the dense weights."""
+    return len(shape) >= 3 and placement == Shard(0) and shape[0] % ep == 0
+
+
+def expert_moves(config: ParallelConfig, *, update_free: bool = False) -> bool:
+    """Whether the ILP may move tokens over dp to experts split there (the dispatch and
+    combine all-to-alls of expert parallelism: restrict.py exchange_nodes): where the
+    experts may be split over dp for compute, under `ep`, ZeRO-3 or a free layout; under
+    ZeRO 0-2 without `ep` they are whole over dp, and a move could only split compute that
+    already is."""
+    return config.dp > 1 and (update_free or config.zero >= 3 or config.ep > 1)
+
+
+def stacked_experts(graph: Graph) -> tuple[int, ...]:
+    """The leading dim of each parameter of three or more dims (routed experts [E, d, f])."""
+    return tuple(n.output.shape[0] for n in graph.by_role(Role.PARAMETER) if len(n.output.shape) >= 3)
+
+
+def check_expert_degree(graph: Graph, config: ParallelConfig, *, whole_model: bool = True) -> None:
+    """Raises ValueError where `config.ep` > 1 has nothing to split: no parameter of three or
+    more dims whose leading (expert) dim ep divides. A pipeline chunk (`whole_model` false)
+    may hold no experts at all."""
+    if config.ep == 1:
+        return
+    stacked = {n.param_name or n.name: n.output.shape[0] for n in graph.by_role(Role.PARAMETER)
+               if len(n.output.shape) >= 3}
+    if not stacked and whole_model:
+        raise ValueError(f"--ep {config.ep}: {graph.model.name} has no routed experts to split (no parameter of "
+                         "three or more dims, such as stacked expert weights [E, d, f]); drop --ep")
+    if stacked and not any(e % config.ep == 0 for e in stacked.values()):
+        name, e = next(iter(stacked.items()))
+        raise ValueError(f"--ep {config.ep}: the experts of {graph.model.name} ({name}: E = {e}) do not split "
+                         f"{config.ep} ways; use a --dp and --ep that divide {e}")
 
 
 def weights_whole_axes(config: ParallelConfig, *, update_free: bool = False) -> tuple[int, ...]:
@@ -139,6 +172,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     solver/intra_op/restrict.py prune_gather_free's, shared by the caller's solves."""
     from solver.intra_op.ilp import solve_intra_op
 
+    check_expert_degree(graph, config, whole_model=False)
     base = keep_placeholder(config, update_free=update_free)
     zero2 = not update_free and zero_2_syncs(config)
 
@@ -151,6 +185,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
                           keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), grad_sync_weight=1.0 / num_microbatches,
                           weights_whole_axes=weights_whole_axes(config, update_free=update_free),
+                          expert_moves=expert_moves(config, update_free=update_free),
                           time_limit_s=time_limit_s, space=space, prune_memo=prune_memo, grads_each_microbatch=zero2)
 
 
@@ -162,11 +197,13 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
     the graph's enumeration on the configuration's mesh)."""
     from solver.intra_op.ilp import solve_intra_op
 
+    check_expert_degree(graph, config)
     return solve_intra_op(graph, cluster, mesh_shape(config),
                           keep_placeholder=keep_placeholder(config, update_free=update_free),
                           keep_update=keep_update(config, update_free=update_free),
                           gather_free_axes=gather_free_axes(config), num_microbatches=num_microbatches, space=space,
                           weights_whole_axes=weights_whole_axes(config, update_free=update_free),
+                          expert_moves=expert_moves(config, update_free=update_free),
                           grads_each_microbatch=not update_free and zero_2_syncs(config),
                           memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, cutoff_s=cutoff_s)
 

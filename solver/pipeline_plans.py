@@ -59,7 +59,8 @@ def pipeline_config(r: PipelineResult) -> ParallelConfig:
     sc, rc = r.stages[0]
     dp, tp = sc.mesh
     sched = r.schedule.name if r.schedule.name in ("gpipe", "1f1b", "interleaved") else "1f1b"
-    return ParallelConfig(tp=tp, pp=r.candidate.pp, dp=dp, zero=sc.zero, micro_batch=r.candidate.microbatch // dp,
+    return ParallelConfig(tp=tp, pp=r.candidate.pp, dp=dp, zero=sc.zero, ep=sc.ep,
+                          micro_batch=r.candidate.microbatch // dp,
                           schedule=sched,  # type: ignore[arg-type]
                           interleave=r.schedule.chunks if sched == "interleaved" else 1,
                           recompute=rc)  # type: ignore[arg-type]

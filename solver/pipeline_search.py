@@ -326,6 +326,8 @@ class _Search:
             self.not_fit += 1
             return
         reasons_before, smallest_before = len(self.reasons), len(self.smallest)
+        if fixed is not None and fixed.config.ep > 1:
+            cand = replace(cand, ep=fixed.config.ep)
         try:
             s = solve_candidate(trace_at, cand, cluster, self.config.global_batch, graphs=graphs,
                                 time_limit_s=self.cache.time_limit_s, smallest=self.smallest,
@@ -468,7 +470,7 @@ def _ranked(e: _Entry, num_layers: int) -> Ranked:
     r = e.pipeline
     return Ranked(config=pipeline_config(r), stage_layers=r.solution.stage_layers, estimate=e.estimate,
                   bubble_fraction=r.solution.bubble_s / r.step_time_s if r.step_time_s else 0.0,
-                  zero_mixed=len({sc.zero for sc, _ in r.stages}) > 1)
+                  zero_mixed=len({(sc.zero, sc.ep) for sc, _ in r.stages}) > 1)
 
 
 def _one_stage_info(e: _Entry, num_layers: int, why: tuple[tuple[str, float, str], ...]

@@ -24,6 +24,7 @@ from autopar.ir import Graph
 from autopar.sharding import InfeasiblePlanError
 from cost_model import core_share
 from solver.intra_op.space import divisibility_signature, enumerate_strategies
+from solver.forced import stacked_experts
 from solver.search_config import Fixed
 from solver.spmd_search import TraceAt, traced
 from solver.stage_costs import RECOMPUTE_POLICIES, SubmeshCosts, split_solution
@@ -192,13 +193,13 @@ class StageCostCache:
     def graph(self, g: int) -> Graph:
         return traced(self.graphs, self.trace_at, g)
 
-    def get(self, mesh: tuple[int, int], g: int, zero: int) -> SubmeshCosts | None:
+    def get(self, mesh: tuple[int, int], g: int, zero: int, ep: int = 1) -> SubmeshCosts | None:
         """The stage costs of submesh `mesh` at global microbatch g (memoised): the ILP the
         runtime solves for each of the stage's chunks (solver/forced.py solve_stage, under
         the (dp, tp, zero) configuration's rules), solved once on the whole traced step
         and split into pieces (stage_costs.split_solution), so a stage is priced by the
         placements it runs."""
-        key = (mesh, g, zero)
+        key = (mesh, g, zero, ep)
         if key in self.costs:
             return self.costs[key]
         from solver import forced
@@ -207,7 +208,7 @@ class StageCostCache:
         m = self.global_batch // g
         sub = _stage_cluster(self.cluster, dp * tp)
         graph = self.graph(g)
-        config = ParallelConfig(dp=dp, tp=tp, zero=zero)
+        config = ParallelConfig(dp=dp, tp=tp, zero=zero, ep=ep)
         shape = forced.mesh_shape(config)
         if (mesh, g) not in self.signatures:
             self.signatures[(mesh, g)] = divisibility_signature(graph, shape)
@@ -218,16 +219,18 @@ class StageCostCache:
             sol = forced.solve_stage(graph, config, sub, num_microbatches=m, time_limit_s=self.time_limit_s,
                                      space=self.spaces[sig], prune_memo=self.prune_memo)
         except InfeasiblePlanError as exc:
-            log.info("stage ILP %s g=%d zero %d: %s", mesh, g, zero, exc)
+            log.info("stage ILP %s g=%d zero %d ep %d: %s", mesh, g, zero, ep, exc)
             self.costs[key] = None
             return None
-        self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero)
+        self.costs[key] = split_solution(graph, sol, sub, microbatch=g, num_microbatches=m, zero=zero, ep=ep)
         return self.costs[key]
 
 
 ZERO_CHOICES = (0, 1, 3)
 """The ZeRO layouts a pipeline stage is solved under (solver/forced.py), each a stage option
-of the DP: a stage's memory budget depends on the layers and in-flight microbatches the DP
+of the DP (and, for a model with routed experts E that dp divides, ZeRO-1 with the experts
+stored split over dp, `ParallelConfig.ep`: without a memory budget the stage ILP keeps
+experts whole where that is faster, so the lean layout is its own option): a stage's memory budget depends on the layers and in-flight microbatches the DP
 gives it, which its ILP does not know, so the DP trades time for memory across them.
 Solving a stage with each parameter's layout free (`update_free`) instead was measured on
 llama3-70b at 1,024 H100s: all 54 stage solves chose ZeRO-0 layouts (23 mixing in whole
@@ -264,23 +267,29 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: StageCostCache, clu
     share = core_share(cluster)
     entries: list[tuple[SubmeshCosts, str, float]] = []
 
-    def add(mesh: tuple[int, int], zeros: tuple[int, ...]) -> None:
-        for sc in (cache.get(mesh, cand.microbatch, z) for z in zeros):
+    def add(mesh: tuple[int, int], layouts: tuple[tuple[int, int], ...]) -> None:
+        for sc in (cache.get(mesh, cand.microbatch, z, ep) for z, ep in layouts):
             if sc is None:
                 continue
             p2p = boundary_p2p_s(cluster, cand.pp, D, sc.boundary_messages)
             for rc in policies:
                 entries.append((sc, rc, p2p))
 
+    experts = stacked_experts(cache.graph(cand.microbatch))
     for mesh in meshes:
         # ZeRO 0 / 1 / 3 over the stage's dp: weights whole and updated whole, weights whole
-        # and their update sharded (gathered once per step), weights sharded (gathered per use)
+        # and their update sharded (gathered once per step), weights sharded (gathered per use);
+        # and ZeRO-1 with the routed experts stored split over dp (expert parallelism)
+        ep = fixed.config.ep if fixed is not None else 1
         if mesh[0] == 1:
-            add(mesh, (0,))
+            add(mesh, ((0, 1),))
         elif fixed is not None and fixed.zero_given:
-            add(mesh, fixed.zeros())
+            add(mesh, tuple((z, ep) for z in fixed.zeros()))
         else:
-            add(mesh, ZERO_CHOICES)
+            layouts = [(z, ep) for z in ZERO_CHOICES]
+            if ep == 1 and any(e % mesh[0] == 0 for e in experts):
+                layouts.append((1, mesh[0]))
+            add(mesh, tuple(layouts))
     if not entries:
         return []
     out = _dp_results(cand, entries, cluster, family=family, num_layers=num_layers, info=info, cutoff_s=cutoff_s,
@@ -293,7 +302,7 @@ def solve_pipeline_candidate(cand: PipelineCandidate, cache: StageCostCache, clu
         pushed = sorted({sc.mesh for r in out for sc, _ in r.stages if sc.zero == 3})
         if pushed:
             for mesh in pushed:
-                add(mesh, (2,))
+                add(mesh, ((2, 1),))
             out = _dp_results(cand, entries, cluster, family=family, num_layers=num_layers, info=info,
                               cutoff_s=cutoff_s, fixed=fixed, share=share)
     return out

@@ -96,11 +96,14 @@ class SpmdCandidate:
     recompute: str = "none"
     """The step is traced under this policy (autopar/recompute.py): the ILP prices the
     recomputed ops and the shorter lifetimes, and the runtime traces the same graph."""
+    ep: int = 1
+    """Expert parallelism over dp forced (ParallelConfig.ep: `autopar price --ep`); 1: the
+    ILP's choice, within the memory budget."""
 
     @property
     def config(self) -> ParallelConfig:
         return ParallelConfig(dp=self.mesh[0], tp=self.mesh[1], micro_batch=self.microbatch // self.mesh[0],
-                              zero=0, recompute=self.recompute)  # type: ignore[arg-type]
+                              zero=0, ep=self.ep, recompute=self.recompute)  # type: ignore[arg-type]
 
 
 def mesh_candidates(cluster: Cluster, *, heads: int = 0, kv_heads: int = 0) -> list[tuple[int, int]]:
@@ -186,9 +189,11 @@ def _local_parameter_tensors(graph: Graph, solution: IntraOpSolution) -> float:
 
 
 def derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
-    """3 when most parameter bytes are computed sharded over the first (dp) axis, else 1
-    when most have their weight update sharded over it (2 when the solution syncs the
-    gradients every microbatch), else 0: a label for tables; the placements are the plan."""
+    """3 when most parameter bytes are computed sharded over the first (dp) axis and
+    gathered there for use, else 1 when most have their weight update sharded over it (2
+    when the solution syncs the gradients every microbatch), else 0: a label for tables;
+    the placements are the plan. A weight split over dp and never gathered there (experts
+    stored split on E: expert parallelism) counts as an update shard, as under ZeRO-1."""
     by_node = {c.node: c for c in solution.choices}
     sharded = updated = whole = 0.0
     for node in graph.by_role(Role.PARAMETER):
@@ -196,13 +201,34 @@ def derived_zero(graph: Graph, solution: IntraOpSolution) -> int:
         size = node.output.size_bytes * graph.weight(node.id)
         whole += size
         if c is not None and solution.mesh_shape[0] > 1:
-            sharded += size * isinstance(c.outputs[0][0], Shard)
+            sharded += size * (isinstance(c.outputs[0][0], Shard) and not _split_where_used(graph, by_node, node.id))
             updated += size * isinstance((c.outputs[0] if c.update is None else c.update)[0], Shard)
     if whole and sharded / whole > 0.5:
         return 3
     if whole and updated / whole > 0.5:
         return 2 if solution.grads_each_microbatch else 1
     return 0
+
+
+def _split_where_used(graph: Graph, by_node: dict, param: int) -> bool:
+    """Whether every op reading `param` (or a view or cast of it) reads it split over the
+    first (dp) axis: it is computed where it is stored, never gathered there."""
+    derived = graph.parameter_derived()
+    todo, seen = [param], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in graph.users(n):
+            if user in derived:
+                todo.append(user)
+                continue
+            c = by_node.get(user)
+            if c is not None and any(u == n and not isinstance(c.inputs[k][0], Shard)
+                                     for k, u in enumerate(graph[user].inputs)):
+                return False
+    return True
 
 
 def zero_is_uniform(graph: Graph, solution: IntraOpSolution, config: ParallelConfig) -> bool:

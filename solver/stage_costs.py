@@ -82,6 +82,8 @@ class SubmeshCosts:
     num_microbatches: int
     zero: int
     """0: parameter placements free; 3: parameters forced to shard over dp (ZeRO-3/FSDP)."""
+    ep: int = 1
+    """dp: the routed experts stored split over dp (ParallelConfig.ep); 1: as `zero` says."""
     pieces: tuple[PieceCost, PieceCost, PieceCost]
     boundary_bytes: float
     """Per device: the largest activation one pipeline boundary passes per microbatch (what
@@ -141,7 +143,7 @@ autopar/recompute.py's policy, from the same autopar/ir.py sets)."""
 
 
 def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *, microbatch: int,
-                   num_microbatches: int, zero: int) -> SubmeshCosts:
+                   num_microbatches: int, zero: int, ep: int = 1) -> SubmeshCosts:
     """Per-piece costs of one whole-graph ILP solution on the stage's (dp, tp) submesh
     (module docstring): its gradient syncs (and, under ZeRO, parameter gathers) are the
     ILP's own collectives."""
@@ -212,7 +214,7 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
     out[1] = PieceCost(time_s=layer.time_s, forward_s=layer.forward_s, cheap_forward_s=layer.cheap_forward_s,
                        state_bytes=layer.state_bytes, saved_bytes=layer.saved_bytes,
                        selective_saved_bytes=layer.selective_saved_bytes + boundary, local_params=layer.local_params)
-    return SubmeshCosts(mesh=(int(mesh[0]), int(mesh[1])), microbatch=microbatch, num_microbatches=m, zero=zero,
+    return SubmeshCosts(mesh=(int(mesh[0]), int(mesh[1])), microbatch=microbatch, num_microbatches=m, zero=zero, ep=ep,
                         pieces=(out[0], out[1], out[2]), boundary_bytes=boundary, boundary_messages=messages,
                         solution=solution, graph=graph)
 

@@ -45,7 +45,7 @@ def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConf
         dp = args.dp
     interleave = args.interleave or 1
     schedule = args.schedule or ("interleaved" if interleave > 1 else "1f1b")
-    return ParallelConfig(tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, zero=args.zero or 0, ep=args.ep or 1, micro_batch=args.micro_batch or 1,
                           schedule=schedule, interleave=interleave, recompute=args.recompute or "none",
                           attention=args.attention or "flash", precision=args.precision or "",
                           reduce_dtype=args.reduce_dtype or "", compiled=args.compile)

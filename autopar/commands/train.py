@@ -83,7 +83,7 @@ def config_from_flags(args: argparse.Namespace, devices: int) -> ParallelConfig:
         raise ValueError(f"--attention {args.attention}: autopar traces and runs the model's fused attention "
                          "(scaled_dot_product_attention); drop --attention")
     return ParallelConfig(
-        tp=tp, pp=pp, dp=dp, zero=args.zero or 0, micro_batch=args.micro_batch or 1,
+        tp=tp, pp=pp, dp=dp, zero=args.zero or 0, ep=args.ep or 1, micro_batch=args.micro_batch or 1,
         schedule=args.schedule or "1f1b", interleave=args.interleave or 1,
         recompute=args.recompute or "none", attention=args.attention or "flash",
         precision=args.precision or "", reduce_dtype=args.reduce_dtype or "", compiled=args.compile,

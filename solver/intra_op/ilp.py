@@ -254,7 +254,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
                    cutoff_s: float | None = None, num_microbatches: int | None = None,
                    prune_memo: dict | None = None, grads_each_microbatch: bool = False,
-                   weights_whole_axes: tuple[int, ...] = ()) -> IntraOpSolution:
+                   weights_whole_axes: tuple[int, ...] = (), expert_moves: bool = True) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration), `keep_update`
@@ -274,7 +274,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     placements (the edges weighed 1, not 1/m) and accumulates them there: the gradient
     bytes and the accumulation are the update shard's, not the raw gradient's.
     `weights_whole_axes` (ZeRO 0-2 over dp, solver/forced.py): no weight is gathered there
-    per use (experts stored split on E are computed where they are stored)."""
+    per use (experts stored split on E are computed where they are stored). `expert_moves`:
+    tokens may move over `gather_free_axes` to experts split there (restrict.py)."""
     grad_sync_weight = 1.0 if grads_each_microbatch else \
         grad_sync_weight if num_microbatches is None else 1.0 / num_microbatches
     if solver not in SOLVERS:
@@ -282,7 +283,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     start = time.perf_counter()
     mesh_shape = tuple(int(s) for s in mesh_shape)
     space, exchange = _restricted_space(graph, cluster, mesh_shape, space, nodes, keep_placeholder, keep_update,
-                                        gather_free_axes, prune_memo)
+                                        gather_free_axes if expert_moves else (), gather_free_axes, prune_memo)
     table = cost_table(graph, space, cluster, grads_at_update=grads_each_microbatch, memo=prune_memo)
     red = reduce_graph(graph, space, table, nodes)
     gloo = runs_gloo(cluster.hardware)
@@ -329,22 +330,23 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
 
 def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], space: StrategySpace | None,
                       nodes: tuple[NodeId, ...] | None, keep_placeholder: PlaceholderFilter | None,
-                      keep_update: UpdateFilter | None, gather_free_axes: tuple[int, ...],
-                      prune_memo: dict | None) -> tuple[StrategySpace, Exchange]:
+                      keep_update: UpdateFilter | None, exchange_axes: tuple[int, ...],
+                      gather_free_axes: tuple[int, ...], prune_memo: dict | None) -> tuple[StrategySpace, Exchange]:
     """The strategies this solve chooses from: `space` (or a new enumeration) under the
     forced configuration's filters, pruned on the gather-free axes for a whole graph
     (solver/intra_op/restrict.py); and the grouped ops' expert-parallel strategies in it
-    (`exchange_nodes`: the same rule for the pruning and the ILP's edges)."""
+    (`exchange_nodes` on `exchange_axes`, the gather-free axes where tokens may move to
+    experts split there: the same rule for the pruning and the ILP's edges)."""
     if space is None:
         space = enumerate_strategies(graph, mesh_shape)
     if keep_placeholder is not None or keep_update is not None:
         space = restrict_placeholders(graph, space, keep_placeholder, keep_update)
-    exchange = exchange_nodes(graph, space, gather_free_axes)
+    exchange = exchange_nodes(graph, space, exchange_axes)
     if nodes is None:
         pruned = prune_gather_free(graph, space, gather_free_axes, gloo=runs_gloo(cluster.hardware),
                                    memo=prune_memo, exchange=exchange)
         if pruned is not space and exchange:
-            exchange = exchange_nodes(graph, pruned, gather_free_axes)
+            exchange = exchange_nodes(graph, pruned, exchange_axes)
         space = pruned
     return space, exchange
 

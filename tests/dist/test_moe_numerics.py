@@ -15,7 +15,7 @@ per step (kind, mesh axis, calls, bytes) equal those the ILP priced. The same mo
 trains as a pipeline of two stages on (dp 1, tp 2) submeshes (`--pp 2 --tp 2`), the
 layers' balance losses crossing the stage boundary; which placements its stages' ILPs
 choose is not checked here. A third configuration is expert parallelism over the
-data-parallel ranks beside ZeRO-1 (`--dp 4 --zero 1`, the layout Megatron-Core and
+data-parallel ranks beside ZeRO-1 (`--dp 4 --zero 1 --ep 4`, the layout Megatron-Core and
 torchtitan run): the ILP stores the experts split on e over dp (solver/forced.py
 `expert_split`), the dense weights whole with their update sharded, and moves the token
 slots from their batch split to the expert split and back (the dispatch and combine
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.dist
 
 MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,top_k=2,expert_ffn=4096"
 CONFIG = ParallelConfig(dp=2, tp=2, micro_batch=2)
-EP_OVER_DP = ParallelConfig(dp=4, zero=1, micro_batch=1)
+EP_OVER_DP = ParallelConfig(dp=4, zero=1, ep=4, micro_batch=1)
 """Four ranks, data parallel with ZeRO-1: each rank holds one expert of each layer."""
 PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
 """Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance

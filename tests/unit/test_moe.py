@@ -308,3 +308,27 @@ def test_all_to_alls_in_the_program_equal_those_priced(monkeypatch, spec, config
     ran = {k: tuple(v) for k, v in ran.items()}
     assert priced.get("all_to_all", (0, 0))[0] > 0, priced
     assert ran == priced, (ran, priced)
+
+
+def test_an_expert_parallel_degree_stores_the_experts_split_beside_zero_1():
+    """`ep` = dp (ParallelConfig.ep, `--ep`): under ZeRO-1 the routed experts are stored and
+    computed split on E over dp, never gathered there, while the dense weights stay whole
+    with their updates sharded; without it ZeRO-1 keeps the experts whole over dp."""
+    from solver.spmd_search import derived_zero
+
+    graph = trace_model(resolve(WIDE), batch=4)
+    cluster = Cluster.parse("h100:1x4")
+    by_ep = {}
+    for ep in (1, 4):
+        solution = solve_one_stage(graph, ParallelConfig(dp=4, zero=1, ep=ep), cluster, num_microbatches=1)
+        chosen = {c.node: c for c in solution.choices}
+        by_ep[ep] = {n.param_name: chosen[n.id] for n in graph.nodes if n.op == "placeholder" and n.param_name}
+        assert derived_zero(graph, solution) == 1  # experts computed where stored are not ZeRO-3
+    for name, c in by_ep[4].items():
+        if name.endswith((".moe.w1", ".moe.w3", ".moe.w2")):
+            assert c.outputs[0][0] == Shard(0) and c.update is None, (name, c)
+            assert by_ep[1][name].outputs[0][0] == Replicate(), name
+        elif name.endswith("attention.wq.weight"):
+            assert c.outputs[0][0] == Replicate() and isinstance(c.update[0], Shard), (name, c)
+    with pytest.raises(ValueError, match="--ep must be 1 or equal --dp"):
+        ParallelConfig(dp=4, ep=2)
