@@ -119,6 +119,10 @@ def _departures(row: dict[str, str], spec: str, interleaved: bool) -> list[str]:
         out.append("sliding-window layers priced as full causal attention")
     if _int(row["dense_layers"]):
         out.append(f"{row['dense_layers']} dense layers priced as MoE layers")
+    ep, dp = _int(row["ep"], 1), _int(row["dp"])
+    if ep > 1 and ep != dp:
+        out.append(f"EP {ep} over a group other than dp {dp} priced without --ep (the (dp, tp) mesh has no axis "
+                   "for it: the ILP places the experts)")
     vp = _int(row["vp"], 1)
     if vp > 1 and not interleaved:
         out.append(f"vp{vp} priced as 1F1B ({row['layers']} layers do not cut into pp x vp chunks)")
@@ -153,7 +157,9 @@ def to_moe_run(index: int, row: dict[str, str], group_tokens: int = DEFAULT_GROU
     layers, vp = _int(row["layers"]), _int(row["vp"], 1)
     interleaved = vp > 1 and pp > 1 and layers % (pp * vp) == 0
     recompute = next((r for r in ("full", "selective") if row["recompute"].lower().startswith(r)), "none")
-    config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=_int(row["zero_stage"]), micro_batch=_int(row["micro_batch"], 1),
+    ep = _int(row["ep"], 1)
+    config = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=_int(row["zero_stage"]), ep=dp if ep == dp > 1 else 1,
+                            micro_batch=_int(row["micro_batch"], 1),
                             schedule="interleaved" if interleaved else "1f1b", interleave=vp if interleaved else 1,
                             recompute=recompute, precision="bf16-mixed")  # type: ignore[arg-type]
     gpu = row["gpu_type"]
