@@ -339,9 +339,11 @@ class _Interpreter:
             for g in left[-1]:
                 waiting.setdefault(g, []).append(k)
 
+        issued: list[tuple] = []  # buckets whose collective runs, waited at the end of the step
+
         def reduce(k: int) -> None:
             bucket = self.sync.buckets[k]
-            synced.update(self.sync.reduce(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket}))
+            issued.append(self.sync.issue(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket}))
 
         for node in self.fx_nodes:
             if node.op == "placeholder" or node in env:  # computed early for a parameter gather
@@ -359,10 +361,19 @@ class _Interpreter:
             if rest:
                 reduce(k)
         loss = env[self.output.args[0][0]]
+        extras, updates = self._extra_outputs(env), self._buffer_updates(env)
+        # each bucket waited only now, where its gradients are first needed (the optimizer
+        # step after the graph returns): its collective ran beside the rest of the backward
+        for pending in issued:
+            synced.update(self.sync.wait(pending))
         if self.sync is not None:
             grads = [synced[i] for i in range(len(grad_nodes))]
         else:
             grads = [env[g]._local_tensor for g in grad_nodes]
+        return (loss._local_tensor, *grads, *extras, *updates)
+
+    def _extra_outputs(self, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+        """The step's extra outputs, each in its wanted placement (a pipeline stage's)."""
         extras = []
         for nid, want in self.extra_outputs:
             t = env[self.fx_nodes[nid]]
@@ -372,13 +383,17 @@ class _Interpreter:
                 with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
                     t = redistribute_to(t, want, True)
             extras.append(t._local_tensor.contiguous())
+        return extras
+
+    def _buffer_updates(self, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+        """The buffers' new values, each in its buffer's placement."""
         updates = []
         for buf, value in self.graph.buffer_updates:  # the edge value -> buffer the ILP priced
             t, want = env[self.fx_nodes[value]], self.choices[buf].outputs[0]
             if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
                 t = redistribute_to(t, want, True)
             updates.append(t._local_tensor.contiguous())
-        return (loss._local_tensor, *grads, *extras, *updates)
+        return updates
 
     def _grad_outputs(self) -> list[fx.Node]:
         grad_ids = {g for _, g in self.graph.param_grads}
