@@ -87,7 +87,8 @@ from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Role
 from autopar.placement import Placements, Replicate, is_partial
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
-from cost_model import CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table, runs_gloo
+from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table,
+                        grad_sync_overlap, runs_gloo)
 from solver.intra_op.backend import (
     OBJECTIVE_SCALE,
     SOLVERS,
@@ -100,7 +101,8 @@ from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import PlaceholderFilter, UpdateFilter, prune_gather_free, restrict_placeholders
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
-from solver.intra_op.solution import extract_solution
+from solver.intra_op.solution import extract_solution, last_gradient
+from solver.intra_op.sync_rows import HiddenSync
 from solver.intra_op.space import enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -134,8 +136,9 @@ class _EdgePrices:
 
     def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
-                 prices: tuple[dict, dict, dict] | None, gathers: GatherGroups) -> None:
-        self.graph, self.red, self.pricer, self.gathers = graph, red, pricer, gathers
+                 prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
+                 hidden: HiddenSync | None = None) -> None:
+        self.graph, self.red, self.pricer, self.gathers, self.hidden = graph, red, pricer, gathers, hidden
         self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
         self.from_params = graph.parameter_derived() if gather_free_axes else frozenset()
         self.edges: dict[tuple[NodeId, NodeId], list[list[float | None]]] = {}
@@ -176,6 +179,7 @@ class _EdgePrices:
         activation = bool(self.gather_free_axes) and u not in self.from_params and not grad
         share, uses = None, 1
         a, b = red.owner[u], red.owner[v]
+        hidden = self.hidden if grad and self.hidden is not None and self.hidden.hideable(u) else None
         if grad:
             share = self.expected_buckets[u]
         elif u in self.derived:  # a grouped gather: its group's latency is y_g's (gather_rows.py)
@@ -190,6 +194,8 @@ class _EdgePrices:
                     self.forbidden.setdefault(a, set()).add(j)
                 else:
                     coef[j] += weight * c
+                    if hidden is not None:
+                        hidden.add_node(a, j, len(coef), weight * c)
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
@@ -199,6 +205,8 @@ class _EdgePrices:
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
             distinct = {(a, b): self.priced(meta, a, b, activation, grad, share, uses) for a in us for b in ud}
             unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
+        if hidden is not None:
+            hidden.add_matrix(a, b, unit, weight)
         matrix = self.edges.get((a, b))
         if matrix is None:
             self.edges[(a, b)] = [[None if c is None else weight * c for c in row] for row in unit]
@@ -214,16 +222,17 @@ class _EdgePrices:
 def _edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
                    *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
-                   prices: tuple[dict, dict, dict] | None = None
+                   prices: tuple[dict, dict, dict] | None = None, hidden: HiddenSync | None = None
                    ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
     same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
     matrix) price memos of earlier solves with the same pricer and axes (a search's solves
     of one submesh share them: every key holds the tensor and both layouts it prices).
-    `gathers` collects the grouped weight gathers' rows (gather_rows.py)."""
+    `gathers` collects the grouped weight gathers' rows (gather_rows.py), `hidden` the
+    hideable gradient edges' charges (sync_rows.py)."""
     active = set(red.active)
-    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers)
+    edges = _EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers, hidden)
     for v in red.active:
         node = graph[v]
         for p, u in enumerate(node.inputs):
@@ -251,28 +260,36 @@ def _classes(vectors: list[tuple[float, ...]]) -> list[list[int]]:
 
 
 def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]],
-                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]]
-                    ) -> dict[tuple[NodeId, NodeId], tuple]:
+                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
+                    hidden: HiddenSync | None = None) -> dict[tuple[NodeId, NodeId], tuple]:
     """Edges whose matrix has one row class (cost depends on b only) or one column class
     (on a only) are added to node costs (an infeasible entry forbids that choice); the
     rest come back as (matrix, row classes, column classes) for edge variables.
-    `node_coef` and `forbidden` are this solve's own tables (updated)."""
+    `node_coef` and `forbidden` are this solve's own tables (updated), and so is `hidden`:
+    a pair's hideable gradient charges fold with it, and its classes are those of
+    (charge, hideable charge) so that each edge variable has one of each."""
     kept = {}
     for (a, b), matrix in sorted(edges.items()):
-        rows = _classes([tuple(r) for r in matrix])
-        cols = _classes([tuple(c) for c in zip(*matrix)])
+        part = hidden.edges.get((a, b)) if hidden is not None else None
+        paired = matrix if part is None else [list(zip(r, h)) for r, h in zip(matrix, part)]
+        rows = _classes([tuple(r) for r in paired])
+        cols = _classes([tuple(c) for c in zip(*paired)])
         if len(rows) == 1:
             for k, c in enumerate(matrix[0]):
                 if c is None:
                     forbidden.setdefault(b, set()).add(k)
                 else:
                     node_coef[b][k] += c
+                    if part is not None:
+                        hidden.add_node(b, k, len(node_coef[b]), part[0][k])
         elif len(cols) == 1:
             for j, row in enumerate(matrix):
                 if row[0] is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
                     node_coef[a][j] += row[0]
+                    if part is not None:
+                        hidden.add_node(a, j, len(node_coef[a]), part[j][0])
         else:
             kept[(a, b)] = (matrix, rows, cols)
     return kept
@@ -285,6 +302,7 @@ class _Model:
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
         self.x = {o: [self.prob.add_variable(f"x_{o}_{j}", cat=pulp.LpBinary) for j in range(len(red.smap[o]))]
                   for o in red.owners}
+        self.edge_vars: dict[tuple[NodeId, NodeId], dict[tuple[int, int], pulp.LpVariable]] = {}
         self.objective: dict[pulp.LpVariable, float] = {}
         """One coefficient per variable (LpAffineExpression(list) keeps only the LAST
         coefficient of a repeated variable, so terms are summed here first)."""
@@ -318,6 +336,7 @@ class _Model:
                     if c is None:
                         continue
                     var = self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0)
+                    self.edge_vars.setdefault((a, b), {})[(r, k)] = var
                     by_row[r].append(var)
                     by_col[k].append(var)
                     count += 1
@@ -343,6 +362,24 @@ class _Model:
                 expr = pulp.LpAffineExpression([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)])
                 self.prob += expr <= -const, f"gather/{name}/{r}"
         return len(gathers.weight)
+
+    def add_sync_overlap_rows(self, hidden: HiddenSync, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
+        """The hidden gradient sync h and its two rows (sync_rows.py), after the edge variables."""
+        h = self.prob.add_variable("sync_hidden", lowBound=0)
+        self.objective[h] = -OBJECTIVE_SCALE
+        window = [(self.x[o][j], -hidden.rho * c) for o, row in sorted(hidden.backward.items())
+                  for j, c in enumerate(row) if c]
+        self.prob += pulp.LpAffineExpression(window + [(h, 1.0)]) <= 0, "sync_overlap/window"
+        sync = [(self.x[o][j], -c) for o, row in sorted(hidden.node.items()) for j, c in enumerate(row) if c]
+        for pair, part in sorted(hidden.edges.items()):
+            if pair not in edges:
+                continue  # folded into `hidden.node` (or no variable: one option each)
+            _matrix, rows, cols = edges[pair]
+            for (r, k), var in self.edge_vars.get(pair, {}).items():
+                c = part[rows[r][0]][cols[k][0]]
+                if c:
+                    sync.append((var, -c))
+        self.prob += pulp.LpAffineExpression(sync + [(h, 1.0)]) <= 0, "sync_overlap/sync"
 
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
         return pulp.LpAffineExpression([(self.x[o][j], m * MEMORY_SCALE) for o, row in sorted(coef.items())
@@ -422,21 +459,30 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     if prune_memo is not None:  # the search's solves: edge prices depend on the pricer and axes only
         prices = prune_memo.setdefault(("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes,
                                         grads_each_microbatch), ({}, {}, {}))
+    # the program overlaps the sync with the backward where it syncs in the step graph
+    # (autopar/build/one_stage.py `sync_in_step`: one microbatch, or ZeRO-2's every microbatch)
+    overlapped = num_microbatches is not None and (num_microbatches == 1 or grads_each_microbatch)
+    rho = grad_sync_overlap(cluster) if overlapped else 0.0
+    synced = [g for p, g in graph.param_grads if p in red.active and g in red.active]
+    hidden = HiddenSync(graph, table, red, last_gradient(graph, set(red.active)), rho) if rho > 0 and synced \
+        else None
     edges = _fold_separable(_edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
                                            grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
-                                           prices=prices),
-                            node_coef, forbidden)
+                                           prices=prices, hidden=hidden),
+                            node_coef, forbidden, hidden)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
 
-    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes)
+    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes,
+                                        hidden)
     sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
     status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
                               memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
                               elapsed_s=time.perf_counter() - start)
     chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
     solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape,
-                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, status=status, solver=solver,
+                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, sync_overlap=rho,
+                                status=status, solver=solver,
                                 grads_each_microbatch=grads_each_microbatch,
                                 num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
                                 num_constraints=model.prob.numConstraints(),
@@ -469,7 +515,7 @@ def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...
 
 def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
                  edges: dict[tuple[NodeId, NodeId], tuple], gathers: GatherGroups, terms: list,
-                 memory_budget_bytes: float | None) -> tuple[_Model, int]:
+                 memory_budget_bytes: float | None, hidden: HiddenSync | None = None) -> tuple[_Model, int]:
     """The ILP of the module docstring, one constraint family at a time; and its number of
     edge and gather-group variables."""
     model = _Model("intra_op", red)
@@ -477,6 +523,8 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
     model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
     num_edge_vars = model.add_edge_constraints(edges) + model.add_gather_group_rows(gathers)
+    if hidden is not None:
+        model.add_sync_overlap_rows(hidden, edges)
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)
