@@ -27,7 +27,9 @@ Two graphs come out:
 
 With one microbatch per step (`sync_in_step=True`) there is nothing to accumulate: each
 gradient bucket's all-reduce / reduce-scatter is issued inside `step`, where the bucket's
-last gradient is produced during the backward, and `step` returns the gradients in their
+last gradient is produced during the backward, and waited at the end of the step (so it
+runs beside the rest of the backward: codegen/collectives.py `GradSync.issue` / `wait`,
+priced by cost_model/table.py `exposed_sync_s`), and `step` returns the gradients in their
 parameters' placements (no `grad_sync` graph). Reduce-scatter buckets are per layer
 (autopar/buckets.py `gradient_bucket_key`, as FSDP reduce-scatters per unit), so a
 layer's full-size gradients are freed during the backward. Same buckets, same

@@ -19,6 +19,10 @@ ILP places every op, with no template, minimising
     step_time = m * (per-microbatch compute + resharding)  +  gradient sync (once)
                 + optimizer step over the local parameters (cost_model)
 
+where the gradient sync is charged as exposed = max(S_last, S - rho W) when the program
+overlaps it with the backward (one microbatch per step, or ZeRO-2 every microbatch:
+cost_model `exposed_sync_s`), else in full,
+
 which is the ILP objective times m (gradient edges weighted 1/m) plus the optimizer
 (`estimate`: the step price, with the optimizer, the microbatches' gradient accumulation
 and the loss report once per step).

@@ -43,6 +43,16 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
                gather/g/... (solver/intra_op/gather_rows.py: exact for one-hot x)
                Rows r and columns k are classes of identical rows/columns of the matrix.
 
+    h        = continuous >= 0, charged -1 in the objective, where the program overlaps the
+               gradient sync with the backward (a one-stage step of one microbatch, or
+               ZeRO-2's every microbatch: autopar/build/one_stage.py `sync_in_step`) and
+               rho = cost_model `grad_sync_overlap` > 0: the sync time hidden, so the
+               objective charges the sync as exposed = max(S_last, S - rho W)
+               (cost_model/table.py `exposed_sync_s`; solver/intra_op/sync_rows.py):
+    sync_overlap/window: h <= rho W(x)          W: the backward nodes' weighted compute
+    sync_overlap/sync:   h <= S(x) - S_last(x)  S: the gradient edges' charge (C_ab's
+                                                g->p part), S_last: the last-computed gradient's
+
     one_choice/o:     sum_j x[o,j] = 1
     edge/a->b/row=r:  sum_k e_ab[r,k] = sum_{j in class r} x[a,j]       (Alpa-style;
     edge/a->b/col=k:  sum_r e_ab[r,k] = sum_{j in class k} x[b,j]        e continuous >= 0)
