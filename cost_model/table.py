@@ -236,7 +236,10 @@ def exposed_sync_s(sync_s: float, last_s: float, backward_s: float, rho: float) 
     (solver/intra_op/ilp.py: hidden h <= rho W(x), h <= S(x) - S_last(x)). S_last is the
     last-computed gradient's own sync with its share of its bucket's latency, a lower bound
     on its bucket's: exact where that gradient fills a bucket alone (a Llama's embedding
-    gradient, 128256 x 4096 x 4 bytes = 2.1 GB for the 8B, is a bucket of its own)."""
+    gradient, 128256 x 4096 x 4 bytes = 2.1 GB for the 8B, is a bucket of its own). S holds
+    the copies into the buckets too, which run on the compute stream, not beside it: on
+    GPUs they are a small part of S (2 bytes of HBM traffic per gradient byte against its
+    collective's bus time), left to what rho absorbs."""
     return sync_s - min(max(0.0, sync_s - last_s), rho * backward_s)
 
 
