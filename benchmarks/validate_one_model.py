@@ -14,9 +14,11 @@ configurations as benchmarks/validate_cost_model.py) is priced twice:
 - **analytic**: `analytic.price_profile` (benchmarks/baselines/analytic/) with the row's runtime options, the baseline the
   constants were fitted on (benchmarks/fit/fit_cost_model.py).
 
-Both use the committed constants of cost_model/efficiency.py, which are fitted on every row
-with the analytic model: so neither column is out of sample here (the one model's own fit,
-and its errors left out by publication and by source, are benchmarks/fit/fit_one_model.py's).
+Both use the committed constants of cost_model/efficiency.py, fitted on every row: the op
+costs and the overlapped gradient sync by the one model (benchmarks/fit/fit_one_model.py),
+the baseline's own terms by it (benchmarks/fit/fit_cost_model.py); so neither column is out
+of sample here (the one model's errors left out by publication and by source are
+fit_one_model.py's).
 What the table measures is how far the model that ranks plans is from the
 published throughput with today's constants, and where it departs from the baseline. The
 runtime options a row gives (`zero3`, `dtensor_tp`, ...), and its
