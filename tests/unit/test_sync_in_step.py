@@ -1,7 +1,8 @@
 """With one microbatch per step the per-op step graph reduces each gradient bucket itself
 (codegen/apply.py `sync_in_step`): the same collectives and bytes as the separate
 `grad_sync` graph and as the ILP priced them (price = run), each issued during the
-backward, right after its bucket's last gradient; reduce-scatters go per layer
+backward, right after its bucket's last gradient, and waited only at the end of the step
+(so it runs beside the rest of the backward); reduce-scatters go per layer
 (autopar/buckets.py `gradient_bucket_key`), so a layer's full-size gradients are freed
 during the backward, not held to the end of the step.
 
