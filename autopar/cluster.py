@@ -42,8 +42,11 @@ class Hardware:
     default_gpus_per_node: int = 8
     comm_overlap: float = 1.0
     """Share of the cost model's compute/communication overlap this hardware achieves: 1 on
-    GPUs (NCCL runs on its own streams beside the kernels); 0 on the cpu profile, where a
-    gloo collective blocks the calling thread and 2 cores leave none spare to hide it."""
+    GPUs (NCCL runs on its own streams beside the kernels); 0 on the cpu profile: 2 cores
+    leave none spare to hide gloo's work. Measured with the gradient buckets' waits
+    deferred to the end of the step (codegen/collectives.py `GradSync`): llama-small dp2
+    zero 1, 5 reduce-scatter buckets, median step 92.0 ms deferred against 92.0 ms waited
+    at once (6 runs each, alternated; docs/cost-model.md)."""
     collective_bandwidth_scale: tuple[tuple[str, float], ...] = ()
     """Per collective kind ("all_reduce", "all_gather", "reduce_scatter"), its achievable
     bus bandwidth relative to the link's (missing kinds: 1.0). Empty for the GPU profiles

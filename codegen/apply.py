@@ -27,7 +27,9 @@ Two graphs come out:
 
 With one microbatch per step (`sync_in_step=True`) there is nothing to accumulate: each
 gradient bucket's all-reduce / reduce-scatter is issued inside `step`, where the bucket's
-last gradient is produced during the backward, and `step` returns the gradients in their
+last gradient is produced during the backward, and waited at the end of the step (so it
+runs beside the rest of the backward: codegen/collectives.py `GradSync.issue` / `wait`,
+priced by cost_model/table.py `exposed_sync_s`), and `step` returns the gradients in their
 parameters' placements (no `grad_sync` graph). Reduce-scatter buckets are per layer
 (autopar/buckets.py `gradient_bucket_key`, as FSDP reduce-scatters per unit), so a
 layer's full-size gradients are freed during the backward. Same buckets, same
@@ -68,6 +70,7 @@ from autopar.placement import Placements, Replicate, local_shape, single_gather_
 from autopar.sharding import NodeStrategy
 from codegen.collectives import (  # noqa: F401  count_collectives: the apply stage's surface (autopar/build)
     GradSync, WeightGather, count_collectives, dtensor_of, redistribute_to, share_repeated_collectives)
+from codegen.emit import program_source, slot_name
 from codegen.inductor import CompileTimes, compile_graphs
 
 
@@ -339,9 +342,11 @@ class _Interpreter:
             for g in left[-1]:
                 waiting.setdefault(g, []).append(k)
 
+        issued: list[tuple] = []  # buckets whose collective runs, waited at the end of the step
+
         def reduce(k: int) -> None:
             bucket = self.sync.buckets[k]
-            synced.update(self.sync.reduce(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket}))
+            issued.append(self.sync.issue(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket}))
 
         for node in self.fx_nodes:
             if node.op == "placeholder" or node in env:  # computed early for a parameter gather
@@ -359,10 +364,19 @@ class _Interpreter:
             if rest:
                 reduce(k)
         loss = env[self.output.args[0][0]]
+        extras, updates = self._extra_outputs(env), self._buffer_updates(env)
+        # each bucket waited only now, where its gradients are first needed (the optimizer
+        # step after the graph returns): its collective ran beside the rest of the backward
+        for pending in issued:
+            synced.update(self.sync.wait(pending))
         if self.sync is not None:
             grads = [synced[i] for i in range(len(grad_nodes))]
         else:
             grads = [env[g]._local_tensor for g in grad_nodes]
+        return (loss._local_tensor, *grads, *extras, *updates)
+
+    def _extra_outputs(self, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+        """The step's extra outputs, each in its wanted placement (a pipeline stage's)."""
         extras = []
         for nid, want in self.extra_outputs:
             t = env[self.fx_nodes[nid]]
@@ -372,13 +386,17 @@ class _Interpreter:
                 with fx_traceback.annotate({"boundary": True}) if self.keep_phases else contextlib.nullcontext():
                     t = redistribute_to(t, want, True)
             extras.append(t._local_tensor.contiguous())
+        return extras
+
+    def _buffer_updates(self, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+        """The buffers' new values, each in its buffer's placement."""
         updates = []
         for buf, value in self.graph.buffer_updates:  # the edge value -> buffer the ILP priced
             t, want = env[self.fx_nodes[value]], self.choices[buf].outputs[0]
             if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
                 t = redistribute_to(t, want, True)
             updates.append(t._local_tensor.contiguous())
-        return (loss._local_tensor, *grads, *extras, *updates)
+        return updates
 
     def _grad_outputs(self) -> list[fx.Node]:
         grad_ids = {g for _, g in self.graph.param_grads}
@@ -532,7 +550,7 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
         step = make_fx(interp.run, tracing_mode="fake")(*examples)
     share_repeated_collectives(step)
-    _name_placeholders(step, [_slot_name(s) for s in slots])
+    _name_placeholders(step, [slot_name(s) for s in slots])
 
     sync = None
     if not sync_in_step:
@@ -560,33 +578,8 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
                          slots=tuple(slots), loss_placements=choices[loss_id].outputs[0],
                           grads=tuple((name, raw, target) for name, raw, target, _ in grads), mesh_shape=mesh_shape,
                          buffer_updates=tuple(graph[b].param_name or graph[b].name for b, _ in graph.buffer_updates))
-    program.source = _source(program)
+    program.source = program_source(program)
     if compiled:  # Inductor, at each graph's first call (codegen/inductor.py)
         program.compiled = True
         program.compile_like_step({"step": step, "grad_sync": sync, "param_gather": param_gather})
     return program
-
-
-def _slot_name(slot: Slot) -> str:
-    prefix = {Role.PARAMETER: "p_", Role.BUFFER: "b_"}.get(slot.role, "")
-    return prefix + slot.name
-
-
-def _source(program: RankGraphs) -> str:
-    header = [
-        f"# autopar per-rank program on a mesh {list(program.mesh_shape)}: ATen ops on this rank's local shards",
-        "# plus the _c10d_functional collectives the plan's placements imply (one per resharded edge).",
-        "# inputs: " + ", ".join(f"{_slot_name(s)}{s.placements and ' ' + '(' + ', '.join(map(str, s.placements)) + ')'}"
-                                 for s in program.slots),
-        f"# returns (loss {tuple(map(str, program.loss_placements))}, raw gradients); grad_sync below brings each "
-        "gradient to its parameter's placement once per step." if program.grad_sync is not None else
-        f"# returns (loss {tuple(map(str, program.loss_placements))}, gradients in their parameters' placements): "
-        "each gradient bucket is reduced in the step, where its last gradient is computed.",
-    ]
-    sync = "" if program.grad_sync is None else "\n\n# grad_sync\n" + program.grad_sync.code
-    if program.param_gather is not None:
-        sync += ("\n\n# param_gather: the updated weights from their update placement to their compute placement, "
-                 "once per step\n" + program.param_gather.code)
-    return "\n".join(header) + "\n" + program.step.code + sync
-
-

@@ -144,8 +144,19 @@ class GradSync:
     gradients, as the pricing takes them; reduce-scatters per layer), other gradients
     through DTensor one by one.
 
-    Called on all raw gradients, it is the `grad_sync` graph's function; `reduce` syncs one
-    bucket (what the step calls where the bucket's last gradient is computed).
+    Called on all raw gradients, it is the `grad_sync` graph's function; `issue` starts one
+    bucket's collective (what the step calls where the bucket's last gradient is computed)
+    and `wait` ends it, where its result is first needed: the end of the step (codegen/apply.py
+    `run`). Between the two, the collective runs beside the rest of the backward, on NCCL's
+    communication stream or in gloo's own threads: the functional collectives return at
+    once, and `_c10d_functional.wait_tensor` blocks until the work is done (the async
+    semantics of torch.distributed._functional_collectives; in the recorded per-rank graph
+    each bucket's wait node comes after every backward op, so the program overlaps what the
+    cost model hides: cost_model/table.py `exposed_sync_s`). This is the overlap of
+    PyTorch DDP's and FSDP's bucketed reductions (Zhao et al., "PyTorch FSDP", arXiv
+    2304.11277, Sec. 3.3; Megatron-LM's `overlap_grad_reduce`). The grad_sync graph issues
+    every bucket before it waits on any, so one bucket's collective runs while the next is
+    packed.
 
     Each bucket is one flat buffer, filled piece by piece: a raw gradient is copied in and
     (fx frees a value after its last use; the grad_sync graph is called boxed) freed at
@@ -177,8 +188,9 @@ class GradSync:
 
     def __call__(self, *raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            out.update(self.reduce(bucket, {i: raw[i] for i in bucket}))
+        pending = [self.issue(bucket, {i: raw[i] for i in bucket}) for bucket in self.buckets]
+        for issued in pending:
+            out.update(self.wait(issued))
         return tuple(out[i] for i in range(len(raw)))
 
     def _pack(self, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -196,34 +208,52 @@ class GradSync:
         return flat
 
     def reduce(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """{gradient index: synced local gradient} of one bucket, from its raw local ones."""
+        """{gradient index: synced local gradient} of one bucket, from its raw local ones,
+        waited at once (`issue` then `wait`)."""
+        return self.wait(self.issue(bucket, raw))
+
+    def issue(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> tuple[Any, dict[int, Any]]:
+        """Start one bucket's sync: (its collective's output, not waited on, or None;
+        {gradient index: shape in the output, or the synced gradient where the bucket is
+        not one flat collective}). Pass it to `wait` where the gradients are needed."""
         mesh, grads, mesh_shape = self.mesh, self.grads, self.mesh_shape
         key = self.keys[bucket[0]]
-        if key is None:
-            out: dict[int, torch.Tensor] = {}
+        if key is None:  # DTensor's redistribute, one gradient at a time (it waits itself)
+            out: dict[int, Any] = {}
             for i in bucket:
                 _, src, dst, meta = grads[i]
                 g = raw[i].to(self.dtype) if raw[i].is_floating_point() else raw[i]
                 out[i] = g if src == dst else redistribute_to(
                     dtensor_of(g, mesh, src, meta.shape, meta.strides), dst, True)._local_tensor
-            return out
+            return None, out
         steps, _ = key
         if steps[0][0] == "all_reduce":
             shapes = {i: raw[i].shape for i in bucket}
             flat = self._pack([raw[i] for i in bucket])
-            for _, axis, reduce_op in steps:
-                group = funcol._resolve_group_name((mesh, axis))
-                reduce = torch.ops._c10d_functional.all_reduce if self.functional \
-                    else torch.ops._c10d_functional.all_reduce_
-                flat = torch.ops._c10d_functional.wait_tensor(reduce(flat, reduce_op.lower(), group))
-            return _unpack(flat, shapes)
+            reduce = torch.ops._c10d_functional.all_reduce if self.functional \
+                else torch.ops._c10d_functional.all_reduce_
+            for k, (_, axis, reduce_op) in enumerate(steps):
+                if k:  # a bucket over several axes: each all-reduce reads the one before
+                    flat = torch.ops._c10d_functional.wait_tensor(flat)
+                flat = reduce(flat, reduce_op.lower(), funcol._resolve_group_name((mesh, axis)))
+            return flat, shapes
         ((_, axis, reduce_op),) = steps
         n = mesh_shape[axis]
         pieces = {i: raw[i].chunk(n, dim=grads[i][2][axis].dim) for i in bucket}
         local = {i: pieces[i][0].shape for i in bucket}
         # rank r's share of the bucket (its pieces, in bucket order) at r * (one share's numel)
         flat = self._pack([pieces[i][r] for r in range(n) for i in bucket])
-        return _unpack(funcol.reduce_scatter_single(flat, reduce_op, 0, (mesh, axis)), local)
+        return torch.ops._c10d_functional.reduce_scatter_tensor(
+            flat, reduce_op.lower(), n, funcol._resolve_group_name((mesh, axis))), local
+
+    @staticmethod
+    def wait(issued: tuple[Any, dict[int, Any]]) -> dict[int, torch.Tensor]:
+        """{gradient index: synced local gradient} of a bucket `issue` started: waits on its
+        collective, then views its gradients out of the flat output."""
+        flat, shapes = issued
+        if flat is None:
+            return shapes
+        return _unpack(torch.ops._c10d_functional.wait_tensor(flat), shapes)
 
 
 def _unpack(flat: torch.Tensor, shapes: dict[int, torch.Size]) -> dict[int, torch.Tensor]:

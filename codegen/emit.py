@@ -1,9 +1,10 @@
-"""Writing per-rank programs as source: a fake process group to build them on, and the files.
+"""Writing per-rank programs as source: a fake process group to build them on, the text, and the files.
 
 Where it sits: codegen, behind `autopar search --emit DIR` (autopar/build/emit.py
 `emit_plan`): the per-rank build constructs a plan's programs against the DeviceMesh of
 `fake_world` (a `fake` process group: collectives are recorded in the graph, nothing runs
-and nothing is communicated) and `write` puts each program's source in a file. The
+and nothing is communicated), `program_source` renders each (codegen/apply.py stores it as
+`RankGraphs.source`) and `write` puts it in a file. The
 template baseline's module-level source (benchmarks/baselines/template/emit.py) uses the
 same fake world.
 """
@@ -13,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+
+from autopar.ir import Role
 
 
 def _clear_dtensor_caches() -> None:
@@ -58,3 +61,29 @@ def fake_world(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Devic
     finally:
         dist.destroy_process_group()
         _clear_dtensor_caches()
+
+
+def slot_name(slot: Any) -> str:
+    """A program input's name in its source: p_<parameter>, b_<buffer>, or the input's own."""
+    prefix = {Role.PARAMETER: "p_", Role.BUFFER: "b_"}.get(slot.role, "")
+    return prefix + slot.name
+
+
+def program_source(program: Any) -> str:
+    """One rank's program (codegen/apply.py RankGraphs) as source: a header naming its mesh,
+    inputs and outputs, the step graph, and the gradient sync and weight gather graphs."""
+    header = [
+        f"# autopar per-rank program on a mesh {list(program.mesh_shape)}: ATen ops on this rank's local shards",
+        "# plus the _c10d_functional collectives the plan's placements imply (one per resharded edge).",
+        "# inputs: " + ", ".join(f"{slot_name(s)}{s.placements and ' ' + '(' + ', '.join(map(str, s.placements)) + ')'}"
+                                 for s in program.slots),
+        f"# returns (loss {tuple(map(str, program.loss_placements))}, raw gradients); grad_sync below brings each "
+        "gradient to its parameter's placement once per step." if program.grad_sync is not None else
+        f"# returns (loss {tuple(map(str, program.loss_placements))}, gradients in their parameters' placements): "
+        "each gradient bucket is reduced in the step, where its last gradient is computed.",
+    ]
+    sync = "" if program.grad_sync is None else "\n\n# grad_sync\n" + program.grad_sync.code
+    if program.param_gather is not None:
+        sync += ("\n\n# param_gather: the updated weights from their update placement to their compute placement, "
+                 "once per step\n" + program.param_gather.code)
+    return "\n".join(header) + "\n" + program.step.code + sync

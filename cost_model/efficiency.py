@@ -55,6 +55,19 @@ class Efficiency:
     """Share of the communication time that runs concurrently with compute which is really
     hidden: NCCL kernels occupy SMs (one per channel) and HBM bandwidth, so the compute they
     overlap slows down by the rest (exposed = comm - overlap_efficiency * min(comm, window))."""
+    grad_sync_overlap_efficiency: float = 0.5
+    """The one model's share of the backward compute behind which a gradient bucket's
+    collective really hides (rho in cost_model/table.py `exposed_sync_s`: exposed sync =
+    max(S_last, S - rho x W) per overlapped sync). Below 1 because the collective shares
+    the GPU with the backward it overlaps (NCCL's kernels take SMs and HBM bandwidth) and a
+    bucket issued late has less backward left to hide behind than the whole window W.
+    Fitted on the published runs by benchmarks/fit/fit_one_model.py (ONE_MODEL_FITTED), a
+    constant of the one model only: the closed-form baseline's `overlap_efficiency`
+    multiplies another window (min(comm, window) over all its overlappable collectives,
+    ZeRO-3 gathers included), so one value fitted for both would move either model when
+    the other is refitted. Before any fit, 0.5 (the prior's centre: half hidden). Read
+    where a one-stage program overlaps its gradient sync (codegen/collectives.py
+    `GradSync`), times the hardware's `comm_overlap` (0 on the cpu profile)."""
     compiled_memory_factor: float
     """torch.compile (`compiled` runtime option): fraction of the eager op-by-op memory traffic
     and kernel launches of memory-bound ops that remain after inductor's fusion."""
@@ -180,6 +193,10 @@ class Efficiency:
     """ConnectX-7 NDR: 48-49 of 50 GB/s (nccl-tests#267); 8x HDR: 192 of 200 GB/s (nccl#812)."""
 
 
+ONE_MODEL_ONLY: tuple[str, ...] = ("grad_sync_overlap_efficiency",)
+"""Fields only the one model reads and only benchmarks/fit/fit_one_model.py fits: read
+from `fitted_constants.json` when a fit committed them there, else their defaults."""
+
 FITTED: tuple[str, ...] = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
                            "overlap_efficiency", "compiled_memory_factor", "gemm_overhead_s", "memory_overhead_s")
 """The fields benchmarks/fit/fit_cost_model.py fits (in this order)."""
@@ -198,7 +215,8 @@ def load_fitted(path: Path = FITTED_CONSTANTS_PATH) -> dict[str, Any]:
     return data
 
 
-DEFAULT_EFFICIENCY = Efficiency(**{k: float(v) for k, v in load_fitted()["constants"].items() if k in FITTED})
+DEFAULT_EFFICIENCY = Efficiency(**{k: float(v) for k, v in load_fitted()["constants"].items()
+                                    if k in FITTED or k in ONE_MODEL_ONLY})
 """The cost model's constants: facts plus the committed fit."""
 
 EFFICIENCY_FIELDS = frozenset(f.name for f in fields(Efficiency))
@@ -215,5 +233,5 @@ def nvlink_bus_efficiency(hardware_name: str, eff: Efficiency) -> float:
     return NVLINK_BUS_EFFICIENCY.get(hardware_name, eff.nvlink_bus_efficiency)
 
 
-__all__ = ["DEFAULT_EFFICIENCY", "EFFICIENCY_FIELDS", "Efficiency", "FITTED", "efficiency_for", "load_fitted",
+__all__ = ["DEFAULT_EFFICIENCY", "EFFICIENCY_FIELDS", "Efficiency", "FITTED", "ONE_MODEL_ONLY", "efficiency_for", "load_fitted",
            "nvlink_bus_efficiency"]

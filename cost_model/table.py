@@ -206,6 +206,43 @@ def pipeline_call_time_s(cluster: Cluster, efficiency: Efficiency | None = None)
     return efficiency_for(cluster.hardware, efficiency).pipeline_call_host_s * core_share(cluster)
 
 
+def grad_sync_overlap(cluster: Cluster) -> float:
+    """rho of `exposed_sync_s` on `cluster`: `Efficiency.grad_sync_overlap_efficiency` (the
+    one model's fitted constant) x the hardware's `comm_overlap` (1 on GPUs, where NCCL runs
+    on its own stream beside the backward's kernels; the cpu profile's measured value, 0
+    where gloo on shared cores hides nothing)."""
+    from cost_model.efficiency import efficiency_for
+
+    hw = cluster.hardware
+    return efficiency_for(hw).grad_sync_overlap_efficiency * hw.comm_overlap
+
+
+def exposed_sync_s(sync_s: float, last_s: float, backward_s: float, rho: float) -> float:
+    """The part of a gradient sync the step waits for, when its buckets overlap the backward:
+
+        exposed = max(S_last, S - rho x W) = S - min(S - S_last, rho x W)
+
+    S (`sync_s`): the summed time of the sync's collectives and copies, as charged when
+    exposed (`ReshardPricer.grad_sync_time` over every gradient); S_last (`last_s`): the
+    part of S of the gradient computed last in the backward, whose bucket is issued when
+    nothing of the backward is left to hide it; W (`backward_s`): the backward compute of
+    the microbatch whose backward issues the buckets; rho in [0, 1] (`grad_sync_overlap`).
+    Each bucket's collective is issued where its last gradient is computed and waited at
+    the end of the step (codegen/collectives.py `GradSync`, as DDP's and FSDP's bucketed
+    reductions: Zhao et al., arXiv 2304.11277, Sec. 3.3; Megatron-LM's
+    `overlap_grad_reduce`), so it runs beside the rest of that backward; W bounds what it
+    can hide behind, rho takes what the collectives' share of the device and the late
+    buckets' shorter windows leave of it (fitted on published runs). Linear in the ILP
+    (solver/intra_op/ilp.py: hidden h <= rho W(x), h <= S(x) - S_last(x)). S_last is the
+    last-computed gradient's own sync with its share of its bucket's latency, a lower bound
+    on its bucket's: exact where that gradient fills a bucket alone (a Llama's embedding
+    gradient, 128256 x 4096 x 4 bytes = 2.1 GB for the 8B, is a bucket of its own). S holds
+    the copies into the buckets too, which run on the compute stream, not beside it: on
+    GPUs they are a small part of S (2 bytes of HBM traffic per gradient byte against its
+    collective's bus time), left to what rho absorbs."""
+    return sync_s - min(max(0.0, sync_s - last_s), rho * backward_s)
+
+
 def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     """A bucketed gradient sync copies each raw local gradient into one flat buffer before
     the collective (codegen/collectives.py `GradSync.reduce`: read it, write the buffer; the

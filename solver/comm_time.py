@@ -12,7 +12,10 @@ as the node's `reshard_s` (`IntraOpSolution.reshard_parts`). So, with w_n the no
 multiplicity and m the microbatches per step:
 
     one stage:   seconds(kind, axis) = m * sum_n w_n * parts_n(kind, axis)
-                 sum over (kind, axis) = m * sum_n w_n * reshard_n = the `reshard_s` row
+                 sum over (kind, axis) = m * sum_n w_n * reshard_n
+                 overlapped = -m * sync_hidden (the gradient sync hidden behind the
+                 backward, cost_model `exposed_sync_s`; 0 where the program syncs after it)
+                 sum over (kind, axis) + overlapped = the `reshard_s` row
     pipeline:    the critical stage k (the one `time_breakdown` names) runs its pieces
                  (solver/stage_costs.py: pre if k is first, n_k / L of the traced layers,
                  post if k is last), so
@@ -78,10 +81,22 @@ def _rows(seconds: dict[tuple[str, str], float], calls: dict[tuple[str, str], tu
             for kind, axis in sorted(set(seconds) | set(calls))]
 
 
+OVERLAPPED = "overlapped"
+"""The kind of the row that takes the hidden gradient sync off the charged collectives."""
+
+
 def one_stage_communication(solution: IntraOpSolution, num_microbatches: int) -> tuple[CommunicationTime, ...]:
-    """The `reshard_s` row of a one-stage plan by (kind, axis) (module docstring)."""
-    return tuple(_rows(charged_seconds(solution, num_microbatches), collective_calls(solution, num_microbatches),
-                       "reshard_s"))
+    """The `reshard_s` row of a one-stage plan by (kind, axis) (module docstring), and where
+    the program overlaps its gradient sync with the backward, one `overlapped` row of
+    -m x sync_hidden_s (cost_model `exposed_sync_s`): the kinds' rows are what the
+    collectives take, that row what of them runs beside the backward, and together they
+    add up to the `reshard_s` row the step waits for."""
+    rows = _rows(charged_seconds(solution, num_microbatches), collective_calls(solution, num_microbatches),
+                 "reshard_s")
+    if solution.cost.sync_hidden_s:
+        rows.append(CommunicationTime(kind=OVERLAPPED, axis=LOCAL_AXIS_NAME, count=0.0, bytes=0.0,
+                                      time_s=-num_microbatches * solution.cost.sync_hidden_s, part_of="reshard_s"))
+    return tuple(rows)
 
 
 def piece_factors(graph: Any, stage: int, num_stages: int, num_layers: int) -> dict[int, float]:

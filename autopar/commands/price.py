@@ -202,8 +202,9 @@ def _print_communication(est: Any, communication: tuple, plan: Plan) -> None:
     for col in ("kind", "axis", "count", "MiB", "seconds", "share", "in"):
         table.add_column(col, justify="right")
     for row in communication:
-        table.add_row(row.kind, row.axis, f"{row.count:,.0f}" if row.kind != "local_copy" else "",
-                      f"{row.bytes / 2**20:,.1f}" if row.kind != "local_copy" else "", f"{row.time_s:.4g}",
+        counted = row.kind not in ("local_copy", "overlapped")
+        table.add_row(row.kind, row.axis, f"{row.count:,.0f}" if counted else "",
+                      f"{row.bytes / 2**20:,.1f}" if counted else "", f"{row.time_s:.4g}",
                       f"{row.time_s / est.step_time_s:.1%}" if est.step_time_s else "",
                       row.part_of.removesuffix("_s"))
     rows = dict(est.time_breakdown)

@@ -54,19 +54,25 @@ BOUNDS = {
     "compiled_memory_factor": (0.1, 1.0),
     "gemm_overhead_s": (5e-7, 2e-5),
     "memory_overhead_s": (5e-7, 1e-5),
+    "grad_sync_overlap_efficiency": (0.05, 1.0),
 }
 """Physical ranges, not fits: a training GEMM reaches at most the best-shape rate; FlashAttention-2
 reaches 30-73% of A100 peak (its paper) and its backward no more than its forward; memory-bound
 kernels reach at most ~95% of HBM peak (STREAM copy); a K-ramp beyond a few tiles' depth (512)
 would contradict cuBLAS's near-peak rates at K = 1024-2048; a GPU kernel's fixed time lies between
-the ~0.5-1 us gap of back-to-back kernels in a CUDA graph and the ~10-20 us of a host-bound launch."""
+the ~0.5-1 us gap of back-to-back kernels in a CUDA graph and the ~10-20 us of a host-bound launch.
+`grad_sync_overlap_efficiency` is the one model's (benchmarks/fit/fit_one_model.py fits it; this
+script does not): a share of the backward, at most all of it."""
 START = {
     "gemm_efficiency": 0.85, "gemm_k_ramp": 64.0, "flash_attention_efficiency": 0.5, "memory_efficiency": 0.8,
     "overlap_efficiency": 0.8, "compiled_memory_factor": 0.5, "gemm_overhead_s": 4e-6, "memory_overhead_s": 2e-6,
+    "grad_sync_overlap_efficiency": 0.5,
 }
 """Where every fit starts (so that a fit depends on its rows only, not on the constants
 committed before it): round physical guesses (large GEMMs near their best rate, STREAM-like
-memory efficiency, mostly hidden communication, inductor fusing half the traffic away)."""
+memory efficiency, mostly hidden communication, inductor fusing half the traffic away; the one
+model's gradient sync hidden behind half of the backward it overlaps, whose window W is the
+whole backward, an upper bound)."""
 RANK_WEIGHT = 1.0
 """Weight of the ranking term against the absolute term."""
 

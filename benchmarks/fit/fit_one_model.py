@@ -2,7 +2,8 @@
 
     python benchmarks/fit/fit_one_model.py [--csv CSV] [--out results/one_model_fit.json]
         [--report results/one_model_fit.md] [--step 0.1] [--radius 0.5] [--workers 2] [--rows 10-15,22]
-        [--refit results/one_model_fit.json]
+        [--refit results/one_model_fit.json] [--reuse-columns results/one_model_fit.json]
+        [--commit cost_model/fitted_constants.json]
 
 The one model is what `autopar search` and `autopar price` compute: every row's
 configuration priced by `autopar.price` (benchmarks/validate_one_model.py
@@ -34,7 +35,11 @@ gains lambda x the mean squared log distance from fit_cost_model.py's START (rou
 physical guesses, fixed before any fit), with lambda chosen from PRIOR_WEIGHTS by leaving
 one publication of the training rows out at a time (nested inside every held-out fold, so
 the held-out rows never choose it). `--refit` reuses an earlier run's Jacobian (saved in
-its JSON) and re-fits and re-prices the folds only.
+its JSON) and re-fits and re-prices the folds only. `--reuse-columns` takes an earlier
+run's columns for the constants it fitted at the same committed values and evaluates the
+base and the other columns (a constant added since: one evaluation instead of one per
+constant); the reused columns are that run's model's derivatives, which is the first-order
+model of this one wherever the two price alike.
 
 Held-out validation, the honest stand-in for runs not seen: for each publication
 (leave-one-publication-out, the headline) and each source (leave-one-source-out), the
@@ -66,10 +71,13 @@ from benchmarks.fit.fit_cost_model import BOUNDS, RANK_WEIGHT, START  # noqa: E4
 from benchmarks.lib.published_runs import DATA_CSV, ROOT, Run, load_runs  # noqa: E402
 
 ONE_MODEL_FITTED = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
-                    "gemm_overhead_s", "memory_overhead_s")
-"""The FITTED constants the one model reads (the ILP's op costs, cost_model/compute.py).
-`overlap_efficiency` and `compiled_memory_factor` are terms of the closed-form baseline
-only: the ILP prices every collective as exposed and has no torch.compile term."""
+                    "gemm_overhead_s", "memory_overhead_s", "grad_sync_overlap_efficiency")
+"""The FITTED constants the one model reads: the ILP's op costs (cost_model/compute.py) and
+the share of the backward that hides an overlapped gradient sync (rho of
+cost_model/table.py `exposed_sync_s`; the one model's own, cost_model/efficiency.py
+ONE_MODEL_ONLY). Not fitted here: `overlap_efficiency`, a term of the closed-form baseline
+only (its overlap multiplies another window than the one model's), and
+`compiled_memory_factor`, kept as fit_cost_model.py fits it."""
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "one_model_fit.json"
 DEFAULT_REPORT = ROOT / "benchmarks" / "results" / "one_model_fit.md"
@@ -310,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and validated; its other constants (the closed-form baseline's) are kept")
     ap.add_argument("--refit", default=None, help="an earlier --out JSON: reuse its committed prices and Jacobian "
                                                   "(same constants and rows), refit and re-price the folds only")
+    ap.add_argument("--reuse-columns", default=None, metavar="EARLIER_JSON",
+                    help="an earlier --out JSON: evaluate the base and the columns of the constants it lacks (or "
+                         "whose committed value changed), reuse its columns of the others")
     ap.add_argument("--borrowed", default=str(ROOT / "benchmarks" / "results" / "loso_by_publication.json"),
                     help="the baseline's leave-one-publication-out fits (fit_cost_model.py --loso --holdout "
                          "publication): each left-out publication also priced by the one model at the constants "
@@ -336,16 +347,18 @@ def main(argv: list[str] | None = None) -> int:
         jac = {int(i): v for i, v in earlier["jacobian"].items()}
     else:
         theta0 = {k: getattr(DEFAULT_EFFICIENCY, k) for k in ONE_MODEL_FITTED}
-        # the base and one evaluation per constant, scaled by e^step
-        jobs = [(every, theta0)] + [(every, {**theta0, k: theta0[k] * math.exp(args.step)})
-                                    for k in ONE_MODEL_FITTED]
+        reused = _reused_columns(args.reuse_columns, theta0, args.step) if args.reuse_columns else {}
+        fresh = [k for k in ONE_MODEL_FITTED if k not in reused]
+        # the base and one evaluation per constant not reused, scaled by e^step
+        jobs = [(every, theta0)] + [(every, {**theta0, k: theta0[k] * math.exp(args.step)}) for k in fresh]
         priced = evaluate(args.csv, jobs, args.workers)
-        print(f"Jacobian: {len(jobs)} evaluations of {len(runs)} rows ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
+        print(f"Jacobian: {len(jobs)} evaluations of {len(runs)} rows ({time.perf_counter() - t0:.0f} s)"
+              + (f"; columns of {sorted(reused)} from {args.reuse_columns}" if reused else ""), flush=True)
         base = _log_errors(runs, priced[0])
-        shifted = [_log_errors(runs, p) for p in priced[1:]]
+        shifted = dict(zip(fresh, (_log_errors(runs, p) for p in priced[1:])))
         # d log T / d log theta_k = -(d log tps / d log theta_k)
-        jac = {i: [-(s[i] - base[i]) / args.step for s in shifted] for i in base if all(i in s for s in shifted)}
+        jac = {i: [reused[k][i] if k in reused else -(shifted[k][i] - base[i]) / args.step for k in ONE_MODEL_FITTED]
+               for i in base if all(i in shifted[k] for k in fresh) and all(i in reused[k] for k in reused)}
     priors: dict[str, dict[str, float]] = {"all": {"all": prior_weight(runs, base, jac, theta0, args.radius)}}
     fitted = fit_surrogate(runs, base, jac, theta0, args.radius, priors["all"]["all"])
     print(f"fitted on every row (prior weight {priors['all']['all']}): {fitted}", flush=True)
@@ -368,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     for held, constants in sorted(borrowed.items()):
         rows = [r.index for r in runs if r.row["publication"] == held]
         if rows:
-            jobs.append((rows, {k: constants[k] for k in ONE_MODEL_FITTED}))
+            # the baseline fits no constant of the one model's own (ONE_MODEL_ONLY): its committed value
+            jobs.append((rows, {k: constants.get(k, theta0[k]) for k in ONE_MODEL_FITTED}))
             labels.append(("borrowed", held))
     priced_folds = evaluate(args.csv, jobs, args.workers)
     in_sample = priced_folds[0]
@@ -379,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "script": "benchmarks/fit/fit_one_model.py", "csv": args.csv, "step": args.step, "radius": args.radius,
         "theta0": theta0, "fitted": fitted, "folds": folds, "priors": priors, "seconds": round(elapsed),
-        "refit": bool(args.refit),
+        "refit": bool(args.refit), "reused_columns": args.reuse_columns,
         "start": {k: START[k] for k in ONE_MODEL_FITTED},
         "base": {str(i): v for i, v in sorted(base.items())}, "jacobian": {str(i): v for i, v in sorted(jac.items())},
         "rows": {str(r.index): {
@@ -398,6 +412,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"committed the constants fitted on every row to {args.commit}")
     print(f"wrote {args.out} and {args.report} ({elapsed:.0f} s)")
     return 0
+
+
+def _reused_columns(path: str, theta0: dict[str, float], step: float) -> dict[str, dict[int, float]]:
+    """{constant: {row: d log T / d log theta}}: the Jacobian columns of an earlier run of this
+    script (its JSON at `path`) for the constants it fitted at the same committed value and
+    finite-difference step. They were taken around the one model of that run: where the
+    model changed since (a new term), the columns of the old constants are its first-order
+    model, not this one's; the held-out errors are still the one model priced."""
+    earlier = json.loads(Path(path).read_text())
+    # that run's column order: its ONE_MODEL_FITTED, which this one extends at its end (the
+    # JSON's theta0 is written with sorted keys, so it does not keep the order)
+    old = [k for k in ONE_MODEL_FITTED if k in earlier["theta0"]]
+    if earlier.get("step") != step or "jacobian" not in earlier:
+        raise SystemExit(f"--reuse-columns {path}: no Jacobian at step {step}")
+    return {k: {int(i): col[old.index(k)] for i, col in earlier["jacobian"].items()}
+            for k in ONE_MODEL_FITTED if k in earlier["theta0"] and earlier["theta0"][k] == theta0[k]}
 
 
 def commit_constants(path: Path, result: dict[str, Any]) -> None:
@@ -446,7 +476,10 @@ def report(result: dict[str, Any], skipped: list[str]) -> str:
     lines = ["# The one model fitted on published runs", "",
              "Generated by `.venv/bin/python benchmarks/fit/fit_one_model.py` "
              f"({result['seconds']} s" + (", refitted from an earlier run's Jacobian with `--refit`"
-                                          if result.get("refit") else "") + "). Errors are |predicted / reported - 1| of tokens/s per GPU, the one model "
+                                          if result.get("refit") else "")
+             + (f", the Jacobian's columns of the constants an earlier run fitted at the same values taken from "
+                f"it with `--reuse-columns`, the base and the other columns evaluated"
+                if result.get("reused_columns") else "") + "). Errors are |predicted / reported - 1| of tokens/s per GPU, the one model "
              "(`autopar price` of each row's configuration) at each set of constants. Held-out rows are priced at "
              "constants fitted without their publication (or source); the fit is a first-order model of the one "
              "model around the committed constants (the script's docstring).", "",

@@ -24,6 +24,7 @@ from solver.intra_op.collective_groups import expected_bucket_bytes, param_gathe
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import Exchange, gathers_rows
 from solver.intra_op.sharing import Reduction
+from solver.intra_op.sync_rows import HiddenSync
 
 TIE_BREAK_S = 1e-10
 """Added to the objective (not to reported costs) per collective an edge needs: among
@@ -45,8 +46,9 @@ class EdgePrices:
     def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
                  prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
-                 exchange: Exchange | None = None, weights_whole_axes: tuple[int, ...] = ()) -> None:
-        self.graph, self.red, self.pricer, self.gathers = graph, red, pricer, gathers
+                 exchange: Exchange | None = None, weights_whole_axes: tuple[int, ...] = (),
+                 hidden: HiddenSync | None = None) -> None:
+        self.graph, self.red, self.pricer, self.gathers, self.hidden = graph, red, pricer, gathers, hidden
         self.weights_whole_axes = weights_whole_axes
         self.owner_ep = _owner_flags(red, exchange or {})
         self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
@@ -95,6 +97,7 @@ class EdgePrices:
             return
         share, uses = None, 1
         a, b = red.owner[u], red.owner[v]
+        hidden = self.hidden if grad and self.hidden is not None and self.hidden.hideable(u) else None
         if grad:
             share = self.expected_buckets[u]
         elif u in self.derived:  # a grouped gather: its group's latency is y_g's (gather_rows.py)
@@ -111,6 +114,8 @@ class EdgePrices:
                     self.forbidden.setdefault(a, set()).add(j)
                 else:
                     coef[j] += weight * c
+                    if hidden is not None:
+                        hidden.add_node(a, j, len(coef), weight * c)
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
@@ -120,6 +125,8 @@ class EdgePrices:
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
             distinct = {(a, b): self.priced(meta, a, b, activation, grad, share, uses) for a in us for b in ud}
             unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
+        if hidden is not None:
+            hidden.add_matrix(a, b, unit, weight)
         self._accumulate(a, b, unit, weight)
 
     def _add_exchange(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
@@ -188,18 +195,20 @@ def edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
                    *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
                    prices: tuple[dict, dict, dict] | None = None, exchange: Exchange | None = None,
-                   weights_whole_axes: tuple[int, ...] = ()) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
+                   weights_whole_axes: tuple[int, ...] = (), hidden: HiddenSync | None = None
+                   ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
     same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
     matrix) price memos of earlier solves with the same pricer and axes (a search's solves
     of one submesh share them: every key holds the tensor and both layouts it prices).
-    `gathers` collects the grouped weight gathers' rows (gather_rows.py); `exchange` the
-    grouped ops, into and out of whose expert-parallel strategies a split may move over
-    `gather_free_axes` (restrict.py `exchange_nodes`)."""
+    `gathers` collects the grouped weight gathers' rows (gather_rows.py), `hidden` the
+    hideable gradient edges' charges (sync_rows.py); `exchange` the grouped ops, into and
+    out of whose expert-parallel strategies a split may move over `gather_free_axes`
+    (restrict.py `exchange_nodes`); `weights_whole_axes` the axes no weight is gathered on."""
     active = set(red.active)
     edges = EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers, exchange,
-                        weights_whole_axes)
+                       weights_whole_axes, hidden)
     for v in red.active:
         node = graph[v]
         for p, u in enumerate(node.inputs):

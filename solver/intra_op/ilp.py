@@ -47,6 +47,16 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
                gather/g/... (solver/intra_op/gather_rows.py: exact for one-hot x)
                Rows r and columns k are classes of identical rows/columns of the matrix.
 
+    h        = continuous >= 0, charged -1 in the objective, where the program overlaps the
+               gradient sync with the backward (a one-stage step of one microbatch, or
+               ZeRO-2's every microbatch: autopar/build/one_stage.py `sync_in_step`) and
+               rho = cost_model `grad_sync_overlap` > 0: the sync time hidden, so the
+               objective charges the sync as exposed = max(S_last, S - rho W)
+               (cost_model/table.py `exposed_sync_s`; solver/intra_op/sync_rows.py):
+    sync_overlap/window: h <= rho W(x)          W: the backward nodes' weighted compute
+    sync_overlap/sync:   h <= S(x) - S_last(x)  S: the gradient edges' charge (C_ab's
+                                                g->p part), S_last: the last-computed gradient's
+
     one_choice/o:     sum_j x[o,j] = 1
     edge/a->b/row=r:  sum_k e_ab[r,k] = sum_{j in class r} x[a,j]       (Alpa-style;
     edge/a->b/col=k:  sum_r e_ab[r,k] = sum_{j in class k} x[b,j]        e continuous >= 0)
@@ -90,7 +100,8 @@ import pulp
 from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Role
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
-from cost_model import CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table, runs_gloo
+from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table,
+                        grad_sync_overlap, runs_gloo)
 from solver.intra_op.backend import (
     OBJECTIVE_SCALE,
     SOLVERS,
@@ -105,7 +116,8 @@ from solver.intra_op.restrict import (
     Exchange, PlaceholderFilter, UpdateFilter, exchange_nodes, prune_gather_free, restrict_placeholders)
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
-from solver.intra_op.solution import extract_solution
+from solver.intra_op.solution import extract_solution, last_gradient
+from solver.intra_op.sync_rows import HiddenSync
 from solver.intra_op.space import enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -129,28 +141,36 @@ def _classes(vectors: list[tuple[float, ...]]) -> list[list[int]]:
 
 
 def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]],
-                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]]
-                    ) -> dict[tuple[NodeId, NodeId], tuple]:
+                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
+                    hidden: HiddenSync | None = None) -> dict[tuple[NodeId, NodeId], tuple]:
     """Edges whose matrix has one row class (cost depends on b only) or one column class
     (on a only) are added to node costs (an infeasible entry forbids that choice); the
     rest come back as (matrix, row classes, column classes) for edge variables.
-    `node_coef` and `forbidden` are this solve's own tables (updated)."""
+    `node_coef` and `forbidden` are this solve's own tables (updated), and so is `hidden`:
+    a pair's hideable gradient charges fold with it, and its classes are those of
+    (charge, hideable charge) so that each edge variable has one of each."""
     kept = {}
     for (a, b), matrix in sorted(edges.items()):
-        rows = _classes([tuple(r) for r in matrix])
-        cols = _classes([tuple(c) for c in zip(*matrix)])
+        part = hidden.edges.get((a, b)) if hidden is not None else None
+        paired = matrix if part is None else [list(zip(r, h)) for r, h in zip(matrix, part)]
+        rows = _classes([tuple(r) for r in paired])
+        cols = _classes([tuple(c) for c in zip(*paired)])
         if len(rows) == 1:
             for k, c in enumerate(matrix[0]):
                 if c is None:
                     forbidden.setdefault(b, set()).add(k)
                 else:
                     node_coef[b][k] += c
+                    if part is not None:
+                        hidden.add_node(b, k, len(node_coef[b]), part[0][k])
         elif len(cols) == 1:
             for j, row in enumerate(matrix):
                 if row[0] is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
                     node_coef[a][j] += row[0]
+                    if part is not None:
+                        hidden.add_node(a, j, len(node_coef[a]), part[j][0])
         else:
             kept[(a, b)] = (matrix, rows, cols)
     return kept
@@ -163,6 +183,7 @@ class _Model:
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
         self.x = {o: [self.prob.add_variable(f"x_{o}_{j}", cat=pulp.LpBinary) for j in range(len(red.smap[o]))]
                   for o in red.owners}
+        self.edge_vars: dict[tuple[NodeId, NodeId], dict[tuple[int, int], pulp.LpVariable]] = {}
         self.objective: dict[pulp.LpVariable, float] = {}
         """One coefficient per variable (LpAffineExpression(list) keeps only the LAST
         coefficient of a repeated variable, so terms are summed here first)."""
@@ -196,6 +217,7 @@ class _Model:
                     if c is None:
                         continue
                     var = self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0)
+                    self.edge_vars.setdefault((a, b), {})[(r, k)] = var
                     by_row[r].append(var)
                     by_col[k].append(var)
                     count += 1
@@ -221,6 +243,24 @@ class _Model:
                 expr = pulp.LpAffineExpression([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)])
                 self.prob += expr <= -const, f"gather/{name}/{r}"
         return len(gathers.weight)
+
+    def add_sync_overlap_rows(self, hidden: HiddenSync, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
+        """The hidden gradient sync h and its two rows (sync_rows.py), after the edge variables."""
+        h = self.prob.add_variable("sync_hidden", lowBound=0)
+        self.objective[h] = -OBJECTIVE_SCALE
+        window = [(self.x[o][j], -hidden.rho * c) for o, row in sorted(hidden.backward.items())
+                  for j, c in enumerate(row) if c]
+        self.prob += pulp.LpAffineExpression(window + [(h, 1.0)]) <= 0, "sync_overlap/window"
+        sync = [(self.x[o][j], -c) for o, row in sorted(hidden.node.items()) for j, c in enumerate(row) if c]
+        for pair, part in sorted(hidden.edges.items()):
+            if pair not in edges:
+                continue  # folded into `hidden.node` (or no variable: one option each)
+            _matrix, rows, cols = edges[pair]
+            for (r, k), var in self.edge_vars.get(pair, {}).items():
+                c = part[rows[r][0]][cols[k][0]]
+                if c:
+                    sync.append((var, -c))
+        self.prob += pulp.LpAffineExpression(sync + [(h, 1.0)]) <= 0, "sync_overlap/sync"
 
     def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
         return pulp.LpAffineExpression([(self.x[o][j], m * MEMORY_SCALE) for o, row in sorted(coef.items())
@@ -297,35 +337,55 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     forbidden: dict[NodeId, set[int]] = {}
     gathers = GatherGroups([collective_latency_s("all_gather", link) for link in table.links])
     _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight, gathers)
-    # the search's solves share edge prices: they depend on the pricer and the axes' rules only
-    prices = None if prune_memo is None else prune_memo.setdefault(
+    prices = None if prune_memo is None else prune_memo.setdefault(  # the search's solves share them:
         ("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes, grads_each_microbatch,
-         weights_whole_axes), ({}, {}, {}))
+         weights_whole_axes), ({}, {}, {}))  # they depend on the pricer and the axes' rules only
+    hidden, rho = _hidden_sync(graph, table, red, cluster, num_microbatches, grads_each_microbatch)
     edges = _fold_separable(edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
-                                           grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
-                                           prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes),
-                            node_coef, forbidden)
+                                          grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
+                                          prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes,
+                                          hidden=hidden),
+                            node_coef, forbidden, hidden)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
-    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes)
+    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes,
+                                        hidden)
     sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
     status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
                               memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
                               elapsed_s=time.perf_counter() - start)
     chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
     solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape,
-                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, status=status, solver=solver,
+                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, sync_overlap=rho,
+                                status=status, solver=solver,
                                 grads_each_microbatch=grads_each_microbatch,
                                 num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
                                 num_constraints=model.prob.numConstraints(),
                                 solve_time_s=time.perf_counter() - start)
+    _log_solve(graph, red, solution, model, built - start)
+    return solution
+
+
+def _log_solve(graph: Graph, red: Reduction, solution: IntraOpSolution, model: _Model, build_s: float) -> None:
     objective_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
     log.info("intra-op %s on %s: %d owners of %d nodes, %d vars, %d rows; build %.2f s, total %.2f s; "
              "objective %.6g s (extracted %.6g s), %s",
-             graph.model.name, mesh_shape, len(red.owners), len(red.active), solution.num_variables,
-             solution.num_constraints, built - start, solution.solve_time_s, objective_s,
-             solution.cost.total_s, status)
-    return solution
+             graph.model.name, solution.mesh_shape, len(red.owners), len(red.active), solution.num_variables,
+             solution.num_constraints, build_s, solution.solve_time_s, objective_s,
+             solution.cost.total_s, solution.status)
+
+
+def _hidden_sync(graph: Graph, table: CostTable, red: Reduction, cluster: Cluster, num_microbatches: int | None,
+                 grads_each_microbatch: bool) -> tuple[HiddenSync | None, float]:
+    """(the hideable gradient sync's rows, rho): the program overlaps the sync with the
+    backward where it syncs in the step graph (autopar/build/one_stage.py `sync_in_step`:
+    one microbatch, or ZeRO-2's every microbatch); elsewhere rho is 0 and nothing hides."""
+    overlapped = num_microbatches is not None and (num_microbatches == 1 or grads_each_microbatch)
+    rho = grad_sync_overlap(cluster) if overlapped else 0.0
+    synced = [g for p, g in graph.param_grads if p in red.active and g in red.active]
+    if rho <= 0 or not synced:
+        return None, rho
+    return HiddenSync(graph, table, red, last_gradient(graph, set(red.active)), rho), rho
 
 
 def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], space: StrategySpace | None,
@@ -353,7 +413,7 @@ def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...
 
 def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
                  edges: dict[tuple[NodeId, NodeId], tuple], gathers: GatherGroups, terms: list,
-                 memory_budget_bytes: float | None) -> tuple[_Model, int]:
+                 memory_budget_bytes: float | None, hidden: HiddenSync | None = None) -> tuple[_Model, int]:
     """The ILP of the module docstring, one constraint family at a time; and its number of
     edge and gather-group variables."""
     model = _Model("intra_op", red)
@@ -361,6 +421,8 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
     model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
     num_edge_vars = model.add_edge_constraints(edges) + model.add_gather_group_rows(gathers)
+    if hidden is not None:
+        model.add_sync_overlap_rows(hidden, edges)
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     model.prob += pulp.LpAffineExpression(model.objective)

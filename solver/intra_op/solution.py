@@ -17,10 +17,10 @@ from typing import Any
 
 from autopar.buckets import UPDATE_PHASE, gather_group, gather_share
 from autopar.cluster import Cluster
-from autopar.ir import Graph, NodeId, Role
+from autopar.ir import Graph, NodeId, Phase, Role
 from autopar.placement import Placements
 from autopar.sharding import CostBreakdown, IntraOpSolution, NodeChoice, PricedCollective
-from cost_model import CostTable, ReshardPricer
+from cost_model import CostTable, ReshardPricer, exposed_sync_s
 from solver.intra_op.collective_groups import gradient_bucket_shares, gradient_sync_collectives
 from solver.intra_op.sharing import Reduction
 
@@ -93,12 +93,12 @@ def grouped_gathers(graph: Graph, pricer: ReshardPricer, groups: dict[tuple, dic
 
 def gradient_syncs(graph: Graph, space, pricer: ReshardPricer, pick: dict[NodeId, int], active: set[NodeId],
                    reshard: dict[NodeId, float], parts: dict[tuple[NodeId, str, int], float], grad_sync_weight: float,
-                   *, each_microbatch: bool) -> list[PricedCollective]:
+                   *, each_microbatch: bool, charged: dict[NodeId, float] | None = None) -> list[PricedCollective]:
     """The gradient syncs the chosen placements imply, bucketed as the program runs them:
     each gradient's time (its share of its bucket's latency) charged to its parameter's
     `reshard`, weighted like the ILP's gradient-sync edges (`parts` gets the same split by
     kind), and the buckets' collectives. `each_microbatch` (ZeRO-2): every microbatch syncs
-    them, as its edges."""
+    them, as its edges. `charged` gets each gradient's weighted time ({gradient: seconds})."""
     syncs = [(param, grad) for param, grad in graph.param_grads if param in active and grad in active]
     sync_items = [(g, space[g][pick[g]].outputs[0], space[p][pick[p]].update_placements) for p, g in syncs]
     shares = gradient_bucket_shares(graph, sync_items, pricer)
@@ -107,6 +107,8 @@ def gradient_syncs(graph: Graph, space, pricer: ReshardPricer, pick: dict[NodeId
             space[param][pick[param]].update_placements
         t = pricer.grad_sync_time(grad_meta, src, dst, share=shares.get(grad)) or 0.0
         reshard[param] += t * grad_sync_weight * graph.weight(grad) / graph.weight(param)
+        if charged is not None:
+            charged[grad] = t * grad_sync_weight * graph.weight(grad)
         if src != dst:
             _charge(parts, param, pricer.grad_sync_parts(grad_meta, src, dst, share=shares.get(grad)),
                     grad_sync_weight * graph.weight(grad) / graph.weight(param))
@@ -116,11 +118,20 @@ def gradient_syncs(graph: Graph, space, pricer: ReshardPricer, pick: dict[NodeId
     return grad_syncs
 
 
+def last_gradient(graph: Graph, active: set[NodeId]) -> NodeId:
+    """The parameter gradient the backward computes last (graph order): its bucket's sync is
+    issued when no backward is left to hide it (cost_model `exposed_sync_s`'s S_last)."""
+    return max(g for p, g in graph.param_grads if p in active and g in active)
+
+
 def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
-             budget: float | None, *, grad_sync_weight: float, **meta) -> IntraOpSolution:
+             budget: float | None, *, grad_sync_weight: float, sync_overlap: float = 0.0,
+             **meta) -> IntraOpSolution:
     """Per-node choices, costs and collectives recomputed from the chosen strategies (not
-    from the solver's objective)."""
+    from the solver's objective). `sync_overlap`: rho where the program overlaps the
+    gradient sync with the backward (cost_model `exposed_sync_s`; 0: charged exposed); the
+    part it hides is `CostBreakdown.sync_hidden_s`, taken off `total_s`."""
     active = set(red.active)
     pick = {n: red.smap[n][chosen[red.owner[n]]] for n in red.active}
     reshard: dict[NodeId, float] = defaultdict(float)
@@ -157,8 +168,9 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
             reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0],
                                    value)
     collectives.extend(grouped_gathers(graph, pricer, groups, reshard, parts))
+    synced: dict[NodeId, float] = {}
     collectives.extend(gradient_syncs(graph, space, pricer, pick, active, reshard, parts, grad_sync_weight,
-                                      each_microbatch=bool(meta.get("grads_each_microbatch"))))
+                                      each_microbatch=bool(meta.get("grads_each_microbatch")), charged=synced))
     collectives.extend(update_gathers(graph, space, red, pricer, pick, reshard, grad_sync_weight, parts))
     choices = []
     compute = comm = resh = 0.0
@@ -171,11 +183,17 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         choices.append(NodeChoice(node=n, name=node.name, op=node.op, outputs=s.outputs, inputs=s.inputs,
                                   compute_s=c.compute_s, comm_s=c.comm_s, reshard_s=reshard[n],
                                   memory_bytes=c.memory_bytes, weight=w, update=s.update))
+    hidden = 0.0
+    if sync_overlap > 0 and synced:
+        backward = sum(graph.weight(n) * table.nodes[n][pick[n]].compute_s for n in red.active
+                       if graph[n].phase is Phase.BACKWARD)
+        total = sum(synced.values())
+        hidden = total - exposed_sync_s(total, synced[last_gradient(graph, active)], backward, sync_overlap)
     peak = 0.0
     for _t, coef in terms:
         peak = max(peak, sum(row[chosen[o]] for o, row in coef.items()))
-    cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh,
-                         peak_memory_bytes=peak)
+    cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh - hidden,
+                         peak_memory_bytes=peak, sync_hidden_s=hidden)
     return IntraOpSolution(graph_fingerprint=graph.fingerprint(), cluster=cluster.spec, mesh_shape=mesh_shape,
                            choices=tuple(choices), cost=cost, memory_budget_bytes=budget,
                            collectives=tuple(collectives), grad_sync_weight=grad_sync_weight,

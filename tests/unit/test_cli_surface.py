@@ -33,6 +33,7 @@ CONFIG_FLAGS = (
     "--pp VALUE",
     "--dp VALUE",
     "--zero {0,1,2,3}",
+    "--ep VALUE",
     "--micro-batch VALUE",
     "--schedule {gpipe,1f1b,interleaved,zb}",
     "--interleave VALUE",

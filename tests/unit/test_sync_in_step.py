@@ -1,7 +1,8 @@
 """With one microbatch per step the per-op step graph reduces each gradient bucket itself
 (codegen/apply.py `sync_in_step`): the same collectives and bytes as the separate
 `grad_sync` graph and as the ILP priced them (price = run), each issued during the
-backward, right after its bucket's last gradient; reduce-scatters go per layer
+backward, right after its bucket's last gradient, and waited only at the end of the step
+(so it runs beside the rest of the backward); reduce-scatters go per layer
 (autopar/buckets.py `gradient_bucket_key`), so a layer's full-size gradients are freed
 during the backward, not held to the end of the step.
 
@@ -99,5 +100,19 @@ def test_buckets_reduced_in_the_backward(config, kind):
         # the first bucket is reduced before the backward's last matmul (during the backward),
         # not at the end as the separate sync does
         assert at[0] < matmuls[-1]
+    # each bucket's wait is deferred to the end of the step (codegen/collectives.py
+    # GradSync.issue / wait): it comes after the backward ops issued after its collective,
+    # so the collective runs beside them (what the cost model hides)
+    waits = [next(u for u in n.users if "wait_tensor" in str(u.target)) for n in syncs(fused.step)]
+    assert all(nodes.index(w) > matmuls[-1] for w in waits)
+    assert [nodes.index(w) for w in waits] == sorted(nodes.index(w) for w in waits)
+    if kind == "reduce_scatter":  # the first bucket's collective has backward matmuls after it
+        assert any(at[0] < i < nodes.index(waits[0]) for i in matmuls)
+    # and the separate grad_sync graph issues every bucket before it waits on the first
+    sep = list(separate.grad_sync.graph.nodes)
+    issued = [sep.index(n) for n in syncs(separate.grad_sync)]
+    first_wait = min(sep.index(u) for n in syncs(separate.grad_sync) for u in n.users
+                     if "wait_tensor" in str(u.target))
+    assert max(issued) < first_wait
     # the step returns the gradients in their parameters' placements
     assert "# grad_sync" not in fused.source and "gradients in their parameters' placements" in fused.source
