@@ -5,7 +5,9 @@ Where it sits: between strategy enumeration (solver/intra_op/space.py) and the I
 absent, not expensive: a forced configuration (data parallel over an axis, ZeRO, no
 tensor parallelism) removes placeholder strategies (`restrict_placeholders`), and a
 data-parallel axis on which activations are never gathered removes every strategy no plan
-can reach without such a gather (`prune_gather_free`).
+can reach without such a gather (`prune_gather_free`). The one move of activations allowed
+on that axis is expert parallelism's: a split moved to another split into or out of a
+grouped op's expert-parallel strategy (`exchange_nodes`, `gathers_rows`).
 """
 
 from __future__ import annotations
