@@ -63,7 +63,7 @@ def keep_placeholder(config: ParallelConfig, *, update_free: bool = False):
             batch_split = config.dp > 1 and bool(shape) and shape[0] % config.dp == 0
             return (dp == Shard(0) if batch_split else isinstance(dp, Replicate)) and isinstance(tp, Replicate)
         if node.role is Role.PARAMETER:
-            if config.ep > 1 and expert_split(shape, Shard(0), config.ep):
+            if config.ep > 1 and expert_stack(shape, config.ep):
                 if dp != Shard(0):  # --ep: the experts are stored split on E over dp
                     return False
             elif config.dp > 1 and not update_free:
@@ -77,15 +77,15 @@ def keep_placeholder(config: ParallelConfig, *, update_free: bool = False):
     return keep
 
 
-def expert_split(shape: tuple[int, ...], placement: Any, ep: int) -> bool:
-    """Whether `placement` over dp splits a stacked parameter (three or more dims: routed
-    experts [E, d, f]) ep ways on its leading dim. Under `ParallelConfig.ep` such a
-    parameter is stored so, each rank holding its own experts, beside any ZeRO layout of
-    the others; under ZeRO 0-2 it is then computed where it is stored, never gathered
-    (`weights_whole_axes`): expert parallelism over the data-parallel ranks
+def expert_stack(shape: tuple[int, ...], ep: int) -> bool:
+    """Whether a parameter of `shape` is a stack of experts (three or more dims: routed
+    experts [E, d, f]) that splits ep ways on its leading dim. Under `ParallelConfig.ep` such
+    a parameter is stored split so over dp, each rank holding its own experts, beside any
+    ZeRO layout of the others; under ZeRO 0-2 it is then computed where it is stored, never
+    gathered (`weights_whole_axes`): expert parallelism over the data-parallel ranks
     (solver/intra_op/restrict.py exchange_nodes), as Megatron-Core and torchtitan run it
     beside ZeRO-1 for the dense weights."""
-    return len(shape) >= 3 and placement == Shard(0) and shape[0] % ep == 0
+    return len(shape) >= 3 and shape[0] % ep == 0
 
 
 def expert_moves(config: ParallelConfig, *, update_free: bool = False) -> bool:

@@ -17,7 +17,7 @@ layers' balance losses crossing the stage boundary; which placements its stages'
 choose is not checked here. A third configuration is expert parallelism over the
 data-parallel ranks beside ZeRO-1 (`--dp 4 --zero 1 --ep 4`, the layout Megatron-Core and
 torchtitan run): the ILP stores the experts split on e over dp (solver/forced.py
-`expert_split`), the dense weights whole with their update sharded, and moves the token
+`expert_stack`), the dense weights whole with their update sharded, and moves the token
 slots from their batch split to the expert split and back (the dispatch and combine
 all-to-alls, solver/intra_op/restrict.py `exchange_nodes`), which wins here because the
 experts are wide (f = 4096) against the few tokens of a step.
