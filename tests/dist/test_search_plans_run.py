@@ -1,14 +1,16 @@
 """Every plan `autopar search` ranks runs, driven through the CLI as a user would: `autopar
-search --top 5 --json --out best.json` for a zoo model and for a factory model (Hugging Face
-GPT-2 built from a config, with dropout: `--check` draws the masks deterministically); the
+search --top 5 --json --out best.json` for a factory model (Hugging Face GPT-2 built from a
+config, with dropout: `--check` draws the masks deterministically; a zoo model's search and
+`train --plan` are `make demo`'s and tests/dist/test_ranks_only_build.py's); the
 best plan trains with `autopar train --plan best.json --check`, and the best plan on another
 mesh with `autopar train` forced to its configuration (`--tp --pp --dp --zero --micro-batch --schedule
---interleave --recompute --attention`). Each trains 2 steps on 4 real gloo ranks, its losses
+--interleave --recompute --attention --ep`). Each trains 2 steps on 4 real gloo ranks, its losses
 match the single-process reference, and the collectives each program ran equal those its
 plan priced (pipelines: inside each stage). A plan the search ranks but `train` refuses
 fails this test. The whole grid (cpu:2/4/8, five models, top 5: 75 plans, pipelines for
 Hugging Face models among them) is benchmarks/check_search_plans.py, its last run in
-benchmarks/results/search_plans_run.md; the suite keeps this slice (two plans, cpu:4) for time."""
+benchmarks/results/search_plans_run.md; the suite keeps this slice (two plans of one model,
+cpu:4) for time."""
 
 from __future__ import annotations
 
@@ -21,20 +23,19 @@ from autopar import cli
 pytestmark = pytest.mark.dist
 
 CASES = [
-    ("llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16", 8),
     ("tests.factories:hf_gpt2_dropout", None),
 ]
 
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "zero": "--zero", "micro_batch": "--micro-batch",
          "schedule": "--schedule", "interleave": "--interleave", "recompute": "--recompute",
-         "attention": "--attention"}
+         "attention": "--attention", "ep": "--ep"}
 
 
 def _forced_flags(config: dict) -> list[str]:
     return [arg for key, flag in FLAGS.items() for arg in (flag, str(config[key]))]
 
 
-@pytest.mark.parametrize("model, global_batch", CASES, ids=["zoo-llama", "hf-gpt2"])
+@pytest.mark.parametrize("model, global_batch", CASES, ids=["hf-gpt2"])
 def test_cli_search_then_train_two_meshes(model, global_batch, tmp_path, capsys):
     if model.startswith("tests.factories:hf"):
         pytest.importorskip("transformers", reason="transformers not installed (extra 'test')")
