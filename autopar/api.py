@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar import batch as batches
@@ -34,7 +35,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.plan import InfeasiblePlanError, Plan, ProgramPlacements, fingerprint_source, module_fingerprint
-from autopar.runtime.launch import destroy_at_exit, init_from_env, launched_by_torchrun
+from autopar.runtime.launch import destroy_at_exit, gather_build_results, init_from_env, launched_by_torchrun
 from autopar.trace import trace_model, trace_step, with_precision
 
 if TYPE_CHECKING:
@@ -127,9 +128,9 @@ def search_plans(model: str | nn.Module, mesh: MeshLike, *, global_batch: int | 
     through Inductor (`--compile`, `fixed`'s configuration's where it says so), priced so
     (cost_model/table.py `compiled_scale`), and record it."""
     # imported on use: cost_model (under the solver) imports autopar's types, which import this module
-    from solver.pipeline_search import search
-    from solver.results import SearchResult
-    from solver.search_config import SearchConfig
+    from solver.pipeline_search import search  # lazy: the API imports the solver only inside functions
+    from solver.results import SearchResult  # lazy: the API imports the solver only inside functions
+    from solver.search_config import SearchConfig  # lazy: the API imports the solver only inside functions
 
     t0 = time.perf_counter()
     cluster = _cluster_of(mesh).with_memory_gb(memory_gb)
@@ -269,7 +270,7 @@ def price_result(model: str, mesh: MeshLike, config: ParallelConfig, *, global_b
                  choose_zero: bool = False, stage_layers: tuple[int, ...] | None = None) -> Any:
     """`price`'s whole SearchResult (its `plan` as `price` returns it): with the plan's
     communication per step by collective kind (`SearchResult.communication`)."""
-    from solver.search_config import Fixed
+    from solver.search_config import Fixed  # lazy: the API imports the solver only inside functions
 
     cluster = _cluster_of(mesh)
     fixed = Fixed(config=config, zero_given=not choose_zero, stage_layers=stage_layers)
@@ -310,7 +311,7 @@ def record_stage_placements(plan: Plan, model: nn.Module | None = None, example_
     `model` (left whole: a copy is cut) with `example_inputs` (one global batch), else the
     plan's model is built from its name with real weights (the cut runs one forward); a
     zoo model over MAX_STAGE_TRACE_PARAMETERS is left unrecorded (solved before each run)."""
-    from autopar.placing import solve_stage_placements
+    from autopar.placing import solve_stage_placements  # lazy: wires the build and solver, off `import autopar`
 
     config = plan.config
     if config.pp == 1:
@@ -321,8 +322,6 @@ def record_stage_placements(plan: Plan, model: nn.Module | None = None, example_
         if source.config is None:
             model, example_inputs = source.factory()
         else:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
             source = source.with_overrides(seq=plan.seq)
             with FakeTensorMode():
                 size = sum(p.numel() for p in source.build().parameters())
@@ -367,8 +366,6 @@ def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[An
 def _search_on_rank0(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
                      loss_fn: Callable[..., torch.Tensor] | None, precision: str = "", compiled: bool = False) -> Plan:
     """Rank 0 searches; every rank gets the plan (as its JSON text, never a pickle)."""
-    from autopar.runtime.launch import gather_build_results
-
     text = None
     if dist.get_rank() == 0:
         text = search_plan(model, mesh, example_inputs=example_inputs, loss_fn=loss_fn, precision=precision,
@@ -386,8 +383,7 @@ def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence
     the placements as JSON text (or the error, which every rank raises). No rank but rank 0
     enters the solver; `autopar train` decides them before its ranks start instead.
     `stage_layers`: a pipeline's layers per stage or chunk (default the plan's, else even)."""
-    from autopar.placing import program_placements
-    from autopar.runtime.launch import gather_build_results
+    from autopar.placing import program_placements  # lazy: wires the build and solver, off `import autopar`
 
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"  # init_mesh's
     if plan is not None and (plan.placements if config.pp == 1 else plan.stage_placements):
@@ -473,7 +469,7 @@ class Compiled:
         """Write a sharded, plan-independent checkpoint (autopar/runtime/checkpoint.py) under
         `directory`; collective. `step` defaults to the steps done so far. Unlike
         `state_dict()` (this plan's layout, GPT qkv rows in TP order), it loads under any plan."""
-        from autopar.runtime import checkpoint
+        from autopar.runtime import checkpoint  # lazy: the build (torch.distributed.tensor), off `import autopar`
 
         done = self.program.steps_done if step is None else step
         return str(checkpoint.save(self.program, directory, step=done))
@@ -481,7 +477,7 @@ class Compiled:
     def load_checkpoint(self, path: str) -> Any:
         """Load the newest complete checkpoint under `path` (or that `step_<N>` directory),
         resharding it to this plan; collective. Returns its `CheckpointInfo`."""
-        from autopar.runtime import checkpoint
+        from autopar.runtime import checkpoint  # lazy: the build (torch.distributed.tensor), off `import autopar`
 
         return checkpoint.load(self.program, path)
 
@@ -490,8 +486,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
                     plan: Plan | None, config: ParallelConfig | None, compiled: bool = False,
                     precision: str = "") -> Compiled:
-    from autopar.build import build_program
-    from autopar.runtime.program import model_dims
+    from autopar.build import build_program  # lazy: the build (torch.distributed.tensor), off `import autopar`
+    from autopar.runtime.program import model_dims  # lazy: the build (torch.distributed.tensor), off `import autopar`
 
     num_devices = _num_devices(mesh)
     _ensure_process_group(num_devices)

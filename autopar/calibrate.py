@@ -69,6 +69,7 @@ to the measured ones (cost_model/efficiency.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import statistics
@@ -78,6 +79,7 @@ from typing import Any
 
 from autopar.calibrate_rank import KINDS, rank_measure
 from autopar.cluster import HARDWARE, Hardware
+from autopar.runtime.launch import spawn
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +216,6 @@ def calibrate(devices: int, repeats: int = 1) -> Calibration:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     if repeats > 1:
         return combine([calibrate(devices) for _ in range(repeats)])
-    from autopar.runtime.launch import spawn
 
     if devices < 2:
         raise ValueError(f"--devices must be at least 2 to measure collectives, got {devices}")
@@ -315,8 +316,6 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     per-step latency 20-55% above the best fit with no per-call term (355-530 instead of
     297-372 us per dedicated core in three calibrations), and 8 ranks, 14 ring steps of an
     all-reduce at 4 ranks per core, multiply that."""
-    import itertools
-
     k = len(rows[0])
     best: tuple[float, list[float]] | None = None
     for size in range(k, 0, -1):

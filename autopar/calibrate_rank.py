@@ -10,7 +10,18 @@ the measurements themselves, one function per kind, run in the same order on eve
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.jobs import step_epilogue
 
 GEMM_SHAPES = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 128, 128),
                (1024, 256, 64), (256, 1024, 1024), (1024, 1024, 32))
@@ -55,11 +66,6 @@ def _param_tensor_s(mesh: Any, timed: Callable[..., float], barrier: Callable[[]
     optimizer built by `make_optimizer`, `optimizer.step()`, `zero_grad(set_to_none=True)`): the slope
     between PARAM_TENSORS[0] and [1] tiny parameters replicated over `mesh`, so the per-step fixed part
     and the per-element work (priced per element) drop out."""
-    import torch
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    from autopar.runtime.jobs import step_epilogue
-
     def epilogue_s(count: int) -> float:
         params = [torch.nn.Parameter(distribute_tensor(torch.zeros(PARAM_TENSOR_ELEMENTS), mesh,
                                                        [Replicate()] * mesh.ndim)) for _ in range(count)]
@@ -97,8 +103,6 @@ def _repeat(fn: Callable[[], None], sync: Callable[[], None], count: int | None 
         start = time.perf_counter()
         fn()
         count = max(1, min(10_000, int(MIN_TIME_S / max(time.perf_counter() - start, 1e-7))))
-        import torch
-        import torch.distributed as dist
 
         if dist.is_initialized():  # one count on every rank: the windows are closed together
             agreed = torch.tensor([count])
@@ -131,8 +135,6 @@ def reference_workload() -> Callable[[], None]:
     local parts unchanged, 8.5-9.1 vs 8.8 ms). Every sweep group then timed it at 22.0-23.6
     ms against 27.2-29.8 ms in the calibrations minutes before, and the load factor scaled
     every prediction down by 20-25%: predictions 10% off (median) read as 30% off."""
-    import torch
-
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     x0 = torch.ones(16, requires_grad=True)
     w = torch.full((16,), 1.0001)
@@ -169,8 +171,6 @@ def reference_time(reference: Callable[[], None], sync: Callable[[], None]) -> f
 
 def _count_aten_ops(fn: Callable[[], None]) -> int:
     """ATen ops `fn()` dispatches (views included), counted with a dispatch mode."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Count(TorchDispatchMode):
         calls = 0
 
@@ -187,11 +187,6 @@ def rank_measure(rank: int) -> dict[str, Any]:
     """Runs on every spawned rank (module level: picklable for spawn): every figure of a
     Calibration, as this rank measured it, in a fixed order that every rank follows (their
     collectives and barriers meet)."""
-    import warnings
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename
     n = dist.get_world_size()
     barrier = dist.barrier
@@ -234,8 +229,6 @@ Timed = Callable[..., float]
 
 def _measure_rates(out: dict[str, Any], timed: Timed, barrier: Callable[[], None]) -> None:
     """GEMMs, copies, and the step's two memory-bound passes (optimizer, accumulation)."""
-    import torch
-
     for m, nn_, k in GEMM_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, nn_)
         barrier()
@@ -262,8 +255,6 @@ def _measure_rates(out: dict[str, Any], timed: Timed, barrier: Callable[[], None
 def _measure_host_ops(out: dict[str, Any], timed: Timed, barrier: Callable[[], None]) -> None:
     """Per-op host cost: eager ops and views under autograd, then the same chains as the
     per-rank program runs them (make_fx graphs under no_grad)."""
-    import torch
-
     x0 = torch.ones(16, requires_grad=True)
     w = torch.full((16,), 1.0001)
 
@@ -287,8 +278,6 @@ def _measure_host_ops(out: dict[str, Any], timed: Timed, barrier: Callable[[], N
     # the same two chains as the per-rank program runs its ops: traced by make_fx into a
     # GraphModule whose every node calls an ATen op overload, run under no_grad
     # (codegen/apply.py, autopar/runtime/spmd.py); what the cost model charges per op and per view
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     def mul_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         for _ in range(CHAIN_OPS):
             x = x * w
@@ -320,10 +309,6 @@ def _measure_dtensor_ops(out: dict[str, Any], timed: Timed, barrier: Callable[[]
     """DTensor: the same small block (column-parallel linear, elementwise, view, reduction,
     forward and backward) on local tensors and on DTensors; the extra time per ATen op of
     the plain block is what a tensor-parallel layer's ops pay for DTensor dispatch."""
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
     wl = torch.randn(8 * n, 16, requires_grad=True)
     wd = distribute_tensor(wl.detach(), mesh, [Shard(0)]).requires_grad_()
     xl = torch.randn(8, 16)
@@ -347,10 +332,6 @@ def _measure_skew_and_attention(out: dict[str, Any], timed: Timed, barrier: Call
     """Rank skew: a collective between chunks of work waits for the last rank to arrive,
     which with more ranks than cores is whichever the OS scheduled last. Then the fused
     attention's FLOP rate."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
     ga, gb = torch.randn(192, 192), torch.randn(192, 192)
     tiny = torch.ones(1024)
 
@@ -376,9 +357,6 @@ def _measure_skew_and_attention(out: dict[str, Any], timed: Timed, barrier: Call
 def _measure_collectives(out: dict[str, Any], timed: Timed, barrier: Callable[[], None], rank: int, n: int) -> None:
     """KINDS of collectives (and a scalar all-reduce) at COLLECTIVE_BYTES, over the world and
     over 2-rank groups."""
-    import torch
-    import torch.distributed as dist
-
     pairs = [dist.new_group([2 * j, 2 * j + 1]) for j in range(n // 2)]
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
     # 2-rank groups: every pair at once, each pair's timing windows opened and closed on its
@@ -413,9 +391,6 @@ def _measure_collectives(out: dict[str, Any], timed: Timed, barrier: Callable[[]
 
 def _measure_send_recv(out: dict[str, Any], timed: Timed, barrier: Callable[[], None], rank: int, n: int) -> None:
     """Point-to-point messages at COLLECTIVE_BYTES between rank pairs (ping-pong)."""
-    import torch
-    import torch.distributed as dist
-
     peer = rank ^ 1
     for nbytes in COLLECTIVE_BYTES:
         x = torch.ones(nbytes // 4)

@@ -31,7 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from autopar.config import ParallelConfig, default_stage_layers
+from autopar.ir import Graph
 
 RUNTIME_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules the planner may rank and the per-op pipeline runs (autopar/runtime/pipe_spmd.py);
@@ -47,8 +50,6 @@ _ZOO_MODULES = {"autopar.models.gpt": "gpt", "autopar.models.llama": "llama", "a
 def layer_container(model: Any) -> tuple[str, int]:
     """(module path, length) of the model's largest nn.ModuleList / nn.Sequential /
     numbered nn.ModuleDict, ('', 0) if none: where autopar/trace/ reads layer indices."""
-    from torch import nn
-
     best = ("", 0)
     for name, mod in model.named_modules():
         # torchtitan keeps its blocks in a ModuleDict keyed "0", "1", ... (so pipeline
@@ -101,8 +102,6 @@ def zoo_family(model: Any) -> str:
 def _structure(model_or_graph: Any) -> tuple[str, int, str, tuple[int, ...]]:
     """(family or '', repeated layers, model name, (heads, key/value heads) of a zoo model)
     of a model or its traced Graph."""
-    from autopar.ir import Graph
-
     if isinstance(model_or_graph, Graph):
         info = model_or_graph.model
         return info.family, info.num_layers, info.name, (info.heads, info.kv_heads)

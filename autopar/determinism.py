@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -187,8 +188,6 @@ class _DeterministicRandomMode(TorchDispatchMode):
 def deterministic_random() -> Iterator[dict[str, int]]:
     """Inside, random ops draw the fixed field of the module docstring; yields the counts of
     replaced ops by name (filled as ops run). Enter it on every rank and in the reference."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     mode = _DeterministicRandomMode()
     # fused attention kernels draw their dropout inside; the math backend calls dropout as an op
     with sdpa_kernel([SDPBackend.MATH]), mode:

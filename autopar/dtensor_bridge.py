@@ -34,8 +34,11 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
+from autopar.ir import Ref
 from autopar.placement import Partial, Placement, Placements, Replicate, Shard, redistribute_supported
 
 aten = torch.ops.aten
@@ -144,8 +147,6 @@ def op_args(op: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...],
             tensor: Callable[[Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Rebuild an IR node's (args, kwargs) for `op`: tensor references become `tensor(ref)`,
     tuples become lists where the schema takes a list, text becomes torch types."""
-    from autopar.ir import Ref
-
     schema_args = {a.name: a for a in op._schema.arguments}
     positional = list(op._schema.arguments)
 
@@ -181,8 +182,6 @@ def spec(mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensorS
 
 
 def _expand(op_schema: OpSchema, single: list[list[Any]], num_outputs: int) -> Any:
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-
     mesh = op_schema.get_mesh_from_args(validate=False)
     return expand_to_full_mesh_op_strategy(mesh, op_schema, single, input_index=num_outputs)
 
@@ -257,8 +256,6 @@ PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {
 def register_project_rules() -> None:
     """Register PROJECT_RULES into DTensor's registry (once per process; ops DTensor
     already covers are left alone)."""
-    from torch.distributed.tensor._ops.utils import register_op_strategy
-
     for op, (fn, static_from) in PROJECT_RULES.items():
         if op not in PROPAGATOR.op_strategy_funcs and op not in PROPAGATOR.op_single_dim_strategy_funcs:
             register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_from))(fn)
@@ -288,8 +285,6 @@ def transforms(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str, src:
     from `src` to `dst`; the logical shape is the tensor as that axis sees it (already
     divided by the shards of the other axes at that step). Raises ValueError where DTensor
     cannot redistribute (see `redistribute_supported`)."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
-
     if not redistribute_supported(src, dst):
         raise ValueError(f"DTensor cannot redistribute {src} to {dst}")
     if src == dst:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autopar import units
 from autopar.config import ParallelConfig
+from autopar.sharding import UPDATE_SEPARATOR
 from autopar.units import GIB
 
 if TYPE_CHECKING:  # the types rendered; plan.py imports this module to explain itself
@@ -162,8 +163,6 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
     "...; weights replicated over dp, update S(0) over dp (ZeRO-1)" where the weight update
     is sharded (a placement text "compute update update-placement",
     autopar.sharding.parameter_placement_text)."""
-    from autopar.sharding import UPDATE_SEPARATOR
-
     found: dict[str, list[tuple[str, str, str]]] = {}
     for name, text in params:
         compute, _, update = text.partition(UPDATE_SEPARATOR)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import multiprocessing
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -30,11 +31,16 @@ import torch
 from torch import nn
 
 from autopar.batch import batch_size
+from autopar.build.chunks import trace_chunks
+from autopar.build.one_stage import trace_microbatch
+from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph
 from autopar.placement import Placements, boundary_placements
 from autopar.plan import Plan, ProgramPlacements, StagePlacements
+from autopar.runtime.jobs import build_model_and_batches
 from autopar.sharding import InfeasiblePlanError, NodeStrategy
+from codegen.kernels.modules import swap_fused_modules
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +78,16 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
                                         loss_fn=loss_fn)
         return ProgramPlacements(model=name, config=config, origin="solved", stage_layers=tuple(stage_layers or ()),
                                  stage_placements=stages, grads_each_microbatch=config.syncs_each_microbatch)
-    from autopar.build.one_stage import trace_microbatch
-    from solver.spmd_search import op_placements
+    from solver.spmd_search import op_placements  # lazy: the solver (PuLP), only when no plan has placements
 
     if fused_kernels is None:
         fused_kernels = torch.cuda.is_available() and not config.compiled
     traced_model = copy.deepcopy(model)
     if fused_kernels:
-        from codegen.kernels.modules import swap_fused_modules
-
         traced_model = swap_fused_modules(traced_model)
     _, graph = trace_microbatch(traced_model, config, example_inputs, loss_fn=loss_fn, device_type=device_type)
     del traced_model
     if cluster is None:
-        from autopar.cluster import Cluster
-
         cluster = Cluster.parse(f"cpu:1x{config.num_devices}")
     if in_child:
         solution = _solve_in_child(graph, config, cluster, num_microbatches)
@@ -112,8 +113,7 @@ def solve_stage_placements(model: nn.Module, config: ParallelConfig, example_inp
     each rank traces its own (autopar/build/chunks.py `trace_chunks`; `model` is cut in
     place), each solved by the stage ILP (`solve_stage`) on `cluster`, with what it prices
     per step. Raises what the cut (ValueError) or a solve (InfeasiblePlanError) raises."""
-    from autopar.build.chunks import trace_chunks
-    from solver.spmd_search import op_placements
+    from solver.spmd_search import op_placements  # lazy: the solver (PuLP), only when no plan has placements
 
     rows = config.dp * config.micro_batch
     recorded = []
@@ -130,9 +130,6 @@ def place_job(job: Any, *, cluster: Any = None, device_type: str = "cpu") -> Any
     its configurations from (`TrainJob.placements`): its plan's, else solved here for the
     configuration (`program_placements`), on the model and first batch every rank builds
     (the same seed). Call before spawning the job's ranks."""
-    from autopar.plan import Plan
-    from autopar.runtime.jobs import build_model_and_batches
-
     placed = []
     for i, config in enumerate(job.configs):
         model, batches, _ = build_model_and_batches(replace(job, steps=1))
@@ -148,11 +145,9 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     (solver/forced.py), its boundary inputs and tangents in the boundary layout. `cluster`:
     the whole job's (one stage's devices of it are priced, as the pipeline search prices
     a stage), default dp * tp cpu devices."""
-    from solver import forced
+    from solver import forced  # lazy: the solver (PuLP), only when no plan has placements
 
     if cluster is None:
-        from autopar.cluster import Cluster
-
         cluster = Cluster.parse(f"cpu:1x{config.dp * config.tp}")
     if cluster.num_devices != config.dp * config.tp:
         cluster = cluster.stage(config.dp * config.tp)
@@ -165,7 +160,7 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
 
 def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int) -> Any:
     """The ILP's solution for a configuration given by flags (solver/forced.py rules)."""
-    from solver.forced import solve_one_stage
+    from solver.forced import solve_one_stage  # lazy: the solver (PuLP), only when no plan has placements
 
     return solve_one_stage(graph, config, cluster, num_microbatches=num_microbatches)
 
@@ -182,8 +177,6 @@ def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_micr
     is the max over ranks. A forked child shares the traced graph copy-on-write and gives
     everything back when it exits; only the solution (about 100 KB pickled) comes back.
     Where fork is unavailable (or the child cannot start) the solve runs in this process."""
-    import multiprocessing
-
     def solve() -> Any:
         try:
             return solve_config(graph, config, cluster, num_microbatches=num_microbatches)

@@ -34,7 +34,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
-from autopar.sharding import InfeasiblePlanError  # one error type for "nothing fits", intra-op or whole plan
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.sharding import InfeasiblePlanError, NodeStrategy
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate
@@ -76,8 +78,6 @@ def fingerprint_source(source: Any) -> str:
     The full-depth model is built under FakeTensorMode, so even llama3-405b costs ~2 s
     and no memory. torch is imported here only: the rest of this module is torch-free.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if source.config is None:
         model, _ = source.factory()
     else:
@@ -542,8 +542,6 @@ def _match_placements(placements: Sequence[OpPlacement], graph: Any, what: str, 
     """`placements` as one NodeStrategy per node of `graph`, matched by node key and op;
     PlanFileError (starting with `what`) naming the first op that does not match, or with
     `exact` an op the plan places that the graph lacks (a chunk is traced as it was solved)."""
-    from autopar.sharding import NodeStrategy
-
     by_key = {p.key: p for p in placements}
     keys = graph.node_keys()
     out = []

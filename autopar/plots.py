@@ -155,7 +155,7 @@ def plan_stage_times(plan: Plan) -> tuple[list[float], list[float]]:
 
 
 def draw_timeline(ax: Any, timeline: Timeline, *, title: str = "") -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib (the optional plot extra), only to draw
 
     cmap = plt.get_cmap("tab10")
     scale, unit = (1e3, "ms") if timeline.makespan_s < 10 else (1.0, "s")
@@ -203,10 +203,10 @@ def draw_memory(ax: Any, bars: Sequence[tuple[str, dict[str, float]]], *, limit_
 def plot_plan(plan: Plan, path: str) -> Timeline | None:
     """`autopar explain --plot`: the pipeline timeline (if pp > 1) and the peak device's
     predicted memory breakdown, side by side, written as PNG."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (the optional plot extra), only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib (the optional plot extra), only to draw
 
     c = plan.config
     timeline = None

@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from autopar.units import DTYPE_BYTES
 
 POLICIES: tuple[str, ...] = ("fp32", "bf16-mixed", "bf16")
@@ -122,8 +124,6 @@ def cast_parameters(model: Any, dtype: str) -> None:
     before tracing its step (autopar/trace/), the single-process reference its compute
     copy (autopar/runtime/jobs.py). torch is imported here, on use: the rest of this module
     is read by the torch-free cost model."""
-    import torch
-
     target = getattr(torch, dtype)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != target:

@@ -23,7 +23,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.build.one_stage import build_spmd_program
+from autopar.build.pipeline import build_pipe_spmd_program
+from autopar.capabilities import pipeline_support
 from autopar.plan import ProgramPlacements
+from autopar.runtime.jobs import run_job
 from autopar.runtime.program import OptimizerFactory, default_optimizer
 
 
@@ -52,19 +56,14 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
     config = placed.config
     optimizer = optimizer or default_optimizer()
     if config.pp == 1:
-        from autopar.build.one_stage import build_spmd_program
-
         if placed.fused_kernels:
             # traced with the fused modules in: their ops (and backward ops) are in the
             # joint graph, sharded by their own DTensor rules (codegen/kernels/sharding.py)
-            from codegen.kernels.modules import swap_fused_modules
+            from codegen.kernels.modules import swap_fused_modules  # lazy: fused kernels (CUDA only), off the forkserver preload
 
             model = swap_fused_modules(model)
         return build_spmd_program(model, placed, example_inputs, loss_fn=loss_fn, optimizer=optimizer)
     # pp > 1, any model with a repeated layer stack (the zoo's included)
-    from autopar.build.pipeline import build_pipe_spmd_program
-    from autopar.capabilities import pipeline_support
-
     reason = pipeline_support(model, config)
     if reason is not None:
         raise ValueError(reason)
@@ -75,8 +74,6 @@ def train_worker(rank: int, job: Any) -> list[Any]:
     """The spawn target of a training job (autopar/runtime/jobs.py `TrainJob`, its
     placements decided before spawn: autopar/placing.py `place_job`): the runtime's train
     loop with this module's build; one RunResult per configuration."""
-    from autopar.runtime.jobs import run_job
-
     return run_job(rank, job, build=build_program)
 
 

@@ -22,17 +22,23 @@ No process group is needed: the same trace runs in the launcher and in every ran
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
+from unittest import mock
 
 import torch
 from torch import fx, nn
 
+from autopar.batch import is_flat
+from autopar.capabilities import layer_stack, split_layers
 from autopar.config import ParallelConfig
 from autopar.ir import Graph
 from autopar.placement import Placements, boundary_placements
 from autopar.runtime.pipe import _canonical_names, _canonicalize, relay_skips, routed
+from autopar.runtime.spmd import master_weights, run_policy
+from autopar.trace import hf_compiling_patch, lower, sdpa_backends, to_compute_dtype, trace, with_precision
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +50,8 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
 
     Returns (torch Pipe, layer container path, layer range per chunk). Raises ValueError
     when the model has no repeated layer stack or too few layers."""
-    from unittest import mock
-
-    import torch.distributed.pipelining._IR as pipelining_ir
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    from autopar.capabilities import layer_stack, split_layers
-    from autopar.trace import hf_compiling_patch, sdpa_backends
+    import torch.distributed.pipelining._IR as pipelining_ir  # lazy: torch.distributed.pipelining, only for pp > 1
+    from torch.distributed.pipelining import SplitPoint, pipeline  # lazy: torch.distributed.pipelining, only for pp > 1
 
     prefix, num_layers = layer_stack(model)
     if num_layers < 2:
@@ -214,9 +215,6 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
     at the global microbatch (`capture_boundaries`). The model was cut in the precision
     policy's compute dtype (`cut_in_compute_dtype`), so the chunk computes in it; `masters`
     are its master weights. No process group needed."""
-    from autopar.runtime.spmd import run_policy
-    from autopar.trace import lower, trace, with_precision
-
     precision = run_policy(config)
     rows = config.dp * config.micro_batch
     grad_inputs = tuple(i for i, x in enumerate(inputs) if x.requires_grad and x.is_floating_point())
@@ -293,8 +291,6 @@ def first_microbatch(config: ParallelConfig, example_inputs: Sequence[Any]) -> t
     """One global batch's first global microbatch (its first dp * micro_batch rows, what a
     chunk is traced on), the batch's size and the rows per global microbatch; a batch that
     does not split so is refused with what to use instead."""
-    from autopar.batch import is_flat
-
     if not is_flat(example_inputs):
         raise ValueError("pipeline stages take a batch of positional tensors (inputs..., labels); this batch has "
                          "dicts, nested containers or keyword inputs. Train it with --pp 1 (one-stage plans take "
@@ -315,9 +311,6 @@ def cut_in_compute_dtype(model: nn.Module, microbatch: Sequence[Any], precision:
     it makes (`_assert_tensor_metadata`, the casts a model's code writes), so a chunk computes
     in the dtype the model was exported in. The chunks hold the model's own parameter
     objects, so the master weights are keyed by parameter (`master_weights`)."""
-    from autopar.runtime.spmd import master_weights
-    from autopar.trace import to_compute_dtype
-
     masters = master_weights(model, precision)
     return masters, to_compute_dtype(model, microbatch, precision.compute)
 
@@ -358,8 +351,6 @@ def cut_model(model: nn.Module, config: ParallelConfig, example_inputs: Sequence
     (`stage_layers`: a plan's layers per stage or chunk, `chunk_layers`; None: an even split)
     and run once on the first global microbatch of `example_inputs` (one global batch).
     The chunks share `model`'s modules and parameters."""
-    from autopar.runtime.spmd import run_policy
-
     micro, size, rows = first_microbatch(config, example_inputs)
     masters, micro = cut_in_compute_dtype(model, micro, run_policy(config, device_type))
     pipe, prefix, ranges = split_model(model, micro, num_chunks=config.pp * config.interleave,
@@ -388,8 +379,6 @@ def check_stage_placements(model: nn.Module, placed: Any, example_inputs: Sequen
     ProgramPlacements) do not match `model`'s chunks as the ranks will trace them (node keys
     and ops, every chunk): found once, in this process with no process group, before any
     rank starts (the launcher calls this)."""
-    import copy
-
     for stage in trace_chunks(copy.deepcopy(model), placed.config, example_inputs, loss_fn=loss_fn,
                               stage_layers=placed.stage_layers or None):
         placed.stage_choices_for(stage.index, stage.graph)

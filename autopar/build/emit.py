@@ -17,8 +17,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.cluster import Cluster
+from autopar.models import resolve
 from autopar.plan import Plan
+from autopar.trace import trace_step
+from codegen.apply import apply
 from codegen.emit import fake_world, write
 
 
@@ -44,7 +49,6 @@ def emit_plan(plan: Plan, directory: str | Path, *, max_parameters: float = 2e9,
     if stage_sources is None:
         raise ValueError("emitting a pipeline plan needs the per-rank build's stage builder: pass "
                          "stage_sources= as `autopar search --emit` does (autopar/commands/search.py `_emit`)")
-    from autopar.models import resolve
 
     source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
     if source.config is None:
@@ -61,8 +65,6 @@ def emit_plan(plan: Plan, directory: str | Path, *, max_parameters: float = 2e9,
 def _check_size(name: str, source: Any, max_parameters: float, function: str) -> None:
     """Refuse to build `source` with real weights when it has more than `max_parameters`
     (counted on fake tensors, so nothing is allocated): `--emit` builds the model to trace it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         num_parameters = sum(p.numel() for p in source.build().parameters())
     if num_parameters > max_parameters:
@@ -77,13 +79,6 @@ def emit_per_op(plan: Plan) -> dict[str, str]:
     """The per-rank program of a one-stage plan, as rank 0 runs it: the model traced on
     fake tensors at the plan's microbatch, the plan's per-op placements applied on a
     `fake` process group of the plan's world (nothing runs, nothing is communicated)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autopar.cluster import Cluster
-    from autopar.models import resolve
-    from autopar.trace import trace_step
-    from codegen.apply import apply
-
     source = resolve(plan.model).with_overrides(seq=plan.seq if resolve(plan.model).config is not None else None)
     rows = plan.config.dp * plan.config.micro_batch
     # traced in the plan's compute dtype (the search's): the node keys its placements are stored under hash it

@@ -15,6 +15,7 @@ Where it sits: the per-rank build (autopar/build/), for pp = 1 programs. On ever
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -30,6 +31,8 @@ from autopar.plan import ProgramPlacements
 from autopar.runtime.program import OptimizerFactory
 from autopar.runtime.spmd import (SpmdProgram, distribute_parameters, make_spmd_mesh, master_weights,
                                   release_build_memory, run_policy)
+from autopar.trace import trace_step
+from codegen.apply import apply, count_collectives
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,6 @@ def trace_microbatch(model: nn.Module, config: ParallelConfig, example: Sequence
     microbatch (dp * micro_batch rows) of `example` (one global batch), in the precision
     policy `config` runs on `device_type`, priced as it runs (compiled or not). The model
     is cast to the policy's compute dtype in place (pass a copy to keep it)."""
-    from autopar.trace import trace_step
-
     rows = config.dp * config.micro_batch
     micro = batch_rows(example, 0, rows, batch_size(example))
     traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute,
@@ -57,8 +58,6 @@ def build_spmd_program(model: nn.Module, placed: ProgramPlacements, example: Seq
     `example` is one global batch (its first dp * micro_batch rows are traced). The
     placements are matched to this rank's trace by node key (PlanFileError where they do
     not match)."""
-    from codegen.apply import apply, count_collectives
-
     config = placed.config
     if config.pp != 1:
         raise ValueError("build_spmd_program runs pp = 1 programs; pipelines use autopar.build.build_program")
@@ -102,6 +101,4 @@ def check_plan_placements(model: nn.Module, placed: ProgramPlacements, example: 
     step at the program's microbatch (node keys and ops): what every rank would find when
     it builds, found once, with no process group, before any rank starts (the launcher
     calls this)."""
-    import copy
-
     placed.choices_for(trace_microbatch(copy.deepcopy(model), placed.config, example, loss_fn=loss_fn)[1])

@@ -34,9 +34,12 @@ from autopar.config import ParallelConfig
 from autopar.ir import Role
 from autopar.placement import boundary_placements
 from autopar.plan import ProgramPlacements
-from autopar.runtime.pipe import _canonical_names
+from autopar.runtime.launch import gather_build_results
+from autopar.runtime.pipe import _canonical_names, _tie_groups
 from autopar.runtime.pipe_spmd import PerOpStage, PipeSpmdProgram, StageRunner, runner_source
-from autopar.runtime.program import OptimizerFactory
+from autopar.runtime.program import OptimizerFactory, default_optimizer, make_mesh
+from autopar.runtime.spmd import SpmdProgram, distribute_parameters, local_shard, make_optimizer, release_build_memory
+from codegen.apply import apply, count_collectives
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +113,6 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     per-rank joint graph into the forward and backward graphs a PipelineStage runs. The
     chunk's parameters become DTensors in their placements. `grads_each_microbatch`: the
     placements sync every microbatch's gradients (zero 2, ProgramPlacements)."""
-    from codegen.apply import apply, count_collectives
-    from autopar.runtime.spmd import SpmdProgram, distribute_parameters, release_build_memory
-
     extra = list(stage.extra)
     if stage.last:
         # the loss leaves in its own placement (a pending sum over dp, say): it seeds the
@@ -161,8 +161,6 @@ def stage_sources(placed: ProgramPlacements, model: nn.Module, example_inputs: S
     solved for it by autopar/placing.py) applied, split into forward and backward. `mesh`
     is a ("dp", "tp") mesh of dp * tp ranks (a `fake` process group will do: nothing
     runs); `model` is cut and its parameters replaced by shards."""
-    from autopar.runtime.program import default_optimizer
-
     config = placed.config
     num_chunks = config.pp * config.interleave
     how = "the plan's stage placements" if placed.origin == "plan" else \
@@ -187,12 +185,7 @@ def build_pipe_spmd_program(model: nn.Module, placed: ProgramPlacements, example
     from `placed`, with their schedule; collective. `example_inputs` is one global batch
     (its first dp * micro_batch rows are traced). A chunk whose traced graph does not match
     its placements raises PlanFileError on every rank."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from autopar.runtime.launch import gather_build_results
-    from autopar.runtime.pipe import _tie_groups
-    from autopar.runtime.program import make_mesh
-    from autopar.runtime.spmd import local_shard, make_optimizer
+    from torch.distributed.pipelining import PipelineStage  # lazy: torch.distributed.pipelining, only for pp > 1
 
     config = placed.config
     if config.schedule == "zb":

@@ -11,7 +11,10 @@ import argparse
 import json
 
 from autopar.explain import placement_axes
+from autopar.models import resolve
+from autopar.models.moe import MoEConfig, capacity
 from autopar.plan import Plan
+from autopar.plots import plot_plan
 from autopar.sharding import UPDATE_SEPARATOR
 
 
@@ -26,9 +29,6 @@ def routing_lines(plan: Plan) -> list[str]:
     the ILP gave the routed experts' weights (`moe.w1`, `moe.w3`, `moe.w2`); an E split
     over dp is expert parallelism where the plan moves tokens over dp (its all-to-alls
     there: solver/intra_op/restrict.py exchange_nodes), else ZeRO-3 storage."""
-    from autopar.models import resolve
-    from autopar.models.moe import MoEConfig, capacity
-
     try:
         config = resolve(plan.model).config
     except (ValueError, ImportError):  # a Hugging Face or user model: its routing is its own
@@ -83,7 +83,6 @@ def routing_lines(plan: Plan) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if args.plot:  # pipeline timeline + peak-device memory breakdown (autopar/plots.py)
-        from autopar.plots import plot_plan
 
         plot_plan(plan, args.plot)
     if args.json:

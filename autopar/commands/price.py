@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from typing import Any
 
+from autopar.api import price_result
 from autopar.cluster import GIB, Cluster, load_hardware
 from autopar.config import ParallelConfig
 from autopar.models import resolve
@@ -59,8 +61,6 @@ def _cluster(args: argparse.Namespace, spec: str) -> Cluster:
 def _collectives(plan: Plan) -> list[tuple[str, str, int, int]]:
     """Collectives per step by (kind, axis): count and bytes (a pipeline's: per microbatch
     of each stage, times the microbatches; stage gradient syncs are counted once)."""
-    from collections import Counter
-
     if plan.config.pp == 1:
         info = plan.intra_op_info
         return [tuple(c) for c in info.collectives] if info is not None else []
@@ -74,8 +74,6 @@ def _collectives(plan: Plan) -> list[tuple[str, str, int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.api import price_result
-
     plan_file = getattr(args, "plan", None)
     if plan_file:
         given = [f for f in ("model", "cluster", "global_batch", "tp", "pp", "dp", "zero", "micro_batch", "schedule",
@@ -140,8 +138,8 @@ def _report(args: argparse.Namespace, result: Any, cluster: Cluster, saved: Plan
 
 
 def _print(title: str, est: Any, cluster: Cluster, collectives: list, plan: Plan, communication: tuple = ()) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # lazy: rich, only to print tables
+    from rich.table import Table  # lazy: rich, only to print tables
 
     console = Console()
     c = dict(est.config)
@@ -192,8 +190,8 @@ def _print_communication(est: Any, communication: tuple, plan: Plan) -> None:
     (solver/comm_time.py): for one stage, the `reshard` row's parts; for a pipeline, the
     critical stage's share of `critical_stage` and the `p2p` row. The seconds of each row
     of the time table add up (the total line)."""
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # lazy: rich, only to print tables
+    from rich.table import Table  # lazy: rich, only to print tables
 
     if not communication:
         return

@@ -16,6 +16,8 @@ import time
 from typing import Any, Callable
 
 from autopar.api import search_plans
+from autopar.batch import throughput_unit
+from autopar.cluster import Cluster
 from autopar.plan import Plan
 from autopar.units import GIB
 from solver.results import ProgressFn
@@ -48,8 +50,9 @@ def _progress_display(enabled: bool) -> tuple[Callable[[], None], ProgressFn | N
         return (lambda: None), None, (lambda: None)
     if not sys.stderr.isatty():  # a log or a pipe: plain lines as the work goes
         return (lambda: None), _plain_progress(), (lambda: None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console  # lazy: rich, only to show progress
+    from rich.progress import (  # lazy: rich, only to show progress
+        BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn)
 
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    console=Console(stderr=True), transient=True)
@@ -68,10 +71,9 @@ def _emit(plan: Plan, directory: str) -> None:
     are built by the per-rank build's stage builder (autopar/build/pipeline.py), which this
     wiring hands to codegen with the chunks' placements: the plan's, or, for a plan that
     records none, solved for it here on its cluster (autopar/placing.py)."""
-    from autopar.build.pipeline import stage_sources
-    from autopar.cluster import Cluster
-    from autopar.placing import program_placements
-    from autopar.build.emit import emit_plan
+    from autopar.build.pipeline import stage_sources  # lazy: the per-rank build, only with --emit
+    from autopar.placing import program_placements  # lazy: the per-rank build, only with --emit
+    from autopar.build.emit import emit_plan  # lazy: the per-rank build, only with --emit
 
     def sources(plan: Plan, model: Any, example: Any, mesh: Any) -> dict[str, str]:
         placed = program_placements(model, plan.config, example, plan=plan, cluster=Cluster.parse(plan.cluster))
@@ -104,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
                           "search_time_s": round(result.search_time_s, 4), "phases": phases}, indent=2, sort_keys=True))
         return 0
 
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # lazy: rich, only to print tables
+    from rich.table import Table  # lazy: rich, only to print tables
 
     console = Console()
     s = plan.search
@@ -116,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
                   f"priced, {s.num_pruned_memory} pruned by memory bound, {s.num_pruned_dominated} dominated"
                   + ("" if s.complete else " [red](time limit hit: partial search)[/]"))
     table = Table(title=f"top {len(result.ranked)} plans (best first)")
-    from autopar.batch import throughput_unit
 
     for col in ("#", "config", "step s", throughput_unit(plan.seq), "MFU", "peak GiB", "bubble"):
         table.add_column(col, justify="left" if col == "config" else "right")

@@ -17,8 +17,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console  # lazy: rich, only to print tables
+    from rich.table import Table  # lazy: rich, only to print tables
 
     console = Console()
     m = graph.model

@@ -35,6 +35,7 @@ as a NaN loss), naming the rank.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -43,15 +44,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from autopar.batch import batch_size, seq_len, throughput_unit
+from autopar.build.chunks import check_stage_placements
+from autopar.build.one_stage import check_plan_placements
 from autopar.config import ParallelConfig
+from autopar.determinism import UnsupportedRandomOpError, random_ops, unsupported
 from autopar.models import resolve
+from autopar.placing import program_placements
 from autopar.plan import Plan, ProgramPlacements, module_fingerprint
 from autopar.preflight import check_job
 from autopar.build import train_worker
-from autopar.runtime.jobs import RunResult, TrainJob, reference_run, step_line
-from autopar.runtime.launch import RankFailure, init_from_env, launched_by_torchrun, spawn
+from autopar.runtime import checkpoint
+from autopar.runtime.jobs import MEMORY_PHASES, RunResult, TrainJob, reference_run, step_line
+from autopar.runtime.launch import RankFailure, gather_build_results, init_from_env, launched_by_torchrun, spawn
+from autopar.sharding import InfeasiblePlanError
+from autopar.trace import TraceError, trace, updated_buffers
 
 LOSS_RTOL = 1e-4
 """`--check`'s tolerance where the step computes in float32 (reduction order differs)."""
@@ -111,8 +120,6 @@ def _check_plan_fingerprint(plan: Plan, model_name: str, seq: int | None) -> Non
 
 def _check_resume(args: argparse.Namespace, model: Any) -> None:
     """Refuse a resume that cannot work before any rank starts (files only, no process group)."""
-    from autopar.runtime import checkpoint
-
     info = checkpoint.latest(args.checkpoint_dir)
     if info is None:
         if not args.resume:  # --resume-if-exists
@@ -163,7 +170,6 @@ def _num_devices(args: argparse.Namespace, torchrun: bool) -> int:
     """The job's ranks: torchrun's world (joined here, and checked against --devices), else --devices."""
     if not torchrun:
         return args.devices
-    import torch.distributed as dist
 
     init_from_env()
     devices = dist.get_world_size()
@@ -235,8 +241,6 @@ def run(args: argparse.Namespace) -> int:
         if lead:
             _print_header(job, config, num_microbatches)
     if torchrun:
-        import torch.distributed as dist
-
         results = [train_worker(dist.get_rank(), job)]  # the placements were decided above, by rank 0
         rank = dist.get_rank()
         dist.destroy_process_group()  # as spawned ranks do: no live group left for interpreter exit
@@ -261,9 +265,6 @@ def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, ex
     and ops, every pipeline chunk), else solved for the configuration (flags, or a plan that
     records none) on the model traced as the ranks trace it. Under torchrun every rank runs
     this command: rank 0 decides and sends the placements (or its error) to the others."""
-    from autopar.placing import program_placements
-    from autopar.sharding import InfeasiblePlanError
-
     def decide() -> ProgramPlacements:
         device_type = "cuda" if torchrun and torch.cuda.is_available() else "cpu"  # the ranks' mesh device
         try:
@@ -285,20 +286,13 @@ def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, ex
                 "--plan plan.json") from None
         if placed.origin == "plan":  # what every rank would find when it builds, found once here
             if config.pp == 1:
-                from autopar.build.one_stage import check_plan_placements
-
                 check_plan_placements(model, placed, example)
             else:
-                from autopar.build.chunks import check_stage_placements
-
                 check_stage_placements(model, placed, example)
         return placed
 
     if not torchrun:
         return decide()
-    import torch.distributed as dist
-
-    from autopar.runtime.launch import gather_build_results
 
     mine: Any = None
     if dist.get_rank() == 0:
@@ -317,11 +311,6 @@ def _random_ops(model: Any, example_inputs: Any) -> tuple[dict[str, int], tuple[
     updates; refuses ops the check cannot make deterministic. A model that cannot be
     traced is checked with the mode on anyway (it replaces whatever random ops run; none
     is harmless)."""
-    import copy
-
-    from autopar.determinism import UnsupportedRandomOpError, random_ops, unsupported
-    from autopar.trace import TraceError, trace, updated_buffers
-
     try:
         gm = trace(copy.deepcopy(model), tuple(example_inputs)).gm
         found, updates = random_ops(gm), updated_buffers(gm)
@@ -339,15 +328,11 @@ def _random_ops(model: Any, example_inputs: Any) -> tuple[dict[str, int], tuple[
 
 
 def _torchrun_rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank()
 
 
 def _phase_peaks(per_rank: list[RunResult]) -> dict[str, int]:
     """Each phase's peak memory growth, max over ranks (RunResult.memory_phases_bytes)."""
-    from autopar.runtime.jobs import MEMORY_PHASES
-
     return {phase: max(r.memory_phases_bytes[phase] for r in per_rank) for phase in MEMORY_PHASES
             if all(phase in r.memory_phases_bytes for r in per_rank)}
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from autopar.batch import from_factory
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama, LlamaConfig
 from autopar.models.moe import MoE, MoEConfig
@@ -176,8 +177,6 @@ def _load_factory(path: str) -> Callable[[], tuple[nn.Module, tuple[Any, ...]]]:
 
     def factory() -> tuple[nn.Module, tuple[Any, ...]]:
         # (model, inputs) or (model, inputs, keyword inputs): one batch tuple (autopar/batch.py)
-        from autopar.batch import from_factory
-
         return from_factory(fn(), f"model factory {path!r}")
 
     factory.__name__ = getattr(fn, "__name__", "factory")

@@ -189,7 +189,7 @@ def save(program: RankProgram, directory: str | Path, *, step: int, samples_seen
     """Write a checkpoint of `program` after `step` optimizer steps; collective (every rank).
 
     Returns the final directory `directory/step_<step>` (complete when this returns)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: torch.distributed.checkpoint, only to save or load
 
     root = Path(directory)
     final = root / step_dir_name(step)
@@ -274,7 +274,7 @@ def verify(info: CheckpointInfo) -> None:
     group): DCP's `.metadata` must load, and every `.distcp` shard file it names must hold
     the bytes it indexes (each entry's offset + length). A truncated or missing file raises
     CheckpointError naming the file and the step, and the previous complete step to use."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: torch.distributed.checkpoint, only to save or load
 
     root = Path(info.path)
 
@@ -311,7 +311,7 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
 
     `path` is a checkpoint directory (the newest complete checkpoint is taken) or one
     `step_<N>` directory. Sets `program.steps_done`; returns the checkpoint's metadata."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # lazy: torch.distributed.checkpoint, only to save or load
 
     info = latest(path)
     if info is None:
@@ -332,7 +332,7 @@ def load(program: RankProgram, path: str | Path, *, model_fingerprint: str = "")
             for name, value in sorted(opt.state[p].items()):
                 if isinstance(value, torch.Tensor):
                     targets[f"optim/{key}/{name}"] = value.detach()
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: torch.distributed.checkpoint, only to save or load
 
     stored = FileSystemReader(info.path).read_metadata().state_dict_metadata
     for name, value in _buffers(program):

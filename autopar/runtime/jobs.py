@@ -22,21 +22,27 @@ on every rank and in the reference.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from autopar.batch import batch_size, call, rows as batch_rows
+from autopar.batch import batch_size, call, map_tensors, rows as batch_rows
+from autopar.precision import cast_parameters
 from autopar.runtime import checkpoint
 from autopar.config import ParallelConfig
 from autopar.determinism import deterministic_random
 from autopar.models import resolve
 from autopar.plan import module_fingerprint
 from autopar.plan import ProgramPlacements
+from autopar.runtime.program import default_optimizer, gradient_for
+from autopar.runtime.spmd import make_optimizer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,9 +137,6 @@ class PeakMemory:
 
     @staticmethod
     def _kib(field: str) -> int | None:
-        import re
-        from pathlib import Path
-
         try:
             found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
         except OSError:
@@ -142,8 +145,6 @@ class PeakMemory:
 
     @staticmethod
     def _reset() -> None:
-        from pathlib import Path
-
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
@@ -163,9 +164,6 @@ def step_epilogue(params: list[torch.nn.Parameter]) -> Any:
     (autopar.runtime.program.gradient_for), the default optimizer (built as the programs
     build it: autopar.runtime.spmd.make_optimizer) stepped, the gradients cleared. What
     `autopar calibrate` times per parameter tensor (`optimizer_tensor_overhead_s`)."""
-    from autopar.runtime.program import default_optimizer, gradient_for
-    from autopar.runtime.spmd import make_optimizer
-
     opt = make_optimizer(default_optimizer(), params)
 
     def run(grads: list[torch.Tensor]) -> None:
@@ -207,10 +205,6 @@ def reference_run(job: TrainJob, precision: str = "") -> tuple[list[float], dict
     over the microbatches in the reduction dtype and cast to the master dtype for the
     optimizer. What the per-op program computes, in one process. The state dict holds the
     master weights and the copy's buffers."""
-    import copy
-
-    from autopar.batch import map_tensors
-
     model, batches, _ = build_model_and_batches(job)
     name = precision or (job.configs[0].precision if job.configs else "") or "fp32"
     policy = ParallelConfig(precision=name, reduce_dtype=job.configs[0].reduce_dtype if job.configs and not precision
@@ -233,7 +227,6 @@ def reference_run(job: TrainJob, precision: str = "") -> tuple[list[float], dict
             opt.zero_grad(set_to_none=True)
             losses.append(total / m)
         return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-    from autopar.precision import cast_parameters
 
     compute_dtype, reduce_dtype = getattr(torch, policy.compute), getattr(torch, policy.reduce)
     cast_parameters(model, policy.master)

@@ -26,6 +26,7 @@ SIGKILL). The parent raises `RankFailure` naming the rank and its traceback's ta
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import logging
@@ -35,8 +36,13 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ def import_before_process_group() -> None:
     pt_gloo_runloop) run on into interpreter shutdown, where tearing them down now and then
     aborts the rank with "terminate called without an active exception" (SIGABRT).
     Imported first, its defaults are None."""
-    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.nn.functional  # noqa: F401  # lazy: the point: imported before init_process_group
 
 
 def launched_by_torchrun() -> bool:
@@ -88,9 +94,6 @@ def launched_by_torchrun() -> bool:
 
 def init_from_env(backend: str | None = None, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
     """Join the torchrun world (env:// rendezvous) unless a process group already exists."""
-    import torch
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     if int(os.environ.get("RANK", "0")) != 0:
@@ -112,11 +115,7 @@ def destroy_at_exit() -> None:
     work is done (seen on rank 0 of the README's quick start under `torchrun
     --nproc_per_node 2`, once, on a loaded 2-core machine). `atexit` runs before that
     teardown."""
-    import atexit
-
     def destroy() -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -129,8 +128,6 @@ def gather_build_results(value: Any, *, timeout_s: float = BUILD_EXCHANGE_TIMEOU
     one per submesh) computes something alone (the ILP solve, the plan search), which can
     outlast a step's collective timeout; a plain collective would make the others give up
     and fail the job."""
-    import torch.distributed as dist
-
     # every rank makes the group at this call (new_group is collective) and frees it after,
     # so no group outlives the world into interpreter shutdown
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -161,9 +158,6 @@ def quiet_library_warnings() -> None:
     """Warnings (Python's and logged ones below ERROR) are printed by rank 0 alone: every
     rank runs the same code, and N copies of one DTensor or Hugging Face warning say
     nothing more. Errors still print on every rank."""
-    import logging
-    import warnings
-
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
 
@@ -172,8 +166,6 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
             args: tuple[Any, ...], collective_timeout_s: float, environ: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment, not the forkserver's
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     if rank != 0:
@@ -348,8 +340,6 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), *
     """Run `fn(rank, *args)` on `world_size` local gloo ranks; returns results by rank.
 
     `fn` must be importable (a module-level function) and its result picklable."""
-    import torch.multiprocessing as mp
-
     if world_size < 1:
         raise ValueError(f"--devices must be a positive integer, got {world_size}")
     environ = dict(os.environ)

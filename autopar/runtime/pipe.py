@@ -24,15 +24,18 @@ their gradients are summed (Megatron's embedding group).
 
 from __future__ import annotations
 
+import copy
 import logging
+import operator
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config import ParallelConfig
+from autopar.runtime.program import _default_group_timeout
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,6 @@ def routed(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> nn.
     that copies every tensor input first (so later stages receive them from stage 0) and
     returns the loss (shape (1,)): `loss_fn(model(*inputs[:-1]), inputs[-1])`, or the model's own
     output (its `.loss` for Hugging Face outputs)."""
-    import copy
-
     base = type(model)
 
     def forward(self: nn.Module, *args: Any) -> torch.Tensor:
@@ -73,10 +74,6 @@ def relay_skips(pipe: Any) -> int:
     A Hugging Face model computes its attention mask and position ids before the first
     layer and every layer reads them: cut in k chunks, chunk 0 would send them to all k - 1
     others."""
-    import operator
-
-    from torch import fx
-
     outer = pipe.split_gm.graph
     calls = [n for n in outer.nodes if n.op == "call_module"]
     stage_of = {n: k for k, n in enumerate(calls)}
@@ -140,8 +137,6 @@ def relay_skips(pipe: Any) -> int:
 def _order_inputs(pipe: Any, call: Any, previous: Any) -> None:
     """Order stage `call`'s inputs as its predecessor sends them (by output index): the
     sends and receives between two stages are matched in the order they are posted."""
-    import operator
-
     sub = pipe.split_gm.get_submodule(call.target)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
 
@@ -203,8 +198,6 @@ def _tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, me
                 mine: set[str]) -> dict[str, dist.ProcessGroup]:
     """Groups of the pp ranks (per dp/tp coordinate) that hold one tied tensor, for every
     tensor held on more than one pp rank. Every rank creates every group, in one order."""
-    from autopar.runtime.program import _default_group_timeout
-
     holders: dict[str, set[int]] = {}
     for index in range(pipe.num_stages):
         for name, _ in pipe.get_stage_module(index).named_parameters(remove_duplicate=False):

@@ -33,15 +33,21 @@ point-to-point sends.
 from __future__ import annotations
 
 import logging
+import resource
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Role
+from autopar.runtime.pipe import _output_is_loss
+from autopar.runtime.program import StepStats, _local, chunks_state_dict, load_chunks_state_dict, optimizer_update
+from autopar.runtime.spmd import accumulate, collectives_by_axis, local_shard
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +127,6 @@ class StageRunner:
         outs = list(self.backward_gm(args))
         num_params = len(self.program.graphs.grads)
         raw, input_grads = outs[:num_params], outs[num_params:]
-        from autopar.runtime.spmd import accumulate
 
         self.raw = accumulate(self.raw, raw, self.program._input_storages, self.program.reduce_dtype)
         out: list[torch.Tensor | None] = [None] * self.num_inputs
@@ -213,9 +218,8 @@ class PipeSpmdProgram:
     def _schedule(self, num_mb: int) -> Any:
         """The schedule for `num_mb` microbatches, built once. The schedules' gradient
         scaling is off: the last chunk's loss tangent is 1 / num_mb already."""
-        from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-        from autopar.runtime.pipe import _output_is_loss
+        from torch.distributed.pipelining.schedules import (  # lazy: torch.distributed.pipelining, only for pp > 1
+            Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
 
         if num_mb not in self._schedules:
             kind = self.config.schedule
@@ -232,8 +236,6 @@ class PipeSpmdProgram:
     def step(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step on the global `batch` (identical on every rank); returns the
         mean loss over the whole batch, on every rank."""
-        from autopar.runtime.program import optimizer_update
-
         dp, rows = self.config.dp, self.config.micro_batch
         tensors = [t for t in batch if isinstance(t, torch.Tensor)]
         size = tensors[0].shape[0]
@@ -287,11 +289,6 @@ class PipeSpmdProgram:
         """Every copy of a tensor several chunks hold (a tied embedding and head) gets the
         sum of their gradients: whole gradients summed over this rank's copies and over the
         pp ranks holding it, then each copy takes its own shard of the sum."""
-        from torch.distributed.tensor import DTensor
-
-        from autopar.runtime.spmd import local_shard
-        from autopar import dtensor_bridge as bridge
-
         holders: dict[str, list[Any]] = {}
         for r in self.runners:
             for name, p in r.program.named_parameters():
@@ -316,10 +313,6 @@ class PipeSpmdProgram:
         return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
 
     def _stats(self, grad_bytes: int) -> Any:
-        import resource
-
-        from autopar.runtime.program import StepStats, _local
-
         params = [p for _, p in self.named_parameters()]
         state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
                           for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -358,21 +351,15 @@ class PipeSpmdProgram:
         stages' ILP priced; with `boundary`, instead the boundary reshards the ILP does not
         price (an output or input gradient brought to the layout the stages exchange,
         tagged so in the graphs). Counted by the build (`StageRunner.collective_counts`)."""
-        from autopar.runtime.spmd import collectives_by_axis
-
         counted = tuple(c for r in self.runners for c in r.collective_counts[boundary])
         return collectives_by_axis(counted, num_microbatches, self.submesh)
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded model and optimizer state (the chunks hold the DTensor parameters under
         the model's names)."""
-        from autopar.runtime.program import chunks_state_dict
-
         return chunks_state_dict(self.chunks, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from autopar.runtime.program import load_chunks_state_dict
-
         load_chunks_state_dict(self.chunks, self.optimizer, state)
         self.gather_weights()
 

@@ -114,7 +114,8 @@ def optimizer_update(program: Any, loss: float) -> None:
 def chunks_state_dict(chunks: Sequence[nn.Module], optimizer: Any) -> dict[str, Any]:
     """Sharded model and optimizer state of a program's chunks (DTensor values stay sharded,
     names as in the unsplit model), in the form `torch.distributed.checkpoint.save` takes."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (  # lazy: torch.distributed.checkpoint, only to save or load
+        get_model_state_dict, get_optimizer_state_dict)
 
     model_state: dict[str, Any] = {}
     for chunk in chunks:
@@ -127,7 +128,8 @@ def chunks_state_dict(chunks: Sequence[nn.Module], optimizer: Any) -> dict[str, 
 
 def load_chunks_state_dict(chunks: Sequence[nn.Module], optimizer: Any, state: dict[str, Any]) -> None:
     """Fill a program's chunks and optimizer from `chunks_state_dict`'s form."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (  # lazy: torch.distributed.checkpoint, only to save or load
+        set_model_state_dict, set_optimizer_state_dict)
 
     for chunk in chunks:
         names = {n for n, _ in chunk.state_dict().items()}

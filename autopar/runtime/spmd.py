@@ -25,6 +25,9 @@ scalar all-reduce per mesh axis where it is Partial (`_global_loss`), priced onc
 
 from __future__ import annotations
 
+import functools
+import gc
+import inspect
 import logging
 import resource
 from typing import Any, Callable, Sequence
@@ -32,7 +35,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
@@ -40,7 +45,8 @@ from autopar.batch import batch_size, rows as batch_rows, tensors as tensor_leav
 from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
-from autopar.placement import Partial, Placements, Shard
+from autopar.placement import Partial, Placements, Shard, shard_factor
+from autopar.runtime.program import StepStats, gradient_for, init_mesh, optimizer_update
 from autopar.sharding import NodeStrategy
 
 log = logging.getLogger(__name__)
@@ -215,7 +221,6 @@ class SpmdProgram:
             raw = None
         with record_function("autopar::loss_report"):
             loss = self._global_loss(loss_sum / m)
-        from autopar.runtime.program import optimizer_update
 
         with record_function("autopar::optimizer"):
             optimizer_update(self, loss)
@@ -248,8 +253,6 @@ class SpmdProgram:
         step graph, in order; the list is emptied) to their parameters' placements with the
         gradient-sync graph, and set them as the parameters' `.grad`; returns their bytes.
         Shared with the per-op pipeline stages (autopar/runtime/pipe_spmd.py)."""
-        from autopar.runtime.program import gradient_for
-
         with torch.no_grad():
             names = [name for name, _, _ in self.graphs.grads]
             if self.graphs.grad_sync is None:  # the step synced each bucket during its backward
@@ -284,8 +287,6 @@ class SpmdProgram:
         return float(value)
 
     def _stats(self, grad_bytes: int) -> Any:
-        from autopar.runtime.program import StepStats
-
         state_bytes = sum(v._local_tensor.numel() * v._local_tensor.element_size() if isinstance(v, DTensor)
                           else v.numel() * v.element_size()
                           for s in self.optimizer.state.values() for v in s.values()
@@ -305,8 +306,6 @@ class SpmdProgram:
         a tied alias counted once. The weights and optimizer state are what `last_stats` measures from the
         master weights, the compute copies and the optimizer's tensors; the gradients are the
         raw ones accumulated over the microbatches (`last_stats` counts them once synced)."""
-        from autopar.placement import shard_factor
-
         aliases = {alias for alias, _ in self.graph.tied_params}
         parts = [0.0, 0.0, 0.0]
         for node in self.graph.by_role(Role.PARAMETER):
@@ -325,13 +324,15 @@ class SpmdProgram:
         return {name: p.full_tensor().detach().clone() for name, p in self._params.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # lazy: torch.distributed.checkpoint, only to save or load
+            get_model_state_dict, get_optimizer_state_dict)
 
         return {"model": get_model_state_dict(self.model),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # lazy: torch.distributed.checkpoint, only to save or load
+            set_model_state_dict, set_optimizer_state_dict)
 
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
@@ -360,8 +361,6 @@ def collectives_by_axis(counted: CollectiveCounts, num_microbatches: int, mesh: 
     per microbatch `num_microbatches` times, the others once. Groups are told apart by
     their member ranks: DTensor may reuse an equal earlier mesh's groups (its caches key
     meshes by value), so group names alone need not be this mesh's."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     axis_of = {tuple(dist.get_process_group_ranks(mesh.get_group(i))): name
                for i, name in enumerate(mesh.mesh_dim_names)}
     out: dict[tuple[str, str], list[int]] = {}
@@ -458,10 +457,6 @@ def release_build_memory(*modules: fx.GraphModule | None) -> None:
     in again. zero3 dp4's peak per rank over the template's, with the trim / without:
     1.16 / 1.11-1.12 in full benchmark runs, 1.09-1.12 / 1.04-1.05 in its memory phase
     alone."""
-    import gc
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     for gm in modules:
         if gm is None:
             continue
@@ -483,8 +478,6 @@ def run_policy(config: ParallelConfig, device_type: str = "cpu") -> Any:
 
 def make_spmd_mesh(config: ParallelConfig, device_type: str | None = None) -> DeviceMesh:
     """The (dp, tp) mesh of a pp = 1 plan over the whole world, with the job's timeout."""
-    from autopar.runtime.program import init_mesh
-
     world = dist.get_world_size()
     if config.dp * config.tp != world:
         raise ValueError(f"dp * tp = {config.dp} * {config.tp} = {config.dp * config.tp} but the process group "
@@ -499,9 +492,6 @@ def make_optimizer(factory: OptimizerFactory, params: list[nn.Parameter]) -> tor
     the per-tensor loop pays DTensor's dispatch for every op of every parameter (AdamW's step
     4x slower on CPU than fused) and the multi-tensor one allocates a parameter-sized
     temporary. The update is the same; a user's explicit choice is kept."""
-    import functools
-    import inspect
-
     cls, given = (factory.func, factory.keywords) if isinstance(factory, functools.partial) else (factory, {})
     if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and not {"foreach", "fused"} & set(given):
         accepted = inspect.signature(cls.__init__).parameters

@@ -23,14 +23,18 @@ The optimizer is not traced: its memory and time are priced per parameter downst
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autopar.batch import batch_size, map_tensors, seq_len
 from autopar.ir import Graph
 from autopar.models.zoo import ModelSource
+from autopar.precision import cast_parameters
+from autopar.recompute import recompute_copy
 from autopar.trace.capture import LossFn, Traced, TraceError, hf_compiling_patch, sdpa_backends, trace, updated_buffers
 from autopar.trace.lowering import VIEW_OPS, lower
 
@@ -42,8 +46,6 @@ def with_precision(graph: Graph, precision: Any) -> Graph:
     """`graph` recording the master and reduction dtypes of `precision` (an
     autopar.precision.Precision whose compute dtype is the graph's): what the cost model
     charges the weights, optimizer state and gradient syncs in."""
-    from dataclasses import replace
-
     if graph.model.dtype != precision.compute:
         raise ValueError(f"the step was traced in {graph.model.dtype}, but the precision policy computes in "
                          f"{precision.compute}")
@@ -54,9 +56,6 @@ def to_compute_dtype(model: nn.Module, microbatch: Sequence[Any], dtype: str) ->
     """`autopar.precision.cast_parameters(model, dtype)`, and `microbatch` with its
     floating-point tensors cast to `dtype` (what the step computes in: FSDP2's
     `cast_forward_inputs`); integer tensors (tokens, labels, counters) are unchanged."""
-    from autopar.batch import map_tensors
-    from autopar.precision import cast_parameters
-
     cast_parameters(model, dtype)
     target = getattr(torch, dtype)
     return tuple(map_tensors(lambda t: t.to(target) if t.is_floating_point() else t, microbatch))
@@ -92,7 +91,6 @@ def trace_model(
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
     depth = cfg.layers if layers_traced is None else max(1, min(layers_traced, cfg.layers))
-    from autopar.precision import cast_parameters
 
     key = (batch, dtype, depth)
     if captured is None or key not in captured:
@@ -106,7 +104,6 @@ def trace_model(
             traced = trace(model, (tokens, labels), recompute=recompute)
             return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
         captured[key] = trace(model, (tokens, labels))
-    from autopar.recompute import recompute_copy
 
     traced = recompute_copy(captured[key], recompute)
     return lower(traced, name=source.name, batch=batch, seq=cfg.seq, real_layers=cfg.layers, config=cfg)
@@ -119,8 +116,6 @@ def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: LossFn |
     (autopar.precision.Precision) the model and the microbatch's floating-point tensors are
     first cast to its compute dtype, in place (`to_compute_dtype`), and the graph records
     the policy."""
-    from autopar.batch import batch_size, seq_len
-
     if precision is not None:
         microbatch = to_compute_dtype(model, microbatch, precision.compute)
     traced = trace(model, tuple(microbatch), loss_fn=loss_fn, recompute=recompute)
@@ -132,13 +127,9 @@ def trace_step(model: nn.Module, microbatch: Sequence[Any], *, loss_fn: LossFn |
 
 
 def _batch_of(inputs: Sequence[Any]) -> int:
-    from autopar.batch import batch_size
-
     return batch_size(inputs)
 
 
 def _seq_of(inputs: Sequence[Any]) -> int:
-    from autopar.batch import seq_len
-
     return seq_len(inputs)
 

@@ -27,8 +27,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
+from torch.nn.attention import SDPBackend
 
+from autopar.batch import split
 from autopar.capabilities import layer_container as _find_layer_container
+from autopar.recompute import apply_recompute
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +172,6 @@ def trace(
         raise TraceError(f"trace needs an nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
         raise TraceError(f"{type(model).__name__} has no parameters: there is nothing to train or shard")
-    from autopar.batch import split
 
     example_inputs, keywords = split(example_inputs)
     example_kwargs = {**keywords, **(example_kwargs or {})}
@@ -182,7 +184,7 @@ def trace(
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 _module_annotations(model, active), hf_compiling_patch(model), \
                 torch.nn.attention.sdpa_kernel(sdpa_backends()):
-            from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+            from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # lazy: aot_autograd brings dynamo and inductor, only to trace
 
             joint = aot_export_joint_with_descriptors(stack, step, tuple(example_inputs), example_kwargs or {})
             gm = joint.graph_module
@@ -211,8 +213,6 @@ def trace(
     _drop_empty_concat_inputs(gm)
     _drop_value_checks(gm)
     if recompute != "none":
-        from autopar.recompute import apply_recompute
-
         copied = apply_recompute(gm, recompute, layer_prefix)
         log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
     elapsed = time.perf_counter() - start
@@ -365,8 +365,6 @@ def _tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
 def sdpa_backends() -> list[Any]:
     """The attention kernels a capture allows (`torch.nn.attention.sdpa_kernel`); a
     pipeline cut (autopar/build/chunks.py) captures under the same ones."""
-    from torch.nn.attention import SDPBackend
-
     # SDPA stays one op (flash on the CPU fake device); MATH is allowed as a fallback for
     # shapes flash refuses, in which case attention appears decomposed.
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
