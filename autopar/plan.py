@@ -76,7 +76,7 @@ def fingerprint_source(source: Any) -> str:
     """`model_fingerprint` of a zoo model (`autopar.models.ModelSource`), built on fake tensors.
 
     The full-depth model is built under FakeTensorMode, so even llama3-405b costs ~2 s
-    and no memory. torch is imported here only: the rest of this module is torch-free.
+    and no memory.
     """
     if source.config is None:
         model, _ = source.factory()

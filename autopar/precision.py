@@ -1,6 +1,6 @@
 """Precision policy: the dtypes a plan computes, keeps and reduces in, priced and run.
 
-Where it sits: shared data, torch-free. `ParallelConfig.precision` / `.reduce_dtype` name
+Where it sits: shared data. `ParallelConfig.precision` / `.reduce_dtype` name
 a policy; the tracer traces the step in its compute dtype and records the policy on the
 graph (`ModelInfo.master_dtype`, `.reduce_dtype`), the cost model charges its bytes
 (cost_model/memory.py `parameter_state_bytes`, the gradient sync's bytes), and the
@@ -122,8 +122,7 @@ def cast_parameters(model: Any, dtype: str) -> None:
     (`param_dtype` casts parameters only): a model that keeps rotary tables or running
     statistics in float32 computes with them in float32. The tracer casts a model so
     before tracing its step (autopar/trace/), the single-process reference its compute
-    copy (autopar/runtime/jobs.py). torch is imported here, on use: the rest of this module
-    is read by the torch-free cost model."""
+    copy (autopar/runtime/jobs.py)."""
     target = getattr(torch, dtype)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != target:
