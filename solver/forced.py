@@ -36,6 +36,8 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Node, Role
 from autopar.placement import Placements, Replicate, Shard
+from solver.intra_op.ilp import solve_intra_op
+from solver.intra_op.space import enumerate_strategies
 
 DP_AXIS, TP_AXIS = 0, 1
 """Mesh axes of a configuration's (dp, tp) mesh."""
@@ -170,8 +172,6 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     is priced at is what it runs. `cluster`: the stage's devices (Cluster.stage); `space`:
     the graph's strategy enumeration on this mesh, where the caller has it; `prune_memo`:
     solver/intra_op/restrict.py prune_gather_free's, shared by the caller's solves."""
-    from solver.intra_op.ilp import solve_intra_op
-
     check_expert_degree(graph, config, whole_model=False)
     base = keep_placeholder(config, update_free=update_free)
     zero2 = not update_free and zero_2_syncs(config)
@@ -195,8 +195,6 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
     """The intra-op ILP of a one-stage configuration under its rules (what a run solves before its ranks build:
     autopar/placing.py `solve_config`); `space`: the strategies to choose from (default:
     the graph's enumeration on the configuration's mesh)."""
-    from solver.intra_op.ilp import solve_intra_op
-
     check_expert_degree(graph, config)
     return solve_intra_op(graph, cluster, mesh_shape(config),
                           keep_placeholder=keep_placeholder(config, update_free=update_free),
@@ -214,8 +212,6 @@ def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster:
     `cluster`: the same ILP restricted to the strategy `solution` chose for every node, so
     the result is what another hardware profile charges for the program `solution` runs
     (a fresh solve on that profile may choose, and price, another program)."""
-    from solver.intra_op.space import enumerate_strategies
-
     mesh = mesh_shape(config)
     if tuple(solution.mesh_shape) != tuple(mesh):
         raise ValueError(f"price_solution: the solution is on mesh {solution.mesh_shape}, the configuration "

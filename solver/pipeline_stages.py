@@ -23,6 +23,7 @@ from autopar.config import ParallelConfig
 from autopar.ir import Graph
 from autopar.sharding import InfeasiblePlanError
 from cost_model import core_share
+from solver import forced
 from solver.intra_op.space import divisibility_signature, enumerate_strategies
 from solver.forced import stacked_experts
 from solver.search_config import Fixed
@@ -202,7 +203,6 @@ class StageCostCache:
         key = (mesh, g, zero, ep)
         if key in self.costs:
             return self.costs[key]
-        from solver import forced
 
         dp, tp = mesh
         m = self.global_batch // g

@@ -31,6 +31,7 @@ and the loss report once per step).
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -50,6 +51,8 @@ from autopar.plan import (
     SearchInfo,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
+from solver import forced
+from solver.forced import keep_placeholder, keep_update
 from solver.intra_op.backend import CutoffExceeded
 from solver.intra_op.space import coverage, enumerate_strategies
 from solver.results import Ranked
@@ -239,8 +242,6 @@ def zero_is_uniform(graph: Graph, solution: IntraOpSolution, config: ParallelCon
     """Whether every parameter's (compute, update) placement is one that `config`'s ZeRO
     layout allows (solver/forced.py's rules): then solving under that layout finds this
     solution's objective, since it is feasible there and the layout's space is a subset."""
-    from solver.forced import keep_placeholder, keep_update
-
     keep, keep_up = keep_placeholder(config), keep_update(config)
     by_node = {c.node: c for c in solution.choices}
     for node in graph.by_role(Role.PARAMETER):
@@ -312,16 +313,14 @@ def solve_candidate(trace_at: TraceAt, cand: SpmdCandidate, cluster: Cluster, gl
     per-microbatch costs plus the optimizer and accumulation terms / m). `zero`: the ZeRO
     layout the configuration fixes (solver/forced.py); None: each parameter's is the ILP's.
     `reasons` collects why the ILP found no plan."""
-    from solver.forced import solve_one_stage
-
     graph = traced(graphs, trace_at, cand.microbatch, cand.recompute)
     space = enumerate_strategies(graph, cand.mesh)
     try:
         config = cand.config if zero is None else replace(cand.config, zero=zero)
-        solution = solve_one_stage(graph, config, cluster, num_microbatches=cand.num_microbatches, space=space,
-                                   update_free=zero is None, memory_budget_bytes=cluster.device_memory_bytes,
-                                   time_limit_s=time_limit_s,
-                                   cutoff_s=None if cutoff_step_s is None else cutoff_step_s / cand.num_microbatches)
+        cutoff_s = None if cutoff_step_s is None else cutoff_step_s / cand.num_microbatches
+        solution = forced.solve_one_stage(graph, config, cluster, num_microbatches=cand.num_microbatches, space=space,
+                                          update_free=zero is None, memory_budget_bytes=cluster.device_memory_bytes,
+                                          time_limit_s=time_limit_s, cutoff_s=cutoff_s)
     except InfeasiblePlanError as exc:
         if smallest is not None and exc.min_memory_bytes is not None:
             smallest.append(exc.min_memory_bytes)
@@ -381,8 +380,6 @@ def intra_op_info(graph: Graph, solved: Solved) -> IntraOpInfo:
 
 def parameter_placements(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[str, str], ...]:
     """(name, placement) per parameter, the layers' under `layers.*` once per layer group."""
-    import re
-
     by_node = {c.node: c for c in solution.choices}
     out: dict[str, str] = {}
     for node in graph.by_role(Role.PARAMETER):

@@ -43,6 +43,7 @@ memory bound exceeds the budget.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import cost_model
@@ -51,6 +52,7 @@ from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId
 from autopar.placement import boundary_placements, shard_factor
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from cost_model import compiled_scale, compute_time_s, core_share
+from solver.intra_op.liveness import live_intervals
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -298,8 +300,6 @@ def placement_summary(graph: Graph, solution: IntraOpSolution,
     """(parameter inside a layer group or outside, its (dp, tp) placement), one per name, for
     the parameters of `pieces`: the layers' once per layer group (layer sharing gives each
     group one choice)."""
-    import re
-
     by_node = {c.node: c for c in solution.choices}
     of = node_pieces(graph)
     out: dict[str, str] = {}
@@ -329,8 +329,6 @@ def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, dou
     instead of scaling with the batch (MPT-760m at 768 sequences: the plain scaling said
     94.9 GiB where a 74.3 GiB plan exists). Without it (or if the graphs differ in
     shape), every activation scales with `scale`."""
-    from solver.intra_op.liveness import live_intervals
-
     aliases = {alias for alias, _ in graph.tied_params}
     derived = graph.parameter_derived()
     static, live, end = live_intervals(graph, range(len(graph)))

@@ -106,7 +106,7 @@ def _silence_highs_banner() -> None:
         return
     _BANNER_SILENCED = True
     try:
-        import highspy
+        import highspy  # lazy: HiGHS (optional here), only when the ILP solves
     except ImportError:  # PuLP's HiGHS needs it; the solve reports that itself
         return
     with contextlib.suppress(AttributeError, ValueError):

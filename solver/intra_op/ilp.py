@@ -99,9 +99,10 @@ import pulp
 
 from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Role
+from autopar.placement import shard_factor
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
-from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, cost_table,
-                        grad_sync_overlap, runs_gloo)
+from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, core_share,
+                        cost_table, grad_accumulation_time_s, grad_sync_overlap, optimizer_time_s, runs_gloo)
 from solver.intra_op.backend import (
     OBJECTIVE_SCALE,
     SOLVERS,
@@ -523,9 +524,6 @@ def _add_step_terms(graph: Graph, space, red: Reduction, node_coef: dict[NodeId,
     gradient's strategies: before the once-per-step sync a pending sum is whole; `synced`
     (ZeRO-2): into the synced gradient, on the parameter's update shard), / m: the terms
     spmd_search.estimate adds once per step."""
-    from autopar.placement import shard_factor
-    from cost_model import core_share, grad_accumulation_time_s, optimizer_time_s
-
     share, hw = core_share(cluster), cluster.hardware
     opt_per_element = optimizer_time_s(1.0, hw) * share / m
     acc_per_byte = grad_accumulation_time_s(1.0, m, 1, hw) * share / m

@@ -45,6 +45,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+from torch.distributed.tensor.placement_types import _MaskPartial
+
+from autopar import dtensor_bridge as bridge
 from autopar.ir import Graph, Node, Ref, Role, TensorMeta
 from autopar.placement import Partial, Placements, Replicate, Shard, evenly_divisible
 from autopar.sharding import NodeStrategy, StrategySpace
@@ -57,11 +65,6 @@ AVG = Partial("avg")
 SOURCE_OPS = ("placeholder", "constant")
 
 
-_MASK_PARTIAL: list[type] = []
-"""DTensor's _MaskPartial class, imported on first use (i14s: an import statement per call
-cost about a second of the 70B search's strategy enumeration)."""
-
-
 _PLAIN_PLACEMENTS = frozenset({"Shard", "Replicate", "Partial"})
 """DTensor placement class names that are not its _MaskPartial (a subclass of Partial)."""
 
@@ -69,11 +72,7 @@ _PLAIN_PLACEMENTS = frozenset({"Shard", "Replicate", "Partial"})
 def _is_mask(p: Any) -> bool:
     if type(p).__name__ in _PLAIN_PLACEMENTS:  # torch's opaque placement metaclass makes isinstance misses slow
         return False
-    if not _MASK_PARTIAL:
-        from torch.distributed.tensor.placement_types import _MaskPartial
-
-        _MASK_PARTIAL.append(_MaskPartial)
-    return isinstance(p, _MASK_PARTIAL[0])
+    return isinstance(p, _MaskPartial)
 
 
 
@@ -176,8 +175,6 @@ class _Enumerator:
     """DTensor-backed candidates per node, memoised by (op, input metas, scalar args)."""
 
     def __init__(self, graph: Graph, mesh_shape: tuple[int, ...]) -> None:
-        from autopar import dtensor_bridge as bridge
-
         bridge.register_project_rules()
         self.bridge = bridge
         self.graph = graph
@@ -195,8 +192,6 @@ class _Enumerator:
 
     def _schema(self, op: Any, node: Node, placements_of: Any) -> Any:
         """OpSchema of `node` with each tensor argument as DTensorSpec(placements_of(k))."""
-        from torch.distributed.tensor._op_schema import OpSchema
-
         bridge = self.bridge
         metas = self._in_metas(node)
         counter = itertools.count()
@@ -235,8 +230,6 @@ class _Enumerator:
             return None  # a table sharded by vocabulary over two axes: DTensor's masking
             # traces a data-dependent check there (aten.equal); one axis is supported
         # masked embedding indices arrive replicated: the dispatcher masks them locally
-        from torch.distributed.tensor import Replicate as DReplicate
-
         ins = [tuple(DReplicate() if _is_mask(p) else p for p in pl) for pl in ins]
         try:
             out_pl = [None if o is None else bridge.from_dtensor_placements(o) for o in outs]
@@ -264,9 +257,6 @@ class _Enumerator:
     # -- registry paths -----------------------------------------------------------------
 
     def _single_dim(self, op: Any, node: Node) -> list[tuple[Any, Any]]:
-        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
-        from torch.distributed.tensor import Replicate as DReplicate, Shard as DShard
-
         bridge = self.bridge
         info = bridge.PROPAGATOR.op_single_dim_strategy_funcs[op]
         metas = self._in_metas(node)
@@ -293,8 +283,6 @@ class _Enumerator:
         return pairs
 
     def _op_strategy(self, op: Any, node: Node, strategy_fn: Any) -> list[tuple[Any, Any]]:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
         bridge = self.bridge
         metas = self._in_metas(node)
         replicated = (R,) * len(self.mesh_shape)
@@ -328,8 +316,6 @@ class _Enumerator:
         """DTensor's decomposition-derived strategies. It tries the placements present in
         the inputs it is given (Shard on any dim once one input is sharded), so it is asked
         twice: with the first non-scalar input sharded, and with it a pending sum."""
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
         bridge = self.bridge
         decomp = bridge.PROPAGATOR.decomp_strategy
         if not decomp.has_decomp(op):
@@ -510,13 +496,9 @@ def _pointwise_lead(graph: Graph, node: Node, strategies: list[tuple[NodeStrateg
     (solver/intra_op/sharing.py): of the operands shaped like the output, the one whose producer
     offers the most layouts (not a broadcast scalar's single replicated one); None for
     other ops."""
-    import torch
-
-    from autopar import dtensor_bridge
-
     if len(set(node.inputs)) < 2 or len(node.outputs) != 1:
         return None
-    op = dtensor_bridge.resolve_op(node.op)
+    op = bridge.resolve_op(node.op)
     if op is None or torch.Tag.pointwise not in op.tags:
         return None
     shape = node.outputs[0].shape
