@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.precision import policy
+
 BYTES_WEIGHT = 2
 BYTES_GRAD = 2
 BYTES_OPTIMIZER = 12  # fp32 master weight, momentum, variance
@@ -47,8 +49,6 @@ def parameter_state_bytes(numel: float, computed: float, updated: float, *, grad
     this accounting, which the per-op program's measured state is checked against. What
     the ILP's cost table charges a parameter (cost_model/table.py) and what a plan's
     memory breakdown reports."""
-    from autopar.precision import policy
-
     p = precision if precision is not None else policy("fp32")
     return p.state_bytes(numel, computed, updated, grads_at_update=grads_at_update)
 

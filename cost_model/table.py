@@ -76,6 +76,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
+from cost_model.efficiency import efficiency_for
 from cost_model.memory import parameter_state_bytes
 from cost_model.collectives import (
     AxisLink,
@@ -163,7 +164,6 @@ def compiled_scale(graph: Graph, cluster: Cluster) -> float:
     scales the same traffic by the same constant, benchmarks/baselines/analytic/step.py); 1 eager."""
     if not graph.compiled:
         return 1.0
-    from cost_model.efficiency import efficiency_for
 
     return efficiency_for(cluster.hardware).compiled_memory_factor
 
@@ -181,7 +181,6 @@ def view_host_s(node: Node, cluster: Cluster) -> float:
     the same charge per view op (benchmarks/baselines/analytic/step.py `_host_time`)."""
     if node.op in HOSTLESS_VIEWS:
         return 0.0
-    from cost_model.efficiency import efficiency_for
 
     return efficiency_for(cluster.hardware).view_overhead_s * core_share(cluster)
 
@@ -201,8 +200,6 @@ def pipeline_call_time_s(cluster: Cluster, efficiency: Efficiency | None = None)
     per stage per microbatch per chunk (solver/stage_dp.py `StageOption.call_s`; the
     baseline's stage times, benchmarks/baselines/analytic/step.py). `efficiency`: replacement
     constants (the profile's overrides win)."""
-    from cost_model.efficiency import efficiency_for
-
     return efficiency_for(cluster.hardware, efficiency).pipeline_call_host_s * core_share(cluster)
 
 
@@ -211,8 +208,6 @@ def grad_sync_overlap(cluster: Cluster) -> float:
     one model's fitted constant) x the hardware's `comm_overlap` (1 on GPUs, where NCCL runs
     on its own stream beside the backward's kernels; the cpu profile's measured value, 0
     where gloo on shared cores hides nothing)."""
-    from cost_model.efficiency import efficiency_for
-
     hw = cluster.hardware
     return efficiency_for(hw).grad_sync_overlap_efficiency * hw.comm_overlap
 
@@ -250,8 +245,6 @@ def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     2 bytes of memory traffic per gradient byte at achievable bandwidth, ranks sharing
     cores (`core_share`). Measured on the CPU sweep's large model (dp4, 4 ranks on 2
     cores, torch.profiler): `aten::copy_` 9.8-14.0 ms per step, against no price before."""
-    from cost_model.efficiency import efficiency_for
-
     hw = cluster.hardware
     eff = efficiency_for(hw)
     return 2.0 * core_share(cluster) / (hw.memory_bandwidth_bytes_per_s * eff.memory_efficiency)
