@@ -54,12 +54,16 @@ from typing import Any, Sequence
 
 import torch
 import torch._decomp
+import torch.distributed._functional_collectives as funcol
 from torch import fx
 import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.placement_types import _MaskPartial
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.graph import _BoxedCodeGen
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial as DPartial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -202,9 +206,6 @@ def _settle_masks(out: Any) -> Any:
     """A vocabulary-sharded embedding leaves a masked pending sum whose mask lives in the
     placement object until the first reduction; zero the masked rows now and make it a
     plain pending sum, so every consumer edge can reduce it (as priced) independently."""
-    from torch.distributed.tensor import Partial as DPartial
-    from torch.distributed.tensor.placement_types import _MaskPartial
-
     if not isinstance(out, DTensor) or not any(isinstance(p, _MaskPartial) for p in out.placements):
         return out
     local = out._local_tensor
@@ -291,8 +292,6 @@ class _Interpreter:
 
     def _gather(self, key: tuple, env: dict[fx.Node, Any]) -> None:
         """One flat all-gather for every member of group `key`, where its first consumer runs."""
-        import torch.distributed._functional_collectives as funcol
-
         if key in self.issuing:
             raise ApplyError(f"parameter gather group {key} needs itself to compute a member")
         self.issuing.add(key)
@@ -488,9 +487,6 @@ def _examples(metas: Sequence[tuple[tuple[int, ...], str]], device: str) -> list
     `_to_copy(..., device='cuda')` per placeholder). The mode is the one make_fx would make
     itself (it takes the inputs' mode), allowing real inputs: the traced step's real tensor
     constants (T5's `torch.tensor(0)`, read by get_attr) enter the per-rank graph as constants."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     with FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True,
                         allow_non_fake_inputs=True):
         return [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in metas]

@@ -18,7 +18,8 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _redistribute
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.ir import Role
 
@@ -27,8 +28,6 @@ def _clear_dtensor_caches() -> None:
     # DTensor caches redistribution plans and sharding decisions keyed by value-equal
     # meshes; after the fake process group is re-created the cached entries name dead
     # process groups ("Could not resolve the process group"), so drop them per fake world.
-    from torch.distributed.tensor import _redistribute
-
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
@@ -50,8 +49,6 @@ def write(sources: dict[str, str], directory: str | Path) -> list[Path]:
 def fake_world(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[DeviceMesh]:
     """A DeviceMesh of `shape` on a `fake` process group, as its rank 0: programs are
     built and traced against it, nothing runs and nothing is communicated."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise ValueError("emitting a plan needs no process group; call it outside a job")
     _clear_dtensor_caches()

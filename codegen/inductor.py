@@ -81,7 +81,7 @@ def compile_graph(gm: fx.GraphModule, label: str, times: CompileTimes) -> None:
     collective counts read). A boxed graph (called with one list, which it empties) keeps
     its calling convention: the list is cleared at the call, its tensors then held until
     the compiled graph returns (the eager boxed graph frees each as it goes)."""
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx  # lazy: torch._inductor, only with --compile
 
     cache_dir()
     boxed = _boxed(gm)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from codegen.kernels.ops import LIB, _backend
 
@@ -34,7 +35,6 @@ DEFAULT_CHUNK_TOKENS = 1024
 def _group(group_name: str) -> Any:
     if not group_name:
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
 
