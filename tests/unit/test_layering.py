@@ -42,6 +42,17 @@ why, and only shrinks.
 KNOWN_VIOLATIONS lists the (importer, imported) pairs that break these rules today, each
 with why; the test fails on any violation not in it and on any entry that no longer
 occurs, so the list only shrinks (delete an entry when its import goes).
+
+Function-level imports (`test_function_level_imports_give_a_reason`): an import belongs at
+module level unless running it later is worth something, and then its line (the first line
+of a multi-line import) says what with a `# lazy: <why>` comment. The reasons that hold: a
+heavy or optional dependency that one path alone uses (the solver's PuLP and HiGHS, rich,
+matplotlib, triton, torch._inductor, aot_autograd, torch.distributed.checkpoint and
+.pipelining); keeping `import autopar` and so `autopar --help` light (the API imports the
+solver, placing and the per-rank build only inside its functions, as above); keeping what
+the rank forkserver preloads (autopar/runtime/launch.py PRELOAD) to what every rank needs;
+and an import whose moment is the point (launch.py `import_before_process_group`). Imports
+under `if TYPE_CHECKING:` never run and need no reason.
 """
 
 from __future__ import annotations
@@ -184,6 +195,40 @@ def group_of(module: str) -> str | None:
     return best[1] if best else None
 
 
+def type_checking_lines(tree: ast.Module) -> set[int]:
+    """The lines of the statements under `if TYPE_CHECKING:` (imports there never run)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+LAZY_REASON = "# lazy:"
+"""What starts the reason a function-level import gives, on its (first) line."""
+
+
+def unexplained_lazy_imports(source: str) -> list[int]:
+    """The first lines of the imports inside a function of `source` that give no reason
+    (LAZY_REASON on that line); those under `if TYPE_CHECKING:` need none."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    type_only = type_checking_lines(tree)
+    found: list[int] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                if in_function and child.lineno not in type_only and LAZY_REASON not in lines[child.lineno - 1]:
+                    found.append(child.lineno)
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return sorted(found)
+
+
 def imports_of(source: str, module: str, *, is_package: bool, modules: frozenset[str]) -> list[Import]:
     """The project modules that `source` (the text of `module`) imports, anywhere in it."""
     tree = ast.parse(source)
@@ -191,11 +236,7 @@ def imports_of(source: str, module: str, *, is_package: bool, modules: frozenset
     found: list[Import] = []
     bound: dict[str, str] = {}  # local name -> project module, from `import pkg [as x]`
 
-    type_only_lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in node.body:
-                type_only_lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    type_only_lines = type_checking_lines(tree)
 
     def add(name: str, line: int) -> None:
         if name.split(".")[0] in PACKAGES or _matches(name, BASELINES):
@@ -439,6 +480,13 @@ def test_no_import_cycles() -> None:
     assert stale == [], f"these KNOWN_CYCLES no longer occur; delete them from the list: {[sorted(c) for c in stale]}"
 
 
+def test_function_level_imports_give_a_reason() -> None:
+    found = [f"{module} (line {line})" for module, path in project_modules().items()
+             for line in unexplained_lazy_imports(path.read_text())]
+    assert found == [], f"imports inside functions with no `{LAZY_REASON} <why>` on their line; move them to " \
+        "module level, or say why they wait (module docstring):\n  " + "\n  ".join(found)
+
+
 def import_error(module: str, root: Path) -> str | None:
     """The last line of the error of `import module` (then `import autopar`, where present)
     in a fresh interpreter whose path starts at `root`; None when it imports."""
@@ -559,6 +607,22 @@ def test_known_list_must_shrink() -> None:
     new, stale = compare_with_known(found + [Violation("codegen.apply", "autopar.runtime.program", 3, "x")],
                                     KNOWN_VIOLATIONS)
     assert [(v.importer, v.imported) for v in new] == [("codegen.apply", "autopar.runtime.program")]
+
+
+def test_lazy_import_check_fails_without_a_reason() -> None:
+    source = ("import math\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from solver import forced\n\n\n"
+              "def f():\n"
+              "    import pulp  # lazy: the ILP solver, only on the solve path\n"     # 9: a reason
+              "    from rich.table import (  # lazy: rich, only to print tables\n"    # 10: on the first line
+              "        Table)\n"
+              "    import copy\n"                                                     # 12: none
+              "    if TYPE_CHECKING:\n        from solver.forced import solve_stage\n"
+              "    def g():\n"
+              "        from solver.forced import (\n"                                 # 16: not on the first line
+              "            solve_one_stage)  # lazy: the solver\n"
+              "    return math, pulp, Table, copy, g\n")
+    assert unexplained_lazy_imports(source) == [12, 16]
+    assert unexplained_lazy_imports("import copy\n\n\nclass A:\n    x = 1\n") == []
 
 
 def test_cycle_check_sees_function_level_and_package_cycles() -> None:
