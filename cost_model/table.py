@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_OPS, DTYPE_BYTES, GEMM_OPS, Graph, Node, Role, TensorMeta
@@ -76,7 +75,7 @@ from autopar.placement import (
 )
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
-from cost_model.efficiency import efficiency_for
+from cost_model.efficiency import Efficiency, efficiency_for
 from cost_model.memory import parameter_state_bytes
 from cost_model.collectives import (
     AxisLink,
@@ -88,9 +87,6 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
 )
 from cost_model.compute import compute_time_s
-
-if TYPE_CHECKING:
-    from cost_model.efficiency import Efficiency
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
