@@ -469,7 +469,7 @@ class Compiled:
         """Write a sharded, plan-independent checkpoint (autopar/runtime/checkpoint.py) under
         `directory`; collective. `step` defaults to the steps done so far. Unlike
         `state_dict()` (this plan's layout, GPT qkv rows in TP order), it loads under any plan."""
-        from autopar.runtime import checkpoint  # lazy: the build (torch.distributed.tensor), off `import autopar`
+        from autopar.runtime import checkpoint  # lazy: loads torch.distributed.tensor, off `import autopar`
 
         done = self.program.steps_done if step is None else step
         return str(checkpoint.save(self.program, directory, step=done))
@@ -477,7 +477,7 @@ class Compiled:
     def load_checkpoint(self, path: str) -> Any:
         """Load the newest complete checkpoint under `path` (or that `step_<N>` directory),
         resharding it to this plan; collective. Returns its `CheckpointInfo`."""
-        from autopar.runtime import checkpoint  # lazy: the build (torch.distributed.tensor), off `import autopar`
+        from autopar.runtime import checkpoint  # lazy: loads torch.distributed.tensor, off `import autopar`
 
         return checkpoint.load(self.program, path)
 
@@ -486,8 +486,8 @@ def _compile_module(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequenc
                     loss_fn: Callable[..., torch.Tensor] | None, optimizer: OptimizerFactory | None,
                     plan: Plan | None, config: ParallelConfig | None, compiled: bool = False,
                     precision: str = "") -> Compiled:
-    from autopar.build import build_program  # lazy: the build (torch.distributed.tensor), off `import autopar`
-    from autopar.runtime.program import model_dims  # lazy: the build (torch.distributed.tensor), off `import autopar`
+    from autopar.build import build_program  # lazy: loads torch.distributed.tensor, off `import autopar`
+    from autopar.runtime.program import model_dims  # lazy: loads torch.distributed.tensor, off `import autopar`
 
     num_devices = _num_devices(mesh)
     _ensure_process_group(num_devices)
