@@ -52,6 +52,8 @@ class TrainJob:
     configs: tuple[ParallelConfig, ...]
     steps: int = 3
     global_batch: int = 8
+    """Rows per step of a preset or spec; a factory model (`module:function`) trains its own
+    example batch every step, whatever this says (`build_model_and_batches`)."""
     lr: float = 1e-3
     seed: int = 0
     seq: int | None = None
@@ -285,6 +287,7 @@ def run_job(rank: int, job: TrainJob, *, build: Callable[..., Any]) -> list[RunR
     for i, config in enumerate(job.configs):
         memory = PeakMemory()
         model, batches, _ = build_model_and_batches(job)
+        rows = batch_size(batches[0])  # what a step trains: a factory's example batch, whatever job.global_batch says
         fingerprint = module_fingerprint(model)
         placed = ProgramPlacements.loads(job.placements[i])
         if placed.config != config:
@@ -308,7 +311,7 @@ def run_job(rank: int, job: TrainJob, *, build: Callable[..., Any]) -> list[RunR
                 print(step_line(k + 1, losses[-1], job.reference_losses[k] if k < len(job.reference_losses) else None,
                                 job.tokens_per_step / times[-1], job.throughput_unit), flush=True)
             if job.save_every and job.checkpoint_dir and (k + 1) % job.save_every == 0:
-                checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * job.global_batch,
+                checkpoint.save(program, job.checkpoint_dir, step=k + 1, samples_seen=(k + 1) * rows,
                                 model=job.model, model_fingerprint=fingerprint)
         if len(losses) > 1:
             memory.end("later_steps")
@@ -321,7 +324,7 @@ def run_job(rank: int, job: TrainJob, *, build: Callable[..., Any]) -> list[RunR
             parameter_bytes=stats.parameter_bytes, gradient_bytes=stats.gradient_bytes,
             optimizer_state_bytes=stats.optimizer_state_bytes, peak_rss_bytes=stats.peak_rss_bytes,
             parameters=params if keep else {}, buffers=buffers if keep else {}, first_step=done + 1,
-            collectives=program.collectives_per_step(job.global_batch // (config.dp * config.micro_batch))
+            collectives=program.collectives_per_step(rows // (config.dp * config.micro_batch))
             if hasattr(program, "collectives_per_step") else {},
             priced=getattr(program, "priced", None), priced_state=program.priced_state_bytes(),
             compile_s=program.compile_times(), memory_phases_bytes=dict(memory.phases),

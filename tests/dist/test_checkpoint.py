@@ -26,7 +26,9 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.build import build_program
 from autopar.plan import ProgramPlacements
+from autopar.placing import program_placements
 from autopar.runtime.launch import RankFailure, spawn
+from tests.parallel import pmap
 
 pytestmark = pytest.mark.dist
 
@@ -44,12 +46,16 @@ def _batches() -> list[tuple[torch.Tensor, ...]]:
             for k in range(STEPS)]
 
 
-def _placed(model: str, batch: tuple[torch.Tensor, ...], *configs: ParallelConfig) -> dict[ParallelConfig, str]:
-    """Each configuration's placements, solved here before the ranks start (as `autopar
-    train` does), as the JSON text the ranks build from."""
-    from autopar.placing import program_placements
+def _place(task: tuple[str, tuple[torch.Tensor, ...], ParallelConfig]) -> str:
+    model, batch, config = task
+    return program_placements(resolve(model).build(), config, batch).dumps()
 
-    return {c: program_placements(resolve(model).build(), c, batch).dumps() for c in configs}
+
+def _placed(*tasks: tuple[str, tuple[torch.Tensor, ...], ParallelConfig]) -> dict[ParallelConfig, str]:
+    """Each (model, batch, configuration)'s placements, solved before the ranks start (as
+    `autopar train` does; on both cores, tests/parallel.py), as the JSON text the ranks
+    build from."""
+    return {config: text for (_, _, config), text in zip(tasks, pmap(_place, tasks))}
 
 
 def _program(config: ParallelConfig, placed: dict, seed: int = 0):
@@ -126,8 +132,8 @@ def _run_b(rank: int, ckpt: str, placed: dict) -> list[dict]:
 
 def test_resume_reshard_and_crash_safety(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "run_a.pt"
-    placed = {**_placed(MODEL, _batches()[0], SAVED, *OTHER_PLANS[1:]),
-              **_placed(LLAMA, _llama_batches()[0], LLAMA_SAVED, LLAMA_LOADED)}
+    placed = _placed(*((MODEL, _batches()[0], c) for c in (SAVED, *OTHER_PLANS[1:])),
+                     *((LLAMA, _llama_batches()[0], c) for c in (LLAMA_SAVED, LLAMA_LOADED)))
     with pytest.raises(RankFailure) as failure:
         spawn(_run_a, 4, (str(ckpt), str(out), placed), collective_timeout_s=60.0)
     assert failure.value.rank == 1 and "exit code 9" in str(failure.value)

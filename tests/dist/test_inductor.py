@@ -21,9 +21,9 @@ import torch
 
 from autopar.config import ParallelConfig as C
 from autopar.build import train_worker
-from autopar.placing import place_job
 from autopar.runtime.jobs import TrainJob
 from autopar.runtime.launch import spawn
+from tests.parallel import place_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
     try:
-        per_rank = spawn(train_worker, 2, (place_job(job),))
+        per_rank = spawn(train_worker, 2, place_jobs(job))
     finally:
         if before is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR")

@@ -27,6 +27,7 @@ from autopar.build import train_worker
 from autopar.placing import place_job
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
+from tests.parallel import place_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -48,9 +49,11 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
 
 @pytest.fixture(scope="module")
 def runs():
-    jobs = tuple(TrainJob(model=model, configs=tuple(CONFIGS.values()), steps=STEPS, global_batch=8)
+    # global batch 4: dp4 runs one microbatch a step (its gradients reduced inside the step),
+    # dp2 and the pipeline two
+    jobs = tuple(TrainJob(model=model, configs=tuple(CONFIGS.values()), steps=STEPS, global_batch=4)
                  for model in MODELS.values())
-    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
+    results = spawn(_jobs_worker, 4, (place_jobs(*jobs),))
     return {name: ([results[r][j] for r in range(4)], reference_run(job)[0], reference_run(job, "fp32")[0])
             for j, (name, job) in enumerate(zip(MODELS, jobs))}
 

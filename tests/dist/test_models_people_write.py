@@ -38,9 +38,11 @@ import torch
 from autopar import cli
 from autopar.config import ParallelConfig as C
 from autopar.build import train_worker
-from autopar.placing import place_job
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
+from autopar.api import search_plans
+from autopar.plan import Plan
+from tests.parallel import place_jobs, pmap
 
 pytestmark = pytest.mark.dist
 
@@ -76,19 +78,21 @@ def _job(model: str, config: C, plan: str | None = None) -> TrainJob:
                     return_parameters=True, reference_microbatches=m if model in UPDATES_BUFFERS else 1)
 
 
+def _searched(model: str) -> str:
+    return search_plans(model, "cpu:4", global_batch=BATCH, top=1).plan.dumps()
+
+
 @pytest.fixture(scope="module")
 def trained():
-    from autopar.api import search_plans
-
     jobs = {}
-    for name, model in SEARCHED.items():
-        plan = search_plans(model, "cpu:4", global_batch=BATCH, top=1).plan
+    for (name, model), text in zip(SEARCHED.items(), pmap(_searched, SEARCHED.values())):
+        plan = Plan.loads(text)
         assert plan.config.pp == 1, (name, plan.config)
-        jobs[name] = _job(model, plan.config, plan.dumps())
+        jobs[name] = _job(model, plan.config, text)
     for name, (model, config) in FORCED.items():
         jobs[name] = _job(model, config)
     names = list(jobs)
-    results = spawn(_worker, 4, (tuple(place_job(jobs[n]) for n in names),))
+    results = spawn(_worker, 4, (place_jobs(*(jobs[n] for n in names)),))
     return {n: (jobs[n], [results[r][k] for r in range(4)]) for k, n in enumerate(names)}
 
 

@@ -35,11 +35,12 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.placement import Shard
 from autopar.build import train_worker
-from autopar.placing import place_job, priced_per_step, solve_config
+from autopar.placing import priced_per_step, solve_config
 from autopar.plan import ProgramPlacements
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 from autopar.trace import trace_step
+from tests.parallel import place_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -61,8 +62,8 @@ def _worker(rank: int, job: TrainJob) -> list:
 
 @pytest.fixture(scope="module")
 def run():
-    job = place_job(TrainJob(model=MODEL, configs=(CONFIG, PIPELINE, EP_OVER_DP), steps=3, global_batch=BATCH,
-                             return_parameters=True))
+    job, = place_jobs(TrainJob(model=MODEL, configs=(CONFIG, PIPELINE, EP_OVER_DP), steps=3, global_batch=BATCH,
+                               return_parameters=True))
     results = spawn(_worker, 4, (job,))
     return [r[0] for r in results], reference_run(job), [r[1] for r in results], [r[2] for r in results], job
 

@@ -6,8 +6,8 @@ torch's schedules. Checked against the single-process reference (same seed, data
 AdamW): losses to rtol 1e-4 on every rank, parameters to atol 1e-3, the tied
 embedding/head held on the first and last pp ranks equal on both. The configurations
 cover GPipe over 4 stages (values the embedding makes relayed through two stages), 1F1B
-with dp 2 (ZeRO 0 and 2: the ILP's data-parallel and sharded layouts), and interleaved
-1F1B with ZeRO 3; the CLI cases are the forced `--pp 2` plan of `autopar train --check`
+with dp 2 under ZeRO-2 (the stages' gradients reduce-scattered every microbatch; the plain
+data-parallel layout of pipeline stages is tests/dist/test_mixed_precision.py's), and interleaved 1F1B with ZeRO 3; the CLI cases are the forced `--pp 2` plan of `autopar train --check`
 for GPT-2 and Llama (whose rotary embedding, made before the first layer, crosses the
 cut). tests/dist/test_pipeline_per_op.py has tp inside the stages.
 """
@@ -22,16 +22,15 @@ import torch
 from autopar import cli
 from autopar.config import ParallelConfig as C
 from autopar.build import train_worker
-from autopar.placing import place_job
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
+from tests.parallel import place_jobs
 
 pytestmark = pytest.mark.dist
 
 GPT2_4 = "tests.hf_factories:gpt2_4layers"
 CONFIGS = {
     "pp4_gpipe": C(pp=4, schedule="gpipe"),
-    "pp2xdp2_1f1b": C(pp=2, dp=2, schedule="1f1b"),
     "pp2xdp2_zero2_1f1b": C(pp=2, dp=2, zero=2, schedule="1f1b"),
     "pp2xdp2_zero3_interleaved": C(pp=2, dp=2, zero=3, schedule="interleaved", interleave=2),
 }
@@ -45,7 +44,7 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
 @pytest.fixture(scope="module")
 def world4():
     jobs = (TrainJob(model=GPT2_4, configs=tuple(CONFIGS.values()), steps=2, return_parameters=True),)
-    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
+    results = spawn(_jobs_worker, 4, (place_jobs(*jobs),))
     return [[results[r][j] for r in range(4)] for j in range(len(jobs))], [reference_run(job) for job in jobs]
 
 

@@ -25,9 +25,9 @@ import torch
 
 from autopar.config import ParallelConfig as C
 from autopar.build import train_worker
-from autopar.placing import place_job
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
+from tests.parallel import place_jobs
 
 pytestmark = pytest.mark.dist
 
@@ -89,7 +89,7 @@ def runs(pp2_plan):
     plan = _replicated_chunk0(Plan.load(pp2_plan))
     jobs += (TrainJob(model=ZOO_LLAMA, configs=(plan.config,), steps=3, global_batch=BATCH, return_parameters=True,
                       stage_layers=(plan.stage_layers,), plans=(plan.dumps(),)),)
-    results = spawn(_jobs_worker, 4, (tuple(map(place_job, jobs)),))
+    results = spawn(_jobs_worker, 4, (place_jobs(*jobs),))
     return {name: ([results[r][j][0] for r in range(4)], reference_run(job))
             for j, (name, job) in enumerate(zip((*CASES, REPLAYED), jobs))}
 
