@@ -66,7 +66,11 @@ def _instrument() -> dict[str, Any]:
         counts["traces"] += 1
         return real(*args, **kwargs)
 
-    tracer.trace = counting
+    # every module holding the function by name (autopar.trace, and the build's chunk tracer
+    # that imported it); a module imported later takes `counting` from autopar.trace
+    for module in list(sys.modules.values()):
+        if getattr(module, "trace", None) is real:
+            module.trace = counting
     finder = _SolverImports()
     sys.meta_path.insert(0, finder)
     counts["finder"] = finder
