@@ -49,6 +49,7 @@ from autopar.plan import (
     OpPlacement,
     Plan,
     SearchInfo,
+    StagePlacements,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from solver import forced
@@ -404,5 +405,6 @@ def spmd_plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, glo
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=first.stage_layers[0], seq=graph.model.seq,
                 global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes),
                 config=config, stage_layers=first.stage_layers, mesh_shape=(1, config.dp, config.tp), stages=(),
-                intra_op=(), predicted=est, search=info, placements=op_placements(graph, best.solution),
+                predicted=est, search=info,
+                placements=(StagePlacements(chunk=0, placements=op_placements(graph, best.solution)),),
                 intra_op_info=intra_op_info(graph, best))
