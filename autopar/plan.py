@@ -161,9 +161,10 @@ class StagePlacements(JsonData):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IntraOpInfo(JsonData):
     """How a one-stage plan's per-op placements were found, for `explain` (from the plan
-    alone) and for the build, which checks the collectives it counts against those priced
-    here. Plan-level, not per chunk: the one-stage search writes it; a pipeline's chunks
-    record their priced collectives in their own placement records."""
+    alone), and the collectives they were priced at, which a run's counted collectives are
+    compared with (`ProgramPlacements.collectives`). Plan-level, not per chunk: only the
+    one-stage search writes it; a pipeline's chunks record their priced collectives in their
+    own placement records."""
 
     status: str
     """"optimal", or "time_limit" when the solver stopped with a feasible, unproven plan."""

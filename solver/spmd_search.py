@@ -3,8 +3,9 @@
 Where it sits: solver/, the one-stage half of the whole-plan search in
 solver/pipeline_search.py `search` (which ranks these candidates beside pipelines and
 builds the Plans). Here: the candidates, their ILP solve, their step price and the Plan of
-one solved candidate, whose per-op placements (`Plan.placements`) are exactly the program
-the runtime builds. autopar/api.py reads `op_placements` for a pipeline stage's placements.
+one solved candidate, whose per-op placements (`Plan.placements`, its one chunk 0) are
+exactly the program the runtime builds. autopar/api.py reads `op_placements` for a
+pipeline stage's placements.
 
 The space: every configuration dp x tp = devices (tp within a node, dividing the
 attention heads) x every global microbatch g (a multiple of dp dividing the global batch
