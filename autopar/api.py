@@ -386,7 +386,7 @@ def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence
     from autopar.placing import program_placements  # lazy: wires the build and solver, off `import autopar`
 
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"  # init_mesh's
-    if plan is not None and plan.placements:
+    if plan is not None and plan.records_program_for(config):
         return program_placements(model, config, example, plan=plan, loss_fn=loss_fn, cluster=cluster,
                                   device_type=device_type)
     mine: Any = None

@@ -65,7 +65,7 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
     the others gives the solver's memory back). Raises InfeasiblePlanError where no
     placement obeys the configuration's rules, TraceError where the step does not trace."""
     name = model_name or (plan.model if plan is not None else "") or type(model).__name__
-    if plan is not None and plan.placements:
+    if plan is not None and plan.records_program_for(config):
         return ProgramPlacements.of_plan(plan, config=config,
                                          grads_each_microbatch=config.pp > 1 and config.syncs_each_microbatch)
     if stage_layers is None and plan is not None and config.pp > 1:

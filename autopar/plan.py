@@ -381,6 +381,12 @@ class Plan(JsonData):
         records none."""
         return _chunk(self.placements, chunk)
 
+    def records_program_for(self, config: ParallelConfig) -> bool:
+        """Whether a program under `config` reads this plan's per-op placements
+        (`ProgramPlacements.of_plan`) rather than solving its own: the plan records them,
+        and for the same kind of program (one stage, or a pipeline) as `config`'s."""
+        return bool(self.placements) and (config.pp == 1) == (self.config.pp == 1)
+
     def placements_for(self, graph: Any, chunk: int = 0) -> tuple[Any, ...]:
         """Chunk `chunk`'s per-op placements as one NodeStrategy per node of `graph`: a
         one-stage plan's traced step at the plan's microbatch (any traced depth), or a

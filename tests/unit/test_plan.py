@@ -223,6 +223,9 @@ def test_chunk_placements_round_trip_validate_and_explain() -> None:
     text = plan.explain()
     assert "per-stage per-op placements (the program each stage runs, replayed at build): 2 chunks" in text
     assert "chunk 1 (stage 1): 2 ops; collectives per step: all_reduce over tp x4" in text
+    # read by a pipeline program (of any interleave: ProgramPlacements checks the chunks), never a one-stage one
+    assert plan.records_program_for(plan.config) and not plan.records_program_for(ParallelConfig(dp=8))
+    assert not _plan().records_program_for(_plan().config)
     data = plan.to_json()
     bad = json.loads(json.dumps(data))
     bad["placements"] = bad["placements"][:1]
