@@ -302,7 +302,7 @@ solved for its configuration before its ranks build (autopar/placing.py; `explai
 
 def record_stage_placements(plan: Plan, model: nn.Module | None = None, example_inputs: Sequence[Any] | None = None,
                             *, loss_fn: Callable[..., torch.Tensor] | None = None) -> Plan:
-    """`plan` (pp > 1) with every chunk's per-op placements (`Plan.stage_placements`), the
+    """`plan` (pp > 1) with every chunk's per-op placements (`Plan.placements`), the
     program its stages run: the chunks traced in this process exactly as each rank traces
     its own at build, each solved by the stage ILP under the plan's configuration, on the
     plan's cluster (autopar/placing.py `solve_stage_placements`). `autopar search` calls it
@@ -315,8 +315,8 @@ def record_stage_placements(plan: Plan, model: nn.Module | None = None, example_
 
     config = plan.config
     if config.pp == 1:
-        raise ValueError("record_stage_placements is for pipeline plans (pp > 1); a one-stage plan carries its "
-                         "per-op placements in `placements`")
+        raise ValueError("record_stage_placements is for pipeline plans (pp > 1); the one-stage search records "
+                         "a one-stage plan's per-op placements itself")
     if model is None:
         source = resolve(plan.model)
         if source.config is None:
@@ -350,7 +350,7 @@ def record_stage_placements(plan: Plan, model: nn.Module | None = None, example_
         log.warning("%s: the plan's pipeline chunks were not traced (%s); they are solved before each build",
                     plan.model, exc)
         return plan
-    return replace(plan, stage_placements=recorded)
+    return replace(plan, placements=recorded)
 
 
 def search_plan(model: nn.Module, mesh: MeshLike, *, example_inputs: Sequence[Any],
@@ -386,7 +386,7 @@ def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence
     from autopar.placing import program_placements  # lazy: wires the build and solver, off `import autopar`
 
     device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"  # init_mesh's
-    if plan is not None and (plan.placements if config.pp == 1 else plan.stage_placements):
+    if plan is not None and plan.records_program_for(config):
         return program_placements(model, config, example, plan=plan, loss_fn=loss_fn, cluster=cluster,
                                   device_type=device_type)
     mine: Any = None

@@ -45,7 +45,7 @@ def explain_plan(plan: Plan) -> str:
         lines.append("  time:   " + ", ".join(f"{k} {v:.4g} s ({v / total:.0%})" for k, v in p.time_breakdown))
     if p.memory_breakdown:
         lines.append("  memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory_breakdown))
-    if plan.placements:
+    if c.pp == 1 and plan.placements:
         lines.extend(_per_op_lines(plan))
     if plan.pipeline is not None and len(plan.stages) > 1:
         lines.extend(_pipeline_lines(plan.pipeline, plan.stages))
@@ -73,16 +73,6 @@ def explain_plan(plan: Plan) -> str:
     if len(set(plan.stage_layers)) > 1:
         lines.append("  why non-uniform: the cut balances per-stage time (embedding and head are extra work "
                      "on the end stages) and memory (stage 0 keeps the most microbatches in flight)")
-    if plan.intra_op:
-        lines.append("layer groups (intra-op):")
-    for choice in plan.intra_op:
-        if choice.source == "ilp":
-            note = f"ilp, ILP cost {choice.cost_s:.4g} s per step; recorded beside the template, not priced"
-        else:
-            note = f"{choice.source}, priced by the cost model"
-        lines.append(f"  {choice.layer_group} on submesh {list(choice.submesh)} [{note}]")
-        for name, placement in choice.placements:
-            lines.append(f"    {name}: {placement}")
     s = plan.search
     lines.append(
         f"search ({s.cost_model}): {s.num_candidates} candidates, {s.num_priced} priced, "
@@ -104,7 +94,8 @@ def explain_plan(plan: Plan) -> str:
 
 def _per_op_lines(plan: Plan) -> list[str]:
     info = plan.intra_op_info
-    lines = [f"per-op placements (the program that runs): {len(plan.placements)} ops chosen by the intra-op ILP"]
+    lines = [f"per-op placements (the program that runs): {len(plan.chunk_placements(0))} ops chosen by the "
+             "intra-op ILP"]
     if info is None:
         return lines
     lines[0] += (f", {info.status}" + (" (STOPPED by the time limit: feasible, not proven optimal)"
@@ -193,14 +184,14 @@ def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
 
 
 def _stage_placement_lines(plan: Plan) -> list[str]:
-    if not plan.stage_placements:
+    if not plan.placements:
         return ["per-stage per-op placements: not in this plan (a file from before version 4, or a model the search "
                 "did not trace by chunks); every run solves each chunk's intra-op ILP under the configuration's "
                 "rules before its ranks build (same solver, so the same program; re-run `autopar search` to record "
                 "them)"]
     lines = [f"per-stage per-op placements (the program each stage runs, replayed at build): "
-             f"{len(plan.stage_placements)} chunks"]
-    for s in plan.stage_placements:
+             f"{len(plan.placements)} chunks"]
+    for s in plan.placements:
         lines.append(f"  chunk {s.chunk} (stage {s.chunk % plan.config.pp}): {len(s.placements)} ops; collectives per "
                      "step: " + (", ".join(f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)"
                                            for kind, axis, n, b in s.collectives) or "none"))

@@ -3,8 +3,8 @@
 Where it sits: wiring (with autopar/api.py and autopar/commands/, which call it), between
 the solver and the per-rank build (autopar/build/). Every rank of a job builds its program
 from a `ProgramPlacements` (autopar/plan.py) and never solves; this module makes it:
-- from a plan that records its program (a one-stage plan's `placements`, a pipeline's
-  `stage_placements`), read as it is;
+- from a plan that records its program (`Plan.placements`: a one-stage plan's one chunk,
+  a pipeline's every chunk), read as it is;
 - else for the configuration (given by flags, `config=`, or a plan that records no
   placements): the model traced exactly as every rank traces it (autopar/build/one_stage.py
   `trace_microbatch`, autopar/build/chunks.py `trace_chunks`) and the intra-op ILP solved
@@ -65,7 +65,7 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
     the others gives the solver's memory back). Raises InfeasiblePlanError where no
     placement obeys the configuration's rules, TraceError where the step does not trace."""
     name = model_name or (plan.model if plan is not None else "") or type(model).__name__
-    if plan is not None and (plan.placements if config.pp == 1 else plan.stage_placements):
+    if plan is not None and plan.records_program_for(config):
         return ProgramPlacements.of_plan(plan, config=config,
                                          grads_each_microbatch=config.pp > 1 and config.syncs_each_microbatch)
     if stage_layers is None and plan is not None and config.pp > 1:
@@ -77,7 +77,7 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
                                         num_microbatches=num_microbatches, stage_layers=stage_layers,
                                         loss_fn=loss_fn)
         return ProgramPlacements(model=name, config=config, origin="solved", stage_layers=tuple(stage_layers or ()),
-                                 stage_placements=stages, grads_each_microbatch=config.syncs_each_microbatch)
+                                 placements=stages, grads_each_microbatch=config.syncs_each_microbatch)
     from solver.spmd_search import op_placements  # lazy: the solver (PuLP), only when no plan has placements
 
     if fused_kernels is None:
@@ -97,7 +97,8 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
         solution = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
     priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
     log.info("%s: placements solved for %s", name, config)
-    return ProgramPlacements(model=name, config=config, origin="solved", placements=op_placements(graph, solution),
+    return ProgramPlacements(model=name, config=config, origin="solved",
+                             placements=(StagePlacements(chunk=0, placements=op_placements(graph, solution)),),
                              collectives=_rows(priced), grads_each_microbatch=solution.grads_each_microbatch,
                              fused_kernels=fused_kernels)
 

@@ -4,16 +4,16 @@ Where it sits: output of solver/pipeline_search.py, input of codegen/ and the ru
 searched once and replayed many times (`autopar train --plan plan.json`), so it carries
 everything the runtime needs (`config`, `stage_layers`, the mesh) and everything a person
 needs to see why it was chosen (`explain()`, rendered by autopar/explain.py): predicted
-metrics, per-stage work, the intra-op choices per layer group and the runner-up plans with
+metrics, per-stage work, the per-op placements per chunk and the runner-up plans with
 their costs.
 
 One record per pipeline stage (`Plan.stages`, StageInfo): what the stage holds, its
-submesh, recompute and ZeRO, and what the search priced for it. The per-op placements are
-kept per *chunk* (`Plan.stage_placements`), not inside the stage records: under the
+submesh, recompute and ZeRO, and what the search priced for it. One placement record
+(`Plan.placements`, StagePlacements): the per-op placements per *chunk*, a one-stage plan
+being the one chunk 0. They are kept per chunk, not inside the stage records: under the
 interleaved schedule stage k runs chunks k, k + pp, ... (chunk c on stage c % pp,
 autopar/build/pipeline.py), each its own traced graph with its own placements, and the
-build and the ranks' `ProgramPlacements` look them up by chunk. One placement row type
-(OpPlacement) serves a one-stage plan (`placements`) and every chunk alike.
+build and the ranks' `ProgramPlacements` look them up by chunk.
 
 Terms: a *stage* is one pipeline rank's contiguous run of layers (stage 0 also holds the
 embedding, the last stage the final norm, output head and loss); `stage_layers[i]` is the
@@ -45,7 +45,7 @@ from autopar.placement import parse_placements
 from autopar.explain import explain_plan
 from autopar.plan_migrations import MIGRATIONS
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 """The version `Plan.dumps` writes; older files are brought forward on load, one version at a
 time (what each version changed, and how: autopar/plan_migrations.py)."""
 MESH_AXIS_NAMES: tuple[str, ...] = ("pp", "dp", "tp")
@@ -123,21 +123,6 @@ class StageInfo(JsonData):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class IntraOpChoice(JsonData):
-    """Per layer group: how its parameters are placed on the tp submesh, and by whom."""
-
-    layer_group: str
-    """'layers' for the repeated layers, 'embedding' and 'head' for the rest."""
-    submesh: tuple[int, ...]
-    source: str
-    """'template' (Megatron tp + dp rules) or 'ilp' (solver.intra_op)."""
-    placements: tuple[tuple[str, str], ...]
-    """(parameter name inside the group, placement on the tp axis and why)."""
-    cost_s: float = 0.0
-    """Intra-op objective of the group per step when solved by the ILP (0 for templates)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class OpPlacement(JsonData):
     """The ILP's choice for one op of the traced step: the layout of each output and the
     layout each input must arrive in (one placement per mesh axis, autopar/placement.py
@@ -156,23 +141,30 @@ class OpPlacement(JsonData):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagePlacements(JsonData):
-    """One pipeline chunk's per-op placements: the intra-op ILP's solution for the chunk's
-    joint graph (autopar/runtime/pipe_spmd.py traces it as every rank does) on its (dp, tp)
-    submesh. Keys name the chunk's ops as `OpPlacement.key` does (Graph.node_keys). Keyed
-    by chunk, not held in StageInfo: a stage runs several chunks under the interleaved
-    schedule, and they are recorded after the search (autopar/api.py
-    `record_stage_placements`), or not at all for a large model."""
+    """One chunk's per-op placements: the intra-op ILP's solution on the chunk's (dp, tp)
+    submesh. A one-stage plan is one chunk, 0: its whole traced step (solver/spmd_search.py).
+    A pipeline chunk's graph is its joint graph as every rank traces it
+    (autopar/runtime/pipe_spmd.py). Keys name the chunk's ops as `OpPlacement.key` does
+    (Graph.node_keys). Keyed by chunk, not held in StageInfo: a stage runs several chunks
+    under the interleaved schedule, and a pipeline's are recorded after the search
+    (autopar/api.py `record_stage_placements`), or not at all for a large model."""
 
     chunk: int
-    """Pipeline chunk index (0 .. pp * interleave - 1; the stage is chunk % pp)."""
+    """Chunk index (0 .. pp * interleave - 1; the stage is chunk % pp); 0 for one stage."""
     placements: tuple[OpPlacement, ...]
     collectives: tuple[tuple[str, str, int, int], ...] = ()
-    """(kind, mesh axis name, calls per step, bytes per step) the chunk's ILP priced."""
+    """Pipelines: (kind, mesh axis name, calls per step, bytes per step) the chunk's ILP
+    priced. Empty for a one-stage plan, whose priced collectives are in `Plan.intra_op_info`
+    with the rest of how its ILP was solved."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IntraOpInfo(JsonData):
-    """How the per-op placements were found, for `explain` (from the plan alone)."""
+    """How a one-stage plan's per-op placements were found, for `explain` (from the plan
+    alone), and the collectives they were priced at, which a run's counted collectives are
+    compared with (`ProgramPlacements.collectives`). Plan-level, not per chunk: only the
+    one-stage search writes it; a pipeline's chunks record their priced collectives in their
+    own placement records."""
 
     status: str
     """"optimal", or "time_limit" when the solver stopped with a feasible, unproven plan."""
@@ -260,22 +252,21 @@ class Plan(JsonData):
     """One per pipeline stage, in order (their layers are `stage_layers`); empty where the
     search recorded none. Made by the inter-op DP where `pipeline` is set, else by the
     template search."""
-    intra_op: tuple[IntraOpChoice, ...] = ()
     predicted: Estimate
     """The cost model's forecast of the chosen plan, as the search priced it."""
     bubble_fraction: float = 0.0
     """Share of the step the pipeline idles, as the search priced it ((p - 1) / (v m) in the
     template search, bubble / step in the inter-op DP); 0 for one stage."""
     search: SearchInfo
-    placements: tuple[OpPlacement, ...] = ()
-    """The ILP's per-op placements: the program that runs (pp = 1 plans)."""
+    placements: tuple[StagePlacements, ...] = ()
+    """The per-op placements, the program that runs: one record per chunk in chunk order
+    (0 .. pp * interleave - 1), a one-stage plan's being the one chunk 0. Empty where the
+    plan lacks them (a pipeline file before version 4, a zoo model the search did not trace
+    by chunks, a configuration given by flags): each build then solves them."""
     intra_op_info: IntraOpInfo | None = None
     pipeline: PipelineInfo | None = None
     """The inter-op decision (schedule, bubble, runners-up; its stages are `stages`); written
     null for plans the inter-op search did not make (a configuration given by flags)."""
-    stage_placements: tuple[StagePlacements, ...] = ()
-    """pp > 1: every chunk's per-op placements, the program each stage runs (replayed at
-    build); empty where the plan lacks them (a version-3 file): each build then solves."""
 
     def __post_init__(self) -> None:
         # the file holds the prediction's breakdowns and config as JSON objects (read back
@@ -327,16 +318,8 @@ class Plan(JsonData):
                                 f"= {c.dp} * {c.micro_batch}")
         if self.memory_limit_bytes <= 0 or self.seq <= 0:
             raise PlanFileError("plan memory_limit_bytes and seq must be positive")
-        _check_op_placements(self.placements, "placements")
-        if self.stage_placements:
-            chunks = [s.chunk for s in self.stage_placements]
-            want = list(range(c.pp * c.interleave))
-            if c.pp == 1 or chunks != want:
-                raise PlanFileError(f"plan stage_placements are for chunks {chunks} but its config (pp {c.pp}, "
-                                    f"interleave {c.interleave}) has chunks {want}; the file was edited. Re-run "
-                                    "`autopar search`")
-            for s in self.stage_placements:
-                _check_op_placements(s.placements, f"stage_placements[{s.chunk}]")
+        if self.placements:
+            _check_chunks(self.placements, c, "plan has", "; the file was edited. Re-run `autopar search`")
 
     # -- JSON ------------------------------------------------------------------------------
 
@@ -393,21 +376,27 @@ class Plan(JsonData):
         except PlanFileError as exc:
             raise PlanFileError(f"{p}: {exc}") from None
 
-    def placements_for(self, graph: Any) -> tuple[Any, ...]:
-        """The plan's per-op placements as one NodeStrategy per node of `graph` (the traced
-        step of the model it runs on, at the plan's microbatch; any traced depth)."""
-        return _match_placements(self.placements, graph, f"plan {self.model!r} does not match this model's traced step")
+    def chunk_placements(self, chunk: int = 0) -> tuple[OpPlacement, ...]:
+        """Chunk `chunk`'s per-op placements (a one-stage plan's: chunk 0); () where the plan
+        records none."""
+        return _chunk(self.placements, chunk)
 
-    def stage_placements_for(self, chunk: int, graph: Any) -> tuple[Any, ...]:
-        """Pipeline chunk `chunk`'s per-op placements as one NodeStrategy per node of
-        `graph` (that chunk's joint graph as autopar/runtime/pipe_spmd.py traces it).
+    def records_program_for(self, config: ParallelConfig) -> bool:
+        """Whether a program under `config` reads this plan's per-op placements
+        (`ProgramPlacements.of_plan`) rather than solving its own: the plan records them,
+        and for the same kind of program (one stage, or a pipeline) as `config`'s."""
+        return bool(self.placements) and (config.pp == 1) == (self.config.pp == 1)
+
+    def placements_for(self, graph: Any, chunk: int = 0) -> tuple[Any, ...]:
+        """Chunk `chunk`'s per-op placements as one NodeStrategy per node of `graph`: a
+        one-stage plan's traced step at the plan's microbatch (any traced depth), or a
+        pipeline chunk's joint graph as autopar/runtime/pipe_spmd.py traces it (exactly).
         Raises PlanFileError where the plan has none for it or they do not match."""
-        found = next((s for s in self.stage_placements if s.chunk == chunk), None)
-        if found is None:
-            raise PlanFileError(f"plan {self.model!r} has no per-op placements for pipeline chunk {chunk}; "
+        if not self.placements:
+            raise PlanFileError(f"plan {self.model!r} has no per-op placements for chunk {chunk}; "
                                 "re-run `autopar search` to write them")
-        return _match_placements(found.placements, graph,
-                                 f"plan {self.model!r} does not match this model's pipeline chunk {chunk}", exact=True)
+        return _chunk_choices(self.placements, self.config, chunk, graph, f"plan {self.model!r} does not match "
+                              "this model's")
 
     def check_model(self, fingerprint: str) -> None:
         """Refuse to apply this plan to a different model: the one check of a plan against
@@ -435,16 +424,17 @@ class ProgramPlacements(JsonData):
     its pipeline chunks) and applies them, and never solves. Plain data: it travels to
     spawned ranks as JSON text (autopar/runtime/jobs.py TrainJob.placements).
 
-    pp = 1 uses `placements` (with `collectives` and `grads_each_microbatch`); pp > 1 uses
-    `stage_placements` (with `stage_layers`)."""
+    `placements` is one record per chunk, as in a plan (pp = 1: chunk 0, with `collectives`,
+    `grads_each_microbatch` and `fused_kernels`; pp > 1: every chunk, with `stage_layers`)."""
 
     model: str
     """The model's name as the plan or job gives it (for messages)."""
     config: ParallelConfig
     origin: str
     """"plan": a saved or searched plan's placements; "solved": the ILP's for `config`."""
-    placements: tuple[OpPlacement, ...] = ()
-    """pp = 1: the per-op placements of the traced step at the microbatch that runs."""
+    placements: tuple[StagePlacements, ...] = ()
+    """Every chunk's per-op placements, in chunk order (pp = 1: the one chunk 0, the traced
+    step at the microbatch that runs)."""
     collectives: tuple[tuple[str, str, int, int], ...] | None = None
     """pp = 1: (kind, mesh axis name, calls per step, bytes per step) the placements were
     priced at; None where unknown (a plan without `intra_op_info`)."""
@@ -456,21 +446,11 @@ class ProgramPlacements(JsonData):
     swapped in (codegen/kernels/modules.py), so the build swaps them in before it traces."""
     stage_layers: tuple[int, ...] = ()
     """pp > 1: the plan's layers per stage or chunk (empty: an even split)."""
-    stage_placements: tuple[StagePlacements, ...] = ()
-    """pp > 1: every chunk's per-op placements."""
 
     def __post_init__(self) -> None:
         if self.origin not in ("plan", "solved"):
             raise PlanFileError(f"program placements origin {self.origin!r} must be 'plan' or 'solved'")
-        if self.config.pp == 1 and not self.placements:
-            raise PlanFileError(f"a one-stage program of {self.model!r} needs per-op placements; none were given")
-        if self.config.pp > 1:
-            chunks = [s.chunk for s in self.stage_placements]
-            want = list(range(self.config.pp * self.config.interleave))
-            if chunks != want:
-                raise PlanFileError(f"a pipeline program of {self.model!r} (pp {self.config.pp}, interleave "
-                                    f"{self.config.interleave}) needs placements for chunks {want}; got {chunks}")
-        _check_op_placements(self.placements, "placements")
+        _check_chunks(self.placements, self.config, f"the program of {self.model!r} was given", "")
 
     def dumps(self) -> str:
         """As JSON text (sorted keys): how a job sends it to its ranks."""
@@ -486,39 +466,57 @@ class ProgramPlacements(JsonData):
         """The program `plan` records, run under `config` (default the plan's own);
         `grads_each_microbatch` as the field says (the wiring knows the solver's rule for
         it, autopar/placing.py). PlanFileError where the plan
-        records none (a one-stage plan without `placements`, a pipeline without
-        `stage_placements`): such a plan is solved for its configuration first
-        (autopar/placing.py `program_placements`)."""
-        if plan.config.pp == 1 and not plan.placements or plan.config.pp > 1 and not plan.stage_placements:
+        records none (its `placements` empty): such a plan is solved for its configuration
+        first (autopar/placing.py `program_placements`)."""
+        if not plan.placements:
             raise PlanFileError(f"plan {plan.model!r} records no per-op placements for its program; solve its "
                                 "configuration first (autopar.placing.program_placements)")
-        info = plan.intra_op_info
+        info, one_stage = plan.intra_op_info, plan.config.pp == 1
         return cls(model=plan.model, config=config or plan.config, origin="plan", placements=plan.placements,
-                   collectives=info.collectives if info is not None and plan.config.pp == 1 else None,
+                   collectives=info.collectives if info is not None and one_stage else None,
                    grads_each_microbatch=grads_each_microbatch,
-                   stage_layers=tuple(plan.stage_layers) if plan.config.pp > 1 else (),
-                   stage_placements=plan.stage_placements)
+                   stage_layers=() if one_stage else tuple(plan.stage_layers))
 
-    def choices_for(self, graph: Any) -> tuple[Any, ...]:
-        """The per-op placements as one NodeStrategy per node of `graph` (the traced step at
-        the program's microbatch, any traced depth); PlanFileError where they do not match."""
-        return _match_placements(self.placements, graph, f"plan {self.model!r} does not match this model's "
-                                 "traced step" if self.origin == "plan" else
-                                 f"the placements solved for {self.model!r} do not match this rank's traced step")
-
-    def stage_choices_for(self, chunk: int, graph: Any) -> tuple[Any, ...]:
-        """Pipeline chunk `chunk`'s per-op placements as one NodeStrategy per node of `graph`
-        (that chunk's joint graph, autopar/build/pipeline.py `trace_stage`); PlanFileError where
-        they do not match."""
-        found = next(s for s in self.stage_placements if s.chunk == chunk)
-        return _match_placements(found.placements, graph,
-                                 f"plan {self.model!r} does not match this model's pipeline chunk {chunk}",
-                                 exact=True)
+    def choices_for(self, graph: Any, chunk: int = 0) -> tuple[Any, ...]:
+        """Chunk `chunk`'s per-op placements as one NodeStrategy per node of `graph`: the
+        traced step at the program's microbatch (pp = 1, any traced depth), or that pipeline
+        chunk's joint graph (autopar/build/pipeline.py `trace_stage`, exactly); PlanFileError
+        where they do not match."""
+        return _chunk_choices(self.placements, self.config, chunk, graph,
+                              f"plan {self.model!r} does not match this model's" if self.origin == "plan" else
+                              f"the placements solved for {self.model!r} do not match this rank's")
 
     def stage_collectives(self, chunk: int) -> dict[tuple[str, str], tuple[int, int]]:
         """{(kind, mesh axis name): (calls, bytes)} per step that chunk `chunk`'s placements priced."""
-        found = next(s for s in self.stage_placements if s.chunk == chunk)
+        found = next(s for s in self.placements if s.chunk == chunk)
         return {(kind, axis): (calls, nbytes) for kind, axis, calls, nbytes in found.collectives}
+
+
+def _check_chunks(records: Sequence[StagePlacements], config: ParallelConfig, what: str, advice: str) -> None:
+    """One placement record per chunk of `config`, in chunk order (pp = 1: chunk 0), each a
+    valid set of op rows; else PlanFileError `what` the chunks found, then `advice`."""
+    chunks = [s.chunk for s in records]
+    want = list(range(config.pp * config.interleave)) if config.pp > 1 else [0]
+    if chunks != want:
+        raise PlanFileError(f"{what} per-op placements for chunks {chunks}, but its config (pp {config.pp}, "
+                            f"interleave {config.interleave}) has chunks {want}{advice}")
+    for s in records:
+        _check_op_placements(s.placements, f"placements[{s.chunk}]")
+
+
+def _chunk(records: Sequence[StagePlacements], chunk: int) -> tuple[OpPlacement, ...]:
+    """Chunk `chunk`'s op rows among `records`; () where none is for it."""
+    return next((s.placements for s in records if s.chunk == chunk), ())
+
+
+def _chunk_choices(records: Sequence[StagePlacements], config: ParallelConfig, chunk: int, graph: Any,
+                   what: str) -> tuple[Any, ...]:
+    """Chunk `chunk`'s placements as one NodeStrategy per node of `graph` (`_match_placements`):
+    a one-stage program's traced step (any depth), or a pipeline chunk's graph exactly;
+    PlanFileError starting `what` (then "traced step" or "pipeline chunk k")."""
+    if config.pp == 1:
+        return _match_placements(_chunk(records, 0), graph, f"{what} traced step")
+    return _match_placements(_chunk(records, chunk), graph, f"{what} pipeline chunk {chunk}", exact=True)
 
 
 def _check_op_placements(placements: Sequence[OpPlacement], where: str) -> None:

@@ -13,6 +13,10 @@ What each version changed (version 1 files are not read):
   build; a version-3 file has none (each run solves the chunks): `_from_version_3`.
 - 5: one per-stage record list, `stages` (StageInfo), for the inter-op DP's plans and the
   template search's alike; `pipeline` keeps the schedule-level decision: `_from_version_4`.
+- 6: one placement record, `placements` (one StagePlacements per chunk, a one-stage plan's
+  being chunk 0), for what versions 2-5 kept in `placements` (one stage) and
+  `stage_placements` (pipelines); the template baseline's layer-group choices (`intra_op`)
+  are no longer in a plan: `_from_version_5`.
 """
 
 from __future__ import annotations
@@ -67,6 +71,26 @@ def _from_version_4(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _from_version_5(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-5 plan file's JSON as version 6, whose per-op placements are one list of
+    per-chunk records, `placements`. A version-5 one-stage plan held its op rows in
+    `placements`: they become chunk 0's record (its priced collectives stay in
+    `intra_op_info`). A version-5 pipeline held its chunk records in `stage_placements`:
+    they move to `placements` as they are. `intra_op` (the template baseline's layer-group
+    choices, which nothing ran) is dropped. Anything malformed is left for the codec to
+    report."""
+    out = {k: v for k, v in data.items() if k not in ("stage_placements", "intra_op")}
+    out["version"] = 6
+    rows, chunks = data.get("placements"), data.get("stage_placements")
+    if chunks:
+        out["placements"] = chunks
+    elif rows:
+        out["placements"] = [{"chunk": 0, "placements": rows}]
+    else:
+        out["placements"] = []
+    return out
+
+
 MIGRATIONS: dict[int, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
-    2: _from_version_2, 3: _from_version_3, 4: _from_version_4}
+    2: _from_version_2, 3: _from_version_3, 4: _from_version_4, 5: _from_version_5}
 """Plan file version -> its JSON as the next version's (Plan.from_json applies them in turn)."""

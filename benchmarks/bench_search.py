@@ -58,7 +58,8 @@ def expert_placements(plan: Plan) -> str:
         found = {text.split(" update")[0] for st in plan.stages for name, text in st.placements
                  if EXPERT_WEIGHTS.search(name)}
     else:
-        found = {op.outputs[0] for op in plan.placements if op.op == "placeholder" and EXPERT_WEIGHTS.search(op.key)}
+        found = {op.outputs[0] for op in plan.chunk_placements(0) if op.op == "placeholder"
+                 and EXPERT_WEIGHTS.search(op.key)}
     if not found:
         return ""
     axes = sorted({axis for text in found for axis, p in zip(("dp", "tp"), parse_placements(text)) if p == Shard(0)})

@@ -107,7 +107,7 @@ def pipeline_plan(r: PipelineResult, est: cost_model.Estimate, cluster: Cluster,
     seq = r.stages[0][0].graph.model.seq
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=num_layers, seq=seq, global_batch=global_batch,
                 cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes), config=cfg,
-                stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=tuple(stages), intra_op=(),
+                stage_layers=sol.stage_layers, mesh_shape=(cfg.pp, cfg.dp, cfg.tp), stages=tuple(stages),
                 predicted=est, bubble_fraction=sol.bubble_s / r.step_time_s if r.step_time_s else 0.0,
                 search=info, placements=(), intra_op_info=None, pipeline=pipe)
 

@@ -3,8 +3,9 @@
 Where it sits: solver/, the one-stage half of the whole-plan search in
 solver/pipeline_search.py `search` (which ranks these candidates beside pipelines and
 builds the Plans). Here: the candidates, their ILP solve, their step price and the Plan of
-one solved candidate, whose per-op placements (`Plan.placements`) are exactly the program
-the runtime builds. autopar/api.py reads `op_placements` for a pipeline stage's placements.
+one solved candidate, whose per-op placements (`Plan.placements`, its one chunk 0) are
+exactly the program the runtime builds. autopar/api.py reads `op_placements` for a
+pipeline stage's placements.
 
 The space: every configuration dp x tp = devices (tp within a node, dividing the
 attention heads) x every global microbatch g (a multiple of dp dividing the global batch
@@ -49,6 +50,7 @@ from autopar.plan import (
     OpPlacement,
     Plan,
     SearchInfo,
+    StagePlacements,
 )
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from solver import forced
@@ -404,5 +406,6 @@ def spmd_plan(best: Solved, ranked: tuple[Ranked, ...], cluster: Cluster, *, glo
     return Plan(model=model, model_fingerprint=fingerprint, num_layers=first.stage_layers[0], seq=graph.model.seq,
                 global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=int(cluster.device_memory_bytes),
                 config=config, stage_layers=first.stage_layers, mesh_shape=(1, config.dp, config.tp), stages=(),
-                intra_op=(), predicted=est, search=info, placements=op_placements(graph, best.solution),
+                predicted=est, search=info,
+                placements=(StagePlacements(chunk=0, placements=op_placements(graph, best.solution)),),
                 intra_op_info=intra_op_info(graph, best))

@@ -381,4 +381,4 @@ def check_stage_placements(model: nn.Module, placed: Any, example_inputs: Sequen
     rank starts (the launcher calls this)."""
     for stage in trace_chunks(copy.deepcopy(model), placed.config, example_inputs, loss_fn=loss_fn,
                               stage_layers=placed.stage_layers or None):
-        placed.stage_choices_for(stage.index, stage.graph)
+        placed.choices_for(stage.graph, stage.index)

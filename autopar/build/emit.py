@@ -40,7 +40,7 @@ def emit_plan(plan: Plan, directory: str | Path, *, max_parameters: float = 2e9,
     string with real weights (the pipeline cut runs one forward), so this is for models up
     to `max_parameters`; the source of a large model's stage has the same shape as that of
     a shallower spec."""
-    if plan.placements:
+    if plan.config.pp == 1 and plan.placements:
         return write(emit_per_op(plan), directory)
     if plan.config.pp == 1:
         raise ValueError(f"this one-stage plan of {plan.model!r} records no per-op placements, so it names no "

@@ -168,7 +168,7 @@ def stage_sources(placed: ProgramPlacements, model: nn.Module, example_inputs: S
     stages = trace_chunks(model, config, example_inputs, loss_fn=loss_fn, stage_layers=placed.stage_layers or None)
     out: dict[str, str] = {}
     for stage in stages:
-        runner = build_stage_runner(stage, choices=placed.stage_choices_for(stage.index, stage.graph), config=config,
+        runner = build_stage_runner(stage, choices=placed.choices_for(stage.graph, stage.index), config=config,
                                     mesh=mesh, optimizer=default_optimizer(),
                                     grads_each_microbatch=placed.grads_each_microbatch)
         out[f"stage{stage.index}"] = (f"# autopar {placed.model}: per-rank program of pipeline chunk {stage.index}, "
@@ -205,7 +205,7 @@ def build_pipe_spmd_program(model: nn.Module, placed: ProgramPlacements, example
     def choose(stage: TracedStage) -> tuple[Any, ...]:
         # every rank matches its chunk to its placements; a mismatch on any rank is raised on every rank
         try:
-            choices, mine = placed.stage_choices_for(stage.index, stage.graph), None
+            choices, mine = placed.choices_for(stage.graph, stage.index), None
         except ValueError as exc:  # PlanFileError
             choices, mine = (), exc
         failed = next((b for b in gather_build_results(mine) if isinstance(b, Exception)), None)

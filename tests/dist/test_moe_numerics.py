@@ -126,7 +126,7 @@ def test_experts_over_dp_run_where_their_tokens_are_sent(run):
     each dispatch or combine runs as an all-gather of the slots and a local chunk."""
     *_, ep_over_dp, job = run
     placed = ProgramPlacements.loads(job.placements[2])
-    by_key = {p.key: p for p in placed.placements}
+    by_key = {p.key: p for p in placed.placements[0].placements}
     source = resolve(MODEL)
     example = source.example_inputs(BATCH)
     rows = EP_OVER_DP.dp * EP_OVER_DP.micro_batch

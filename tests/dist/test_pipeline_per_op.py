@@ -75,9 +75,9 @@ def _replicated_chunk0(plan):
     from dataclasses import replace
 
     ops = tuple(replace(p, outputs=tuple("(R, R)" for _ in p.outputs), inputs=tuple("(R, R)" for _ in p.inputs))
-                for p in plan.stage_placements[0].placements)
-    first = replace(plan.stage_placements[0], placements=ops, collectives=())
-    return replace(plan, stage_placements=(first, *plan.stage_placements[1:]))
+                for p in plan.placements[0].placements)
+    first = replace(plan.placements[0], placements=ops, collectives=())
+    return replace(plan, placements=(first, *plan.placements[1:]))
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_mismatched_stage_placements_refused_before_any_rank_starts(pp2_plan, tm
     from autopar import cli
 
     data = json.loads(pp2_plan.read_text())
-    data["stage_placements"][1]["placements"][-1][1] = "aten.weird_op.default"  # [key, op, outputs, inputs]
+    data["placements"][1]["placements"][-1][1] = "aten.weird_op.default"  # [key, op, outputs, inputs]
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps(data))
     capsys.readouterr()
@@ -178,8 +178,8 @@ def test_search_records_stage_placements_and_emits_each_chunk(tmp_path, capsys):
     plan = Plan.load(out)
     chunks = plan.config.pp * plan.config.interleave
     assert plan.config.pp > 1, f"--min-pp 2 ranks pipelines only, got {plan.config}"
-    assert [s.chunk for s in plan.stage_placements] == list(range(chunks))
-    assert all(s.placements and s.collectives for s in plan.stage_placements)
+    assert [s.chunk for s in plan.placements] == list(range(chunks))
+    assert all(s.placements and s.collectives for s in plan.placements)
     assert "replayed at build" in plan.explain()
     assert sorted(p.name for p in emitted.iterdir()) == [f"stage{k}.py" for k in range(chunks)]
     for k in range(chunks):

@@ -30,13 +30,14 @@ def _plan(tmp_path, model: str, *flags: str, edit=None) -> str:
 
 def _renamed_op(data: dict) -> None:
     """A per-op plan edited so one node's op is not the model's (same fingerprint)."""
-    data["placements"][-1][1] = "aten.weird_op.default"  # [key, op, outputs, inputs]
+    data["placements"][0]["placements"][-1][1] = "aten.weird_op.default"  # chunk 0's [key, op, outputs, inputs]
 
 
 def _as_uneven_pp2(data: dict) -> None:
-    """A pp2 plan whose cut (2 + 1 layers) does not fit the 2-layer model it names."""
+    """A pp2 plan whose cut (2 + 1 layers) does not fit the 2-layer model it names (its
+    chunks' placements not recorded, so the cut is what is checked)."""
     data["config"].update(pp=2, dp=1, tp=1, zero=0)
-    data.update(mesh_shape=[2, 1, 1], num_layers=3, stage_layers=[2, 1], stages=[])
+    data.update(mesh_shape=[2, 1, 1], num_layers=3, stage_layers=[2, 1], stages=[], placements=[])
 
 
 CASES = [

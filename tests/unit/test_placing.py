@@ -72,9 +72,10 @@ def test_a_plans_placements_are_read_not_solved(monkeypatch):
 
 def test_program_placements_refuse_what_no_rank_can_build():
     config = ParallelConfig(pp=2, dp=1)
-    with pytest.raises(PlanFileError, match="needs placements for chunks"):
+    with pytest.raises(PlanFileError, match=r"was given per-op placements for chunks \[\], but its config \(pp 2, "
+                                            r"interleave 1\) has chunks \[0, 1\]"):
         ProgramPlacements(model=MODEL, config=config, origin="solved")
-    with pytest.raises(PlanFileError, match="needs per-op placements"):
+    with pytest.raises(PlanFileError, match=r"was given per-op placements for chunks \[\], .* has chunks \[0\]"):
         ProgramPlacements(model=MODEL, config=ParallelConfig(dp=2), origin="solved")
     with pytest.raises(PlanFileError, match="origin"):
         ProgramPlacements(model=MODEL, config=config, origin="guessed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from autopar.config import ParallelConfig
 from autopar.estimate import Estimate
 from autopar.models import resolve
 from autopar.plan import (
+    PLAN_VERSION,
     Alternative,
-    IntraOpChoice,
     Plan,
     PlanFileError,
     SearchInfo,
@@ -34,8 +35,6 @@ def _plan(**overrides) -> Plan:
                 StageInfo(index=1, first_layer=1, num_layers=3, has_embedding=False, has_head=True, submesh=(2, 2),
                           recompute="selective", zero=1, flops_per_microbatch=3.5e9, num_parameters=3000,
                           memory_bytes=27000)),
-        intra_op=(IntraOpChoice(layer_group="layers", submesh=(2,), source="template",
-                                placements=(("attention.wq.weight", "Shard(0) column-parallel"),)),),
         predicted=Estimate(step_time_s=0.5, tokens_per_s=2048.0, tokens_per_s_per_device=256.0,
                            model_tflops_per_device=1.5, mfu=0.25, peak_memory_bytes=12345, fits=True,
                            memory_limit_bytes=80 * 10**9, time_breakdown=(("compute_s", 0.4), ("bubble_s", 0.1)),
@@ -60,7 +59,7 @@ def test_round_trip_is_exact_and_sorted(tmp_path) -> None:
     assert Plan.load(path) == plan
     assert Plan.load(path).dumps() == text
     data = json.loads(text)
-    assert data["version"] == 5
+    assert data["version"] == PLAN_VERSION == 6
     assert data["predicted"]["config"]["num_microbatches"] == 4 and data["bubble_fraction"] == 0.25
     assert list(data) == sorted(data)
     assert data["config"]["tp"] == 2 and data["stage_layers"] == [1, 3] and data["mesh_shape"] == [2, 2, 2]
@@ -174,7 +173,6 @@ def test_explain_names_every_stage_group_and_runner_up() -> None:
     text = _plan().explain()
     assert "stage 0: embedding, layers 0-0 (1)" in text
     assert "stage 1: layers 1-3 (3), final norm + head + loss" in text
-    assert "attention.wq.weight: Shard(0) column-parallel" in text
     assert "why non-uniform" in text
     assert "tp8 pp1 dp1" in text and "(+20.0%)" in text
     text.encode("ascii")
@@ -203,7 +201,7 @@ def test_version_2_plan_file_loads() -> None:
     assert config["num_microbatches"] == 4 and config["tp"] == 2 and config["attention"] == "flash"
     assert loaded.predicted.time_breakdown == plan.predicted.time_breakdown
     assert loaded.explain() == plan.explain()
-    assert json.loads(loaded.dumps())["version"] == 5
+    assert json.loads(loaded.dumps())["version"] == PLAN_VERSION
     with pytest.raises(PlanFileError, match=r"plan\.predicted: missing keys \['fits'\]"):
         Plan.loads(json.dumps({**old, "predicted": {k: v for k, v in old["predicted"].items() if k != "fits"}}))
 
@@ -216,37 +214,40 @@ def _staged(**overrides) -> Plan:
            OpPlacement(key="N1", op="aten.mm.default", outputs=("(R, R)",), inputs=("(R, S(0))", "(R, S(1))")))
     stages = tuple(StagePlacements(chunk=k, placements=ops, collectives=(("all_reduce", "tp", 4, 1024),))
                    for k in (0, 1))
-    return _plan(stage_placements=stages, **overrides)
+    return _plan(placements=stages, **overrides)
 
 
-def test_stage_placements_round_trip_validate_and_explain() -> None:
+def test_chunk_placements_round_trip_validate_and_explain() -> None:
     plan = _staged()
     assert Plan.loads(plan.dumps()) == plan
     text = plan.explain()
     assert "per-stage per-op placements (the program each stage runs, replayed at build): 2 chunks" in text
     assert "chunk 1 (stage 1): 2 ops; collectives per step: all_reduce over tp x4" in text
+    # read by a pipeline program (of any interleave: ProgramPlacements checks the chunks), never a one-stage one
+    assert plan.records_program_for(plan.config) and not plan.records_program_for(ParallelConfig(dp=8))
+    assert not _plan().records_program_for(_plan().config)
     data = plan.to_json()
     bad = json.loads(json.dumps(data))
-    bad["stage_placements"] = bad["stage_placements"][:1]
-    with pytest.raises(PlanFileError, match=r"stage_placements are for chunks \[0\] but its config .* has chunks \[0, 1\]"):
+    bad["placements"] = bad["placements"][:1]
+    with pytest.raises(PlanFileError, match=r"plan has per-op placements for chunks \[0\], but its config .* has chunks "
+                                            r"\[0, 1\]; the file was edited"):
         Plan.loads(json.dumps(bad))
     bad = json.loads(json.dumps(data))
-    bad["stage_placements"][1]["placements"][1][0] = "N0"
-    with pytest.raises(PlanFileError, match=r"stage_placements\[1\] name an op twice"):
+    bad["placements"][1]["placements"][1][0] = "N0"
+    with pytest.raises(PlanFileError, match=r"plan placements\[1\] name an op twice"):
         Plan.loads(json.dumps(bad))
     bad = json.loads(json.dumps(data))
-    bad["stage_placements"][0]["placements"][0][2] = ["(R, R, R)"]
-    with pytest.raises(PlanFileError, match=r"stage_placements\[0\]\['N0'\] \(R, R, R\) do not match the \(dp, tp\) mesh"):
+    bad["placements"][0]["placements"][0][2] = ["(R, R, R)"]
+    with pytest.raises(PlanFileError, match=r"plan placements\[0\]\['N0'\] \(R, R, R\) do not match the \(dp, tp\) mesh"):
         Plan.loads(json.dumps(bad))
 
 
 def test_version_3_pipeline_plan_loads_and_says_the_build_solves() -> None:
     """A version-3 pipeline plan (no stage placements) loads; explain says each run solves the chunks."""
     old = _plan().to_json()
-    old.pop("stage_placements")
     old["version"] = 3
     loaded = Plan.loads(json.dumps(old))
-    assert loaded == _plan() and loaded.stage_placements == ()
+    assert loaded == _plan() and loaded.placements == ()
     assert "per-stage per-op placements: not in this plan" in loaded.explain()
     assert "every run solves each chunk's intra-op ILP" in loaded.explain()
 
@@ -286,7 +287,42 @@ def test_version_4_plan_files_load_with_one_stage_list() -> None:
         Plan.loads(json.dumps(old))
 
 
-def test_stage_placements_for_matches_the_chunk_graph_or_says_why() -> None:
+DATA = Path(__file__).parent.parent / "data"
+
+
+def test_version_5_plan_files_load_with_one_placement_record() -> None:
+    """Version 5 kept a one-stage plan's op rows in `placements` and a pipeline's chunk
+    records in `stage_placements`, and the template's layer-group choices in `intra_op`:
+    the files the version-5 writer wrote (tests/data) load as version 6's one record per
+    chunk with the same placements, drop `intra_op`, and write back as version 6."""
+    from autopar.plan import StagePlacements
+
+    for name in ("plan_v5_one_stage.json", "plan_v5_pipeline.json"):
+        old = json.loads((DATA / name).read_text())
+        assert old["version"] == 5
+        plan = Plan.load(DATA / name)
+        new = json.loads(plan.dumps())
+        assert new["version"] == PLAN_VERSION and "stage_placements" not in new and "intra_op" not in new
+        want = old["stage_placements"] or [{"chunk": 0, "placements": old["placements"], "collectives": []}]
+        assert new["placements"] == want
+        assert all(isinstance(s, StagePlacements) for s in plan.placements)
+        moved = ("version", "placements", "stage_placements", "intra_op")
+        assert {k: v for k, v in new.items() if k not in moved} == {k: v for k, v in old.items() if k not in moved}
+        assert Plan.loads(plan.dumps()) == plan
+    one = Plan.load(DATA / "plan_v5_one_stage.json")
+    assert [s.chunk for s in one.placements] == [0] and len(one.chunk_placements(0)) == 2
+    assert one.intra_op_info is not None and one.intra_op_info.collectives[1] == ("all_reduce", "tp", 8, 2048)
+    assert "per-op placements (the program that runs): 2 ops chosen by the intra-op ILP, optimal" in one.explain()
+    pipe = Plan.load(DATA / "plan_v5_pipeline.json")
+    assert [s.chunk for s in pipe.placements] == [0, 1] and pipe == _staged()
+    assert "chunk 1 (stage 1): 2 ops; collectives per step: all_reduce over tp x4" in pipe.explain()
+    bad = json.loads((DATA / "plan_v5_pipeline.json").read_text())
+    bad["stage_placements"] = bad["stage_placements"][1:]
+    with pytest.raises(PlanFileError, match=r"plan has per-op placements for chunks \[1\], but its config"):
+        Plan.loads(json.dumps(bad))
+
+
+def test_placements_for_matches_the_chunk_graph_or_says_why() -> None:
     from types import SimpleNamespace
 
     from autopar.placement import Replicate, Shard
@@ -296,15 +332,15 @@ def test_stage_placements_for_matches_the_chunk_graph_or_says_why() -> None:
         return SimpleNamespace(nodes=nodes, node_keys=lambda: tuple(f"N{i}" for i in range(len(ops))))
 
     plan = _staged()
-    got = plan.stage_placements_for(1, graph("placeholder", "aten.mm.default"))
+    got = plan.placements_for(graph("placeholder", "aten.mm.default"), 1)
     assert got[0].outputs == ((Replicate(), Shard(0)),) and got[1].inputs[1] == (Replicate(), Shard(1))
     with pytest.raises(PlanFileError, match=r"pipeline chunk 1: op aten.bmm.default \(n1, layers.0\) is "
                                             r"aten.mm.default in the plan"):
-        plan.stage_placements_for(1, graph("placeholder", "aten.bmm.default"))
+        plan.placements_for(graph("placeholder", "aten.bmm.default"), 1)
     with pytest.raises(PlanFileError, match=r"pipeline chunk 0: the plan places 1 ops this trace does not have"):
-        plan.stage_placements_for(0, graph("placeholder"))
-    with pytest.raises(PlanFileError, match="has no per-op placements for pipeline chunk 0"):
-        _plan().stage_placements_for(0, graph("placeholder"))
+        plan.placements_for(graph("placeholder"), 0)
+    with pytest.raises(PlanFileError, match="has no per-op placements for chunk 0"):
+        _plan().placements_for(graph("placeholder"), 0)
 
 
 def test_weight_update_placements_round_trip_and_explain() -> None:
@@ -319,19 +355,19 @@ def test_weight_update_placements_round_trip_and_explain() -> None:
 
     ops = (OpPlacement(key="N0", op="placeholder", outputs=("(R, S(0))",), inputs=(), update="(S(1), S(0))"),
            OpPlacement(key="N1", op="aten.mm.default", outputs=("(R, R)",), inputs=("(R, S(0))", "(R, S(1))")))
-    plan = _plan(stage_placements=tuple(StagePlacements(chunk=k, placements=ops) for k in (0, 1)))
+    plan = _plan(placements=tuple(StagePlacements(chunk=k, placements=ops) for k in (0, 1)))
     data = json.loads(plan.dumps())
-    rows = data["stage_placements"][0]["placements"]
+    rows = data["placements"][0]["placements"]
     assert rows[0][4] == "(S(1), S(0))" and len(rows[1]) == 4
     assert Plan.loads(plan.dumps()) == plan
     graph = SimpleNamespace(nodes=[SimpleNamespace(op=op, name=f"n{i}", module_path="layers.0")
                                    for i, op in enumerate(("placeholder", "aten.mm.default"))],
                             node_keys=lambda: ("N0", "N1"))
-    got = plan.stage_placements_for(0, graph)
+    got = plan.placements_for(graph, 0)
     assert got[0].outputs == ((Replicate(), Shard(0)),) and got[0].update == (Shard(1), Shard(0))
     assert got[0].update_placements == (Shard(1), Shard(0)) and got[1].update is None
     bad = json.loads(plan.dumps())
-    bad["stage_placements"][0]["placements"][0][4] = "(S(1), S(0), R)"
+    bad["placements"][0]["placements"][0][4] = "(S(1), S(0), R)"
     with pytest.raises(PlanFileError, match=r"\(S\(1\), S\(0\), R\) do not match the \(dp, tp\) mesh"):
         Plan.loads(json.dumps(bad))
     lines = summarize_placements((("layers.*.mlp.fc1.weight", "(R, S(0)) update (S(1), S(0))"),

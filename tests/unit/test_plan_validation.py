@@ -40,14 +40,14 @@ def _tampered(plan_path: str, tmp_path, change) -> str:
 
 def test_searched_plan_loads_and_matches_its_model(plan_path):
     plan = Plan.load(plan_path)
-    assert plan.version == 5 and plan.config.num_devices == 2 and plan.placements
+    assert plan.version == 6 and plan.config.num_devices == 2 and plan.chunk_placements(0)
     plan.check_model(fingerprint_source(resolve(G)))  # the model it was searched for: accepted
 
 
 def test_wrong_version(plan_path, tmp_path, capsys):
     path = _tampered(plan_path, tmp_path, lambda d: d.update(version=99))
     with pytest.raises(PlanFileError,
-                       match=r"plan version 99 is not supported; this autopar reads version 5 \(and versions 2, 3 and 4\)"):
+                       match=r"plan version 99 is not supported; this autopar reads version 6 \(and versions 2, 3, 4 and 5\)"):
         Plan.load(path)
     assert cli.main(["explain", path]) == 2
     assert "Re-run `autopar search`" in capsys.readouterr().err

@@ -3,8 +3,9 @@
 Where it sits: benchmarks/baselines/template/, used by the template grid (search.py here)
 as the per-layer-group intra-op choice; the product's choice is the intra-op ILP
 (solver/intra_op/ilp.py). It records, per parameter of a
-layer group, how Megatron shards it over the tp axis, so a plan file can say what each
-weight does without re-running anything.
+layer group, how Megatron shards it over the tp axis, in the template search's result
+(search.py `TemplateSearchResult`, not in the product's plan file, which records the
+per-op placements that run), so its explanation can say what each weight does.
 
 Rules (Shoeybi et al. 2019; Korthikanti et al. 2022): the first linear of attention and
 of the MLP is column-parallel (output features sharded, no communication in the
@@ -16,9 +17,38 @@ replicated (their activations sequence-parallel when enabled).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from autopar.ir import Graph, Role
-from autopar.plan import IntraOpChoice
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntraOpChoice:
+    """Per layer group: how its parameters are placed on the tp submesh, and by whom."""
+
+    layer_group: str
+    """'layers' for the repeated layers, 'embedding' and 'head' for the rest."""
+    submesh: tuple[int, ...]
+    source: str
+    """'template' (Megatron tp + dp rules) or 'ilp' (layer_groups.py here)."""
+    placements: tuple[tuple[str, str], ...]
+    """(parameter name inside the group, placement on the tp axis and why)."""
+    cost_s: float = 0.0
+    """Intra-op objective of the group per step when solved by the ILP (0 for templates)."""
+
+
+def layer_group_lines(choices: tuple[IntraOpChoice, ...]) -> list[str]:
+    """The explanation of `choices`, per layer group: its submesh, who chose, each
+    parameter's placement (the template search's addition to its plan's `explain`)."""
+    lines = ["layer groups (intra-op):"] if choices else []
+    for choice in choices:
+        if choice.source == "ilp":
+            note = f"ilp, ILP cost {choice.cost_s:.4g} s per step; recorded beside the template, not priced"
+        else:
+            note = f"{choice.source}, priced by the cost model"
+        lines.append(f"  {choice.layer_group} on submesh {list(choice.submesh)} [{note}]")
+        lines.extend(f"    {name}: {placement}" for name, placement in choice.placements)
+    return lines
 
 _COLUMN = ("wq", "wk", "wv", "w1", "w3", "qkv", "fc", "c_attn", "c_fc", "q_proj", "k_proj", "v_proj",
            "gate_proj", "up_proj")

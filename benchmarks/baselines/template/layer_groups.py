@@ -4,9 +4,9 @@ Where it sits: benchmarks/baselines/template/, an optional `intra_op_fn` for the
 grid (search.py here). That search ranks candidates with the cost model's config template
 (Megatron tp + dp); this module then solves the intra-op ILP for the chosen plan's repeated
 layer on one pipeline stage's (dp, tp) submesh and records, per parameter, the placement
-the ILP picked and the ILP objective, so `autopar explain` can show where the ILP agrees
-with the template. The ILP is solved once per distinct (layer group signature, submesh) and memoised in
-the caller-owned `cache` (no process-global state).
+the ILP picked and the ILP objective in the search's result, so its explanation can show
+where the ILP agrees with the template. The ILP is solved once per distinct (layer group
+signature, submesh) and memoised in the caller-owned `cache` (no process-global state).
 
 It does not change the ranking: the cost model prices the template; feeding ILP costs
 back into pricing needs per-layer overrides in cost_model (not there yet).
@@ -21,7 +21,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import Graph, Role
 from autopar.placement import format_placements
-from autopar.plan import IntraOpChoice
+from benchmarks.baselines.template.intra_op import IntraOpChoice
 
 
 def stage_submesh(cluster: Cluster, config: ParallelConfig) -> Cluster:

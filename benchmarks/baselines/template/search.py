@@ -5,7 +5,8 @@ the per-op compiler, kept as a baseline (benchmarks/plots_results.py draws one o
 plans); the product's planner is solver/pipeline_search.py (intra-op ILP stage costs +
 inter-op DP). Input: the frozen Graph (a few traced layers scaled to the real depth), a
 Cluster, the global batch and a pricing callable; output: ranked priced candidates and the
-best `autopar.plan.Plan`, as the product's types (solver/results.py Ranked, SearchResult).
+best `autopar.plan.Plan`, as the product's types (solver/results.py Ranked, SearchResult;
+`TemplateSearchResult` adds the per-layer-group choices, which a product plan does not hold).
 Benchmarks wire it to the analytic baseline (benchmarks/baselines/analytic/ `price`);
 tests also drive it with tests/toy_price.py.
 
@@ -19,7 +20,7 @@ The space (each axis independent, all under the per-device memory limit):
 - ZeRO 0-3 and recompute none/selective/full.
 - intra-op: the config template (Megatron tp + dp, intra_op.py here) is what is priced;
   `intra_op_fn` (e.g. layer_groups.py here, the per-(layer group, submesh) ILP, memoised)
-  adds its choices for the chosen plan to the plan file.
+  adds its choices for the chosen plan beside them, in the result.
 
 Pruning (both exact under stated assumptions; the brute-force test checks them):
 1. memory bound: model state per device >= MEMORY_BOUND_SLACK * P_stage / tp * bytes per
@@ -47,14 +48,13 @@ from autopar.explain import describe_config
 from autopar.plan import (
     Alternative,
     InfeasiblePlanError,
-    IntraOpChoice,
     Plan,
     SearchInfo,
     StageInfo,
 )
 from autopar.units import GIB
 from benchmarks.baselines.template.inter_op import StageWork, cut_candidates, stage_work
-from benchmarks.baselines.template.intra_op import template_intra_op
+from benchmarks.baselines.template.intra_op import IntraOpChoice, layer_group_lines, template_intra_op
 from cost_model import Estimate, state_bytes_per_param
 from solver.results import ProgressFn, Ranked, SearchResult
 
@@ -260,8 +260,7 @@ def infeasible_error(graph: Graph, cluster: Cluster, global_batch: int, candidat
 
 
 def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str, fingerprint: str,
-               best: Ranked, runners_up: Sequence[Ranked], info: SearchInfo, cost_model_name: str,
-               intra_op: tuple[IntraOpChoice, ...]) -> Plan:
+               best: Ranked, runners_up: Sequence[Ranked], info: SearchInfo, cost_model_name: str) -> Plan:
     """Assemble the frozen Plan for one ranked candidate."""
     c, cuts = best.config, best.stage_layers
     work = stage_work(graph)
@@ -281,7 +280,7 @@ def build_plan(graph: Graph, cluster: Cluster, *, global_batch: int, model: str,
     return Plan(
         model=model, model_fingerprint=fingerprint, num_layers=graph.model.num_layers, seq=graph.model.seq,
         global_batch=global_batch, cluster=cluster.spec, memory_limit_bytes=cluster.device_memory_bytes,
-        config=c, stage_layers=cuts, mesh_shape=(c.pp, c.dp, c.tp), stages=tuple(stages), intra_op=intra_op,
+        config=c, stage_layers=cuts, mesh_shape=(c.pp, c.dp, c.tp), stages=tuple(stages),
         predicted=best.estimate, bubble_fraction=best.bubble_fraction,
         search=replace(info, cost_model=cost_model_name, alternatives=alternatives),
     )
@@ -299,10 +298,25 @@ def pick_runners_up(ranked: Sequence[Ranked]) -> list[Ranked]:
     return sorted(chosen, key=rank_key)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TemplateSearchResult(SearchResult):
+    """The template search's result: the product's SearchResult and, for its best plan, the
+    intra-op choice per layer group (the template's that was priced, and any `intra_op_fn`
+    added beside it), which the product's Plan does not hold (it records the per-op
+    placements that run)."""
+
+    intra_op: tuple[IntraOpChoice, ...] = ()
+
+    def explain(self) -> str:
+        """The plan's `explain`, then its layer groups' choices."""
+        return "\n".join([self.plan.explain(), *layer_group_lines(self.intra_op)])
+
+
 def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn, model: str, fingerprint: str,
            cost_model_name: str, space: SearchSpace = SearchSpace(), top: int = 5,
            time_limit_s: float | None = None, progress: ProgressFn | None = None,
-           intra_op_fn: Callable[[ParallelConfig], tuple[IntraOpChoice, ...]] | None = None) -> SearchResult:
+           intra_op_fn: Callable[[ParallelConfig], tuple[IntraOpChoice, ...]] | None = None
+           ) -> TemplateSearchResult:
     """The whole search; raises InfeasiblePlanError when nothing fits the memory limit."""
     t0 = time.perf_counter()
     phases: list[tuple[str, float]] = []
@@ -316,8 +330,7 @@ def search(graph: Graph, cluster: Cluster, *, global_batch: int, price: PriceFn,
     # the template is what the cost model priced; ILP choices (layer_groups.py here) are added beside it
     intra = template_intra_op(graph, best.config.tp) + (intra_op_fn(best.config) if intra_op_fn else ())
     plan = build_plan(graph, cluster, global_batch=global_batch, model=model, fingerprint=fingerprint, best=best,
-                      runners_up=pick_runners_up(ranked), info=info, cost_model_name=cost_model_name,
-                      intra_op=intra)
+                      runners_up=pick_runners_up(ranked), info=info, cost_model_name=cost_model_name)
     phases.append(("plan", time.perf_counter() - t1))
-    return SearchResult(ranked=tuple(ranked[:top]), plan=plan, phases=tuple(phases),
-                        search_time_s=time.perf_counter() - t0)
+    return TemplateSearchResult(ranked=tuple(ranked[:top]), plan=plan, phases=tuple(phases),
+                                search_time_s=time.perf_counter() - t0, intra_op=intra)
