@@ -142,7 +142,7 @@ def gather_build_results(value: Any, *, timeout_s: float = BUILD_EXCHANGE_TIMEOU
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn.functional", "autopar.runtime.launch",
            "autopar.runtime.jobs", "autopar.runtime.program", "autopar.runtime.spmd", "autopar.runtime.pipe_spmd",
            "autopar.build", "autopar.build.one_stage", "autopar.build.pipeline", "codegen.apply",
-           "torch._functorch.aot_autograd"]
+           "torch._functorch.aot_autograd", "autopar.runtime.fork_ready"]
 """What the forkserver imports once, before it forks ranks (module docstring): torch (2.4 s
 per process here), the runtime and the per-rank build every training rank imports (0.8 s
 more), and what tracing
@@ -151,7 +151,8 @@ which brings dynamo, inductor's config and caches, networkx, triton's Python pac
 s per process on a shared 2-core machine), which every rank paid again after
 its fork: 762 modules, counted in a rank of a dp2 x tp2 run. The server has started no
 thread of its own after these imports (checked: the same 2 tasks as after `import torch`,
-aot_autograd included), so forking it is safe."""
+aot_autograd included), so forking it is safe. Last, autopar/runtime/fork_ready.py freezes the
+garbage collector over all of it, so the ranks' collections neither walk nor copy it."""
 
 
 def quiet_library_warnings() -> None:
