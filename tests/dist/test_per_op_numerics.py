@@ -1,9 +1,9 @@
 """The per-op compiler on real gloo ranks: the ILP's placements, applied, train like one process.
 
-World 4, meshes 2x2 and 1x4. Every model (the zoo's GPT and Llama, Hugging Face GPT-2,
-Llama and DistilBERT built from configs, and a GPT whose 6 heads do not divide tp 4)
-trains 3 AdamW steps under the forced configuration `--tp 4`, three of them under their
-searched plans and one also under `--dp 2 --tp 2` (solver/forced.py); losses equal the single-process
+World 4, meshes 2x2 and 1x4. Every model (the zoo's GPT, Hugging Face Llama and
+DistilBERT built from configs, and a GPT whose 6 heads do not divide tp 4) trains 3 AdamW
+steps under the forced configuration `--tp 4`, three of them under their searched plans
+and one also under `--dp 2 --tp 2` (solver/forced.py); losses equal the single-process
 reference (rtol 1e-4) and parameters stay close (atol 1e-3). Price = run: on every rank
 the collectives the program's graphs contain per step (kind, mesh axis, count, bytes)
 equal what the plan or the ILP priced.
@@ -28,8 +28,6 @@ pytestmark = pytest.mark.dist
 
 MODELS = {
     "zoo-gpt": "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=16",
-    "zoo-llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=128,seq=16",
-    "hf-gpt2": "hf_factories:gpt2",
     "hf-llama": "hf_factories:llama",
     "hf-distilbert": "hf_factories:distilbert",
     "six-heads": "gpt:layers=2,hidden=96,heads=6,vocab=128,seq=16",
@@ -41,13 +39,12 @@ CONFIGS_OF = {
     for model in MODELS
 }
 """Every model trains --tp 4 (everything sharded); --dp 2 --tp 2 runs on the heads that do
-not divide tp (2-D meshes on the zoo's GPT, with sequence parallelism, and with weight-update
-sharding on the zoo's and a Hugging Face Llama, are tests/dist/test_train_numerics.py's and
-tests/dist/test_mixed_precision.py's). The searched plans of the zoo's Llama and Hugging
-Face's GPT-2 are searched and trained through the CLI by tests/dist/test_search_plans_run.py
-and `make demo`: left out here, with the Hugging Face Llama's (the ILP places it for
-2-D meshes and pipelines in tests/dist/test_mixed_precision.py and test_train_numerics.py)
-and the zoo GPT's dp2 x tp2, to keep the suite inside 15 minutes."""
+not divide tp. Elsewhere: tensor parallelism on the zoo's Llama (tests/dist/
+test_train_numerics.py, test_mixed_precision.py) and on Hugging Face GPT-2 (in pipeline
+stages, test_pipeline_per_op.py); 2-D meshes on the zoo's GPT (with sequence parallelism,
+test_train_numerics.py) and on a Hugging Face Llama (test_mixed_precision.py); the zoo
+Llama's and Hugging Face GPT-2's searched plans, through the CLI (test_search_plans_run.py
+and `make demo`). Left out here to keep the suite inside 15 minutes."""
 CASES = [(m, c) for m in MODELS for c in CONFIGS_OF[m]]
 BATCH = 8
 BIG_VOCAB = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=4096,seq=16"

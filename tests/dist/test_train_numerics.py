@@ -50,9 +50,9 @@ WORLD4 = {
 }
 LLAMA6 = "llama:layers=6,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 WORLD8 = {
-    GPT: (C(dp=2, tp=2, pp=2, schedule="1f1b"), None),
-    # stages of 2 and 4 layers, each split evenly over its 2 chunks (1, 2, 1, 2 layers): the
-    # uneven interleaved cuts the search writes
+    # dp x tp x pp on 8 ranks: stages of 2 and 4 layers, each split evenly over its 2 chunks
+    # (1, 2, 1, 2 layers), the uneven interleaved cuts the search writes (GPT 1F1B with tp in
+    # its stages is tests/dist/test_pipeline_per_op.py's, on Hugging Face GPT-2)
     LLAMA6: (C(dp=2, tp=2, pp=2, zero=1, schedule="interleaved", interleave=2), (2, 4)),
 }
 
@@ -84,8 +84,8 @@ def _check(result_by_rank: list, ref_losses: list[float], ref_params: dict[str, 
 
 
 NAMES = {
-    # GPT's 1F1B pp2 x dp2 is tests/dist/test_pipeline_per_op.py's (Llama pp2 x dp2 1F1B) and
-    # test_3d_on_8_ranks' (GPT 1F1B with tp and dp); the interleaved schedule stays here.
+    # 1F1B pp2 x dp2 runs on the Llama here and in tests/dist/test_pipeline_per_op.py; the
+    # GPT's pipeline is the interleaved schedule.
     # Data parallel and the ZeRO stages run on the Llama; GPT's dp2 x tp2 runs here with
     # sequence parallelism. The interleaved schedule's 2 chunks per stage need 4 layers.
     GPT: ("tp2xdp2_sp",),
@@ -129,7 +129,7 @@ def test_zero_stages_shard_memory(world4):
 
 
 def test_3d_on_8_ranks_matches_reference():
-    """GPT pp2 x dp2 x tp2 1F1B, and Llama interleaved with ZeRO-1 (weights whole, their update
+    """A Llama on pp2 x dp2 x tp2, interleaved, with ZeRO-1 (weights whole, their update
     sharded over dp, gathered once per step) on uneven stages: like one process, and price =
     run on every rank."""
     jobs = tuple(TrainJob(model=m, configs=(c,), stage_layers=(layers,), steps=3, global_batch=4,
