@@ -36,7 +36,7 @@ from autopar.capabilities import layer_stack, split_layers
 from autopar.config import ParallelConfig
 from autopar.ir import Graph
 from autopar.placement import Placements, boundary_placements
-from autopar.runtime.pipe import _canonical_names, _canonicalize, relay_skips, routed
+from autopar.runtime.pipe import canonical_names, canonicalize, relay_skips, routed
 from autopar.runtime.spmd import master_weights, run_policy
 from autopar.trace import hf_compiling_patch, lower, sdpa_backends, to_compute_dtype, trace, with_precision
 
@@ -82,9 +82,9 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
     if pipe.num_stages != num_chunks:
         raise ValueError(f"cutting {type(model).__name__} at layers {[r.start for r in ranges[1:]]} of {prefix} "
                          f"gave {pipe.num_stages} stages, not {num_chunks} (a layer is called out of order?)")
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     for index in range(pipe.num_stages):
-        _canonicalize(pipe.get_stage_module(index), canonical)
+        canonicalize(pipe.get_stage_module(index), canonical)
     relays = relay_skips(pipe)
     log.info("cut %s at layers %s of %s: %d stages, %d values relayed past a stage", type(model).__name__,
              [r.start for r in ranges[1:]], prefix, pipe.num_stages, relays)

@@ -35,7 +35,7 @@ from autopar.ir import Role
 from autopar.placement import boundary_placements
 from autopar.plan import ProgramPlacements
 from autopar.runtime.launch import gather_build_results
-from autopar.runtime.pipe import _canonical_names, _tie_groups
+from autopar.runtime.pipe import canonical_names, make_tie_groups
 from autopar.runtime.pipe_spmd import PerOpStage, PipeSpmdProgram, StageRunner, runner_source
 from autopar.runtime.program import OptimizerFactory, default_optimizer, make_mesh
 from autopar.runtime.spmd import SpmdProgram, distribute_parameters, local_shard, make_optimizer, release_build_memory
@@ -194,7 +194,7 @@ def build_pipe_spmd_program(model: nn.Module, placed: ProgramPlacements, example
     mesh = mesh if mesh is not None else make_mesh(config)
     submesh = mesh["dp", "tp"]
     num_chunks = config.pp * config.interleave
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     # the stages compute in, and exchange, the precision policy's compute dtype
     cut = cut_model(model, config, example_inputs, loss_fn=loss_fn, stage_layers=placed.stage_layers or None,
                     device_type=mesh.device_type)
@@ -239,7 +239,7 @@ def build_pipe_spmd_program(model: nn.Module, placed: ProgramPlacements, example
                                     input_args=in_args, output_args=out_args, group=mesh.get_group("pp")))
     cut.masters.clear()  # the other chunks' master weights: this rank holds its own, sharded
     mine = {name for r in runners for name, _ in r.program.named_parameters()}
-    tie_groups = _tie_groups(cut.pipe, canonical, config, mesh, mine)
+    tie_groups = make_tie_groups(cut.pipe, canonical, config, mesh, mine)
     params: dict[int, nn.Parameter] = {}
     for r in runners:
         for _, p in r.program.named_parameters():

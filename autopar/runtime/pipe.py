@@ -9,14 +9,14 @@ loss, or a model whose forward returns the loss), whose split points are the fir
 of every chunk but the first: chunk 0 holds everything before its last layer's successor
 (embeddings, masks, position ids), the last chunk everything after its first layer
 (final norm, head, loss). Parameter names inside each stage module are the unsplit
-model's (`_canonicalize`), so checkpoints and comparisons need no renaming.
+model's (`canonicalize`), so checkpoints and comparisons need no renaming.
 
 Model inputs reach later stages through the first: every tensor input is copied at the
 top of the traced step, so the copy is made in chunk 0 and sent on like an activation
 (torch's traced stages feed root inputs to the first stage only; labels are consumed by
 the last); values a later chunk reads from an earlier, non-adjacent one are relayed
 (`relay_skips`). A parameter that several chunks use (a tied embedding and head) is held
-by each; `_tie_groups` makes the groups of pp ranks holding one tied tensor, over which
+by each; `make_tie_groups` makes the groups of pp ranks holding one tied tensor, over which
 their gradients are summed (Megatron's embedding group).
 
 `pipeline_support` (autopar/capabilities.py) says which configurations run.
@@ -35,12 +35,12 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config import ParallelConfig
-from autopar.runtime.program import _default_group_timeout
+from autopar.runtime.program import default_group_timeout
 
 log = logging.getLogger(__name__)
 
 
-def _output_is_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+def output_is_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     """The schedule's loss function: the last stage already returns the loss (as a
     one-element tensor, so the schedule can concatenate the microbatches' outputs)."""
     return output.sum()
@@ -157,7 +157,7 @@ def _order_inputs(pipe: Any, call: Any, previous: Any) -> None:
     sub.recompile()
 
 
-def _canonical_names(model: nn.Module) -> dict[str, str]:
+def canonical_names(model: nn.Module) -> dict[str, str]:
     """Every parameter name -> the first name of its tensor (tied names share one)."""
     first: dict[int, str] = {}
     out = {}
@@ -166,7 +166,7 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _canonicalize(stage: nn.Module, canonical: dict[str, str]) -> None:
+def canonicalize(stage: nn.Module, canonical: dict[str, str]) -> None:
     """Read every tied tensor under its canonical name. torch's splitter keeps one of a tied
     tensor's names per stage, picked in set order, which varies between processes: dp peers
     would then hold their parameters in different orders (FSDP's all-gathers and the flat
@@ -194,7 +194,7 @@ def _canonicalize(stage: nn.Module, canonical: dict[str, str]) -> None:
         stage.recompile()
 
 
-def _tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, mesh: DeviceMesh,
+def make_tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, mesh: DeviceMesh,
                 mine: set[str]) -> dict[str, dist.ProcessGroup]:
     """Groups of the pp ranks (per dp/tp coordinate) that hold one tied tensor, for every
     tensor held on more than one pp rank. Every rank creates every group, in one order."""
@@ -213,7 +213,7 @@ def _tie_groups(pipe: Any, canonical: dict[str, str], config: ParallelConfig, me
             for t in range(config.tp):
                 ranks = tuple(int(grid[r, d, t]) for r in pp_ranks)
                 if ranks not in made:
-                    made[ranks] = dist.new_group(list(ranks), timeout=_default_group_timeout())
+                    made[ranks] = dist.new_group(list(ranks), timeout=default_group_timeout())
                 if dist.get_rank() in ranks and name in mine:
                     groups[name] = made[ranks]
     return groups

@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor
 from autopar import dtensor_bridge as bridge
 from autopar.config import ParallelConfig
 from autopar.ir import Role
-from autopar.runtime.pipe import _output_is_loss
-from autopar.runtime.program import StepStats, _local, chunks_state_dict, load_chunks_state_dict, optimizer_update
+from autopar.runtime.pipe import output_is_loss
+from autopar.runtime.program import StepStats, local_tensor, chunks_state_dict, load_chunks_state_dict, optimizer_update
 from autopar.runtime.spmd import accumulate, collectives_by_axis, local_shard
 
 log = logging.getLogger(__name__)
@@ -225,11 +225,11 @@ class PipeSpmdProgram:
             kind = self.config.schedule
             if kind == "interleaved":
                 self._schedules[num_mb] = ScheduleInterleaved1F1B(self.stages, n_microbatches=num_mb,
-                                                                  loss_fn=_output_is_loss, scale_grads=False)
+                                                                  loss_fn=output_is_loss, scale_grads=False)
             else:
                 # as autopar/runtime/pipe.py: 1F1B needs as many microbatches as stages
                 cls = Schedule1F1B if kind == "1f1b" and num_mb >= self.config.pp else ScheduleGPipe
-                self._schedules[num_mb] = cls(self.stages[0], n_microbatches=num_mb, loss_fn=_output_is_loss,
+                self._schedules[num_mb] = cls(self.stages[0], n_microbatches=num_mb, loss_fn=output_is_loss,
                                               scale_grads=False)
         return self._schedules[num_mb]
 
@@ -314,10 +314,11 @@ class PipeSpmdProgram:
 
     def _stats(self, grad_bytes: int) -> Any:
         params = [p for _, p in self.named_parameters()]
-        state_bytes = sum(_local(v).numel() * _local(v).element_size() for s in self.optimizer.state.values()
+        state_bytes = sum(local_tensor(v).numel() * local_tensor(v).element_size()
+                          for s in self.optimizer.state.values()
                           for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         copies = [t for r in self.runners for t in r.program._compute.values()]
-        return StepStats(parameter_bytes=sum(_local(p).numel() * _local(p).element_size() for p in params)
+        return StepStats(parameter_bytes=sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in params)
                          + sum(t.numel() * t.element_size() for t in copies),
                          gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

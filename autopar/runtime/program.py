@@ -63,7 +63,7 @@ def model_dims(model: nn.Module, config: ParallelConfig | None = None) -> dict[s
     return {"heads": 0, "kv_heads": 0, "num_layers": cfg.layers}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of `t`, sharing its storage. Not `DTensor.to_local()`: that goes
     through an autograd Function (~50 us a call), and the step calls this per parameter,
     gradient and optimizer state (a few percent of a small model's step on CPU)."""
@@ -153,7 +153,7 @@ def init_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str |
     timeout (init_device_mesh's subgroups would otherwise get gloo's 30-minute default)."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     override = None
-    timeout = _default_group_timeout()
+    timeout = default_group_timeout()
     if timeout is not None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
@@ -161,7 +161,7 @@ def init_mesh(shape: tuple[int, ...], names: tuple[str, ...], device_type: str |
     return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
-def _default_group_timeout() -> Any:
+def default_group_timeout() -> Any:
     """The default gloo group's collective timeout, for the subgroups made from it.
 
     torch gives `new_group`/DeviceMesh subgroups the 30-minute library default, not the

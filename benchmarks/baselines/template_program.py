@@ -54,8 +54,8 @@ from autopar.config import ParallelConfig
 from autopar.runtime.program import (
     OptimizerFactory,
     StepStats,
-    _default_group_timeout,
-    _local,
+    default_group_timeout,
+    local_tensor,
     chunks_state_dict,
     default_optimizer,
     load_chunks_state_dict,
@@ -170,7 +170,7 @@ class RankProgram:
             loss_sum = self._accumulate_step(local, num_mb)
         named = self.named_parameters()
         self._finalize_grads(named)
-        stats_grad = sum(_local(p.grad).numel() * _local(p.grad).element_size()
+        stats_grad = sum(local_tensor(p.grad).numel() * local_tensor(p.grad).element_size()
                          for _, p in named if p.grad is not None)
         loss = self._global_loss(loss_sum)  # the same value on every rank: all stop together
         optimizer_update(self, loss)
@@ -231,7 +231,7 @@ class RankProgram:
             if isinstance(p, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         if self.config.dp > 1 and not self._fsdp_active():
-            grads = [_local(p.grad) for _, p in named if p.grad is not None]
+            grads = [local_tensor(p.grad) for _, p in named if p.grad is not None]
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.mesh.get_group("dp"))
             flat /= self.config.dp
@@ -240,7 +240,7 @@ class RankProgram:
         if self.tie_group is not None:
             for name, p in named:
                 if name in self.tied_fqns and p.grad is not None:
-                    dist.all_reduce(_local(p.grad), group=self.tie_group)
+                    dist.all_reduce(local_tensor(p.grad), group=self.tie_group)
 
     def _global_loss(self, loss_sum: torch.Tensor) -> float:
         counts = self.has_last and self.tp_rank == 0
@@ -250,11 +250,11 @@ class RankProgram:
 
     def _stats(self, params: list[tuple[str, nn.Parameter]], grad_bytes: int) -> StepStats:
         opt = self.optimizer.optim if hasattr(self.optimizer, "optim") else self.optimizer
-        state_bytes = sum(_local(v).numel() * _local(v).element_size()
+        state_bytes = sum(local_tensor(v).numel() * local_tensor(v).element_size()
                           for s in opt.state.values() for v in s.values()
                           if isinstance(v, torch.Tensor) and v.dim() > 0)
         return StepStats(
-            parameter_bytes=sum(_local(p).numel() * _local(p).element_size() for _, p in params),
+            parameter_bytes=sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in params),
             gradient_bytes=grad_bytes,
             optimizer_state_bytes=state_bytes,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -289,7 +289,7 @@ def _tie_group(mesh: DeviceMesh, config: ParallelConfig) -> dist.ProcessGroup | 
     for d in range(config.dp):
         for t in range(config.tp):
             ranks = sorted({int(grid[0, d, t]), int(grid[config.pp - 1, d, t])})
-            group = dist.new_group(ranks, timeout=_default_group_timeout())  # every rank calls every new_group
+            group = dist.new_group(ranks, timeout=default_group_timeout())  # every rank calls every new_group
             if dist.get_rank() in ranks:
                 mine = group
     return mine

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from codegen.kernels.ops import LIB, _backend
+from codegen.kernels.ops import LIB, kernel_backend
 
 DEFAULT_CHUNK_TOKENS = 1024
 """Tokens per chunk: 1024 x 128K vocab x 4 B = 512 MiB of logits at most per chunk."""
@@ -47,7 +47,7 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: 
 @torch.library.custom_op(f"{LIB}::vocab_parallel_ce", mutates_args=())
 def _vocab_parallel_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
                        chunk_tokens: int, ignore_index: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _backend(hidden)
+    kern = kernel_backend(hidden)
     num_tokens = hidden.shape[0]
     row_max, sum_exp, target = (torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
                                 for _ in range(3))
@@ -80,7 +80,7 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_st
 def _vocab_parallel_ce_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                 labels: torch.Tensor, lse: torch.Tensor, vocab_start: int, chunk_tokens: int,
                                 ignore_index: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _backend(hidden)
+    kern = kernel_backend(hidden)
     valid = labels != ignore_index
     scale = torch.where(valid, grad_loss.float() / valid.sum(), 0.0)
     dhidden = torch.empty_like(hidden)

@@ -36,7 +36,7 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _backend(t: torch.Tensor) -> ModuleType:
+def kernel_backend(t: torch.Tensor) -> ModuleType:
     if not _use_triton(t):
         return reference
     try:
@@ -58,7 +58,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(f"{LIB}::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _backend(x)
+    kern = kernel_backend(x)
     if kern is reference:
         y, rstd = reference.rms_norm_fwd(x, weight, eps)
         return y, rstd.reshape(x.shape[:-1])
@@ -74,7 +74,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, 
 @torch.library.custom_op(f"{LIB}::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _backend(x)
+    kern = kernel_backend(x)
     if kern is reference:
         return reference.rms_norm_bwd(dy, x, weight, rstd)
     dx, dw = kern.rms_norm_bwd(_rows(dy), _rows(x), weight.contiguous(), rstd.contiguous().reshape(-1))
@@ -113,7 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @torch.library.custom_op(f"{LIB}::layer_norm", mutates_args=())
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kern = _backend(x)
+    kern = kernel_backend(x)
     if kern is reference:
         y, mean, rstd = reference.layer_norm_fwd(x, weight, bias, eps)
         return y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
@@ -132,7 +132,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 @torch.library.custom_op(f"{LIB}::layer_norm_backward", mutates_args=())
 def _layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kern = _backend(x)
+    kern = kernel_backend(x)
     if kern is reference:
         return reference.layer_norm_bwd(dy, x, weight, mean, rstd)
     dx, dw, db = kern.layer_norm_bwd(_rows(dy), _rows(x), weight.contiguous(),
@@ -172,7 +172,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 @torch.library.custom_op(f"{LIB}::swiglu", mutates_args=())
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    kern = _backend(gate)
+    kern = kernel_backend(gate)
     if kern is reference:
         return reference.swiglu_fwd(gate, up)
     return kern.swiglu_fwd(gate.contiguous(), up.contiguous())
@@ -185,7 +185,7 @@ def _(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(f"{LIB}::swiglu_backward", mutates_args=())
 def _swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _backend(gate)
+    kern = kernel_backend(gate)
     if kern is reference:
         return reference.swiglu_bwd(dy, gate, up)
     return kern.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous())
@@ -224,7 +224,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(f"{LIB}::bias_gelu", mutates_args=())
 def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    kern = _backend(x)
+    kern = kernel_backend(x)
     if kern is reference:
         return reference.bias_gelu_fwd(x, bias)
     return kern.bias_gelu_fwd(x.contiguous(), bias.contiguous())
@@ -237,7 +237,7 @@ def _(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(f"{LIB}::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    kern = _backend(x)
+    kern = kernel_backend(x)
     if kern is reference:
         return reference.bias_gelu_bwd(dy, x, bias)
     return kern.bias_gelu_bwd(dy.contiguous(), x.contiguous(), bias.contiguous())

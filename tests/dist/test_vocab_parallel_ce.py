@@ -54,10 +54,10 @@ def _worker(rank: int) -> None:
     local = VOCAB // WORLD
     for backend in ("reference", "triton"):
         if backend == "reference":
-            assert ops._backend(hidden).__name__.endswith("reference")
+            assert ops.kernel_backend(hidden).__name__.endswith("reference")
         else:
             os.environ["TRITON_INTERPRET"] = "1"  # read per call by codegen.kernels.ops
-            assert ops._backend(hidden) is triton_kernels
+            assert ops.kernel_backend(hidden) is triton_kernels
         h = hidden.clone().requires_grad_()
         w_local = weight[rank * local:(rank + 1) * local].clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(h, w_local, labels, chunk_tokens=8, group=dist.group.WORLD)

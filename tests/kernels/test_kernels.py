@@ -38,7 +38,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 def _assert_backend(backend: str, t: torch.Tensor) -> None:
     # Guard against a silent fallback: the triton path must really run the Triton module.
-    assert ops._backend(t).__name__.endswith("triton_kernels" if backend == "triton" else "reference")
+    assert ops.kernel_backend(t).__name__.endswith("triton_kernels" if backend == "triton" else "reference")
 
 
 def _check(fused: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor],

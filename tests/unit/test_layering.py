@@ -53,6 +53,10 @@ solver, placing and the per-rank build only inside its functions, as above); kee
 the rank forkserver preloads (autopar/runtime/launch.py PRELOAD) to what every rank needs;
 and an import whose moment is the point (launch.py `import_before_process_group`). Imports
 under `if TYPE_CHECKING:` never run and need no reason.
+
+Private names stay in their module (`test_no_private_names_across_modules`): no product
+module imports a name starting with one underscore from another project module. What a
+second module needs is part of its owner's surface and gets a public name.
 """
 
 from __future__ import annotations
@@ -227,6 +231,25 @@ def unexplained_lazy_imports(source: str) -> list[int]:
 
     visit(tree, False)
     return sorted(found)
+
+
+def private_imports(source: str, module: str, *, is_package: bool, modules: frozenset[str]) -> list[str]:
+    """`name (line N)` for every private name (one leading underscore, not a dunder) that
+    `source`, the text of `module`, imports from another project module, anywhere in it."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+            base = ".".join([*parent, *([base] if base else [])])
+        if base == module or not (base in modules or any(m.startswith(base + ".") for m in modules)):
+            continue
+        found += [f"{alias.name} from {base} (line {node.lineno})" for alias in node.names
+                  if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
 
 
 def imports_of(source: str, module: str, *, is_package: bool, modules: frozenset[str]) -> list[Import]:
@@ -485,6 +508,26 @@ def test_function_level_imports_give_a_reason() -> None:
              for line in unexplained_lazy_imports(path.read_text())]
     assert found == [], f"imports inside functions with no `{LAZY_REASON} <why>` on their line; move them to " \
         "module level, or say why they wait (module docstring):\n  " + "\n  ".join(found)
+
+
+def test_no_private_names_across_modules() -> None:
+    modules = project_modules()
+    names = frozenset(modules)
+    found = [f"{module}: {hit}" for module, path in modules.items()
+             for hit in private_imports(path.read_text(), module, is_package=path.name == "__init__.py", modules=names)]
+    assert found == [], "private names imported from another module (give them a public name in their owner, " \
+        "module docstring):\n  " + "\n  ".join(found)
+
+
+def test_private_import_check_fails_on_a_private_name() -> None:
+    names = frozenset({"autopar.runtime.pipe", "autopar.runtime.program", "autopar.runtime"})
+    source = ("from autopar.runtime.program import _local, StepStats\n"
+              "from .pipe import _tie as tie, routed\n"
+              "from autopar.runtime import program as _program\n"
+              "from typing import _SpecialForm\n"
+              "from __future__ import annotations\n")
+    assert private_imports(source, "autopar.runtime.pipe_spmd", is_package=False, modules=names) == [
+        "_local from autopar.runtime.program (line 1)", "_tie from autopar.runtime.pipe (line 2)"]
 
 
 def import_error(module: str, root: Path) -> str | None:

@@ -17,7 +17,7 @@ from autopar.capabilities import layer_stack, pipeline_support
 from autopar.config import ParallelConfig as C
 from autopar.models import resolve
 from autopar.build.chunks import split_model
-from autopar.runtime.pipe import _canonical_names
+from autopar.runtime.pipe import canonical_names
 from tests import factories, hf_factories
 
 
@@ -39,7 +39,7 @@ def test_stages_in_sequence_give_the_models_loss(factory, chunks):
     pipe, prefix, ranges = split_model(model, micro, num_chunks=chunks)
     assert pipe.num_stages == chunks and [len(r) for r in ranges] == [len(ranges[0])] * chunks
     torch.testing.assert_close(_run_stages(pipe, micro).reshape(()), expected, rtol=1e-6, atol=0)
-    canonical = _canonical_names(model)  # a tied tensor may sit under any of its names
+    canonical = canonical_names(model)  # a tied tensor may sit under any of its names
     names = set()
     for index in range(chunks):
         names |= {canonical[n] for n, _ in pipe.get_stage_module(index).named_parameters(remove_duplicate=False)}
