@@ -7,7 +7,9 @@ core while the other idled: 35 of the 242 s of test_train_numerics.py and
 test_mixed_precision.py together, measured. `pmap` runs such calls in worker processes
 forked from the ranks' forkserver (torch and the runtime already imported:
 autopar/runtime/launch.py `PRELOAD`), so a worker starts in a fraction of a second, and
-`place_jobs` places each configuration of each job as its own task.
+`place_jobs` places each configuration of each job as its own task. A worker, like a
+rank, has the forkserver's environment, not the caller's (autopar/runtime/launch.py): what it
+runs here reads none.
 
 The solve is deterministic across processes (tests/unit/test_search.py
 test_plan_json_is_byte_identical_across_processes), so the placements equal those placed
