@@ -16,13 +16,17 @@ What it holds:
 - `register_project_rules()`: strategies for the ops DTensor has no rule for that the
   traced graphs contain (CPU flash attention, forward and backward), registered into
   DTensor's own registry so enumeration and dispatch both see them;
-- `transforms(...)`: the per-axis collectives DTensor's planner uses for a reshard.
+- `transforms(...)`: the per-axis collectives DTensor's planner uses for a reshard;
+- `dispatching(op, outputs)`: DTensor's dispatch of one op of the plan takes the plan's
+  strategy for it without searching every strategy again (below).
 
 Terms: "axis" is a mesh axis, "dim" a tensor dimension.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any, Callable
 
@@ -33,7 +37,9 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
@@ -255,10 +261,93 @@ PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {
 @functools.lru_cache(maxsize=1)
 def register_project_rules() -> None:
     """Register PROJECT_RULES into DTensor's registry (once per process; ops DTensor
-    already covers are left alone)."""
+    already covers are left alone), and let dispatch take the plan's strategies
+    (`dispatching`)."""
     for op, (fn, static_from) in PROJECT_RULES.items():
         if op not in PROPAGATOR.op_strategy_funcs and op not in PROPAGATOR.op_single_dim_strategy_funcs:
             register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_from))(fn)
+    if _sharding_prop._expand_single_dim_strategy_to_mesh is not _expand_chosen_first:
+        _FULL_EXPANSION.append(_sharding_prop._expand_single_dim_strategy_to_mesh)
+        _sharding_prop._expand_single_dim_strategy_to_mesh = _expand_chosen_first
+
+
+# ---------------------------------------------------------------------------------------
+# dispatching the plan's strategy
+#
+# For an op with single-axis rules (most of ATen's in torch 2.13), DTensor's sharding
+# propagation expands the rules to every combination over the mesh's axes and prices the
+# redistribution of every input to each (S^N combinations for S rules on N axes), then
+# takes the cheapest. It does so for every distinct op schema, and under make_fx (which
+# builds the per-rank program, codegen/apply.py) without its cache: measured on a
+# two-layer Llama's dp2 x tp2 and pp2 x dp2 programs, that search was about a third of
+# the apply step's time on each rank. The apply step has already redistributed the op's
+# inputs to the placements the plan chose, so the search would only find again what the
+# ILP chose. Under `dispatching(op, outputs)`, DTensor first matches the inputs against
+# its own single-axis rules axis by axis (`_PreparedSingleDimStrategy.try_propagate`, the
+# fast path of DTensor's own Dijkstra search): where that match gives the plan's output
+# placements, it is the strategy, at zero redistribution cost; otherwise (several rules
+# for the same inputs, strided shards, tensor keyword arguments) the full search runs as
+# before. Either way the apply step checks the output placements against the plan's.
+
+_CHOSEN: contextvars.ContextVar[tuple[Any, tuple[tuple[Any, ...], ...]] | None] = \
+    contextvars.ContextVar("autopar_chosen_strategy", default=None)
+_FULL_EXPANSION: list[Callable[..., Any]] = []
+"""DTensor's own expansion, kept when `register_project_rules` installs `_expand_chosen_first`."""
+
+
+@contextlib.contextmanager
+def dispatching(op: Any, outputs: tuple[Placements, ...]) -> Any:
+    """While DTensor dispatches `op`, whose inputs are already in the plan's placements,
+    its sharding propagation takes the strategy whose outputs are `outputs` (autopar
+    placements, one tuple per tensor output) when its rules match the inputs directly."""
+    token = _CHOSEN.set((op, tuple(to_dtensor_placements(o) for o in outputs)))
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
+def _chosen_match(mesh: DeviceMesh, op_schema: OpSchema, info: Any, out_meta: Any,
+                  outputs: tuple[tuple[Any, ...], ...]) -> OpStrategy | None:
+    """The one-strategy OpStrategy DTensor's rules give for the inputs as they are, if its
+    outputs are `outputs`; None where the rules do not match them directly."""
+    specs = []
+    for arg in op_schema.args_schema:
+        if isinstance(arg, TupleStrategy):  # a list of tensors: the full search models it
+            return None
+        if isinstance(arg, OpStrategy):
+            if len(arg.strategies) != 1:
+                return None
+            specs.append(arg.strategies[0].output_spec)
+    if not specs or any(isinstance(v, (OpStrategy, TupleStrategy)) for v in op_schema.kwargs_schema.values()):
+        return None
+    if any(isinstance(p, _StridedShard) for s in specs for p in s.placements):
+        return None
+    prepared = _PreparedSingleDimStrategy(info, op_schema, out_meta, num_inputs=len(specs))
+    found = prepared.try_propagate(mesh, tuple(s.placements for s in specs), specs)
+    if found is None:
+        return None
+    made = found.strategies[0].output_specs
+    made = made if isinstance(made, tuple) else (made,)
+    if tuple(m.placements for m in made if m is not None) != outputs:
+        return None
+    return found
+
+
+def _expand_chosen_first(mesh: DeviceMesh, op_schema: OpSchema, info: Any, out_meta: Any) -> Callable[..., Any]:
+    """DTensor's `_expand_single_dim_strategy_to_mesh` (same arguments, same result type):
+    the plan's strategy where `dispatching` names this op and DTensor's rules match it
+    directly, DTensor's full expansion otherwise."""
+    full = _FULL_EXPANSION[0](mesh, op_schema, info, out_meta)
+    chosen = _CHOSEN.get()
+    if chosen is None or chosen[0] is not op_schema.op:
+        return full
+
+    def expanded(op: Any, args_schema: Any, kwargs_schema: Any) -> Any:
+        found = _chosen_match(mesh, op_schema, info, out_meta, chosen[1])
+        return found if found is not None else full(op, args_schema, kwargs_schema)
+
+    return expanded
 
 
 # ---------------------------------------------------------------------------------------

@@ -449,19 +449,20 @@ class _Interpreter:
         else:
             target = _runnable(node.target)
         try:
-            try:
-                out = target(*args, **kwargs)
-            except RuntimeError:
-                if node.target not in _VIEWS or not isinstance(args[0], DTensor):
-                    raise
-                # the traced tensor was viewable but this rank's layout of it is not (a kernel
-                # or a redistribution laid it out differently): view a contiguous copy
-                first = args[0]
-                shape = first.shape
-                args = (dtensor_of(first._local_tensor.contiguous(), first.device_mesh,
-                                   bridge.from_dtensor_placements(first.placements), shape,
-                                   make_contiguous_strides_for(shape)), *args[1:])
-                out = target(*args, **kwargs)
+            with bridge.dispatching(node.target, choice.outputs):
+                try:
+                    out = target(*args, **kwargs)
+                except RuntimeError:
+                    if node.target not in _VIEWS or not isinstance(args[0], DTensor):
+                        raise
+                    # the traced tensor was viewable but this rank's layout of it is not (a
+                    # kernel or a redistribution laid it out differently): view a contiguous copy
+                    first = args[0]
+                    shape = first.shape
+                    args = (dtensor_of(first._local_tensor.contiguous(), first.device_mesh,
+                                       bridge.from_dtensor_placements(first.placements), shape,
+                                       make_contiguous_strides_for(shape)), *args[1:])
+                    out = target(*args, **kwargs)
         except Exception as exc:
             raise ApplyError(f"node {node.name} ({node.target}) failed under placements "
                              f"{[str(p) for p in choice.inputs]}: {type(exc).__name__}: {exc}") from exc
