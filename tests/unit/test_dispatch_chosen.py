@@ -1,0 +1,82 @@
+"""autopar/dtensor_bridge.py `dispatching`: DTensor's dispatch takes the plan's strategy
+when its own single-axis rules match the inputs as they are, and searches every strategy
+otherwise (codegen/apply.py runs every op of the per-rank program under it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial as DPartial, Replicate as DReplicate, Shard as DShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autopar import dtensor_bridge as bridge
+from autopar.placement import Partial, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def searches(monkeypatch):
+    """How many times DTensor's full expansion of an op's rules ran."""
+    bridge.register_project_rules()
+    full = bridge._FULL_EXPANSION[0]
+    calls = []
+
+    def counted(*args):
+        fn = full(*args)
+
+        def run(*a):
+            calls.append(args[1].op)
+            return fn(*a)
+
+        return run
+
+    monkeypatch.setattr(bridge, "_FULL_EXPANSION", [counted])
+    return calls
+
+
+def _dt(shape, mesh, placements) -> DTensor:
+    global_ = torch.randn(shape)
+    return DTensor.from_local(global_, mesh, placements, run_check=False)
+
+
+def test_the_plans_strategy_is_taken_without_a_search(mesh, searches) -> None:
+    # rows sharded over dp, contraction dim over tp: each rank's product is a partial sum
+    x = _dt((4, 6), mesh, (DShard(0), DShard(1)))
+    w = _dt((6, 5), mesh, (DReplicate(), DShard(0)))
+    with bridge.dispatching(aten.mm.default, ((Shard(0), Partial()),)):
+        out = aten.mm.default(x, w)
+    assert out.placements == (DShard(0), DPartial())
+    assert searches == []
+    assert out.to_local().shape == (4, 5)
+
+
+def test_a_strategy_the_rules_do_not_give_directly_is_searched(mesh, searches) -> None:
+    x = _dt((4, 7), mesh, (DShard(0), DReplicate()))
+    w = _dt((7, 3), mesh, (DReplicate(), DReplicate()))
+    # the rules give (Shard(0), Replicate) for these inputs; asking for another output
+    # leaves the choice to DTensor's full search (apply's check then names any mismatch)
+    with bridge.dispatching(aten.mm.default, ((Replicate(), Replicate()),)):
+        out = aten.mm.default(x, w)
+    assert searches == [aten.mm.default]
+    assert out.placements == (DShard(0), DReplicate())
+
+
+def test_without_a_plan_or_for_another_op_dtensor_searches(mesh, searches) -> None:
+    x = _dt((4, 9), mesh, (DShard(0), DReplicate()))
+    y = _dt((4, 9), mesh, (DShard(0), DReplicate()))
+    aten.add.Tensor(x, y)
+    with bridge.dispatching(aten.mm.default, ((Shard(0), Replicate()),)):
+        aten.mul.Tensor(x, y)
+    assert searches == [aten.add.Tensor, aten.mul.Tensor]
