@@ -46,8 +46,8 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
     benchmarks/baselines/template_program.py as a baseline.
 
     `placed.fused_kernels` (pp = 1): the placements were solved on the step traced with the
-    fused Triton ops of codegen/kernels swapped in for the zoo's norms and MLP activations,
-    so they are swapped in here too before tracing; parameter names and values are
+    fused Triton ops of codegen/kernels swapped in for the model's norms and MLPs wherever
+    they provably compute the same (codegen/kernels/modules.py), so they are swapped in here too before tracing; parameter names and values are
     unchanged, so checkpoints do not notice. Not with tp > 1 (the fused ops have no
     DTensor sharding rules yet).
 

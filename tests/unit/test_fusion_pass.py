@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -146,3 +147,87 @@ def test_module_swap_same_loss_and_grads() -> None:
         torch.testing.assert_close(loss, loss_ref)
         for (n, p), (_, q) in zip(swapped.named_parameters(), model.named_parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _loss_and_grads(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(*inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_module_swap_reaches_hugging_face_models() -> None:
+    """No rule names a family: Hugging Face Llama's LlamaRMSNorm (epsilon under
+    `variance_epsilon`) and LlamaMLP (gate_proj, up_proj, down_proj beside an activation
+    module) are swapped by their structure, once the probe shows the fused forms compute
+    them; same loss and gradients, same parameter names in the same order."""
+    pytest.importorskip("transformers")
+    from tests.hf_factories import llama
+
+    torch.manual_seed(0)
+    model, inputs = llama()
+    swapped = swap_fused_modules(model)
+    kinds = [type(m).__name__ for m in swapped.modules()]
+    assert kinds.count("FusedRMSNorm") == 2 * 2 + 1 and kinds.count("FusedSwiGLU") == 2, kinds
+    assert "LlamaRMSNorm" not in kinds and "LlamaMLP" not in kinds
+    assert [n for n, _ in swapped.named_parameters()] == [n for n, _ in model.named_parameters()]
+    loss_ref, grads_ref = _loss_and_grads(model, inputs)
+    loss, grads = _loss_and_grads(swapped, inputs)
+    torch.testing.assert_close(loss, loss_ref)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _OnePlusNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight). Structurally a norm candidate, not one."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+class _GeluMLP(nn.Module):
+    def __init__(self, d: int, approximate: str) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, d: int, p: float) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d, bias=False)
+        self.b = nn.Linear(d, 2 * d, bias=False)
+        self.out = nn.Linear(2 * d, d, bias=False)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(self.a(x) * F.silu(self.b(x))))
+
+
+def test_module_swap_keeps_modules_whose_math_differs() -> None:
+    """The probe decides, not the structure: a (1 + weight) norm, an exact-erf GELU MLP
+    and a gated MLP with dropout in training mode keep their modules; the tanh GELU MLP and
+    the same gated MLP without dropout (its gate the second Linear: roles come from the
+    probe, not from names) are swapped."""
+    torch.manual_seed(0)
+    d = 16
+    model = nn.ModuleDict({"gemma_norm": _OnePlusNorm(d), "erf": _GeluMLP(d, "none"), "tanh": _GeluMLP(d, "tanh"),
+                           "dropped": _GatedMLP(d, 0.5), "gated": _GatedMLP(d, 0.0)})
+    swapped = swap_fused_modules(model)
+    kinds = {name: type(m).__name__ for name, m in swapped.items()}
+    assert kinds == {"gemma_norm": "_OnePlusNorm", "erf": "_GeluMLP", "tanh": "FusedBiasGeluMLP",
+                     "dropped": "_GatedMLP", "gated": "FusedSwiGLU"}, kinds
+    assert swapped["gated"].roles == ("b", "a", "out")
+    x = torch.randn(2, 5, d)
+    for name in ("tanh", "gated"):
+        torch.testing.assert_close(swapped[name](x), model[name](x), atol=1e-5, rtol=1e-5)
+    # in eval mode the dropout is the identity: the same gated MLP is then swapped
+    assert type(swap_fused_modules(model.eval())["dropped"]).__name__ == "FusedSwiGLU"
