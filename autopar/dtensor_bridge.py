@@ -269,6 +269,9 @@ def register_project_rules() -> None:
     if _sharding_prop._expand_single_dim_strategy_to_mesh is not _expand_chosen_first:
         _FULL_EXPANSION.append(_sharding_prop._expand_single_dim_strategy_to_mesh)
         _sharding_prop._expand_single_dim_strategy_to_mesh = _expand_chosen_first
+    if not _FAKE_RUN:
+        _FAKE_RUN.append(PROPAGATOR._propagate_tensor_meta_non_cached)
+        PROPAGATOR._propagate_tensor_meta_non_cached = _meta_traced_first
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,23 +291,54 @@ def register_project_rules() -> None:
 # placements, it is the strategy, at zero redistribution cost; otherwise (several rules
 # for the same inputs, strided shards, tensor keyword arguments) the full search runs as
 # before. Either way the apply step checks the output placements against the plan's.
+#
+# Before either, DTensor computes the op's global output shape, strides and dtype by
+# running it on fake tensors of the inputs' global shapes (a tenth of the apply step's
+# time in the same measurement). The traced step recorded exactly that when it ran the
+# same op on the same global shapes: where the apply step passes the traced output
+# (`traced`: a single-tensor op whose inputs have the traced shapes and dtypes), DTensor
+# takes it.
 
-_CHOSEN: contextvars.ContextVar[tuple[Any, tuple[tuple[Any, ...], ...]] | None] = \
+_CHOSEN: contextvars.ContextVar[tuple[Any, tuple[tuple[Any, ...], ...], Any] | None] = \
     contextvars.ContextVar("autopar_chosen_strategy", default=None)
 _FULL_EXPANSION: list[Callable[..., Any]] = []
 """DTensor's own expansion, kept when `register_project_rules` installs `_expand_chosen_first`."""
+_FAKE_RUN: list[Callable[..., Any]] = []
+"""DTensor's own output-metadata propagation (a fake run of the op), kept when
+`register_project_rules` installs `_meta_traced_first`."""
 
 
 @contextlib.contextmanager
-def dispatching(op: Any, outputs: tuple[Placements, ...]) -> Any:
+def dispatching(op: Any, outputs: tuple[Placements, ...],
+                traced: tuple[tuple[tuple[int, ...], ...], TensorMeta] | None = None) -> Any:
     """While DTensor dispatches `op`, whose inputs are already in the plan's placements,
     its sharding propagation takes the strategy whose outputs are `outputs` (autopar
-    placements, one tuple per tensor output) when its rules match the inputs directly."""
-    token = _CHOSEN.set((op, tuple(to_dtensor_placements(o) for o in outputs)))
+    placements, one tuple per tensor output) when its rules match the inputs directly.
+    `traced`: (the tensor inputs' global (shape, dtype) pairs, the output's TensorMeta) as
+    the traced step recorded them, for an op with one tensor output; DTensor takes that
+    output metadata where its inputs have those shapes and dtypes."""
+    token = _CHOSEN.set((op, tuple(to_dtensor_placements(o) for o in outputs), traced))
     try:
         yield
     finally:
         _CHOSEN.reset(token)
+
+
+def _meta_traced_first(op_schema: OpSchema) -> Any:
+    """DTensor's `_propagate_tensor_meta_non_cached` (same argument and result): the traced
+    output's metadata where `dispatching` gives it for this op and these input shapes,
+    DTensor's fake run otherwise."""
+    chosen = _CHOSEN.get()
+    if chosen is not None and chosen[2] is not None and chosen[0] is op_schema.op:
+        shapes, meta = chosen[2]
+        specs = [a for a in op_schema.args_schema if isinstance(a, DTensorSpec)]
+        nested = any(isinstance(a, (list, tuple)) and any(isinstance(x, DTensorSpec) for x in a)
+                     for a in op_schema.args_schema)
+        if not nested and not any(isinstance(v, DTensorSpec) for v in op_schema.kwargs_schema.values()) \
+                and tuple((tuple(s.tensor_meta.shape), str(s.tensor_meta.dtype).removeprefix("torch."))
+                          for s in specs) == shapes:
+            return meta
+    return _FAKE_RUN[0](op_schema)
 
 
 def _chosen_match(mesh: DeviceMesh, op_schema: OpSchema, info: Any, out_meta: Any,

@@ -154,6 +154,19 @@ def _runnable(op: Any) -> Any:
     return op
 
 
+def _traced(op: Any, ir: Any, graph: Graph) -> tuple[tuple[tuple[int, ...], ...], Any] | None:
+    """(input shapes and dtypes, output TensorMeta) of `ir` as traced, for an op with one tensor
+    output (dtensor_bridge.dispatching); None for any other."""
+    if not isinstance(op, torch._ops.OpOverload) or len(ir.outputs) != 1:
+        return None
+    returns = op._schema.returns
+    if len(returns) != 1 or str(returns[0].type) != "Tensor":
+        return None
+    out = ir.output
+    return (tuple((tuple(graph[u].output.shape), graph[u].output.dtype) for u in ir.inputs),
+            bridge.tensor_meta(tuple(out.shape), tuple(out.stride), out.dtype))
+
+
 def _has_direct_rule(op: Any) -> bool:
     """DTensor's registry runs `op` itself (not through a decomposition)."""
     prop = bridge.PROPAGATOR
@@ -449,7 +462,7 @@ class _Interpreter:
         else:
             target = _runnable(node.target)
         try:
-            with bridge.dispatching(node.target, choice.outputs):
+            with bridge.dispatching(node.target, choice.outputs, _traced(node.target, ir, self.graph)):
                 try:
                     out = target(*args, **kwargs)
                 except RuntimeError:

@@ -104,7 +104,7 @@ class StageRunner:
             if slot.role is Role.PARAMETER:
                 values.append(program.compute_weight(slot.name))
             elif slot.role is Role.BUFFER:
-                values.append(program._buffers[slot.name])
+                values.append(program.local_buffers[slot.name])
             elif slot.role is Role.INPUT and slot.name.startswith("input_") \
                     and int(slot.name.removeprefix("input_")) < self.num_inputs:
                 x = next(data)
@@ -128,7 +128,7 @@ class StageRunner:
         num_params = len(self.program.graphs.grads)
         raw, input_grads = outs[:num_params], outs[num_params:]
 
-        self.raw = accumulate(self.raw, raw, self.program._input_storages, self.program.reduce_dtype)
+        self.raw = accumulate(self.raw, raw, self.program.input_storages, self.program.reduce_dtype)
         out: list[torch.Tensor | None] = [None] * self.num_inputs
         for pos, g in zip(self.grad_inputs, input_grads):
             out[pos] = g
@@ -264,7 +264,7 @@ class PipeSpmdProgram:
         value = torch.zeros(())
         if self.has_last:  # this rank's pieces of the microbatches' losses -> the global mean
             local = torch.stack([l.detach().float().reshape(()) for l in losses]).mean()
-            whole = self.runners[-1].program._global_loss(local)
+            whole = self.runners[-1].program.global_loss(local)
             if self.dp_rank == 0 and self.tp_rank == 0:
                 value = torch.tensor(whole)
         dist.all_reduce(value)  # the loss to every rank (priced: pipeline_search.pipeline_loss_report_s)
@@ -317,9 +317,8 @@ class PipeSpmdProgram:
         state_bytes = sum(local_tensor(v).numel() * local_tensor(v).element_size()
                           for s in self.optimizer.state.values()
                           for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        copies = [t for r in self.runners for t in r.program._compute.values()]
         return StepStats(parameter_bytes=sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in params)
-                         + sum(t.numel() * t.element_size() for t in copies),
+                         + sum(r.program.compute_copy_bytes() for r in self.runners),
                          gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 

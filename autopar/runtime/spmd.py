@@ -19,7 +19,7 @@ brings each gradient to its parameter's placement once (all-reduce / reduce-scat
 the optimizer steps. With one microbatch per step the step graph syncs each gradient
 bucket itself, during the backward (codegen/apply.py `sync_in_step`), and there is no
 gradient-sync graph to run. The loss is reduced for reporting after the step graphs, a
-scalar all-reduce per mesh axis where it is Partial (`_global_loss`), priced once per step
+scalar all-reduce per mesh axis where it is Partial (`global_loss`), priced once per step
 (cost_model.loss_report_time_s, solver/spmd_search.py `estimate`).
 """
 
@@ -131,7 +131,9 @@ class SpmdProgram:
         weights in, that dtype: every parameter's compute copy is cast to it."""
         self.reduce_dtype = getattr(torch, policy.reduce)
         """The dtype raw gradients are accumulated in over a step's microbatches."""
-        self._buffers = self._buffer_shards()
+        self.local_buffers = self._buffer_shards()
+        """This rank's shard of each buffer the step graph reads, by name (written back
+        after every microbatch where the forward updates it)."""
         self.optimizer = make_optimizer(optimizer_factory, list(self._params.values()))
         self._compute: dict[str, torch.Tensor] = {}
         """Compute-placement copies of the parameters updated in another placement."""
@@ -140,10 +142,10 @@ class SpmdProgram:
     # -- state ------------------------------------------------------------------------
 
     @property
-    def _input_storages(self) -> frozenset[int]:
+    def input_storages(self) -> frozenset[int]:
         """Storages the step graph reads and gradients must never be added into."""
         return frozenset(t.untyped_storage().data_ptr() for t in
-                         [p._local_tensor for p in self._params.values()] + list(self._buffers.values())
+                         [p._local_tensor for p in self._params.values()] + list(self.local_buffers.values())
                          + list(self._compute.values()))
 
     def _buffer_shards(self) -> dict[str, torch.Tensor]:
@@ -159,6 +161,11 @@ class SpmdProgram:
         step graph reads): the gathered copy where its update runs in another placement."""
         local = self._compute.get(name)
         return self._params[name]._local_tensor if local is None else local
+
+    def compute_copy_bytes(self) -> int:
+        """Bytes of this rank's compute copies (the parameters updated in another placement
+        or dtype, gathered for the step graph), beside the master shards."""
+        return sum(t.numel() * t.element_size() for t in self._compute.values())
 
     def compile_times(self) -> dict[str, float]:
         """{graph: seconds Inductor spent compiling it} (`--compile`; its first call)."""
@@ -179,7 +186,7 @@ class SpmdProgram:
             if slot.role is Role.PARAMETER:
                 values.append(self.compute_weight(slot.name))
             elif slot.role is Role.BUFFER:
-                values.append(self._buffers[slot.name])
+                values.append(self.local_buffers[slot.name])
             elif slot.role is Role.TANGENT:
                 values.append(torch.full((), tangent, dtype=getattr(torch, slot.dtype)))
             else:
@@ -214,13 +221,13 @@ class SpmdProgram:
                     grads = list(outs[1:len(outs) - updated])
                     self._write_buffers(outs[len(outs) - updated:])
                 with record_function("autopar::accumulate"):
-                    raw = accumulate(raw, grads, self._input_storages, self.reduce_dtype)
+                    raw = accumulate(raw, grads, self.input_storages, self.reduce_dtype)
             grads, outs = None, None
             with record_function("autopar::grad_sync"):
                 grad_bytes = self.set_gradients(raw)  # empties `raw`
             raw = None
         with record_function("autopar::loss_report"):
-            loss = self._global_loss(loss_sum / m)
+            loss = self.global_loss(loss_sum / m)
 
         with record_function("autopar::optimizer"):
             optimizer_update(self, loss)
@@ -234,13 +241,13 @@ class SpmdProgram:
         already in its buffer's placement: written into this rank's shard after every
         microbatch, as a single process running the same microbatches updates them."""
         for name, value in zip(self.graphs.buffer_updates, values):
-            self._buffers[name].copy_(value)
+            self.local_buffers[name].copy_(value)
 
     def named_buffers(self) -> list[tuple[str, DTensor]]:
         """The buffers the forward updates, as DTensors over this rank's shards (the same
         storage: a checkpoint load writes into them)."""
         placements = {s.name: s.placements for s in self.graphs.slots if s.role is Role.BUFFER}
-        return [(name, DTensor.from_local(self._buffers[name], self.mesh,
+        return [(name, DTensor.from_local(self.local_buffers[name], self.mesh,
                                           bridge.to_dtensor_placements(placements[name]), run_check=False))
                 for name in self.graphs.buffer_updates]
 
@@ -271,7 +278,7 @@ class SpmdProgram:
             param.grad = gradient_for(param, g)
         return grad_bytes
 
-    def _global_loss(self, local: torch.Tensor) -> float:
+    def global_loss(self, local: torch.Tensor) -> float:
         """The step's loss on every rank: one scalar all-reduce over each mesh axis where the
         ILP left the loss Partial (priced: cost_model.loss_report_time_s), issued on the
         axis's process group directly, not through DTensor (`from_local(...).full_tensor()`):
@@ -293,7 +300,7 @@ class SpmdProgram:
                           if isinstance(v, torch.Tensor) and v.dim() > 0)
         return StepStats(parameter_bytes=sum(p._local_tensor.numel() * p._local_tensor.element_size()
                                              for p in self._params.values())
-                         + sum(t.numel() * t.element_size() for t in self._compute.values()),
+                         + self.compute_copy_bytes(),
                          gradient_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 

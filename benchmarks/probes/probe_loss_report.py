@@ -9,7 +9,7 @@ Two parts, each on `--devices` spawned gloo ranks:
    and skips the empty ones, so fewer than 2 n elements run fewer ring messages.
 2. in place: a data-parallel program of the sweep's model (`--size`, dp = devices, one
    microbatch per step) stepped in rounds where the step's loss report
-   (autopar/runtime/spmd.py `SpmdProgram._global_loss`) runs as usual, is skipped, or is
+   (autopar/runtime/spmd.py `SpmdProgram.global_loss`) runs as usual, is skipped, or is
    issued two or four times, the variants in a rotating order each round; per variant the
    fastest and median step, and the median over rounds of (variant - usual): what the
    report costs where the step issues it, and what one more costs right after it. Beside
@@ -65,7 +65,7 @@ def _rank(rank: int, spec: str, rounds: int) -> dict[str, Any]:
             best = min(best, (time.perf_counter() - start) / CALLS)
         back_to_back[elements] = best
 
-    real = SpmdProgram._global_loss
+    real = SpmdProgram.global_loss
     variant = [VARIANTS[0]]
 
     def report(self: Any, local: Any) -> float:
@@ -75,7 +75,7 @@ def _rank(rank: int, spec: str, rounds: int) -> dict[str, Any]:
             real(self, local)
         return real(self, local)
 
-    SpmdProgram._global_loss = report
+    SpmdProgram.global_loss = report
     source = resolve(spec)
     batch = source.example_inputs(sweep_cpu.GLOBAL_BATCH, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def _rank(rank: int, spec: str, rounds: int) -> dict[str, Any]:
             compiled.step(batch)
             dist.barrier()
             steps[v].append(time.perf_counter() - start)
-    SpmdProgram._global_loss = real
+    SpmdProgram.global_loss = real
     return {"back_to_back": back_to_back, "steps": steps}
 
 

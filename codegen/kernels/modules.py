@@ -48,8 +48,9 @@ EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 Face's Llama-family RMSNorm: variance_epsilon)."""
 
 PROBE_ROWS = 3
-"""Token rows of the probe input (one batch of 3): enough that a formula equal on it is
-the module's function, small enough for an 8B model's MLP in well under a second."""
+"""Token rows of the probe input (one batch of 3): a random input on which a different
+formula would differ, and cheap: forward and backward of an 8B model's MLP (4096 x 14336)
+on 3 rows is about 2 GFLOP, once per signature."""
 
 
 class FusedRMSNorm(nn.Module):

@@ -1,5 +1,8 @@
 """Training with the fused kernels swapped in (as the runtime does on GPU) gives the same
-losses as the single-process run of the unfused model: 2 gloo ranks, ZeRO-3 over dp 2."""
+losses as the single-process run of the unfused model, on 2 gloo ranks: the zoo's Llama
+under ZeRO-3 over dp 2, and a Hugging Face Llama (its LlamaRMSNorm and LlamaMLP swapped by
+structure and probe, codegen/kernels/modules.py) under tp 2, the fused ops sharded by their
+own DTensor rules (codegen/kernels/sharding.py)."""
 
 from __future__ import annotations
 
@@ -17,30 +20,40 @@ from codegen.kernels.ops import LIB
 
 pytestmark = pytest.mark.dist
 
-JOB = TrainJob(model="llama-tiny", configs=(ParallelConfig(dp=2, zero=3),), steps=3, global_batch=4)
+JOBS = (TrainJob(model="llama-tiny", configs=(ParallelConfig(dp=2, zero=3),), steps=3, global_batch=4),
+        TrainJob(model="tests.hf_factories:llama", configs=(ParallelConfig(tp=2),), steps=3))
 
 
-def _worker(rank: int, placed: str) -> list[float]:
+def _worker(rank: int, placed: tuple[str, ...]) -> list[dict]:
     from autopar.plan import ProgramPlacements
 
     os.environ.pop("TRITON_INTERPRET", None)  # the ops' reference path: the kernels have their own tests
-    model, batches, _ = build_model_and_batches(JOB)
-    program = build_program(model, ProgramPlacements.loads(placed),
-                            optimizer=functools.partial(torch.optim.AdamW, lr=JOB.lr), example_inputs=batches[0])
-    fused = sorted({type(m).__name__ for m in program.model.modules()
-                    if type(m).__module__ == "codegen.kernels.modules"})
-    # the fused ops are in the per-rank program the ILP sharded, not only in the module tree
-    in_graph = f"{LIB}." in program.graphs.step.code
-    return {"fused": fused, "in_graph": in_graph, "losses": [program.step(batch) for batch in batches]}
+    out = []
+    for job, text in zip(JOBS, placed):
+        model, batches, _ = build_model_and_batches(job)
+        program = build_program(model, ProgramPlacements.loads(text),
+                                optimizer=functools.partial(torch.optim.AdamW, lr=job.lr), example_inputs=batches[0])
+        fused = sorted({type(m).__name__ for m in program.model.modules()
+                        if type(m).__module__ == "codegen.kernels.modules"})
+        # the fused ops are in the per-rank program the ILP sharded, not only in the module tree
+        in_graph = f"{LIB}." in program.graphs.step.code
+        out.append({"fused": fused, "in_graph": in_graph, "losses": [program.step(batch) for batch in batches]})
+    return out
 
 
 def test_fused_kernels_train_like_the_reference():
-    expected, _ = reference_run(JOB)
     from autopar.placing import program_placements
 
-    model, batches, _ = build_model_and_batches(JOB)
-    # solved before the ranks start, on the step traced with the fused modules (which the ranks then swap in)
-    placed = program_placements(model, JOB.configs[0], batches[0], fused_kernels=True).dumps()
-    for result in spawn(_worker, 2, (placed,)):
-        assert result["fused"] and result["in_graph"], "no fused module was swapped in"
-        assert result["losses"] == pytest.approx(expected, rel=1e-4)
+    placed = []
+    for job in JOBS:
+        model, batches, _ = build_model_and_batches(job)
+        # solved before the ranks start, on the step traced with the fused modules (which the ranks then swap in)
+        placed.append(program_placements(model, job.configs[0], batches[0], fused_kernels=True).dumps())
+    results = spawn(_worker, 2, (tuple(placed),))
+    for j, job in enumerate(JOBS):
+        expected, _ = reference_run(job)
+        for per_rank in results:
+            result = per_rank[j]
+            assert {"FusedRMSNorm", "FusedSwiGLU"} <= set(result["fused"]), result["fused"]
+            assert result["in_graph"], "no fused op in the per-rank program"
+            assert result["losses"] == pytest.approx(expected, rel=1e-4)

@@ -1,5 +1,5 @@
 """Price = run for the reported loss: the one-stage program reduces its loss over every
-mesh axis where the ILP left it Partial (autopar/runtime/spmd.py `_global_loss`), and the
+mesh axis where the ILP left it Partial (autopar/runtime/spmd.py `global_loss`), and the
 step's price (solver/spmd_search.py `estimate`) carries exactly that, once per step."""
 
 from __future__ import annotations
