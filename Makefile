@@ -24,11 +24,15 @@ demo: $(STAMP)
 	$(BIN)/autopar explain out/demo-plan.json
 	$(BIN)/autopar train llama-small --devices 4 --plan out/demo-plan.json --steps 10 --check
 
-# The single-process tests on 2 workers (pytest-xdist), then the multi-process gloo tests one
-# at a time: each of those already spawns 2-8 ranks on the machine's cores.
+# The single-process tests on 2 workers (pytest-xdist); then the multi-process gloo tests, two
+# files at a time (a file's ranks leave cores idle while its parent searches, traces or waits
+# on a CLI process: one file at a time kept the cores 83% busy, two keep them 99% busy); then,
+# one at a time, the tests marked `alone`, whose timeouts, timings or streamed output assume
+# that no other test's ranks share the cores.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests/unit tests/kernels
-	$(BIN)/python -m pytest -q tests/dist tests/bench
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone" tests/dist tests/bench
+	$(BIN)/python -m pytest -q -m alone tests/dist
 
 # `make bench` includes the torchtitan comparison when `make bench-install` was run, and
 # prints one line saying it was skipped otherwise.

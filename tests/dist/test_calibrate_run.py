@@ -17,7 +17,7 @@ from cost_model.collectives import (
     reduce_scatter_time_s,
 )
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.alone]
 
 
 def test_calibrate_writes_a_usable_profile_and_an_odd_world_finishes(tmp_path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from autopar import cli
 from autopar.runtime import checkpoint
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.alone]
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
 

@@ -26,7 +26,7 @@ from autopar.build import build_program
 from autopar.plan import ProgramPlacements
 from autopar.runtime.launch import RankFailure, spawn
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.alone]
 
 FAULT_ENV = "AUTOPAR_TEST_FAULT"
 """'<rank>:<forward call>:<stamp file>': that rank exits with code 9 at that forward call."""

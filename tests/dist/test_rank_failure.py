@@ -20,7 +20,7 @@ from autopar.build import build_program
 from autopar.plan import ProgramPlacements
 from autopar.runtime.launch import RankFailure, spawn
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.alone]
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
 
