@@ -1,8 +1,10 @@
 """Training with the fused kernels swapped in (as the runtime does on GPU) gives the same
 losses as the single-process run of the unfused model, on 2 gloo ranks: the zoo's Llama
 under ZeRO-3 over dp 2, and a Hugging Face Llama (its LlamaRMSNorm and LlamaMLP swapped by
-structure and probe, codegen/kernels/modules.py) under tp 2, the fused ops sharded by their
-own DTensor rules (codegen/kernels/sharding.py)."""
+structure and probe, codegen/kernels/modules.py) under tp 2, with the placements the ILP
+solved on the fused step (for this small model it keeps the fused ops whole over tp, as it
+keeps their unfused ops in the unfused step; the fused ops' sharding rules are
+codegen/kernels/sharding.py's)."""
 
 from __future__ import annotations
 
