@@ -6,6 +6,8 @@
   interpreter, and triton reads the variable once, at import.
 - `no_ranks_started`: a fixture that records and refuses every process start, for the
   bad-input tests that must fail before any rank starts.
+- `fake_mesh(shape)`: a DeviceMesh over torch's fake process group (rank 0 of the mesh's
+  size; no communication), for the single-process tests of DTensor dispatch.
 - The repository root on sys.path, so `tests.factories:NAME` resolves as a model factory
   here and in spawned ranks (they inherit sys.path), whatever the working directory.
 - No launcher's world: a suite started inside a torchrun or SLURM job step would see
@@ -16,6 +18,8 @@
   set it themselves.
 """
 
+import contextlib
+import math
 import multiprocessing.process
 import os
 import sys
@@ -49,3 +53,16 @@ def no_ranks_started(monkeypatch):
     yield started
     assert started == [], started
     assert not dist.is_initialized()
+
+
+@contextlib.contextmanager
+def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...] = ("dp", "tp")):
+    """A (dp, tp) DeviceMesh of `shape` over torch's fake process group, as rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+    try:
+        yield init_device_mesh("cpu", shape, mesh_dim_names=names)
+    finally:
+        dist.destroy_process_group()

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.placement import Replicate, Shard
 from autopar.sharding import NodeStrategy
 from codegen.apply import _wrap_replicated_plain_outputs
+from tests.conftest import fake_mesh
 
 
 @pytest.fixture
 def mesh():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((1, 1)) as m:
+        yield m
 
 
 def _dt(t: torch.Tensor, mesh, placements) -> DTensor:

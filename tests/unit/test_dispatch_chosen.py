@@ -6,24 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial as DPartial, Replicate as DReplicate, Shard as DShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar import dtensor_bridge as bridge
 from autopar.placement import Partial, Replicate, Shard
+from tests.conftest import fake_mesh
 
 aten = torch.ops.aten
 
 
 @pytest.fixture
 def mesh():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((2, 2)) as m:
+        yield m
 
 
 @pytest.fixture

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from autopar.runtime.program import gradient_for
+from tests.conftest import fake_mesh
 
 
 @pytest.fixture
 def mesh():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((2, 2)) as m:
+        yield m
 
 
 @pytest.mark.parametrize("placements", [(Replicate(), Replicate()), (Replicate(), Shard(0)), (Shard(1), Shard(0))])
