@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
