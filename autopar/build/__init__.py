@@ -48,8 +48,8 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
     `placed.fused_kernels` (pp = 1): the placements were solved on the step traced with the
     fused Triton ops of codegen/kernels swapped in for the model's norms and MLPs wherever
     they provably compute the same (codegen/kernels/modules.py), so they are swapped in here too before tracing; parameter names and values are
-    unchanged, so checkpoints do not notice. Not with tp > 1 (the fused ops have no
-    DTensor sharding rules yet).
+    unchanged, so checkpoints do not notice. With tp > 1 the fused ops take the placements
+    the ILP chose among their own DTensor rules (codegen/kernels/sharding.py).
 
     `config.compiled`: every per-rank graph runs through Inductor (codegen/inductor.py),
     compiled at its first call (`program.compile_times()` says how long each took)."""
