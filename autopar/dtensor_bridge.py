@@ -293,8 +293,8 @@ def register_project_rules() -> None:
 # before. Either way the apply step checks the output placements against the plan's.
 #
 # Before either, DTensor computes the op's global output shape, strides and dtype by
-# running it on fake tensors of the inputs' global shapes (a tenth of the apply step's
-# time in the same measurement). The traced step recorded exactly that when it ran the
+# running it on fake tensors of the inputs' global shapes (about a tenth of the apply
+# step's time in the same measurement). The traced step recorded exactly that when it ran the
 # same op on the same global shapes: where the apply step passes the traced output
 # (`traced`: a single-tensor op whose inputs have the traced shapes and dtypes), DTensor
 # takes it.
@@ -310,7 +310,7 @@ _FAKE_RUN: list[Callable[..., Any]] = []
 
 @contextlib.contextmanager
 def dispatching(op: Any, outputs: tuple[Placements, ...],
-                traced: tuple[tuple[tuple[int, ...], ...], TensorMeta] | None = None) -> Any:
+                traced: tuple[tuple[tuple[tuple[int, ...], str], ...], TensorMeta] | None = None) -> Any:
     """While DTensor dispatches `op`, whose inputs are already in the plan's placements,
     its sharding propagation takes the strategy whose outputs are `outputs` (autopar
     placements, one tuple per tensor output) when its rules match the inputs directly.

@@ -154,7 +154,7 @@ def _runnable(op: Any) -> Any:
     return op
 
 
-def _traced(op: Any, ir: Any, graph: Graph) -> tuple[tuple[tuple[int, ...], ...], Any] | None:
+def _traced(op: Any, ir: Any, graph: Graph) -> tuple[tuple[tuple[tuple[int, ...], str], ...], Any] | None:
     """(input shapes and dtypes, output TensorMeta) of `ir` as traced, for an op with one tensor
     output (dtensor_bridge.dispatching); None for any other."""
     if not isinstance(op, torch._ops.OpOverload) or len(ir.outputs) != 1:

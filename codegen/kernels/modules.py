@@ -25,7 +25,8 @@ module. The candidates:
   parameter-free ones -> FusedBiasGeluMLP   proj(gelu_tanh(x W_fc^T + b_fc)).
 The probe runs once per (signature, form, roles) and its verdict holds for every module
 with that key, the signature being the classes and plain attributes of the module and of
-every module under it (`_signature`): modules alike in those run the same code. Modules with meta-device parameters are not probed, and stay as they are.
+every module under it (`_signature`): modules alike in those run the same code. Modules
+with meta-device parameters are not probed, and stay as they are.
 Parameter names are unchanged (`weight`, `w1.weight`, `gate_proj.weight`, `fc.bias`, ...),
 and so is the order of `named_parameters()`, so state dicts, plans and checkpoints keep
 working.
