@@ -199,8 +199,9 @@ def _zoo_tracer(model: str, seq: int | None, source: Any, policy: Any, compiled:
                                               policy)
         return replace(_ZOO_TRACES[key], compiled=True) if compiled else _ZOO_TRACES[key]
 
-    trace_at.batch_scaling = True  # type: ignore[attr-defined]  # a zoo model: solver/spmd_search.py traced
-    return trace_at
+    from solver.spmd_search import BatchScalingTracer  # lazy: the API imports the solver only inside functions
+
+    return BatchScalingTracer(trace_at)  # a zoo model's structure does not depend on its batch
 
 
 def _module_and_batch(model: Any, source: Any, example_inputs: Sequence[Any] | None

@@ -54,7 +54,7 @@ from solver.pipeline_search import search  # noqa: E402
 from solver.pipeline_stages import (  # noqa: E402
     MAX_RANK_MICROBATCH, ZERO_CHOICES, StageCostCache, boundary_p2p_s, pipeline_loss_report_s, whole_nodes)
 from solver.search_config import SearchConfig  # noqa: E402
-from solver.spmd_search import SpmdCandidate, estimate, traced  # noqa: E402
+from solver.spmd_search import BatchScalingTracer, SpmdCandidate, estimate, traced  # noqa: E402
 from solver.stage_costs import placement_summary  # noqa: E402
 from solver.stage_dp import Schedule, stage_memory_bytes, stage_time_s, step_time_s  # noqa: E402
 
@@ -345,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         source = resolve(job.spec).with_overrides(seq=job.seq)
 
-        def trace_at(rows_: int, recompute: str = "none", _s: Any = source, _k: str = job.spec,
+        def trace_rows(rows_: int, recompute: str = "none", _s: Any = source, _k: str = job.spec,
                      _q: int = job.seq) -> Any:
             key = (_k, _q, rows_, recompute)
             if key not in traces:
                 traces[key] = trace_model(_s, batch=rows_, dtype="bfloat16", layers_traced=2, recompute=recompute)
             return traces[key]
 
-        trace_at.batch_scaling = True  # type: ignore[attr-defined]  # zoo models (solver/spmd_search.py traced)
+        trace_at = BatchScalingTracer(trace_rows)  # zoo models (solver/spmd_search.py traced)
         info = trace_at(1).model
         L = info.num_layers
         cluster = Cluster.parse(job.cluster).with_memory_gb(job.memory_gb)

@@ -70,10 +70,21 @@ AXIS_NAMES = ("dp", "tp")
 TraceAt = Callable[..., Graph]
 """trace_at(global microbatch sequences, recompute="none") -> the lowered training step at
 that batch, rewritten for the recomputation policy (autopar/recompute.py) as the runtime
-traces it. A trace_at with the attribute `batch_scaling = True` (the zoo's models, whose
-structure does not depend on the batch: autopar/api.py) lets `traced` extrapolate the
-traces at 2 and 4 sequences to other microbatches instead of tracing each; any other
-model (a user's or Hugging Face module may branch on its batch size) is traced at each."""
+traces it. A BatchScalingTracer (the zoo's models, whose structure does not depend on the
+batch: autopar/api.py) lets `traced` extrapolate the traces at 2 and 4 sequences to other
+microbatches instead of tracing each; any other model (a user's or Hugging Face module may
+branch on its batch size) is traced at each."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchScalingTracer:
+    """A TraceAt whose model's structure does not depend on its batch (the zoo's models):
+    `traced` extrapolates its traces at 2 and 4 sequences to any other even microbatch."""
+
+    trace_at: TraceAt
+
+    def __call__(self, rows: int, recompute: str = "none") -> Graph:
+        return self.trace_at(rows, recompute=recompute)
 
 
 def traced(graphs: dict[Any, Graph], trace_at: TraceAt, microbatch: int, recompute: str = "none") -> Graph:
@@ -85,7 +96,7 @@ def traced(graphs: dict[Any, Graph], trace_at: TraceAt, microbatch: int, recompu
     key = key_at(microbatch)
     if key not in graphs:
         got = None
-        if getattr(trace_at, "batch_scaling", False) and microbatch > 4 and microbatch % 2 == 0:
+        if isinstance(trace_at, BatchScalingTracer) and microbatch > 4 and microbatch % 2 == 0:
             # the traces at 2 and 4 sequences give every other even microbatch (autopar.ir
             # extrapolate_batch: exact where the two differ as a batch scaling, else None)
             got = extrapolate_batch(traced(graphs, trace_at, 2, recompute), traced(graphs, trace_at, 4, recompute),

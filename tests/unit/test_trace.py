@@ -296,12 +296,12 @@ def test_extrapolation_refuses_what_is_not_a_batch_scaling():
 
 
 def test_the_search_extrapolates_only_models_marked_batch_scaling():
-    """solver/spmd_search.py traced: a zoo trace_at (batch_scaling) is traced at 2 and 4
+    """solver/spmd_search.py traced: a zoo trace_at (a BatchScalingTracer) is traced at 2 and 4
     sequences and extrapolated to 8 and 16, equal to their traces; an unmarked one (a user
     module may branch on its batch) is traced at every microbatch."""
     import dataclasses
 
-    from solver.spmd_search import traced
+    from solver.spmd_search import BatchScalingTracer, traced
 
     src = resolve(TINY_LLAMA)
     calls: list[int] = []
@@ -313,10 +313,9 @@ def test_the_search_extrapolates_only_models_marked_batch_scaling():
     graphs: dict = {}
     got = [traced(graphs, trace_at, g) for g in (8, 16)]
     assert calls == [8, 16]
-    trace_at.batch_scaling = True
     calls.clear()
     graphs = {}
-    got_scaled = [traced(graphs, trace_at, g) for g in (8, 16)]
+    got_scaled = [traced(graphs, BatchScalingTracer(trace_at), g) for g in (8, 16)]
     assert calls == [2, 4]
     assert got_scaled == [dataclasses.replace(g, trace_time_s=0.0) for g in got]
 
