@@ -19,7 +19,13 @@ data-parallel ranks beside ZeRO-1 (`--dp 4 --zero 1 --ep 4`, the layout Megatron
 torchtitan run): the ILP stores the experts split on e over dp (solver/forced.py
 `expert_stack`), the dense weights whole with their update sharded, and moves the token
 slots from their batch split to the expert split and back (the dispatch and combine
-all-to-alls, solver/intra_op/restrict.py `exchange_nodes`).
+all-to-alls, solver/intra_op/restrict.py `exchange_nodes`). A fourth is that layout with
+tensor parallelism inside (`--dp 2 --tp 2 --ep 2 --zero 1`): the experts stored split on e
+over dp whatever the ILP does with tp. The same four-rank spawn runs all four.
+
+On eight ranks, one pipeline with expert parallelism in its stages (`--pp 2 --dp 2 --tp 2
+--ep 2 --zero 1`): each stage, one MoE layer on a (dp 2, tp 2) submesh, stores its experts
+split on e over its dp axis, and the losses and parameters match the reference likewise.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from autopar.config import ParallelConfig
 from autopar.models import resolve
 from autopar.placement import Shard
 from autopar.build import train_worker
+from autopar.build.chunks import trace_chunks
 from autopar.placing import priced_per_step, solve_config
-from autopar.plan import ProgramPlacements
+from autopar.ir import Graph
+from autopar.plan import OpPlacement, ProgramPlacements
 from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 from autopar.trace import trace_step
@@ -51,6 +59,14 @@ EP_OVER_DP = ParallelConfig(dp=4, zero=1, ep=4, micro_batch=1)
 PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
 """Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance
 loss is added to the training loss in the last stage, so it must cross the stage boundary."""
+EP_TP = ParallelConfig(dp=2, tp=2, ep=2, zero=1, micro_batch=2)
+"""Expert parallelism over dp with tensor parallelism inside: the experts stored split on e
+over dp, the tp axis the ILP's to use."""
+PIPELINE_EP = ParallelConfig(pp=2, dp=2, tp=2, ep=2, zero=1, micro_batch=1)
+"""Eight ranks: two stages of one MoE layer each, each on a (dp 2, tp 2) submesh storing its
+experts split on e over its dp axis."""
+PIPELINE_EP_BATCH = 4
+"""The smallest global batch PIPELINE_EP runs as a pipeline: two microbatches of dp rows."""
 BATCH = 8
 EXPERT_WEIGHTS = ("moe.w1", "moe.w3", "moe.w2")
 """The routed experts' weights, [E, d, f] / [E, f, d], under each layer's module path."""
@@ -60,12 +76,60 @@ def _worker(rank: int, job: TrainJob) -> list:
     return train_worker(rank, job)
 
 
+RUNS = {"dp2xtp2": CONFIG, "pp2xtp2": PIPELINE, "ep4_over_dp": EP_OVER_DP, "ep2xtp2": EP_TP}
+"""The four-rank spawn's configurations, by the name the tests give them."""
+
+
 @pytest.fixture(scope="module")
 def run():
-    job, = place_jobs(TrainJob(model=MODEL, configs=(CONFIG, PIPELINE, EP_OVER_DP), steps=3, global_batch=BATCH,
+    """(per configuration name: every rank's RunResult; the reference's (losses,
+    parameters); the job as placed)."""
+    job, = place_jobs(TrainJob(model=MODEL, configs=tuple(RUNS.values()), steps=3, global_batch=BATCH,
                                return_parameters=True))
     results = spawn(_worker, 4, (job,))
-    return [r[0] for r in results], reference_run(job), [r[1] for r in results], [r[2] for r in results], job
+    return {name: [r[i] for r in results] for i, name in enumerate(RUNS)}, reference_run(job), job
+
+
+@pytest.fixture(scope="module")
+def run_pipeline_ep():
+    """PIPELINE_EP on eight ranks, as `run`: ({"pp2xep2xtp2": every rank's RunResult},
+    the reference, the job)."""
+    job, = place_jobs(TrainJob(model=MODEL, configs=(PIPELINE_EP,), steps=3, global_batch=PIPELINE_EP_BATCH,
+                               return_parameters=True))
+    results = spawn(_worker, 8, (job,))
+    return {"pp2xep2xtp2": [r[0] for r in results]}, reference_run(job), job
+
+
+def _chunks(job: TrainJob, which: int) -> list[tuple[Graph, dict[str, OpPlacement]]]:
+    """Per chunk of configuration `which` of `job`: its graph as the ranks traced it (the
+    step at one microbatch; a pipeline's chunks) and its placements by node key."""
+    config = job.configs[which]
+    chunks = {c.chunk: c for c in ProgramPlacements.loads(job.placements[which]).placements}
+    source = resolve(MODEL)
+    example = source.example_inputs(job.global_batch)
+    if config.pp == 1:
+        rows = config.dp * config.micro_batch
+        graphs = [(0, trace_step(source.build(), batch_rows(example, 0, rows, batch_size(example)))[1])]
+    else:
+        graphs = [(stage.index, stage.graph) for stage in trace_chunks(source.build(), config, example)]
+    return [(graph, {p.key: p for p in chunks[chunk].placements}) for chunk, graph in graphs]
+
+
+def _stored(graph: Graph, by_key: dict[str, OpPlacement]) -> dict[str, OpPlacement]:
+    """Each parameter's placement row in one chunk, by parameter name."""
+    keys = graph.node_keys()
+    return {n.param_name: by_key[keys[n.id]] for n in graph.nodes if n.op == "placeholder" and n.param_name}
+
+
+def _check_experts_over_dp(stored: dict[str, OpPlacement]) -> None:
+    """The `--ep` layout beside ZeRO-1: the routed experts stored split on e over dp (the
+    mesh's first axis) with no update placement of their own, the dense weights whole over
+    dp with their update sharded there."""
+    for name, row in stored.items():
+        if name.endswith(EXPERT_WEIGHTS) and ".shared." not in name:
+            assert row.outputs[0].startswith("(S(0)") and row.update == "", (name, row)
+        elif name.endswith("attention.wq.weight"):
+            assert row.outputs[0].startswith("(R") and row.update.startswith("(S("), (name, row)
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +154,10 @@ def test_experts_are_sharded_on_the_expert_dim(solved):
         assert Shard(0) in placements, (name, placements)
 
 
-@pytest.mark.parametrize("which", ["dp2xtp2", "pp2xtp2", "ep4_over_dp"])
-def test_losses_and_parameters_match_the_reference(run, which):
-    one_stage, (ref_losses, ref_params), pipeline, ep_over_dp, _ = run
-    per_rank = {"dp2xtp2": one_stage, "pp2xtp2": pipeline, "ep4_over_dp": ep_over_dp}[which]
+@pytest.mark.parametrize("which", [*RUNS, "pp2xep2xtp2"])
+def test_losses_and_parameters_match_the_reference(request, which):
+    runs, (ref_losses, ref_params), _ = request.getfixturevalue("run" if which in RUNS else "run_pipeline_ep")
+    per_rank = runs[which]
     losses = per_rank[0].losses
     assert len(losses) == 3 and all(r.losses == losses for r in per_rank), "every rank reports the same global loss"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
@@ -110,7 +174,8 @@ def test_price_equals_run(run, solved):
     """Every rank's program runs per step the collectives the ILP priced, by (kind, mesh
     axis): calls and bytes; the solution inspected above is the one that ran (same priced
     collectives)."""
-    per_rank, _, _, ep_over_dp, _ = run
+    runs, _, _ = run
+    per_rank = runs["dp2xtp2"]
     graph, solution = solved
     microbatches = BATCH // (CONFIG.dp * CONFIG.micro_batch)
     assert priced_per_step(solution, microbatches, ("dp", "tp")) == per_rank[0].priced
@@ -124,13 +189,8 @@ def test_experts_over_dp_run_where_their_tokens_are_sent(run):
     backward, on its own expert (the stacked weight and the token slots split on e over dp:
     no weight gathered), and its collectives per step are those the ILP priced: on gloo
     each dispatch or combine runs as an all-gather of the slots and a local chunk."""
-    *_, ep_over_dp, job = run
-    placed = ProgramPlacements.loads(job.placements[2])
-    by_key = {p.key: p for p in placed.placements[0].placements}
-    source = resolve(MODEL)
-    example = source.example_inputs(BATCH)
-    rows = EP_OVER_DP.dp * EP_OVER_DP.micro_batch
-    _, graph = trace_step(copy.deepcopy(source.build()), batch_rows(example, 0, rows, batch_size(example)))
+    runs, _, job = run
+    (graph, by_key), = _chunks(job, list(RUNS).index("ep4_over_dp"))
     keys = graph.node_keys()
     expert_matmuls = [n for n in graph.nodes if n.op == "aten.bmm.default" and any(  # f = 48: experts only
         48 in shape for shape in (n.output.shape, *(graph[i].output.shape for i in n.inputs)))]
@@ -138,12 +198,26 @@ def test_experts_over_dp_run_where_their_tokens_are_sent(run):
     for n in expert_matmuls:
         inputs = by_key[keys[n.id]].inputs
         assert all(layout.startswith("(S(0)") for layout in inputs), (n.name, inputs)
-    stored = {n.param_name: by_key[keys[n.id]] for n in graph.nodes if n.op == "placeholder" and n.param_name}
-    for name, row in stored.items():  # experts stored split on e; dense weights whole, updates sharded (ZeRO-1)
-        if name.endswith(EXPERT_WEIGHTS) and ".shared." not in name:
-            assert row.outputs[0].startswith("(S(0)") and row.update == "", (name, row)
-        elif name.endswith("attention.wq.weight"):
-            assert row.outputs[0].startswith("(R") and row.update.startswith("(S("), (name, row)
-    for rank, r in enumerate(ep_over_dp):
+    _check_experts_over_dp(_stored(graph, by_key))
+    for rank, r in enumerate(runs["ep4_over_dp"]):
         assert r.priced is not None and r.collectives == r.priced, f"rank {rank}"
         assert any(kind == "all_gather" for kind, _ in r.collectives), r.collectives
+
+
+@pytest.mark.parametrize("which", ["ep2xtp2", "pp2xep2xtp2"])
+def test_experts_stay_split_over_dp_beside_tp_and_stages(request, which):
+    """`--ep` composes with tp and pipeline stages: under EP_TP, and in every stage of
+    PIPELINE_EP, both layers' routed experts are stored split on e over dp (whatever tp
+    adds) and the dense weights whole over dp, update sharded (ZeRO-1); every rank's
+    collectives per step are those its ILP solutions priced."""
+    runs, _, job = request.getfixturevalue("run" if which in RUNS else "run_pipeline_ep")
+    which_config = list(RUNS).index(which) if which in RUNS else 0
+    stored: dict[str, OpPlacement] = {}
+    for graph, by_key in _chunks(job, which_config):
+        chunk = _stored(graph, by_key)
+        assert any(name.endswith(EXPERT_WEIGHTS) for name in chunk), "every chunk holds one MoE layer"
+        stored.update(chunk)
+    assert sum(name.endswith(EXPERT_WEIGHTS) and ".shared." not in name for name in stored) == 2 * 3, stored
+    _check_experts_over_dp(stored)
+    for rank, r in enumerate(runs[which]):
+        assert r.priced is not None and r.collectives == r.priced, f"rank {rank}"
