@@ -11,21 +11,20 @@ gathering the whole is no dearer there than an all-to-all (the all-to-alls of a 
 mesh's program are checked against their price in tests/unit/test_moe.py).
 3 AdamW steps, 2 microbatches per step: losses equal the single-process reference (rtol
 1e-4), parameters stay close (atol 1e-3), and the collectives each rank's program runs
-per step (kind, mesh axis, calls, bytes) equal those the ILP priced. The same model also
-trains as a pipeline of two stages on (dp 1, tp 2) submeshes (`--pp 2 --tp 2`), the
-layers' balance losses crossing the stage boundary; which placements its stages' ILPs
-choose is not checked here. A third configuration is expert parallelism over the
+per step (kind, mesh axis, calls, bytes) equal those the ILP priced. A second
+configuration is expert parallelism over the
 data-parallel ranks beside ZeRO-1 (`--dp 4 --zero 1 --ep 4`, the layout Megatron-Core and
 torchtitan run): the ILP stores the experts split on e over dp (solver/forced.py
 `expert_stack`), the dense weights whole with their update sharded, and moves the token
 slots from their batch split to the expert split and back (the dispatch and combine
-all-to-alls, solver/intra_op/restrict.py `exchange_nodes`). A fourth is that layout with
+all-to-alls, solver/intra_op/restrict.py `exchange_nodes`). A third is that layout with
 tensor parallelism inside (`--dp 2 --tp 2 --ep 2 --zero 1`): the experts stored split on e
-over dp whatever the ILP does with tp. The same four-rank spawn runs all four.
+over dp whatever the ILP does with tp. The same four-rank spawn runs all three.
 
 On eight ranks, one pipeline with expert parallelism in its stages (`--pp 2 --dp 2 --tp 2
 --ep 2 --zero 1`): each stage, one MoE layer on a (dp 2, tp 2) submesh, stores its experts
-split on e over its dp axis, and the losses and parameters match the reference likewise.
+split on e over its dp axis, each layer's load-balance loss crosses the stage boundary to
+the loss in the last stage, and the losses and parameters match the reference likewise.
 """
 
 from __future__ import annotations
@@ -56,15 +55,13 @@ MODEL = "moe:layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,seq=16,experts=4,to
 CONFIG = ParallelConfig(dp=2, tp=2, micro_batch=2)
 EP_OVER_DP = ParallelConfig(dp=4, zero=1, ep=4, micro_batch=1)
 """Four ranks, data parallel with ZeRO-1: each rank holds one expert of each layer."""
-PIPELINE = ParallelConfig(pp=2, tp=2, micro_batch=2)
-"""Two stages of one MoE layer each, on (dp 1, tp 2) submeshes: each layer's load-balance
-loss is added to the training loss in the last stage, so it must cross the stage boundary."""
 EP_TP = ParallelConfig(dp=2, tp=2, ep=2, zero=1, micro_batch=2)
 """Expert parallelism over dp with tensor parallelism inside: the experts stored split on e
 over dp, the tp axis the ILP's to use."""
 PIPELINE_EP = ParallelConfig(pp=2, dp=2, tp=2, ep=2, zero=1, micro_batch=1)
 """Eight ranks: two stages of one MoE layer each, each on a (dp 2, tp 2) submesh storing its
-experts split on e over its dp axis."""
+experts split on e over its dp axis; each layer's load-balance loss is added to the
+training loss in the last stage, so it crosses the stage boundary."""
 PIPELINE_EP_BATCH = 4
 """The smallest global batch PIPELINE_EP runs as a pipeline: two microbatches of dp rows."""
 BATCH = 8
@@ -76,7 +73,7 @@ def _worker(rank: int, job: TrainJob) -> list:
     return train_worker(rank, job)
 
 
-RUNS = {"dp2xtp2": CONFIG, "pp2xtp2": PIPELINE, "ep4_over_dp": EP_OVER_DP, "ep2xtp2": EP_TP}
+RUNS = {"dp2xtp2": CONFIG, "ep4_over_dp": EP_OVER_DP, "ep2xtp2": EP_TP}
 """The four-rank spawn's configurations, by the name the tests give them."""
 
 
