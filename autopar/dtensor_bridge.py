@@ -173,9 +173,17 @@ def op_args(op: Any, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...],
 
 
 def tensor_meta(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str) -> TensorMeta:
-    """DTensor's TensorMeta; empty `stride` means contiguous."""
+    """DTensor's TensorMeta; empty `stride` means contiguous.
+
+    The contiguous strides are computed, not read off a tensor: apply calls this while
+    make_fx traces the per-rank step (`dispatching`'s traced metadata), where creating even
+    a meta tensor is recorded into the program, as an `aten.empty` node run at every step."""
     if not stride:
-        stride = torch.empty(shape, device="meta").stride() if shape else ()
+        out, step = [], 1
+        for d in reversed(shape):
+            out.append(step)
+            step *= max(d, 1)
+        stride = tuple(reversed(out))
     return TensorMeta(torch.Size(shape), tuple(stride), getattr(torch, dtype))
 
 
