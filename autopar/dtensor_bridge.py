@@ -44,7 +44,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
-from autopar.ir import Ref
+from autopar.ir import Ref, contiguous_strides
 from autopar.placement import Partial, Placement, Placements, Replicate, Shard, redistribute_supported
 
 aten = torch.ops.aten
@@ -178,13 +178,7 @@ def tensor_meta(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str) -> 
     The contiguous strides are computed, not read off a tensor: apply calls this while
     make_fx traces the per-rank step (`dispatching`'s traced metadata), where creating even
     a meta tensor is recorded into the program, as an `aten.empty` node run at every step."""
-    if not stride:
-        out, step = [], 1
-        for d in reversed(shape):
-            out.append(step)
-            step *= max(d, 1)
-        stride = tuple(reversed(out))
-    return TensorMeta(torch.Size(shape), tuple(stride), getattr(torch, dtype))
+    return TensorMeta(torch.Size(shape), tuple(stride or contiguous_strides(shape)), getattr(torch, dtype))
 
 
 def spec(mesh: DeviceMesh, placements: Placements, meta: TensorMeta) -> DTensorSpec:

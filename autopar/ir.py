@@ -98,6 +98,16 @@ class Ref:
     node: NodeId
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a contiguous (row-major) tensor of `shape`, as torch gives them
+    (a zero-size dim steps as a size-1 one). Arithmetic only: no tensor is made."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(out))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorMeta:
     shape: tuple[int, ...]
@@ -108,13 +118,7 @@ class TensorMeta:
     @property
     def strides(self) -> tuple[int, ...]:
         """`stride`, or the contiguous strides of `shape` when none were recorded."""
-        if self.stride:
-            return self.stride
-        out, step = [], 1
-        for d in reversed(self.shape):
-            out.append(step)
-            step *= max(d, 1)
-        return tuple(reversed(out))
+        return self.stride or contiguous_strides(self.shape)
 
     @property
     def is_floating(self) -> bool:
