@@ -80,7 +80,7 @@ def test_without_a_plan_or_for_another_op_dtensor_searches(mesh, searches) -> No
 def test_traced_metadata_records_no_op_into_the_program() -> None:
     """apply hands DTensor the traced output metadata while make_fx records the per-rank
     program: making it (contiguous strides included) must record nothing there. Made from
-    a meta tensor, it once put an `aten.empty` into the program per op, run at every step
+    a meta tensor, it would put an `aten.empty` into the program per op, run at every step
     (316 per pipeline chunk of the benchmark Llama)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
