@@ -17,13 +17,14 @@ with the launcher's checks and the wiring's solve), `pipeline` (pp > 1).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.build.one_stage import build_spmd_program
+from autopar.build.one_stage import TraceMemo, build_spmd_program
 from autopar.build.pipeline import build_pipe_spmd_program
 from autopar.capabilities import pipeline_support
 from autopar.plan import ProgramPlacements
@@ -33,7 +34,7 @@ from autopar.runtime.program import OptimizerFactory, default_optimizer
 
 def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs: Sequence[Any],
                   loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory | None = None,
-                  mesh: DeviceMesh | None = None) -> Any:
+                  mesh: DeviceMesh | None = None, memo: TraceMemo | None = None) -> Any:
     """Shard `model` (built identically on every rank) with `placed`'s per-op placements;
     collective. `example_inputs` is one global batch (its first dp * micro_batch rows are
     traced). `mesh`: pp > 1 only, a ("pp", "dp", "tp") DeviceMesh to build on (default: one
@@ -52,7 +53,10 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
     the ILP chose among their own DTensor rules (codegen/kernels/sharding.py).
 
     `config.compiled`: every per-rank graph runs through Inductor (codegen/inductor.py),
-    compiled at its first call (`program.compile_times()` says how long each took)."""
+    compiled at its first call (`program.compile_times()` says how long each took).
+
+    `memo` (pp = 1): the trace of this rank's previous build of the same job, taken again
+    where this one traces the same step (autopar/build/one_stage.py `TraceMemo`)."""
     config = placed.config
     optimizer = optimizer or default_optimizer()
     if config.pp == 1:
@@ -62,7 +66,7 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
             from codegen.kernels.modules import swap_fused_modules  # lazy: fused kernels (CUDA only), off the forkserver preload
 
             model = swap_fused_modules(model)
-        return build_spmd_program(model, placed, example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+        return build_spmd_program(model, placed, example_inputs, loss_fn=loss_fn, optimizer=optimizer, memo=memo)
     # pp > 1, any model with a repeated layer stack (the zoo's included)
     reason = pipeline_support(model, config)
     if reason is not None:
@@ -73,8 +77,9 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
 def train_worker(rank: int, job: Any) -> list[Any]:
     """The spawn target of a training job (autopar/runtime/jobs.py `TrainJob`, its
     placements decided before spawn: autopar/placing.py `place_job`): the runtime's train
-    loop with this module's build; one RunResult per configuration."""
-    return run_job(rank, job, build=build_program)
+    loop with this module's build; one RunResult per configuration, the configurations
+    that trace the same step tracing it once (`TraceMemo`)."""
+    return run_job(rank, job, build=functools.partial(build_program, memo=TraceMemo()))
 
 
 __all__ = ["build_program", "train_worker"]

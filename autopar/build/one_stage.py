@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,40 +31,65 @@ from autopar.plan import ProgramPlacements
 from autopar.runtime.program import OptimizerFactory
 from autopar.runtime.spmd import (SpmdProgram, distribute_parameters, make_spmd_mesh, master_weights,
                                   release_build_memory, run_policy)
-from autopar.trace import trace_step
+from autopar.trace import to_compute_dtype, trace_step
 from codegen.apply import apply, count_collectives
 
 log = logging.getLogger(__name__)
 
 
 def trace_microbatch(model: nn.Module, config: ParallelConfig, example: Sequence[Any], *,
-                     loss_fn: Callable[..., torch.Tensor] | None = None, device_type: str = "cpu") -> tuple[Any, Any]:
+                     loss_fn: Callable[..., torch.Tensor] | None = None, device_type: str = "cpu",
+                     memo: TraceMemo | None = None) -> tuple[Any, Any]:
     """(traced joint graph, lowered Graph) of `model`'s training step on the first global
     microbatch (dp * micro_batch rows) of `example` (one global batch), in the precision
     policy `config` runs on `device_type`, priced as it runs (compiled or not). The model
-    is cast to the policy's compute dtype in place (pass a copy to keep it)."""
+    is cast to the policy's compute dtype in place (pass a copy to keep it). `memo`: the
+    trace of the last call, taken again where this call would trace the same step."""
     rows = config.dp * config.micro_batch
     micro = batch_rows(example, 0, rows, batch_size(example))
-    traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute,
-                               precision=run_policy(config, device_type))
+    policy = run_policy(config, device_type)
+    key = (rows, config.recompute, policy)
+    if memo is not None and memo.key == key:
+        to_compute_dtype(model, micro, policy.compute)  # the cast trace_step makes, without the trace
+        traced, graph = memo.traced, memo.graph
+    else:
+        traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute, precision=policy)
+        if memo is not None:
+            memo.key, memo.traced, memo.graph = key, traced, graph
     return traced, replace(graph, compiled=config.compiled)  # priced as it runs (cost_model/table.py compiled_scale)
+
+
+@dataclass(slots=True)
+class TraceMemo:
+    """The last step one rank traced for one job (autopar/build `train_worker`): the
+    configurations of a job train one model on one batch, so those that trace the same
+    global microbatch rows under the same recomputation and precision policy (the ZeRO
+    stages of one data-parallel degree, a configuration and its compiled twin) trace the
+    same joint graph, node for node; the next one takes it instead of tracing again
+    (about a third of a small model's build). One entry: no older trace outlives the
+    build that follows it."""
+
+    key: tuple = ()
+    traced: Any = None
+    graph: Any = None
 
 
 def build_spmd_program(model: nn.Module, placed: ProgramPlacements, example: Sequence[Any], *,
                        loss_fn: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerFactory,
-                       mesh: DeviceMesh | None = None) -> SpmdProgram:
+                       mesh: DeviceMesh | None = None, memo: TraceMemo | None = None) -> SpmdProgram:
     """Compile `model` for this rank with `placed`'s per-op placements (pp = 1); collective.
 
     `example` is one global batch (its first dp * micro_batch rows are traced). The
     placements are matched to this rank's trace by node key (PlanFileError where they do
-    not match)."""
+    not match). `memo`: see `trace_microbatch`."""
     config = placed.config
     if config.pp != 1:
         raise ValueError("build_spmd_program runs pp = 1 programs; pipelines use autopar.build.build_program")
     rows = config.dp * config.micro_batch
     mesh = mesh if mesh is not None else make_spmd_mesh(config)
     masters = master_weights(model, run_policy(config, mesh.device_type))  # before the model is cast
-    traced, graph = trace_microbatch(model, config, example, loss_fn=loss_fn, device_type=mesh.device_type)
+    traced, graph = trace_microbatch(model, config, example, loss_fn=loss_fn, device_type=mesh.device_type,
+                                     memo=memo)
     num_microbatches = max(1, batch_size(example) // rows)
     choices = placed.choices_for(graph)
     priced = None if placed.collectives is None else \
