@@ -59,6 +59,10 @@ def build_program(model: nn.Module, placed: ProgramPlacements, *, example_inputs
     where this one traces the same step (autopar/build/one_stage.py `TraceMemo`)."""
     config = placed.config
     optimizer = optimizer or default_optimizer()
+    if memo is not None:
+        memo.builds_left -= 1
+        if config.pp > 1:
+            memo.keep((), None, None)  # a pipeline traces its chunks: nothing to hand on
     if config.pp == 1:
         if placed.fused_kernels:
             # traced with the fused modules in: their ops (and backward ops) are in the
@@ -79,7 +83,7 @@ def train_worker(rank: int, job: Any) -> list[Any]:
     placements decided before spawn: autopar/placing.py `place_job`): the runtime's train
     loop with this module's build; one RunResult per configuration, the configurations
     that trace the same step tracing it once (`TraceMemo`)."""
-    return run_job(rank, job, build=functools.partial(build_program, memo=TraceMemo()))
+    return run_job(rank, job, build=functools.partial(build_program, memo=TraceMemo(builds_left=len(job.configs))))
 
 
 __all__ = ["build_program", "train_worker"]

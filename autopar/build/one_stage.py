@@ -48,14 +48,14 @@ def trace_microbatch(model: nn.Module, config: ParallelConfig, example: Sequence
     rows = config.dp * config.micro_batch
     micro = batch_rows(example, 0, rows, batch_size(example))
     policy = run_policy(config, device_type)
-    key = (rows, config.recompute, policy)
+    key = (rows, config.recompute, policy, tuple(type(m) for m in model.modules()))  # fused modules swapped in or not
     if memo is not None and memo.key == key:
         to_compute_dtype(model, micro, policy.compute)  # the cast trace_step makes, without the trace
         traced, graph = memo.traced, memo.graph
     else:
         traced, graph = trace_step(model, micro, loss_fn=loss_fn, recompute=config.recompute, precision=policy)
-        if memo is not None:
-            memo.key, memo.traced, memo.graph = key, traced, graph
+    if memo is not None:
+        memo.keep(key, traced, graph)
     return traced, replace(graph, compiled=config.compiled)  # priced as it runs (cost_model/table.py compiled_scale)
 
 
@@ -63,15 +63,23 @@ def trace_microbatch(model: nn.Module, config: ParallelConfig, example: Sequence
 class TraceMemo:
     """The last step one rank traced for one job (autopar/build `train_worker`): the
     configurations of a job train one model on one batch, so those that trace the same
-    global microbatch rows under the same recomputation and precision policy (the ZeRO
-    stages of one data-parallel degree, a configuration and its compiled twin) trace the
+    global microbatch rows under the same recomputation and precision policy, with the same
+    module classes (codegen/kernels' fused modules swapped in or not), such as the ZeRO
+    stages of one data-parallel degree or a configuration and its compiled twin, trace the
     same joint graph, node for node; the next one takes it instead of tracing again
-    (about a third of a small model's build). One entry: no older trace outlives the
-    build that follows it."""
+    (about a third of a small model's build). One entry, and none after the job's last
+    build: no trace outlives the build that follows it, and a job of one configuration
+    holds none while it trains (its memory phases stay the program's own)."""
 
+    builds_left: int
+    """The job's builds after the one under way (autopar/build `build_program` counts them)."""
     key: tuple = ()
     traced: Any = None
     graph: Any = None
+
+    def keep(self, key: tuple, traced: Any, graph: Any) -> None:
+        """Hold this build's trace for the next build, or nothing after the last."""
+        self.key, self.traced, self.graph = (key, traced, graph) if self.builds_left > 0 else ((), None, None)
 
 
 def build_spmd_program(model: nn.Module, placed: ProgramPlacements, example: Sequence[Any], *,

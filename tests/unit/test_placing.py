@@ -87,3 +87,28 @@ def test_each_microbatch_sync_rule_agrees_with_the_solver():
     for zero, dp, tp in itertools.product((0, 1, 2, 3), (1, 2, 4), (1, 2)):
         config = ParallelConfig(zero=zero, dp=dp, tp=tp)
         assert config.syncs_each_microbatch == zero_2_syncs(config), config
+
+
+def test_a_jobs_builds_that_trace_the_same_step_trace_it_once(monkeypatch):
+    """TraceMemo (autopar/build/one_stage.py): the ZeRO stages of one dp degree trace one
+    step; another microbatch, recomputation or compiled twin is traced only where the step
+    differs; after the job's last build the memo holds nothing."""
+    from autopar.build import one_stage
+
+    calls = []
+    real = one_stage.trace_step
+    monkeypatch.setattr(one_stage, "trace_step", lambda *a, **k: calls.append(k["recompute"]) or real(*a, **k))
+    _, batch = _model_and_batch()
+    configs = [ParallelConfig(dp=4), ParallelConfig(dp=4, zero=3), ParallelConfig(dp=4, compiled=True),
+               ParallelConfig(dp=2, tp=2), ParallelConfig(dp=2, tp=2, recompute="full")]
+    memo = one_stage.TraceMemo(builds_left=len(configs))
+    graphs = []
+    for config in configs:
+        memo.builds_left -= 1  # as autopar.build.build_program counts the job's builds
+        model, _ = _model_and_batch()
+        graphs.append(trace_microbatch(model, config, batch, memo=memo)[1])
+    assert calls == ["none", "none", "full"]  # dp 4 (3 builds: one trace), dp 2 x tp 2, its recompute
+    assert graphs[1] == graphs[0] and graphs[2].compiled and not graphs[0].compiled
+    assert memo.traced is None and memo.graph is None  # nothing outlives the last build
+    fresh = trace_microbatch(_model_and_batch()[0], configs[1], batch)[1]
+    assert fresh.nodes == graphs[1].nodes  # what a trace of its own gives
