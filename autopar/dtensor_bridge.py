@@ -14,7 +14,8 @@ What it holds:
 - `resolve_op`, `op_args`: an IR node's ATen overload and its arguments rebuilt with
   torch types (dtype, device, layout, memory format from their text form);
 - `register_project_rules()`: strategies for the ops DTensor has no rule for that the
-  traced graphs contain (CPU flash attention, forward and backward), registered into
+  traced graphs contain (CPU flash attention, forward and backward; the experts' grouped
+  matmul of autopar/grouped_mm.py), registered into
   DTensor's own registry so enumeration and dispatch both see them;
 - `transforms(...)`: the per-axis collectives DTensor's planner uses for a reshard;
 - `dispatching(op, outputs)`: DTensor's dispatch of one op of the plan takes the plan's
@@ -44,6 +45,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
+from autopar import grouped_mm
 from autopar.ir import Ref, contiguous_strides
 from autopar.placement import Partial, Placement, Placements, Replicate, Shard, redistribute_supported
 
@@ -250,12 +252,34 @@ def _copy(op_schema: OpSchema) -> Any:
                    num_outputs=1)
 
 
+def _grouped_mm(op_schema: OpSchema) -> Any:
+    # (x [S, K], w [E, K, N], offs [E], experts [E]) -> out [S, N] (autopar/grouped_mm.py):
+    # whole; expert-parallel (weights and experts split on E, x whole, each rank's experts'
+    # rows: a pending sum); column-parallel (w on N, out on N); row-parallel (x and w on K:
+    # a pending sum). The rows, sorted by expert, never split.
+    r, p = DReplicate(), DPartial()
+    return _expand(op_schema, [[r] * 5, [p, r, DShard(0), r, DShard(0)], [DShard(1), r, DShard(2), r, r],
+                               [p, DShard(1), DShard(1), r, r]], num_outputs=1)
+
+
+def _grouped_mm_backward(op_schema: OpSchema) -> Any:
+    # (x, w, offs, experts, grad [S, N]) -> (grad_x [S, K], grad_w [E, K, N]): the forward's
+    # four layouts, each gradient laid out as its tensor (grad_x a pending sum where x was
+    # whole and only part of the contraction over N or of the experts is local)
+    r, p = DReplicate(), DPartial()
+    s0, s1, s2 = DShard(0), DShard(1), DShard(2)
+    return _expand(op_schema, [[r] * 7, [p, s0, r, s0, r, s0, r], [p, s2, r, s2, r, r, s1],
+                               [s1, s1, s1, s1, r, r, r]], num_outputs=2)
+
+
 PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: (_cpu_flash_attention, 3),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (_cpu_flash_attention_backward, 6),
     aten.lift_fresh_copy.default: (_follows_input, 1),
     aten.fill.Tensor: (_fill_tensor, 2),
     aten.copy.default: (_copy, 2),
+    grouped_mm.FORWARD_OP: (_grouped_mm, 4),
+    grouped_mm.BACKWARD_OP: (_grouped_mm_backward, 5),
 }
 """op -> (strategy function, index of the first non-tensor argument that keys the cache)."""
 

@@ -41,8 +41,12 @@ SEGMENTS: tuple[str, ...] = ("pre", "layer", "post")
 """The values of `Node.segment`, in pipeline order (module doc)."""
 
 
+GROUPED_MM_FWD = "autopar.grouped_mm.default"
+GROUPED_MM_BWD = "autopar.grouped_mm_backward.default"
+"""The experts' grouped matmul and its backward (autopar/grouped_mm.py), by IR name."""
 GEMM_OPS: frozenset[str] = frozenset({
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    GROUPED_MM_FWD, GROUPED_MM_BWD,
 })
 """The matmul ops (tensor-core work priced as GEMMs, kept by selective recomputation)."""
 ATTENTION_FWD_OPS: frozenset[str] = frozenset({

@@ -85,3 +85,27 @@ def t5():
                    num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
     ids, labels = _tokens()
     return LossOf(T5ForConditionalGeneration(cfg)), (ids, labels)
+
+
+def mixtral():
+    """Mixtral: 4 routed experts per layer, top-2, through Hugging Face's grouped-matmul
+    experts (`transformers.grouped_mm_fallback` on CPU)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                        num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0)
+    ids, _ = _tokens()
+    return LossOf(MixtralForCausalLM(cfg)), (ids, ids)
+
+
+def qwen2_moe():
+    """Qwen2-MoE: 4 routed experts, top-2, beside a gated shared expert in every layer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=SEQ, num_experts=4, num_experts_per_tok=2,
+                         attention_dropout=0.0, decoder_sparse_step=1, mlp_only_layers=[])
+    ids, _ = _tokens()
+    return LossOf(Qwen2MoeForCausalLM(cfg)), (ids, ids)

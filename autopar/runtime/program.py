@@ -72,8 +72,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def gradient_for(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (this rank's gradient shard) as the `.grad` of the DTensor `param`: a DTensor
-    sharing the parameter's spec where the shard has the parameter's local shape, stride and
-    dtype (the usual case), else `DTensor.from_local`. The spec is the parameter's own (same
+    sharing the parameter's spec where the shard has the parameter's local shape and dtype
+    (the usual case; laid out in the parameter's strides first where it is not), else
+    `DTensor.from_local`. The spec is the parameter's own (same
     mesh, placements, global shape and stride); `from_local` rebuilds it through an autograd
     Function, ~14 us a call against ~2 us (torch 2.13 on a 2-core CPU), paid per
     parameter every step: the step's epilogue `autopar calibrate` times per parameter
@@ -81,6 +82,13 @@ def gradient_for(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return local
     mine = param._local_tensor
+    if local.shape == mine.shape and local.dtype == mine.dtype and local.stride() != mine.stride():
+        # laid out as the shard: a step graph can leave a gradient transposed (the weight
+        # gradient of a transposed view: a Mixtral's experts under tp 2 with several
+        # microbatches), and AdamW then updated those shards wrongly (all expert weights off
+        # by up to 2 lr after one step; where in the update is not isolated: a bare AdamW
+        # step on such a DTensor gradient is right). One copy into the shard's layout.
+        local = torch.empty_strided(mine.shape, mine.stride(), dtype=mine.dtype, device=mine.device).copy_(local)
     if local.shape == mine.shape and local.dtype == mine.dtype and local.stride() == mine.stride() \
             and not local.requires_grad:
         return DTensor(local, param._spec, requires_grad=False)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from autopar import grouped_mm
 from autopar.ir import (ATTENTION_FWD_OPS, ATTENTION_OPS, Graph, LayerGroup, ModelInfo, Node, NodeId, Phase, Ref, Role,
                         TensorMeta, layer_signature)
 from autopar.trace.capture import TraceError, Traced
@@ -270,7 +271,7 @@ def _flops(op: str, inputs: list[TensorMeta], outputs: tuple[TensorMeta, ...]) -
         sk = k.shape[2]
         fwd = 4 * b * h * sq * sk * d
         return fwd if op in ATTENTION_FWD_OPS else 2 * fwd
-    return 0
+    return grouped_mm.grouped_mm_flops(op, inputs[0].shape, inputs[1].shape) if len(inputs) >= 2 else 0
 
 
 def _segments(nodes: list[Node], layer_prefix: str) -> list[str]:

@@ -1,6 +1,7 @@
 """`gradient_for`: a rank's gradient shard as its DTensor parameter's `.grad`, the cheap way
-where the shard matches the parameter's local tensor, `from_local` otherwise; both give the
-DTensor `from_local` would."""
+where the shard matches the parameter's local tensor (a shard of the same shape and dtype
+laid out otherwise, such as a transposed weight gradient, is first copied into the
+parameter's layout), `from_local` otherwise; both give the DTensor `from_local` would."""
 
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def test_gradient_matches_from_local(mesh, placements) -> None:
     assert param.grad is got
 
 
-def test_a_shard_unlike_the_parameter_goes_through_from_local(mesh) -> None:
+def test_a_shard_unlike_the_parameter_is_laid_out_as_the_parameter_or_goes_through_from_local(mesh) -> None:
     param = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [Replicate(), Shard(0)], src_data_rank=None))
-    wide = torch.randn(6, 4).t()  # the local shape, another stride: the parameter's spec would misdescribe it
+    wide = torch.randn(6, 4).t()  # the local shape, another stride (a transposed weight's gradient)
     assert wide.shape == param._local_tensor.shape and wide.stride() != param._local_tensor.stride()
     got = gradient_for(param, wide)
-    assert torch.equal(got._local_tensor, wide) and got._local_tensor.stride() == wide.stride()
-    assert got.shape == param.shape and got.placements == param.placements
+    assert torch.equal(got._local_tensor, wide) and got._local_tensor.stride() == param._local_tensor.stride()
+    assert got._spec == param._spec
     half = torch.randn(param._local_tensor.shape, dtype=torch.float64)
     assert gradient_for(param, half).dtype == torch.float64
 

@@ -96,10 +96,11 @@ FLOW = tuple(STAGE_MODULES)
 # that they agree by construction: buckets (pricing and the program count the same gradient
 # collectives), dtensor_bridge (strategies, reshard prices and the program all come from
 # DTensor's registry/planner) and capabilities (what the runtime executes: the search ranks
-# only that; the tracer and the runtime read its layer stack and pipeline cut).
+# only that; the tracer and the runtime read its layer stack and pipeline cut), and grouped_mm
+# (the experts' op: the tracer writes it, its rules and FLOPs price it, the program runs it).
 SHARED = ("autopar.ir", "autopar.config", "autopar.cluster", "autopar.placement", "autopar.sharding",
           "autopar.plan", "autopar.plan_migrations", "autopar.explain", "autopar.estimate", "autopar.json_codec", "autopar.buckets", "autopar.dtensor_bridge",
-          "autopar.capabilities", "autopar.units", "autopar.batch", "autopar.precision")
+          "autopar.capabilities", "autopar.units", "autopar.batch", "autopar.precision", "autopar.grouped_mm")
 
 # May import anything (they are what wires the stages together). `autopar` is the package
 # itself: the public surface re-exports (matched exactly, not as a prefix). `placing` decides

@@ -1,0 +1,116 @@
+"""Hugging Face mixtures of experts with their experts split: Mixtral and Qwen2-MoE on 4 gloo ranks.
+
+Both trace to autopar/grouped_mm.py's op (the tracer names the experts each weight shard
+holds, autopar/trace/capture.py). World 4, mesh (dp 1, tp 4), 8 microbatches of one
+sequence per step. On this CPU mesh the ILP itself gathers the stored expert shards for
+each use (fewer collectives than the expert-parallel layout's pending sums, which pay
+gloo's per-call latency four times per layer and microbatch: tests/unit/test_grouped_mm.py
+has the op's layouts), so the plans here are the ILP's optimum with the grouped matmuls
+held to their expert-parallel strategy: every rank computes its own expert's rows
+(weights and the experts operand split on E over tp, the rows whole), and the partial
+outputs are summed by all-reduces over tp. The ranks run exactly those placements.
+
+The same spawn trains Mixtral under the ILP's own plan for the mesh (the stored expert
+shards gathered per use): its weight gradients leave the step transposed (the gradient of
+a transposed view), laid out as their shards before the optimizer reads them
+(autopar/runtime/program.py `gradient_for`).
+
+3 AdamW steps: losses equal the single-process reference (rtol 1e-4), parameters stay
+close (atol 1e-3), and each rank's collectives per step equal those the ILP priced.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopar.build import train_worker
+from autopar.build.one_stage import trace_microbatch
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.ir import GROUPED_MM_BWD, GROUPED_MM_FWD
+from autopar.placement import Shard
+from autopar.placing import place_job, priced_per_step
+from autopar.plan import ProgramPlacements, StagePlacements
+from autopar.runtime.jobs import TrainJob, build_model_and_batches, reference_run
+from autopar.runtime.launch import spawn
+
+pytestmark = pytest.mark.dist
+pytest.importorskip("transformers")
+
+MODELS = {"mixtral": "tests.hf_factories:mixtral", "qwen2-moe": "tests.hf_factories:qwen2_moe"}
+CONFIG = ParallelConfig(tp=4, micro_batch=1)
+BATCH = 8
+GROUPED = (GROUPED_MM_FWD, GROUPED_MM_BWD)
+
+
+def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
+    return [train_worker(rank, job)[0] for job in jobs]
+
+
+def _expert_parallel(job: TrainJob) -> tuple[TrainJob, dict]:
+    """`job` with the ILP's placements for CONFIG, its grouped matmuls held to expert
+    parallelism over tp; and {grouped op key: its input layouts} as placed."""
+    from dataclasses import replace as with_
+    from solver.forced import mesh_shape, solve_one_stage
+    from solver.intra_op.space import enumerate_strategies
+    from solver.spmd_search import op_placements
+
+    model, batches, _ = build_model_and_batches(replace(job, steps=1))
+    _, graph = trace_microbatch(copy.deepcopy(model), CONFIG, batches[0])
+    space = enumerate_strategies(graph, mesh_shape(CONFIG))
+    kept = tuple(tuple(s for s in options if s.inputs[1][1] == Shard(0)) if graph[i].op in GROUPED else options
+                 for i, options in enumerate(space.strategies))
+    m = BATCH // CONFIG.micro_batch
+    solution = solve_one_stage(graph, CONFIG, Cluster.parse("cpu:1x4"), num_microbatches=m,
+                               space=with_(space, strategies=kept))
+    rows = op_placements(graph, solution)
+    placed = ProgramPlacements(model=job.model, config=CONFIG, origin="solved",
+                               placements=(StagePlacements(chunk=0, placements=rows),),
+                               collectives=tuple((k, a, c, b) for (k, a), (c, b) in
+                                                 sorted(priced_per_step(solution, m, ("dp", "tp")).items())))
+    return replace(job, placements=(placed.dumps(),)), {r.key: r.inputs for r in rows if r.op in GROUPED}
+
+
+ILP_PLAN = "mixtral, the ILP's plan"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    jobs, grouped = [], {}
+    for name, model in MODELS.items():
+        job, grouped[name] = _expert_parallel(TrainJob(model=model, configs=(CONFIG,), steps=3, global_batch=BATCH,
+                                                       return_parameters=True))
+        jobs.append(job)
+    jobs.append(place_job(TrainJob(model=MODELS["mixtral"], configs=(CONFIG,), steps=3, global_batch=BATCH,
+                                   return_parameters=True)))
+    grouped[ILP_PLAN] = {}
+    results = spawn(_jobs_worker, 4, (tuple(jobs),))
+    return {name: ([r[j] for r in results], reference_run(job), grouped[name])
+            for j, (name, job) in enumerate(zip((*MODELS, ILP_PLAN), jobs))}
+
+
+@pytest.mark.parametrize("name", [*MODELS, ILP_PLAN])
+def test_experts_split_train_like_one_process(runs, name):
+    per_rank, (ref_losses, ref_params), grouped = runs[name]
+    assert name == ILP_PLAN or grouped and all(inputs[1] == "(R, S(0))" and inputs[3] == "(R, S(0))" for inputs in grouped.values())
+    losses = per_rank[0].losses
+    assert len(losses) == 3 and all(r.losses == losses for r in per_rank)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    params = {}
+    for r in per_rank:
+        params.update(r.parameters)
+    assert params and set(params) <= set(ref_params) and any("experts" in p for p in params)
+    for param, value in params.items():
+        torch.testing.assert_close(value, ref_params[param], atol=1e-3, rtol=0, msg=param)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_price_equals_run(runs, name):
+    per_rank, _, _ = runs[name]
+    for rank, r in enumerate(per_rank):
+        assert r.priced is not None and ("all_reduce", "tp") in r.collectives, f"rank {rank}: {r.collectives}"
+        assert r.collectives == r.priced, f"rank {rank}"
