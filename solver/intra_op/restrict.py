@@ -390,6 +390,16 @@ def _no_split_error(graph: Graph, node: Node, gather_free_axes: tuple[int, ...],
         f"{graph.model.name} has no plan on mesh {mesh} with its batch split over {axes}: "
         f"node {node.id} ({node.op}{where}, inputs {shapes}) has no DTensor strategy that keeps its input split "
         f"there, and gathering an activation on a data-parallel axis is not a plan (every device would compute "
-        f"the same rows). A reshape that merges the batch dim into a dim in front of it (time-major recurrent "
-        f"layers, a transpose before a flatten) is the usual cause. Use a smaller dp (the search tries the "
-        f"others), or keep the batch dim outermost before such a reshape")
+        f"the same rows). {_cause(node.op)}")
+
+
+def _cause(op: str) -> str:
+    """Why such a node cannot keep the batch split, by what it is, and what to try."""
+    name = op.split(".")[1] if op.count(".") >= 2 else op
+    if any(word in name for word in ("view", "reshape", "flatten", "transpose", "permute", "expand")):
+        return ("A reshape that merges the batch dim into a dim in front of it (time-major recurrent layers, a "
+                "transpose before a flatten) is the usual cause. Use a smaller dp (the search tries the others), or "
+                "keep the batch dim outermost before such a reshape")
+    return (f"{name} reads every row of the batch at once (a sort over all tokens, as Hugging Face mixture-of-"
+            f"experts routing does, orders them by values of every row), so no split of the batch computes it. "
+            f"Use a smaller dp, shard over tp instead (the search tries the others), or compute it per sequence")

@@ -11,12 +11,12 @@ Weight-update sharding (ZeRO-1/2: every parameter has a compute placement and a 
 placement; solver/forced.py keeps the weights whole over dp and shards their update) runs
 on the Llama: the gradients reduce-scattered once per step, a stock optimizer over the
 update shards, and the updated weights all-gathered once per step (the `param_gather`
-graph), pipeline stages included (a Hugging Face GPT-2's ZeRO-2 and ZeRO-3 stages are
-tests/dist/test_pipeline_any_model.py's).
+graph), pipeline stages included, under full recomputation there (a Hugging Face GPT-2's
+ZeRO-2 and ZeRO-3 stages are tests/dist/test_pipeline_any_model.py's).
 
 The models are as small as each configuration allows, since every configuration's build
 (trace and per-op program, on each of the 4 ranks sharing 2 cores) is most of the time:
-two layers, four only for the interleaved schedule's 4 chunks.
+two layers, six for the 3D run's uneven interleaved stages.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from tests.parallel import place_jobs
 pytestmark = pytest.mark.dist
 
 GPT = "gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32"
-GPT4 = "gpt:layers=4,hidden=64,heads=4,vocab=256,seq=32"
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 
 WORLD4 = {
@@ -42,11 +41,9 @@ WORLD4 = {
     "zero2": C(dp=4, zero=2),
     "zero3": C(dp=4, zero=3),
     "tp2xdp2_sp": C(tp=2, dp=2, sequence_parallel=True),
-    "pp2xdp2_1f1b": C(pp=2, dp=2, schedule="1f1b"),
-    "pp2xdp2_interleaved": C(pp=2, dp=2, schedule="interleaved", interleave=2),
     "dp2xtp2_zero1": C(dp=2, tp=2, zero=1),
-    "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b"),
-    "pp2xdp2_zero2_1f1b": C(pp=2, dp=2, zero=2, schedule="1f1b"),
+    "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b", recompute="full"),
+    "pp2xdp2_zero2_1f1b": C(pp=2, dp=2, zero=2, schedule="1f1b", recompute="full"),
 }
 LLAMA6 = "llama:layers=6,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32"
 WORLD8 = {
@@ -84,21 +81,21 @@ def _check(result_by_rank: list, ref_losses: list[float], ref_params: dict[str, 
 
 
 NAMES = {
-    # 1F1B pp2 x dp2 runs on the Llama here and in tests/dist/test_pipeline_per_op.py; the
-    # GPT's pipeline is the interleaved schedule.
     # Data parallel and the ZeRO stages run on the Llama; GPT's dp2 x tp2 runs here with
-    # sequence parallelism. The interleaved schedule's 2 chunks per stage need 4 layers.
+    # sequence parallelism. Interleaved pipelines: tests/dist/test_pipeline_any_model.py
+    # (ZeRO-3), test_pipeline_per_op.py (tp in the stages), test_checkpoint.py and the
+    # 3D run below.
     GPT: ("tp2xdp2_sp",),
-    GPT4: ("pp2xdp2_interleaved",),
-    # Llama's pipelines: pp2 x dp2 ZeRO-1 1F1B here, test_pipeline_per_op.py's (pp2 x tp2
-    # GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); a ZeRO-1 GPipe pipeline
-    # is test_checkpoint.py's; ZeRO-2 reduce-scatters every microbatch's gradients and
-    # accumulates the shards, one-stage and in pipeline stages alike. Its tp runs under
+    # Llama's pipelines: pp2 x dp2 ZeRO-1 and ZeRO-2 1F1B here, with full recomputation
+    # (recomputed forward ops in the stages' backward graphs), test_pipeline_per_op.py's
+    # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); a ZeRO-1 GPipe
+    # pipeline is test_checkpoint.py's; ZeRO-2 reduce-scatters every microbatch's gradients
+    # and accumulates the shards, one-stage and in pipeline stages alike. Its tp runs under
     # ZeRO-1 (dp2 x tp2); GPT's tp2 x dp2 has sequence parallelism.
     LLAMA: ("dp4", "zero1", "zero2", "zero3", "dp2xtp2_zero1", "pp2xdp2_zero1_1f1b", "pp2xdp2_zero2_1f1b"),
 }
 CASES = [(m, n) for m in NAMES for n in NAMES[m]]
-KIND = {GPT: "gpt", GPT4: "gpt", LLAMA: "llama"}
+KIND = {GPT: "gpt", LLAMA: "llama"}
 
 
 @pytest.fixture(scope="module")

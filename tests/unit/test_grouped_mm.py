@@ -65,3 +65,22 @@ def test_hugging_face_moe_traces_to_the_named_experts_op():
                        (Replicate(), Shard(0)))
     assert any(s.inputs == expert_parallel and s.outputs == ((Replicate(), Partial()),)
                for s in space.strategies[forward[0].id])
+
+
+def test_data_parallel_hugging_face_routing_is_refused_with_the_sort_named():
+    """Hugging Face's routing sorts every token of the batch by expert: no split of the batch
+    computes that sort, so a data-parallel configuration has no plan, and the error names
+    the op, its module and why, not a reshape."""
+    from autopar.cluster import Cluster
+    from autopar.config import ParallelConfig
+    from autopar.sharding import InfeasiblePlanError
+    from solver.forced import solve_one_stage
+    from tests.hf_factories import mixtral
+
+    model, (ids, labels) = mixtral()
+    _, graph = trace_step(model, (ids[:4], labels[:4]))
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve_one_stage(graph, ParallelConfig(dp=2, tp=2, micro_batch=2), Cluster.parse("cpu:1x4"), num_microbatches=2)
+    text = str(info.value)
+    assert "aten.sort.default in hf.model.layers.0.mlp.experts" in text, text
+    assert "sort reads every row of the batch at once" in text and "reshape" not in text, text
