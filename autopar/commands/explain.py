@@ -2,7 +2,9 @@
 
 Reads the plan file only (no tracing, no re-solving): a plan is explainable from itself.
 For the zoo's mixtures of experts it adds how tokens are routed (the capacity policy,
-autopar/models/moe.py) and where the routed experts run, read off the plan's placements.
+autopar/models/moe.py) and where the routed experts run, read off the plan's placements;
+for any model whose experts run through the grouped matmul (autopar/grouped_mm.py: Hugging
+Face's Mixtral, Qwen2-MoE and the like), where those matmuls run (`grouped_lines`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import json
 
 from autopar.explain import placement_axes
+from autopar.ir import GROUPED_MM_FWD
 from autopar.models import resolve
 from autopar.models.moe import MoEConfig, capacity
 from autopar.plan import Plan
@@ -80,14 +83,48 @@ def routing_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def grouped_lines(plan: Plan) -> list[str]:
+    """Where the experts' grouped matmuls of `plan` run, read off its recorded per-op
+    placements (the forward op's weights operand, one line per chunk that has such ops);
+    [] where the plan records none. The weights split on E over an axis is expert
+    parallelism there (each rank its experts' rows, the partial outputs summed); split on
+    another dim, tensor parallelism inside each expert; whole, the ILP priced gathering the
+    stored expert shards for each use below both on this mesh (fewer collectives: the
+    expert-parallel outputs are pending sums, reduced before every nonlinearity)."""
+    lines = []
+    axes_names = ("dp", "tp")
+    for stage in plan.placements:
+        layouts = [placement_axes(p.inputs[1]) for p in stage.placements if p.op == GROUPED_MM_FWD]
+        if not layouts:
+            continue
+        where = []
+        for axis, name in enumerate(axes_names):
+            on_axis = {layout[axis] if axis < len(layout) else "R" for layout in layouts}
+            if on_axis == {"S(0)"}:
+                where.append(f"expert parallelism over {name} (weights and experts split on E: each rank computes "
+                             f"its own experts' rows, the partial outputs summed over {name})")
+            elif on_axis and all(p.startswith("S(") for p in on_axis):
+                where.append(f"split inside each expert over {name} ({', '.join(sorted(on_axis))})")
+        chunk = f" (chunk {stage.chunk})" if len(plan.placements) > 1 else ""
+        if where:
+            lines.append(f"  experts' grouped matmuls{chunk}: " + "; ".join(where))
+        else:
+            lines.append(f"  experts' grouped matmuls{chunk}: computed with the experts' weights "
+                         "whole (stored shards gathered for each use): on this mesh the ILP priced that below "
+                         "expert parallelism, whose partial outputs are summed before every nonlinearity (more "
+                         "collectives per layer)")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if args.plot:  # pipeline timeline + peak-device memory breakdown (autopar/plots.py)
 
         plot_plan(plan, args.plot)
     if args.json:
-        print(json.dumps({"plan": plan.to_json(), "explanation": plan.explain().splitlines() + routing_lines(plan)},
+        print(json.dumps({"plan": plan.to_json(), "explanation": plan.explain().splitlines() + routing_lines(plan)
+                          + grouped_lines(plan)},
                          indent=2, sort_keys=True))
     else:
-        print("\n".join([plan.explain(), *routing_lines(plan)]))
+        print("\n".join([plan.explain(), *routing_lines(plan), *grouped_lines(plan)]))
     return 0

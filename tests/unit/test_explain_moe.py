@@ -71,3 +71,24 @@ def test_the_layer_group_summary_names_the_expert_split():
     assert line.startswith("routed experts (3 params): experts over tp (E split")
     (dense,) = summarize_placements([("layers.*.feed_forward.w1.weight", "(R, S(0))")])
     assert "column over tp" in dense  # a 2-D linear's dim 0 is still its output features
+
+
+def test_grouped_matmuls_say_where_the_experts_run():
+    """Models whose experts run through autopar/grouped_mm.py's op (Hugging Face MoE): the
+    forward op's weights layout read off the recorded placements says expert parallelism,
+    a split inside each expert, or weights whole and why; nothing without such ops."""
+    from autopar.commands.explain import grouped_lines
+    from autopar.ir import GROUPED_MM_FWD
+    from autopar.plan import OpPlacement, StagePlacements
+
+    def plan(weights: str, op: str = GROUPED_MM_FWD) -> SimpleNamespace:
+        row = OpPlacement(key="L0.96", op=op, outputs=("(R, P)",), inputs=("(R, R)", weights, "(R, R)", weights))
+        return SimpleNamespace(placements=(StagePlacements(chunk=0, placements=(row,)),))
+
+    (ep,) = grouped_lines(plan("(R, S(0))"))
+    assert "expert parallelism over tp" in ep and "over dp" not in ep
+    (inside,) = grouped_lines(plan("(R, S(2))"))
+    assert "split inside each expert over tp (S(2))" in inside
+    (whole,) = grouped_lines(plan("(R, R)"))
+    assert "weights whole" in whole and "priced" in whole
+    assert grouped_lines(plan("(R, S(0))", op="aten.mm.default")) == []
