@@ -27,6 +27,7 @@ Terms:
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
@@ -102,9 +103,12 @@ class Ref:
     node: NodeId
 
 
+@functools.lru_cache(maxsize=8192)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Element strides of a contiguous (row-major) tensor of `shape`, as torch gives them
-    (a zero-size dim steps as a size-1 one). Arithmetic only: no tensor is made."""
+    (a zero-size dim steps as a size-1 one). Arithmetic only: no tensor is made. Cached:
+    the search's reshard pricing asks for the same few shapes about a million times on a
+    DeepSeek-V3-like model."""
     out, step = [], 1
     for d in reversed(shape):
         out.append(step)

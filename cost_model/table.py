@@ -466,7 +466,7 @@ class ReshardPricer:
         return tuple(parts)
 
     def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:
-        key = (meta.shape, meta.strides, meta.dtype, src, dst)
+        key = (meta, src, dst)
         if key not in self._memo:
             steps = reshard_collectives(meta, src, dst, self.mesh_shape, gloo=self.gloo)
             self._memo[key] = None if steps is None else (

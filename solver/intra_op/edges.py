@@ -72,7 +72,7 @@ class EdgePrices:
         i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
         if i == k:
             return 0.0
-        key = (meta.shape, meta.strides, meta.dtype, i, k, activation, grad, share, uses)
+        key = (meta, i, k, activation, grad, share, uses)
         if key not in self.pair_cost:
             t = pricer.grad_sync_time(meta, s, d, bucket_bytes=share) if grad else pricer(meta, s, d) \
                 if share is None else pricer.gather_time(meta, s, d, share)
@@ -119,7 +119,7 @@ class EdgePrices:
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = (meta.shape, meta.strides, meta.dtype, src, dst, activation, grad, share, uses)
+        key = (meta, src, dst, activation, grad, share, uses)
         unit = self.matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
@@ -155,7 +155,7 @@ class EdgePrices:
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
-        key = ("exchange", meta.shape, meta.strides, meta.dtype, src, dst, ep_a[:len(src)], ep_b[:len(dst)])
+        key = ("exchange", meta, src, dst, ep_a[:len(src)], ep_b[:len(dst)])
         unit = self.matrices.get(key)
         if unit is None:
             unit = self.matrices[key] = [[price(ja, jb) for jb in range(len(dst))] for ja in range(len(src))]
