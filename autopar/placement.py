@@ -13,6 +13,7 @@ Terms: an *axis* is a mesh axis, a *dim* a tensor dimension.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,8 +126,6 @@ def redistribute_plan(shape: tuple[int, ...], src: Placements, dst: Placements, 
     restated torch-free so pricing needs no DTensor objects; tests check it step for step
     against DTensor's own). Each step is (mesh axis, from, to, logical shape on that axis:
     the tensor as the axis sees it, divided by the shards of the axes before it)."""
-    if len(mesh_shape) == 1:
-        return [(0, src[0], dst[0], tuple(shape))] if src[0] != dst[0] else []
     logical = [list(shape)]
     for i, p in enumerate(src):
         current = logical[i]
@@ -136,8 +135,20 @@ def redistribute_plan(shape: tuple[int, ...], src: Placements, dst: Placements, 
             logical.append(nxt)
         else:
             logical.append(current)
+    return [(axis, a, b, tuple(logical[axis])) for axis, a, b in redistribute_steps(tuple(src), tuple(dst),
+                                                                                     tuple(mesh_shape))]
+
+
+@functools.lru_cache(maxsize=65536)
+def redistribute_steps(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+                       ) -> tuple[tuple[int, Placement, Placement], ...]:
+    """`redistribute_plan`'s (mesh axis, from, to) steps: they depend on the placements and
+    the mesh only, not on the tensor's shape, so the search's pricing (about 300,000
+    reshards of a DeepSeek-V3-like model) plans each distinct pair once."""
+    if len(mesh_shape) == 1:
+        return ((0, src[0], dst[0]),) if src[0] != dst[0] else ()
     current_pl, target_pl = list(src), list(dst)
-    steps: list[tuple[int, Placement, Placement, tuple[int, ...]]] = []
+    steps: list[tuple[int, Placement, Placement]] = []
     if any(isinstance(p, Shard) and n > 1 for p, n in zip(src, mesh_shape)):
         for axis in reversed(range(len(current_pl))):
             current, target = current_pl[axis], target_pl[axis]
@@ -147,13 +158,13 @@ def redistribute_plan(shape: tuple[int, ...], src: Placements, dst: Placements, 
                 if before_now != before_target:
                     target = Replicate()  # clear a nested shard before resharding
             if current != target:
-                steps.append((axis, current, target, tuple(logical[axis])))
+                steps.append((axis, current, target))
                 current_pl[axis] = target
     for axis, (current, target) in enumerate(zip(current_pl, target_pl)):
         if current != target:
-            steps.append((axis, current, target, tuple(logical[axis])))
+            steps.append((axis, current, target))
             current_pl[axis] = target
-    return steps
+    return tuple(steps)
 
 
 def transfer_kind(src: Placement, dst: Placement) -> str:

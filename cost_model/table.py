@@ -67,7 +67,7 @@ from autopar.ir import ATTENTION_OPS, DTYPE_BYTES, GEMM_OPS, Graph, Node, Role, 
 from autopar.placement import (
     Placements,
     Shard,
-    redistribute_plan,
+    redistribute_steps,
     redistribute_supported,
     single_gather_axis,
     shard_factor,
@@ -284,7 +284,8 @@ def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at
 def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], *,
                         gloo: bool) -> tuple[Collective, ...] | None:
     """The collectives DTensor runs to take `meta` from `src` to `dst` (None: it cannot),
-    from its planner's steps (autopar/placement.py `redistribute_plan`)."""
+    from its planner's steps (autopar/placement.py `redistribute_steps`, the steps of
+    `redistribute_plan`)."""
     if src == dst:
         return ()
     if not redistribute_supported(src, dst):
@@ -293,7 +294,7 @@ def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh
     numel = math.prod(meta.shape)
     current = list(src)
     out = []
-    for axis, a, b, _logical in redistribute_plan(meta.shape, src, dst, mesh_shape):
+    for axis, a, b in redistribute_steps(src, dst, mesh_shape):
         kind = transfer_kind(a, b)
         # the tensor as this axis holds it: divided by every other axis's shards right now
         others = math.prod(n for k, (p, n) in enumerate(zip(current, mesh_shape)) if k != axis and isinstance(p, Shard))
