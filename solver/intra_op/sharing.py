@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.ir import Graph, NodeId
+from autopar.placement import Placements
 from autopar.sharding import StrategySpace
 from cost_model import CostTable
 
@@ -91,13 +92,21 @@ def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
             if u in active and owner[u] >= 0 and (where.get(nid) is None or where.get(u) == where.get(nid)):
                 idx = graph[u].output_position(node.args[1]) if node.op == "getitem" else 0
                 costs = table.nodes[nid]
+                # the cheapest strategy reading each layout at every position of u (ties: the first)
+                cheapest: dict[Placements, int] = {}
+                for i, s in enumerate(strategies):
+                    layout = s.inputs[positions[0]]
+                    if all(s.inputs[p] == layout for p in positions[1:]):
+                        best = cheapest.get(layout)
+                        if best is None or costs[i].compute_s + costs[i].comm_s < \
+                                costs[best].compute_s + costs[best].comm_s:
+                            cheapest[layout] = i
                 mapping = []
                 for j in smap[u]:
-                    produced = space[u][j].outputs[idx]
-                    matches = [i for i, s in enumerate(strategies) if all(s.inputs[p] == produced for p in positions)]
-                    if not matches:
+                    match = cheapest.get(space[u][j].outputs[idx])
+                    if match is None:
                         break
-                    mapping.append(min(matches, key=lambda i: (costs[i].compute_s + costs[i].comm_s, i)))
+                    mapping.append(match)
                 else:
                     owner[nid], smap[nid] = owner[u], tuple(mapping)
                     followed = True
