@@ -356,12 +356,9 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                               memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
                               elapsed_s=time.perf_counter() - start)
     chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
-    fingerprint = None
-    if prune_memo is not None:  # one search solves each stage graph many times: hash it once
-        fingerprint = prune_memo.setdefault(("fingerprint", id(graph)), (graph, graph.fingerprint()))[1]
     solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape,
                                 memory_budget_bytes, grad_sync_weight=grad_sync_weight, sync_overlap=rho,
-                                fingerprint=fingerprint,
+                                memo=prune_memo,
                                 status=status, solver=solver,
                                 grads_each_microbatch=grads_each_microbatch,
                                 num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,

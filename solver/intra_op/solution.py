@@ -124,15 +124,27 @@ def last_gradient(graph: Graph, active: set[NodeId]) -> NodeId:
     return max(g for p, g in graph.param_grads if p in active and g in active)
 
 
+def searched_fingerprint(graph: Graph, memo: dict | None) -> str:
+    """`graph.fingerprint()`, kept in the search's `memo` (with the graph, so its id stays
+    its own): one search solves each stage graph many times."""
+    if memo is None:
+        return graph.fingerprint()
+    key = ("fingerprint", id(graph))
+    if key not in memo:
+        memo[key] = (graph, graph.fingerprint())
+    return memo[key][1]
+
+
 def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
              budget: float | None, *, grad_sync_weight: float, sync_overlap: float = 0.0,
-             fingerprint: str | None = None, **meta) -> IntraOpSolution:
+             memo: dict | None = None, **meta) -> IntraOpSolution:
     """Per-node choices, costs and collectives recomputed from the chosen strategies (not
     from the solver's objective). `sync_overlap`: rho where the program overlaps the
     gradient sync with the backward (cost_model `exposed_sync_s`; 0: charged exposed); the
-    part it hides is `CostBreakdown.sync_hidden_s`, taken off `total_s`. `fingerprint`:
-    `graph.fingerprint()` where the caller has it."""
+    part it hides is `CostBreakdown.sync_hidden_s`, taken off `total_s`. `memo`: the
+    search's memo (solve_intra_op's `prune_memo`), where the graph's fingerprint is kept:
+    one search solves each stage graph many times, hashed once."""
     active = set(red.active)
     pick = {n: red.smap[n][chosen[red.owner[n]]] for n in red.active}
     reshard: dict[NodeId, float] = defaultdict(float)
@@ -195,7 +207,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         peak = max(peak, sum(row[chosen[o]] for o, row in coef.items()))
     cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh - hidden,
                          peak_memory_bytes=peak, sync_hidden_s=hidden)
-    return IntraOpSolution(graph_fingerprint=fingerprint or graph.fingerprint(), cluster=cluster.spec, mesh_shape=mesh_shape,
+    return IntraOpSolution(graph_fingerprint=searched_fingerprint(graph, memo), cluster=cluster.spec, mesh_shape=mesh_shape,
                            choices=tuple(choices), cost=cost, memory_budget_bytes=budget,
                            collectives=tuple(collectives), grad_sync_weight=grad_sync_weight,
                            reshard_parts=tuple((n, kind, axis, t) for (n, kind, axis), t in sorted(parts.items())),
