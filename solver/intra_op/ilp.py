@@ -103,13 +103,7 @@ from autopar.placement import shard_factor
 from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
 from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, core_share,
                         cost_table, grad_accumulation_time_s, grad_sync_overlap, optimizer_time_s, runs_gloo)
-from solver.intra_op.backend import (
-    OBJECTIVE_SCALE,
-    SOLVERS,
-    make_solver,
-    native_stdout_to_stderr,
-    solve,
-)
+from solver.intra_op.backend import OBJECTIVE_SCALE, SOLVERS, Milp, Solved, solve, solve_ilp
 from solver.intra_op.collective_groups import update_gather
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.edges import TIE_BREAK_S, edge_matrices
@@ -178,20 +172,20 @@ def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]]
 
 
 class _Model:
-    """The PuLP problem, built one constraint family at a time."""
+    """The ILP (a backend.Milp), built one constraint family at a time; `x[o][j]` is the
+    column of owner o's option j."""
 
     def __init__(self, name: str, red: Reduction) -> None:
-        self.prob = pulp.LpProblem(name, pulp.LpMinimize)
-        self.x = {o: [self.prob.add_variable(f"x_{o}_{j}", cat=pulp.LpBinary) for j in range(len(red.smap[o]))]
-                  for o in red.owners}
-        self.edge_vars: dict[tuple[NodeId, NodeId], dict[tuple[int, int], pulp.LpVariable]] = {}
-        self.objective: dict[pulp.LpVariable, float] = {}
-        """One coefficient per variable (LpAffineExpression(list) keeps only the LAST
-        coefficient of a repeated variable, so terms are summed here first)."""
+        self.name = name
+        self.milp = Milp()
+        self.x = {o: [self.milp.add_binary(f"x_{o}_{j}") for j in range(len(red.smap[o]))] for o in red.owners}
+        self.edge_vars: dict[tuple[NodeId, NodeId], dict[tuple[int, int], int]] = {}
+        self.objective = self.milp.cost
+        """One coefficient per column (terms of one column are summed here first)."""
 
     def add_one_choice_constraints(self) -> None:
         for o, xs in self.x.items():
-            self.prob += pulp.lpSum(xs) == 1, f"one_choice/{o}"
+            self.milp.add_row(((x, 1.0) for x in xs), 1.0, 1.0, f"one_choice/{o}")
 
     def add_node_costs(self, node_coef: dict[NodeId, list[float]]) -> None:
         for o, coef in node_coef.items():
@@ -203,21 +197,21 @@ class _Model:
     def add_forbidden_constraints(self, forbidden: dict[NodeId, set[int]]) -> None:
         for o, choices in sorted(forbidden.items()):
             for j in sorted(choices):
-                self.prob += self.x[o][j] == 0, f"forbid/{o}/{j}"
+                self.milp.add_row([(self.x[o][j], 1.0)], 0.0, 0.0, f"forbid/{o}/{j}")
 
     def add_edge_constraints(self, edges: dict[tuple[NodeId, NodeId], tuple]) -> int:
         """Edge variables and their row/column rows; returns the number of edge variables.
         Pairs DTensor cannot reshard (None) get no variable, so the sums exclude them."""
         count = 0
         for (a, b), (matrix, rows, cols) in edges.items():
-            by_row: list[list[pulp.LpVariable]] = [[] for _ in rows]
-            by_col: list[list[pulp.LpVariable]] = [[] for _ in cols]
+            by_row: list[list[int]] = [[] for _ in rows]
+            by_col: list[list[int]] = [[] for _ in cols]
             for r, rmembers in enumerate(rows):
                 for k, cmembers in enumerate(cols):
                     c = matrix[rmembers[0]][cmembers[0]]
                     if c is None:
                         continue
-                    var = self.prob.add_variable(f"e_{a}_{b}_{r}_{k}", lowBound=0)
+                    var = self.milp.add_col(f"e_{a}_{b}_{r}_{k}", 0.0, None)
                     self.edge_vars.setdefault((a, b), {})[(r, k)] = var
                     by_row[r].append(var)
                     by_col[k].append(var)
@@ -226,11 +220,11 @@ class _Model:
                         self.objective[var] = c * OBJECTIVE_SCALE
             xa, xb = self.x[a], self.x[b]
             for r, members in enumerate(rows):
-                expr = pulp.LpAffineExpression([(v, 1.0) for v in by_row[r]] + [(xa[j], -1.0) for j in members])
-                self.prob += expr == 0, f"edge/{a}->{b}/row={r}"
+                self.milp.add_row([(v, 1.0) for v in by_row[r]] + [(xa[j], -1.0) for j in members], 0.0, 0.0,
+                                  f"edge/{a}->{b}/row={r}")
             for k, members in enumerate(cols):
-                expr = pulp.LpAffineExpression([(v, 1.0) for v in by_col[k]] + [(xb[j], -1.0) for j in members])
-                self.prob += expr == 0, f"edge/{a}->{b}/col={k}"
+                self.milp.add_row([(v, 1.0) for v in by_col[k]] + [(xb[j], -1.0) for j in members], 0.0, 0.0,
+                                  f"edge/{a}->{b}/col={k}")
         return count
 
     def add_gather_group_rows(self, gathers: GatherGroups) -> int:
@@ -238,20 +232,20 @@ class _Model:
         (gather_rows.py); returns the number of groups."""
         for group, cost_s in sorted(gathers.costs_s().items(), key=lambda kv: repr(kv[0])):
             name = "_".join(map(str, group))  # layer, phase, axis, dtype
-            y = self.prob.add_variable(f"y_{name}", lowBound=0, upBound=1)
+            y = self.milp.add_col(f"y_{name}", 0.0, 1.0)
             self.objective[y] = cost_s * OBJECTIVE_SCALE
             for r, (terms, const) in enumerate(sorted(gathers.rows[group])):
-                expr = pulp.LpAffineExpression([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)])
-                self.prob += expr <= -const, f"gather/{name}/{r}"
+                self.milp.add_row([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)], None, -const,
+                                  f"gather/{name}/{r}")
         return len(gathers.weight)
 
     def add_sync_overlap_rows(self, hidden: HiddenSync, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
         """The hidden gradient sync h and its two rows (sync_rows.py), after the edge variables."""
-        h = self.prob.add_variable("sync_hidden", lowBound=0)
+        h = self.milp.add_col("sync_hidden", 0.0, None)
         self.objective[h] = -OBJECTIVE_SCALE
         window = [(self.x[o][j], -hidden.rho * c) for o, row in sorted(hidden.backward.items())
                   for j, c in enumerate(row) if c]
-        self.prob += pulp.LpAffineExpression(window + [(h, 1.0)]) <= 0, "sync_overlap/window"
+        self.milp.add_row(window + [(h, 1.0)], None, 0.0, "sync_overlap/window")
         sync = [(self.x[o][j], -c) for o, row in sorted(hidden.node.items()) for j, c in enumerate(row) if c]
         for pair, part in sorted(hidden.edges.items()):
             if pair not in edges:
@@ -261,15 +255,14 @@ class _Model:
                 c = part[rows[r][0]][cols[k][0]]
                 if c:
                     sync.append((var, -c))
-        self.prob += pulp.LpAffineExpression(sync + [(h, 1.0)]) <= 0, "sync_overlap/sync"
+        self.milp.add_row(sync + [(h, 1.0)], None, 0.0, "sync_overlap/sync")
 
-    def memory_expr(self, coef: dict[NodeId, list[float]]) -> pulp.LpAffineExpression:
-        return pulp.LpAffineExpression([(self.x[o][j], m * MEMORY_SCALE) for o, row in sorted(coef.items())
-                                        for j, m in enumerate(row) if m])
+    def memory_terms(self, coef: dict[NodeId, list[float]]) -> list[tuple[int, float]]:
+        return [(self.x[o][j], m * MEMORY_SCALE) for o, row in sorted(coef.items()) for j, m in enumerate(row) if m]
 
     def add_memory_constraints(self, terms, budget_bytes: float) -> None:
         for t, coef in terms:
-            self.prob += self.memory_expr(coef) <= budget_bytes * MEMORY_SCALE, f"memory/t={t}"
+            self.milp.add_row(self.memory_terms(coef), None, budget_bytes * MEMORY_SCALE, f"memory/t={t}")
 
 
 def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], solver: str,
@@ -278,13 +271,11 @@ def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], 
     m = _Model("min_memory", red)
     m.add_one_choice_constraints()
     m.add_forbidden_constraints(forbidden)
-    peak = m.prob.add_variable("peak_mib", lowBound=0)
-    m.prob += peak
+    peak = m.milp.add_col("peak_mib", 0.0, None)
+    m.objective[peak] = 1.0
     for t, coef in terms:
-        m.prob += m.memory_expr(coef) <= peak, f"memory/t={t}"
-    with native_stdout_to_stderr():
-        m.prob.solve(make_solver(solver, time_limit_s))
-    return float(peak.value()) / MEMORY_SCALE
+        m.milp.add_row(m.memory_terms(coef) + [(peak, -1.0)], None, 0.0, f"memory/t={t}")
+    return solve_ilp(m.milp, solver, time_limit_s).value(peak) / MEMORY_SCALE
 
 
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], *,
@@ -351,25 +342,26 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     built = time.perf_counter()
     model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes,
                                         hidden)
-    sol_status = solve(model.prob, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
-    status = _solution_status(sol_status, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
+    solved = solve(model.milp, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
+    status = _solution_status(solved, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
                               memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
                               elapsed_s=time.perf_counter() - start)
-    chosen = {o: max(range(len(xs)), key=lambda j: (xs[j].value() or 0.0, -j)) for o, xs in model.x.items()}
+    chosen = {o: max(range(len(xs)), key=lambda j: (solved.value(xs[j]), -j)) for o, xs in model.x.items()}
     solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape,
                                 memory_budget_bytes, grad_sync_weight=grad_sync_weight, sync_overlap=rho,
                                 memo=prune_memo,
                                 status=status, solver=solver,
                                 grads_each_microbatch=grads_each_microbatch,
                                 num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
-                                num_constraints=model.prob.numConstraints(),
+                                num_constraints=model.milp.num_rows,
                                 solve_time_s=time.perf_counter() - start)
-    _log_solve(graph, red, solution, model, built - start)
+    _log_solve(graph, red, solution, model, solved, built - start)
     return solution
 
 
-def _log_solve(graph: Graph, red: Reduction, solution: IntraOpSolution, model: _Model, build_s: float) -> None:
-    objective_s = (pulp.value(model.prob.objective) or 0.0) / OBJECTIVE_SCALE
+def _log_solve(graph: Graph, red: Reduction, solution: IntraOpSolution, model: _Model, solved: Solved,
+               build_s: float) -> None:
+    objective_s = (model.milp.objective(solved.values) if solved.values is not None else 0.0) / OBJECTIVE_SCALE
     log.info("intra-op %s on %s: %d owners of %d nodes, %d vars, %d rows; build %.2f s, total %.2f s; "
              "objective %.6g s (extracted %.6g s), %s",
              graph.model.name, solution.mesh_shape, len(red.owners), len(red.active), solution.num_variables,
@@ -427,7 +419,6 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
         model.add_sync_overlap_rows(hidden, edges)
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
-    model.prob += pulp.LpAffineExpression(model.objective)
     return model, num_edge_vars
 
 
@@ -444,16 +435,16 @@ def _node_costs(graph: Graph, table: CostTable, red: Reduction) -> dict[NodeId, 
     return node_coef
 
 
-def _solution_status(sol_status: int, model: _Model, red: Reduction, terms: list, forbidden: dict[NodeId, set[int]],
+def _solution_status(solved: Solved, model: _Model, red: Reduction, terms: list, forbidden: dict[NodeId, set[int]],
                      graph: Graph, cluster: Cluster, space: StrategySpace, mesh_shape: tuple[int, ...], *,
                      memory_budget_bytes: float | None, solver: str, time_limit_s: float | None,
                      elapsed_s: float) -> str:
     """The solution's status ("optimal", or "time_limit": feasible, not proven optimal), or the
     error saying why there is none: the memory (with the smallest need of any plan), the
     other constraints, or the solver."""
-    need = None
+    need, sol_status = None, solved.sol_status
     if sol_status in (pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound) and memory_budget_bytes is not None \
-            and pulp.LpStatus[model.prob.status] != "Not Solved":
+            and solved.status != pulp.LpStatusNotSolved:
         need = _min_memory_bytes(red, terms, forbidden, solver, time_limit_s)
     if need is not None and need > memory_budget_bytes:
         # a smallest need within the budget means the other constraints have no solution
@@ -476,7 +467,7 @@ def _solution_status(sol_status: int, model: _Model, red: Reduction, terms: list
             f"configuration (inputs split over dp, activations never gathered on dp, parameter placements) or a "
             f"choice forbidden by DTensor. Ops with no sharded strategy (they need whole inputs): {only_replicated}. "
             "Drop the configuration flags and let the search choose, or use another mesh")
-    raise RuntimeError(f"intra-op ILP ended with {pulp.LpStatus[model.prob.status]} "
+    raise RuntimeError(f"intra-op ILP ended with {pulp.LpStatus[solved.status]} "
                        f"(solution status {sol_status}) after {elapsed_s:.1f} s; "
                        f"time limit {time_limit_s} s. Raise --time-limit or check the log.")
 
