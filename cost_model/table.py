@@ -282,6 +282,10 @@ def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at
     return CostTable(mesh_shape=mesh_shape, links=links, nodes=tuple(table))
 
 
+_UNPRICED = object()
+"""A memo's miss (None is a price: the reshard cannot be done)."""
+
+
 def reshard_collectives(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], *,
                         gloo: bool) -> tuple[Collective, ...] | None:
     """The collectives DTensor runs to take `meta` from `src` to `dst` (None: it cannot),
@@ -482,8 +486,9 @@ class ReshardPricer:
 
     def _lookup(self, meta: TensorMeta, src: Placements, dst: Placements) -> tuple[float, tuple[Collective, ...]] | None:
         key = (meta, src, dst)
-        if key not in self._memo:
+        found = self._memo.get(key, _UNPRICED)
+        if found is _UNPRICED:
             steps = reshard_collectives(meta, src, dst, self.mesh_shape, gloo=self.gloo)
-            self._memo[key] = None if steps is None else (
+            found = self._memo[key] = None if steps is None else (
                 sum(collective_time_s(c, self.links) for c in steps), steps)
-        return self._memo[key]
+        return found

@@ -26,6 +26,9 @@ from solver.intra_op.restrict import Exchange, gathers_rows
 from solver.intra_op.sharing import Reduction
 from solver.intra_op.sync_rows import HiddenSync
 
+_UNPRICED = object()
+"""A memo's miss (None is a price: the move is not a plan)."""
+
 TIE_BREAK_S = 1e-10
 """Added to the objective (not to reported costs) per collective an edge needs: among
 equal-time plans prefer fewer collectives (an all-reduce over reduce-scatter + all-gather)."""
@@ -41,7 +44,8 @@ class EdgePrices:
     edges fold into `node_coef` or `forbidden`; the others collect as matrices over (j_a, j_b)
     in `edges`. Layer-shared edges repeat the same (tensor, placements) matrix, and placements
     repeat within one: each distinct pair is priced once, keyed by small ints (hashing
-    placement dataclasses dominated the build)."""
+    placement dataclasses dominated the build). An edge's tensor and layouts are interned
+    once per edge (`_ids`), not once per pair of choices."""
 
     def __init__(self, graph: Graph, red: Reduction, pricer: ReshardPricer, node_coef: dict[NodeId, list[float]],
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
@@ -62,18 +66,24 @@ class EdgePrices:
         self.derived = graph.parameter_derived()
         self.expected_buckets = expected_bucket_bytes(graph)
 
-    def priced(self, meta: Any, s: Placements, d: Placements, activation: bool | str, grad: bool,
-               share: float | None = None, uses: int = 1) -> float | None:
-        """The objective's price of resharding `meta` from `s` to `d` (None: not allowed).
-        `activation`: False, True (no gather on a gather-free axis), "exchange" (an edge of
-        a grouped op: a split may move to another split there, restrict.py `gathers_rows`)
-        or "weight" (a weight's edge: no gather on `weights_whole_axes`)."""
-        intern, pricer = self.intern, self.pricer
-        i, k = intern.setdefault(s, len(intern)), intern.setdefault(d, len(intern))
+    def _ids(self, values: Any) -> list[int]:
+        """Small ints for tensors and layouts, shared by the solves that share the memos."""
+        intern = self.intern
+        return [intern.setdefault(v, len(intern)) for v in values]
+
+    def priced(self, meta: Any, m: int, s: Placements, i: int, d: Placements, k: int, activation: bool | str,
+               grad: bool, share: float | None = None, uses: int = 1) -> float | None:
+        """The objective's price of resharding `meta` (interned as m) from `s` (i) to `d` (k)
+        (None: not allowed). `activation`: False, True (no gather on a gather-free axis),
+        "exchange" (an edge of a grouped op: a split may move to another split there,
+        restrict.py `gathers_rows`) or "weight" (a weight's edge: no gather on
+        `weights_whole_axes`)."""
         if i == k:
             return 0.0
-        key = (meta, i, k, activation, grad, share, uses)
-        if key not in self.pair_cost:
+        key = (m, i, k, activation, grad, share, uses)
+        found = self.pair_cost.get(key, _UNPRICED)
+        if found is _UNPRICED:
+            pricer = self.pricer
             t = pricer.grad_sync_time(meta, s, d, bucket_bytes=share) if grad else pricer(meta, s, d) \
                 if share is None else pricer.gather_time(meta, s, d, share)
             if t is not None and uses > 1 and pricer.gather_axis(meta, s, d) is not None:
@@ -84,8 +94,8 @@ class EdgePrices:
             if t is not None and activation and any(gathers_rows(c, s, d, axes, activation == "exchange")
                                                     for c in pricer.collectives(meta, s, d) or ()):
                 t = None
-            self.pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
-        return self.pair_cost[key]
+            found = self.pair_cost[key] = None if t is None else t + TIE_BREAK_S * _num_collectives(s, d)
+        return found
 
     def add(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
             dst_of: Callable[[int], Placements], weight: float, grad: bool = False) -> None:
@@ -106,10 +116,13 @@ class EdgePrices:
                 activation = "weight"
             self.gathers.add_edge(graph[v].layer, graph[v].phase.value, meta.dtype,
                                   a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
+        (m,) = self._ids((meta,))
         if a == b:
             coef = self.node_coef[a]
             for j in range(len(coef)):
-                c = self.priced(meta, src_of(red.smap[u][j]), dst_of(red.smap[v][j]), activation, grad, share, uses)
+                s, d = src_of(red.smap[u][j]), dst_of(red.smap[v][j])
+                i, k = self._ids((s, d))
+                c = self.priced(meta, m, s, i, d, k, activation, grad, share, uses)
                 if c is None:
                     self.forbidden.setdefault(a, set()).add(j)
                 else:
@@ -123,7 +136,9 @@ class EdgePrices:
         unit = self.matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-            distinct = {(a, b): self.priced(meta, a, b, activation, grad, share, uses) for a in us for b in ud}
+            ius, iud = self._ids(us), self._ids(ud)
+            distinct = {(a, b): self.priced(meta, m, a, i, b, k, activation, grad, share, uses)
+                        for a, i in zip(us, ius) for b, k in zip(ud, iud)}
             unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         if hidden is not None:
             hidden.add_matrix(a, b, unit, weight)
@@ -139,9 +154,11 @@ class EdgePrices:
         a, b = red.owner[u], red.owner[v]
         no = (False,) * max(len(red.smap[u]), len(red.smap[v]))
         ep_a, ep_b = self.owner_ep.get(a, no), self.owner_ep.get(b, no)
+        srcs, dsts = [src_of(s) for s in red.smap[u]], [dst_of(s) for s in red.smap[v]]
+        (m,), isrc, idst = self._ids((meta,)), self._ids(srcs), self._ids(dsts)
 
         def price(ja: int, jb: int) -> float | None:
-            return self.priced(meta, src_of(red.smap[u][ja]), dst_of(red.smap[v][jb]),
+            return self.priced(meta, m, srcs[ja], isrc[ja], dsts[jb], idst[jb],
                                "exchange" if ep_a[ja] or ep_b[jb] else True, False)
 
         if a == b:
@@ -153,8 +170,7 @@ class EdgePrices:
                 else:
                     coef[j] += weight * c
             return
-        src = tuple(src_of(j) for j in red.smap[u])
-        dst = tuple(dst_of(j) for j in red.smap[v])
+        src, dst = tuple(srcs), tuple(dsts)
         key = ("exchange", meta, src, dst, ep_a[:len(src)], ep_b[:len(dst)])
         unit = self.matrices.get(key)
         if unit is None:
