@@ -116,25 +116,16 @@ class EdgePrices:
                 activation = "weight"
             self.gathers.add_edge(graph[v].layer, graph[v].phase.value, meta.dtype,
                                   a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
-        (m,) = self._ids((meta,))
         if a == b:
-            coef = self.node_coef[a]
-            for j in range(len(coef)):
-                s, d = src_of(red.smap[u][j]), dst_of(red.smap[v][j])
-                i, k = self._ids((s, d))
-                c = self.priced(meta, m, s, i, d, k, activation, grad, share, uses)
-                if c is None:
-                    self.forbidden.setdefault(a, set()).add(j)
-                else:
-                    coef[j] += weight * c
-                    if hidden is not None:
-                        hidden.add_node(a, j, len(coef), weight * c)
+            self._add_within(a, meta, tuple(src_of(s) for s in red.smap[u]), tuple(dst_of(s) for s in red.smap[v]),
+                             weight, (activation, grad, share, uses), hidden)
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
         key = (meta, src, dst, activation, grad, share, uses)
         unit = self.matrices.get(key)
         if unit is None:  # price each distinct (source, target) layout pair once
+            (m,) = self._ids((meta,))
             us, ud = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
             ius, iud = self._ids(us), self._ids(ud)
             distinct = {(a, b): self.priced(meta, m, a, i, b, k, activation, grad, share, uses)
@@ -143,6 +134,26 @@ class EdgePrices:
         if hidden is not None:
             hidden.add_matrix(a, b, unit, weight)
         self._accumulate(a, b, unit, weight)
+
+    def _add_within(self, a: NodeId, meta: Any, src: tuple[Placements, ...], dst: tuple[Placements, ...],
+                    weight: float, how: tuple, hidden: HiddenSync | None) -> None:
+        """An edge inside owner a (a follower chain): at a's choice j it moves `meta` from
+        src[j] to dst[j]; its price joins c[a, j], or forbids j. Equal edges (layer twins)
+        share one row of prices."""
+        key = ("within", meta, src, dst, how)
+        row = self.matrices.get(key)
+        if row is None:
+            (m,), isrc, idst = self._ids((meta,)), self._ids(src), self._ids(dst)
+            row = self.matrices[key] = [self.priced(meta, m, s, i, d, k, *how)
+                                        for s, i, d, k in zip(src, isrc, dst, idst)]
+        coef = self.node_coef[a]
+        for j, c in enumerate(row):
+            if c is None:
+                self.forbidden.setdefault(a, set()).add(j)
+            else:
+                coef[j] += weight * c
+                if hidden is not None:
+                    hidden.add_node(a, j, len(coef), weight * c)
 
     def _add_exchange(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
                       dst_of: Callable[[int], Placements], weight: float) -> None:
