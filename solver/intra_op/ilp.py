@@ -175,8 +175,7 @@ class _Model:
     """The ILP (a backend.Milp), built one constraint family at a time; `x[o][j]` is the
     column of owner o's option j."""
 
-    def __init__(self, name: str, red: Reduction) -> None:
-        self.name = name
+    def __init__(self, red: Reduction) -> None:
         self.milp = Milp()
         self.x = {o: [self.milp.add_binary(f"x_{o}_{j}") for j in range(len(red.smap[o]))] for o in red.owners}
         self.edge_vars: dict[tuple[NodeId, NodeId], dict[tuple[int, int], int]] = {}
@@ -268,7 +267,7 @@ class _Model:
 def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], solver: str,
                       time_limit_s: float | None) -> float:
     """Smallest peak memory any plan reaches at the checked points (for error messages)."""
-    m = _Model("min_memory", red)
+    m = _Model(red)
     m.add_one_choice_constraints()
     m.add_forbidden_constraints(forbidden)
     peak = m.milp.add_col("peak_mib", 0.0, None)
@@ -410,7 +409,7 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
                  memory_budget_bytes: float | None, hidden: HiddenSync | None = None) -> tuple[_Model, int]:
     """The ILP of the module docstring, one constraint family at a time; and its number of
     edge and gather-group variables."""
-    model = _Model("intra_op", red)
+    model = _Model(red)
     model.add_one_choice_constraints()
     model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
