@@ -253,23 +253,25 @@ def _copy(op_schema: OpSchema) -> Any:
 
 
 def _grouped_mm(op_schema: OpSchema) -> Any:
-    # (x [S, K], w [E, K, N], offs [E], experts [E]) -> out [S, N] (autopar/grouped_mm.py):
-    # whole; expert-parallel (weights and experts split on E, x whole, each rank's experts'
-    # rows: a pending sum); column-parallel (w on N, out on N); row-parallel (x and w on K:
-    # a pending sum). The rows, sorted by expert, never split.
-    r, p = DReplicate(), DPartial()
-    return _expand(op_schema, [[r] * 5, [p, r, DShard(0), r, DShard(0)], [DShard(1), r, DShard(2), r, r],
+    # (x [S, K], w [E, K, N], ids [S], experts [E]) -> out [S, N] (autopar/grouped_mm.py):
+    # whole; the rows split (x, ids and out on S, the weights whole: each rank its own
+    # tokens); expert-parallel (weights and experts split on E, x whole, each rank its
+    # experts' rows: a pending sum); column-parallel (w on N, out on N); row-parallel (x and
+    # w on K: a pending sum)
+    r, p, s0 = DReplicate(), DPartial(), DShard(0)
+    return _expand(op_schema, [[r] * 5, [s0, s0, r, s0, r], [p, r, s0, r, s0], [DShard(1), r, DShard(2), r, r],
                                [p, DShard(1), DShard(1), r, r]], num_outputs=1)
 
 
 def _grouped_mm_backward(op_schema: OpSchema) -> Any:
-    # (x, w, offs, experts, grad [S, N]) -> (grad_x [S, K], grad_w [E, K, N]): the forward's
-    # four layouts, each gradient laid out as its tensor (grad_x a pending sum where x was
-    # whole and only part of the contraction over N or of the experts is local)
+    # (x, w, ids, experts, grad [S, N]) -> (grad_x [S, K], grad_w [E, K, N]): the forward's
+    # five layouts, each gradient laid out as its tensor (grad_w a pending sum where the
+    # rows are split; grad_x one where x was whole and only part of the contraction over N
+    # or of the experts is local)
     r, p = DReplicate(), DPartial()
     s0, s1, s2 = DShard(0), DShard(1), DShard(2)
-    return _expand(op_schema, [[r] * 7, [p, s0, r, s0, r, s0, r], [p, s2, r, s2, r, r, s1],
-                               [s1, s1, s1, s1, r, r, r]], num_outputs=2)
+    return _expand(op_schema, [[r] * 7, [s0, p, s0, r, s0, r, s0], [p, s0, r, s0, r, s0, r],
+                               [p, s2, r, s2, r, r, s1], [s1, s1, s1, s1, r, r, r]], num_outputs=2)
 
 
 PROJECT_RULES: dict[Any, tuple[Callable[[OpSchema], Any], int]] = {

@@ -1,17 +1,17 @@
 """Grouped matrix multiply with the experts named: the op mixture-of-experts layers trace to,
-in a form whose expert-parallel layout runs shard by shard.
+in a form whose expert-parallel and data-parallel layouts run shard by shard.
 
-Where it sits: shared by the trace (autopar/trace/capture.py rewrites Hugging Face's
-`transformers.grouped_mm_fallback` and its backward into these ops), the strategy space
+Where it sits: shared by the trace (autopar/trace/capture.py runs Hugging Face's experts
+through `experts_forward` below, which calls these ops), the strategy space
 (autopar/dtensor_bridge.py registers their sharding rules), the pricing (their FLOPs in
 autopar/trace/lowering.py) and the per-rank program, which runs them through DTensor's
 dispatcher on each rank's shards.
 
-Terms: rows x [S, K] are the routed token copies sorted by expert; `offs` [E] holds the
-cumulative row counts (rows offs[e-1]..offs[e] go to expert e, offs[-1] read as 0);
-weights w [E, K, N], one [K, N] matrix per expert. The forward is
+Terms: rows x [S, K] are the routed token copies in token order (token t's k copies at
+rows t k .. t k + k - 1); `ids` [S] names each row's expert; weights w [E, K, N], one
+[K, N] matrix per expert. The forward is
 
-    out[r] = x[r] @ w[e(r)]            e(r): the expert whose rows hold r
+    out[r] = x[r] @ w[e(r)]            e(r) = ids[r]
 
 and the backward, for g = d loss / d out,
 
@@ -19,75 +19,87 @@ and the backward, for g = d loss / d out,
 
 2 S K N FLOPs forward, 4 S K N backward (every row meets one expert's matrix).
 
-Why the experts are an operand: Hugging Face's op walks `offs` from expert 0, so a rank
-holding experts i..j of E (the weights split on their expert dim: expert parallelism)
-could not tell which rows are its own. Here `experts` [E] is the list of expert indices
-the weights' leading dim holds (arange(E) in the traced graph): split on its dim 0 like
-the weights, each rank's shard names exactly its experts, and the rank computes their rows
-and leaves the others zero. The outputs then sum over the ranks (a pending sum) to the
-whole result, with no rank-dependent constant in the program. Whatever is not split on the
-expert dim runs as the unsplit op does: the weights split on N (column-parallel, each rank
-its share of the output features) or on K with x split alike (row-parallel, a pending sum).
+Why rows stay in token order and the experts are an operand: Hugging Face's own experts
+sort every row of the batch by expert and pass cumulative counts (`offs`), so a row's
+place depends on all others and the batch could not split over data-parallel ranks; and
+its op walks `offs` from expert 0, so a rank holding experts i..j of E could not tell
+which rows are its own. Here each row carries its expert (the op sorts inside, per call),
+so the rows may split on dim 0 beside `ids` (data parallelism: each rank its tokens, all
+experts); and `experts` [E] lists the expert indices the weights' leading dim holds
+(arange(E) in the traced graph): split on its dim 0 like the weights, each rank's shard
+names exactly its experts, and the rank computes their rows and leaves the others zero.
+The outputs then sum over the ranks (a pending sum) to the whole result, with no
+rank-dependent constant in the program (Megatron-Core's all-gather token dispatcher: the
+group's tokens whole on every rank, each rank its experts, the outputs reduced). Whatever
+is not split on the expert dim or the rows runs as the unsplit op does: the weights split
+on N (column-parallel, each rank its share of the output features) or on K with x split
+alike (row-parallel, a pending sum).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch import nn
 
 from autopar.ir import GROUPED_MM_BWD, GROUPED_MM_FWD
 
 LIBRARY = "autopar"
 FORWARD = "grouped_mm"
 BACKWARD = "grouped_mm_backward"
+EXPERTS_IMPLEMENTATION = "autopar"
+"""The name `experts_forward` is registered under in Hugging Face's experts interface."""
 
 
-def _row_ranges(offs: torch.Tensor, experts: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(local expert index, first row, end row) per expert of `experts` that has rows: one
-    host read of `offs` and `experts` per call (as Hugging Face's fallback)."""
-    ends = offs.tolist()
-    ranges = []
-    for j, e in enumerate(experts.tolist()):
-        start = ends[e - 1] if e > 0 else 0
-        if ends[e] > start:
-            ranges.append((j, start, ends[e]))
-    return ranges
+def _row_groups(ids: torch.Tensor, experts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(local expert index, its rows in ascending order) per expert of `experts` that has
+    rows: one stable sort of `ids` and one host read per call (as Hugging Face's fallback
+    reads its `offs` once)."""
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    starts = torch.searchsorted(sorted_ids, experts).tolist()
+    ends = torch.searchsorted(sorted_ids, experts, right=True).tolist()
+    return [(j, order[a:b]) for j, (a, b) in enumerate(zip(starts, ends)) if b > a]
 
 
 @torch.library.custom_op(f"{LIBRARY}::{FORWARD}", mutates_args=())
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """out[r] = x[r] @ w[j] for the rows r of expert experts[j]; rows of other experts 0."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """out[r] = x[r] @ w[j] for the rows r with ids[r] = experts[j]; rows of other experts 0."""
     out = x.new_zeros(x.shape[0], w.shape[2])
-    for j, start, end in _row_ranges(offs, experts):
-        torch.mm(x[start:end], w[j], out=out[start:end])
+    for j, rows in _row_groups(ids, experts):
+        out.index_copy_(0, rows, x.index_select(0, rows) @ w[j])
     return out
 
 
 @grouped_mm.register_fake
-def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_fake(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[2])
 
 
 @torch.library.custom_op(f"{LIBRARY}::{BACKWARD}", mutates_args=())
-def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor,
+def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor,
                         grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_w) of `grouped_mm` for the output gradient `grad` (module docstring)."""
     grad_x = torch.zeros_like(x)
     grad_w = torch.zeros_like(w)
-    for j, start, end in _row_ranges(offs, experts):
-        torch.mm(grad[start:end], w[j].t(), out=grad_x[start:end])
-        torch.mm(x[start:end].t(), grad[start:end], out=grad_w[j])
+    for j, rows in _row_groups(ids, experts):
+        g = grad.index_select(0, rows)
+        grad_x.index_copy_(0, rows, g @ w[j].t())
+        torch.mm(x.index_select(0, rows).t(), g, out=grad_w[j])
     return grad_x, grad_w
 
 
 @grouped_mm_backward.register_fake
-def _grouped_mm_backward_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor,
+def _grouped_mm_backward_fake(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor,
                               grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _backward(ctx, grad: torch.Tensor):
-    x, w, offs, experts = ctx.saved_tensors
-    grad_x, grad_w = grouped_mm_backward(x, w, offs, experts, grad)
+    x, w, ids, experts = ctx.saved_tensors
+    grad_x, grad_w = grouped_mm_backward(x, w, ids, experts, grad)
     return grad_x, grad_w, None, None
 
 
@@ -108,3 +120,68 @@ def grouped_mm_flops(name: str, x_shape: tuple[int, ...], w_shape: tuple[int, ..
     s, k = x_shape
     n = w_shape[2]
     return (2 if name == GROUPED_MM_FWD else 4) * s * k * n
+
+
+def _linear(rows: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor,
+            transposed: bool) -> torch.Tensor:
+    """Each row through its expert's linear map, as Hugging Face's `_grouped_linear` lays
+    the weights out ([E, in, out] where `transposed`, else [E, out, in])."""
+    w = weight if transposed else weight.transpose(-2, -1)
+    return grouped_mm(rows.to(w.dtype), w, ids, experts)
+
+
+def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's experts forward (`transformers.integrations.moe`, the grouped-matmul
+    implementation) with the rows in token order: the same maths, expert by expert, with
+    each row's expert passed beside it instead of a batch-wide sort (module docstring).
+
+        rows  = each token repeated k times          [T k, H]
+        h     = gate(rows @ W_up[e(r)])              (or act(rows @ W_up[e(r)]) without a gate)
+        out_t = sum over t's k rows of p_r (h_r @ W_down[e(r)])
+
+    Biases are gathered per row, and the post-expert norm applied, where the module has them."""
+    tokens, hidden = hidden_states.shape
+    k = top_k_index.shape[-1]
+    rows = hidden_states.unsqueeze(1).expand(tokens, k, hidden).reshape(tokens * k, hidden)
+    ids = top_k_index.reshape(-1)
+    experts = torch.arange(module.num_experts, device=hidden_states.device)
+    up = module.gate_up_proj if module.has_gate else module.up_proj
+    h = _linear(rows, up, ids, experts, module.is_transposed)
+    if module.has_bias:
+        h = h + (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias)[ids]
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    h = _linear(h, module.down_proj, ids, experts, module.is_transposed)
+    if module.has_bias:
+        h = h + module.down_proj_bias[ids]
+    if module.has_post_expert_norm:
+        h = module.post_expert_norm(h)
+    h = h * top_k_weights.reshape(-1, 1)
+    return h.view(tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def experts_for_trace(model: nn.Module) -> Iterator[None]:
+    """Run the Hugging Face models inside `model` through `experts_forward` while the
+    tracer captures them, and restore each model's own experts implementation after.
+
+    Models whose experts class takes Hugging Face's `use_experts_implementation` decorator
+    (Mixtral, Qwen2/3-MoE, DeepSeek, gpt-oss, ...) are switched through their public
+    `set_experts_implementation`; other models, and transformers versions without the
+    interface, are left as they are."""
+    models = [m for m in model.modules() if hasattr(m, "set_experts_implementation")
+              and hasattr(m, "get_experts_implementation") and m._can_set_experts_implementation()]
+    if not models:
+        yield
+        return
+    from transformers.integrations.moe import ExpertsInterface  # lazy: transformers is an optional dependency
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
+    saved = [(m, m.get_experts_implementation()) for m in models]
+    try:
+        for m in models:
+            m.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        yield
+    finally:
+        for m, implementation in reversed(saved):
+            m.set_experts_implementation(implementation)

@@ -184,6 +184,7 @@ def trace(
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 _module_annotations(model, active), hf_compiling_patch(model), \
+                grouped_mm.experts_for_trace(model), \
                 torch.nn.attention.sdpa_kernel(sdpa_backends()):
             from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # lazy: aot_autograd brings dynamo and inductor, only to trace
 
@@ -213,7 +214,6 @@ def trace(
     _mutations_last(gm, type(model).__name__)
     _drop_empty_concat_inputs(gm)
     _drop_value_checks(gm)
-    _name_the_experts(gm)
     if recompute != "none":
         copied = apply_recompute(gm, recompute, layer_prefix)
         log.info("recompute %s: %d forward ops recomputed in backward", recompute, copied)
@@ -272,50 +272,6 @@ def _drop_value_checks(gm: fx.GraphModule) -> None:
         inputs = [a for a in node.all_input_nodes if a.op == "call_function"]
         graph.erase_node(node)
         pending.extend(a for a in inputs if not a.users and not a.is_impure())
-    graph.lint()
-    gm.recompile()
-
-
-def _hf_grouped_mm_ops() -> dict[Any, Any]:
-    """Hugging Face's grouped matmul ops (registered when its MoE integration is imported)
-    -> the autopar op taking their place; empty when transformers never loaded them."""
-    ops = getattr(torch.ops, "transformers", None)
-    found = {}
-    for name, ours in (("grouped_mm_fallback", grouped_mm.FORWARD_OP),
-                       ("grouped_mm_fallback_backward", grouped_mm.BACKWARD_OP)):
-        try:
-            found[getattr(ops, name).default] = ours
-        except (AttributeError, RuntimeError):
-            continue
-    return found
-
-
-def _name_the_experts(gm: fx.GraphModule) -> None:
-    """Replace Hugging Face's grouped matmul (`transformers.grouped_mm_fallback`, its
-    experts' loop on CPU and wherever `torch._grouped_mm` is unavailable) and its backward
-    by autopar/grouped_mm.py's ops, which take one more operand: `arange(E)`, the experts
-    the weights hold. The same rows, weights and results; but split on the expert dim
-    beside the weights, that operand tells each rank which experts are its own, so the
-    ILP can place the experts split over an axis (expert parallelism) and the program
-    runs it shard by shard (autopar/grouped_mm.py says why Hugging Face's op cannot)."""
-    ours = _hf_grouped_mm_ops()
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ours] if ours else []
-    if not nodes:
-        return
-    graph = gm.graph
-    for node in nodes:
-        args = list(node.args) + [node.kwargs[k] for k in ("offs", "grad_output") if k in node.kwargs]
-        x, w, offs = args[:3]
-        weights = w.meta["val"]
-        with graph.inserting_before(node):
-            experts = graph.call_function(torch.ops.aten.arange.default, (weights.shape[0],),
-                                          {"dtype": torch.int64, "device": weights.device, "pin_memory": False})
-            with weights.fake_mode:
-                experts.meta = {**node.meta, "val": torch.arange(weights.shape[0], device=weights.device)}
-            replaced = graph.call_function(ours[node.target], (x, w, offs, experts, *args[3:]))
-        replaced.meta = dict(node.meta)
-        node.replace_all_uses_with(replaced)
-        graph.erase_node(node)
     graph.lint()
     gm.recompile()
 

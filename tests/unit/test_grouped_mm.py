@@ -1,12 +1,15 @@
 """The experts' grouped matmul (autopar/grouped_mm.py): Hugging Face's MoE layers trace to it.
 
-The op equals Hugging Face's `transformers.grouped_mm_fallback` and its backward, an
-expert with no rows included; split on the expert dim with its `experts` operand, each
-shard computes its own experts' rows and the shards' outputs sum to the whole output
-(the pending sum of the expert-parallel strategy) while their weight gradients
-concatenate to the whole gradient. A Hugging Face Mixtral traces with the op in place
-of Hugging Face's, its FLOPs counted as matmuls (2 S K N forward, 4 S K N backward), and
-the strategy space offers the expert-parallel layout on a mesh axis.
+The op equals Hugging Face's `transformers.grouped_mm_fallback` and its backward on the
+rows sorted by expert, an expert with no rows included. Split on the expert dim with its
+`experts` operand, each shard computes its own experts' rows and the shards' outputs sum
+to the whole output (the pending sum of the expert-parallel strategy) while their weight
+gradients concatenate to the whole gradient; split on the rows, the outputs concatenate
+and the weight gradients sum (data parallelism). Hugging Face's Mixtral and Qwen2-MoE
+compute as their own experts do through it. A Mixtral traces with the op in place of
+Hugging Face's and with no sort of the batch, its FLOPs counted as matmuls (2 S K N
+forward, 4 S K N backward); the strategy space offers the expert-parallel layout on a mesh
+axis, and a dp2 x tp2 configuration has a plan with the batch split into the op.
 """
 
 from __future__ import annotations
@@ -24,25 +27,60 @@ from solver.intra_op.space import enumerate_strategies
 pytest.importorskip("transformers")
 
 
-def test_the_op_equals_hugging_faces_and_its_expert_shards_sum_to_it():
+def _reference(x, w, ids, grad):
+    """Hugging Face's grouped matmul on the rows sorted by expert, the results put back in
+    row order: its output and the gradients of x and w."""
+    order = torch.argsort(ids, stable=True)
+    offs = torch.cumsum(torch.bincount(ids, minlength=w.shape[0]), 0).to(torch.int32)
+    out = torch.ops.transformers.grouped_mm_fallback(x[order], w, offs)
+    ref = torch.empty_like(out).index_copy(0, order, out)
+    return (ref, *torch.autograd.grad(ref, (x, w), grad))
+
+
+def test_the_op_equals_hugging_faces_and_its_shards_compose_to_it():
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
     torch.manual_seed(0)
     x, w = torch.randn(12, 5, requires_grad=True), torch.randn(4, 5, 7, requires_grad=True)
-    offs = torch.tensor([3, 3, 8, 12], dtype=torch.int32)  # expert 1 has no rows
+    ids = torch.tensor([2, 0, 3, 2, 0, 3, 3, 2, 0, 2, 3, 3])  # expert 1 has no rows
     grad = torch.randn(12, 7)
-    ref = torch.ops.transformers.grouped_mm_fallback(x, w, offs)
-    ref_x, ref_w = torch.autograd.grad(ref, (x, w), grad)
+    ref, ref_x, ref_w = _reference(x, w, ids, grad)
     experts = torch.arange(4)
-    torch.testing.assert_close(gmm.grouped_mm(x, w, offs, experts), ref, rtol=0, atol=0)
-    got_x, got_w = gmm.grouped_mm_backward(x.detach(), w.detach(), offs, experts, grad)
-    torch.testing.assert_close((got_x, got_w), (ref_x, ref_w), rtol=0, atol=0)
-    mine = [slice(0, 2), slice(2, 4)]  # two ranks, two experts each
-    out = sum(gmm.grouped_mm(x, w[s], offs, experts[s]) for s in mine)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    parts = [gmm.grouped_mm_backward(x.detach(), w.detach()[s], offs, experts[s], grad) for s in mine]
+    torch.testing.assert_close(gmm.grouped_mm(x, w, ids, experts), ref, rtol=1e-6, atol=1e-6)
+    got_x, got_w = gmm.grouped_mm_backward(x.detach(), w.detach(), ids, experts, grad)
+    torch.testing.assert_close((got_x, got_w), (ref_x, ref_w), rtol=1e-6, atol=1e-6)
+    mine = [slice(0, 2), slice(2, 4)]  # expert parallel: two ranks, two experts each
+    out = sum(gmm.grouped_mm(x, w[s], ids, experts[s]) for s in mine)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    parts = [gmm.grouped_mm_backward(x.detach(), w.detach()[s], ids, experts[s], grad) for s in mine]
     torch.testing.assert_close(sum(p[0] for p in parts), ref_x, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(torch.cat([p[1] for p in parts]), ref_w, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([p[1] for p in parts]), ref_w, rtol=1e-6, atol=1e-6)
+    rows = [slice(0, 6), slice(6, 12)]  # data parallel: two ranks, six rows each, all experts
+    torch.testing.assert_close(torch.cat([gmm.grouped_mm(x[r], w, ids[r], experts) for r in rows]), ref,
+                               rtol=1e-6, atol=1e-6)
+    parts = [gmm.grouped_mm_backward(x.detach()[r], w.detach(), ids[r], experts, grad[r]) for r in rows]
+    torch.testing.assert_close(torch.cat([p[0] for p in parts]), ref_x, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sum(p[1] for p in parts), ref_w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("factory", ["mixtral", "qwen2_moe"])
+def test_hugging_face_experts_through_the_op_compute_as_their_own(factory):
+    """`experts_forward` (rows in token order through the op) gives Hugging Face's own
+    experts' output and gradients, and tracing restores the model's own implementation."""
+    import tests.hf_factories as factories
+
+    torch.manual_seed(0)
+    model, (ids, labels) = getattr(factories, factory)()
+    before = model.hf.get_experts_implementation()
+    loss = model(ids, labels)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    with gmm.experts_for_trace(model):
+        assert model.hf.config._experts_implementation == gmm.EXPERTS_IMPLEMENTATION
+        ours = model(ids, labels)
+        our_grads = torch.autograd.grad(ours, list(model.parameters()))
+    assert model.hf.get_experts_implementation() == before
+    torch.testing.assert_close(ours, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_grads, grads, rtol=1e-4, atol=1e-6)
 
 
 def test_hugging_face_moe_traces_to_the_named_experts_op():
@@ -59,6 +97,7 @@ def test_hugging_face_moe_traces_to_the_named_experts_op():
         (s, k), n_out = graph[n.inputs[0]].output.shape, graph[n.inputs[1]].output.shape[2]
         assert n.flops == (2 if n in forward else 4) * s * k * n_out > 0
         assert graph[n.inputs[3]].op == "aten.arange.default"  # the experts the weights hold
+        assert graph[n.inputs[2]].output.shape == (s,)  # each row's expert
     bridge.register_project_rules()
     space = enumerate_strategies(graph, (1, 4))
     expert_parallel = ((Replicate(), Replicate()), (Replicate(), Shard(0)), (Replicate(), Replicate()),
@@ -67,20 +106,19 @@ def test_hugging_face_moe_traces_to_the_named_experts_op():
                for s in space.strategies[forward[0].id])
 
 
-def test_data_parallel_hugging_face_routing_is_refused_with_the_sort_named():
-    """Hugging Face's routing sorts every token of the batch by expert: no split of the batch
-    computes that sort, so a data-parallel configuration has no plan, and the error names
-    the op, its module and why, not a reshape."""
+def test_data_parallel_hugging_face_moe_has_a_plan_with_the_batch_split():
+    """The rows keep token order, so Hugging Face's routing splits with the batch: a dp2 x tp2
+    configuration solves, the batch split over dp into the grouped matmuls and out of them."""
     from autopar.cluster import Cluster
     from autopar.config import ParallelConfig
-    from autopar.sharding import InfeasiblePlanError
     from solver.forced import solve_one_stage
+    from solver.spmd_search import op_placements
     from tests.hf_factories import mixtral
 
     model, (ids, labels) = mixtral()
     _, graph = trace_step(model, (ids[:4], labels[:4]))
-    with pytest.raises(InfeasiblePlanError) as info:
-        solve_one_stage(graph, ParallelConfig(dp=2, tp=2, micro_batch=2), Cluster.parse("cpu:1x4"), num_microbatches=2)
-    text = str(info.value)
-    assert "aten.sort.default in hf.model.layers.0.mlp.experts" in text, text
-    assert "sort reads every row of the batch at once" in text and "reshape" not in text, text
+    assert not [n for n in graph.nodes if n.op == "aten.sort.default"]
+    solution = solve_one_stage(graph, ParallelConfig(dp=2, tp=2, micro_batch=2), Cluster.parse("cpu:1x4"),
+                               num_microbatches=2)
+    rows = [r for r in op_placements(graph, solution) if r.op == GROUPED_MM_FWD]
+    assert rows and all(r.inputs[0].startswith("(S(0)") for r in rows), [r.inputs for r in rows]
