@@ -400,6 +400,6 @@ def _cause(op: str) -> str:
         return ("A reshape that merges the batch dim into a dim in front of it (time-major recurrent layers, a "
                 "transpose before a flatten) is the usual cause. Use a smaller dp (the search tries the others), or "
                 "keep the batch dim outermost before such a reshape")
-    return (f"{name} reads every row of the batch at once (a sort over all tokens, as Hugging Face mixture-of-"
-            f"experts routing does, orders them by values of every row), so no split of the batch computes it. "
-            f"Use a smaller dp, shard over tp instead (the search tries the others), or compute it per sequence")
+    return (f"{name} reads every row of the batch at once (a sort over all tokens orders them by values of every "
+            f"row), so no split of the batch computes it. Use a smaller dp, shard over tp instead (the search tries "
+            f"the others), or compute it per sequence")

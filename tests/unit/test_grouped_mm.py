@@ -122,3 +122,30 @@ def test_data_parallel_hugging_face_moe_has_a_plan_with_the_batch_split():
                                num_microbatches=2)
     rows = [r for r in op_placements(graph, solution) if r.op == GROUPED_MM_FWD]
     assert rows and all(r.inputs[0].startswith("(S(0)") for r in rows), [r.inputs for r in rows]
+
+
+class _SortsTheBatch(torch.nn.Module):
+    """Orders the batch's rows by a score of every row: no split of the batch computes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        score, order = torch.sort(h[:, 0])
+        return (h[order] * score[:, None]).sum()
+
+
+def test_a_sort_of_the_whole_batch_is_refused_under_dp_with_the_op_named():
+    from autopar.cluster import Cluster
+    from autopar.config import ParallelConfig
+    from autopar.sharding import InfeasiblePlanError
+    from solver.forced import solve_one_stage
+
+    _, graph = trace_step(_SortsTheBatch(), (torch.randn(8, 8),))
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve_one_stage(graph, ParallelConfig(dp=2, micro_batch=4), Cluster.parse("cpu:1x2"), num_microbatches=1)
+    text = str(info.value)
+    assert "aten.sort.default" in text and "sort reads every row of the batch at once" in text, text
+    assert "reshape" not in text, text
