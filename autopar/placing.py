@@ -35,8 +35,8 @@ from autopar.build.chunks import trace_chunks
 from autopar.build.one_stage import trace_microbatch
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.ir import Graph
-from autopar.placement import Placements, boundary_placements
+from autopar.ir import GROUPED_MM_BWD, GROUPED_MM_FWD, Graph
+from autopar.placement import Placements, Shard, boundary_placements
 from autopar.plan import Plan, ProgramPlacements, StagePlacements
 from autopar.runtime.jobs import build_model_and_batches
 from autopar.sharding import InfeasiblePlanError, NodeStrategy
@@ -139,6 +139,39 @@ def place_job(job: Any, *, cluster: Any = None, device_type: str = "cpu") -> Any
         placed.append(program_placements(model, config, batches[0], model_name=job.model, plan=plan,
                                          cluster=cluster, stage_layers=layers, device_type=device_type).dumps())
     return replace(job, placements=tuple(placed))
+
+
+def place_experts_split(job: Any, axis: int = 1) -> Any:
+    """`job` (one configuration of one stage) with the placements of the ILP's optimum for it
+    with every grouped matmul of the experts (autopar/grouped_mm.py: Hugging Face's MoE
+    layers) held to its expert-parallel strategy on mesh axis `axis` (1: tp): the weights
+    and the experts operand split on E there, each rank computing its experts' rows of its
+    group's tokens, the partial outputs summed (Megatron-Core's all-gather dispatcher). For
+    runs that set that layout beside the ILP's free choice. ValueError where the step has
+    no grouped matmul."""
+    from solver.forced import mesh_shape, solve_one_stage  # lazy: the solver (PuLP), only when placing
+    from solver.intra_op.space import enumerate_strategies  # lazy: as above
+    from solver.spmd_search import op_placements  # lazy: as above
+
+    (config,) = job.configs
+    model, batches, _ = build_model_and_batches(replace(job, steps=1))
+    _, graph = trace_microbatch(copy.deepcopy(model), config, batches[0])
+    grouped = (GROUPED_MM_FWD, GROUPED_MM_BWD)
+    if not any(n.op in grouped for n in graph.nodes):
+        raise ValueError(f"{job.model}: no grouped matmul of experts in the traced step, so there are no experts to "
+                         "split; expert parallelism here applies to models whose experts trace to autopar's grouped "
+                         "matmul (Hugging Face MoE models)")
+    space = enumerate_strategies(graph, mesh_shape(config))
+    kept = tuple(tuple(s for s in options if s.inputs[1][axis] == Shard(0)) if graph[i].op in grouped else options
+                 for i, options in enumerate(space.strategies))
+    m = max(1, batch_size(batches[0]) // (config.dp * config.micro_batch))
+    solution = solve_one_stage(graph, config, Cluster.parse(f"cpu:1x{config.num_devices}"), num_microbatches=m,
+                               space=replace(space, strategies=kept))
+    placed = ProgramPlacements(model=job.model, config=config, origin="solved",
+                               placements=(StagePlacements(chunk=0, placements=op_placements(graph, solution)),),
+                               collectives=_rows(priced_per_step(solution, m, ("dp", "tp"))),
+                               grads_each_microbatch=solution.grads_each_microbatch)
+    return replace(job, placements=(placed.dumps(),))
 
 
 def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int, rows: int) -> Any:

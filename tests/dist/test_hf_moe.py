@@ -21,21 +21,15 @@ close (atol 1e-3), and each rank's collectives per step equal those the ILP pric
 
 from __future__ import annotations
 
-import copy
-from dataclasses import replace
-
 import pytest
 import torch
 
 from autopar.build import train_worker
-from autopar.build.one_stage import trace_microbatch
-from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.ir import GROUPED_MM_BWD, GROUPED_MM_FWD
-from autopar.placement import Shard
-from autopar.placing import place_job, priced_per_step
-from autopar.plan import ProgramPlacements, StagePlacements
-from autopar.runtime.jobs import TrainJob, build_model_and_batches, reference_run
+from autopar.placing import place_experts_split, place_job
+from autopar.plan import ProgramPlacements
+from autopar.runtime.jobs import TrainJob, reference_run
 from autopar.runtime.launch import spawn
 
 pytestmark = pytest.mark.dist
@@ -51,28 +45,10 @@ def _jobs_worker(rank: int, jobs: tuple[TrainJob, ...]) -> list:
     return [train_worker(rank, job)[0] for job in jobs]
 
 
-def _expert_parallel(job: TrainJob) -> tuple[TrainJob, dict]:
-    """`job` with the ILP's placements for CONFIG, its grouped matmuls held to expert
-    parallelism over tp; and {grouped op key: its input layouts} as placed."""
-    from dataclasses import replace as with_
-    from solver.forced import mesh_shape, solve_one_stage
-    from solver.intra_op.space import enumerate_strategies
-    from solver.spmd_search import op_placements
-
-    model, batches, _ = build_model_and_batches(replace(job, steps=1))
-    _, graph = trace_microbatch(copy.deepcopy(model), CONFIG, batches[0])
-    space = enumerate_strategies(graph, mesh_shape(CONFIG))
-    kept = tuple(tuple(s for s in options if s.inputs[1][1] == Shard(0)) if graph[i].op in GROUPED else options
-                 for i, options in enumerate(space.strategies))
-    m = BATCH // (CONFIG.dp * CONFIG.micro_batch)
-    solution = solve_one_stage(graph, CONFIG, Cluster.parse("cpu:1x4"), num_microbatches=m,
-                               space=with_(space, strategies=kept))
-    rows = op_placements(graph, solution)
-    placed = ProgramPlacements(model=job.model, config=CONFIG, origin="solved",
-                               placements=(StagePlacements(chunk=0, placements=rows),),
-                               collectives=tuple((k, a, c, b) for (k, a), (c, b) in
-                                                 sorted(priced_per_step(solution, m, ("dp", "tp")).items())))
-    return replace(job, placements=(placed.dumps(),)), {r.key: r.inputs for r in rows if r.op in GROUPED}
+def _grouped_inputs(job: TrainJob) -> dict:
+    """{grouped op key: its input layouts} as `job`'s placements record them."""
+    (stage,) = ProgramPlacements.loads(job.placements[0]).placements
+    return {r.key: r.inputs for r in stage.placements if r.op in GROUPED}
 
 
 ILP_PLAN = "mixtral, the ILP's plan"
@@ -82,8 +58,9 @@ ILP_PLAN = "mixtral, the ILP's plan"
 def runs():
     jobs, grouped = [], {}
     for name, model in MODELS.items():
-        job, grouped[name] = _expert_parallel(TrainJob(model=model, configs=(CONFIG,), steps=3, global_batch=BATCH,
-                                                       return_parameters=True))
+        job = place_experts_split(TrainJob(model=model, configs=(CONFIG,), steps=3, global_batch=BATCH,
+                                           return_parameters=True))
+        grouped[name] = _grouped_inputs(job)
         jobs.append(job)
     jobs.append(place_job(TrainJob(model=MODELS["mixtral"], configs=(CONFIG,), steps=3, global_batch=BATCH,
                                    return_parameters=True)))
