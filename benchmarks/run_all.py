@@ -11,7 +11,8 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    benchmarks/measure_cpu.py (autopar vs the hand-tuned baseline, measured) ->
    results/measured_cpu.{md,json}; benchmarks/measure_torchtitan.py (autopar vs torchtitan
    itself, measured) -> results/torchtitan.{md,json,png}; with no `make bench-install` it
-   prints one line saying it was skipped
+   prints one line saying it was skipped; benchmarks/measure_hf_moe.py (Hugging Face MoE
+   models: the search's plan beside ep2 x dp2, measured) -> results/hf_moe.{md,json}
 3. benchmarks/fit/fit_cost_model.py: the closed-form baseline's fit on every published run ->
    results/fitted_constants.json (a reproducibility check of the committed constants it alone
    sets, `overlap_efficiency` and `compiled_memory_factor`; the others are the one model's,
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
               "--md", str(RESULTS / "torchtitan.md"), "--plot", str(RESULTS / "torchtitan.png"),
               "--profile-below", "0.95"])
         phases.append(("measure_torchtitan", time.perf_counter() - t))
+        t = time.perf_counter()
+        _run([PY, "benchmarks/measure_hf_moe.py", "--out", str(RESULTS / "hf_moe")])
+        phases.append(("measure_hf_moe", time.perf_counter() - t))
 
     t = time.perf_counter()
     _run([PY, "benchmarks/fit/fit_cost_model.py", "--out", str(RESULTS / "fitted_constants.json")])

@@ -38,7 +38,7 @@ from autopar.ir import Graph
 from autopar.placement import Placements, boundary_placements
 from autopar.runtime.pipe import canonical_names, canonicalize, relay_skips, routed
 from autopar.runtime.spmd import master_weights, run_policy
-from autopar.trace import hf_compiling_patch, lower, sdpa_backends, to_compute_dtype, trace, with_precision
+from autopar.trace import hf_capture_patch, lower, sdpa_backends, to_compute_dtype, trace, with_precision
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def split_model(model: nn.Module, microbatch: Sequence[Any], *, num_chunks: int,
                 parent = getattr(parent, atom)
         return stage
 
-    with hf_compiling_patch(model), torch.nn.attention.sdpa_kernel(sdpa_backends()), \
+    with hf_capture_patch(model), torch.nn.attention.sdpa_kernel(sdpa_backends()), \
             mock.patch.object(pipelining_ir, "_outline_submodules", flat_stage):
         pipe = pipeline(routed(model, loss_fn), mb_args=tuple(microbatch), split_spec=split_spec)
     if pipe.num_stages != num_chunks:

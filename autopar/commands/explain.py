@@ -88,15 +88,16 @@ def grouped_lines(plan: Plan) -> list[str]:
     placements (the forward op's weights operand, one line per chunk that has such ops);
     [] where the plan records none. The weights split on E over an axis is expert
     parallelism there (each rank its experts' rows, the partial outputs summed); split on
-    another dim, tensor parallelism inside each expert; whole, the ILP priced gathering the
-    stored expert shards for each use below both on this mesh (fewer collectives: the
-    expert-parallel outputs are pending sums, reduced before every nonlinearity)."""
+    another dim, tensor parallelism inside each expert; whole, the ILP priced that below both
+    on this mesh (fewer collectives: the expert-parallel outputs are pending sums, reduced
+    before every nonlinearity). The rows (tokens) split over an axis are said beside it."""
     lines = []
     axes_names = ("dp", "tp")
     for stage in plan.placements:
-        layouts = [placement_axes(p.inputs[1]) for p in stage.placements if p.op == GROUPED_MM_FWD]
-        if not layouts:
+        rows = [p for p in stage.placements if p.op == GROUPED_MM_FWD]
+        if not rows:
             continue
+        layouts = [placement_axes(p.inputs[1]) for p in rows]
         where = []
         for axis, name in enumerate(axes_names):
             on_axis = {layout[axis] if axis < len(layout) else "R" for layout in layouts}
@@ -106,13 +107,15 @@ def grouped_lines(plan: Plan) -> list[str]:
             elif on_axis and all(p.startswith("S(") for p in on_axis):
                 where.append(f"split inside each expert over {name} ({', '.join(sorted(on_axis))})")
         chunk = f" (chunk {stage.chunk})" if len(plan.placements) > 1 else ""
+        tokens = [name for axis, name in enumerate(axes_names)
+                  if all(axis < len(lay) and lay[axis] == "S(0)" for lay in (placement_axes(p.inputs[0]) for p in rows))]
+        split = f", each rank its own tokens (the rows split over {' and '.join(tokens)})" if tokens else ""
         if where:
-            lines.append(f"  experts' grouped matmuls{chunk}: " + "; ".join(where))
+            lines.append(f"  experts' grouped matmuls{chunk}: " + "; ".join(where) + split)
         else:
-            lines.append(f"  experts' grouped matmuls{chunk}: computed with the experts' weights "
-                         "whole (stored shards gathered for each use): on this mesh the ILP priced that below "
-                         "expert parallelism, whose partial outputs are summed before every nonlinearity (more "
-                         "collectives per layer)")
+            lines.append(f"  experts' grouped matmuls{chunk}: computed with every expert's weights whole on the "
+                         f"rank{split}: on this mesh the ILP priced that below expert parallelism, whose partial "
+                         "outputs are summed before every nonlinearity (more collectives per layer)")
     return lines
 
 

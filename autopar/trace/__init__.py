@@ -35,10 +35,10 @@ from autopar.ir import Graph
 from autopar.models.zoo import ModelSource
 from autopar.precision import cast_parameters
 from autopar.recompute import recompute_copy
-from autopar.trace.capture import LossFn, Traced, TraceError, hf_compiling_patch, sdpa_backends, trace, updated_buffers
+from autopar.trace.capture import LossFn, Traced, TraceError, hf_capture_patch, sdpa_backends, trace, updated_buffers
 from autopar.trace.lowering import VIEW_OPS, lower
 
-__all__ = ["LossFn", "Traced", "TraceError", "VIEW_OPS", "hf_compiling_patch", "lower", "sdpa_backends",
+__all__ = ["LossFn", "Traced", "TraceError", "VIEW_OPS", "hf_capture_patch", "lower", "sdpa_backends",
            "to_compute_dtype", "trace", "trace_model", "trace_step", "updated_buffers", "with_precision"]
 
 

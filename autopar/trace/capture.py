@@ -128,15 +128,20 @@ def _module_annotations(model: nn.Module, active: list[str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hf_compiling_patch(model: nn.Module) -> Iterator[None]:
-    """Hugging Face mask helpers branch on data unless they believe they are compiling."""
+def hf_capture_patch(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models as autopar captures them (the whole step, or a pipeline's cut):
+    - their mask helpers branch on data unless they believe they are compiling, so they
+      are told they are;
+    - their experts run through autopar/grouped_mm.py's `experts_forward` (each row's
+      expert beside it: the batch splits through the routing), restored after."""
     if not any(type(m).__module__.startswith("transformers") for m in model.modules()):
         yield
         return
     original = torch.compiler.is_compiling
     torch.compiler.is_compiling = lambda: True  # type: ignore[assignment]
     try:
-        yield
+        with grouped_mm.experts_for_trace(model):
+            yield
     finally:
         torch.compiler.is_compiling = original  # type: ignore[assignment]
 
@@ -183,8 +188,7 @@ def trace(
     start = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
-                _module_annotations(model, active), hf_compiling_patch(model), \
-                grouped_mm.experts_for_trace(model), \
+                _module_annotations(model, active), hf_capture_patch(model), \
                 torch.nn.attention.sdpa_kernel(sdpa_backends()):
             from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # lazy: aot_autograd brings dynamo and inductor, only to trace
 

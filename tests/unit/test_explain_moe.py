@@ -81,8 +81,8 @@ def test_grouped_matmuls_say_where_the_experts_run():
     from autopar.ir import GROUPED_MM_FWD
     from autopar.plan import OpPlacement, StagePlacements
 
-    def plan(weights: str, op: str = GROUPED_MM_FWD) -> SimpleNamespace:
-        row = OpPlacement(key="L0.96", op=op, outputs=("(R, P)",), inputs=("(R, R)", weights, "(R, R)", weights))
+    def plan(weights: str, op: str = GROUPED_MM_FWD, rows: str = "(R, R)") -> SimpleNamespace:
+        row = OpPlacement(key="L0.96", op=op, outputs=("(R, P)",), inputs=(rows, weights, rows, weights))
         return SimpleNamespace(placements=(StagePlacements(chunk=0, placements=(row,)),))
 
     (ep,) = grouped_lines(plan("(R, S(0))"))
@@ -90,5 +90,9 @@ def test_grouped_matmuls_say_where_the_experts_run():
     (inside,) = grouped_lines(plan("(R, S(2))"))
     assert "split inside each expert over tp (S(2))" in inside
     (whole,) = grouped_lines(plan("(R, R)"))
-    assert "weights whole" in whole and "priced" in whole
+    assert "weights whole" in whole and "priced" in whole and "own tokens" not in whole
+    (data_parallel,) = grouped_lines(plan("(R, R)", rows="(S(0), R)"))
+    assert "weights whole" in data_parallel and "the rows split over dp)" in data_parallel
+    (ep_dp,) = grouped_lines(plan("(R, S(0))", rows="(S(0), R)"))
+    assert "expert parallelism over tp" in ep_dp and "the rows split over dp)" in ep_dp
     assert grouped_lines(plan("(R, S(0))", op="aten.mm.default")) == []
