@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.config import ParallelConfig
-from autopar.ir import Graph, Node, Role
+from autopar.ir import GROUPED_MM_FWD, Graph, Node, Role
 from autopar.placement import Placements, Replicate, Shard
 from solver.intra_op.ilp import solve_intra_op
 from solver.intra_op.space import enumerate_strategies
@@ -107,9 +107,16 @@ def stacked_experts(graph: Graph) -> tuple[int, ...]:
 def check_expert_degree(graph: Graph, config: ParallelConfig, *, whole_model: bool = True) -> None:
     """Raises ValueError where `config.ep` > 1 has nothing to split: no parameter of three or
     more dims whose leading (expert) dim ep divides. A pipeline chunk (`whole_model` false)
-    may hold no experts at all."""
+    may hold no experts at all. Also where the experts run through the grouped matmul of
+    token rows (autopar/grouped_mm.py: Hugging Face's experts), which moves no tokens over
+    dp: their rows and experts cannot both split there."""
     if config.ep == 1:
         return
+    if any(n.op == GROUPED_MM_FWD for n in graph.nodes):
+        raise ValueError(f"--ep {config.ep}: the experts of {graph.model.name} run through a grouped matmul of token "
+                         "rows (Hugging Face's experts), which has no token exchange over dp, so they cannot be "
+                         "split over the data-parallel ranks; drop --ep: the ILP may split them on E over tp "
+                         "(--tp N) or keep them whole, and `autopar explain` says which and why")
     stacked = {n.param_name or n.name: n.output.shape[0] for n in graph.by_role(Role.PARAMETER)
                if len(n.output.shape) >= 3}
     if not stacked and whole_model:

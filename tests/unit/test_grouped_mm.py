@@ -149,3 +149,18 @@ def test_a_sort_of_the_whole_batch_is_refused_under_dp_with_the_op_named():
     text = str(info.value)
     assert "aten.sort.default" in text and "sort reads every row of the batch at once" in text, text
     assert "reshape" not in text, text
+
+
+def test_ep_over_dp_is_refused_for_grouped_matmul_experts():
+    """--ep splits the experts over the data-parallel ranks and moves tokens there; the
+    grouped matmul of token rows has no such move, so --ep is refused with what to do."""
+    from autopar.cluster import Cluster
+    from autopar.config import ParallelConfig
+    from solver.forced import solve_one_stage
+    from tests.hf_factories import mixtral
+
+    model, (ids, labels) = mixtral()
+    _, graph = trace_step(model, (ids[:4], labels[:4]))
+    with pytest.raises(ValueError, match="grouped matmul of token rows") as info:
+        solve_one_stage(graph, ParallelConfig(dp=2, ep=2, micro_batch=2), Cluster.parse("cpu:1x2"), num_microbatches=1)
+    assert "--tp N" in str(info.value)
