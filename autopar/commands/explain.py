@@ -90,7 +90,8 @@ def grouped_lines(plan: Plan) -> list[str]:
     parallelism there (each rank its experts' rows, the partial outputs summed); split on
     another dim, tensor parallelism inside each expert; whole, the ILP priced that below both
     on this mesh (fewer collectives: the expert-parallel outputs are pending sums, reduced
-    before every nonlinearity). The rows (tokens) split over an axis are said beside it."""
+    before every nonlinearity). The rows (tokens) split over an axis are said beside it, and
+    the policy: dropless (the op computes every row it is given; no capacity drops any)."""
     lines = []
     axes_names = ("dp", "tp")
     for stage in plan.placements:
@@ -110,10 +111,11 @@ def grouped_lines(plan: Plan) -> list[str]:
         tokens = [name for axis, name in enumerate(axes_names)
                   if all(axis < len(lay) and lay[axis] == "S(0)" for lay in (placement_axes(p.inputs[0]) for p in rows))]
         split = f", each rank its own tokens (the rows split over {' and '.join(tokens)})" if tokens else ""
+        head = f"  experts' grouped matmuls{chunk} (dropless: every routed copy of a token computed, no capacity):"
         if where:
-            lines.append(f"  experts' grouped matmuls{chunk}: " + "; ".join(where) + split)
+            lines.append(f"{head} " + "; ".join(where) + split)
         else:
-            lines.append(f"  experts' grouped matmuls{chunk}: computed with every expert's weights whole on the "
+            lines.append(f"{head} computed with every expert's weights whole on the "
                          f"rank{split}: on this mesh the ILP priced that below expert parallelism, whose partial "
                          "outputs are summed before every nonlinearity (more collectives per layer)")
     return lines

@@ -86,7 +86,7 @@ def test_grouped_matmuls_say_where_the_experts_run():
         return SimpleNamespace(placements=(StagePlacements(chunk=0, placements=(row,)),))
 
     (ep,) = grouped_lines(plan("(R, S(0))"))
-    assert "expert parallelism over tp" in ep and "over dp" not in ep
+    assert "expert parallelism over tp" in ep and "over dp" not in ep and "dropless" in ep
     (inside,) = grouped_lines(plan("(R, S(2))"))
     assert "split inside each expert over tp (S(2))" in inside
     (whole,) = grouped_lines(plan("(R, R)"))
