@@ -34,6 +34,11 @@ group's tokens whole on every rank, each rank its experts, the outputs reduced).
 is not split on the expert dim or the rows runs as the unsplit op does: the weights split
 on N (column-parallel, each rank its share of the output features) or on K with x split
 alike (row-parallel, a pending sum).
+
+Kernels: the op loops over its experts with one matmul each (as Hugging Face's CPU
+fallback does), on every device. Hugging Face's GPU path (`torch._grouped_mm` in bf16,
+one kernel for all experts) is not used inside it yet, so on GPU an MoE layer's experts
+cost one kernel launch per local expert.
 """
 
 from __future__ import annotations
