@@ -110,7 +110,9 @@ def _per_op_lines(plan: Plan) -> list[str]:
     else:
         lines.append("  collectives per step: none (every rank computes the whole step)")
     if info.parameters:
-        lines.append("  per layer group: " + "; ".join(summarize_placements(info.parameters)))
+        moves = any(kind == "all_to_all" and axis == "dp" for kind, axis, *_ in info.collectives)
+        lines.append("  per layer group: " + "; ".join(summarize_placements(info.parameters,
+                                                                             tokens_move_over_dp=moves)))
         lines.append("  parameters (dp, tp), with their weight-update placement where it differs:")
         lines.extend(f"    {name}: {placement}" for name, placement in info.parameters)
     return lines
@@ -148,25 +150,29 @@ def placement_axes(text: str) -> list[str]:
     return [p.strip() for p in inner.split(",")]
 
 
-def summarize_placements(params: Sequence[tuple[str, str]]) -> list[str]:
+def summarize_placements(params: Sequence[tuple[str, str]], *, tokens_move_over_dp: bool = False) -> list[str]:
     """One line per layer group (embedding, attention, MLP, norms, head, other): how its
     parameters sit on the (dp, tp) mesh, e.g. "MLP: column/row over tp; replicated over dp", or
     "...; weights replicated over dp, update S(0) over dp (ZeRO-1)" where the weight update
     is sharded (a placement text "compute update update-placement",
-    autopar.sharding.parameter_placement_text)."""
+    autopar.sharding.parameter_placement_text). Routed experts split on E over dp are
+    expert parallelism where `tokens_move_over_dp` (the stage runs all-to-alls over dp),
+    else ZeRO-3 storage."""
     found: dict[str, list[tuple[str, str, str]]] = {}
     for name, text in params:
         compute, _, update = text.partition(UPDATE_SEPARATOR)
         dp, tp = (placement_axes(compute) + ["R", "R"])[:2]
         update_dp = (placement_axes(update) + ["R"])[0] if update else dp
+        low = name.lower()
+        group = next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")
         if dp == "R" and update_dp != "R":
             dp = f"weights replicated over dp, update {update_dp} over dp (ZeRO-1)"
+        elif dp == "S(0)" and group == "routed experts" and tokens_move_over_dp:
+            dp = "S(0) over dp (expert parallelism: tokens sent to their experts by all-to-all)"
         elif dp != "R":
             dp = f"{dp} over dp (sharded: ZeRO-3)"
         else:
             dp = "replicated over dp"
-        low = name.lower()
-        group = next((g for g, keys in _GROUPS if any(k in low for k in keys)), "other")
         found.setdefault(group, []).append((name, dp, tp))
     out = []
     for group in [g for g, _ in _GROUPS] + ["other"]:
@@ -210,7 +216,8 @@ def _pipeline_lines(pipe: PipelineInfo, stages: Sequence[StageInfo]) -> list[str
         lines.append(f"  stage {st.index}: {', '.join(holds)} on submesh (dp, tp) = {st.submesh}, recompute "
                      f"{st.recompute}, zero {st.zero}: {st.time_per_microbatch_s:.4g} s/microbatch, "
                      f"{st.memory_bytes / GIB:.2f} GiB/device with {st.inflight_microbatches:g} microbatches in flight")
-        lines.extend(f"    {line}" for line in summarize_placements(st.placements))
+        moves = any(kind == "all_to_all" and axis == "dp" for kind, axis, *_ in st.collectives)
+        lines.extend(f"    {line}" for line in summarize_placements(st.placements, tokens_move_over_dp=moves))
         if st.collectives:
             lines.append("    collectives per microbatch: " + ", ".join(
                 f"{kind} over {axis} x{n} ({b / 2**20:.2f} MiB)" for kind, axis, n, b in st.collectives))

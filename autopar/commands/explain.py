@@ -46,41 +46,56 @@ def routing_lines(plan: Plan) -> list[str]:
              f"{config.top_k} / {config.experts})), a choice past its expert's capacity is dropped and the "
              "residual connection carries the token"]
     info = plan.intra_op_info
-    experts = [(name, placement) for name, placement in (info.parameters if info else ())
+    if info is not None:
+        where = [(plan.config.dp, plan.config.tp, "", info.parameters, info.collectives)]
+    else:
+        where = [(st.submesh[0], st.submesh[1], f"stage {st.index}: ", st.placements, st.collectives)
+                 for st in plan.stages]
+    found = [line for dp, tp, label, params, colls in where
+             if (line := _experts_line(params, colls, dp, tp, plan.cluster.startswith("cpu"), label))]
+    if not found:
+        lines.append("  routed experts: their placements are not recorded in this plan")
+    lines.extend(found)
+    return lines
+
+
+def _experts_line(params: Sequence[tuple[str, str]], collectives: Sequence[tuple[str, str, int, int]],
+                  dp_ways: int, tp_ways: int, cpu: bool, label: str) -> str | None:
+    """Where one stage's (or a one-stage plan's) routed experts run, read off the compute
+    placement of its first routed-expert weight and its all-to-alls per microbatch; None
+    where the stage holds no routed experts (routing_lines)."""
+    experts = [(name, placement) for name, placement in params
                if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".moe." in f".{name}"]
     if not experts:
-        lines.append("  routed experts: placements per stage are not summarised here (see the per-stage placements)")
-        return lines
+        return None
     name, placement = experts[0]
     compute = placement.partition(UPDATE_SEPARATOR)[0]
     dp, tp = (placement_axes(compute) + ["R", "R"])[:2]
-    moves = {axis: calls for kind, axis, calls, _ in info.collectives
-             if kind == "all_to_all"}
+    moves = {axis: calls for kind, axis, calls, _ in collectives if kind == "all_to_all"}
     if dp == "S(0)" and moves.get("dp"):
-        over_dp = (f"; over dp too, {plan.config.dp} ways: each data-parallel rank computes its own experts on the "
+        over_dp = (f"; over dp too, {dp_ways} ways: each data-parallel rank computes its own experts on the "
                    f"tokens sent to it ({moves['dp']} all-to-alls over dp per microbatch), expert parallelism over "
                    "the data-parallel ranks")
     elif dp == "S(0)":
-        over_dp = ("; over dp the split is ZeRO-3 storage, gathered before use" if not plan.cluster.startswith("cpu")
+        over_dp = ("; over dp the split is ZeRO-3 storage, gathered before use" if not cpu
                    else "; over dp the experts are split on E: stored (ZeRO-3) and gathered before use, or computed "
                         "where they are stored with the tokens sent to them (on a CPU mesh that move runs as an "
                         "all-gather and a chunk: the per-op placements say which)")
     else:
         over_dp = ""
+    head = f"  routed experts{' (' + label.rstrip(': ') + ')' if label else ''}:"
     if tp == "S(0)":
-        lines.append(f"  routed experts: split {plan.config.tp} ways on E over tp ({name}: {placement}); tokens "
-                     "travel to their experts' ranks and back as the placements change (all-to-all on GPU meshes, "
-                     "all-gather and chunk on CPU meshes), priced and run" + over_dp)
-    elif dp == "S(0)" and moves.get("dp"):
-        lines.append(f"  routed experts: split {plan.config.dp} ways on E over dp ({name}: {placement}): each "
-                     f"data-parallel rank computes its own experts on the tokens sent to it and back "
-                     f"({moves['dp']} all-to-alls over dp per microbatch), expert parallelism over the "
-                     "data-parallel ranks, priced and run")
-    else:
-        lines.append(f"  routed experts: not split on E for compute ({name}: {placement}): the ILP priced each rank "
-                     "computing its own tokens with the experts whole cheaper than sending the tokens to split "
-                     "experts (an all-to-all over tp or dp)" + over_dp)
-    return lines
+        return (f"{head} split {tp_ways} ways on E over tp ({name}: {placement}); tokens travel to their experts' "
+                "ranks and back as the placements change (all-to-all on GPU meshes, all-gather and chunk on CPU "
+                "meshes), priced and run" + over_dp)
+    if dp == "S(0)" and moves.get("dp"):
+        return (f"{head} split {dp_ways} ways on E over dp ({name}: {placement}): each data-parallel rank computes "
+                f"its own experts on the tokens sent to it and back ({moves['dp']} all-to-alls over dp per "
+                "microbatch), expert parallelism over the data-parallel ranks, priced and run: the ILP priced "
+                "sending the tokens below gathering every expert's weights on every rank")
+    return (f"{head} not split on E for compute ({name}: {placement}): the ILP priced each rank computing its own "
+            "tokens with the experts whole cheaper than sending the tokens to split experts (an all-to-all over tp "
+            "or dp)" + over_dp)
 
 
 def grouped_lines(plan: Plan) -> list[str]:

@@ -54,6 +54,28 @@ def test_experts_split_over_tp_are_named_with_their_ways():
     assert "not split on E for compute" in zero1[1], zero1
 
 
+def test_a_pipeline_plan_says_where_each_stages_experts_run():
+    """A pipeline plan records placements per stage: each stage holding routed experts gets
+    its own line, expert parallelism over dp where the stage moves tokens there."""
+    parameters = tuple((name, "(S(0), R)") for name in EXPERTS)
+    stage = SimpleNamespace(index=0, submesh=(8, 1), placements=parameters,
+                            collectives=(("all_to_all", "dp", 64, 2**30),))
+    stored = SimpleNamespace(index=1, submesh=(8, 1), placements=parameters, collectives=())
+    dense = SimpleNamespace(index=2, submesh=(8, 1), placements=(("layers.*.attention.wq.weight", "(R, R)"),),
+                            collectives=())
+    plan = SimpleNamespace(model="moe-tiny", seq=32, config=ParallelConfig(dp=8, pp=3), cluster="h100:3x8",
+                           intra_op_info=None, stages=(stage, stored, dense))
+    _, ep, zero3 = routing_lines(plan)
+    assert ep.startswith("  routed experts (stage 0): split 8 ways on E over dp") and "64 all-to-alls" in ep, ep
+    assert zero3.startswith("  routed experts (stage 1): not split on E") and "ZeRO-3 storage" in zero3, zero3
+    from autopar.explain import summarize_placements
+
+    (moved,) = summarize_placements(parameters, tokens_move_over_dp=True)
+    assert "S(0) over dp (expert parallelism" in moved, moved
+    (kept,) = summarize_placements(parameters)
+    assert "S(0) over dp (sharded: ZeRO-3)" in kept, kept
+
+
 def test_whole_experts_say_why():
     lines = routing_lines(_plan("moe-tiny", ParallelConfig(dp=4), "(R, R)"))
     assert "not split on E for compute" in lines[1] and "cheaper than sending the tokens" in lines[1], lines
