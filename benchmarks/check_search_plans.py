@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/check_search_plans.py [--worlds 2,4,8] [--models zoo-gpt,...]
         [--top 5] [--steps 2] [--out benchmarks/results/search_plans_run]
 
-For every model (the zoo's GPT and Llama; Hugging Face GPT-2, Llama and DistilBERT built from
-configs, tests/hf_factories.py) and every cluster `cpu:N` (N in --worlds), the search
+For every model (the zoo's GPT and Llama; Hugging Face GPT-2, Llama, DistilBERT, Mixtral and
+Qwen2-MoE built from configs, tests/hf_factories.py) and every cluster `cpu:N` (N in --worlds), the search
 (`autopar.api.search_plans`, what `autopar search` runs) returns its top plans;
 each plan trains --steps steps on N real gloo ranks (`autopar.build.train_worker`,
 what `autopar train --plan` runs; all plans of one world in one set of ranks), and its
@@ -36,6 +36,8 @@ MODELS = {
     "hf-gpt2": "tests.hf_factories:gpt2",
     "hf-llama": "tests.hf_factories:llama",
     "hf-distilbert": "tests.hf_factories:distilbert",
+    "hf-mixtral": "tests.hf_factories:mixtral",
+    "hf-qwen2-moe": "tests.hf_factories:qwen2_moe",
 }
 GLOBAL_BATCH = 8
 """The Hugging Face factories' batch (tests/hf_factories.py BATCH); zoo models use the same."""

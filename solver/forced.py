@@ -100,7 +100,12 @@ def expert_moves(config: ParallelConfig, *, update_free: bool = False) -> bool:
 
 
 def stacked_experts(graph: Graph) -> tuple[int, ...]:
-    """The leading dim of each parameter of three or more dims (routed experts [E, d, f])."""
+    """The leading dim of each parameter of three or more dims (routed experts [E, d, f])
+    that `ParallelConfig.ep` may split over dp; none where the experts run through the
+    grouped matmul of token rows (autopar/grouped_mm.py: Hugging Face's experts), which
+    moves no tokens over dp (`check_expert_degree`)."""
+    if any(n.op == GROUPED_MM_FWD for n in graph.nodes):
+        return ()
     return tuple(n.output.shape[0] for n in graph.by_role(Role.PARAMETER) if len(n.output.shape) >= 3)
 
 

@@ -98,6 +98,9 @@ def test_hugging_face_moe_traces_to_the_named_experts_op():
         assert n.flops == (2 if n in forward else 4) * s * k * n_out > 0
         assert graph[n.inputs[3]].op == "aten.arange.default"  # the experts the weights hold
         assert graph[n.inputs[2]].output.shape == (s,)  # each row's expert
+    from solver.forced import stacked_experts
+
+    assert stacked_experts(graph) == ()  # the pipeline search offers no --ep layout for them
     bridge.register_project_rules()
     space = enumerate_strategies(graph, (1, 4))
     expert_parallel = ((Replicate(), Replicate()), (Replicate(), Shard(0)), (Replicate(), Replicate()),
