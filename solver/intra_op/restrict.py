@@ -31,8 +31,9 @@ offered to it too)."""
 def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderFilter | None,
                           keep_update: UpdateFilter | None = None) -> StrategySpace:
     """A new space whose placeholders keep only the layouts `keep` allows, and whose
-    parameters keep only the weight-update placements `keep_update` allows (at least one
-    must remain per placeholder: the caller's filters must allow some layout)."""
+    parameters keep only the weight-update placements `keep_update` allows. Raises
+    InfeasiblePlanError where none remains for a placeholder (the configuration has no plan:
+    a search skips it, a command given it exits 2 with the parameter named)."""
     strategies = []
     for node, options in zip(graph.nodes, space.strategies):
         if node.op == "placeholder":
@@ -40,7 +41,7 @@ def restrict_placeholders(graph: Graph, space: StrategySpace, keep: PlaceholderF
                 keep_update is None or node.role is not Role.PARAMETER
                 or keep_update(node, s.outputs[0], s.update_placements)))
             if not kept:
-                raise ValueError(f"the forced configuration leaves no layout for {node.role.value} "
+                raise InfeasiblePlanError(f"the forced configuration leaves no layout for {node.role.value} "
                                  f"{node.param_name or node.name} of shape {node.output.shape} on mesh "
                                  f"{space.mesh_shape}; choose degrees that divide its dims")
             options = kept

@@ -412,6 +412,18 @@ def test_infeasible_budget_names_the_smallest_memory(big_mlp: Graph) -> None:
     assert need >= params / 8
 
 
+def test_a_configuration_leaving_a_parameter_no_layout_is_infeasible(big_mlp: Graph) -> None:
+    """A forced configuration that no layout of some parameter obeys has no plan: an
+    InfeasiblePlanError (which a search skips, as any other infeasible stage layout) that
+    names the parameter, still a ValueError for the commands that exit 2 on it."""
+    def keep(node, placements) -> bool:
+        return node.role is not Role.PARAMETER
+
+    with pytest.raises(InfeasiblePlanError, match="leaves no layout for parameter") as info:
+        solve_intra_op(big_mlp, H100x8, (8,), keep_placeholder=keep)
+    assert isinstance(info.value, ValueError)
+
+
 def test_unknown_solver_is_a_value_error(big_mlp: Graph) -> None:
     with pytest.raises(ValueError, match="unknown solver"):
         solve_intra_op(big_mlp, H100x8, (8,), solver="gurobi")
