@@ -109,3 +109,16 @@ def qwen2_moe():
                          attention_dropout=0.0, decoder_sparse_step=1, mlp_only_layers=[])
     ids, _ = _tokens()
     return LossOf(Qwen2MoeForCausalLM(cfg)), (ids, ids)
+
+
+def gpt_oss():
+    """gpt-oss: 4 routed experts, top-2, with their weights stored transposed, biases and a
+    clamped, interleaved gate (Hugging Face's experts interface with every option on)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ,
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                       layer_types=["full_attention", "full_attention"])
+    ids, _ = _tokens()
+    return LossOf(GptOssForCausalLM(cfg)), (ids, ids)

@@ -63,7 +63,7 @@ def test_the_op_equals_hugging_faces_and_its_shards_compose_to_it():
     torch.testing.assert_close(sum(p[1] for p in parts), ref_w, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("factory", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("factory", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_hugging_face_experts_through_the_op_compute_as_their_own(factory):
     """`experts_forward` (rows in token order through the op) gives Hugging Face's own
     experts' output and gradients, and tracing restores the model's own implementation."""
