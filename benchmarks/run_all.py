@@ -38,7 +38,7 @@ Phases, each printing its figures as it goes (wall time per phase at the end):
    results/op_coverage.md; benchmarks/gpu_report.py: results/gpu_h100.md re-priced from the
    rows a lent H100 measured (results/gpu_h100_run*.jsonl; nothing is measured here); with
    --full also benchmarks/check_search_plans.py (every searched top-5 plan on cpu:2/4/8
-   trains like the single-process reference, ~12 min) -> results/search_plans_run.{md,json}
+   trains like the single-process reference, ~16 min) -> results/search_plans_run.{md,json}
 6. benchmarks/plots_results.py -> results/*.png
 Nothing outside the repository is read (the published runs and the recorded CPU sweeps ship
 in benchmarks/data/). What older runs found lives in the code's docstrings and in docs/.
