@@ -38,7 +38,11 @@ alike (row-parallel, a pending sum).
 Kernels: the op loops over its experts with one matmul each (as Hugging Face's CPU
 fallback does), on every device. Hugging Face's GPU path (`torch._grouped_mm` in bf16,
 one kernel for all experts) is not used inside it yet, so on GPU an MoE layer's experts
-cost one kernel launch per local expert.
+cost one kernel launch per local expert. Each call gathers its rows per expert and
+scatters the results back (Hugging Face sorts once per layer): on this project's 2-core
+CPU machine a single-process training step of the benchmark Mixtral and Qwen2-MoE
+(benchmarks/measure_hf_moe.py's sizes) took 1.10x and 1.04x the time of Hugging Face's own
+experts (median of 6 alternating steps).
 """
 
 from __future__ import annotations
