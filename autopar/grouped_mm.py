@@ -35,19 +35,20 @@ is not split on the expert dim or the rows runs as the unsplit op does: the weig
 on N (column-parallel, each rank its share of the output features) or on K with x split
 alike (row-parallel, a pending sum).
 
-Kernels: the op loops over its experts with one matmul each (as Hugging Face's CPU
-fallback does), on every device. Hugging Face's GPU path (`torch._grouped_mm` in bf16,
-one kernel for all experts) is not used inside it yet, so on GPU an MoE layer's experts
-cost one kernel launch per local expert. Each call gathers its rows per expert and
-scatters the results back (Hugging Face sorts once per layer): on this project's 2-core
-CPU machine a single-process training step of the benchmark Mixtral and Qwen2-MoE
-(benchmarks/measure_hf_moe.py's sizes) took 1.10x and 1.04x the time of Hugging Face's own
+Kernels: each call sorts its rows by expert and runs torch's grouped matmul
+(`torch.nn.functional.grouped_mm`, the kernel Hugging Face's own experts use: one call for
+all of a rank's experts) where the device has it (`grouped_kernel`), else one matmul per
+expert (Hugging Face's fallback); the results are scattered back to token order. Sorting
+and scattering per call, where Hugging Face sorts once per layer, has a cost: on this
+project's 2-core CPU machine a single-process training step of the Mixtral and Qwen2-MoE
+of benchmarks/measure_hf_moe.py took 1.07x and 1.03x the time of Hugging Face's own
 experts (median of 6 alternating steps).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -62,24 +63,57 @@ EXPERTS_IMPLEMENTATION = "autopar"
 """The name `experts_forward` is registered under in Hugging Face's experts interface."""
 
 
-def _row_groups(ids: torch.Tensor, experts: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """(local expert index, its rows in ascending order) per expert of `experts` that has
-    rows: one stable sort of `ids` and one host read per call (as Hugging Face's fallback
-    reads its `offs` once)."""
+def grouped_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul (`torch.nn.functional.grouped_mm`: all experts in one
+    call) runs for rows x [S, K] and weights w [E, K, N]: on CPU, and on CUDA from compute
+    capability 8.0 (the test Hugging Face's experts apply, transformers/integrations/moe.py
+    `_can_use_grouped_mm`), with K and N rows a multiple of 16 bytes (the kernel's stride
+    rule); otherwise the op loops over its experts."""
+    if not hasattr(torch.nn.functional, "grouped_mm") or x.dtype != w.dtype:
+        return False
+    if any(d * x.element_size() % 16 for d in (x.shape[1], w.shape[2])):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def _local_rows(ids: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The rows of `experts`' experts grouped by expert in `experts`' order (each group in
+    ascending row order), their cumulative counts `offs` [E_local] (int32, as the grouped
+    kernel takes them) and the counts: one stable sort of `ids` and one host read per call
+    (as Hugging Face's fallback reads its `offs` once)."""
     order = torch.argsort(ids, stable=True)
     sorted_ids = ids[order]
     starts = torch.searchsorted(sorted_ids, experts).tolist()
     ends = torch.searchsorted(sorted_ids, experts, right=True).tolist()
-    return [(j, order[a:b]) for j, (a, b) in enumerate(zip(starts, ends)) if b > a]
+    counts = [b - a for a, b in zip(starts, ends)]
+    rows = torch.cat([order[a:b] for a, b in zip(starts, ends)]) if counts else order[:0]
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=ids.device)
+    return rows, offs, counts
+
+
+def _groups(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(local expert, first, end) of each non-empty group of rows, for the loop."""
+    ends = list(itertools.accumulate(counts))
+    return [(j, e - c, e) for j, (c, e) in enumerate(zip(counts, ends)) if c]
 
 
 @torch.library.custom_op(f"{LIBRARY}::{FORWARD}", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """out[r] = x[r] @ w[j] for the rows r with ids[r] = experts[j]; rows of other experts 0."""
     out = x.new_zeros(x.shape[0], w.shape[2])
-    for j, rows in _row_groups(ids, experts):
-        out.index_copy_(0, rows, x.index_select(0, rows) @ w[j])
-    return out
+    rows, offs, counts = _local_rows(ids, experts)
+    if not rows.numel():
+        return out
+    xr = x.index_select(0, rows)
+    if grouped_kernel(x, w):
+        part = torch.nn.functional.grouped_mm(xr, w, offs=offs)
+    else:
+        part = xr.new_empty(xr.shape[0], w.shape[2])
+        for j, a, b in _groups(counts):
+            torch.mm(xr[a:b], w[j], out=part[a:b])
+    return out.index_copy_(0, rows, part)
 
 
 @grouped_mm.register_fake
@@ -92,12 +126,29 @@ def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, exp
                         grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_w) of `grouped_mm` for the output gradient `grad` (module docstring)."""
     grad_x = torch.zeros_like(x)
-    grad_w = torch.zeros_like(w)
-    for j, rows in _row_groups(ids, experts):
-        g = grad.index_select(0, rows)
-        grad_x.index_copy_(0, rows, g @ w[j].t())
-        torch.mm(x.index_select(0, rows).t(), g, out=grad_w[j])
-    return grad_x, grad_w
+    rows, offs, counts = _local_rows(ids, experts)
+    if not rows.numel():
+        return grad_x, torch.zeros_like(w)
+    g, xr = grad.index_select(0, rows), x.index_select(0, rows)
+    if grouped_kernel(x, w):
+        part = torch.nn.functional.grouped_mm(g, w.transpose(-2, -1), offs=offs)
+        grad_w = _weight_gradient(xr, g, offs, w)
+    else:
+        part, grad_w = g.new_empty(xr.shape), torch.zeros_like(w)
+        for j, a, b in _groups(counts):
+            torch.mm(g[a:b], w[j].t(), out=part[a:b])
+            torch.mm(xr[a:b].t(), g[a:b], out=grad_w[j])
+    return grad_x.index_copy_(0, rows, part), grad_w
+
+
+def _weight_gradient(xr: torch.Tensor, g: torch.Tensor, offs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """grad_w[e] = xr[rows of e]^T g[rows of e] by the grouped kernel, laid out with w's
+    strides (the traced graph's fake result is `empty_like(w)`, and the ops after it view it
+    so): a weight stored transposed gets its gradient computed transposed, with no copy."""
+    if w.transpose(-2, -1).is_contiguous():
+        return torch.nn.functional.grouped_mm(g.t(), xr, offs=offs).transpose(-2, -1)
+    out = torch.nn.functional.grouped_mm(xr.t(), g, offs=offs)
+    return out if out.stride() == w.stride() else torch.empty_like(w).copy_(out)
 
 
 @grouped_mm_backward.register_fake

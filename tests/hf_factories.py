@@ -88,8 +88,8 @@ def t5():
 
 
 def mixtral():
-    """Mixtral: 4 routed experts per layer, top-2, through Hugging Face's grouped-matmul
-    experts (`transformers.grouped_mm_fallback` on CPU)."""
+    """Mixtral: 4 routed experts per layer, top-2, on Hugging Face's experts interface (autopar
+    traces them through autopar/grouped_mm.py's op)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

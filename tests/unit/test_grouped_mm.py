@@ -37,13 +37,17 @@ def _reference(x, w, ids, grad):
     return (ref, *torch.autograd.grad(ref, (x, w), grad))
 
 
-def test_the_op_equals_hugging_faces_and_its_shards_compose_to_it():
+@pytest.mark.parametrize("k,n,kernel", [(5, 7, False), (8, 12, True)], ids=["loop", "grouped-kernel"])
+def test_the_op_equals_hugging_faces_and_its_shards_compose_to_it(k, n, kernel):
+    """Both ways the op computes: one matmul per expert where the rows are not 16-byte
+    multiples, torch's grouped matmul where they are."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
     torch.manual_seed(0)
-    x, w = torch.randn(12, 5, requires_grad=True), torch.randn(4, 5, 7, requires_grad=True)
+    x, w = torch.randn(12, k, requires_grad=True), torch.randn(4, k, n, requires_grad=True)
+    assert gmm.grouped_kernel(x, w) == kernel
     ids = torch.tensor([2, 0, 3, 2, 0, 3, 3, 2, 0, 2, 3, 3])  # expert 1 has no rows
-    grad = torch.randn(12, 7)
+    grad = torch.randn(12, n)
     ref, ref_x, ref_w = _reference(x, w, ids, grad)
     experts = torch.arange(4)
     torch.testing.assert_close(gmm.grouped_mm(x, w, ids, experts), ref, rtol=1e-6, atol=1e-6)
@@ -61,6 +65,22 @@ def test_the_op_equals_hugging_faces_and_its_shards_compose_to_it():
     parts = [gmm.grouped_mm_backward(x.detach()[r], w.detach(), ids[r], experts, grad[r]) for r in rows]
     torch.testing.assert_close(torch.cat([p[0] for p in parts]), ref_x, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sum(p[1] for p in parts), ref_w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_stored_transposed_gets_its_gradient_in_its_own_layout():
+    """The traced graph's fake weight gradient is `empty_like(w)`, and the ops after it
+    view it so: the grouped kernel's gradient of a weight stored transposed ([E, N, K]
+    read as [E, K, N]) comes back with the same strides and values."""
+    torch.manual_seed(0)
+    stored = torch.randn(4, 12, 8)  # [E, N, K], as Hugging Face stores gate_up_proj
+    w = stored.transpose(-2, -1)
+    x, grad = torch.randn(10, 8), torch.randn(10, 12)
+    ids, experts = torch.tensor([0, 3, 3, 1, 0, 0, 2, 3, 1, 1]), torch.arange(4)
+    assert gmm.grouped_kernel(x, w)
+    _, grad_w = gmm.grouped_mm_backward(x, w, ids, experts, grad)
+    assert grad_w.stride() == torch.empty_like(w).stride() == w.stride()
+    ref = torch.stack([x[ids == e].t() @ grad[ids == e] for e in range(4)])
+    torch.testing.assert_close(grad_w, ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("factory", ["mixtral", "qwen2_moe", "gpt_oss"])
