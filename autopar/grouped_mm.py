@@ -130,7 +130,7 @@ def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, exp
     if not rows.numel():
         return grad_x, torch.zeros_like(w)
     g, xr = grad.index_select(0, rows), x.index_select(0, rows)
-    if grouped_kernel(x, w):
+    if grouped_kernel(x, w) and grad.dtype == w.dtype:
         part = torch.nn.functional.grouped_mm(g, w.transpose(-2, -1), offs=offs)
         grad_w = _weight_gradient(xr, g, offs, w)
     else:
