@@ -99,12 +99,18 @@ def expert_moves(config: ParallelConfig, *, update_free: bool = False) -> bool:
     return config.dp > 1 and (update_free or config.zero >= 3 or config.ep > 1)
 
 
+def rows_experts(graph: Graph) -> bool:
+    """Whether the experts run through the grouped matmul of token rows (autopar/grouped_mm.py:
+    Hugging Face's experts), which moves no tokens over dp."""
+    return any(n.op == GROUPED_MM_FWD for n in graph.nodes)
+
+
 def stacked_experts(graph: Graph) -> tuple[int, ...]:
     """The leading dim of each parameter of three or more dims (routed experts [E, d, f])
     that `ParallelConfig.ep` may split over dp; none where the experts run through the
     grouped matmul of token rows (autopar/grouped_mm.py: Hugging Face's experts), which
     moves no tokens over dp (`check_expert_degree`)."""
-    if any(n.op == GROUPED_MM_FWD for n in graph.nodes):
+    if rows_experts(graph):
         return ()
     return tuple(n.output.shape[0] for n in graph.by_role(Role.PARAMETER) if len(n.output.shape) >= 3)
 
@@ -117,7 +123,7 @@ def check_expert_degree(graph: Graph, config: ParallelConfig, *, whole_model: bo
     dp: their rows and experts cannot both split there."""
     if config.ep == 1:
         return
-    if any(n.op == GROUPED_MM_FWD for n in graph.nodes):
+    if rows_experts(graph):
         raise ValueError(f"--ep {config.ep}: the experts of {graph.model.name} run through a grouped matmul of token "
                          "rows (Hugging Face's experts), which has no token exchange over dp, so they cannot be "
                          "split over the data-parallel ranks; drop --ep: the ILP may split them on E over tp "
