@@ -35,9 +35,10 @@ parameters' placements (no `grad_sync` graph). Reduce-scatter buckets are per la
 layer's full-size gradients are freed during the backward. Same buckets, same
 collectives, same bytes: the price (these edges weighed 1/m = 1) is unchanged.
 
-Every collective in the two graphs is one the ILP priced on an edge (price = run; the
-test counts them). The dispatcher's output placement is checked against the chosen one
-at every node: a mismatch is a bug in the strategy space and raises.
+Every collective in the two graphs is one the ILP priced (price = run; the test counts
+them); an activation read by several ops of one phase is resharded once per placement
+(solver/intra_op/shared_rows.py). The dispatcher's output placement is checked against
+the chosen one at every node: a mismatch is a bug in the strategy space and raises.
 
 The collectives that are not one op's input edge (gradient buckets, the gather of updated
 weights) and the count of a graph's collectives live in codegen/collectives.py.
@@ -73,7 +74,7 @@ from autopar.buckets import gather_group
 from autopar.placement import Placements, Replicate, local_shape, single_gather_axis
 from autopar.sharding import NodeStrategy
 from codegen.collectives import (  # noqa: F401  count_collectives: the apply stage's surface (autopar/build)
-    GradSync, WeightGather, count_collectives, dtensor_of, redistribute_to, share_repeated_collectives)
+    GradSync, WeightGather, count_collectives, dtensor_of, redistribute_to)
 from codegen.emit import program_source, slot_name
 from codegen.inductor import CompileTimes, compile_graphs
 
@@ -120,7 +121,6 @@ class RankGraphs:
     buffer_updates: tuple[str, ...] = ()
     """Buffers the forward updates in place (Graph.buffer_updates): `step` returns their new
     values last, each in its buffer's placement, for the runtime to write back."""
-
     compile_times: CompileTimes = field(default_factory=CompileTimes)
     """Seconds Inductor spent on each graph, filled at their first calls (`compiled` only)."""
     compiled: bool = False
@@ -269,6 +269,8 @@ class _Interpreter:
         self.ids = {n: i for i, n in enumerate(self.fx_nodes)}
         self.edge_group, self.groups = self._gather_groups()
         self.gathered: dict[tuple, DTensor] = {}
+        self.resharded: dict[tuple, DTensor] = {}  # (activation, phase, placements) -> its reshard
+        self.derived = graph.parameter_derived()
         self.issuing: set[tuple] = set()
         self.keep_phases = False
         self.extra_outputs: tuple[tuple[NodeId, Placements], ...] = ()
@@ -339,7 +341,7 @@ class _Interpreter:
 
     def run(self, *locals_: torch.Tensor) -> tuple[torch.Tensor, ...]:
         env: dict[fx.Node, Any] = {}
-        self.gathered = {}
+        self.gathered, self.resharded = {}, {}
         self.issuing: set[tuple] = set()
         for node, local in zip(self.placeholders(), locals_):
             nid = self.ids[node]
@@ -428,8 +430,7 @@ class _Interpreter:
         positions = iter(range(len(ir.inputs)))
 
         def arg(a: Any) -> Any:
-            # every edge reshards on its own, as the ILP priced it (no sharing between
-            # consumers), except parameter gathers, which travel in groups
+            # parameter gathers travel in groups, an activation's reshard is shared per phase
             if isinstance(a, fx.Node):
                 p = next(positions)
                 want = choice.inputs[p]
@@ -442,7 +443,12 @@ class _Interpreter:
                 t = env[a]
                 contiguous = self.graph[self.ids[a]].output.stride == ()
                 if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
-                    t = redistribute_to(t, want, contiguous)
+                    if self.ids[a] in self.derived:
+                        return redistribute_to(t, want, contiguous)
+                    key = (self.ids[a], ir.phase, tuple(want))
+                    if key not in self.resharded:
+                        self.resharded[key] = redistribute_to(t, want, contiguous)
+                    return self.resharded[key]
                 elif contiguous and not t._local_tensor.is_contiguous():
                     # a kernel laid its local output out differently from the trace (e.g.
                     # SDPA's): views that follow need the traced (contiguous) layout
@@ -559,7 +565,6 @@ def apply(gm: fx.GraphModule, graph: Graph, choices: Sequence[NodeStrategy], mes
     interp.sync = grad_sync if sync_in_step else None
     with fx_traceback.preserve_node_meta() if keep_phases else contextlib.nullcontext():
         step = make_fx(interp.run, tracing_mode="fake")(*examples)
-    share_repeated_collectives(step)
     _name_placeholders(step, [slot_name(s) for s in slots])
 
     sync = None

@@ -53,32 +53,6 @@ def redistribute_to(t: DTensor, placements: Placements, contiguous: bool) -> DTe
     return DTensor(local, target, requires_grad=False)
 
 
-def share_repeated_collectives(gm: fx.GraphModule) -> None:
-    """Consumers of a collective that repeats an earlier one (same op, same input, same
-    arguments: one per consumer edge, as the ILP prices edges) read the earlier result.
-
-    The repeated collective still runs (it is priced: price = run counts it), but its
-    result has no reader and is freed at once. Otherwise every copy would live until its
-    consumer's backward: a norm output all-reduced for q, k and v saved three identical
-    activations (benchmark Llama dp2xtp2: 12 such copies, 6 MiB per rank at the step's
-    peak). Equal results: the same collective on the same data."""
-    first: dict[tuple, fx.Node] = {}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not str(node.target).startswith("_c10d_functional.") \
-                or "wait_tensor" in str(node.target):
-            continue
-        key = (node.target, repr(fx.node.map_arg((node.args, node.kwargs), id)))
-        earlier = first.setdefault(key, node)
-        waits = [[u for u in n.users if "wait_tensor" in str(u.target)] for n in (earlier, node)]
-        if earlier is node or any(len(w) != 1 for w in waits) or len(node.users) != 1:
-            continue
-        (wait_earlier,), (wait_here,) = waits
-        if order[wait_earlier] < order[wait_here]:
-            wait_here.replace_all_uses_with(wait_earlier)
-    gm.recompile()
-
-
 def bucket_key(meta: Any, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple | None:
     """The key cost_model/table.py `ReshardPricer.bucket_key` gives `src -> dst` (same rule,
     from the same DTensor plan): all-reduces over one or more axes, or one reduce-scatter,

@@ -60,6 +60,26 @@ def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]
     return uses
 
 
+def activation_reads(graph: Graph, active: set[NodeId]) -> dict[tuple[NodeId, str], int]:
+    """Per (activation, phase): how many input edges among `active` nodes read it in that
+    phase. The program reshards an activation once per (tensor, phase, target placement)
+    and every reader of that placement in the phase reads the one result
+    (codegen/apply.py `_Interpreter.arg`, solution.py `extract_solution`): q, k and v
+    reading one norm output gather it once. The objective charges each of the readers
+    1/reads of the reshard: exact where every reader asks for the same placement, as a
+    projection's three GEMMs do (the placements are not known before the solve).
+    Parameter-derived tensors travel in gather groups instead (`param_gather_uses`)."""
+    derived = graph.parameter_derived()
+    reads: dict[tuple[NodeId, str], int] = {}
+    for v in active:
+        node = graph[v]
+        for u in node.inputs:
+            if u in active and u not in derived and len(graph[u].outputs) == 1:
+                key = (u, node.phase.value)
+                reads[key] = reads.get(key, 0) + 1
+    return reads
+
+
 def update_gather(pricer: ReshardPricer, meta: Any, strategy: Any, share: float) -> tuple[float, list[Any]] | None:
     """(time, collectives) of bringing a parameter's updated weights from its update
     placement back to its compute placement, once per step ((0, []) where they are the

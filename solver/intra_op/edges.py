@@ -20,10 +20,11 @@ from typing import Any, Callable
 from autopar.ir import Graph, NodeId
 from autopar.placement import Placements, Replicate, is_partial
 from cost_model import ReshardPricer
-from solver.intra_op.collective_groups import expected_bucket_bytes, param_gather_uses
+from solver.intra_op.collective_groups import activation_reads, expected_bucket_bytes, param_gather_uses
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import Exchange, gathers_rows
-from solver.intra_op.sharing import Reduction
+from solver.intra_op.shared_rows import SharedReshards
+from solver.intra_op.sharing import Reduction, layer_representatives
 from solver.intra_op.sync_rows import HiddenSync
 
 _UNPRICED = object()
@@ -51,8 +52,9 @@ class EdgePrices:
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
                  prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
                  exchange: Exchange | None = None, weights_whole_axes: tuple[int, ...] = (),
-                 hidden: HiddenSync | None = None) -> None:
+                 hidden: HiddenSync | None = None, shared: SharedReshards | None = None) -> None:
         self.graph, self.red, self.pricer, self.gathers, self.hidden = graph, red, pricer, gathers, hidden
+        self.shared = shared if shared is not None else SharedReshards()
         self.weights_whole_axes = weights_whole_axes
         self.owner_ep = _owner_flags(red, exchange or {})
         self.node_coef, self.forbidden, self.gather_free_axes = node_coef, forbidden, gather_free_axes
@@ -98,12 +100,15 @@ class EdgePrices:
         return found
 
     def add(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
-            dst_of: Callable[[int], Placements], weight: float, grad: bool = False) -> None:
-        """The edge u -> v carrying `meta`, its layouts at strategy j of u and of v."""
+            dst_of: Callable[[int], Placements], weight: float, grad: bool = False,
+            twin: tuple | None = None) -> None:
+        """The edge u -> v carrying `meta`, its layouts at strategy j of u and of v. `twin`:
+        (u's twin-layer key, phase) where u has other readers in v's phase: its moves are
+        charged once for them all (shared_rows.py), not on this edge."""
         graph, red = self.graph, self.red
         activation = bool(self.gather_free_axes) and u not in self.from_params and not grad
         if activation and (red.owner[u] in self.owner_ep or red.owner[v] in self.owner_ep):
-            self._add_exchange(u, v, meta, src_of, dst_of, weight)  # a grouped op's edge
+            self._add_exchange(u, v, meta, src_of, dst_of, weight, twin)  # a grouped op's edge
             return
         share, uses = None, 1
         a, b = red.owner[u], red.owner[v]
@@ -118,7 +123,7 @@ class EdgePrices:
                                   a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
         if a == b:
             self._add_within(a, meta, tuple(src_of(s) for s in red.smap[u]), tuple(dst_of(s) for s in red.smap[v]),
-                             weight, (activation, grad, share, uses), hidden)
+                             weight, (activation, grad, share, uses), hidden, (twin, u))
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
@@ -131,21 +136,28 @@ class EdgePrices:
             distinct = {(a, b): self.priced(meta, m, a, i, b, k, activation, grad, share, uses)
                         for a, i in zip(us, ius) for b, k in zip(ud, iud)}
             unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
+        if twin is not None:
+            unit = self.shared.add_edge(twin, u, a, src, b, dst, unit, weight)
         if hidden is not None:
             hidden.add_matrix(a, b, unit, weight)
         self._accumulate(a, b, unit, weight)
 
     def _add_within(self, a: NodeId, meta: Any, src: tuple[Placements, ...], dst: tuple[Placements, ...],
-                    weight: float, how: tuple, hidden: HiddenSync | None) -> None:
+                    weight: float, how: tuple, hidden: HiddenSync | None,
+                    shared: tuple[tuple | None, NodeId] = (None, -1)) -> None:
         """An edge inside owner a (a follower chain): at a's choice j it moves `meta` from
         src[j] to dst[j]; its price joins c[a, j], or forbids j. Equal edges (layer twins)
-        share one row of prices."""
+        share one row of prices. `shared`: (twin key, the activation) where the move is
+        charged once for all its readers (shared_rows.py)."""
         key = ("within", meta, src, dst, how)
         row = self.matrices.get(key)
         if row is None:
             (m,), isrc, idst = self._ids((meta,)), self._ids(src), self._ids(dst)
             row = self.matrices[key] = [self.priced(meta, m, s, i, d, k, *how)
                                         for s, i, d, k in zip(src, isrc, dst, idst)]
+        twin, u = shared
+        if twin is not None:
+            row = self.shared.add_within(twin, u, a, src, dst, row, weight)
         coef = self.node_coef[a]
         for j, c in enumerate(row):
             if c is None:
@@ -156,7 +168,7 @@ class EdgePrices:
                     hidden.add_node(a, j, len(coef), weight * c)
 
     def _add_exchange(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
-                      dst_of: Callable[[int], Placements], weight: float) -> None:
+                      dst_of: Callable[[int], Placements], weight: float, twin: tuple | None = None) -> None:
         """An activation edge into or out of a grouped op, or a node that takes its choice
         (`_owner_flags`): a split may move to another split over the gather-free axes where
         the choice on either side is expert-parallel, and nowhere else. Priced per pair of
@@ -174,8 +186,11 @@ class EdgePrices:
 
         if a == b:
             coef = self.node_coef[a]
+            row = [price(j, j) for j in range(len(coef))]
+            if twin is not None:
+                row = self.shared.add_within(twin, u, a, srcs, dsts, row, weight)
             for j in range(len(coef)):
-                c = price(j, j)
+                c = row[j]
                 if c is None:
                     self.forbidden.setdefault(a, set()).add(j)
                 else:
@@ -186,6 +201,8 @@ class EdgePrices:
         unit = self.matrices.get(key)
         if unit is None:
             unit = self.matrices[key] = [[price(ja, jb) for jb in range(len(dst))] for ja in range(len(src))]
+        if twin is not None:
+            unit = self.shared.add_edge(twin, u, a, src, b, dst, unit, weight)
         self._accumulate(a, b, unit, weight)
 
     def _accumulate(self, a: NodeId, b: NodeId, unit: list[list[float | None]], weight: float) -> None:
@@ -222,8 +239,8 @@ def edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
                    *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
                    prices: tuple[dict, dict, dict] | None = None, exchange: Exchange | None = None,
-                   weights_whole_axes: tuple[int, ...] = (), hidden: HiddenSync | None = None
-                   ) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
+                   weights_whole_axes: tuple[int, ...] = (), hidden: HiddenSync | None = None,
+                   shared: SharedReshards | None = None) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
     same-owner edges into node costs or `forbidden` choices. `prices`: the (intern, pair,
@@ -232,17 +249,22 @@ def edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     `gathers` collects the grouped weight gathers' rows (gather_rows.py), `hidden` the
     hideable gradient edges' charges (sync_rows.py); `exchange` the grouped ops, into and
     out of whose expert-parallel strategies a split may move over `gather_free_axes`
-    (restrict.py `exchange_nodes`); `weights_whole_axes` the axes no weight is gathered on."""
+    (restrict.py `exchange_nodes`); `weights_whole_axes` the axes no weight is gathered on;
+    `shared` the moves of activations read more than once in a phase (shared_rows.py)."""
     active = set(red.active)
     edges = EdgePrices(graph, red, pricer, node_coef, forbidden, gather_free_axes, prices, gathers, exchange,
-                       weights_whole_axes, hidden)
+                       weights_whole_axes, hidden, shared)
+    reads = activation_reads(graph, active)
+    twins = layer_representatives(graph, active)
     for v in red.active:
         node = graph[v]
         for p, u in enumerate(node.inputs):
             if u not in active or len(graph[u].outputs) != 1:
                 continue
+            phase = node.phase.value
             edges.add(u, v, graph[u].output, lambda j, u=u: space[u][j].outputs[0],
-                      lambda j, v=v, p=p: space[v][j].inputs[p], graph.weight(v))
+                      lambda j, v=v, p=p: space[v][j].inputs[p], graph.weight(v),
+                      twin=(twins.get(u, u), phase) if reads.get((u, phase), 0) > 1 else None)
     for param, grad in graph.param_grads:
         if param in active and grad in active:
             edges.add(grad, param, graph.grad_meta(grad), lambda j, g=grad: space[g][j].outputs[0],

@@ -2,7 +2,7 @@
 
 Where it sits: collected by solver/intra_op/ilp.py while it prices the edges from
 parameter-derived tensors (edges.py `EdgePrices.add`) and the updated weights' gathers
-(`_add_update_gathers`); its rows join the ILP (`_Model.add_gather_group_rows`). The
+(`_add_update_gathers`); its rows join the ILP (`_Model.add_indicator_rows`). The
 solution is priced the same way (solver/intra_op/solution.py `grouped_gathers`).
 
 Terms: a gather group g = (layer, phase, axis, dtype) (autopar/buckets.py `gather_group`)

@@ -46,6 +46,11 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
                dtype, or per layer for the updated weights) gathers, by the rows
                gather/g/... (solver/intra_op/gather_rows.py: exact for one-hot x)
                Rows r and columns k are classes of identical rows/columns of the matrix.
+    z_r      = in [0, 1], charged p_r: 1 where an activation read by several ops of one
+               phase leaves its owner at layout s and some reader asks for layout d; the
+               program reshards it once for all of them, so the readers' edges carry 0
+               for that move (rows shared/r/..., solver/intra_op/shared_rows.py: exact
+               for one-hot x)
 
     h        = continuous >= 0, charged -1 in the objective, where the program overlaps the
                gradient sync with the backward (a one-stage step of one microbatch, or
@@ -106,6 +111,7 @@ from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collec
 from solver.intra_op.backend import OBJECTIVE_SCALE, SOLVERS, Milp, Solved, solve, solve_ilp
 from solver.intra_op.collective_groups import update_gather
 from solver.intra_op.gather_rows import GatherGroups
+from solver.intra_op.shared_rows import SharedReshards
 from solver.intra_op.edges import TIE_BREAK_S, edge_matrices
 from solver.intra_op.restrict import (
     Exchange, PlaceholderFilter, UpdateFilter, exchange_nodes, prune_gather_free, restrict_placeholders)
@@ -226,17 +232,17 @@ class _Model:
                                   f"edge/{a}->{b}/col={k}")
         return count
 
-    def add_gather_group_rows(self, gathers: GatherGroups) -> int:
-        """One continuous y_g per gather group, charged its latency, and its rows
-        (gather_rows.py); returns the number of groups."""
-        for group, cost_s in sorted(gathers.costs_s().items(), key=lambda kv: repr(kv[0])):
-            name = "_".join(map(str, group))  # layer, phase, axis, dtype
-            y = self.milp.add_col(f"y_{name}", 0.0, 1.0)
+    def add_indicator_rows(self, prefix: str, costs_s: dict[tuple, float], rows: dict[tuple, set]) -> int:
+        """One continuous indicator in [0, 1] per group, charged `costs_s[group]`, and its
+        rows `sum x - y <= -const` (gather_rows.py's gather groups, shared_rows.py's shared
+        reshards); returns the number of groups."""
+        for number, (group, cost_s) in enumerate(sorted(costs_s.items(), key=lambda kv: repr(kv[0]))):
+            y = self.milp.add_col(f"{prefix}_{number}", 0.0, 1.0)
             self.objective[y] = cost_s * OBJECTIVE_SCALE
-            for r, (terms, const) in enumerate(sorted(gathers.rows[group])):
+            for r, (terms, const) in enumerate(sorted(rows[group])):
                 self.milp.add_row([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)], None, -const,
-                                  f"gather/{name}/{r}")
-        return len(gathers.weight)
+                                  f"{prefix}/{number}/{r}")
+        return len(costs_s)
 
     def add_sync_overlap_rows(self, hidden: HiddenSync, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
         """The hidden gradient sync h and its two rows (sync_rows.py), after the edge variables."""
@@ -327,6 +333,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                         synced=grads_each_microbatch)
     forbidden: dict[NodeId, set[int]] = {}
     gathers = GatherGroups([collective_latency_s("all_gather", link) for link in table.links])
+    shared = SharedReshards()
     _add_update_gathers(graph, space, red, pricer, node_coef, forbidden, grad_sync_weight, gathers)
     prices = None if prune_memo is None else prune_memo.setdefault(  # the search's solves share them:
         ("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes, grads_each_microbatch,
@@ -335,12 +342,12 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     edges = _fold_separable(edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
                                           grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
                                           prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes,
-                                          hidden=hidden),
+                                          hidden=hidden, shared=shared),
                             node_coef, forbidden, hidden)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
-    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, gathers, terms, memory_budget_bytes,
-                                        hidden)
+    model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, (gathers, shared), terms,
+                                        memory_budget_bytes, hidden)
     solved = solve(model.milp, [v for xs in model.x.values() for v in xs], solver, time_limit_s, cutoff_s)
     status = _solution_status(solved, model, red, terms, forbidden, graph, cluster, space, mesh_shape,
                               memory_budget_bytes=memory_budget_bytes, solver=solver, time_limit_s=time_limit_s,
@@ -405,7 +412,7 @@ def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...
 
 
 def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
-                 edges: dict[tuple[NodeId, NodeId], tuple], gathers: GatherGroups, terms: list,
+                 edges: dict[tuple[NodeId, NodeId], tuple], groups: tuple[GatherGroups, SharedReshards], terms: list,
                  memory_budget_bytes: float | None, hidden: HiddenSync | None = None) -> tuple[_Model, int]:
     """The ILP of the module docstring, one constraint family at a time; and its number of
     edge and gather-group variables."""
@@ -413,7 +420,9 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
     model.add_one_choice_constraints()
     model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
-    num_edge_vars = model.add_edge_constraints(edges) + model.add_gather_group_rows(gathers)
+    gathers, shared = groups
+    num_edge_vars = model.add_edge_constraints(edges) + model.add_indicator_rows("gather", gathers.costs_s(), gathers.rows) \
+        + model.add_indicator_rows("shared", shared.costs_s(), shared.rows)
     if hidden is not None:
         model.add_sync_overlap_rows(hidden, edges)
     if memory_budget_bytes is not None:

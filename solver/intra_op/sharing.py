@@ -55,6 +55,12 @@ def _layer_positions(graph: Graph, active: set[NodeId]) -> tuple[dict[NodeId, No
     return rep, where
 
 
+def layer_representatives(graph: Graph, active: set[NodeId]) -> dict[NodeId, NodeId]:
+    """{layer node: its twin in the first active traced layer of its group} (the node whose
+    variables it shares); nodes outside the layer stack are absent."""
+    return _layer_positions(graph, active)[0]
+
+
 def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
                  active_nodes: tuple[NodeId, ...] | None) -> Reduction:
     active = set(range(len(graph))) if active_nodes is None else set(active_nodes)

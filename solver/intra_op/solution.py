@@ -153,11 +153,20 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
 
     derived = graph.parameter_derived()
     groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]] = {}  # gather group -> members (grouped_gathers)
+    resharded: set[tuple] = set()  # (activation, phase, source, target): run once, read by all
 
-    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, to: NodeId) -> float:
+    def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, to: NodeId, shared: bool = True) -> float:
         """The time of edge u -> v (charged to node `to`), its collectives recorded; a
-        grouped gather is recorded in its group, priced once the groups are whole."""
+        grouped gather is recorded in its group, priced once the groups are whole. An
+        activation's reshard to one placement runs once per phase (`shared`: an input
+        edge; collective_groups.py `activation_reads`): its first reader is charged, the
+        others read its result."""
         meta = graph[u].output
+        if shared and u not in derived and src != dst:
+            key = (u, graph[v].phase, src, dst)
+            if key in resharded:
+                return 0.0
+            resharded.add(key)
         steps = pricer.collectives(meta, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
         if u in derived:
@@ -179,7 +188,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
     for buf, value in graph.buffer_updates:
         if buf in active and value in active:
             reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0],
-                                   value)
+                                   value, shared=False)
     collectives.extend(grouped_gathers(graph, pricer, groups, reshard, parts))
     synced: dict[NodeId, float] = {}
     collectives.extend(gradient_syncs(graph, space, pricer, pick, active, reshard, parts, grad_sync_weight,
