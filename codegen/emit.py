@@ -71,7 +71,7 @@ def program_source(program: Any) -> str:
     inputs and outputs, the step graph, and the gradient sync and weight gather graphs."""
     header = [
         f"# autopar per-rank program on a mesh {list(program.mesh_shape)}: ATen ops on this rank's local shards",
-        "# plus the _c10d_functional collectives the plan's placements imply (one per resharded edge).",
+        "# plus the _c10d_functional collectives the plan's placements imply (one per priced reshard).",
         "# inputs: " + ", ".join(f"{slot_name(s)}{s.placements and ' ' + '(' + ', '.join(map(str, s.placements)) + ')'}"
                                  for s in program.slots),
         f"# returns (loss {tuple(map(str, program.loss_placements))}, raw gradients); grad_sync below brings each "

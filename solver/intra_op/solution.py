@@ -118,6 +118,13 @@ def gradient_syncs(graph: Graph, space, pricer: ReshardPricer, pick: dict[NodeId
     return grad_syncs
 
 
+def _seen(keys: set, key: tuple) -> bool:
+    """Whether `key` is in `keys`; it is afterwards."""
+    found = key in keys
+    keys.add(key)
+    return found
+
+
 def last_gradient(graph: Graph, active: set[NodeId]) -> NodeId:
     """The parameter gradient the backward computes last (graph order): its bucket's sync is
     issued when no backward is left to hide it (cost_model `exposed_sync_s`'s S_last)."""
@@ -157,16 +164,12 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
 
     def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, to: NodeId, shared: bool = True) -> float:
         """The time of edge u -> v (charged to node `to`), its collectives recorded; a
-        grouped gather is recorded in its group, priced once the groups are whole. An
-        activation's reshard to one placement runs once per phase (`shared`: an input
-        edge; collective_groups.py `activation_reads`): its first reader is charged, the
-        others read its result."""
+        grouped gather is recorded in its group, priced once the groups are whole; an
+        activation's reshard once per phase and placement, for all its readers (`shared`:
+        an input edge; shared_rows.py), charged to the first."""
         meta = graph[u].output
-        if shared and u not in derived and src != dst:
-            key = (u, graph[v].phase, src, dst)
-            if key in resharded:
-                return 0.0
-            resharded.add(key)
+        if shared and u not in derived and src != dst and _seen(resharded, (u, graph[v].phase, src, dst)):
+            return 0.0
         steps = pricer.collectives(meta, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"
         if u in derived:
@@ -211,9 +214,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
                        if graph[n].phase is Phase.BACKWARD)
         total = sum(synced.values())
         hidden = total - exposed_sync_s(total, synced[last_gradient(graph, active)], backward, sync_overlap)
-    peak = 0.0
-    for _t, coef in terms:
-        peak = max(peak, sum(row[chosen[o]] for o, row in coef.items()))
+    peak = max((sum(row[chosen[o]] for o, row in coef.items()) for _t, coef in terms), default=0.0)
     cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh - hidden,
                          peak_memory_bytes=peak, sync_hidden_s=hidden)
     return IntraOpSolution(graph_fingerprint=searched_fingerprint(graph, memo), cluster=cluster.spec, mesh_shape=mesh_shape,
