@@ -181,6 +181,13 @@ def transfer_kind(src: Placement, dst: Placement) -> str:
     return "local"
 
 
+def communicates(src: Placements, dst: Placements) -> bool:
+    """Whether `src -> dst` runs a collective on some axis (turning a replica into a shard
+    or a pending sum is local). An activation's communicating reshard runs once per phase
+    and target for all its readers (solver/intra_op/shared_rows.py); a local one per reader."""
+    return any(transfer_kind(a, b) != "local" for a, b in zip(src, dst) if a != b)
+
+
 def redistribute_supported(src: Placements, dst: Placements) -> bool:
     """Whether DTensor can redistribute `src` to `dst` at all: it cannot turn a shard into
     a pending sum, nor one kind of pending reduction into another."""

@@ -37,7 +37,7 @@ collectives, same bytes: the price (these edges weighed 1/m = 1) is unchanged.
 
 Every collective in the two graphs is one the ILP priced (price = run; the test counts
 them); an activation read by several ops of one phase is resharded once per placement
-(solver/intra_op/shared_rows.py). The dispatcher's output placement is checked against
+where that communicates (solver/intra_op/shared_rows.py). The dispatcher's output placement is checked against
 the chosen one at every node: a mismatch is a bug in the strategy space and raises.
 
 The collectives that are not one op's input edge (gradient buckets, the gather of updated
@@ -71,7 +71,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import dtensor_bridge as bridge
 from autopar.ir import Graph, NodeId, Role
 from autopar.buckets import gather_group
-from autopar.placement import Placements, Replicate, local_shape, single_gather_axis
+from autopar.placement import Placements, Replicate, communicates, local_shape, single_gather_axis
 from autopar.sharding import NodeStrategy
 from codegen.collectives import (  # noqa: F401  count_collectives: the apply stage's surface (autopar/build)
     GradSync, WeightGather, count_collectives, dtensor_of, redistribute_to)
@@ -440,10 +440,10 @@ class _Interpreter:
                     if key not in self.gathered:
                         self._gather(group, env)
                     return self.gathered[key]
-                t = env[a]
+                t, have = env[a], tuple(bridge.from_dtensor_placements(env[a].placements))
                 contiguous = self.graph[self.ids[a]].output.stride == ()
-                if tuple(bridge.from_dtensor_placements(t.placements)) != tuple(want):
-                    if self.ids[a] in self.derived:
+                if have != tuple(want):
+                    if self.ids[a] in self.derived or not communicates(have, tuple(want)):
                         return redistribute_to(t, want, contiguous)
                     key = (self.ids[a], ir.phase, tuple(want))
                     if key not in self.resharded:

@@ -143,17 +143,22 @@ def _classes(vectors: list[tuple[float, ...]]) -> list[list[int]]:
 
 def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]],
                     node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
-                    hidden: HiddenSync | None = None) -> dict[tuple[NodeId, NodeId], tuple]:
+                    hidden: HiddenSync | None = None, shared: SharedReshards | None = None
+                    ) -> dict[tuple[NodeId, NodeId], tuple]:
     """Edges whose matrix has one row class (cost depends on b only) or one column class
     (on a only) are added to node costs (an infeasible entry forbids that choice); the
     rest come back as (matrix, row classes, column classes) for edge variables.
     `node_coef` and `forbidden` are this solve's own tables (updated), and so is `hidden`:
     a pair's hideable gradient charges fold with it, and its classes are those of
-    (charge, hideable charge) so that each edge variable has one of each."""
+    (charge, hideable charge) so that each edge variable has one of each; with `shared`,
+    of (charge, the shared reshards the pair makes), so each edge variable makes one set."""
     kept = {}
     for (a, b), matrix in sorted(edges.items()):
         part = hidden.edges.get((a, b)) if hidden is not None else None
         paired = matrix if part is None else [list(zip(r, h)) for r, h in zip(matrix, part)]
+        marks = shared.marks.get((a, b)) if shared is not None else None
+        if marks is not None:
+            paired = [list(zip(r, m)) for r, m in zip(paired, marks)]
         rows = _classes([tuple(r) for r in paired])
         cols = _classes([tuple(c) for c in zip(*paired)])
         if len(rows) == 1:
@@ -243,6 +248,18 @@ class _Model:
                 self.milp.add_row([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)], None, -const,
                                   f"{prefix}/{number}/{r}")
         return len(costs_s)
+
+    def add_shared_reshard_rows(self, shared: SharedReshards, edges: dict[tuple[NodeId, NodeId], tuple]) -> int:
+        """One continuous z_r per shared reshard, charged its price, and its rows over the
+        readers' edge variables (shared_rows.py), after those; returns the number of z_r."""
+        costs = shared.costs_s()
+        for number, key in enumerate(sorted(costs, key=repr)):
+            z = self.milp.add_col(f"shared_{number}", 0.0, 1.0)
+            self.objective[z] = costs[key] * OBJECTIVE_SCALE
+            for r, (terms, const) in enumerate(shared.rows_of(key, self.edge_vars, edges)):
+                columns = [self.x[ref[0]][ref[1]] if kind == "x" else ref for kind, ref in terms]
+                self.milp.add_row([(c, 1.0) for c in columns] + [(z, -1.0)], None, -const, f"shared/{number}/{r}")
+        return len(costs)
 
     def add_sync_overlap_rows(self, hidden: HiddenSync, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
         """The hidden gradient sync h and its two rows (sync_rows.py), after the edge variables."""
@@ -343,7 +360,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                                           grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
                                           prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes,
                                           hidden=hidden, shared=shared),
-                            node_coef, forbidden, hidden)
+                            node_coef, forbidden, hidden, shared)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
     model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, (gathers, shared), terms,
@@ -422,7 +439,7 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
     model.add_node_costs(node_coef)
     gathers, shared = groups
     num_edge_vars = model.add_edge_constraints(edges) + model.add_indicator_rows("gather", gathers.costs_s(), gathers.rows) \
-        + model.add_indicator_rows("shared", shared.costs_s(), shared.rows)
+        + model.add_shared_reshard_rows(shared, edges)
     if hidden is not None:
         model.add_sync_overlap_rows(hidden, edges)
     if memory_budget_bytes is not None:

@@ -18,7 +18,7 @@ from typing import Any
 from autopar.buckets import UPDATE_PHASE, gather_group, gather_share
 from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Phase, Role
-from autopar.placement import Placements
+from autopar.placement import Placements, communicates
 from autopar.sharding import CostBreakdown, IntraOpSolution, NodeChoice, PricedCollective
 from cost_model import CostTable, ReshardPricer, exposed_sync_s
 from solver.intra_op.collective_groups import gradient_bucket_shares, gradient_sync_collectives
@@ -168,7 +168,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         activation's reshard once per phase and placement, for all its readers (`shared`:
         an input edge; shared_rows.py), charged to the first."""
         meta = graph[u].output
-        if shared and u not in derived and src != dst and _seen(resharded, (u, graph[v].phase, src, dst)):
+        if shared and u not in derived and communicates(src, dst) and _seen(resharded, (u, graph[v].phase, src, dst)):
             return 0.0
         steps = pricer.collectives(meta, src, dst)
         assert steps is not None, f"the ILP chose an impossible reshard {src} -> {dst} on edge {u}->{v}"

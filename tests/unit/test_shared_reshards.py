@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
-from autopar.placement import Replicate, Shard
+from autopar.placement import Replicate, Shard, communicates
 from autopar.placing import priced_per_step, solution_choices, solve_config
 from autopar.trace import trace_step
 from codegen.apply import apply, count_collectives
@@ -30,24 +30,30 @@ SPEC = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=16"
 def test_rows_charge_each_placement_asked_once():
     """Two readers of u (owners 1 and 2) both asking for R from S(0): one reshard, its price
     counted once per twin layer; the readers' matrices keep 0 for it and forbidden pairs stay
-    forbidden."""
+    forbidden; its rows run over the readers' edge variables that make it, or over x where
+    an owner pair has none."""
     s0, r = (Shard(0),), (Replicate(),)
+    key = (("u", "forward"), s0, r)
     shared = SharedReshards()
     unit = [[5.0, 0.0], [None, 0.0]]  # rows: u at S(0) or R; columns: the reader asks R or S(0)
     kept_1 = shared.add_edge(("u", "forward"), 7, 0, [s0, r], 1, [r, s0], unit, 1.0)
     kept_2 = shared.add_edge(("u", "forward"), 7, 0, [s0, r], 2, [r, s0], unit, 1.0)
     assert kept_1 == kept_2 == [[0.0, 0.0], [None, 0.0]]
-    assert shared.costs_s() == {(("u", "forward"), s0, r): 5.0}
-    rows = shared.rows[(("u", "forward"), s0, r)]
-    assert rows == {(((0, 0), (1, 0)), -1), (((0, 0), (2, 0)), -1)}
+    assert shared.costs_s() == {key: 5.0}
+    assert shared.pairs[key] == {(0, 1, (0,), (0,)), (0, 2, (0,), (0,))}
+    assert shared.marks[(0, 1)] == [[frozenset({key}), frozenset()], [frozenset(), frozenset()]]
+    # owner pair (0, 1) has edge variables (one per class pair), (0, 2) none: x's row there
+    edges = {(0, 1): (None, [[0], [1]], [[0], [1]])}
+    rows = shared.rows_of(key, {(0, 1): {(0, 0): "e00", (0, 1): "e01", (1, 1): "e11"}}, edges)
+    assert rows == [([("e", "e00")], 0), ([("x", (0, 0)), ("x", (2, 0))], -1)]
     # a twin layer's activation (another node, the same owners) adds its multiplicity, no row
     shared.add_edge(("u", "forward"), 9, 0, [s0, r], 1, [r, s0], unit, 3.0)
-    assert shared.costs_s() == {(("u", "forward"), s0, r): 5.0 * (1.0 + 3.0)}
-    assert len(shared.rows[(("u", "forward"), s0, r)]) == 2
+    assert shared.costs_s() == {key: 5.0 * (1.0 + 3.0)}
+    assert len(shared.pairs[key]) == 2
     # inside one owner: the options that move pay through the indicator, the others keep their price
     row = shared.add_within(("v", "forward"), 8, 4, [s0, s0, r], [r, s0, s0], [2.0, 0.0, None], 1.0)
     assert row == [0.0, 0.0, None]
-    assert shared.rows[(("v", "forward"), s0, r)] == {(((4, 0),), 0)}
+    assert shared.rows_of((("v", "forward"), s0, r), {}, {}) == [([("x", (4, 0))], 0)]
 
 
 def _program(config: ParallelConfig):
@@ -72,7 +78,7 @@ def _program(config: ParallelConfig):
 
 def _shared_reads(graph, choices) -> dict:
     """{(activation, phase, target placements): readers} where two or more readers of one
-    phase ask for the same placement, other than the activation's own."""
+    phase ask for the same placement and moving there communicates."""
     derived = graph.parameter_derived()
     asked: Counter = Counter()
     for v in graph.nodes:
@@ -80,7 +86,7 @@ def _shared_reads(graph, choices) -> dict:
             if u in derived or len(graph[u].outputs) != 1:
                 continue
             want = choices[v.id].inputs[p]
-            if want != choices[u].outputs[0]:
+            if communicates(choices[u].outputs[0], want):
                 asked[(u, v.phase, want)] += 1
     return {k: n for k, n in asked.items() if n > 1}
 
