@@ -37,11 +37,11 @@ collectives, same bytes: the price (these edges weighed 1/m = 1) is unchanged.
 
 Every collective in the two graphs is one the ILP priced (price = run; the test counts
 them); an activation read by several ops of one phase is resharded once per placement
-where that communicates (solver/intra_op/shared_rows.py). The dispatcher's output placement is checked against
-the chosen one at every node: a mismatch is a bug in the strategy space and raises.
+where that communicates (solver/intra_op/shared_rows.py). The dispatcher's output
+placement is checked against the chosen one at every node (a mismatch raises).
 
 The collectives that are not one op's input edge (gradient buckets, the gather of updated
-weights) and the count of a graph's collectives live in codegen/collectives.py.
+weights) and the count of a graph's collectives are in codegen/collectives.py.
 """
 
 from __future__ import annotations

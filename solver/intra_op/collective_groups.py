@@ -62,13 +62,12 @@ def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]
 
 def activation_reads(graph: Graph, active: set[NodeId]) -> dict[tuple[NodeId, str], int]:
     """Per (activation, phase): how many input edges among `active` nodes read it in that
-    phase. The program reshards an activation once per (tensor, phase, target placement)
-    and every reader of that placement in the phase reads the one result
+    phase. Where two or more do, the program runs each communicating reshard of it once per
+    (phase, target placement) and every reader of that placement reads the one result
     (codegen/apply.py `_Interpreter.arg`, solution.py `extract_solution`): q, k and v
-    reading one norm output gather it once. The objective charges each of the readers
-    1/reads of the reshard: exact where every reader asks for the same placement, as a
-    projection's three GEMMs do (the placements are not known before the solve).
-    Parameter-derived tensors travel in gather groups instead (`param_gather_uses`)."""
+    reading one norm output gather it once; the ILP charges it once through one indicator
+    (shared_rows.py). Parameter-derived tensors travel in gather groups instead
+    (`param_gather_uses`)."""
     derived = graph.parameter_derived()
     reads: dict[tuple[NodeId, str], int] = {}
     for v in active:

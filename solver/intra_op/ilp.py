@@ -49,8 +49,8 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
     z_r      = in [0, 1], charged p_r: 1 where an activation read by several ops of one
                phase leaves its owner at layout s and some reader asks for layout d; the
                program reshards it once for all of them, so the readers' edges carry 0
-               for that move (rows shared/r/..., solver/intra_op/shared_rows.py: exact
-               for one-hot x)
+               for that move (rows shared/r/... over the readers' edge variables,
+               solver/intra_op/shared_rows.py: exact for one-hot x)
 
     h        = continuous >= 0, charged -1 in the objective, where the program overlaps the
                gradient sync with the backward (a one-stage step of one microbatch, or
@@ -239,8 +239,8 @@ class _Model:
 
     def add_indicator_rows(self, prefix: str, costs_s: dict[tuple, float], rows: dict[tuple, set]) -> int:
         """One continuous indicator in [0, 1] per group, charged `costs_s[group]`, and its
-        rows `sum x - y <= -const` (gather_rows.py's gather groups, shared_rows.py's shared
-        reshards); returns the number of groups."""
+        rows `sum x - y <= -const` (gather_rows.py's gather groups); returns the number of
+        groups."""
         for number, (group, cost_s) in enumerate(sorted(costs_s.items(), key=lambda kv: repr(kv[0]))):
             y = self.milp.add_col(f"{prefix}_{number}", 0.0, 1.0)
             self.objective[y] = cost_s * OBJECTIVE_SCALE
@@ -438,7 +438,8 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
     model.add_forbidden_constraints(forbidden)
     model.add_node_costs(node_coef)
     gathers, shared = groups
-    num_edge_vars = model.add_edge_constraints(edges) + model.add_indicator_rows("gather", gathers.costs_s(), gathers.rows) \
+    num_edge_vars = model.add_edge_constraints(edges) \
+        + model.add_indicator_rows("gather", gathers.costs_s(), gathers.rows) \
         + model.add_shared_reshard_rows(shared, edges)
     if hidden is not None:
         model.add_sync_overlap_rows(hidden, edges)
