@@ -3,7 +3,7 @@
 Where it sits: collected by solver/intra_op/edges.py while it prices the edges of
 activations with two or more readers in one phase (collective_groups.py
 `activation_reads`); its rows join the ILP beside the weight-gather groups'
-(ilp.py `_Model.add_indicator_rows`). The program runs each such reshard once and every
+(ilp.py `_Model.add_shared_reshard_rows`). The program runs each such reshard once and every
 reader of that placement reads its result (codegen/apply.py `_Interpreter`), and the
 solution prices it once (solution.py `extract_solution`): q, k and v reading one norm
 output under sequence parallelism gather it once, not three times.
