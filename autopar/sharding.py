@@ -117,12 +117,16 @@ class CostBreakdown:
     comm_s: float
     reshard_s: float
     total_s: float
-    """compute + comm + reshard - sync_hidden, weighted by multiplicity: the ILP objective."""
+    """compute + comm + reshard - sync_hidden - gather_hidden, weighted by multiplicity: the ILP objective."""
     peak_memory_bytes: float
     """Largest per-device memory over the checked liveness points (params+grads+optimizer+activations)."""
     sync_hidden_s: float = 0.0
     """The part of the gradient sync (inside `reshard_s`) that runs beside the backward and
     is not waited for (cost_model `exposed_sync_s`: S - exposed); `total_s` leaves it out."""
+    gather_hidden_s: float = 0.0
+    """The part of the weights' collectives (inside `reshard_s`) issued ahead of their use
+    that runs beside compute (cost_model `hidden_comm_s`, codegen/prefetch.py); `total_s`
+    leaves it out."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,6 +184,7 @@ class IntraOpSolution:
                 "reshard_s": self.cost.reshard_s, "total_s": self.cost.total_s,
                 "peak_memory_bytes": self.cost.peak_memory_bytes,
                 **({"sync_hidden_s": self.cost.sync_hidden_s} if self.cost.sync_hidden_s else {}),
+                **({"gather_hidden_s": self.cost.gather_hidden_s} if self.cost.gather_hidden_s else {}),
             },
             "choices": [
                 {
@@ -232,7 +237,9 @@ class IntraOpSolution:
             f"intra-op plan on {self.cluster} mesh {self.mesh_shape}: {self.status} ({self.solver})",
             f"  total {c.total_s * 1e3:.4f} ms = compute {c.compute_s * 1e3:.4f} + comm "
             f"{c.comm_s * 1e3:.4f} + reshard {c.reshard_s * 1e3:.4f}"
-            + (f" - gradient sync hidden {c.sync_hidden_s * 1e3:.4f}" if c.sync_hidden_s else "") + "; peak memory "
+            + (f" - gradient sync hidden {c.sync_hidden_s * 1e3:.4f}" if c.sync_hidden_s else "")
+            + (f" - weight collectives hidden {c.gather_hidden_s * 1e3:.4f}" if c.gather_hidden_s else "")
+            + "; peak memory "
             f"{c.peak_memory_bytes / 2**30:.3f} GiB"
             + (f" of {self.memory_budget_bytes / 2**30:.3f} GiB" if self.memory_budget_bytes else ""),
             f"  {'node':>5} {'op':<44} {'x':>6} {'outputs':<24} {'inputs':<40} "

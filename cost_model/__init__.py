@@ -57,6 +57,7 @@ from cost_model.table import (
     cost_table,
     exposed_sync_s,
     grad_sync_overlap,
+    hidden_comm_s,
     pipeline_call_time_s,
     reshard_collectives,
 )
@@ -69,7 +70,7 @@ __all__ = [
     "all_gather_time_s", "all_reduce_time_s", "all_to_all_time_s", "bucket_copy_s_per_byte", "charged_s",
     "collective_latency_s", "collective_time_s",
     "compiled_scale", "compute_time_s", "core_share", "cost_table", "exposed_sync_s", "grad_accumulation_time_s",
-    "grad_sync_overlap",
+    "grad_sync_overlap", "hidden_comm_s",
     "loss_report_time_s",
     "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "parameter_state_bytes", "pipeline_call_time_s",
     "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",

@@ -235,6 +235,21 @@ def exposed_sync_s(sync_s: float, last_s: float, backward_s: float, rho: float) 
     return sync_s - min(max(0.0, sync_s - last_s), rho * backward_s)
 
 
+def hidden_comm_s(hideable_s: float, window_s: float, rho: float) -> float:
+    """The part of collectives issued ahead of their use that compute hides:
+
+        hidden = min(H, rho x W)
+
+    H (`hideable_s`): the summed time of the collectives that have compute to run beside
+    (a phase's weight collectives but its first layer's, issued as soon as the one before
+    is waited: codegen/prefetch.py, as FSDP prefetches the next unit's all-gather, Zhao et
+    al., arXiv 2304.11277, Sec. 3.3-3.4; with the gradient sync but its last bucket in the
+    backward, `exposed_sync_s`); W (`window_s`): the phase's compute; rho: the share of a
+    collective's time compute hides (`grad_sync_overlap`). One phase's collectives share
+    its window (solver/intra_op/overlap_rows.py writes this as linear rows)."""
+    return min(max(0.0, hideable_s), rho * window_s)
+
+
 def bucket_copy_s_per_byte(cluster: Cluster) -> float:
     """A bucketed gradient sync copies each raw local gradient into one flat buffer before
     the collective (codegen/collectives.py `GradSync.reduce`: read it, write the buffer; the

@@ -13,8 +13,10 @@ multiplicity and m the microbatches per step:
 
     one stage:   seconds(kind, axis) = m * sum_n w_n * parts_n(kind, axis)
                  sum over (kind, axis) = m * sum_n w_n * reshard_n
-                 overlapped = -m * sync_hidden (the gradient sync hidden behind the
-                 backward, cost_model `exposed_sync_s`; 0 where the program syncs after it)
+                 overlapped = -m * (sync_hidden + gather_hidden) (the gradient sync hidden
+                 behind the backward, cost_model `exposed_sync_s`, 0 where the program
+                 syncs after it; the weights' collectives hidden behind the compute before
+                 their use, `hidden_comm_s`)
                  sum over (kind, axis) + overlapped = the `reshard_s` row
     pipeline:    the critical stage k (the one `time_breakdown` names) runs its pieces
                  (solver/stage_costs.py: pre if k is first, n_k / L of the traced layers,
@@ -82,20 +84,22 @@ def _rows(seconds: dict[tuple[str, str], float], calls: dict[tuple[str, str], tu
 
 
 OVERLAPPED = "overlapped"
-"""The kind of the row that takes the hidden gradient sync off the charged collectives."""
+"""The kind of the row that takes the hidden collectives (the gradient sync behind the
+backward, the weights' collectives behind the compute before their use) off the charged ones."""
 
 
 def one_stage_communication(solution: IntraOpSolution, num_microbatches: int) -> tuple[CommunicationTime, ...]:
     """The `reshard_s` row of a one-stage plan by (kind, axis) (module docstring), and where
-    the program overlaps its gradient sync with the backward, one `overlapped` row of
-    -m x sync_hidden_s (cost_model `exposed_sync_s`): the kinds' rows are what the
-    collectives take, that row what of them runs beside the backward, and together they
-    add up to the `reshard_s` row the step waits for."""
+    the program overlaps collectives with compute, one `overlapped` row of
+    -m x (sync_hidden_s + gather_hidden_s) (cost_model `exposed_sync_s`, `hidden_comm_s`):
+    the kinds' rows are what the collectives take, that row what of them runs beside the
+    compute, and together they add up to the `reshard_s` row the step waits for."""
     rows = _rows(charged_seconds(solution, num_microbatches), collective_calls(solution, num_microbatches),
                  "reshard_s")
-    if solution.cost.sync_hidden_s:
+    hidden = solution.cost.sync_hidden_s + solution.cost.gather_hidden_s
+    if hidden:
         rows.append(CommunicationTime(kind=OVERLAPPED, axis=LOCAL_AXIS_NAME, count=0.0, bytes=0.0,
-                                      time_s=-num_microbatches * solution.cost.sync_hidden_s, part_of="reshard_s"))
+                                      time_s=-num_microbatches * hidden, part_of="reshard_s"))
     return tuple(rows)
 
 

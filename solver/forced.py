@@ -212,7 +212,9 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
                     time_limit_s: float | None = None, cutoff_s: float | None = None) -> Any:
     """The intra-op ILP of a one-stage configuration under its rules (what a run solves before its ranks build:
     autopar/placing.py `solve_config`); `space`: the strategies to choose from (default:
-    the graph's enumeration on the configuration's mesh)."""
+    the graph's enumeration on the configuration's mesh). A one-stage program issues its
+    weights' collectives ahead of their use (codegen/prefetch.py), and is priced so
+    (`overlap_weights`)."""
     check_expert_degree(graph, config)
     return solve_intra_op(graph, cluster, mesh_shape(config),
                           keep_placeholder=keep_placeholder(config, update_free=update_free),
@@ -221,7 +223,8 @@ def solve_one_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_m
                           weights_whole_axes=weights_whole_axes(config, update_free=update_free),
                           expert_moves=expert_moves(config, update_free=update_free),
                           grads_each_microbatch=not update_free and zero_2_syncs(config),
-                          memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, cutoff_s=cutoff_s)
+                          memory_budget_bytes=memory_budget_bytes, time_limit_s=time_limit_s, cutoff_s=cutoff_s,
+                          overlap_weights=True)
 
 
 def price_solution(graph: Graph, config: ParallelConfig, solution: Any, cluster: Any, *,

@@ -279,8 +279,10 @@ def loss_report_s(graph: Graph, solution: IntraOpSolution, cluster: Cluster,
 def exposed_reshard_s(solution: IntraOpSolution) -> float:
     """The solution's resharding per microbatch that the step waits for: its `reshard_s`
     less the gradient sync hidden behind the backward (`CostBreakdown.sync_hidden_s`,
-    cost_model `exposed_sync_s`): the `reshard_s` row of the step's time breakdown."""
-    return solution.cost.reshard_s - solution.cost.sync_hidden_s
+    cost_model `exposed_sync_s`) and the weights' collectives hidden behind the compute
+    before their use (`gather_hidden_s`, cost_model `hidden_comm_s`): the `reshard_s` row
+    of the step's time breakdown."""
+    return solution.cost.reshard_s - solution.cost.sync_hidden_s - solution.cost.gather_hidden_s
 
 
 def estimate(graph: Graph, solution: IntraOpSolution, cand: SpmdCandidate, cluster: Cluster,

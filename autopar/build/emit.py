@@ -24,6 +24,7 @@ from autopar.models import resolve
 from autopar.plan import Plan
 from autopar.trace import trace_step
 from codegen.apply import apply
+from codegen.prefetch import prefetch_program
 from codegen.emit import fake_world, write
 
 
@@ -94,6 +95,7 @@ def emit_per_op(plan: Plan) -> dict[str, str]:
     choices = plan.placements_for(graph)
     with fake_world((plan.config.dp, plan.config.tp), ("dp", "tp")) as mesh:
         graphs = apply(traced.gm, graph, choices, mesh)
+        prefetch_program(graphs)
     note = ("" if source.config is None or source.config.layers <= 2 else
             f"# (the model's first 2 of {source.config.layers} layers: every further layer repeats the second's ops)\n")
     return {"rank0": note + graphs.source}

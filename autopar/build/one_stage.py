@@ -33,6 +33,7 @@ from autopar.runtime.spmd import (SpmdProgram, distribute_parameters, make_spmd_
                                   release_build_memory, run_policy)
 from autopar.trace import to_compute_dtype, trace_step
 from codegen.apply import apply, count_collectives
+from codegen.prefetch import prefetch_program
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def build_spmd_program(model: nn.Module, placed: ProgramPlacements, example: Seq
     params = distribute_parameters(model, graph, choices, mesh, masters)
     del masters
     graphs = apply(traced.gm, graph, choices, mesh, sync_in_step=sync_in_step, compiled=config.compiled)
+    prefetch_program(graphs)  # the weights' collectives issued ahead, as priced (overlap_rows.py)
     del traced
     log.info("rank %d: per-op program on mesh %s, %d graph nodes, %d collectives in the step",
              dist.get_rank(), tuple(mesh.shape), len(graphs.step.graph.nodes),

@@ -19,8 +19,8 @@ restrict, the cost table, sharing, then builds the ILP, solves it and reads the 
 - liveness.py      which tensors the memory rows count, and when (also solver/stage_costs.py's)
 - collective_groups.py  grouped weight gathers and gradient buckets, priced as the program
                    runs them: the objective's and the solution's share of one latency
-- sync_rows.py     the gradient sync hidden behind the backward (one variable, two rows),
-                   where the program overlaps it
+- overlap_rows.py  the collectives hidden behind compute (one variable per pool, its rows),
+                   where the program overlaps them
 - backend.py       running HiGHS or CBC: one thread, fixed seed, LP relaxation first,
                    native solver output kept off stdout
 - solution.py      the chosen strategies priced again into costs and collectives

@@ -60,6 +60,21 @@ def param_gather_uses(graph: Graph) -> dict[tuple[NodeId, int | None, str], int]
     return uses
 
 
+def first_weight_layers(graph: Graph, active: set[NodeId]) -> dict[str, int | None]:
+    """Per phase: the layer of its first node (graph order, the program's) that reads a
+    parameter-derived tensor. Its gather groups (autopar/buckets.py `gather_group`) and
+    other weight collectives are the phase's first: nothing runs before them to hide
+    them (solver/intra_op/overlap_rows.py; codegen/prefetch.py issues each later one as
+    soon as the one before it is waited)."""
+    derived = graph.parameter_derived()
+    first: dict[str, int | None] = {}
+    for v in sorted(active):
+        node = graph[v]
+        if node.phase.value not in first and any(u in derived and len(graph[u].outputs) == 1 for u in node.inputs):
+            first[node.phase.value] = node.layer
+    return first
+
+
 def activation_reads(graph: Graph, active: set[NodeId]) -> dict[tuple[NodeId, str], int]:
     """Per (activation, phase): how many input edges among `active` nodes read it in that
     phase. Where two or more do, the program runs each communicating reshard of it once per

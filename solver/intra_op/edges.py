@@ -18,14 +18,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from autopar.ir import Graph, NodeId
-from autopar.placement import Placements, Replicate, is_partial
+from autopar.placement import Placements, Replicate, communicates, is_partial
 from cost_model import ReshardPricer
 from solver.intra_op.collective_groups import activation_reads, expected_bucket_bytes, param_gather_uses
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import Exchange, gathers_rows
 from solver.intra_op.shared_rows import SharedReshards
 from solver.intra_op.sharing import Reduction, layer_representatives
-from solver.intra_op.sync_rows import HiddenSync
+from solver.intra_op.overlap_rows import SYNC, HiddenComm
 
 _UNPRICED = object()
 """A memo's miss (None is a price: the move is not a plan)."""
@@ -52,7 +52,7 @@ class EdgePrices:
                  forbidden: dict[NodeId, set[int]], gather_free_axes: tuple[int, ...],
                  prices: tuple[dict, dict, dict] | None, gathers: GatherGroups,
                  exchange: Exchange | None = None, weights_whole_axes: tuple[int, ...] = (),
-                 hidden: HiddenSync | None = None, shared: SharedReshards | None = None) -> None:
+                 hidden: HiddenComm | None = None, shared: SharedReshards | None = None) -> None:
         self.graph, self.red, self.pricer, self.gathers, self.hidden = graph, red, pricer, gathers, hidden
         self.shared = shared if shared is not None else SharedReshards()
         self.weights_whole_axes = weights_whole_axes
@@ -112,7 +112,7 @@ class EdgePrices:
             return
         share, uses = None, 1
         a, b = red.owner[u], red.owner[v]
-        hidden = self.hidden if grad and self.hidden is not None and self.hidden.hideable(u) else None
+        pool = self._pool(u, v, grad)
         if grad:
             share = self.expected_buckets[u]
         elif u in self.derived:  # a grouped gather: its group's latency is y_g's (gather_rows.py)
@@ -123,7 +123,7 @@ class EdgePrices:
                                   a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
         if a == b:
             self._add_within(a, meta, tuple(src_of(s) for s in red.smap[u]), tuple(dst_of(s) for s in red.smap[v]),
-                             weight, (activation, grad, share, uses), hidden, (twin, u))
+                             weight, (activation, grad, share, uses), pool, (twin, u))
             return
         src = tuple(src_of(j) for j in red.smap[u])
         dst = tuple(dst_of(j) for j in red.smap[v])
@@ -138,17 +138,28 @@ class EdgePrices:
             unit = self.matrices[key] = [[distinct[(a, b)] for b in dst] for a in src]
         if twin is not None:
             unit = self.shared.add_edge(twin, u, a, src, b, dst, unit, weight)
-        if hidden is not None:
-            hidden.add_matrix(a, b, unit, weight)
+        if pool is not None:
+            self.hidden.add_matrix(pool, a, b, _hideable(unit, src, dst, pool), weight)
         self._accumulate(a, b, unit, weight)
 
+    def _pool(self, u: NodeId, v: NodeId, grad: bool) -> str | None:
+        """The overlap pool (overlap_rows.py) edge u -> v's charge joins, if any: a
+        gradient's sync, or a collective of weights alone read by v's layer and phase."""
+        hidden = self.hidden
+        if hidden is None:
+            return None
+        if grad:
+            return hidden.sync_pool(u)
+        return hidden.gather_pool(self.graph[v].layer, self.graph[v].phase.value) if u in self.derived else None
+
     def _add_within(self, a: NodeId, meta: Any, src: tuple[Placements, ...], dst: tuple[Placements, ...],
-                    weight: float, how: tuple, hidden: HiddenSync | None,
+                    weight: float, how: tuple, pool: str | None,
                     shared: tuple[tuple | None, NodeId] = (None, -1)) -> None:
         """An edge inside owner a (a follower chain): at a's choice j it moves `meta` from
         src[j] to dst[j]; its price joins c[a, j], or forbids j. Equal edges (layer twins)
         share one row of prices. `shared`: (twin key, the activation) where the move is
-        charged once for all its readers (shared_rows.py)."""
+        charged once for all its readers (shared_rows.py); `pool`: the overlap pool its
+        charge also joins (overlap_rows.py)."""
         key = ("within", meta, src, dst, how)
         row = self.matrices.get(key)
         if row is None:
@@ -164,8 +175,8 @@ class EdgePrices:
                 self.forbidden.setdefault(a, set()).add(j)
             else:
                 coef[j] += weight * c
-                if hidden is not None:
-                    hidden.add_node(a, j, len(coef), weight * c)
+                if pool is not None and (pool == SYNC or communicates(src[j], dst[j])):
+                    self.hidden.add_node(pool, a, j, len(coef), weight * c)
 
     def _add_exchange(self, u: NodeId, v: NodeId, meta: Any, src_of: Callable[[int], Placements],
                       dst_of: Callable[[int], Placements], weight: float, twin: tuple | None = None) -> None:
@@ -219,6 +230,16 @@ class EdgePrices:
                     row[jb] += weight * c
 
 
+def _hideable(unit: list[list[float | None]], src: tuple[Placements, ...], dst: tuple[Placements, ...],
+              pool: str) -> list[list[float | None]]:
+    """The part of an edge's unit matrix that runs beside compute: all of a gradient's sync
+    (its bucket copies too, as cost_model `exposed_sync_s` takes them); of a weight's edge,
+    the pairs that communicate (a local slice or copy runs on the compute stream)."""
+    if pool == SYNC:
+        return unit
+    return [[c if c and communicates(s, d) else 0.0 for c, d in zip(row, dst)] for row, s in zip(unit, src)]
+
+
 def _owner_flags(red: Reduction, exchange: Exchange) -> dict[NodeId, tuple[bool, ...]]:
     """Per owner holding a grouped op (restrict.py `exchange_nodes`) or taking its choice
     with one, per owner choice: whether a grouped op's strategy there is expert-parallel.
@@ -239,7 +260,7 @@ def edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
                    node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]], gathers: GatherGroups,
                    *, grad_sync_weight: float = 1.0, gather_free_axes: tuple[int, ...] = (),
                    prices: tuple[dict, dict, dict] | None = None, exchange: Exchange | None = None,
-                   weights_whole_axes: tuple[int, ...] = (), hidden: HiddenSync | None = None,
+                   weights_whole_axes: tuple[int, ...] = (), hidden: HiddenComm | None = None,
                    shared: SharedReshards | None = None) -> dict[tuple[NodeId, NodeId], list[list[float | None]]]:
     """Resharding cost per owner pair (a, b) as a matrix over (j_a, j_b) (None: DTensor
     cannot reshard, or it would gather an activation on a `gather_free_axes` axis); folds
@@ -247,7 +268,7 @@ def edge_matrices(graph: Graph, space, red: Reduction, pricer: ReshardPricer,
     matrix) price memos of earlier solves with the same pricer and axes (a search's solves
     of one submesh share them: every key holds the tensor and both layouts it prices).
     `gathers` collects the grouped weight gathers' rows (gather_rows.py), `hidden` the
-    hideable gradient edges' charges (sync_rows.py); `exchange` the grouped ops, into and
+    hideable charges (overlap_rows.py); `exchange` the grouped ops, into and
     out of whose expert-parallel strategies a split may move over `gather_free_axes`
     (restrict.py `exchange_nodes`); `weights_whole_axes` the axes no weight is gathered on;
     `shared` the moves of activations read more than once in a phase (shared_rows.py)."""

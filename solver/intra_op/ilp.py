@@ -52,15 +52,20 @@ owner o(n); w_n = graph.weight(n) (multiplicity of repeated layers).
                for that move (rows shared/r/... over the readers' edge variables,
                solver/intra_op/shared_rows.py: exact for one-hot x)
 
-    h        = continuous >= 0, charged -1 in the objective, where the program overlaps the
-               gradient sync with the backward (a one-stage step of one microbatch, or
-               ZeRO-2's every microbatch: autopar/build/one_stage.py `sync_in_step`) and
-               rho = cost_model `grad_sync_overlap` > 0: the sync time hidden, so the
-               objective charges the sync as exposed = max(S_last, S - rho W)
-               (cost_model/table.py `exposed_sync_s`; solver/intra_op/sync_rows.py):
-    sync_overlap/window: h <= rho W(x)          W: the backward nodes' weighted compute
-    sync_overlap/sync:   h <= S(x) - S_last(x)  S: the gradient edges' charge (C_ab's
-                                                g->p part), S_last: the last-computed gradient's
+    h_p      = continuous >= 0, charged -1 in the objective, one per overlap pool p where
+               rho = cost_model `grad_sync_overlap` > 0: the time of the pool's
+               collectives that compute hides (solver/intra_op/overlap_rows.py). Pool
+               "sync": the gradient sync, where the program overlaps it with the backward
+               (a one-stage step of one microbatch, or ZeRO-2's every microbatch:
+               autopar/build/one_stage.py `sync_in_step`), so the sync is charged as
+               exposed = max(S_last, S - rho W) (cost_model/table.py `exposed_sync_s`);
+               pools "gather/forward" and "gather/backward": the collectives of weights
+               alone in a one-stage program, each issued as soon as the one before it is
+               waited (codegen/prefetch.py), less the first layer's of each phase:
+    overlap/p:              h_p <= the pool's charge at x (its x, e and gather-group y columns)
+    overlap/window/forward: h_gather/forward <= rho W_forward(x)
+    overlap/window/backward: h_sync + h_gather/backward <= rho W_backward(x)
+                            W_phase: the phase's nodes' weighted compute
 
     one_choice/o:     sum_j x[o,j] = 1
     edge/a->b/row=r:  sum_k e_ab[r,k] = sum_{j in class r} x[a,j]       (Alpa-style;
@@ -109,7 +114,7 @@ from autopar.sharding import InfeasiblePlanError, IntraOpSolution, StrategySpace
 from cost_model import (CostTable, ReshardPricer, bucket_copy_s_per_byte, collective_latency_s, core_share,
                         cost_table, grad_accumulation_time_s, grad_sync_overlap, optimizer_time_s, runs_gloo)
 from solver.intra_op.backend import OBJECTIVE_SCALE, SOLVERS, Milp, Solved, solve, solve_ilp
-from solver.intra_op.collective_groups import update_gather
+from solver.intra_op.collective_groups import first_weight_layers, update_gather
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.shared_rows import SharedReshards
 from solver.intra_op.edges import TIE_BREAK_S, edge_matrices
@@ -118,7 +123,7 @@ from solver.intra_op.restrict import (
 from solver.intra_op.liveness import memory_terms
 from solver.intra_op.sharing import Reduction, reduce_graph
 from solver.intra_op.solution import extract_solution, last_gradient
-from solver.intra_op.sync_rows import HiddenSync
+from solver.intra_op.overlap_rows import GATHER_POOLS, POOLS, SYNC, HiddenComm
 from solver.intra_op.space import enumerate_strategies
 
 log = logging.getLogger(__name__)
@@ -143,19 +148,20 @@ def _classes(vectors: list[tuple[float, ...]]) -> list[list[int]]:
 
 def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]],
                     node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
-                    hidden: HiddenSync | None = None, shared: SharedReshards | None = None
+                    hidden: HiddenComm | None = None, shared: SharedReshards | None = None
                     ) -> dict[tuple[NodeId, NodeId], tuple]:
     """Edges whose matrix has one row class (cost depends on b only) or one column class
     (on a only) are added to node costs (an infeasible entry forbids that choice); the
     rest come back as (matrix, row classes, column classes) for edge variables.
     `node_coef` and `forbidden` are this solve's own tables (updated), and so is `hidden`:
-    a pair's hideable gradient charges fold with it, and its classes are those of
-    (charge, hideable charge) so that each edge variable has one of each; with `shared`,
+    a pair's hideable charges fold with it, and its classes are those of (charge, each
+    pool's hideable charge) so that each edge variable has one of each; with `shared`,
     of (charge, the shared reshards the pair makes), so each edge variable makes one set."""
     kept = {}
     for (a, b), matrix in sorted(edges.items()):
-        part = hidden.edges.get((a, b)) if hidden is not None else None
-        paired = matrix if part is None else [list(zip(r, h)) for r, h in zip(matrix, part)]
+        pools = hidden.pools_of(a, b) if hidden is not None else []
+        parts = [hidden.edges[p][(a, b)] for p in pools]
+        paired = matrix if not parts else [list(zip(r, *hs)) for r, *hs in zip(matrix, *parts)]
         marks = shared.marks.get((a, b)) if shared is not None else None
         if marks is not None:
             paired = [list(zip(r, m)) for r, m in zip(paired, marks)]
@@ -167,16 +173,16 @@ def _fold_separable(edges: dict[tuple[NodeId, NodeId], list[list[float | None]]]
                     forbidden.setdefault(b, set()).add(k)
                 else:
                     node_coef[b][k] += c
-                    if part is not None:
-                        hidden.add_node(b, k, len(node_coef[b]), part[0][k])
+                    for pool, part in zip(pools, parts):
+                        hidden.add_node(pool, b, k, len(node_coef[b]), part[0][k])
         elif len(cols) == 1:
             for j, row in enumerate(matrix):
                 if row[0] is None:
                     forbidden.setdefault(a, set()).add(j)
                 else:
                     node_coef[a][j] += row[0]
-                    if part is not None:
-                        hidden.add_node(a, j, len(node_coef[a]), part[j][0])
+                    for pool, part in zip(pools, parts):
+                        hidden.add_node(pool, a, j, len(node_coef[a]), part[j][0])
         else:
             kept[(a, b)] = (matrix, rows, cols)
     return kept
@@ -192,6 +198,8 @@ class _Model:
         self.edge_vars: dict[tuple[NodeId, NodeId], dict[tuple[int, int], int]] = {}
         self.objective = self.milp.cost
         """One coefficient per column (terms of one column are summed here first)."""
+        self.indicators: dict[tuple, tuple[int, float]] = {}
+        """Per gather group: its indicator's column and charge (`add_indicator_rows`)."""
 
     def add_one_choice_constraints(self) -> None:
         for o, xs in self.x.items():
@@ -239,10 +247,11 @@ class _Model:
 
     def add_indicator_rows(self, prefix: str, costs_s: dict[tuple, float], rows: dict[tuple, set]) -> int:
         """One continuous indicator in [0, 1] per group, charged `costs_s[group]`, and its
-        rows `sum x - y <= -const` (gather_rows.py's gather groups); returns the number of
-        groups."""
+        rows `sum x - y <= -const` (gather_rows.py's gather groups; the columns are kept in
+        `indicators`); returns the number of groups."""
         for number, (group, cost_s) in enumerate(sorted(costs_s.items(), key=lambda kv: repr(kv[0]))):
             y = self.milp.add_col(f"{prefix}_{number}", 0.0, 1.0)
+            self.indicators[group] = (y, cost_s)
             self.objective[y] = cost_s * OBJECTIVE_SCALE
             for r, (terms, const) in enumerate(sorted(rows[group])):
                 self.milp.add_row([(self.x[o][j], 1.0) for o, j in terms] + [(y, -1.0)], None, -const,
@@ -261,23 +270,36 @@ class _Model:
                 self.milp.add_row([(c, 1.0) for c in columns] + [(z, -1.0)], None, -const, f"shared/{number}/{r}")
         return len(costs)
 
-    def add_sync_overlap_rows(self, hidden: HiddenSync, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
-        """The hidden gradient sync h and its two rows (sync_rows.py), after the edge variables."""
-        h = self.milp.add_col("sync_hidden", 0.0, None)
-        self.objective[h] = -OBJECTIVE_SCALE
-        window = [(self.x[o][j], -hidden.rho * c) for o, row in sorted(hidden.backward.items())
-                  for j, c in enumerate(row) if c]
-        self.milp.add_row(window + [(h, 1.0)], None, 0.0, "sync_overlap/window")
-        sync = [(self.x[o][j], -c) for o, row in sorted(hidden.node.items()) for j, c in enumerate(row) if c]
-        for pair, part in sorted(hidden.edges.items()):
-            if pair not in edges:
-                continue  # folded into `hidden.node` (or no variable: one option each)
-            _matrix, rows, cols = edges[pair]
-            for (r, k), var in self.edge_vars.get(pair, {}).items():
-                c = part[rows[r][0]][cols[k][0]]
-                if c:
-                    sync.append((var, -c))
-        self.milp.add_row(sync + [(h, 1.0)], None, 0.0, "sync_overlap/sync")
+    def add_overlap_rows(self, hidden: HiddenComm, edges: dict[tuple[NodeId, NodeId], tuple]) -> None:
+        """The hidden time of each pool and their rows (overlap_rows.py), after the edge
+        variables and the gather groups' indicators."""
+        h = {}
+        for pool in POOLS:
+            terms = [(self.x[o][j], -c) for o, row in sorted(hidden.node[pool].items()) for j, c in enumerate(row) if c]
+            for pair, part in sorted(hidden.edges[pool].items()):
+                if pair not in edges:
+                    continue  # folded into `hidden.node` (or no variable: one option each)
+                _matrix, rows, cols = edges[pair]
+                for (r, k), var in self.edge_vars.get(pair, {}).items():
+                    c = part[rows[r][0]][cols[k][0]]
+                    if c:
+                        terms.append((var, -c))
+            phase = next((ph for ph, p in GATHER_POOLS.items() if p == pool), None)
+            if phase is not None:
+                terms += [(y, -cost) for g, (y, cost) in sorted(self.indicators.items(), key=lambda kv: repr(kv[0]))
+                          if hidden.gather_pool(g[0], g[1]) == pool]
+            if not terms:
+                continue
+            h[pool] = self.milp.add_col(f"hidden_{pool}", 0.0, None)
+            self.objective[h[pool]] = -OBJECTIVE_SCALE
+            self.milp.add_row(terms + [(h[pool], 1.0)], None, 0.0, f"overlap/{pool}")
+        for phase, pool in GATHER_POOLS.items():
+            sharing = [h[p] for p in ((SYNC, pool) if phase == "backward" else (pool,)) if p in h]
+            if not sharing:
+                continue
+            window = [(self.x[o][j], -hidden.rho * c) for o, row in sorted(hidden.window[phase].items())
+                      for j, c in enumerate(row) if c]
+            self.milp.add_row(window + [(v, 1.0) for v in sharing], None, 0.0, f"overlap/window/{phase}")
 
     def memory_terms(self, coef: dict[NodeId, list[float]]) -> list[tuple[int, float]]:
         return [(self.x[o][j], m * MEMORY_SCALE) for o, row in sorted(coef.items()) for j, m in enumerate(row) if m]
@@ -308,7 +330,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                    gather_free_axes: tuple[int, ...] = (), space: StrategySpace | None = None,
                    cutoff_s: float | None = None, num_microbatches: int | None = None,
                    prune_memo: dict | None = None, grads_each_microbatch: bool = False,
-                   weights_whole_axes: tuple[int, ...] = (), expert_moves: bool = True) -> IntraOpSolution:
+                   weights_whole_axes: tuple[int, ...] = (), expert_moves: bool = True,
+                   overlap_weights: bool = False) -> IntraOpSolution:
     """Optimal per-node placements of `graph` (or the subgraph `nodes`) on a `mesh_shape` mesh.
 
     `keep_placeholder` restricts placeholder layouts (a forced configuration), `keep_update`
@@ -321,15 +344,15 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     relaxation proves the per-microbatch objective is at least this (the search's pruning).
     `num_microbatches` m: a one-stage step of m microbatches; gradient edges are weighted
     1/m and the once-per-step optimizer and accumulation terms join the objective / m
-    (module docstring). `prune_memo`: the search's memo shared by its solves:
-    `prune_gather_free` passes, the cost table's rows, the reshard prices and the
-    edge prices.
+    (module docstring). `prune_memo`: the search's memo shared by its solves (pruning
+    passes, cost table rows, reshard and edge prices).
     `grads_each_microbatch` (ZeRO-2): every microbatch syncs its gradients to their update
     placements (the edges weighed 1, not 1/m) and accumulates them there: the gradient
     bytes and the accumulation are the update shard's, not the raw gradient's.
     `weights_whole_axes` (ZeRO 0-2 over dp, solver/forced.py): no weight is gathered there
     per use (experts stored split on E are computed where they are stored). `expert_moves`:
-    tokens may move over `gather_free_axes` to experts split there (restrict.py)."""
+    tokens may move over `gather_free_axes` to experts split there (restrict.py).
+    `overlap_weights` (one stage): weights' collectives hidden behind compute (overlap_rows.py)."""
     grad_sync_weight = 1.0 if grads_each_microbatch else \
         grad_sync_weight if num_microbatches is None else 1.0 / num_microbatches
     if solver not in SOLVERS:
@@ -355,12 +378,12 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     prices = None if prune_memo is None else prune_memo.setdefault(  # the search's solves share them:
         ("edge prices", cluster.spec, cluster.hardware, mesh_shape, gather_free_axes, grads_each_microbatch,
          weights_whole_axes), ({}, {}, {}))  # they depend on the pricer and the axes' rules only
-    hidden, rho = _hidden_sync(graph, table, red, cluster, num_microbatches, grads_each_microbatch)
-    edges = _fold_separable(edge_matrices(graph, space, red, pricer, node_coef, forbidden, gathers,
-                                          grad_sync_weight=grad_sync_weight, gather_free_axes=gather_free_axes,
-                                          prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes,
-                                          hidden=hidden, shared=shared),
-                            node_coef, forbidden, hidden, shared)
+    hidden, rho, overlapped = _hidden_comm(graph, table, red, cluster, num_microbatches, grads_each_microbatch,
+                                           overlap_weights)
+    edges = _fold_separable(edge_matrices(
+        graph, space, red, pricer, node_coef, forbidden, gathers, grad_sync_weight=grad_sync_weight,
+        gather_free_axes=gather_free_axes, prices=prices, exchange=exchange, weights_whole_axes=weights_whole_axes,
+        hidden=hidden, shared=shared), node_coef, forbidden, hidden, shared)
     terms = memory_terms(graph, table, red)
     built = time.perf_counter()
     model, num_edge_vars = _build_model(red, node_coef, forbidden, edges, (gathers, shared), terms,
@@ -371,9 +394,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
                               elapsed_s=time.perf_counter() - start)
     chosen = {o: max(range(len(xs)), key=lambda j: (solved.value(xs[j]), -j)) for o, xs in model.x.items()}
     solution = extract_solution(graph, space, table, red, pricer, chosen, terms, cluster, mesh_shape,
-                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, sync_overlap=rho,
-                                memo=prune_memo,
-                                status=status, solver=solver,
+                                memory_budget_bytes, grad_sync_weight=grad_sync_weight, overlap=rho,
+                                overlapped=overlapped, memo=prune_memo, status=status, solver=solver,
                                 grads_each_microbatch=grads_each_microbatch,
                                 num_variables=sum(len(xs) for xs in model.x.values()) + num_edge_vars,
                                 num_constraints=model.milp.num_rows,
@@ -392,17 +414,23 @@ def _log_solve(graph: Graph, red: Reduction, solution: IntraOpSolution, model: _
              solution.cost.total_s, solution.status)
 
 
-def _hidden_sync(graph: Graph, table: CostTable, red: Reduction, cluster: Cluster, num_microbatches: int | None,
-                 grads_each_microbatch: bool) -> tuple[HiddenSync | None, float]:
-    """(the hideable gradient sync's rows, rho): the program overlaps the sync with the
-    backward where it syncs in the step graph (autopar/build/one_stage.py `sync_in_step`:
-    one microbatch, or ZeRO-2's every microbatch); elsewhere rho is 0 and nothing hides."""
-    overlapped = num_microbatches is not None and (num_microbatches == 1 or grads_each_microbatch)
-    rho = grad_sync_overlap(cluster) if overlapped else 0.0
-    synced = [g for p, g in graph.param_grads if p in red.active and g in red.active]
-    if rho <= 0 or not synced:
-        return None, rho
-    return HiddenSync(graph, table, red, last_gradient(graph, set(red.active)), rho), rho
+def _hidden_comm(graph: Graph, table: CostTable, red: Reduction, cluster: Cluster, num_microbatches: int | None,
+                 grads_each_microbatch: bool, overlap_weights: bool
+                 ) -> tuple[HiddenComm | None, float, tuple[bool, bool]]:
+    """(the hideable charges' rows, rho, (whether the sync overlaps, whether the weights'
+    collectives do)): the program overlaps the gradient sync with the backward where it
+    syncs in the step graph (autopar/build/one_stage.py `sync_in_step`: one microbatch, or
+    ZeRO-2's every microbatch), and issues the weights' collectives ahead of their use in a
+    one-stage program (`overlap_weights`, codegen/prefetch.py); where rho is 0 nothing hides."""
+    sync = num_microbatches is not None and (num_microbatches == 1 or grads_each_microbatch)
+    rho = grad_sync_overlap(cluster)
+    active = set(red.active)
+    sync = sync and any(p in active and g in active for p, g in graph.param_grads)
+    if rho <= 0 or not (sync or overlap_weights):
+        return None, 0.0, (False, False)
+    hidden = HiddenComm(graph, table, red, rho, last_gradient=last_gradient(graph, active) if sync else None,
+                        first_layers=first_weight_layers(graph, active) if overlap_weights else None)
+    return hidden, rho, (sync, overlap_weights)
 
 
 def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], space: StrategySpace | None,
@@ -430,7 +458,7 @@ def _restricted_space(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...
 
 def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden: dict[NodeId, set[int]],
                  edges: dict[tuple[NodeId, NodeId], tuple], groups: tuple[GatherGroups, SharedReshards], terms: list,
-                 memory_budget_bytes: float | None, hidden: HiddenSync | None = None) -> tuple[_Model, int]:
+                 memory_budget_bytes: float | None, hidden: HiddenComm | None = None) -> tuple[_Model, int]:
     """The ILP of the module docstring, one constraint family at a time; and its number of
     edge and gather-group variables."""
     model = _Model(red)
@@ -442,7 +470,7 @@ def _build_model(red: Reduction, node_coef: dict[NodeId, list[float]], forbidden
         + model.add_indicator_rows("gather", gathers.costs_s(), gathers.rows) \
         + model.add_shared_reshard_rows(shared, edges)
     if hidden is not None:
-        model.add_sync_overlap_rows(hidden, edges)
+        model.add_overlap_rows(hidden, edges)
     if memory_budget_bytes is not None:
         model.add_memory_constraints(terms, memory_budget_bytes)
     return model, num_edge_vars

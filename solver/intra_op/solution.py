@@ -20,8 +20,9 @@ from autopar.cluster import Cluster
 from autopar.ir import Graph, NodeId, Phase, Role
 from autopar.placement import Placements, communicates
 from autopar.sharding import CostBreakdown, IntraOpSolution, NodeChoice, PricedCollective
-from cost_model import CostTable, ReshardPricer, exposed_sync_s
-from solver.intra_op.collective_groups import gradient_bucket_shares, gradient_sync_collectives
+from cost_model import CostTable, ReshardPricer, hidden_comm_s
+from solver.intra_op.collective_groups import (
+    first_weight_layers, gradient_bucket_shares, gradient_sync_collectives)
 from solver.intra_op.sharing import Reduction
 
 
@@ -67,7 +68,7 @@ def update_gathers(graph: Graph, space, red: Reduction, pricer: ReshardPricer, p
 
 def grouped_gathers(graph: Graph, pricer: ReshardPricer, groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]],
                     reshard: dict[NodeId, float], parts: dict[tuple[NodeId, str, int], float], factor: float = 1.0,
-                    *, gradient_sync: bool = False) -> list[PricedCollective]:
+                    *, gradient_sync: bool = False, charged: dict[tuple, float] | None = None) -> list[PricedCollective]:
     """Price the gather groups the program forms (autopar/buckets.py `gather_group`) and
     return one all-gather record per group. `groups`: per group, its members
     {(tensor, source, target placements): (reader, node charged, all-gather bytes)}, each
@@ -75,14 +76,17 @@ def grouped_gathers(graph: Graph, pricer: ReshardPricer, groups: dict[tuple, dic
     term, its copies and share = its bytes / the group's bytes of the one latency
     (`ReshardPricer.gather_time`), so a group's members pay exactly one latency together:
     the time function applied to the group's record. Charged to `reshard` (and `parts`)
-    of the node charged, times `factor`."""
+    of the node charged, times `factor`; `charged` gets each group's weighted time."""
     out = []
-    for members in groups.values():
+    for key, members in groups.items():
         total = sum(nbytes for _reader, _to, nbytes in members.values())
         for (u, src, dst), (_reader, to, nbytes) in members.items():
             share = gather_share(nbytes, total)
             meta = graph[u].output
-            reshard[to] += (pricer.gather_time(meta, src, dst, share) or 0.0) * factor
+            t = (pricer.gather_time(meta, src, dst, share) or 0.0) * factor
+            reshard[to] += t
+            if charged is not None:
+                charged[key] = charged.get(key, 0.0) + t * graph.weight(to)
             _charge(parts, to, pricer.gather_parts(meta, src, dst, share), factor)
         (u, src, dst), (reader, _to, _nbytes) = next(iter(members.items()))
         out.append(PricedCollective(src=u, dst=reader, kind="all_gather",
@@ -144,12 +148,12 @@ def searched_fingerprint(graph: Graph, memo: dict | None) -> str:
 
 def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pricer: ReshardPricer,
              chosen: dict[NodeId, int], terms, cluster: Cluster, mesh_shape: tuple[int, ...],
-             budget: float | None, *, grad_sync_weight: float, sync_overlap: float = 0.0,
-             memo: dict | None = None, **meta) -> IntraOpSolution:
+             budget: float | None, *, grad_sync_weight: float, overlap: float = 0.0,
+             overlapped: tuple[bool, bool] = (False, False), memo: dict | None = None, **meta) -> IntraOpSolution:
     """Per-node choices, costs and collectives recomputed from the chosen strategies (not
-    from the solver's objective). `sync_overlap`: rho where the program overlaps the
-    gradient sync with the backward (cost_model `exposed_sync_s`; 0: charged exposed); the
-    part it hides is `CostBreakdown.sync_hidden_s`, taken off `total_s`. `memo`: the
+    from the solver's objective). `overlap`: rho; `overlapped`: whether the program overlaps
+    the gradient sync, and the weights' collectives, with compute (overlap_rows.py): what
+    hides is `CostBreakdown.sync_hidden_s` and `gather_hidden_s`, off `total_s`. `memo`: the
     search's memo (solve_intra_op's `prune_memo`), where the graph's fingerprint is kept:
     one search solves each stage graph many times, hashed once."""
     active = set(red.active)
@@ -161,6 +165,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
     derived = graph.parameter_derived()
     groups: dict[tuple, dict[tuple, tuple[NodeId, NodeId, int]]] = {}  # gather group -> members (grouped_gathers)
     resharded: set[tuple] = set()  # (activation, phase, source, target): run once, read by all
+    weights: dict[tuple, float] = {}  # weighted time of the weights' collectives by (layer, phase, ...)
 
     def edge(u: NodeId, v: NodeId, src: Placements, dst: Placements, to: NodeId, shared: bool = True) -> float:
         """The time of edge u -> v (charged to node `to`), its collectives recorded; a
@@ -182,7 +187,11 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
             collectives.append(PricedCollective(src=u, dst=v, kind=c.kind, axis=c.axis, bytes=c.bytes,
                                                 weight=graph.weight(v)))
         _charge(parts, to, pricer.reshard_parts(meta, src, dst))
-        return pricer(meta, src, dst) or 0.0
+        t = pricer(meta, src, dst) or 0.0
+        if u in derived and communicates(src, dst):  # a weight's other collective: in its phase's pool
+            weights[(graph[v].layer, graph[v].phase.value)] = weights.get((graph[v].layer, graph[v].phase.value), 0.0) \
+                + t * graph.weight(v)
+        return t
 
     for v in red.active:
         for p, u in enumerate(graph[v].inputs):
@@ -192,7 +201,7 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         if buf in active and value in active:
             reshard[value] += edge(value, buf, space[value][pick[value]].outputs[0], space[buf][pick[buf]].outputs[0],
                                    value, shared=False)
-    collectives.extend(grouped_gathers(graph, pricer, groups, reshard, parts))
+    collectives.extend(grouped_gathers(graph, pricer, groups, reshard, parts, charged=weights))
     synced: dict[NodeId, float] = {}
     collectives.extend(gradient_syncs(graph, space, pricer, pick, active, reshard, parts, grad_sync_weight,
                                       each_microbatch=bool(meta.get("grads_each_microbatch")), charged=synced))
@@ -208,17 +217,41 @@ def extract_solution(graph: Graph, space, table: CostTable, red: Reduction, pric
         choices.append(NodeChoice(node=n, name=node.name, op=node.op, outputs=s.outputs, inputs=s.inputs,
                                   compute_s=c.compute_s, comm_s=c.comm_s, reshard_s=reshard[n],
                                   memory_bytes=c.memory_bytes, weight=w, update=s.update))
-    hidden = 0.0
-    if sync_overlap > 0 and synced:
-        backward = sum(graph.weight(n) * table.nodes[n][pick[n]].compute_s for n in red.active
-                       if graph[n].phase is Phase.BACKWARD)
-        total = sum(synced.values())
-        hidden = total - exposed_sync_s(total, synced[last_gradient(graph, active)], backward, sync_overlap)
+    hidden = _hidden(graph, table, red, pick, overlap, overlapped, synced, weights)
     peak = max((sum(row[chosen[o]] for o, row in coef.items()) for _t, coef in terms), default=0.0)
-    cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh - hidden,
-                         peak_memory_bytes=peak, sync_hidden_s=hidden)
+    cost = CostBreakdown(compute_s=compute, comm_s=comm, reshard_s=resh, total_s=compute + comm + resh - sum(hidden),
+                         peak_memory_bytes=peak, sync_hidden_s=hidden[0], gather_hidden_s=hidden[1])
     return IntraOpSolution(graph_fingerprint=searched_fingerprint(graph, memo), cluster=cluster.spec, mesh_shape=mesh_shape,
                            choices=tuple(choices), cost=cost, memory_budget_bytes=budget,
                            collectives=tuple(collectives), grad_sync_weight=grad_sync_weight,
                            reshard_parts=tuple((n, kind, axis, t) for (n, kind, axis), t in sorted(parts.items())),
                            **meta)
+
+
+def _hidden(graph: Graph, table: CostTable, red: Reduction, pick: dict[NodeId, int], rho: float,
+            overlapped: tuple[bool, bool], synced: dict[NodeId, float], weights: dict[tuple, float]
+            ) -> tuple[float, float]:
+    """(sync hidden, weights' collectives hidden) of the chosen placements, as the ILP's
+    overlap rows take them (overlap_rows.py, cost_model `hidden_comm_s`): per phase, the
+    hideable collectives (the sync but the last gradient's; the weights' collectives but
+    those of the phase's first layer reading weights) less what rho x the phase's compute
+    hides. `weights`: the weighted time of the weights' collectives, keyed by (layer,
+    phase, ...)."""
+    sync_on, weights_on = overlapped
+    if rho <= 0 or not (sync_on or weights_on):
+        return 0.0, 0.0
+    active = set(red.active)
+    window = {ph.value: 0.0 for ph in Phase}
+    for n in red.active:
+        window[graph[n].phase.value] += graph.weight(n) * table.nodes[n][pick[n]].compute_s
+    sync = sum(synced.values()) - synced[last_gradient(graph, active)] if sync_on and synced else 0.0
+    gathers = {ph.value: 0.0 for ph in Phase}
+    if weights_on:
+        first = first_weight_layers(graph, active)
+        for (layer, phase, *_rest), t in weights.items():
+            if phase in gathers and first.get(phase, object()) != layer:
+                gathers[phase] += t
+    sync_hidden = hidden_comm_s(sync, window["backward"], rho)  # the backward's window: the sync's first
+    gather_hidden = hidden_comm_s(gathers["forward"], window["forward"], rho) \
+        + hidden_comm_s(sync + gathers["backward"], window["backward"], rho) - sync_hidden
+    return sync_hidden, gather_hidden

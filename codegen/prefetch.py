@@ -1,0 +1,104 @@
+"""Issue the weights' collectives ahead of their use in a recorded per-rank step graph.
+
+Where it sits: codegen, on the `step` graph `codegen/apply.py` records, for one-stage
+programs (autopar/build/one_stage.py; `--emit` shows the same graph). It moves nodes
+and changes no value: the graph computes what it computed, with the same collectives
+(kind, count, bytes) in the same order on every rank.
+
+Why: in the recorded graph every functional collective is followed at once by its
+`wait_tensor` (make_fx waits where the result is first read, and the interpreter gathers a
+weight group where its first consumer runs), so a weight's all-gather blocks the compute
+that needs it. A collective of weights alone (its inputs computed from parameters only)
+can start earlier: this pass issues each one as soon as the weights' collective before
+it has been waited, together with the copies that pack its input. It then runs on
+NCCL's stream (or gloo's threads) beside the compute between that wait and its own,
+which stays where it was: the one-deep prefetch of FSDP, which issues the next unit's
+all-gather as the current unit's compute starts (Zhao et al., "PyTorch FSDP", arXiv
+2304.11277, Sec. 3.4 "forward/backward prefetching"). One collective in flight at a
+time keeps the extra memory to one group's gathered weights.
+
+What the cost model takes off for it: per phase, min(the weight collectives but the
+first layer's, rho x the phase's compute) (cost_model/table.py `hidden_comm_s`,
+solver/intra_op/overlap_rows.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx
+
+from autopar.ir import Role
+from codegen.emit import program_source
+
+_NAMESPACE = "_c10d_functional."
+_WAIT = "_c10d_functional.wait_tensor"
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = str(node.target)
+    return node.op == "call_function" and target.startswith(_NAMESPACE) and not target.startswith(_WAIT)
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(_WAIT)
+
+
+def weights_only(gm: fx.GraphModule, weights: set[str]) -> set[fx.Node]:
+    """The nodes computed from the placeholders named in `weights` alone (through copies,
+    views, collectives and their waits): what may run before any activation exists."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in weights:
+                out.add(node)
+        elif node.op == "call_function" and node.all_input_nodes and all(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str]) -> int:
+    """Move each collective of weights alone (`weights`: the parameters' placeholder names)
+    but the first to just after the first wait of the one before it, with the nodes of
+    weights alone it needs that come after that wait (in their order); returns the number
+    moved. A collective already issued before that wait stays."""
+    derived = weights_only(gm, weights)
+    collectives = [n for n in gm.graph.nodes if _is_collective(n) and n in derived]
+    moved = 0
+    for before, node in zip(collectives, collectives[1:]):
+        waits = [u for u in before.users if _is_wait(u)]
+        if not waits:
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        anchor = min(waits, key=order.__getitem__)
+        if order[node] < order[anchor]:
+            continue
+        needed: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n in needed or order[n] <= order[anchor]:
+                continue
+            needed.add(n)
+            stack.extend(a for a in n.all_input_nodes if a in derived)
+        at = anchor
+        for n in sorted(needed, key=order.__getitem__):
+            at.append(n)  # fx: moves n to just after `at`
+            at = n
+        moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
+
+
+def prefetch_program(program: Any) -> int:
+    """`prefetch_weight_collectives` on a one-stage program's `step` (codegen/apply.py
+    RankGraphs), its parameters' placeholders the weights; its source rewritten. Returns
+    the number of collectives moved."""
+    placeholders = [n for n in program.step.graph.nodes if n.op == "placeholder"]
+    weights = {n.name for n, slot in zip(placeholders, program.slots) if slot.role is Role.PARAMETER}
+    moved = prefetch_weight_collectives(program.step, weights)
+    if moved:
+        program.source = program_source(program)
+    return moved
