@@ -67,7 +67,10 @@ class Efficiency:
     ZeRO-3 gathers included), so one value fitted for both would move either model when
     the other is refitted. Before any fit, 0.5 (the prior's centre: half hidden). Read
     where a one-stage program overlaps its gradient sync (codegen/collectives.py
-    `GradSync`), times the hardware's `comm_overlap` (0 on the cpu profile)."""
+    `GradSync`) and where it issues its weights' collectives ahead of their use
+    (codegen/prefetch.py; rho of cost_model/table.py `hidden_comm_s`, the same share of
+    another phase's compute: both are collectives on NCCL's stream beside the compute's
+    kernels), times the hardware's `comm_overlap` (0 on the cpu profile)."""
     compiled_memory_factor: float
     """torch.compile (`compiled` runtime option): fraction of the eager op-by-op memory traffic
     and kernel launches of memory-bound ops that remain after inductor's fusion."""

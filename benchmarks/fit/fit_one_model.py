@@ -73,8 +73,9 @@ from benchmarks.lib.published_runs import DATA_CSV, ROOT, Run, load_runs  # noqa
 ONE_MODEL_FITTED = ("gemm_efficiency", "gemm_k_ramp", "flash_attention_efficiency", "memory_efficiency",
                     "gemm_overhead_s", "memory_overhead_s", "grad_sync_overlap_efficiency")
 """The FITTED constants the one model reads: the ILP's op costs (cost_model/compute.py) and
-the share of the backward that hides an overlapped gradient sync (rho of
-cost_model/table.py `exposed_sync_s`; the one model's own, cost_model/efficiency.py
+the share of a phase's compute that hides an overlapped collective (rho of
+cost_model/table.py `exposed_sync_s` and `hidden_comm_s`: the gradient sync and the
+weights' collectives issued ahead; the one model's own, cost_model/efficiency.py
 ONE_MODEL_ONLY). Not fitted here: `overlap_efficiency`, a term of the closed-form baseline
 only (its overlap multiplies another window than the one model's), and
 `compiled_memory_factor`, kept as fit_cost_model.py fits it."""
