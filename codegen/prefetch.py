@@ -10,12 +10,13 @@ Why: in the recorded graph every functional collective is followed at once by it
 weight group where its first consumer runs), so a weight's all-gather blocks the compute
 that needs it. A collective of weights alone (its inputs computed from parameters only)
 can start earlier: this pass issues each one as soon as the weights' collective before
-it has been waited, together with the copies that pack its input. It then runs on
-NCCL's stream (or gloo's threads) beside the compute between that wait and its own,
-which stays where it was: the one-deep prefetch of FSDP, which issues the next unit's
-all-gather as the current unit's compute starts (Zhao et al., "PyTorch FSDP", arXiv
-2304.11277, Sec. 3.4 "forward/backward prefetching"). One collective in flight at a
-time keeps the extra memory to one group's gathered weights.
+it has been waited, within its phase (the backward's first stays at its use), together
+with the copies that pack its input. It then runs on NCCL's stream (or gloo's threads)
+beside the compute between that wait and its own, which stays where it was: the one-deep
+prefetch of FSDP, which issues the next unit's all-gather as the current unit's compute
+starts (Zhao et al., "PyTorch FSDP", arXiv 2304.11277, Sec. 3.4 "forward/backward
+prefetching"). One collective in flight at a time keeps the extra memory to one group's
+gathered weights.
 
 What the cost model takes off for it: per phase, min(the weight collectives but the
 first layer's, rho x the phase's compute) (cost_model/table.py `hidden_comm_s`,
@@ -57,11 +58,14 @@ def weights_only(gm: fx.GraphModule, weights: set[str]) -> set[fx.Node]:
     return out
 
 
-def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str]) -> int:
+def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str], backward: fx.Node | None = None) -> int:
     """Move each collective of weights alone (`weights`: the parameters' placeholder names)
     but the first to just after the first wait of the one before it, with the nodes of
     weights alone it needs that come after that wait (in their order); returns the number
-    moved. A collective already issued before that wait stays."""
+    moved. A collective already issued before that wait stays, and so does the backward's
+    first (`backward`: the backward's first node): each phase's first collective runs where
+    its phase needs it, as the price charges it (nothing of its phase before it to hide it),
+    and the backward's first weights are not gathered while the forward's last are live."""
     derived = weights_only(gm, weights)
     collectives = [n for n in gm.graph.nodes if _is_collective(n) and n in derived]
     moved = 0
@@ -71,7 +75,7 @@ def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str]) -> int:
             continue
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         anchor = min(waits, key=order.__getitem__)
-        if order[node] < order[anchor]:
+        if order[node] < order[anchor] or (backward is not None and order[anchor] < order[backward] <= order[node]):
             continue
         needed: set[fx.Node] = set()
         stack = [node]
@@ -96,9 +100,28 @@ def prefetch_program(program: Any) -> int:
     """`prefetch_weight_collectives` on a one-stage program's `step` (codegen/apply.py
     RankGraphs), its parameters' placeholders the weights; its source rewritten. Returns
     the number of collectives moved."""
-    placeholders = [n for n in program.step.graph.nodes if n.op == "placeholder"]
+    nodes = list(program.step.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     weights = {n.name for n, slot in zip(placeholders, program.slots) if slot.role is Role.PARAMETER}
-    moved = prefetch_weight_collectives(program.step, weights)
+    moved = prefetch_weight_collectives(program.step, weights, backward_start(program))
     if moved:
         program.source = program_source(program)
     return moved
+
+
+def backward_start(program: Any) -> fx.Node | None:
+    """The step's first backward node: the first that combines the loss tangent (or a view
+    of it) with another value. The interpreter views every placeholder at the start, so the
+    tangent's first reader is not yet the backward."""
+    nodes = list(program.step.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    seeds: set[fx.Node] = {n for n, slot in zip(placeholders, program.slots) if slot.role is Role.TANGENT}
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if node.op != "call_function" or not any(a in seeds for a in inputs):
+            continue
+        if all(a in seeds for a in inputs):
+            seeds.add(node)  # a view or copy of the tangent alone
+        else:
+            return node
+    return None

@@ -241,8 +241,8 @@ def hidden_comm_s(hideable_s: float, window_s: float, rho: float) -> float:
         hidden = min(H, rho x W)
 
     H (`hideable_s`): the summed time of the collectives that have compute to run beside
-    (a phase's weight collectives but its first layer's, issued as soon as the one before
-    is waited: codegen/prefetch.py, as FSDP prefetches the next unit's all-gather, Zhao et
+    (a phase's weight collectives but its first layer's, each issued as soon as the one
+    before it in its phase is waited: codegen/prefetch.py, as FSDP prefetches the next unit's all-gather, Zhao et
     al., arXiv 2304.11277, Sec. 3.3-3.4; with the gradient sync but its last bucket in the
     backward, `exposed_sync_s`); W (`window_s`): the phase's compute; rho: the share of a
     collective's time compute hides (`grad_sync_overlap`). One phase's collectives share
