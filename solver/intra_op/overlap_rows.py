@@ -88,11 +88,8 @@ class HiddenComm:
             return None
         return GATHER_POOLS[phase]
 
-    def pair_parts(self, a: NodeId, b: NodeId) -> list[list[list[float]]]:
-        """The pools' matrices of owner pair (a, b), in POOLS order, where it has any."""
-        return [self.edges[p][(a, b)] for p in POOLS if (a, b) in self.edges[p]]
-
     def pools_of(self, a: NodeId, b: NodeId) -> list[str]:
+        """The pools that hold a matrix of owner pair (a, b), in POOLS order."""
         return [p for p in POOLS if (a, b) in self.edges[p]]
 
     def add_node(self, pool: str, owner: NodeId, j: int, num_options: int, seconds: float) -> None:
