@@ -232,7 +232,7 @@ def exposed_sync_s(sync_s: float, last_s: float, backward_s: float, rho: float) 
     the copies into the buckets too, which run on the compute stream, not beside it: on
     GPUs they are a small part of S (2 bytes of HBM traffic per gradient byte against its
     collective's bus time), left to what rho absorbs."""
-    return sync_s - min(max(0.0, sync_s - last_s), rho * backward_s)
+    return sync_s - hidden_comm_s(sync_s - last_s, backward_s, rho)
 
 
 def hidden_comm_s(hideable_s: float, window_s: float, rho: float) -> float:
