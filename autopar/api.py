@@ -379,8 +379,8 @@ def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence
                      stage_layers: Sequence[int] | None = None) -> ProgramPlacements:
     """What every rank builds from (autopar/placing.py), for callers already inside the
     ranks (`autopar.compile`, the benchmarks' workers); collective. A plan's recorded
-    placements are read on every rank; else rank 0 solves the configuration (a one-stage
-    one in a forked child, which gives the solver's memory back) and every rank receives
+    placements are read on every rank; else rank 0 traces and solves the configuration (in
+    a forked child, which gives the trace's and the solver's memory back) and every rank receives
     the placements as JSON text (or the error, which every rank raises). No rank but rank 0
     enters the solver; `autopar train` decides them before its ranks start instead.
     `stage_layers`: a pipeline's layers per stage or chunk (default the plan's, else even)."""
@@ -395,7 +395,7 @@ def rank0_placements(model: nn.Module, config: ParallelConfig, example: Sequence
         try:
             mine = program_placements(model, config, example, plan=plan, loss_fn=loss_fn, cluster=cluster,
                                       stage_layers=stage_layers, device_type=device_type,
-                                      in_child=config.pp == 1).dumps()
+                                      in_child=True).dumps()
         except ValueError as exc:  # InfeasiblePlanError, TraceError, a cut refused: every rank raises it
             mine = exc
     got = gather_build_results(mine)[0]  # the other ranks wait out the solve, however long

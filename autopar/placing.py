@@ -22,6 +22,7 @@ trace of the same model matches them.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import multiprocessing
 from dataclasses import replace
@@ -60,14 +61,25 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
     `config` names none. `fused_kernels` (pp = 1, solved; default on where CUDA is present
     and the program is not compiled): solve on the step traced with the fused Triton ops of
     codegen/kernels swapped in, which the build then swaps in too (a plan's placements name
-    the ops of the step it was searched on, unfused: it runs as searched). `in_child`
-    (pp = 1): solve in a forked child process (`_solve_in_child`: a rank that solves for
-    the others gives the solver's memory back). Raises InfeasiblePlanError where no
-    placement obeys the configuration's rules, TraceError where the step does not trace."""
+    the ops of the step it was searched on, unfused: it runs as searched). `in_child`:
+    trace and solve in a forked child process (`_in_child`: a rank that decides for the
+    others gives the trace's and the solver's memory back). Raises InfeasiblePlanError where
+    no placement obeys the configuration's rules, TraceError where the step does not trace."""
     name = model_name or (plan.model if plan is not None else "") or type(model).__name__
     if plan is not None and plan.records_program_for(config):
         return ProgramPlacements.of_plan(plan, config=config,
                                          grads_each_microbatch=config.pp > 1 and config.syncs_each_microbatch)
+    solve = functools.partial(_solved_placements, model, config, example_inputs, name=name, plan=plan,
+                              loss_fn=loss_fn, cluster=cluster, stage_layers=stage_layers,
+                              device_type=device_type, fused_kernels=fused_kernels)
+    return _in_child(solve) if in_child else solve()
+
+
+def _solved_placements(model: nn.Module, config: ParallelConfig, example_inputs: Sequence[Any], *, name: str,
+                       plan: Plan | None, loss_fn: Callable[..., torch.Tensor] | None, cluster: Any,
+                       stage_layers: Sequence[int] | None, device_type: str,
+                       fused_kernels: bool | None) -> ProgramPlacements:
+    """`program_placements` for a configuration: `model` copied, traced and solved."""
     if stage_layers is None and plan is not None and config.pp > 1:
         stage_layers = tuple(plan.stage_layers)
     rows = config.dp * config.micro_batch
@@ -89,12 +101,7 @@ def program_placements(model: nn.Module, config: ParallelConfig, example_inputs:
     del traced_model
     if cluster is None:
         cluster = Cluster.parse(f"cpu:1x{config.num_devices}")
-    if in_child:
-        solution = _solve_in_child(graph, config, cluster, num_microbatches)
-        if isinstance(solution, Exception):
-            raise solution
-    else:
-        solution = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
+    solution = solve_config(graph, config, cluster, num_microbatches=num_microbatches)
     priced = priced_per_step(solution, num_microbatches, ("dp", "tp"))
     log.info("%s: placements solved for %s", name, config)
     return ProgramPlacements(model=name, config=config, origin="solved",
@@ -199,57 +206,58 @@ def solve_config(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micr
     return solve_one_stage(graph, config, cluster, num_microbatches=num_microbatches)
 
 
-def _solve_in_child(graph: Graph, config: ParallelConfig, cluster: Any, num_microbatches: int) -> Any:
-    """`solve_config` in a forked child process (where the platform forks): its solution,
-    or the error it raised (InfeasiblePlanError / ValueError, or a RuntimeError saying the
-    child failed), returned (not raised) for the caller to send to every rank.
+def _in_child(decide: Callable[[], ProgramPlacements]) -> ProgramPlacements:
+    """`decide()` (trace and solve) in a forked child process, where the platform forks:
+    its placements, or the error it raised (InfeasiblePlanError, TraceError, a ValueError
+    of the cut, re-raised here; a RuntimeError where the child failed otherwise).
 
-    Why a child: the solve's own allocations (PuLP's model objects, HiGHS's native
-    buffers, the allocator arenas they grow) stayed resident in rank 0 after the solve,
-    and rank 0 alone solves, so it ran every step about 9-13 MiB above the other ranks on
-    the benchmark Llama, and the per-rank peak
-    is the max over ranks. A forked child shares the traced graph copy-on-write and gives
-    everything back when it exits; only the solution (about 100 KB pickled) comes back.
-    Where fork is unavailable (or the child cannot start) the solve runs in this process."""
-    def solve() -> Any:
-        try:
-            return solve_config(graph, config, cluster, num_microbatches=num_microbatches)
-        except (InfeasiblePlanError, ValueError) as exc:
-            return exc
-
+    Why a child: tracing and solving allocate far more than the program keeps (the model
+    copied whole to be traced, the fake-tensor trace, PuLP's model objects, HiGHS's native
+    buffers, the allocator arenas they grow), and rank 0 alone decides for every rank.
+    Solved in rank 0 itself, the solve's leftovers ran every step about 9-13 MiB above the
+    other ranks on the benchmark Llama, and a pipeline's trace of every chunk put rank 0's
+    build peak 8-10 MiB above the other ranks' (the per-rank peak is the max over ranks).
+    A forked child shares the model copy-on-write and gives everything back when it exits;
+    only the placements come back, as the JSON text a plan file holds (`ProgramPlacements
+    .dumps`). Where fork is unavailable (or the child cannot start) `decide` runs here."""
     if "fork" not in multiprocessing.get_all_start_methods():
-        return solve()
+        return decide()
     ctx = multiprocessing.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
 
     def child() -> None:
         torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive fork
         try:
-            out = solve()
+            out: Any = decide().dumps()
+        except ValueError as exc:  # InfeasiblePlanError, TraceError, a cut refused
+            out = exc
         except BaseException as exc:  # noqa: BLE001 (reported to the parent, which raises it)
-            out = RuntimeError(f"the ILP solve failed in its child process: {type(exc).__name__}: {exc}")
+            out = RuntimeError(f"deciding the placements failed in a child process: {type(exc).__name__}: {exc}")
         try:
             writer.send(out)
         except Exception as exc:  # noqa: BLE001 (an unpicklable exception)
-            writer.send(RuntimeError(f"the ILP solve failed in its child process: {out!r} ({exc})"))
+            writer.send(RuntimeError(f"deciding the placements failed in a child process: {out!r} ({exc})"))
         writer.close()
 
-    proc = ctx.Process(target=child, name="autopar-ilp-solve")
+    proc = ctx.Process(target=child, name="autopar-placements")
     try:
         proc.start()
     except (AssertionError, OSError):  # e.g. a daemonic process may not have children
         reader.close()
         writer.close()
-        return solve()
+        return decide()
     writer.close()
     try:
         out = reader.recv()
     except EOFError:
-        out = RuntimeError(f"the ILP solve's child process ended without a result (exit code {proc.exitcode})")
+        out = RuntimeError(f"deciding the placements: the child process ended without a result "
+                           f"(exit code {proc.exitcode})")
     finally:
         reader.close()
         proc.join()
-    return out  # an exception too: the caller sends it to every rank, which all raise it
+    if isinstance(out, BaseException):
+        raise out
+    return ProgramPlacements.loads(out)
 
 
 def priced_per_step(solution: Any, num_microbatches: int, axis_names: Sequence[str]) -> dict[tuple[str, str], tuple[int, int]]:

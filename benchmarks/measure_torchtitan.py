@@ -225,8 +225,13 @@ def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
             rss0 = _mem_kib("VmRSS")
             _reset_peak()
             step, config, program = _build(case, kind, dist.get_world_size())
+            build_kib = _mem_kib("VmHWM") - rss0
+            _reset_peak()  # the steps' own peak from here (VmHWM restarts at the current size)
             losses = [step(b) for b in batches]
-            out[case.label][kind] = {"losses": losses, "peak_rss_delta_bytes": (_mem_kib("VmHWM") - rss0) * 1024,
+            steps_kib = _mem_kib("VmHWM") - rss0
+            out[case.label][kind] = {"losses": losses, "peak_rss_delta_bytes": max(build_kib, steps_kib) * 1024,
+                                     "build_peak_rss_delta_bytes": build_kib * 1024,
+                                     "steps_peak_rss_delta_bytes": steps_kib * 1024,
                                      "config": config.to_json() if config is not None else None,
                                      "compile_s": sum(program.compile_times().values()) if program else 0.0}
             del step, program
@@ -400,7 +405,8 @@ def run_world(world: int, world_cases: list[Case], reference: list[float], round
                 "step_times_s": times[f"{case.label}|{kind}"],
                 "step_time_s": statistics.median(times[f"{case.label}|{kind}"]),
                 "losses": rec["losses"], "config": rec["config"],
-                "peak_rss_delta_bytes": max(m[case.label][kind]["peak_rss_delta_bytes"] for m in memory),
+                **{f"{phase}peak_rss_delta_bytes": max(m[case.label][kind][f"{phase}peak_rss_delta_bytes"] for m in memory)
+                   for phase in ("", "build_", "steps_")},
                 "compile_s": max(m[case.label][kind]["compile_s"] for m in memory),
             }
     return out
@@ -427,9 +433,13 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
             "autopar_step_time_s": a["step_time_s"], "autopar_step_times_s": a["step_times_s"],
             "autopar_tokens_per_s": tokens / a["step_time_s"], "autopar_losses": a["losses"],
             "autopar_peak_rss_delta_bytes": a["peak_rss_delta_bytes"],
+            "autopar_build_peak_rss_delta_bytes": a["build_peak_rss_delta_bytes"],
+            "autopar_steps_peak_rss_delta_bytes": a["steps_peak_rss_delta_bytes"],
             "titan_step_time_s": t["step_time_s"] if t else None, "titan_step_times_s": t["step_times_s"] if t else None,
             "titan_tokens_per_s": tokens / t["step_time_s"] if t else None, "titan_losses": t["losses"] if t else None,
             "titan_peak_rss_delta_bytes": t["peak_rss_delta_bytes"] if t else None,
+            "titan_build_peak_rss_delta_bytes": t["build_peak_rss_delta_bytes"] if t else None,
+            "titan_steps_peak_rss_delta_bytes": t["steps_peak_rss_delta_bytes"] if t else None,
             **(_ratio_stats(t["step_times_s"], a["step_times_s"]) if t else {"ratio": None}),
         })
         c = measured[case.label].get("compiled")
@@ -452,7 +462,8 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
                 r.update(_ratio_stats(best["titan_step_times_s"], r["autopar_step_times_s"]))
                 r["titan_step_time_s"] = best["titan_step_time_s"]
                 r["titan_tokens_per_s"] = best["titan_tokens_per_s"]
-                r["titan_peak_rss_delta_bytes"] = best["titan_peak_rss_delta_bytes"]
+                for phase in ("", "build_", "steps_"):
+                    r[f"titan_{phase}peak_rss_delta_bytes"] = best[f"titan_{phase}peak_rss_delta_bytes"]
     return rows
 
 
@@ -679,7 +690,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{r['label']:<26}{r['world']:>3}{f(r['autopar_tokens_per_s'], ',.0f'):>15}"
               f"{f(r['titan_tokens_per_s'], ',.0f'):>13}{f(r['ratio'], '.3f'):>8}"
-              f"{f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20):>8}{f(r['titan_peak_rss_delta_bytes'], '.0f', 2**-20):>8}")
+              f"{f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20):>8}{f(r['titan_peak_rss_delta_bytes'], '.0f', 2**-20):>8}"
+              f"  build {f(r['autopar_build_peak_rss_delta_bytes'], '.0f', 2**-20)}/"
+              f"{f(r['titan_build_peak_rss_delta_bytes'], '.0f', 2**-20)}"
+              f"  steps {f(r['autopar_steps_peak_rss_delta_bytes'], '.0f', 2**-20)}/"
+              f"{f(r['titan_steps_peak_rss_delta_bytes'], '.0f', 2**-20)}")
     print("\n" + "\n".join(out["summary"]))
     print(f"[measure_torchtitan total {time.perf_counter() - t0:.0f} s]")
     if args.json:

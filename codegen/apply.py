@@ -27,13 +27,16 @@ Two graphs come out:
 
 With one microbatch per step (`sync_in_step=True`) there is nothing to accumulate: each
 gradient bucket's all-reduce / reduce-scatter is issued inside `step`, where the bucket's
-last gradient is produced during the backward, and waited at the end of the step (so it
-runs beside the rest of the backward: codegen/collectives.py `GradSync.issue` / `wait`,
-priced by cost_model/table.py `exposed_sync_s`), and `step` returns the gradients in their
-parameters' placements (no `grad_sync` graph). Reduce-scatter buckets are per layer
-(autopar/buckets.py `gradient_bucket_key`, as FSDP reduce-scatters per unit), so a
-layer's full-size gradients are freed during the backward. Same buckets, same
-collectives, same bytes: the price (these edges weighed 1/m = 1) is unchanged.
+last gradient is produced during the backward, so it runs beside the rest of the backward
+(codegen/collectives.py `GradSync.issue` / `wait`, priced by cost_model/table.py
+`exposed_sync_s`), and `step` returns the gradients in their parameters' placements (no
+`grad_sync` graph). An all-reduce bucket is waited at the end of the step (it reduces in
+place: waiting holds nothing more). Reduce-scatter buckets are per layer
+(autopar/buckets.py `gradient_bucket_key`, as FSDP reduce-scatters per unit) and one is
+in flight at a time: each is waited as the next one starts (FSDP's bound), so a layer's
+full-size gradients are freed during the backward, one layer after they were produced,
+not held to the end. Same buckets, same collectives, same bytes: the price (these edges
+weighed 1/m = 1) is unchanged.
 
 Every collective in the two graphs is one the ILP priced (price = run; the test counts
 them); an activation read by several ops of one phase is resharded once per placement
@@ -356,11 +359,21 @@ class _Interpreter:
             for g in left[-1]:
                 waiting.setdefault(g, []).append(k)
 
-        issued: list[tuple] = []  # buckets whose collective runs, waited at the end of the step
+        issued: list[tuple] = []  # all-reduce buckets in flight, waited at the end of the step
+        scattering: list[tuple] = []  # the reduce-scatter bucket in flight
 
         def reduce(k: int) -> None:
             bucket = self.sync.buckets[k]
-            issued.append(self.sync.issue(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket}))
+            pending = self.sync.issue(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket})
+            if not self.sync.scatters(bucket):
+                issued.append(pending)
+                return
+            # one reduce-scatter in flight (FSDP's): its input, a layer's full-size gradients,
+            # lives until its wait, so the one before is waited as this one starts; it ran
+            # beside the backward of this bucket's layer
+            for before in scattering:
+                synced.update(self.sync.wait(before))
+            scattering[:] = [pending]
 
         for node in self.fx_nodes:
             if node.op == "placeholder" or node in env:  # computed early for a parameter gather
@@ -381,7 +394,7 @@ class _Interpreter:
         extras, updates = self._extra_outputs(env), self._buffer_updates(env)
         # each bucket waited only now, where its gradients are first needed (the optimizer
         # step after the graph returns): its collective ran beside the rest of the backward
-        for pending in issued:
+        for pending in issued + scattering:
             synced.update(self.sync.wait(pending))
         if self.sync is not None:
             grads = [synced[i] for i in range(len(grad_nodes))]

@@ -120,13 +120,15 @@ class GradSync:
 
     Called on all raw gradients, it is the `grad_sync` graph's function; `issue` starts one
     bucket's collective (what the step calls where the bucket's last gradient is computed)
-    and `wait` ends it, where its result is first needed: the end of the step (codegen/apply.py
-    `run`). Between the two, the collective runs beside the rest of the backward, on NCCL's
+    and `wait` ends it: an all-reduce where its result is first needed, the end of the step;
+    a reduce-scatter as the next one starts, one in flight, as FSDP bounds it (codegen/apply.py
+    `run`). Between the two, the collective runs beside the backward, on NCCL's
     communication stream or in gloo's own threads: the functional collectives return at
     once, and `_c10d_functional.wait_tensor` blocks until the work is done (the async
     semantics of torch.distributed._functional_collectives; in the recorded per-rank graph
-    each bucket's wait node comes after every backward op, so the program overlaps what the
-    cost model hides: cost_model/table.py `exposed_sync_s`). This is the overlap of
+    each bucket's wait node comes after backward ops issued after its collective, so the
+    program overlaps what the cost model hides: cost_model/table.py `exposed_sync_s`). This
+    is the overlap of
     PyTorch DDP's and FSDP's bucketed reductions (Zhao et al., "PyTorch FSDP", arXiv
     2304.11277, Sec. 3.3; Megatron-LM's `overlap_grad_reduce`). The grad_sync graph issues
     every bucket before it waits on any, so one bucket's collective runs while the next is
@@ -185,6 +187,12 @@ class GradSync:
         """{gradient index: synced local gradient} of one bucket, from its raw local ones,
         waited at once (`issue` then `wait`)."""
         return self.wait(self.issue(bucket, raw))
+
+    def scatters(self, bucket: list[int]) -> bool:
+        """Whether `bucket` is one flat reduce-scatter (its input, the full-size gradients,
+        is held until its wait; an all-reduce bucket reduces in place)."""
+        key = self.keys[bucket[0]]
+        return key is not None and key[0][0][0] == "reduce_scatter"
 
     def issue(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> tuple[Any, dict[int, Any]]:
         """Start one bucket's sync: (its collective's output, not waited on, or None;

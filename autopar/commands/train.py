@@ -268,11 +268,11 @@ def _placements(args: argparse.Namespace, model: Any, config: ParallelConfig, ex
     def decide() -> ProgramPlacements:
         device_type = "cuda" if torchrun and torch.cuda.is_available() else "cpu"  # the ranks' mesh device
         try:
-            # under torchrun rank 0 solves in a forked child (one stage), so it trains without
-            # the solver's allocations, as the other ranks do
+            # under torchrun rank 0 traces and solves in a forked child, so it builds and
+            # trains without the trace's and the solver's allocations, as the other ranks do
             placed = program_placements(model, config, example, model_name=args.model, plan=plan,
                                         stage_layers=stage_layers, device_type=device_type,
-                                        in_child=torchrun and config.pp == 1)
+                                        in_child=torchrun)
         except InfeasiblePlanError as exc:
             given = [f"--{f.replace('_', '-')}" for f in _CONFIG_FLAGS if getattr(args, f, None) is not None]
             origin = (f"plan {args.plan}" if plan is not None else f"given by {' '.join(given)}" if given
