@@ -106,6 +106,42 @@ def split_joint(gm: fx.GraphModule, seeds: set[str], forward_outputs: list[int],
     return fgm, bgm, len(saved)
 
 
+AccumulatorSpec = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+def accumulate_in_graph(bgm: fx.GraphModule, count: int, dtype: torch.dtype) -> list[AccumulatorSpec | None]:
+    """Rewrite a chunk's backward graph so it adds its first `count` outputs (the raw
+    parameter gradients of one microbatch) into accumulators, each as soon as it is
+    computed: one placeholder per gradient after the graph's other inputs, an in-place
+    `add_` of the gradient into it right after the gradient's node, and the accumulator
+    returned in its place. fx frees a value after its last use, so each microbatch
+    gradient is freed at once, as eager autograd accumulates into `.grad`; returned whole
+    at the end (the gradients summed after the graph returns), a microbatch's gradients of
+    every parameter of the chunk were live together at the end of every backward. Returns
+    each accumulator's (shape, dtype, device) in output order (None: that output is not a
+    tensor and gets none); `dtype` is the precision policy's reduction dtype, which sums
+    are kept in (autopar/runtime/spmd.py `accumulate`)."""
+    graph = bgm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    specs: list[AccumulatorSpec | None] = []
+    for i in range(count):
+        grad = values[i]
+        val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            specs.append(None)
+            continue
+        with graph.inserting_after(anchor):
+            anchor = graph.placeholder(f"accumulated_{i}")
+        with graph.inserting_after(grad):
+            values[i] = graph.call_function(torch.ops.aten.add_.Tensor, (anchor, grad))
+        specs.append((tuple(val.shape), dtype if val.is_floating_point() else val.dtype, val.device))
+    output.args = (tuple(values),)
+    bgm.recompile()
+    return specs
+
+
 def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: ParallelConfig, mesh: DeviceMesh,
                        optimizer: OptimizerFactory, grads_each_microbatch: bool) -> StageRunner:
     """Apply `choices` (one NodeStrategy per node of `stage.graph`: the chunk's per-op
@@ -136,6 +172,10 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     forward, backward, num_saved = split_joint(
         graphs.step, seeds, list(range(first_extra, first_extra + num_fwd)),
         list(range(1, 1 + num_grads)) + list(range(first_extra + num_fwd, first_extra + num_fwd + len(grad_inputs))))
+    # eager: each microbatch gradient is added into its sum where the backward computes it
+    # (Inductor plans the compiled graphs' memory itself; they return the gradients)
+    accumulators = None if config.compiled else accumulate_in_graph(
+        backward, num_grads, getattr(torch, stage.graph.model.precision.reduce))
     graphs.compile_like_step({"forward": forward, "backward": backward})  # Inductor where config.compiled
     program = SpmdProgram(config=config, mesh=mesh, model=stage.chunk, graphs=graphs, graph=stage.graph,
                           optimizer_factory=optimizer, choices=tuple(choices), params=params,
@@ -150,7 +190,8 @@ def build_stage_runner(stage: TracedStage, *, choices: Sequence[Any], config: Pa
     release_build_memory(graphs.step, forward, backward, graphs.grad_sync, graphs.param_gather)
     return StageRunner(index=stage.index, program=program, forward=forward, backward=backward, num_saved=num_saved,
                        slots=graphs.slots, num_inputs=num_inputs, grad_inputs=grad_inputs, outputs=outputs,
-                       grad_outputs=stage.grad_outputs, last=stage.last, collective_counts=counted)
+                       grad_outputs=stage.grad_outputs, last=stage.last, collective_counts=counted,
+                       accumulators=accumulators)
 
 
 def stage_sources(placed: ProgramPlacements, model: nn.Module, example_inputs: Sequence[Any], mesh: DeviceMesh, *,

@@ -69,8 +69,14 @@ class StageRunner:
     def __init__(self, *, index: int, program: Any, forward: fx.GraphModule, backward: fx.GraphModule,
                  num_saved: int, slots: Sequence[Any], num_inputs: int, grad_inputs: tuple[int, ...],
                  outputs: tuple[int, ...], grad_outputs: tuple[int, ...], last: bool,
-                 collective_counts: dict[bool, Any] | None = None) -> None:
+                 collective_counts: dict[bool, Any] | None = None,
+                 accumulators: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device] | None] | None = None
+                 ) -> None:
         self.index = index
+        self.accumulators = None if accumulators is None else tuple(accumulators)
+        """(shape, dtype, device) of each raw gradient's sum where the backward graph adds
+        its gradients into them itself (autopar/build/pipeline.py `accumulate_in_graph`),
+        else None (the runner sums what the graph returns)."""
         self.collective_counts: dict[bool, Any] = collective_counts or {False: (), True: ()}
         """{boundary: CollectiveCounts (autopar/runtime/spmd.py)} of this chunk's forward, backward,
         gradient-sync and weight-gather graphs, counted by the build: the collectives the
@@ -124,11 +130,17 @@ class StageRunner:
             seeds.append(torch.ones((), dtype=tangent))  # the joint's loss tangent
         args, saved = saved, None  # the boxed backward graph empties the list (split_joint)
         args.extend(seeds)
+        if self.accumulators is not None:  # the step's sums, zero at its first microbatch
+            if self.raw is None:
+                self.raw = [None if spec is None else torch.zeros(spec[0], dtype=spec[1], device=spec[2])
+                            for spec in self.accumulators]
+            args.extend(a for a in self.raw if a is not None)
         outs = list(self.backward_gm(args))
         num_params = len(self.program.graphs.grads)
         raw, input_grads = outs[:num_params], outs[num_params:]
 
-        self.raw = accumulate(self.raw, raw, self.program.input_storages, self.program.reduce_dtype)
+        if self.accumulators is None:
+            self.raw = accumulate(self.raw, raw, self.program.input_storages, self.program.reduce_dtype)
         out: list[torch.Tensor | None] = [None] * self.num_inputs
         for pos, g in zip(self.grad_inputs, input_grads):
             out[pos] = g
