@@ -491,6 +491,13 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"autopar / torchtitan over {len(shared)} shared configurations (zoo Llama, same weights): "
                    f"min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, max {max(ratios):.3f}; "
                    f"below 0.95: {', '.join(slow) if slow else 'none'}")
+        memory = [r["autopar_peak_rss_delta_bytes"] / r["titan_peak_rss_delta_bytes"] for r in shared
+                  if r["titan_peak_rss_delta_bytes"]]
+        if memory:
+            within = sum(m <= 1.1 for m in memory)
+            out.append(f"peak memory per rank, autopar / torchtitan, over {len(memory)} shared configurations: "
+                       f"min {min(memory):.2f}, median {statistics.median(memory):.2f}, max {max(memory):.2f}; "
+                       f"within 1.1x on {within} of {len(memory)}")
     tt = [r for r in rows if r["titan"] is not None and r["autopar_model"] != "zoo Llama"]
     if tt:
         out.append("autopar compiling torchtitan's module itself / torchtitan: "
@@ -533,12 +540,15 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
         f"Timing: all programs of one world size built side by side, {out['warmup_steps']} warm-up rounds, "
         f"{out['timed_steps']} timed rounds of one step of each (order reversed every other round); "
         "autopar/torchtitan = median over rounds of t_torchtitan / t_autopar (> 1: autopar faster). Memory: peak "
-        "RSS growth per rank, each program alone, max over ranks. The machine has 2 cores shared with other "
+        "RSS growth per rank over its size before the build, each program alone, max over ranks: the whole run's "
+        "(MiB/rank), and apart the build's and the steps' (build / steps, autopar then torchtitan; the steps' "
+        "peak counts what the build left resident). The machine has 2 cores shared with other "
         "users: ratios are the figure to read; absolute times move with the load.",
         "",
         "| configuration (torchtitan) | procs | autopar runs | autopar config | autopar tok/s | torchtitan tok/s | "
-        "autopar/torchtitan (quartiles) | autopar MiB/rank | torchtitan MiB/rank | first loss A | first loss T |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "autopar/torchtitan (quartiles) | autopar MiB/rank | torchtitan MiB/rank | build A / T | steps A / T | "
+        "first loss A | first loss T |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
         label = r["label"] if r["titan"] is not None else f"{r['label']} vs fastest ({r['vs_best_titan']})"
@@ -547,7 +557,11 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
             f"{f(r['autopar_tokens_per_s'], ',.0f')} | {f(r['titan_tokens_per_s'], ',.0f')} | "
             f"{f(r['ratio'], '.3f')} ({f(r.get('ratio_q1'), '.2f')}-{f(r.get('ratio_q3'), '.2f')}) | "
             f"{f(r['autopar_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
-            f"{f(r['titan_peak_rss_delta_bytes'], '.0f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
+            f"{f(r['titan_peak_rss_delta_bytes'], '.0f', 2**-20)} | "
+            f"{f(r.get('autopar_build_peak_rss_delta_bytes'), '.0f', 2**-20)} / "
+            f"{f(r.get('titan_build_peak_rss_delta_bytes'), '.0f', 2**-20)} | "
+            f"{f(r.get('autopar_steps_peak_rss_delta_bytes'), '.0f', 2**-20)} / "
+            f"{f(r.get('titan_steps_peak_rss_delta_bytes'), '.0f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
             f"{f(r['titan_losses'][0] if r['titan_losses'] else None, '.5f')} |")
     fused = [r for r in out["rows"] if r.get("compiled_speedup") is not None]
     if fused:
