@@ -1,9 +1,9 @@
 """What a compiled program holds once built: its shards, nothing of the build.
 
 World 2, the zoo Llama, built by `autopar.compile` with a configuration (no search) as
-a pipeline (pp 2, 1F1B over 4 microbatches: rank 0 solves both chunks' ILPs before the
-build, autopar/placing.py, in its own process) and as one stage (dp 2 ZeRO-3, solved by
-rank 0 in a forked child). After the build and two steps:
+a pipeline (pp 2, 1F1B over 4 microbatches) and as one stage (dp 2 ZeRO-3); rank 0 traces
+and solves the placements before the build (autopar/placing.py) in a forked child, so no
+rank's own process ever imports the solver. After the build and two steps:
 - no unsharded weight outlives the caller's model (`Compiled` drops its build closure,
   which held the model; the one-stage program shards the model's own modules in place);
 - no tensor carries an autograd graph between steps (the pipeline build's traced forward
@@ -18,6 +18,7 @@ per rank on the benchmark Llama (benchmarks/measure_torchtitan.py)."""
 from __future__ import annotations
 
 import gc
+import sys
 import types
 import weakref
 
@@ -55,7 +56,7 @@ def _held(config: ParallelConfig) -> dict:
                                        "program_placements", "solve_stage_placements", "rank0_placements")]
     pipes = [o for o in objects if type(o).__name__ == "Pipe"]
     return {"whole_weights": sum(w() is not None for w in weights), "graph_tensors": graphs, "build_frames": frames,
-            "pipes": len(pipes), "losses": losses}
+            "pipes": len(pipes), "losses": losses, "solver_imported": "pulp" in sys.modules}
 
 
 def _worker(rank: int) -> dict:
@@ -76,3 +77,4 @@ def test_a_built_program_holds_nothing_of_its_build(held, label):
         assert got["graph_tensors"] == [], f"rank {rank}: tensors holding an autograd graph: {got['graph_tensors']}"
         assert got["build_frames"] == [], f"rank {rank}: build frames alive: {got['build_frames']}"
         assert got["pipes"] == 0, f"rank {rank}: {got['pipes']} split Pipe(s) alive"
+        assert not got["solver_imported"], f"rank {rank} solved in its own process, not in a child"
