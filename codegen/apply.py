@@ -77,7 +77,7 @@ from autopar.buckets import gather_group
 from autopar.placement import Placements, Replicate, communicates, local_shape, single_gather_axis
 from autopar.sharding import NodeStrategy
 from codegen.collectives import (  # noqa: F401  count_collectives: the apply stage's surface (autopar/build)
-    GradSync, WeightGather, count_collectives, dtensor_of, redistribute_to)
+    GradSync, StepSync, WeightGather, count_collectives, dtensor_of, redistribute_to)
 from codegen.emit import program_source, slot_name
 from codegen.inductor import CompileTimes, compile_graphs
 
@@ -351,29 +351,17 @@ class _Interpreter:
             meta = self.graph[nid].output
             env[node] = dtensor_of(local, self.mesh, self.choices[nid].outputs[0], meta.shape, meta.strides)
         grad_nodes = self._grad_outputs()
-        synced: dict[int, torch.Tensor] = {}
         waiting: dict[fx.Node, list[int]] = {}  # gradient node -> the buckets it is in
         left: list[set[fx.Node]] = []  # per bucket, its gradients not computed yet
         for k, bucket in enumerate(self.sync.buckets if self.sync is not None else ()):
             left.append({grad_nodes[i] for i in bucket})
             for g in left[-1]:
                 waiting.setdefault(g, []).append(k)
-
-        issued: list[tuple] = []  # all-reduce buckets in flight, waited at the end of the step
-        scattering: list[tuple] = []  # the reduce-scatter bucket in flight
+        in_step = StepSync(self.sync) if self.sync is not None else None
 
         def reduce(k: int) -> None:
             bucket = self.sync.buckets[k]
-            pending = self.sync.issue(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket})
-            if not self.sync.scatters(bucket):
-                issued.append(pending)
-                return
-            # one reduce-scatter in flight (FSDP's): its input, a layer's full-size gradients,
-            # lives until its wait, so the one before is waited as this one starts; it ran
-            # beside the backward of this bucket's layer
-            for before in scattering:
-                synced.update(self.sync.wait(before))
-            scattering[:] = [pending]
+            in_step.reduce(bucket, {i: env[grad_nodes[i]]._local_tensor for i in bucket})
 
         for node in self.fx_nodes:
             if node.op == "placeholder" or node in env:  # computed early for a parameter gather
@@ -392,11 +380,8 @@ class _Interpreter:
                 reduce(k)
         loss = env[self.output.args[0][0]]
         extras, updates = self._extra_outputs(env), self._buffer_updates(env)
-        # each bucket waited only now, where its gradients are first needed (the optimizer
-        # step after the graph returns): its collective ran beside the rest of the backward
-        for pending in issued + scattering:
-            synced.update(self.sync.wait(pending))
-        if self.sync is not None:
+        if in_step is not None:  # the buckets still in flight waited where the gradients are needed
+            synced = in_step.finish()
             grads = [synced[i] for i in range(len(grad_nodes))]
         else:
             grads = [env[g]._local_tensor for g in grad_nodes]

@@ -238,6 +238,40 @@ class GradSync:
         return _unpack(torch.ops._c10d_functional.wait_tensor(flat), shapes)
 
 
+class StepSync:
+    """One step's gradient buckets as the step issues them (codegen/apply.py `run`, one
+    microbatch per step): each bucket's collective starts where its last gradient is
+    computed and is waited later, so it runs beside the backward. An all-reduce bucket
+    (reduced in place: waiting holds nothing more) is waited at the end of the step, where
+    its gradients are first needed. A reduce-scatter's input, a layer's full-size gradients,
+    lives until its wait, so one is in flight at a time, as FSDP bounds it: each is waited
+    as the next one starts, after the next layer's backward ran beside it, and the layer's
+    full-size gradients are freed then, not held to the end of the backward."""
+
+    def __init__(self, sync: GradSync) -> None:
+        self.sync = sync
+        self.pending: list[tuple] = []  # all-reduce buckets in flight
+        self.scattering: list[tuple] = []  # the reduce-scatter bucket in flight
+        self.synced: dict[int, torch.Tensor] = {}
+
+    def reduce(self, bucket: list[int], raw: dict[int, torch.Tensor]) -> None:
+        """Start `bucket`'s collective on its raw local gradients (`GradSync.issue`)."""
+        issued = self.sync.issue(bucket, raw)
+        if not self.sync.scatters(bucket):
+            self.pending.append(issued)
+            return
+        for before in self.scattering:
+            self.synced.update(self.sync.wait(before))
+        self.scattering = [issued]
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Wait every bucket still in flight: {gradient index: synced local gradient}."""
+        for issued in self.pending + self.scattering:
+            self.synced.update(self.sync.wait(issued))
+        self.pending, self.scattering = [], []
+        return self.synced
+
+
 def _unpack(flat: torch.Tensor, shapes: dict[int, torch.Size]) -> dict[int, torch.Tensor]:
     """{index: view of `flat`}: the pieces of a bucket's flat buffer, packed in `shapes`' order."""
     out, offset = {}, 0

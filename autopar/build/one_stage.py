@@ -99,6 +99,11 @@ def build_spmd_program(model: nn.Module, placed: ProgramPlacements, example: Seq
     masters = master_weights(model, run_policy(config, mesh.device_type))  # before the model is cast
     traced, graph = trace_microbatch(model, config, example, loss_fn=loss_fn, device_type=mesh.device_type,
                                      memo=memo)
+    # the joint graph's metadata (a fake value per node, lowering's input) is read by nothing
+    # after lowering (apply runs the nodes' ops on DTensors): dropped before apply builds the
+    # per-rank graph beside it, it is not part of the build's peak
+    for node in traced.gm.graph.nodes:
+        node.meta = {}
     num_microbatches = max(1, batch_size(example) // rows)
     choices = placed.choices_for(graph)
     priced = None if placed.collectives is None else \
