@@ -126,6 +126,7 @@ def accumulate_in_graph(bgm: fx.GraphModule, count: int, dtype: torch.dtype) -> 
     values = list(output.args[0])
     anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     specs: list[AccumulatorSpec | None] = []
+    sums: dict[int, fx.Node] = {}
     for i in range(count):
         grad = values[i]
         val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
@@ -133,11 +134,15 @@ def accumulate_in_graph(bgm: fx.GraphModule, count: int, dtype: torch.dtype) -> 
             specs.append(None)
             continue
         with graph.inserting_after(anchor):
-            anchor = graph.placeholder(f"accumulated_{i}")
-        with graph.inserting_after(grad):
-            values[i] = graph.call_function(torch.ops.aten.add_.Tensor, (anchor, grad))
+            anchor = sums[i] = graph.placeholder(f"accumulated_{i}")
         specs.append((tuple(val.shape), dtype if val.is_floating_point() else val.dtype, val.device))
+    for i, total in sums.items():
+        grad = values[i]
+        # after its gradient; a gradient that is an input itself, after the last input
+        with graph.inserting_after(anchor if grad.op == "placeholder" else grad):
+            values[i] = graph.call_function(torch.ops.aten.add_.Tensor, (total, grad))
     output.args = (tuple(values),)
+    graph.lint()
     bgm.recompile()
     return specs
 

@@ -65,3 +65,19 @@ def test_a_backward_graph_adds_each_gradient_into_its_sum_where_it_is_computed()
         assert torch.equal(sums[0], torch.full((2, 3), 1.0 * microbatch))
         assert torch.equal(sums[1], torch.full((3,), 1.0 * microbatch))  # a half gradient summed in float32
         assert torch.equal(out[2], torch.full((2, 3), 6.0))
+
+
+def test_a_gradient_that_is_a_graph_input_is_added_after_the_inputs() -> None:
+    """A parameter gradient the backward receives as it is (a tangent returned as is) is
+    added after the graph's inputs, the accumulators among them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.build.pipeline import accumulate_in_graph
+
+    gm = make_fx(lambda seed, other: (seed, other * 2.0))(torch.ones(3), torch.ones(3))
+    assert accumulate_in_graph(gm, 2, torch.float32) == [((3,), torch.float32, torch.device("cpu"))] * 2
+    sums = [torch.zeros(3), torch.zeros(3)]
+    for microbatch in (1, 2):
+        out = gm(torch.full((3,), 0.5), torch.ones(3), *sums)
+        assert out[0] is sums[0] and torch.equal(sums[0], torch.full((3,), 0.5 * microbatch))
+        assert torch.equal(sums[1], torch.full((3,), 2.0 * microbatch))
