@@ -8,13 +8,18 @@ so both count the same collectives. Torch-free.
 A gradient is bucketable when bringing it to its parameter's placement is one collective
 on one mesh axis: an all-reduce (pending sum -> replicated) or a reduce-scatter (pending
 sum -> shard). Buckets group gradients of the same (kind, axis, reduce op, dtype) in
-graph order, up to BUCKET_BYTES each (DDP's default bucket size, 25 MiB); any other
-gradient reshards on its own.
+graph order. All-reduces fill buckets of up to BUCKET_BYTES (DDP's default bucket size,
+25 MiB). Reduce-scatters go by layer (`gradient_bucket_key`), one collective per layer
+whatever its size, as FSDP reduce-scatters a unit's flat gradient in one call: capping a
+layer's bucket at 25 MiB split a large model's layers into one reduce-scatter per weight,
+and each call pays the ring's (n-1) step latencies (on 512 ranks about 2.4 ms: 290 calls
+a step for a 3B model, against FSDP's 33). Any other gradient reshards on its own.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+import math
+from typing import Hashable, NamedTuple, Sequence
 
 BUCKET_BYTES = 25 * 2**20
 """Largest bucket (torch DDP's `bucket_cap_mb` default)."""
@@ -23,7 +28,8 @@ BUCKET_BYTES = 25 * 2**20
 def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap_bytes: int = BUCKET_BYTES) -> list[list[int]]:
     """Group `items` [(bucket key or None if not bucketable, bytes), ...] into buckets of
     item indices: same key, in order, a new bucket when the next item would pass
-    `cap_bytes` (an item larger than the cap gets its own); unbucketable items alone."""
+    `cap_bytes` (an item larger than the cap gets its own; a `LayerBucket` key has no cap);
+    unbucketable items alone."""
     open_: dict[Hashable, tuple[list[int], int]] = {}
     buckets: list[list[int]] = []
     for i, (key, nbytes) in enumerate(items):
@@ -31,7 +37,8 @@ def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap_bytes: int = 
             buckets.append([i])
             continue
         current = open_.get(key)
-        if current is not None and current[1] + nbytes <= cap_bytes:
+        cap = math.inf if isinstance(key, LayerBucket) else cap_bytes
+        if current is not None and current[1] + nbytes <= cap:
             current[0].append(i)
             open_[key] = (current[0], current[1] + nbytes)
             continue
@@ -41,16 +48,25 @@ def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap_bytes: int = 
     return buckets
 
 
+class LayerBucket(NamedTuple):
+    """The bucket key of a layer's reduce-scatters: one bucket per layer, uncapped."""
+
+    key: tuple
+    layer: int
+
+
 def gradient_bucket_key(key: tuple | None, layer: int | None) -> tuple | None:
     """The bucket key of a gradient whose reduction has bucket key `key` ((steps, dtype),
     steps ((kind, axis, reduce op), ...)) and which belongs to layer `layer`:
     reduce-scatters are bucketed per layer, as FSDP reduce-scatters each unit's gradients
     (a layer's full-size gradients are freed once it is reduced, not held for the whole
-    backward); all-reduces by DDP's rule alone (the reduced gradients are kept whole
-    anyway)."""
+    backward), in one collective however large the layer (`LayerBucket`). Those outside
+    the layer stack (embedding, head: at the two ends of the backward) keep DDP's cap, so
+    a large head's gradient is not held until the embedding's is computed. All-reduces by
+    DDP's rule alone (the reduced gradients are kept whole anyway)."""
     if key is None or key[0][0][0] != "reduce_scatter":
         return key
-    return (key, layer)
+    return (key, None) if layer is None else LayerBucket(key, layer)
 
 
 # ---- parameter gathers ------------------------------------------------------------------

@@ -52,7 +52,7 @@ from autopar.ir import ATTENTION_FWD_OPS, ATTENTION_OPS, GEMM_OPS, Graph, NodeId
 from autopar.placement import boundary_placements, shard_factor
 from autopar.sharding import IntraOpSolution, parameter_placement_text, raw_gradient_bytes
 from cost_model import compiled_scale, compute_time_s, core_share
-from solver.intra_op.liveness import live_intervals
+from solver.intra_op.liveness import live_copies, live_intervals
 from solver.stage_dp import StageOption
 
 PIECES = ("pre", "layer", "post")
@@ -318,7 +318,8 @@ def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, dou
     """Per device, a lower bound of any one-stage plan's peak on `devices` devices for a
     microbatch of `scale` x the traced one: the intra-op ILP's memory row at the time of
     the largest live bytes (solver/intra_op/ilp.py: every parameter's state, its
-    bytes per element under the graph's precision policy, plus every tensor live then, the same liveness),
+    bytes per element under the graph's precision policy, plus every tensor live then, the same liveness
+    and copies per traced layer, liveness.py `live_copies`),
     with every tensor split evenly over all devices, which no layout beats. Activations
     scale with the batch, weights and their casts do not. Under a recompute policy the
     graph holds the recomputed copies, so the peak inside a layer's backward is counted.
@@ -332,6 +333,7 @@ def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, dou
     aliases = {alias for alias, _ in graph.tied_params}
     derived = graph.parameter_derived()
     static, live, end = live_intervals(graph, range(len(graph)))
+    copies = live_copies(graph, range(len(graph)), live, end)
     per_element = sum(cost_model.parameter_state_bytes(1.0, 1.0, 1.0, precision=graph.model.precision))
     state = sum(graph.weight(n) * graph[n].output.numel * per_element for n in static if n not in aliases)
     pair = doubled if doubled is not None and len(doubled) == len(graph) and all(
@@ -339,11 +341,11 @@ def memory_lower_bound_bytes(graph: Graph, devices: int, scale: float = 1.0, dou
     scaled: dict[int, float] = {}
     fixed: dict[int, float] = {}
     for n in live:
-        size = graph.weight(n) * graph[n].output.size_bytes
+        size = copies[n] * graph[n].output.size_bytes
         delta = fixed if n in derived else scaled
         if pair is not None and n not in derived:
             # linear in the rows: the fixed part counts once, the per-row part scales
-            grow = graph.weight(n) * pair[n].output.size_bytes - size
+            grow = copies[n] * pair[n].output.size_bytes - size
             fixed[n] = fixed.get(n, 0.0) + size - grow
             fixed[end[n] + 1] = fixed.get(end[n] + 1, 0.0) - (size - grow)
             size = grow

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar.buckets import gradient_bucket_key
+from autopar.buckets import BUCKET_BYTES, gradient_bucket_key, plan_buckets
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.models import resolve
@@ -65,6 +65,21 @@ def test_reduce_scatters_bucket_per_layer():
     assert gradient_bucket_key(rs, 1) != gradient_bucket_key(rs, 2)
     assert gradient_bucket_key(ar, 1) == gradient_bucket_key(ar, 2) == ar
     assert gradient_bucket_key(None, 1) is None
+
+
+def test_a_layers_reduce_scatter_is_one_collective_however_large():
+    """A layer's reduce-scatters travel in one bucket whatever its size (FSDP's one call per
+    unit: 33 reduce-scatters a step for a 32-layer model, not one per weight); all-reduces,
+    and reduce-scatters outside the layer stack (the embedding and the head, at the two ends
+    of the backward), keep DDP's cap."""
+    rs = ((("reduce_scatter", 0, "sum"),), "float32")
+    ar = ((("all_reduce", 0, "sum"),), "float32")
+    big = BUCKET_BYTES  # each alone fills a capped bucket
+    layers = [0, 0, 0, 1, 1, 1]
+    assert plan_buckets([(gradient_bucket_key(rs, k), big) for k in layers]) == [[0, 1, 2], [3, 4, 5]]
+    assert plan_buckets([(gradient_bucket_key(ar, k), big) for k in layers]) == [[i] for i in range(6)]
+    assert plan_buckets([(gradient_bucket_key(rs, None), big)] * 2) == [[0], [1]]
+    assert plan_buckets([(gradient_bucket_key(rs, None), big // 4)] * 2) == [[0, 1]]
 
 
 @pytest.mark.parametrize("config, kind", [(ParallelConfig(dp=4, zero=3, micro_batch=1), "reduce_scatter"),
