@@ -17,7 +17,12 @@ Policies (per repeated layer, `layers.<i>`; the embedding, head and loss are nev
 recomputed):
 - "none": nothing recomputed.
 - "full": only the layer's inputs are kept (what enters the layer from outside it,
-  parameters included); every activation produced inside the layer is recomputed.
+  parameters included); every activation produced inside the layer is recomputed. Values
+  computed from parameters alone (a weight's transpose, view or cast) are weights, not
+  activations: the recomputed ops read the forward's. So the backward reads one tensor
+  per weight where the recomputed forward and the gradient matmuls both need it, and a
+  ZeRO-3 program gathers it once there (as FSDP unshards a unit once for its recompute
+  and backward), not once for each.
 - "selective": the outputs of matmuls and attention (the expensive ops) are kept; the
   norms, activations and other cheap elementwise and view ops are recomputed (the
   memory-heavy, compute-light part, as in Korthikanti et al. 2022's selective scheme).
@@ -91,6 +96,19 @@ def _recomputable(node: fx.Node, policy: str) -> bool:
     return True
 
 
+def _parameter_derived(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The parameters (placeholders aot_export describes as `ParamAOTInput`) and the nodes
+    computed from them alone (as autopar/ir.py `Graph.parameter_derived` after lowering)."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            if type(n.meta.get("desc")).__name__ == "ParamAOTInput":
+                out.add(n)
+        elif n.op == "call_function" and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def apply_recompute(gm: fx.GraphModule, policy: str, layer_prefix: str) -> int:
     """Rewrite `gm` (in place) for `policy`; returns the number of ops copied."""
     if policy not in RECOMPUTE_POLICIES:
@@ -105,9 +123,13 @@ def apply_recompute(gm: fx.GraphModule, policy: str, layer_prefix: str) -> int:
     # the residual stream) stay in memory, as checkpointing keeps each layer's input
     boundary = {n for n in nodes if not _is_backward(n) and any(
         not _is_backward(u) and layer[u] != layer[n] for u in n.users)}
-    # forward values of a layer that its backward would otherwise read from memory
+    # forward values of a layer that its backward would otherwise read from memory; a
+    # weight's transpose or view (computed from parameters alone) is a weight, not an
+    # activation: the recomputed ops read the forward's, so under ZeRO-3 the backward
+    # gathers the weight once for the recomputed forward and the backward together
+    weights = _parameter_derived(nodes)
     recompute = {n for n in nodes if not _is_backward(n) and layer[n] is not None and n not in boundary
-                 and _recomputable(n, policy)}
+                 and n not in weights and _recomputable(n, policy)}
     copies: dict[fx.Node, fx.Node] = {}
     made = 0
 

@@ -271,7 +271,7 @@ class _Interpreter:
         assert len(self.fx_nodes) == len(graph.nodes), "graph and traced module disagree"
         self.ids = {n: i for i, n in enumerate(self.fx_nodes)}
         self.edge_group, self.groups = self._gather_groups()
-        self.gathered: dict[tuple, DTensor] = {}
+        self.gathered: dict[tuple, DTensor] = {}  # (group, parameter-derived tensor, src, dst) -> gathered
         self.resharded: dict[tuple, DTensor] = {}  # (activation, phase, placements) -> its reshard
         self.derived = graph.parameter_derived()
         self.issuing: set[tuple] = set()
@@ -327,7 +327,7 @@ class _Interpreter:
             full = torch.cat([rows[r, offset:offset + size].view(local.shape) for r in range(n)], dim=src[axis].dim)
             offset += size
             meta = self.graph[u].output
-            self.gathered[(u, src, dst)] = dtensor_of(full, self.mesh, dst, meta.shape, meta.strides)
+            self.gathered[(key, u, src, dst)] = dtensor_of(full, self.mesh, dst, meta.shape, meta.strides)
         self.issuing.discard(key)
 
     def _ensure(self, node: fx.Node, env: dict[fx.Node, Any]) -> None:
@@ -433,8 +433,9 @@ class _Interpreter:
                 p = next(positions)
                 want = choice.inputs[p]
                 group = self.edge_group.get((nid, p))
-                if group is not None:
-                    key = (self.ids[a], self.choices[self.ids[a]].outputs[0], want)
+                if group is not None:  # each group gathers its members (a weight read in the
+                    # forward and again in the backward is gathered twice, as priced: not held between)
+                    key = (group, self.ids[a], self.choices[self.ids[a]].outputs[0], want)
                     if key not in self.gathered:
                         self._gather(group, env)
                     return self.gathered[key]

@@ -17,7 +17,11 @@ Terms:
   to the cheapest follower strategy consuming it unchanged (no resharding between
   them). A pointwise op's other operands reshard on their own edges as priced. This is
   Alpa's "follow" merging: an elementwise op rarely gains from a layout its main operand
-  does not have, and sharing the variable removes most edge variables.
+  does not have, and sharing the variable removes most edge variables. A weight's view
+  in the backward (computed from parameters alone) does not follow a forward producer:
+  left its own variable, it can read the backward's gather of that producer (the weight
+  gathered once for the recomputed forward and the gradient matmuls, as FSDP unshards a
+  unit once for both) instead of being gathered apart in its producer's layout.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
 
     # representatives first (a backward node of a later layer precedes its layer-0 twin)
     order = [n for n in sorted(active) if rep.get(n, n) == n] + [n for n in sorted(active) if rep.get(n, n) != n]
+    derived = graph.parameter_derived()
     for nid in order:
         node = graph[nid]
         strategies = space[nid]
@@ -95,7 +100,9 @@ def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
             positions = [p for p, src in enumerate(node.inputs) if src == u]
             if u in active and owner[u] < 0 and rep.get(u, u) != u:
                 copy_rep(u)  # a non-layer node after a later layer's node
-            if u in active and owner[u] >= 0 and (where.get(nid) is None or where.get(u) == where.get(nid)):
+            crosses = nid in derived and graph[u].phase is not node.phase  # module docstring
+            if u in active and owner[u] >= 0 and not crosses \
+                    and (where.get(nid) is None or where.get(u) == where.get(nid)):
                 idx = graph[u].output_position(node.args[1]) if node.op == "getitem" else 0
                 costs = table.nodes[nid]
                 # the cheapest strategy reading each layout at every position of u (ties: the first)

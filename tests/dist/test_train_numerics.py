@@ -40,6 +40,7 @@ WORLD4 = {
     "zero1": C(dp=4, zero=1),
     "zero2": C(dp=4, zero=2),
     "zero3": C(dp=4, zero=3),
+    "zero3_full": C(dp=4, zero=3, recompute="full"),
     "tp2xdp2_sp": C(tp=2, dp=2, sequence_parallel=True),
     "dp2xtp2_zero1": C(dp=2, tp=2, zero=1),
     "pp2xdp2_zero1_1f1b": C(pp=2, dp=2, zero=1, schedule="1f1b", recompute="full"),
@@ -91,8 +92,10 @@ NAMES = {
     # (pp2 x tp2 GPipe) and test_3d_on_8_ranks' (interleaved, ZeRO-1 with tp); a ZeRO-1 GPipe
     # pipeline is test_checkpoint.py's; ZeRO-2 reduce-scatters every microbatch's gradients
     # and accumulates the shards, one-stage and in pipeline stages alike. Its tp runs under
-    # ZeRO-1 (dp2 x tp2); GPT's tp2 x dp2 has sequence parallelism.
-    LLAMA: ("dp4", "zero1", "zero2", "zero3", "dp2xtp2_zero1", "pp2xdp2_zero1_1f1b", "pp2xdp2_zero2_1f1b"),
+    # ZeRO-1 (dp2 x tp2); GPT's tp2 x dp2 has sequence parallelism. ZeRO-3 under full
+    # recompute gathers each weight once in the backward for the recomputed forward and the
+    # gradient matmuls together (tests/unit/test_recompute_gathers.py).
+    LLAMA: ("dp4", "zero1", "zero2", "zero3", "zero3_full", "dp2xtp2_zero1", "pp2xdp2_zero1_1f1b", "pp2xdp2_zero2_1f1b"),
 }
 CASES = [(m, n) for m in NAMES for n in NAMES[m]]
 KIND = {GPT: "gpt", LLAMA: "llama"}
