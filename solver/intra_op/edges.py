@@ -24,7 +24,7 @@ from solver.intra_op.collective_groups import activation_reads, expected_bucket_
 from solver.intra_op.gather_rows import GatherGroups
 from solver.intra_op.restrict import Exchange, gathers_rows
 from solver.intra_op.shared_rows import SharedReshards
-from solver.intra_op.sharing import Reduction, layer_representatives
+from solver.intra_op.sharing import Reduction, crosses_phase, layer_representatives
 from solver.intra_op.overlap_rows import SYNC, HiddenComm
 
 _UNPRICED = object()
@@ -78,8 +78,11 @@ class EdgePrices:
         """The objective's price of resharding `meta` (interned as m) from `s` (i) to `d` (k)
         (None: not allowed). `activation`: False, True (no gather on a gather-free axis),
         "exchange" (an edge of a grouped op: a split may move to another split there,
-        restrict.py `gathers_rows`) or "weight" (a weight's edge: no gather on
-        `weights_whole_axes`)."""
+        restrict.py `gathers_rows`), "weight" (a weight's edge: no gather on
+        `weights_whole_axes`) or "view" (into a weight's view computed in another phase,
+        sharing.py `crosses_phase`: u's layout kept, or gathered on the first mesh axis
+        where weights are not kept whole there; so no group's member needs a group to be
+        computed, codegen/apply.py `_gather`)."""
         if i == k:
             return 0.0
         key = (m, i, k, activation, grad, share, uses)
@@ -92,7 +95,10 @@ class EdgePrices:
                 # read `uses` times in its group, gathered once: each read pays its part (exact
                 # where every reader asks for the same placement; solution.py prices the program)
                 t /= uses
-            axes = self.weights_whole_axes if activation == "weight" else self.gather_free_axes
+            if t is not None and activation == "view" and (pricer.gather_axis(meta, s, d) != 0
+                                                           or 0 in self.weights_whole_axes):
+                t = None
+            axes = self.weights_whole_axes if activation in ("weight", "view") else self.gather_free_axes
             if t is not None and activation and any(gathers_rows(c, s, d, axes, activation == "exchange")
                                                     for c in pricer.collectives(meta, s, d) or ()):
                 t = None
@@ -119,6 +125,8 @@ class EdgePrices:
             share, uses = 0.0, self.gather_uses[(u, graph[v].layer, graph[v].phase.value)]
             if self.weights_whole_axes:
                 activation = "weight"
+            if crosses_phase(graph, self.derived, u, v):
+                activation = "view"
             self.gathers.add_edge(graph[v].layer, graph[v].phase.value, meta.dtype,
                                   a, [src_of(j) for j in red.smap[u]], b, [dst_of(j) for j in red.smap[v]], weight)
         if a == b:

@@ -65,6 +65,15 @@ def layer_representatives(graph: Graph, active: set[NodeId]) -> dict[NodeId, Nod
     return _layer_positions(graph, active)[0]
 
 
+def crosses_phase(graph: Graph, derived: frozenset[NodeId], u: NodeId, v: NodeId) -> bool:
+    """Whether v is a weight's value (computed from parameters alone) computed in another
+    phase than its input u: the backward's transpose of a forward weight view. It does not
+    follow u (module docstring); its input edge may only keep u's layout or gather it on
+    the first mesh axis (edges.py `EdgePrices.add`), so a weight the backward gathers is
+    gathered once there and the views computed from it need no group of their own."""
+    return v in derived and graph[u].phase is not graph[v].phase
+
+
 def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
                  active_nodes: tuple[NodeId, ...] | None) -> Reduction:
     active = set(range(len(graph))) if active_nodes is None else set(active_nodes)
@@ -100,8 +109,7 @@ def reduce_graph(graph: Graph, space: StrategySpace, table: CostTable,
             positions = [p for p, src in enumerate(node.inputs) if src == u]
             if u in active and owner[u] < 0 and rep.get(u, u) != u:
                 copy_rep(u)  # a non-layer node after a later layer's node
-            crosses = nid in derived and graph[u].phase is not node.phase  # module docstring
-            if u in active and owner[u] >= 0 and not crosses \
+            if u in active and owner[u] >= 0 and not crosses_phase(graph, derived, u, nid) \
                     and (where.get(nid) is None or where.get(u) == where.get(nid)):
                 idx = graph[u].output_position(node.args[1]) if node.op == "getitem" else 0
                 costs = table.nodes[nid]
