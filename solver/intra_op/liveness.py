@@ -61,9 +61,10 @@ def live_intervals(graph: Graph, nodes: Sequence[NodeId]) -> tuple[list[NodeId],
 def live_copies(graph: Graph, nodes: Sequence[NodeId], live: Sequence[NodeId], end: dict[NodeId, NodeId]
                 ) -> dict[NodeId, float]:
     """Per live tensor: the real-model copies of it live at once (module docstring): its
-    weight if it is produced before the first backward node of `nodes` and used at or
-    after it, else at most one."""
-    turn = next((n for n in nodes if graph[n].phase is Phase.BACKWARD), None)
+    weight if it is produced before the first backward op of `nodes` and used at or after
+    it, else at most one. (The loss tangent, a backward placeholder, sits among the
+    inputs: the turn is the first backward node that computes.)"""
+    turn = next((n for n in nodes if graph[n].phase is Phase.BACKWARD and graph[n].op != "placeholder"), None)
     out = {}
     for n in live:
         w = graph.weight(n)
