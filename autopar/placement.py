@@ -214,15 +214,8 @@ def single_gather_axis(src: Placements, dst: Placements) -> int | None:
     return k
 
 
-def boundary_placements(shape: Sequence[int], rows: int, dp: int, tp: int = 1) -> Placements:
+def boundary_placements(shape: Sequence[int], rows: int, dp: int) -> Placements:
     """The layout a boundary value travels in between two chunks on a (dp, tp) submesh:
-    split over dp by its first dim where that dim is the microbatch's rows, and over tp by
-    its second dim where tp divides it, else whole. Split over tp, each rank of a stage
-    sends its 1/tp to its twin in the next stage, which reads it in that layout (for a
-    (rows, seq, hidden) activation, the sequence-parallel one) or gathers it over tp inside
-    its node: cross-node pipeline traffic / tp, Megatron-LM's scatter/gather optimisation
-    (Narayanan et al., SC'21, Sec. 4.1) and DeepSpeed's partitioned pipeline activations.
-    Sent whole, every tp rank sent the same bytes over its own NIC."""
+    split over dp by its first dim where that dim is the microbatch's rows, else whole."""
     split = dp > 1 and len(shape) > 0 and shape[0] == rows and rows % dp == 0
-    by_tp = tp > 1 and len(shape) > 1 and shape[1] % tp == 0 and shape[1] >= tp
-    return (Shard(0) if split else Replicate(), Shard(1) if by_tp else Replicate())
+    return (Shard(0) if split else Replicate(), Replicate())

@@ -36,7 +36,7 @@ from autopar.build.chunks import trace_chunks
 from autopar.build.one_stage import trace_microbatch
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.ir import GROUPED_MM_BWD, GROUPED_MM_FWD, Graph, Role
+from autopar.ir import GROUPED_MM_BWD, GROUPED_MM_FWD, Graph
 from autopar.placement import Placements, Shard, boundary_placements
 from autopar.plan import Plan, ProgramPlacements, StagePlacements
 from autopar.runtime.jobs import build_model_and_batches
@@ -127,8 +127,7 @@ def solve_stage_placements(model: nn.Module, config: ParallelConfig, example_inp
     recorded = []
     for stage in trace_chunks(model, config, example_inputs, loss_fn=loss_fn,
                               stage_layers=tuple(stage_layers) if stage_layers else None):
-        solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows,
-                               batch_inputs=stage.num_inputs if stage.index == 0 else 0)
+        solution = solve_stage(stage.graph, config, cluster, num_microbatches=num_microbatches, rows=rows)
         recorded.append(StagePlacements(chunk=stage.index, placements=op_placements(stage.graph, solution),
                                         collectives=_rows(priced_per_step(solution, num_microbatches, ("dp", "tp")))))
     return tuple(recorded)
@@ -182,8 +181,7 @@ def place_experts_split(job: Any, axis: int = 1) -> Any:
     return replace(job, placements=(placed.dumps(),))
 
 
-def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int, rows: int,
-                batch_inputs: int = 0) -> Any:
+def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_microbatches: int, rows: int) -> Any:
     """The intra-op ILP on one chunk's (dp, tp) submesh under `config`'s rules
     (solver/forced.py), its boundary inputs and tangents in the boundary layout. `cluster`:
     the whole job's (one stage's devices of it are priced, as the pipeline search prices
@@ -195,13 +193,8 @@ def solve_stage(graph: Graph, config: ParallelConfig, cluster: Any, *, num_micro
     if cluster.num_devices != config.dp * config.tp:
         cluster = cluster.stage(config.dp * config.tp)
 
-    # the first `batch_inputs` inputs (the first chunk's: the batch) arrive split over dp only
-    # (autopar/runtime/pipe_spmd.py `step`), every other boundary value over tp too
-    batch = {n.id for n in [n for n in graph.nodes if n.role is Role.INPUT][:batch_inputs]}
-
     def keep_input(node: Any, placements: Placements) -> bool:
-        tp = 1 if node.id in batch else config.tp
-        return tuple(placements) == boundary_placements(node.output.shape, rows, config.dp, tp)
+        return tuple(placements) == boundary_placements(node.output.shape, rows, config.dp)
 
     return forced.solve_stage(graph, config, cluster, num_microbatches=num_microbatches, keep_input=keep_input)
 

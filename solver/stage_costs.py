@@ -226,8 +226,7 @@ def _boundary_messages(graph: Graph, mesh: tuple[int, ...], derived: frozenset[N
     """The values that cross a pipeline boundary between two layers, each sent forward as
     its own message in the layout the runtime sends it (`autopar.placement.
     boundary_placements`: split over dp where its first dim is the microbatch's `rows`,
-    over tp by its second dim where tp divides it), with its gradient sent back where it
-    depends on a parameter:
+    whole over tp), with its gradient sent back where it depends on a parameter:
 
     - what a layer reads from outside it: the residual stream (its gradient comes back)
       and, in a llama, the rotary cos and sin tables (computed from buffers: forward only);
@@ -261,8 +260,8 @@ def _boundary_messages(graph: Graph, mesh: tuple[int, ...], derived: frozenset[N
             if u in sizes or u in layer or u in after or u in derived or len(graph[u].outputs) != 1:
                 continue
             out = graph[u].output
-            dp, tp = (mesh[0], mesh[1]) if len(mesh) > 1 else (1, 1)
-            sizes[u] = out.size_bytes / shard_factor(boundary_placements(out.shape, rows, dp, tp)[:len(mesh)], mesh)
+            dp = mesh[0] if len(mesh) > 1 else 1
+            sizes[u] = out.size_bytes / shard_factor(boundary_placements(out.shape, rows, dp)[:len(mesh)], mesh)
     return tuple((size, u in depends) for u, size in sizes.items())
 
 

@@ -273,7 +273,7 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
         tangent_of = dict(zip(grad_outputs, plain[len(inputs):]))
         for i, o in enumerate(outputs):
             node = _forward_mul_source(traced.gm, tangent_of[i]) if i in grad_outputs else next(aux)
-            extra.append((ids[node], boundary_placements(o.shape, rows, config.dp, config.tp)))
+            extra.append((ids[node], boundary_placements(o.shape, rows, config.dp)))
     grad_of_input: dict[int, fx.Node] = {}
     for value, desc in zip(values, descs):
         if type(desc).__name__ == "GradAOTOutput" and not hasattr(desc.grad_of, "target"):
@@ -282,7 +282,7 @@ def trace_stage(chunk: nn.Module, index: int, *, inputs: Sequence[torch.Tensor],
         g = grad_of_input.get(i)
         if not isinstance(g, fx.Node):
             raise RuntimeError(f"chunk {index}: input {i} requires grad but the joint graph has no gradient for it")
-        extra.append((ids[g], boundary_placements(inputs[i].shape, rows, config.dp, config.tp)))
+        extra.append((ids[g], boundary_placements(inputs[i].shape, rows, config.dp)))
     return TracedStage(index=index, chunk=chunk, traced=traced, graph=graph, extra=extra, num_inputs=len(inputs),
                        outputs=tuple(outputs), grad_inputs=grad_inputs, grad_outputs=grad_outputs, last=last,
                        masters=masters if masters is not None else {})

@@ -274,12 +274,11 @@ def build_pipe_spmd_program(model: nn.Module, placed: ProgramPlacements, example
                                     grads_each_microbatch=placed.grads_each_microbatch)
         runners.append(runner)
 
-        def local(x: torch.Tensor, grad: bool, tp: int = config.tp) -> torch.Tensor:
-            piece = local_shard(x.detach(), boundary_placements(x.shape, rows, config.dp, tp), coords, mesh_shape)
+        def local(x: torch.Tensor, grad: bool) -> torch.Tensor:
+            piece = local_shard(x.detach(), boundary_placements(x.shape, rows, config.dp), coords, mesh_shape)
             return piece.clone().requires_grad_(grad)
 
-        # the first chunk's inputs are the batch, split over dp only (pipe_spmd `step`)
-        in_args = tuple(local(x, i in runner.grad_inputs, config.tp if cid else 1) for i, x in enumerate(ins))
+        in_args = tuple(local(x, i in runner.grad_inputs) for i, x in enumerate(ins))
         out_args = (outs[0].detach().reshape(1),) if last else \
             tuple(local(o, i in runner.grad_outputs) for i, o in enumerate(outs))
         stages.append(PipelineStage(PerOpStage(runner), cid, num_chunks, torch.device(mesh.device_type),

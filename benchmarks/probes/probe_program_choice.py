@@ -70,9 +70,8 @@ def ilp_prices(spec: str, case: Any, other: Any) -> list[dict[str, Any]]:
         torch.manual_seed(0)
         for st in trace_chunks(source.build(), cfg, batch):
             units.append((f"chunk {st.index}", st.graph,
-                          functools.partial(lambda g, k, cl: solve_stage(g, cfg, cl, num_microbatches=m, rows=rows,
-                                                                         batch_inputs=k),
-                                            st.graph, st.num_inputs if st.index == 0 else 0),
+                          functools.partial(lambda g, cl: solve_stage(g, cfg, cl, num_microbatches=m, rows=rows),
+                                            st.graph),
                           built_in.stage(cfg.dp * cfg.tp)))
     out = []
     for name, graph, solve, priced_on in units:

@@ -161,8 +161,7 @@ def test_a_stage_is_priced_by_the_solve_its_chunks_run():
     model, example = source.build(), source.example_inputs(global_batch)
     run: dict[tuple[str, str], list[int]] = {}
     for stage in trace_chunks(model, config, example):
-        sol = solve_stage(stage.graph, config, cluster, num_microbatches=m, rows=rows,
-                          batch_inputs=stage.num_inputs if stage.index == 0 else 0)
+        sol = solve_stage(stage.graph, config, cluster, num_microbatches=m, rows=rows)
         for key, (calls, nbytes) in priced_per_step(sol, m, ("dp", "tp")).items():
             entry = run.setdefault(key, [0, 0])
             entry[0] += calls
@@ -319,11 +318,8 @@ def test_a_gpt_boundary_sends_the_stream_and_the_labels_once():
     spec = "gpt:layers=2,hidden=64,heads=4,vocab=128,seq=32"
     graph = trace_model(resolve(spec), batch=4, dtype="float32", layers_traced=2)
     messages = _boundary_messages(graph, (2, 2), graph.parameter_derived(), 4)
-    # split over dp (dim 0 is the microbatch's rows) and over tp (dim 1, the sequence), as
-    # the runtime sends them: each rank its quarter, cross-node traffic / tp
-    assert sorted(messages) == sorted([(4 * 32 * 64 * 4 / 4, True), (4 * 32 * 8 / 4, False)])
-    assert _boundary_messages(graph, (2, 1), graph.parameter_derived(), 4) == \
-        ((4 * 32 * 64 * 4 / 2, True), (4 * 32 * 8 / 2, False))
+    # split over dp (dim 0 is the microbatch's rows), whole over tp: as the runtime sends them
+    assert sorted(messages) == sorted([(4 * 32 * 64 * 4 / 2, True), (4 * 32 * 8 / 2, False)])
 
 
 def test_every_stage_option_pays_the_chunk_calls_host_time(monkeypatch):
