@@ -198,9 +198,14 @@ def report(results: list[dict[str, Any]], skipped: list[str], elapsed: float) ->
     for key in ("one", "analytic"):
         rhos, regrets = stats[key]
         if rhos:
+            # a group whose predictions tie (Float8 runs priced as their bf16 twins) has no
+            # Spearman (nan): the median and the worst are over the groups that have one
+            ranked = [r for r in rhos if r == r]
+            spear = (f"median Spearman {statistics.median(ranked):.2f} (worst {min(ranked):.2f}) over the "
+                     f"{len(ranked)} groups whose predictions do not tie") if ranked else "no Spearman (predictions tie)"
             lines.append("")
-            lines.append(f"{key}: median Spearman {statistics.median(rhos):.2f} (worst {min(rhos):.2f}), median "
-                         f"regret {statistics.median(regrets):.1%} (worst {max(regrets):.1%}) over {len(rhos)} groups.")
+            lines.append(f"{key}: {spear}; median regret {statistics.median(regrets):.1%} (worst "
+                         f"{max(regrets):.1%}) over {len(rhos)} groups.")
     lines += ["", "## The 10 worst rows of the one model", "",
               "The term: the one model's largest time component, and the analytic step for comparison.", "",
               "| row | publication | model | GPUs | config | reported | one model | analytic | one model's largest term |",
