@@ -14,7 +14,7 @@ A traced layer stands for `w = graph.weight(n)` real layers, run one after anoth
 temporary of one layer's forward, a recomputed value or a gradient inside one layer's
 backward: each copy dies before the next layer's is made). Counting w for those too
 charged w layers' recomputed activations at once: under full recompute a 40-layer
-13B model (MPT-13b, 10 sequences of 2,048 per device, traced as 2 layers) priced at
+13B model (MPT-13b, 10 sequences of 4,096 per device, traced as 2 layers) priced at
 173 GB of activations, 30 GB when each copy counts while it is live.
 """
 
