@@ -51,13 +51,54 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "one_model_validation.md"
 
 
 def price_one_model(run: Any) -> Any:
-    """The row's configuration priced by `autopar.price` (its Plan)."""
+    """The row's configuration priced by `autopar.price` (its Plan), under the row's
+    published runtime where it is one autopar does not run (`foreign_runtime`)."""
     import autopar
 
     config = replace(run.config, attention="flash", sequence_parallel=True, precision="bf16-mixed",
                      reduce_dtype=reduce_dtype(run), compiled=run.options.compiled)
-    return autopar.price(run.spec, run.cluster, config, global_batch=run.global_batch,
+    cluster = run.cluster
+    if not run.options.overlap_grad_reduce:
+        cluster = replace(cluster, hardware=replace(cluster.hardware, comm_overlap=0.0))
+    plan = autopar.price(run.spec, cluster, config, global_batch=run.global_batch,
                          stage_layers=run.stage_layers if config.pp > 1 else None)
+    extra = foreign_zero3_s(run)
+    return plan if extra == 0.0 else replace(plan, predicted=with_extra_time(plan.predicted, "zero3_runtime_s", extra))
+
+
+def foreign_zero3_s(run: Any) -> float:
+    """Seconds per step a published ZeRO-3 runtime other than FSDP's adds to the step autopar
+    would run: the analytic runtime model's step under the row's `zero3` runtime minus its step
+    under FSDP's (benchmarks/baselines/analytic/zero3.py, facts about the runtimes, no fitted
+    number of their own), at the row's constants (`run.cluster`'s). 0 under FSDP's runtime,
+    which autopar's own ZeRO-3 program is (a layer's weights gathered in one collective, the
+    next layer's ahead, gradients reduce-scattered one bucket per layer beside the backward).
+
+    DeepSpeed ZeRO-3 as released in 2021 (Megatron-LM SC'21 Table 2's baseline) gathers and
+    reduces every parameter tensor with its own collective, prefetches at most 5e7 parameters
+    ahead, gathers again for the activation recompute and blocks the backward on its gradient
+    reduction (zero3.py DEEPSPEED_2021): at 1,536 ranks the per-tensor ring latencies alone
+    outweigh a 175B layer's compute. The one model prices none of that (autopar runs none of
+    it), so the difference is taken from the runtime model that does."""
+    if run.options.zero3 == "fsdp" or run.config.zero < 3:
+        return 0.0
+    from benchmarks.lib.published_runs import price_run, profiles_for
+
+    profiles = profiles_for([run])
+    fsdp = replace(run, options=replace(run.options, zero3="fsdp"))
+    return max(0.0, price_run(run, profiles).step_time_s - price_run(fsdp, profiles).step_time_s)
+
+
+def with_extra_time(est: Any, term: str, seconds: float) -> Any:
+    """`est` (an Estimate) with `seconds` more per step under `term`: throughput and FLOP
+    rates scaled by the old step over the new, memory unchanged."""
+    step = est.step_time_s + seconds
+    k = est.step_time_s / step
+    return replace(est, step_time_s=step, tokens_per_s=est.tokens_per_s * k,
+                   tokens_per_s_per_device=est.tokens_per_s_per_device * k,
+                   model_tflops_per_device=est.model_tflops_per_device * k, mfu=est.mfu * k,
+                   hardware_tflops_per_device=est.hardware_tflops_per_device * k,
+                   time_breakdown=(*est.time_breakdown, (term, seconds)))
 
 
 def reduce_dtype(run: Any) -> str:
@@ -68,9 +109,12 @@ def reduce_dtype(run: Any) -> str:
     return "float32" if run.options.grad_reduce_bytes == 4 else "bfloat16"
 
 
-PRICED_OPTIONS = frozenset({"grad_reduce_bytes", "compiled"})
-"""Runtime options the one model prices as plan choices (`reduce_dtype`; `compiled`: the
-per-rank graphs through Inductor, `--compile`): not stack facts."""
+PRICED_OPTIONS = frozenset({"grad_reduce_bytes", "compiled", "overlap_grad_reduce", "zero3"})
+"""Runtime options the one model prices: as plan choices (`reduce_dtype`; `compiled`: the
+per-rank graphs through Inductor, `--compile`), or as the published runtime's behaviour
+(`overlap_grad_reduce` = False: the hardware's `comm_overlap` at 0, so no gradient sync
+hides behind the backward; no row carries it with ZeRO-3, whose weight prefetch the same
+factor scales; `zero3`: `foreign_zero3_s`). Not stack facts."""
 
 
 def stack_facts(run: Any) -> list[str]:

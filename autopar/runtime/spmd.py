@@ -77,6 +77,23 @@ def accumulate(raw: list[torch.Tensor] | None, grads: Sequence[torch.Tensor],
             else a + b for a, b, p in zip(raw, grads, storages)]
 
 
+def _priced_state_bytes(graph: Graph, choices: Sequence[NodeStrategy], mesh_shape: tuple[int, ...],
+                        grads_at_update: bool) -> tuple[float, float, float]:
+    """SpmdProgram.priced_state_bytes of `graph`'s parameters under `choices`."""
+    aliases = {alias for alias, _ in graph.tied_params}
+    parts = [0.0, 0.0, 0.0]
+    for node in graph.by_role(Role.PARAMETER):
+        if node.id in aliases:
+            continue
+        c = choices[node.id]
+        got = graph.model.precision.state_bytes(
+            node.output.numel, shard_factor(c.outputs[0], mesh_shape),
+            shard_factor(c.update_placements, mesh_shape), grads_at_update=grads_at_update)
+        for k in range(3):
+            parts[k] += got[k]
+    return parts[0], parts[1], parts[2]
+
+
 def local_shard(t: torch.Tensor, placements: Placements, coords: Sequence[int], mesh_shape: Sequence[int]) -> torch.Tensor:
     """This rank's piece of a whole tensor `t` laid out as `placements` (no communication)."""
     out = t
@@ -111,10 +128,12 @@ class SpmdProgram:
         self.mesh = mesh
         self.model = model
         self.graphs = graphs
-        self.graph = graph
-        self.choices = tuple(choices)
         self.coords = tuple(mesh.get_coordinate())
         self.mesh_shape = tuple(mesh.shape)
+        self._priced_state = _priced_state_bytes(graph, choices, self.mesh_shape, grads_at_update)
+        """`priced_state_bytes`, taken from the lowered graph and its placements here: the
+        program holds neither (their nodes, strategies and placements were about a third of
+        the Python objects a built fsdp4 program kept resident on the benchmark Llama)."""
         self.rules = None
         self.tied_fqns: tuple[str, ...] = ()
         self.chunks = [model]
@@ -313,18 +332,7 @@ class SpmdProgram:
         a tied alias counted once. The weights and optimizer state are what `last_stats` measures from the
         master weights, the compute copies and the optimizer's tensors; the gradients are the
         raw ones accumulated over the microbatches (`last_stats` counts them once synced)."""
-        aliases = {alias for alias, _ in self.graph.tied_params}
-        parts = [0.0, 0.0, 0.0]
-        for node in self.graph.by_role(Role.PARAMETER):
-            if node.id in aliases:
-                continue
-            c = self.choices[node.id]
-            got = self.graph.model.precision.state_bytes(
-                node.output.numel, shard_factor(c.outputs[0], self.mesh_shape),
-                shard_factor(c.update_placements, self.mesh_shape), grads_at_update=self.grads_at_update)
-            for k in range(3):
-                parts[k] += got[k]
-        return parts[0], parts[1], parts[2]
+        return self._priced_state
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of the parameters (collective: call on every rank)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -95,3 +96,27 @@ def test_a_pool_forked_after_the_fit_can_still_solve() -> None:
         child.kill()
     assert child.exitcode == 0
     assert out.get(timeout=5) == "HighsModelStatus.kOptimal"
+
+
+def test_a_published_zero3_runtime_autopar_does_not_run_is_priced_as_its_difference() -> None:
+    """SC'21's DeepSpeed ZeRO-3 row (175B on 1,536 A100s, per-tensor collectives): the one
+    model's step plus what the runtime model says DeepSpeed-2021 costs over FSDP's runtime
+    (autopar's own), throughput scaled to match; an FSDP row gets nothing added."""
+    from benchmarks.lib.published_runs import load_runs, price_run, profiles_for
+    from benchmarks.validate_one_model import foreign_zero3_s, price_one_model
+
+    runs, _ = load_runs(rows="12")
+    (run,) = runs
+    assert run.options.zero3 == "deepspeed-2021" and run.config.zero == 3
+    profiles = profiles_for([run])
+    fsdp = replace(run, options=replace(run.options, zero3="fsdp"))
+    extra = foreign_zero3_s(run)
+    assert extra == pytest.approx(price_run(run, profiles).step_time_s - price_run(fsdp, profiles).step_time_s)
+    assert extra > 1.0  # seconds: 96 layers x 12 tensors x 4 passes of 1,536-rank rings
+    assert foreign_zero3_s(fsdp) == 0.0
+    own = price_one_model(fsdp).predicted
+    got = price_one_model(run).predicted
+    assert got.step_time_s == pytest.approx(own.step_time_s + extra)
+    assert got.tokens_per_s_per_device == pytest.approx(own.tokens_per_s_per_device * own.step_time_s
+                                                        / got.step_time_s)
+    assert dict(got.time_breakdown)["zero3_runtime_s"] == pytest.approx(extra)
