@@ -75,6 +75,11 @@ class Precision:
         """Bytes per element of the `compute`, `master` or `reduce` dtype."""
         return DTYPE_BYTES.get(getattr(self, which), 4)
 
+    def raw_gradient_bytes(self, numel: float, split: float) -> float:
+        """Bytes per device of a raw gradient of `numel` elements accumulated over a step's
+        microbatches in the reduction dtype, its placement splitting it `split` ways."""
+        return self.bytes("reduce") * numel / split
+
     def state_bytes(self, numel: float, computed: float, updated: float, *,
                     grads_at_update: bool = False) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) bytes per device of one parameter of
@@ -97,10 +102,10 @@ class Precision:
         2 + 4 + 4 + 8 = 18, and 6 + 12/d with the update sharded over d (ZeRO-1), as
         Megatron-LM's distributed-optimizer table counts bf16 weights with fp32 gradients
         (docs/source/api-guide/dist_optimizer.md)."""
-        master, compute, reduce = self.bytes("master"), self.bytes("compute"), self.bytes("reduce")
+        master, compute = self.bytes("master"), self.bytes("compute")
         copy = self.mixed or computed != updated
         weights = master * numel / updated + (compute * numel / computed if copy else 0.0)
-        grads = reduce * numel / (updated if grads_at_update else computed)
+        grads = self.raw_gradient_bytes(numel, updated if grads_at_update else computed)
         return weights, grads, ADAM_MOMENTS * master * numel / updated
 
 

@@ -40,7 +40,8 @@ from cost_model.collectives import (
 from cost_model.compute import compute_time_s, grad_accumulation_time_s, optimizer_time_s
 from cost_model.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from autopar.estimate import Estimate
-from cost_model.memory import STATE_BYTES_PER_PARAM, model_state_bytes, parameter_state_bytes, state_bytes_per_param
+from cost_model.memory import (
+    STATE_BYTES_PER_PARAM, model_state_bytes, parameter_state_bytes, raw_gradient_state_bytes, state_bytes_per_param)
 from cost_model.table import (
     LOCAL_AXIS,
     LOCAL_COPY,
@@ -72,7 +73,8 @@ __all__ = [
     "compiled_scale", "compute_time_s", "core_share", "cost_table", "exposed_sync_s", "grad_accumulation_time_s",
     "grad_sync_overlap", "hidden_comm_s",
     "loss_report_time_s",
-    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "parameter_state_bytes", "pipeline_call_time_s",
+    "optimizer_time_s", "mesh_axis_links", "model_state_bytes", "parameter_state_bytes", "raw_gradient_state_bytes",
+    "pipeline_call_time_s",
     "reduce_scatter_time_s", "reshard_collectives", "reshard_time_s",
     "runs_gloo",
     "send_recv_time_s", "STATE_BYTES_PER_PARAM", "state_bytes_per_param",

@@ -53,6 +53,20 @@ def parameter_state_bytes(numel: float, computed: float, updated: float, *, grad
     return p.state_bytes(numel, computed, updated, grads_at_update=grads_at_update)
 
 
+def raw_gradient_state_bytes(numel: float, split: float, precision: Any = None) -> float:
+    """Bytes per device of one parameter's raw gradient, accumulated over a step's
+    microbatches in the precision policy's reduction dtype (`precision`; None: fp32) in the
+    placement the backward leaves it in, split `split` ways: the gradient node's own output
+    placement, which is not the weight's compute placement where the ILP computes the
+    gradient as a pending sum (a tensor-parallel weight's gradient from sequence-split
+    activations is whole on every tp rank until the step's sync reduce-scatters it:
+    codegen/apply.py accumulates `choices[g].outputs[0]`). The gradient part of
+    `parameter_state_bytes` with that split, which the ILP charges to the gradient node
+    (cost_model/table.py) except under ZeRO-2."""
+    p = precision if precision is not None else policy("fp32")
+    return p.raw_gradient_bytes(numel, split)
+
+
 def state_bytes_per_param(zero: int, dp: int) -> float:
     """Model-state bytes per parameter element on one device under ZeRO `zero` over `dp`
     ranks (16 | 4 + 12/dp | 2 + 14/dp | 16/dp): `model_state_bytes` of one parameter."""

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
 from autopar.ir import ATTENTION_OPS, DTYPE_BYTES, GEMM_OPS, Graph, Node, Role, TensorMeta
@@ -77,7 +77,7 @@ from autopar.placement import (
 from autopar.sharding import NodeStrategy, StrategySpace
 from autopar.buckets import BUCKET_BYTES
 from cost_model.efficiency import Efficiency, efficiency_for
-from cost_model.memory import parameter_state_bytes
+from cost_model.memory import parameter_state_bytes, raw_gradient_state_bytes
 from cost_model.collectives import (
     AxisLink,
     all_gather_time_s,
@@ -123,16 +123,32 @@ def local_bytes(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int,
 
 def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Cluster,
                   mesh_shape: tuple[int, ...], dtype: str, grads_at_update: bool = False) -> StrategyCost:
-    """Compute time, communication time and per-device memory of one node under one strategy."""
+    """Compute time, communication time and per-device memory of one node under one strategy.
+
+    A parameter's memory is its state (memory.py `parameter_state_bytes`: master weight and
+    optimizer state in the update placement, compute copy in the compute placement, in the
+    dtypes of the plan's precision policy) but its raw gradient, which its gradient node
+    charges (`raw_gradient_state_bytes`) in the placement the backward leaves it in; under ZeRO-2
+    (`grads_at_update`: synced every microbatch, the shards accumulated) the parameter
+    charges it, in the update placement."""
     if node.role is Role.PARAMETER:
-        # master weight and optimizer state in the update placement, compute copy and raw
-        # gradient in the compute placement (ZeRO-2: the gradient in the update placement),
-        # in the dtypes of the plan's precision policy (memory.py)
         computed, updated = shard_factor(strategy.outputs[0], mesh_shape), shard_factor(
             strategy.update_placements, mesh_shape)
-        mem = sum(parameter_state_bytes(node.output.numel, computed, updated, grads_at_update=grads_at_update,
-                                        precision=graph.model.precision))
-        return StrategyCost(compute_s=0.0, comm_s=0.0, memory_bytes=mem)
+        weights, grads, state = parameter_state_bytes(node.output.numel, computed, updated,
+                                                      grads_at_update=grads_at_update,
+                                                      precision=graph.model.precision)
+        return StrategyCost(compute_s=0.0, comm_s=0.0,
+                            memory_bytes=weights + state + (grads if grads_at_update else 0.0))
+    cost = _op_cost(graph, node, strategy, cluster, mesh_shape, dtype)
+    if node.role is Role.GRADIENT:
+        return replace(cost, memory_bytes=0.0 if grads_at_update else raw_gradient_state_bytes(
+            node.output.numel, shard_factor(strategy.outputs[0], mesh_shape), graph.model.precision))
+    return cost
+
+
+def _op_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Cluster, mesh_shape: tuple[int, ...],
+             dtype: str) -> StrategyCost:
+    """`strategy_cost` of an op: its time and its output's bytes."""
     out_bytes = sum(local_bytes(t, pl, mesh_shape) for t, pl in zip(node.outputs, strategy.outputs))
     fused = compiled_scale(graph, cluster)
     if node.is_view:

@@ -167,6 +167,8 @@ def split_solution(graph: Graph, solution: IntraOpSolution, cluster: Cluster, *,
             a["fwd"] += w * c.compute_s
             if node.op not in expensive:
                 a["cheap"] += w * c.compute_s
+        if node.role is Role.GRADIENT:  # the raw gradient held over the microbatches (0 under ZeRO-2,
+            a["state"] += w * c.memory_bytes  # whose parameter charges its accumulated shard)
         if node.role is Role.PARAMETER and c.node not in aliases:
             a["state"] += w * c.memory_bytes
             update = c.outputs[0] if c.update is None else c.update  # the optimizer steps the update shard

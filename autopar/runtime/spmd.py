@@ -79,18 +79,23 @@ def accumulate(raw: list[torch.Tensor] | None, grads: Sequence[torch.Tensor],
 
 def _priced_state_bytes(graph: Graph, choices: Sequence[NodeStrategy], mesh_shape: tuple[int, ...],
                         grads_at_update: bool) -> tuple[float, float, float]:
-    """SpmdProgram.priced_state_bytes of `graph`'s parameters under `choices`."""
+    """SpmdProgram.priced_state_bytes of `graph`'s parameters under `choices`: each raw
+    gradient in its gradient node's placement, as the step accumulates it (cost_model
+    `raw_gradient_state_bytes`), but under ZeRO-2, which accumulates the synced shards."""
     aliases = {alias for alias, _ in graph.tied_params}
+    precision = graph.model.precision
     parts = [0.0, 0.0, 0.0]
     for node in graph.by_role(Role.PARAMETER):
         if node.id in aliases:
             continue
         c = choices[node.id]
-        got = graph.model.precision.state_bytes(
-            node.output.numel, shard_factor(c.outputs[0], mesh_shape),
-            shard_factor(c.update_placements, mesh_shape), grads_at_update=grads_at_update)
-        for k in range(3):
+        got = precision.state_bytes(node.output.numel, shard_factor(c.outputs[0], mesh_shape),
+                                    shard_factor(c.update_placements, mesh_shape), grads_at_update=grads_at_update)
+        for k in range(3) if grads_at_update else (0, 2):
             parts[k] += got[k]
+    if not grads_at_update:
+        parts[1] = sum(precision.raw_gradient_bytes(graph[g].output.numel, shard_factor(choices[g].outputs[0], mesh_shape))
+                       for _, g in graph.param_grads)
     return parts[0], parts[1], parts[2]
 
 

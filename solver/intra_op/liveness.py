@@ -2,7 +2,8 @@
 
 Where it sits: read by solver/intra_op/ilp.py (its `memory/t=T` rows) and by
 solver/stage_costs.py (a stage's activation memory), so both count the same tensors.
-Parameters count at every point; an activation counts from its producer to its last user,
+Parameters and the raw gradients accumulated over the microbatches (charged by their
+gradient nodes) count at every point; an activation counts from its producer to its last user,
 a view aliasing its base. The rows check the MEMORY_POINTS times with the largest
 replicated live bytes: sharding scales tensors unevenly, so this is a heuristic for the
 true peak, exact at the checked points.
@@ -87,13 +88,17 @@ def memory_terms(graph: Graph, table: CostTable, red: Reduction) -> list[tuple[i
         running += delta.get(t, 0.0)
         profile[t] = running
     points = sorted(sorted(profile, key=lambda t: (-profile[t], t))[:MEMORY_POINTS])
+    # the raw gradients accumulated over the microbatches, charged by their gradient nodes
+    # (cost_model/table.py strategy_cost), are held from the first microbatch's backward to
+    # the step's sync: at every point, as the parameters
+    static = static + [n for n in red.active if graph[n].role is Role.GRADIENT]
     terms = []
     for t in points:
         coef: dict[NodeId, list[float]] = {}
         for n in static + [m for m in live if m <= t <= end[m]]:
             o = red.owner[n]
             row = coef.setdefault(o, [0.0] * len(red.smap[o]))
-            w = copies[n] if n in copies else graph.weight(n)  # a parameter: every copy
+            w = copies[n] if n in copies else graph.weight(n)  # a parameter or gradient: every copy
             for j, s in enumerate(red.smap[n]):
                 row[j] += w * table.nodes[n][s].memory_bytes
         terms.append((t, coef))

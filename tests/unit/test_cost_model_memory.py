@@ -94,3 +94,36 @@ def test_first_1f1b_stage_holds_p_microbatches(profile) -> None:
     assert [inflight_microbatches(cfg, i, m) for i in range(p)] == [4, 3, 2, 1]
     inter = ParallelConfig(pp=p, schedule="interleaved", interleave=2)
     assert inflight_microbatches(inter, 0, m) == pytest.approx(p * (1 + (p - 1) / (p * 2)))
+
+
+@pytest.mark.parametrize("cfg", [ParallelConfig(dp=2, tp=2), ParallelConfig(dp=4, zero=3)], ids=["dp2xtp2", "zero3"])
+def test_raw_gradients_are_priced_in_the_placement_the_backward_leaves_them(cfg) -> None:
+    """The raw gradients a step accumulates over its microbatches are as the backward leaves
+    them (codegen accumulates each gradient node's output placement): a pending sum over dp
+    is whole on every rank, though ZeRO-3 computes with dp-sharded weights, and a
+    tensor-parallel weight's gradient from sequence-split activations is whole over tp.
+    The ILP charges each at that placement (its gradient node's memory, in the peak rows),
+    and the memory breakdown reports that sum, more than the weights' compute placements
+    would give."""
+    from autopar.ir import Role
+    from autopar.placement import shard_factor
+    from solver.forced import solve_one_stage
+    from solver.spmd_search import memory_breakdown
+
+    graph = trace_model(resolve("llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"), batch=4,
+                        dtype="float32")
+    sol = solve_one_stage(graph, cfg, Cluster.parse("cpu:4"), num_microbatches=2)
+    aliases = {alias for alias, _ in graph.tied_params}
+    at_gradient = at_weight = charged = 0.0
+    for param, grad in graph.param_grads:
+        g = sol.choice(grad)
+        at_gradient += g.weight * 4 * graph[grad].output.numel / shard_factor(g.outputs[0], sol.mesh_shape)
+        charged += g.weight * g.memory_bytes
+        if param not in aliases:
+            p = sol.choice(param)
+            at_weight += p.weight * 4 * graph[param].output.numel / shard_factor(p.outputs[0], sol.mesh_shape)
+    assert all(sol.choice(p).memory_bytes > 0 for p, _ in graph.param_grads if p not in aliases)
+    assert charged == pytest.approx(at_gradient)
+    assert dict(memory_breakdown(graph, sol))["gradients_bytes"] == pytest.approx(at_gradient)
+    assert at_gradient > 1.05 * at_weight
+    assert not any(graph[c.node].role is Role.GRADIENT and c.memory_bytes == 0 for c in sol.choices)
