@@ -62,7 +62,7 @@ def raw_gradient_state_bytes(numel: float, split: float, precision: Any = None) 
     activations is whole on every tp rank until the step's sync reduce-scatters it:
     codegen/apply.py accumulates `choices[g].outputs[0]`). The gradient part of
     `parameter_state_bytes` with that split, which the ILP charges to the gradient node
-    (cost_model/table.py) except under ZeRO-2."""
+    (cost_model/table.py) unless the step syncs the gradients in its backward."""
     p = precision if precision is not None else policy("fp32")
     return p.raw_gradient_bytes(numel, split)
 

@@ -128,9 +128,11 @@ def strategy_cost(graph: Graph, node: Node, strategy: NodeStrategy, cluster: Clu
     A parameter's memory is its state (memory.py `parameter_state_bytes`: master weight and
     optimizer state in the update placement, compute copy in the compute placement, in the
     dtypes of the plan's precision policy) but its raw gradient, which its gradient node
-    charges (`raw_gradient_state_bytes`) in the placement the backward leaves it in; under ZeRO-2
-    (`grads_at_update`: synced every microbatch, the shards accumulated) the parameter
-    charges it, in the update placement."""
+    charges (`raw_gradient_state_bytes`) in the placement the backward leaves it in, held
+    over the step's microbatches until its sync; where the step syncs the gradients in its
+    backward (`grads_at_update`: one microbatch, or ZeRO-2, whose shards accumulate) the
+    raw ones are freed bucket by bucket and the parameter charges the synced gradient, in
+    the update placement."""
     if node.role is Role.PARAMETER:
         computed, updated = shard_factor(strategy.outputs[0], mesh_shape), shard_factor(
             strategy.update_placements, mesh_shape)
@@ -283,7 +285,8 @@ def cost_table(graph: Graph, space: StrategySpace, cluster: Cluster, *, grads_at
     """Cost of every strategy of every node (nodes with identical structure priced once).
     The solver assembles a plan's Estimate from these costs (solver/spmd_search.py,
     solver/stage_costs.py).
-    `grads_at_update`: gradients accumulate in the weight-update placement (ZeRO-2).
+    `grads_at_update`: the gradients held are the synced ones, in the weight-update placement
+    (synced in the step's backward: one microbatch, or ZeRO-2).
     `memo` (one search's, shared by its solves): each node's row by (node, strategy list
     identity) for this graph, cluster, mesh and `grads_at_update`, so the solves of one
     graph whose spaces share a node's list (the ZeRO layouts of one stage differ in the

@@ -179,26 +179,26 @@ def memory_breakdown(graph: Graph, solution: IntraOpSolution) -> tuple[tuple[str
     """The solution's peak per-device memory by component: the parameters' weights,
     gradients and optimizer state as the ILP charges them (cost_model.parameter_state_bytes
     at each parameter's compute and update placements, a tied alias being its parameter;
-    each raw gradient in its gradient node's placement, `raw_gradient_state_bytes`, but
-    under ZeRO-2), and
-    the rest of the ILP's peak, the live activations and temporaries at that point."""
+    the gradients are what the cost table charged beyond those: each raw gradient at its
+    gradient node's placement, `raw_gradient_state_bytes`, or where the step syncs them in
+    its backward, the synced ones with their parameters), and the rest of the ILP's peak,
+    the live activations and temporaries at that point."""
     aliases = {alias for alias, _ in graph.tied_params}
     mesh = solution.mesh_shape
-    zero2 = solution.grads_each_microbatch
     parts = [0.0, 0.0, 0.0]
     for c in solution.choices:
         node = graph[c.node]
-        if node.role is Role.GRADIENT and not zero2:
-            parts[1] += c.weight * cost_model.raw_gradient_state_bytes(
-                node.output.numel, shard_factor(c.outputs[0], mesh), graph.model.precision)
+        if node.role is Role.GRADIENT:
+            parts[1] += c.weight * c.memory_bytes
         if node.role is not Role.PARAMETER or c.node in aliases:
             continue
         update = c.outputs[0] if c.update is None else c.update
-        state = cost_model.parameter_state_bytes(node.output.numel, shard_factor(c.outputs[0], mesh),
-                                                 shard_factor(update, mesh), grads_at_update=zero2,
-                                                 precision=graph.model.precision)
-        for k in range(3) if zero2 else (0, 2):
-            parts[k] += c.weight * state[k]
+        weights, _, state = cost_model.parameter_state_bytes(node.output.numel, shard_factor(c.outputs[0], mesh),
+                                                             shard_factor(update, mesh),
+                                                             precision=graph.model.precision)
+        parts[0] += c.weight * weights
+        parts[2] += c.weight * state
+        parts[1] += c.weight * max(0.0, c.memory_bytes - weights - state)
     activations = max(0.0, solution.cost.peak_memory_bytes - sum(parts))
     return (("weights_bytes", parts[0]), ("gradients_bytes", parts[1]), ("optimizer_state_bytes", parts[2]),
             ("activations_bytes", activations))

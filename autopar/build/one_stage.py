@@ -129,7 +129,7 @@ def build_spmd_program(model: nn.Module, placed: ProgramPlacements, example: Seq
         (graphs.step, True), (graphs.grad_sync, False), (graphs.param_gather, False)) if gm is not None)
     program = SpmdProgram(config=config, mesh=mesh, model=model, graphs=graphs, graph=graph,
                           optimizer_factory=optimizer, choices=choices, params=params, priced=priced,
-                          grads_at_update=zero2, collective_counts=counted)
+                          grads_at_update=sync_in_step, collective_counts=counted)
     # after the whole parameters were replaced by their shards
     release_build_memory(graphs.step, graphs.grad_sync, graphs.param_gather)
     return program

@@ -81,7 +81,8 @@ def _priced_state_bytes(graph: Graph, choices: Sequence[NodeStrategy], mesh_shap
                         grads_at_update: bool) -> tuple[float, float, float]:
     """SpmdProgram.priced_state_bytes of `graph`'s parameters under `choices`: each raw
     gradient in its gradient node's placement, as the step accumulates it (cost_model
-    `raw_gradient_state_bytes`), but under ZeRO-2, which accumulates the synced shards."""
+    `raw_gradient_state_bytes`), but where the step syncs them in its backward
+    (`grads_at_update`), which holds the synced ones in the update placement."""
     aliases = {alias for alias, _ in graph.tied_params}
     precision = graph.model.precision
     parts = [0.0, 0.0, 0.0]
@@ -127,7 +128,8 @@ class SpmdProgram:
         self.collective_counts = collective_counts
         """The collectives of the graphs this program runs, counted by the build."""
         self.grads_at_update = grads_at_update
-        """ZeRO-2: every microbatch syncs its gradients and the shards accumulate (as priced)."""
+        """The step syncs the gradients in its backward (one microbatch, or ZeRO-2: every
+        microbatch, the shards accumulating): it holds the synced ones, not the raw (as priced)."""
         self.priced = priced
         """What the plan priced per step: {(kind, mesh axis name): (calls, bytes)}."""
         self.mesh = mesh
