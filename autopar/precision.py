@@ -93,9 +93,12 @@ class Precision:
           one: where the policy computes in another dtype than the master's (bf16-mixed), or
           the update placement is split another way than the compute one (ZeRO-1/2: the
           gathered copy);
-        - gradients: the raw gradient accumulated over the microbatches, in the reduction
-          dtype, in the compute placement (in the update placement under ZeRO-2, which syncs
-          every microbatch and accumulates the shards);
+        - gradients: the gradient in the reduction dtype: in the update placement with
+          `grads_at_update` (the step syncs it in its backward: one microbatch, or ZeRO-2,
+          which accumulates the shards), else split as the compute placement is. The cost
+          model charges an accumulated raw gradient at its gradient node's own placement
+          instead (`raw_gradient_bytes`; cost_model/table.py), which this split only
+          approximates: a pending sum over dp is whole whatever the weight's split;
         - optimizer state: AdamW's two moments in the master dtype, in the update placement.
 
         fp32 with both placements whole: 4 + 4 + 8 = 16 bytes per element. bf16-mixed:

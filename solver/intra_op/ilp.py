@@ -322,6 +322,14 @@ def _min_memory_bytes(red: Reduction, terms, forbidden: dict[NodeId, set[int]], 
     return solve_ilp(m.milp, solver, time_limit_s).value(peak) / MEMORY_SCALE
 
 
+def _synced_in_step(num_microbatches: int | None, grads_each_microbatch: bool) -> bool:
+    """Whether the step syncs the gradients in its backward (one microbatch of a one-stage
+    step, or ZeRO-2: autopar/build/one_stage.py `sync_in_step`), so that the gradients it holds
+    are the synced ones in the update placement, not the raw ones accumulated as the
+    backward leaves them (cost_model/table.py strategy_cost)."""
+    return grads_each_microbatch or num_microbatches == 1
+
+
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], *,
                    memory_budget_bytes: float | None = None, solver: str = "highs",
                    time_limit_s: float | None = None, nodes: tuple[NodeId, ...] | None = None,
@@ -361,11 +369,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: tuple[int, ...], 
     mesh_shape = tuple(int(s) for s in mesh_shape)
     space, exchange = _restricted_space(graph, cluster, mesh_shape, space, nodes, keep_placeholder, keep_update,
                                         gather_free_axes if expert_moves else (), gather_free_axes, prune_memo)
-    # the gradients a step holds: synced in the step (one microbatch, or ZeRO-2: autopar/build/
-    # one_stage.py `sync_in_step`), the synced ones in the update placement; else the raw ones
-    # accumulated as the backward leaves them (cost_model/table.py strategy_cost)
-    held_at_update = grads_each_microbatch or num_microbatches == 1
-    table = cost_table(graph, space, cluster, grads_at_update=held_at_update, memo=prune_memo)
+    table = cost_table(graph, space, cluster, grads_at_update=_synced_in_step(num_microbatches, grads_each_microbatch), memo=prune_memo)
     red = reduce_graph(graph, space, table, nodes)
     gloo = runs_gloo(cluster.hardware)
     shared = None if prune_memo is None else prune_memo.setdefault(("reshard prices", table.links, gloo), {})
