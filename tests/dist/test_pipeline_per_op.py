@@ -166,14 +166,15 @@ def test_mismatched_stage_placements_refused_before_any_rank_starts(pp2_plan, tm
 
 def test_search_records_stage_placements_and_emits_each_chunk(tmp_path, capsys):
     """`autopar search --min-pp 2 --out --emit` under a tight memory budget (a pp2 x dp2
-    ZeRO-3 plan under bf16-mixed here): the plan file carries each chunk's placements and the
-    emitted source is each chunk's per-rank forward/backward graphs."""
+    ZeRO-2 plan under bf16-mixed here: ZeRO-3 would hold the raw gradients whole over the
+    microbatches, ZeRO-2 accumulates their shards): the plan file carries each chunk's
+    placements and the emitted source is each chunk's per-rank forward/backward graphs."""
     from autopar import cli
     from autopar.plan import Plan
 
     model = "llama:layers=4,hidden=256,heads=4,kv_heads=2,ffn=512,vocab=256,seq=16"
     out, emitted = tmp_path / "plan.json", tmp_path / "emit"
-    assert cli.main(["search", model, "--cluster", "a100-80gb:4x1", "--global-batch", "8", "--memory-gb", "0.012",
+    assert cli.main(["search", model, "--cluster", "a100-80gb:4x1", "--global-batch", "8", "--memory-gb", "0.014",
                      "--min-pp", "2", "--top", "1", "--out", str(out), "--emit", str(emitted)]) == 0
     capsys.readouterr()
     plan = Plan.load(out)
