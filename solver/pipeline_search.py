@@ -192,9 +192,9 @@ class _Search:
         """The reference traces the bounds scale, and the one-stage and pipeline candidates."""
         trace_at, cluster, config, graphs = self.trace_at, self.cluster, self.config, self.graphs
         global_batch, fixed, min_pp, model = config.global_batch, config.fixed, config.min_pp, config.model
-        # every microbatch per mesh, largest first: the first `microbatch_choices` that pass the
-        # memory bound are solved (vs_hand_tuned.py found the three largest all over memory while
-        # a smaller one fit and won)
+        # every microbatch per mesh, largest first: those that pass the memory bound are queued
+        # (at most `microbatch_choices` where set; vs_hand_tuned.py found the largest few over
+        # memory, or fitting only under heavier layouts, while a smaller one fit and won)
         # the bounds scale one reference trace and the line to its double (stage_costs
         # lower_bound_s, memory_lower_bound_bytes: linear in the rows, so any reference
         # serves): half the global batch, so that the pair is the two largest one-stage
@@ -265,7 +265,7 @@ class _Search:
                                                      else "none"]
         for i, c in enumerate(replace(c, recompute=rc) for c in spmd for rc in policies):
             key = (c.mesh, c.recompute)
-            if kept_per_mesh.get(key, 0) >= self.config.microbatch_choices:
+            if self.config.microbatch_choices is not None and kept_per_mesh.get(key, 0) >= self.config.microbatch_choices:
                 continue  # smaller microbatches than enough fitting ones: only memory to gain
             if fixed is None and memory_lower_bound_bytes(refs[c.recompute], n, c.microbatch / ref_g,
                                                           self.doubled.get(c.recompute)) \
