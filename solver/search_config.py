@@ -84,6 +84,7 @@ class SearchConfig:
     what it allows."""
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1 or self.top < 1 or (self.microbatch_choices or 1) < 1 or self.min_pp < 1:
+        if self.global_batch < 1 or self.top < 1 or self.min_pp < 1 or (self.microbatch_choices is not None
+                                                                    and self.microbatch_choices < 1):
             raise ValueError(f"a search needs global_batch, top, microbatch_choices and min_pp of at least 1; "
                              f"got {self.global_batch}, {self.top}, {self.microbatch_choices} and {self.min_pp}")
