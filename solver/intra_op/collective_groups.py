@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.buckets import gradient_bucket_key, plan_buckets
+from autopar.buckets import LayerBucket, gradient_bucket_key, plan_buckets
 from autopar.ir import Graph, NodeId
 from autopar.placement import Placements
 from autopar.sharding import PricedCollective
@@ -29,14 +29,20 @@ def expected_bucket_bytes(graph: Graph) -> dict[NodeId, tuple[float, float]]:
     """Per gradient: the bytes of the bucket it is expected to travel in, as an all-reduce
     and as a reduce-scatter: the buckets autopar/buckets.py forms (the same items and order
     as `gradient_sync_collectives`: all-reduces fill DDP-sized buckets over the whole
-    model, reduce-scatters one bucket per layer) if every gradient is synced the same way.
+    model, reduce-scatters one uncapped bucket per layer of the stack and DDP-sized ones
+    outside it) if every gradient is synced the same way.
     What the ILP's objective charges a gradient's share of a bucket's latency against,
     before the placements (and so the real buckets) are known; where every gradient does
     sync one way (a 1-D data-parallel mesh, say) it is the real bucket. A small model's
     gradients fill one bucket, which still runs one collective."""
     grads = [g for _p, g in graph.param_grads]
     expected: dict[NodeId, list[float]] = {g: [0.0, 0.0] for g in grads}
-    for k, (key_of, weighted) in enumerate(((lambda g: "all", True), (lambda g: ("layer", graph[g].layer), False))):
+
+    def per_layer(g: NodeId) -> Any:  # gradient_bucket_key's: a layer's bucket is uncapped
+        layer = graph[g].layer
+        return ("reduce_scatter", None) if layer is None else LayerBucket(("reduce_scatter",), layer)
+
+    for k, (key_of, weighted) in enumerate(((lambda g: "all", True), (per_layer, False))):
         items = [(key_of(g), graph.grad_meta(g).size_bytes * (graph.weight(g) if weighted else 1.0)) for g in grads]
         for bucket in plan_buckets(items):
             size = sum(items[i][1] for i in bucket)
