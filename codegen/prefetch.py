@@ -10,8 +10,8 @@ Why: in the recorded graph every functional collective is followed at once by it
 weight group where its first consumer runs), so a weight's all-gather blocks the compute
 that needs it. A collective of weights alone (its inputs computed from parameters only)
 can start earlier: this pass issues each one as soon as the weights' collective before
-it has been waited, within its phase (the backward's first stays at its use), together
-with the copies that pack its input. It then runs on NCCL's stream (or gloo's threads)
+it has been waited and copied out of its flat buffer, within its phase (the backward's
+first stays at its use), together with the copies that pack its input. It then runs on NCCL's stream (or gloo's threads)
 beside the compute between that wait and its own, which stays where it was: the one-deep
 prefetch of FSDP, which issues the next unit's all-gather as the current unit's compute
 starts (Zhao et al., "PyTorch FSDP", arXiv 2304.11277, Sec. 3.4 "forward/backward
@@ -25,6 +25,7 @@ solver/intra_op/overlap_rows.py).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from torch import fx
@@ -58,11 +59,46 @@ def weights_only(gm: fx.GraphModule, weights: set[str]) -> set[fx.Node]:
     return out
 
 
+def _aliases(node: fx.Node) -> bool:
+    """Whether `node`'s result shares its input's storage: an ATen op whose schema says its
+    output aliases an input (view, slice, reshape as a view, ...) or an item of one's tuple."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+
+
+def _copied_out(waits: list[fx.Node], derived: set[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
+    """The node after which the gathered buffer of a weights' collective is no longer read
+    by the weights' own nodes: the last of its waits, the views of their results and the
+    weights-alone nodes reading those (the copies out of the flat buffer into each weight,
+    codegen/apply.py `_Interpreter._gather`). The buffer is freed there, unless compute
+    reads a view of it directly."""
+    last = min(waits, key=order.__getitem__)
+    seen, stack = set(), list(waits)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if _aliases(u):
+                stack.append(u)
+            if u in derived and order[u] > order[last]:
+                last = u
+    return last
+
+
 def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str], backward: fx.Node | None = None) -> int:
     """Move each collective of weights alone (`weights`: the parameters' placeholder names)
-    but the first to just after the first wait of the one before it, with the nodes of
-    weights alone it needs that come after that wait (in their order); returns the number
-    moved. A collective already issued before that wait stays, and so does the backward's
+    but the first to just after the one before it has been waited and its gathered buffer
+    copied out into the weights (`_copied_out`), with the nodes of weights alone it needs
+    that come after that point (in their order); returns the number moved. Issued before
+    the copies, the next group's buffer was live beside this one's and its copies: one
+    group's gathered bytes more at the step's peak (2.25 MiB of a 4-layer Llama's fsdp4
+    rank, a layer's weights). A collective already issued before that wait stays, and so does the backward's
     first (`backward`: the backward's first node): each phase's first collective runs where
     its phase needs it, as the price charges it (nothing of its phase before it to hide it),
     and the backward's first weights are not gathered while the forward's last are live."""
@@ -74,7 +110,7 @@ def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str], backward:
         if not waits:
             continue
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        anchor = min(waits, key=order.__getitem__)
+        anchor = _copied_out(waits, derived, order)
         if order[node] < order[anchor] or (backward is not None and order[anchor] < order[backward] <= order[node]):
             continue
         needed: set[fx.Node] = set()

@@ -2,8 +2,8 @@
 (solver/intra_op/overlap_rows.py, cost_model `hidden_comm_s`).
 
 The program: in a ZeRO-3 plan's step graph every weight all-gather but each phase's first
-is issued right after the wait of the one before it, ahead of the compute that runs
-before its own wait; the graph computes the same values with the same collectives.
+is issued right after the one before it is waited and copied out of its flat buffer,
+ahead of the compute that runs before its own wait; the graph computes the same values with the same collectives.
 The price: on hardware that overlaps (comm_overlap 1), a one-stage solve takes
 min(hideable, rho W) per phase off, in the ILP's objective and the solution's price alike;
 the built-in cpu profile hides nothing (comm_overlap 0, measured)."""
@@ -67,6 +67,18 @@ def _weight_collectives(program):
     return nodes, [n for n in nodes if _is_collective(n) and n in derived]
 
 
+def _buffer_reads(wait) -> list:
+    """The nodes that read a gathered flat buffer: past the views the interpreter takes of
+    it (rows, their slices), the copies out into each weight."""
+    views = ("aten.view.default", "aten.select.int", "aten.slice.Tensor")
+    reads, stack = [], [wait]
+    while stack:
+        for u in stack.pop().users:
+            (stack if str(u.target) in views else reads).append(u)
+    assert reads and all(str(r.target) == "aten.cat.default" for r in reads), reads
+    return reads
+
+
 def test_zero3_program_issues_each_weight_gather_after_the_previous_wait():
     program = _program(ParallelConfig(dp=4, zero=3, micro_batch=1))
     before = count_collectives(program.step)
@@ -93,6 +105,9 @@ def test_zero3_program_issues_each_weight_gather_after_the_previous_wait():
         if later is gathers[len(forward)]:
             assert position[later] > position[backward]
             continue
+        # and after the earlier group's gathered buffer is copied out into its weights: the two
+        # groups' flat buffers are never live together
+        assert max(position[r] for r in _buffer_reads(first_wait[earlier])) < position[later]
         between = nodes[position[first_wait[earlier]] + 1:position[later]]
         assert all(n in weights_only(program.step, {p.name for p in nodes if p.op == "placeholder"}) for n in between)
     # compute runs between issue and wait for the prefetched gathers
