@@ -76,6 +76,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.measure_cpu import _mem_kib, _reset_peak, _timed, return_freed_memory_to_os  # noqa: E402
 from benchmarks.baselines.torchtitan_baseline import TitanConfig, TitanShape  # noqa: E402
+from benchmarks.lib.tensor_memory import live_tensor_bytes, step_peak_bytes  # noqa: E402
 
 SHAPE = TitanShape(layers=4, dim=256, heads=4, kv_heads=2, ffn=512, vocab=1024, seq=64, fuse_qkv=False)
 """The model of measure_cpu.py (4 layers, hidden 256, GQA 4/2 heads, SwiGLU 512, vocab 1024),
@@ -229,7 +230,11 @@ def memory_worker(rank: int, world_cases: list[Case]) -> dict[str, Any]:
             _reset_peak()  # the steps' own peak from here (VmHWM restarts at the current size)
             losses = [step(b) for b in batches]
             steps_kib = _mem_kib("VmHWM") - rss0
+            gc.collect()
+            held = live_tensor_bytes()  # then one more step, profiled: the tensors' own peak
+            tensor_peak = held + step_peak_bytes(functools.partial(step, batches[0]))
             out[case.label][kind] = {"losses": losses, "peak_rss_delta_bytes": max(build_kib, steps_kib) * 1024,
+                                     "tensor_peak_bytes": tensor_peak,
                                      "build_peak_rss_delta_bytes": build_kib * 1024,
                                      "steps_peak_rss_delta_bytes": steps_kib * 1024,
                                      "config": config.to_json() if config is not None else None,
@@ -407,6 +412,7 @@ def run_world(world: int, world_cases: list[Case], reference: list[float], round
                 "losses": rec["losses"], "config": rec["config"],
                 **{f"{phase}peak_rss_delta_bytes": max(m[case.label][kind][f"{phase}peak_rss_delta_bytes"] for m in memory)
                    for phase in ("", "build_", "steps_")},
+                "tensor_peak_bytes": max(m[case.label][kind]["tensor_peak_bytes"] for m in memory),
                 "compile_s": max(m[case.label][kind]["compile_s"] for m in memory),
             }
     return out
@@ -435,11 +441,13 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
             "autopar_peak_rss_delta_bytes": a["peak_rss_delta_bytes"],
             "autopar_build_peak_rss_delta_bytes": a["build_peak_rss_delta_bytes"],
             "autopar_steps_peak_rss_delta_bytes": a["steps_peak_rss_delta_bytes"],
+            "autopar_tensor_peak_bytes": a["tensor_peak_bytes"],
             "titan_step_time_s": t["step_time_s"] if t else None, "titan_step_times_s": t["step_times_s"] if t else None,
             "titan_tokens_per_s": tokens / t["step_time_s"] if t else None, "titan_losses": t["losses"] if t else None,
             "titan_peak_rss_delta_bytes": t["peak_rss_delta_bytes"] if t else None,
             "titan_build_peak_rss_delta_bytes": t["build_peak_rss_delta_bytes"] if t else None,
             "titan_steps_peak_rss_delta_bytes": t["steps_peak_rss_delta_bytes"] if t else None,
+            "titan_tensor_peak_bytes": t["tensor_peak_bytes"] if t else None,
             **(_ratio_stats(t["step_times_s"], a["step_times_s"]) if t else {"ratio": None}),
         })
         c = measured[case.label].get("compiled")
@@ -464,6 +472,7 @@ def rows_of(world_cases: list[Case], measured: dict[str, Any]) -> list[dict[str,
                 r["titan_tokens_per_s"] = best["titan_tokens_per_s"]
                 for phase in ("", "build_", "steps_"):
                     r[f"titan_{phase}peak_rss_delta_bytes"] = best[f"titan_{phase}peak_rss_delta_bytes"]
+                r["titan_tensor_peak_bytes"] = best["titan_tensor_peak_bytes"]
     return rows
 
 
@@ -498,6 +507,13 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"peak memory per rank, autopar / torchtitan, over {len(memory)} shared configurations: "
                        f"min {min(memory):.2f}, median {statistics.median(memory):.2f}, max {max(memory):.2f}; "
                        f"within 1.1x on {within} of {len(memory)}")
+        tensors = [r["autopar_tensor_peak_bytes"] / r["titan_tensor_peak_bytes"] for r in shared
+                   if r.get("titan_tensor_peak_bytes")]
+        if tensors:
+            within = sum(m <= 1.1 for m in tensors)
+            out.append(f"peak live tensor bytes per rank, autopar / torchtitan, over {len(tensors)} shared "
+                       f"configurations: min {min(tensors):.2f}, median {statistics.median(tensors):.2f}, "
+                       f"max {max(tensors):.2f}; within 1.1x on {within} of {len(tensors)}")
     tt = [r for r in rows if r["titan"] is not None and r["autopar_model"] != "zoo Llama"]
     if tt:
         out.append("autopar compiling torchtitan's module itself / torchtitan: "
@@ -542,13 +558,15 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
         "autopar/torchtitan = median over rounds of t_torchtitan / t_autopar (> 1: autopar faster). Memory: peak "
         "RSS growth per rank over its size before the build, each program alone, max over ranks: the whole run's "
         "(MiB/rank), and apart the build's and the steps' (build / steps, autopar then torchtitan; the steps' "
-        "peak counts what the build left resident). The machine has 2 cores shared with other "
+        "peak counts what the build left resident); tensors: the peak of the bytes live tensors hold in one "
+        "more step, per rank, max over ranks (benchmarks/lib/tensor_memory.py: the figure that device memory "
+        "holds on a GPU, without the Python heap and the allocator's arenas). The machine has 2 cores shared with other "
         "users: ratios are the figure to read; absolute times move with the load.",
         "",
         "| configuration (torchtitan) | procs | autopar runs | autopar config | autopar tok/s | torchtitan tok/s | "
         "autopar/torchtitan (quartiles) | autopar MiB/rank | torchtitan MiB/rank | build A / T | steps A / T | "
-        "first loss A | first loss T |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tensors A / T | first loss A | first loss T |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
         label = r["label"] if r["titan"] is not None else f"{r['label']} vs fastest ({r['vs_best_titan']})"
@@ -561,7 +579,9 @@ def write_markdown(out: dict[str, Any], path: Path, extra: list[str]) -> None:
             f"{f(r.get('autopar_build_peak_rss_delta_bytes'), '.0f', 2**-20)} / "
             f"{f(r.get('titan_build_peak_rss_delta_bytes'), '.0f', 2**-20)} | "
             f"{f(r.get('autopar_steps_peak_rss_delta_bytes'), '.0f', 2**-20)} / "
-            f"{f(r.get('titan_steps_peak_rss_delta_bytes'), '.0f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
+            f"{f(r.get('titan_steps_peak_rss_delta_bytes'), '.0f', 2**-20)} | "
+            f"{f(r.get('autopar_tensor_peak_bytes'), '.1f', 2**-20)} / "
+            f"{f(r.get('titan_tensor_peak_bytes'), '.1f', 2**-20)} | {f(r['autopar_losses'][0], '.5f')} | "
             f"{f(r['titan_losses'][0] if r['titan_losses'] else None, '.5f')} |")
     fused = [r for r in out["rows"] if r.get("compiled_speedup") is not None]
     if fused:
