@@ -11,10 +11,10 @@ weight group where its first consumer runs), so a weight's all-gather blocks the
 that needs it. A collective of weights alone (its inputs computed from parameters only)
 can start earlier: this pass issues each one as soon as the weights' collective before
 it has been waited and copied out of its flat buffer, within its phase (the backward's
-first stays at its use), together with the copies that pack its input. It then runs on NCCL's stream (or gloo's threads)
-beside the compute between that wait and its own, which stays where it was: the one-deep
-prefetch of FSDP, which issues the next unit's all-gather as the current unit's compute
-starts (Zhao et al., "PyTorch FSDP", arXiv 2304.11277, Sec. 3.4 "forward/backward
+first stays at its use), together with the copies that pack its input. It then runs on
+NCCL's stream (or gloo's threads) beside the compute between that wait and its own,
+which stays where it was: the one-deep prefetch of FSDP, which issues the next unit's
+all-gather as the current unit's compute starts (Zhao et al., "PyTorch FSDP", arXiv 2304.11277, Sec. 3.4 "forward/backward
 prefetching"). One collective in flight at a time keeps the extra memory to one group's
 gathered weights.
 
@@ -98,8 +98,8 @@ def prefetch_weight_collectives(gm: fx.GraphModule, weights: set[str], backward:
     that come after that point (in their order); returns the number moved. Issued before
     the copies, the next group's buffer was live beside this one's and its copies: one
     group's gathered bytes more at the step's peak (2.25 MiB of a 4-layer Llama's fsdp4
-    rank, a layer's weights). A collective already issued before that wait stays, and so does the backward's
-    first (`backward`: the backward's first node): each phase's first collective runs where
+    rank, a layer's weights). A collective already issued before that wait stays, and so
+    does the backward's first (`backward`: the backward's first node): each phase's first collective runs where
     its phase needs it, as the price charges it (nothing of its phase before it to hide it),
     and the backward's first weights are not gathered while the forward's last are live."""
     derived = weights_only(gm, weights)

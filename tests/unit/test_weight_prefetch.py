@@ -3,7 +3,8 @@
 
 The program: in a ZeRO-3 plan's step graph every weight all-gather but each phase's first
 is issued right after the one before it is waited and copied out of its flat buffer,
-ahead of the compute that runs before its own wait; the graph computes the same values with the same collectives.
+ahead of the compute that runs before its own wait; the graph computes the same values
+with the same collectives.
 The price: on hardware that overlaps (comm_overlap 1), a one-stage solve takes
 min(hideable, rho W) per phase off, in the ILP's objective and the solution's price alike;
 the built-in cpu profile hides nothing (comm_overlap 0, measured)."""
